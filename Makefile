@@ -1,0 +1,41 @@
+# The habits. Every target that runs code first makes sure the environment is set up.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam clean
+
+setup:
+	@bash scripts/bootstrap.sh
+
+build: setup
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check offloadpp tests scripts examples bench
+	$(PY) -m ruff format --check offloadpp tests scripts examples bench
+
+format: setup
+	$(PY) -m ruff format offloadpp tests scripts examples bench
+	$(PY) -m ruff check --fix offloadpp tests scripts examples bench
+
+# The main job (until the fine-tuning demo exists): check the machine, then measure the I/O engine.
+demo: setup
+	$(PY) -m offloadpp doctor --dir runs/nvme
+	$(PY) -m offloadpp bench io --dir runs/nvme --size-mb 1024
+
+doctor: setup
+	$(PY) -m offloadpp doctor --dir runs/nvme
+
+bench: bench-io bench-adam
+
+bench-io: setup
+	$(PY) -m offloadpp bench io --dir runs/nvme --size-mb 1024
+
+bench-adam: setup
+	$(PY) -m offloadpp bench adam --params 100M
+
+clean:
+	rm -rf build *.egg-info offloadpp/_C*.so runs

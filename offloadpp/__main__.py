@@ -1,0 +1,3 @@
+from offloadpp.cli import main
+
+raise SystemExit(main())
