@@ -1,7 +1,8 @@
-"""The `offloadpp` command: doctor, bench io|adam|..., and later profile, plan, demo.
+"""The `offloadpp` command: doctor, bench io|adam|step|capacity|ab, and the tools that come later.
 
-Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
-this file only wires them up, importing a module when its command runs so `--help` stays fast.
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
+Only the module of the command being run is imported: `--help` stays fast, and one broken
+benchmark cannot take the others down.
 """
 
 from __future__ import annotations
@@ -17,30 +18,37 @@ COMMANDS = {
 BENCHES = {
     "io": ("offloadpp.bench.io", "SSD read/write GB/s: offloadpp vs fio vs DeepSpeed aio"),
     "adam": ("offloadpp.bench.adam", "CPU Adam step: offloadpp vs DeepSpeedCPUAdam vs torch fused AdamW"),
+    "step": ("offloadpp.bench.step", "training step with state on SSD vs plain torch in memory"),
+    "capacity": ("offloadpp.bench.capacity", "a model whose training state exceeds RAM, peak RSS measured"),
+    "ab": ("offloadpp.bench.ab", "the same model under ZeRO-Infinity and offloadpp, side by side"),
 }
 
 
-def _add(sub, name: str, module: str, help_: str) -> None:
+def _add(sub, name: str, module: str, help_: str, load: bool) -> None:
     p = sub.add_parser(name, help=help_, description=help_)
-    mod = importlib.import_module(module)
-    mod.add_arguments(p)
-    p.set_defaults(_run=mod.run)
+    if load:
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser, with the arguments of the one command named in argv loaded."""
+    words = [a for a in argv if not a.startswith("-")]
     parser = argparse.ArgumentParser(prog="offloadpp", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in COMMANDS.items():
-        _add(sub, name, module, help_)
+        _add(sub, name, module, help_, load=words[:1] == [name])
     bench = sub.add_parser("bench", help="benchmarks (medians of repeats, peers measured in the same run)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, (module, help_) in BENCHES.items():
-        _add(bench_sub, name, module, help_)
+        _add(bench_sub, name, module, help_, load=words[:2] == ["bench", name])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(args._run(args) or 0)
 
 

@@ -1,0 +1,545 @@
+"""TensorStore: tensors put and got by key, in swap files over one or more directories.
+
+Each key owns one file per directory it is spread over (a "part"): small tensors go whole to
+the directory holding the fewest bytes, tensors of at least IOConfig.stripe_min_bytes are cut
+into block-aligned parts, one per directory, so a get reads from every SSD at once. Files stay
+open and are overwritten in place by the next put of the same key (about twice as fast as
+writing a fresh file). See format.py for the file layout and the write order that keeps a
+failed put from ever reading as valid.
+
+Hot path: an aligned, contiguous CPU tensor goes to disk with no copy; only a tail shorter than
+4096 bytes passes through a one-block buffer. Anything else (unaligned, strided, on a GPU)
+passes through a reused aligned bounce buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import hashlib
+import itertools
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from offloadpp import _C
+
+from . import format as fmt
+from .buffers import ALIGNMENT, BounceCache, HeaderBuffers, align_up, aligned_empty, is_direct_capable
+from .config import IOConfig
+from .engine import make_engine
+from .errors import EINVAL, EIO, SwapIOError, swap_error
+from .future import IOFuture
+
+SUFFIX = ".oswp"
+H = fmt.HEADER_BYTES
+
+
+@dataclass(frozen=True)
+class IOStats:
+    """Cumulative payload bytes and busy wall time (at least one op outstanding) per direction."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+    def __sub__(self, other: IOStats) -> IOStats:
+        return IOStats(
+            self.bytes_read - other.bytes_read,
+            self.bytes_written - other.bytes_written,
+            self.read_seconds - other.read_seconds,
+            self.write_seconds - other.write_seconds,
+        )
+
+
+@dataclass
+class _Part:
+    index: int
+    dir_index: int
+    path: str
+    offset: int  # byte offset of this part inside the tensor
+    nbytes: int
+    file: Optional[_C.File] = None
+
+
+@dataclass
+class _Entry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    generation: int
+    parts: list[_Part]
+    pending: list[IOFuture] = field(default_factory=list)
+
+    def header(self, p: _Part, **kw) -> fmt.Header:
+        return fmt.Header(
+            key=self.key,
+            dtype=self.dtype,
+            shape=self.shape,
+            generation=self.generation,
+            total_nbytes=self.nbytes,
+            part_offset=p.offset,
+            part_nbytes=p.nbytes,
+            part_index=p.index,
+            part_count=len(self.parts),
+            **kw,
+        )
+
+
+def _drain(handles: list) -> None:
+    """Waits out already-submitted I/O before its buffers are given back (errors are moot here:
+    the caller is raising another one)."""
+    for h in handles:
+        try:
+            h.wait()
+        except OSError:
+            pass
+
+
+def _file_stem(key: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:80]
+    return f"{safe}.{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+class TensorStore:
+    """Keyed tensors in swap files over `dirs`. See the module docstring."""
+
+    def __init__(
+        self,
+        dirs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
+        config: Optional[IOConfig] = None,
+        create: bool = True,
+    ):
+        if isinstance(dirs, (str, os.PathLike)):
+            dirs = [dirs]
+        self.dirs = [os.path.abspath(os.fspath(d)) for d in dirs]
+        if not self.dirs or len(set(self.dirs)) != len(self.dirs):
+            raise swap_error(EINVAL, f"opening a TensorStore over {self.dirs} (need distinct directories)")
+        self.config = config if config is not None else IOConfig()
+        for d in self.dirs:
+            if create:
+                try:
+                    os.makedirs(d, exist_ok=True)
+                except OSError as e:
+                    raise swap_error(e.errno or _errno.EIO, "creating swap directory", d) from None
+            elif not os.path.isdir(d):
+                raise swap_error(_errno.ENOENT, "opening swap directory", d)
+        self._lock = threading.RLock()
+        self._clock = _C.BusyClock()
+        self._engines: list[_C.Engine] = []
+        try:
+            for d in self.dirs:
+                self._engines.append(make_engine(self.config, d, self._clock))
+        except BaseException:
+            for e in self._engines:
+                e.close()
+            raise
+        self.backends = [e.backend for e in self._engines]
+        self._headers = HeaderBuffers()
+        self._bounce = BounceCache(self.config.bounce_cache_bytes, self.config.pin)
+        self._index: dict[str, _Entry] = {}
+        self._dir_bytes = [0] * len(self.dirs)
+        self._pending: dict[int, IOFuture] = {}
+        self._since_prune = 0
+        self._closed = False
+        self._gen = itertools.count(self._scan() + 1)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def put(self, key: str, tensor: torch.Tensor) -> IOFuture:
+        """Starts writing `tensor` under `key`; it must stay alive and unchanged until the future
+        completes. A put to a key waits for that key's in-flight operations first."""
+        self._check_open()
+        self._check_key(key)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"put({key!r}, ...) needs a torch.Tensor, got {type(tensor).__name__}")
+        t = tensor.detach()
+        dname = fmt.dtype_name(t.dtype)
+        nbytes = t.numel() * t.element_size()
+        self._wait_key(key, writes_only=False)
+        with self._lock:
+            prev = self._index.get(key)
+            entry = self._place(key, dname, tuple(t.shape), nbytes)
+            entry.generation = next(self._gen)
+            parts = list(entry.parts)
+        held: list = []  # buffers to give back when the future settles
+        handles: list = []
+        bounce: Optional[torch.Tensor] = None
+        try:
+            if is_direct_capable(t):
+                src, bounce = t.data_ptr(), None
+            else:
+                bounce = self._bounce.acquire(align_up(nbytes))
+                bounce[:nbytes].view(t.dtype).view(t.shape).copy_(t)
+                src = bounce.data_ptr()
+            chains: dict[int, list] = {}
+            for p in parts:
+                f = self._file(p, create=True)
+                need = H + align_up(p.nbytes)
+                size = f.size()
+                if size < need:
+                    f.allocate(need)  # ENOSPC here, before any byte of the old file is touched
+                elif size > need:
+                    f.truncate(need)
+                checksum = _C.crc32c(src + p.offset, p.nbytes) if self.config.checksum else 0
+                stages = []
+                if size > 0:  # an old header may read as valid: mark it incomplete first
+                    stages.append([self._header_req(entry.header(p, complete=False), f, held, write=True)])
+                payload = []
+                if bounce is not None:
+                    payload.append((True, f, src + p.offset, align_up(p.nbytes), H, 0))
+                else:
+                    body = p.nbytes // ALIGNMENT * ALIGNMENT
+                    if body:
+                        payload.append((True, f, src + p.offset, body, H, 0))
+                    if p.nbytes > body:
+                        tail = self._headers.acquire()
+                        held.append(tail)
+                        ctypes.memmove(tail.ptr, src + p.offset + body, p.nbytes - body)
+                        ctypes.memset(tail.ptr + p.nbytes - body, 0, ALIGNMENT - (p.nbytes - body))
+                        payload.append((True, f, tail.ptr, ALIGNMENT, H + body, 0))
+                if payload:
+                    stages.append(payload)
+                final = entry.header(p, complete=True, checksum=checksum, has_checksum=self.config.checksum)
+                stages.append([self._header_req(final, f, held, write=True)])
+                chains.setdefault(p.dir_index, []).append((p.nbytes, stages))
+            for d, cs in chains.items():
+                handles.append(self._engines[d].submit([s for _, s in cs], True, sum(n for n, _ in cs)))
+        except BaseException:
+            _drain(handles)
+            self._give_back(held, bounce)
+            if entry is not prev:  # nothing was submitted: forget the new layout and its files
+                with self._lock:
+                    if self._index.get(key) is entry:
+                        del self._index[key]
+                        self._drop_files(entry)
+            raise
+        release = lambda: self._give_back(held, bounce)  # noqa: E731
+        return self._track(
+            entry, IOFuture("put", key, nbytes, handles, None, release, nbytes, self._retire), t
+        )
+
+    def get(self, key: str, out: Optional[torch.Tensor] = None) -> IOFuture:
+        """Starts reading `key` into `out` (same dtype and numel as stored; None allocates an
+        aligned tensor of the stored shape). result() returns the tensor."""
+        self._check_open()
+        with self._lock:
+            if key not in self._index:
+                raise KeyError(key)
+        self._wait_key(key, writes_only=True)
+        with self._lock:
+            entry = self._index[key]
+            snap = _Entry(
+                entry.key, entry.dtype, entry.shape, entry.nbytes, entry.generation, list(entry.parts)
+            )
+        dtype = fmt.dtype_from_name(snap.dtype)
+        numel = snap.nbytes // dtype.itemsize
+        if out is None:
+            out = aligned_empty(snap.shape, dtype, self.config.pin)
+        elif not isinstance(out, torch.Tensor):
+            raise TypeError(f"get({key!r}, out=...) needs a torch.Tensor, got {type(out).__name__}")
+        elif out.dtype != dtype or out.numel() != numel:
+            raise swap_error(
+                EINVAL,
+                f"get({key!r}) into a {out.dtype} tensor of {out.numel()} elements "
+                f"(stored: {dtype} x {numel}, shape {list(snap.shape)})",
+            )
+        held: list = []
+        handles: list = []
+        bounce = None
+        try:
+            direct = is_direct_capable(out)
+            if direct:
+                dst = out.data_ptr()
+            else:
+                bounce = self._bounce.acquire(align_up(snap.nbytes))
+                dst = bounce.data_ptr()
+            chains: dict[int, list] = {}
+            checks = []  # (part, header buffer, tail buffer or None, body bytes)
+            for p in snap.parts:
+                f = self._file(p, create=False)
+                need = H + align_up(p.nbytes)
+                size = f.size()
+                if size < need:
+                    raise swap_error(
+                        EIO,
+                        f"reading key {key!r} (truncated file: {size} bytes, expected {need})",
+                        p.path,
+                        size,
+                    )
+                hb = self._headers.acquire()
+                held.append(hb)
+                reqs = [(False, f, hb.ptr, H, 0, H)]
+                tail, body = None, p.nbytes
+                if direct:
+                    body = p.nbytes // ALIGNMENT * ALIGNMENT
+                    if body:
+                        reqs.append((False, f, dst + p.offset, body, H, body))
+                    if p.nbytes > body:
+                        tail = self._headers.acquire()
+                        held.append(tail)
+                        reqs.append((False, f, tail.ptr, ALIGNMENT, H + body, ALIGNMENT))
+                elif p.nbytes:
+                    n = align_up(p.nbytes)
+                    reqs.append((False, f, dst + p.offset, n, H, n))
+                checks.append((p, hb, tail, body))
+                chains.setdefault(p.dir_index, []).append((p.nbytes, [reqs]))
+            for d, cs in chains.items():
+                handles.append(self._engines[d].submit([s for _, s in cs], False, sum(n for n, _ in cs)))
+        except BaseException:
+            _drain(handles)
+            self._give_back(held, bounce)
+            raise
+
+        def finish() -> None:
+            for p, hb, tail, body in checks:
+                fmt.check(fmt.unpack(memoryview(hb), p.path), snap.header(p), p.path)
+                if tail is not None:
+                    ctypes.memmove(dst + p.offset + body, tail.ptr, p.nbytes - body)
+            for p, hb, _, _ in checks:
+                h = fmt.unpack(memoryview(hb), p.path)
+                if h.has_checksum and _C.crc32c(dst + p.offset, p.nbytes) != h.checksum:
+                    raise swap_error(
+                        fmt.EBADMSG, f"reading key {key!r} (payload checksum mismatch)", p.path, H
+                    )
+            if bounce is not None:
+                out.copy_(bounce[: snap.nbytes].view(dtype).view(out.shape))
+
+        release = lambda: self._give_back(held, bounce)  # noqa: E731
+        fut = IOFuture("get", key, snap.nbytes, handles, finish, release, out, self._retire)
+        with self._lock:
+            live = self._index.get(key)
+        return self._track(live if live is not None else snap, fut, out)
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._index
+
+    __contains__ = contains
+
+    def nbytes(self, key: str) -> int:
+        with self._lock:
+            return self._index[key].nbytes
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._index)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def delete(self, key: str) -> None:
+        """Waits for the key's in-flight operations, then removes its files."""
+        self._check_open()
+        with self._lock:
+            if key not in self._index:
+                raise KeyError(key)
+        self._wait_key(key, writes_only=False)
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._drop_files(entry)
+
+    def wait_all(self) -> None:
+        """Waits for every outstanding put and get; raises the first error after all finished."""
+        with self._lock:
+            futures = list(self._pending.values())
+        first: Optional[BaseException] = None
+        for f in futures:
+            try:
+                f.wait()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                first = first or e
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait_all()
+        finally:
+            self._closed = True
+            for e in self._engines:
+                e.close()
+            with self._lock:
+                for entry in self._index.values():
+                    for p in entry.parts:
+                        p.file = None
+            self._bounce.clear()
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def disk_bytes(self) -> int:
+        """Bytes the store's files occupy (their sizes: headers, payloads, padding)."""
+        total = 0
+        with self._lock:
+            paths = [p.path for e in self._index.values() for p in e.parts]
+        for path in paths:
+            try:
+                total += os.stat(path).st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    @property
+    def stats(self) -> IOStats:
+        r = w = 0
+        for e in self._engines:
+            s = e.stats()
+            r += s["bytes_read"]
+            w += s["bytes_written"]
+        return IOStats(r, w, self._clock.read_seconds, self._clock.write_seconds)
+
+    def __repr__(self) -> str:
+        return f"<TensorStore {len(self)} keys over {self.dirs} via {self.backends}>"
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise swap_error(_errno.EBADF, "using a closed TensorStore", ", ".join(self.dirs))
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not key or len(key.encode()) > fmt.MAX_KEY_BYTES:
+            raise swap_error(
+                EINVAL, f"put with key {key!r} (need a non-empty str of at most 1024 UTF-8 bytes)"
+            )
+
+    def _place(self, key: str, dname: str, shape: tuple[int, ...], nbytes: int) -> _Entry:
+        """The key's entry with a layout for `nbytes` (kept when the size is unchanged)."""
+        entry = self._index.get(key)
+        if entry is not None and entry.nbytes == nbytes:
+            entry.dtype, entry.shape = dname, shape
+            return entry
+        if entry is not None:
+            self._drop_files(entry)
+        n = len(self.dirs)
+        start = min(range(n), key=lambda i: self._dir_bytes[i])
+        stem = _file_stem(key)
+        parts: list[_Part] = []
+        if n > 1 and nbytes >= max(self.config.stripe_min_bytes, 1):
+            block = self.config.block_size_bytes
+            chunk = align_up(-(-nbytes // n), block)
+            for i, off in enumerate(range(0, nbytes, chunk)):
+                d = (start + i) % n
+                parts.append(
+                    _Part(
+                        i, d, os.path.join(self.dirs[d], f"{stem}.{i}{SUFFIX}"), off, min(chunk, nbytes - off)
+                    )
+                )
+        else:
+            parts.append(_Part(0, start, os.path.join(self.dirs[start], f"{stem}.0{SUFFIX}"), 0, nbytes))
+        for p in parts:
+            self._dir_bytes[p.dir_index] += p.nbytes
+        entry = _Entry(key, dname, shape, nbytes, 0, parts, entry.pending if entry else [])
+        self._index[key] = entry
+        return entry
+
+    def _drop_files(self, entry: _Entry) -> None:
+        for p in entry.parts:
+            self._dir_bytes[p.dir_index] -= p.nbytes
+            p.file = None
+            try:
+                os.unlink(p.path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise swap_error(e.errno or EIO, "removing swap file", p.path) from None
+
+    def _file(self, p: _Part, create: bool) -> _C.File:
+        f = p.file
+        if f is None or f.closed:
+            f = _C.File(p.path, read=True, write=True, create=create, direct=self.config.o_direct)
+            p.file = f
+        return f
+
+    def _header_req(self, header: fmt.Header, f: _C.File, held: list, write: bool) -> tuple:
+        hb = self._headers.acquire()
+        held.append(hb)
+        header.pack_into(memoryview(hb))
+        return (write, f, hb.ptr, H, 0, 0)
+
+    def _give_back(self, held: list, bounce: Optional[torch.Tensor]) -> None:
+        for b in held:
+            self._headers.release(b)
+        held.clear()
+        if bounce is not None:
+            self._bounce.release(bounce)
+
+    def _track(self, entry: _Entry, fut: IOFuture, tensor: torch.Tensor) -> IOFuture:
+        fut.keepalive = tensor  # the kernel reads/writes its memory until the future settles
+        with self._lock:
+            self._pending[id(fut)] = fut
+            entry.pending.append(fut)
+            # Every 32 submissions, settle finished puts nobody waits for (their buffers return to
+            # the pools). Failed ones stay, so that wait_all/close still report them.
+            self._since_prune += 1
+            done = []
+            if self._since_prune >= 32:
+                self._since_prune = 0
+                done = [f for f in self._pending.values() if f.kind == "put" and f.done() and not f.failed()]
+        for f in done:
+            if f is not fut:
+                f._wait_quiet()
+        return fut
+
+    def _retire(self, fut: IOFuture) -> None:
+        with self._lock:
+            self._pending.pop(id(fut), None)
+            entry = self._index.get(fut.key)
+            if entry is not None and fut in entry.pending:
+                entry.pending.remove(fut)
+
+    def _wait_key(self, key: str, writes_only: bool) -> None:
+        with self._lock:
+            entry = self._index.get(key)
+            futs = [f for f in entry.pending if not writes_only or f.kind == "put"] if entry else []
+        for f in futs:
+            f._wait_quiet()
+
+    def _scan(self) -> int:
+        """Indexes complete keys found in the directories; returns the highest generation seen."""
+        found: dict[str, list[tuple[fmt.Header, str, int]]] = {}
+        hb = _C.AlignedBuffer(H)
+        for d_index, d in enumerate(self.dirs):
+            for name in sorted(os.listdir(d)):
+                if not name.endswith(SUFFIX):
+                    continue
+                path = os.path.join(d, name)
+                try:
+                    f = _C.File(path, read=True, write=False, create=False, direct=self.config.o_direct)
+                    f.pread_into(hb.ptr, H, 0)
+                    h = fmt.unpack(memoryview(hb), path)
+                except SwapIOError:
+                    continue  # foreign, corrupted or short: not indexed, reported if ever asked for
+                if h.complete:
+                    found.setdefault(h.key, []).append((h, path, d_index))
+        top = 0
+        for key, items in found.items():
+            h0 = items[0][0]
+            items.sort(key=lambda x: x[0].part_index)
+            ok = len(items) == h0.part_count and all(
+                h.generation == h0.generation and h.total_nbytes == h0.total_nbytes and h.part_index == i
+                for i, (h, _, _) in enumerate(items)
+            )
+            if not ok:
+                continue
+            parts = [_Part(h.part_index, di, path, h.part_offset, h.part_nbytes) for h, path, di in items]
+            for p in parts:
+                self._dir_bytes[p.dir_index] += p.nbytes
+            self._index[key] = _Entry(key, h0.dtype, h0.shape, h0.total_nbytes, h0.generation, parts)
+            top = max(top, h0.generation)
+        return top

@@ -1,0 +1,56 @@
+"""Shared fixtures. Keep this file small: fixtures used by one test module live in that module."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+
+_PROBED: dict[str, tuple[bool, bool, str]] = {}
+
+
+def _probe(name: str) -> tuple[bool, bool, str]:
+    """(built, works, detail) of an I/O backend, probed once per session in a real temp dir."""
+    if name not in _PROBED:
+        from offloadpp import _C
+
+        with tempfile.TemporaryDirectory() as d:
+            _, built, works, _, detail = _C.probe_backend(name, d, True)
+        _PROBED[name] = (built, works, detail)
+    return _PROBED[name]
+
+
+@pytest.fixture(params=["libaio", "io_uring", "threadpool"])
+def io_backend(request) -> str:
+    """Each I/O backend in turn; skipped where it is not built or does not work here."""
+    built, works, detail = _probe(request.param)
+    if not built:
+        pytest.skip(f"{request.param} not built: {detail}")
+    if not works:
+        pytest.skip(f"{request.param} does not work here: {detail}")
+    return request.param
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs (O_DIRECT works on tmpfs since Linux 6.6) for ENOSPC tests; needs root."""
+    mnt = tmp_path / "small_fs"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        from offloadpp import _C
+
+        _, _, works, _, detail = _C.probe_backend("threadpool", str(mnt), True)
+        if not works:
+            pytest.skip(f"O_DIRECT does not work on tmpfs here: {detail}")
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
