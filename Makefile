@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup build test lint format demo doctor bench bench-io bench-adam clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-ab clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -21,10 +21,9 @@ format: setup
 	$(PY) -m ruff format offloadpp tests scripts examples bench
 	$(PY) -m ruff check --fix offloadpp tests scripts examples bench
 
-# The main job (until the fine-tuning demo exists): check the machine, then measure the I/O engine.
+# The main job: fine-tune with all training state on disk, then a short A/B against ZeRO-Infinity.
 demo: setup
-	$(PY) -m offloadpp doctor --dir runs/nvme
-	$(PY) -m offloadpp bench io --dir runs/nvme --size-mb 1024
+	@bash scripts/demo.sh
 
 doctor: setup
 	$(PY) -m offloadpp doctor --dir runs/nvme
@@ -36,6 +35,9 @@ bench-io: setup
 
 bench-adam: setup
 	$(PY) -m offloadpp bench adam --params 100M
+
+bench-ab: setup
+	$(PY) -m offloadpp bench ab --config ds_configs/gpt2_45m.offloadpp.json --steps 10 --out runs/ab
 
 clean:
 	rm -rf build *.egg-info offloadpp/_C*.so runs

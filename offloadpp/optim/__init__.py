@@ -1,1 +1,27 @@
+"""Optimizers: CPUAdam (drop-in for DeepSpeedCPUAdam) and the fused flat-buffer kernel entry
+points the out-of-core optimizer streams state shards through."""
 
+from offloadpp.optim.cpu_adam import AMSGradNotSupportedError, CPUAdam
+from offloadpp.optim.hyper import AdamHyper
+from offloadpp.optim.kernels import (
+    adam_step_flat,
+    all_finite,
+    bandwidth_floor,
+    convert_,
+    default_num_threads,
+    kernel_isa,
+    squared_norm,
+)
+
+__all__ = [
+    "CPUAdam",
+    "AMSGradNotSupportedError",
+    "AdamHyper",
+    "adam_step_flat",
+    "squared_norm",
+    "all_finite",
+    "convert_",
+    "bandwidth_floor",
+    "default_num_threads",
+    "kernel_isa",
+]

@@ -1,0 +1,87 @@
+// Fused CPU Adam: types shared by the per-ISA kernels (adam_avx512.cpp, adam_avx2.cpp,
+// adam_scalar.cpp), the dispatcher (adam_dispatch.cpp) and the bindings.
+//
+// Note: why per-ISA files with `#pragma GCC target` and no -march. setup.py compiles every file
+// with the same baseline x86-64 flags. Each ISA file turns on its instruction set for the code it
+// defines after the pragma, and keeps that code in its own namespace, so no inline function
+// compiled for AVX-512 can be merged by the linker into a caller on a CPU without it. The
+// dispatcher picks a table of function pointers by `active_simd_level()` on every call.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace offloadpp {
+namespace adam {
+
+// Element types crossing the boundary; the Python layer maps torch dtypes onto these codes.
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
+
+// Storage tags for 16-bit floats (plain bits; arithmetic is always in fp32).
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+struct NoOut {};  // "no half copy" in kernel templates
+
+// One flat run of elements: a tensor, or a shard holding many parameters back to back.
+struct Segment {
+  void* param = nullptr;
+  const void* grad = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  void* half_out = nullptr;  // optional low-precision copy of the updated params
+  size_t n = 0;
+};
+
+struct Types {
+  DType param = DType::kF32;
+  DType grad = DType::kF32;
+  DType state = DType::kF32;
+  DType out = DType::kNone;
+};
+
+// Per-step constants, computed once in double and rounded to float (see adam_dispatch.cpp).
+struct StepConsts {
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float eps;
+  float grad_mult;      // clip_coef / grad_scale (1 leaves grads bit-identical)
+  float decay;          // AdamW: 1 - lr * weight_decay; Adam: 1
+  float l2;             // Adam: weight_decay added to the grad as wd * p; AdamW: 0
+  bool use_l2;
+  float inv_sqrt_bc2;   // 1 / sqrt(1 - beta2^step), or 1 without bias correction
+  float neg_step_size;  // -lr / (1 - beta1^step), or -lr
+  bool stream_out;      // non-temporal stores for half_out (large buffers only)
+};
+
+// Kernels over the elements [begin, end) of one segment / buffer.
+using AdamRangeFn = void (*)(const Segment& seg, size_t begin, size_t end, const StepConsts& c);
+// Returns false if any grad * mult is inf or nan.
+using FiniteRangeFn = bool (*)(const void* grad, size_t begin, size_t end, float mult);
+// Sum of squares in fp64.
+using SqNormRangeFn = double (*)(const void* x, size_t begin, size_t end);
+// Element-wise dtype conversion (round to nearest even).
+using ConvertRangeFn = void (*)(const void* src, void* dst, size_t begin, size_t end);
+// Memory-bandwidth floor: the same loads and stores as the Adam kernel for fp32 p/g/m/v
+// (optionally a bf16 copy), with no arithmetic worth the name.
+using FloorRangeFn = void (*)(const Segment& seg, size_t begin, size_t end, bool stream_out);
+
+// One instruction set's kernels. Lookups return nullptr for unsupported type combinations.
+struct IsaTable {
+  const char* name;
+  AdamRangeFn (*adam)(const Types& t);
+  FiniteRangeFn (*finite)(DType grad);
+  SqNormRangeFn (*sqnorm)(DType x);
+  ConvertRangeFn (*convert)(DType src, DType dst);
+  FloorRangeFn floor;
+};
+
+const IsaTable& scalar_table();
+const IsaTable& avx2_table();
+const IsaTable& avx512_table();
+
+}  // namespace adam
+}  // namespace offloadpp

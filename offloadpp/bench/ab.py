@@ -1,0 +1,167 @@
+"""`offloadpp bench ab`: the same model, data, seed and initial weights under stock ZeRO-Infinity and
+under offloadpp, each in its own process, side by side in one invocation.
+
+Prints a table (step time, tokens/s, achieved FLOP/s, peak RSS, peak device memory, SSD bytes read
+and written, final loss), writes the JSON of both runs and a PNG with the loss curves and the
+step-time bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+SIDES = ("zero", "offloadpp")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        required=True,
+        help="DeepSpeed JSON with ZeRO-Infinity settings (offloadpp block optional)",
+    )
+    p.add_argument("--model", default="gpt2-45m", help="model preset (offloadpp/bench/models.py)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nvme-dir", default=os.path.join("runs", "ab"), help="parent of each side's swap dir")
+    p.add_argument("--out", default=os.path.join("runs", "ab"), help="where the JSON and PNG go")
+    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of zero,offloadpp")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_init(model: str, seed: int, path: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GPT2LMHeadModel
+
+    from offloadpp.bench.models import get_preset
+
+    torch.manual_seed(seed)
+    m = GPT2LMHeadModel(get_preset(model).gpt2_config())
+    state = {k: v.contiguous() for k, v in m.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, path)
+
+
+def _run_side(side: str, args, init_path: str, out_dir: str) -> dict:
+    nvme = os.path.join(args.nvme_dir, f"swap-{side}")
+    shutil.rmtree(nvme, ignore_errors=True)
+    os.makedirs(nvme)
+    result_path = os.path.join(out_dir, f"{side}.json")
+    env = dict(os.environ)
+    # A single-process "distributed" world, as the deepspeed launcher would set up for one GPU.
+    env.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+    )
+    cmd = [
+        sys.executable, "-m", "offloadpp.bench.ab_worker", "--side", side, "--config", args.config,
+        "--model", args.model, "--init", init_path, "--steps", str(args.steps), "--seed", str(args.seed),
+        "--nvme-dir", nvme, "--out", result_path,
+    ]  # fmt: skip
+    print(f"== {side}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, env=env)
+    shutil.rmtree(nvme, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {side} side failed with exit status {proc.returncode} (its output is above)")
+    with open(result_path) as f:
+        return json.load(f)
+
+
+def summarize(r: dict) -> dict:
+    times = [s["seconds"] for s in r["steps"]]
+    timed = times[1:] if len(times) > 2 else times  # the first step includes warm-up
+    step_s = statistics.median(timed)
+    return {
+        "step_s": step_s,
+        "tokens_per_s": r["tokens_per_step"] / step_s,
+        "tflops": 6 * r["params"] * r["tokens_per_step"] / step_s / 1e12,
+        "peak_rss_gib": r["peak_rss_bytes"] / 2**30,
+        "peak_device_gib": None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / 2**30,
+        "ssd_read_gib": r["ssd_read_bytes"] / 2**30,
+        "ssd_write_gib": r["ssd_write_bytes"] / 2**30,
+        "final_loss": r["steps"][-1]["loss"],
+    }
+
+
+def format_table(summ: dict[str, dict]) -> str:
+    rows = [
+        ("step time (s, median)", "step_s", "{:.3f}"),
+        ("tokens/s", "tokens_per_s", "{:.0f}"),
+        ("achieved TFLOP/s (6NT)", "tflops", "{:.4f}"),
+        ("peak RSS (GiB)", "peak_rss_gib", "{:.2f}"),
+        ("peak device mem (GiB)", "peak_device_gib", "{:.2f}"),
+        ("SSD read (GiB)", "ssd_read_gib", "{:.2f}"),
+        ("SSD written (GiB)", "ssd_write_gib", "{:.2f}"),
+        ("final loss", "final_loss", "{:.5f}"),
+    ]
+    sides = list(summ)
+    lines = [f"| metric | {' | '.join(sides)} |" + (" offloadpp / zero |" if len(sides) == 2 else "")]
+    lines.append("|---" * (len(sides) + 1 + (len(sides) == 2)) + "|")
+    for label, key, fmt in rows:
+        vals = [summ[s][key] for s in sides]
+        cells = ["n/a" if v is None else fmt.format(v) for v in vals]
+        ratio = ""
+        if len(sides) == 2:
+            a, b = summ["zero"][key], summ["offloadpp"][key]
+            ratio = f" {b / a:.3f} |" if a and b is not None else " n/a |"
+        lines.append(f"| {label} | {' | '.join(cells)} |{ratio}")
+    return "\n".join(lines)
+
+
+def _plot(results: dict[str, dict], summ: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for side, r in results.items():
+        ax1.plot([s["step"] for s in r["steps"]], [s["loss"] for s in r["steps"]], marker="o", label=side)
+    ax1.set(xlabel="step", ylabel="loss", title="loss from the same initial weights")
+    ax1.legend()
+    sides = list(summ)
+    ax2.bar(sides, [summ[s]["step_s"] for s in sides], color=["tab:gray", "tab:blue"][: len(sides)])
+    ax2.set(ylabel="seconds", title="median step time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    bad = [s for s in sides if s not in SIDES]
+    if bad:
+        raise SystemExit(f"--sides: unknown side(s) {bad}; choose from {list(SIDES)}")
+    if not os.path.isfile(args.config):
+        raise SystemExit(f"--config: {args.config!r} does not exist")
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        init_path = os.path.join(tmp, "init.safetensors")
+        _write_init(args.model, args.seed, init_path)
+        results = {side: _run_side(side, args, init_path, args.out) for side in sides}
+    summ = {s: summarize(r) for s, r in results.items()}
+    table = format_table(summ)
+    print(table)
+    if len(sides) == 2:
+        diffs = [
+            abs(a["loss"] - b["loss"])
+            for a, b in zip(results["zero"]["steps"], results["offloadpp"]["steps"])
+        ]
+        print(f"max |loss difference| over {len(diffs)} steps: {max(diffs):.2e}")
+        summ["max_loss_diff"] = max(diffs)
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
+        json.dump({"config": args.config, "model": args.model, "summary": summ, "runs": results}, f, indent=2)
+    _plot(results, {s: summ[s] for s in sides}, os.path.join(args.out, "ab.png"))
+    print(f"wrote {os.path.join(args.out, 'ab.json')} and {os.path.join(args.out, 'ab.png')}")
+    return 0

@@ -1,0 +1,156 @@
+"""One side of `offloadpp bench ab`, run in its own process so peak RSS and disk counters are its own.
+
+    python -m offloadpp.bench.ab_worker --side zero|offloadpp --config CFG --model PRESET \
+        --init INIT.safetensors --steps N --out RESULT.json
+
+Both sides load the same initial weights (ZeRO's zero.Init would skip transformers' init and
+start from other weights) and see the same byte-token batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import sys
+import time
+
+
+def _proc_io() -> dict:
+    """Bytes this process made the storage layer read and write (O_DIRECT included)."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k.strip()] = int(v)
+    return {"read_bytes": out.get("read_bytes", 0), "write_bytes": out.get("write_bytes", 0)}
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _load_config(path: str, side: str) -> dict:
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg = copy.deepcopy(cfg)
+    if side == "zero":
+        cfg.pop("offloadpp", None)
+    else:
+        cfg.setdefault("offloadpp", {})["enabled"] = True
+    return cfg
+
+
+def _build_model(preset_name: str, init_path: str):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from offloadpp.bench.models import get_preset
+
+    preset = get_preset(preset_name)
+    model = GPT2LMHeadModel(preset.gpt2_config())
+    state = load_file(init_path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # lm_head.weight is tied to wte and not stored separately.
+    if [m for m in missing if m != "lm_head.weight"] or unexpected:
+        raise RuntimeError(
+            f"initial weights do not match the model: missing={missing} unexpected={unexpected}"
+        )
+    model.train()
+    torch.manual_seed(0)
+    return preset, model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--side", choices=["zero", "offloadpp"], required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--model", default="gpt2-45m")
+    p.add_argument("--init", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nvme-dir", required=True, help="fresh directory for this side's swap files")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from offloadpp.bench.data import byte_batches, stdlib_docstrings
+
+    torch.manual_seed(args.seed)
+    cfg = _load_config(args.config, args.side)
+    zero = cfg.setdefault("zero_optimization", {})
+    for key in ("offload_param", "offload_optimizer"):
+        if key in zero and zero[key].get("device") == "nvme":
+            zero[key]["nvme_path"] = args.nvme_dir
+    if args.side == "offloadpp":
+        cfg["offloadpp"]["nvme_paths"] = [args.nvme_dir]
+    preset, model = _build_model(args.model, args.init)
+
+    t_init = time.perf_counter()
+    if args.side == "zero":
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        import offloadpp
+
+        engine, _, _, _ = offloadpp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    init_s = time.perf_counter() - t_init
+
+    micro = cfg.get("train_micro_batch_size_per_gpu", preset.micro_batch)
+    gas = cfg.get("gradient_accumulation_steps", 1)
+    batches = byte_batches(stdlib_docstrings(), micro, preset.seq_len, seed=args.seed)
+    io0 = _proc_io()
+    steps = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        losses = []
+        for _ in range(gas):
+            ids, labels = next(batches)
+            loss = engine(input_ids=ids, labels=labels).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        dt = time.perf_counter() - t0
+        steps.append({"step": step, "seconds": dt, "loss": sum(losses) / len(losses)})
+        print(
+            f"[{args.side}] step {step} {dt:.3f}s loss {steps[-1]['loss']:.5f}", file=sys.stderr, flush=True
+        )
+    io1 = _proc_io()
+
+    tokens_per_step = micro * gas * preset.seq_len
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    result = {
+        "side": args.side,
+        "model": args.model,
+        "params": n_params,
+        "tokens_per_step": tokens_per_step,
+        "init_seconds": init_s,
+        "steps": steps,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "ssd_read_bytes": io1["read_bytes"] - io0["read_bytes"],
+        "ssd_write_bytes": io1["write_bytes"] - io0["write_bytes"],
+        "peak_device_bytes": _peak_device_bytes(engine),
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+def _peak_device_bytes(engine) -> int | None:
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    # On the CPU-as-device, offloadpp accounts the bytes it holds; ZeRO has no such notion here.
+    peak = getattr(engine, "peak_device_bytes", None)
+    return int(peak()) if callable(peak) else None
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""`offloadpp bench activations`: the step time of one GPT-2-style model under each activation
+policy (keep, host, ssd, recompute; "none" is plain torch without the hooks), in one process.
+
+The model and its AdamW live in device memory (CUDA when present, else the CPU acts as the
+device; --device picks); only the activation policy
+changes between contenders, each with its own ActivationManager whose hooks are installed for
+its steps only. Contenders take one step each, in an order rotated every round (interleaved), after
+untimed warm-up steps; the table shows medians. Per step: forward, backward, optimizer, the waits
+for swap-outs (budget) and swap-ins (backward), recompute time, bytes moved, SSD busy time, the
+accounted activation peak. Bar: ssd <= 1.3x keep at some batch size (where compute is long
+enough to hide the I/O); each batch size in --batch is a separate measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+BAR = 1.3
+CONTENDERS = ("none", "keep", "host", "ssd", "recompute")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192, help="vocabulary (logits and loss stay on the device)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length")
+    p.add_argument("--batch", default="2,8", help="micro-batch sizes, comma-separated: one measurement each")
+    p.add_argument(
+        "--policies", default=",".join(CONTENDERS), help=f"contenders, from {','.join(CONTENDERS)}"
+    )
+    p.add_argument("--steps", type=int, default=5, help="timed steps per contender and batch size")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument(
+        "--budget-frac", type=float, default=None, help="activation budget as a fraction of keep's peak"
+    )
+    p.add_argument("--prefetch-units", type=int, default=2, help="backward fetches this many units ahead")
+    p.add_argument("--min-swap-kib", type=int, default=64, help="storages below this many KiB are kept")
+    p.add_argument("--dir", default=os.path.join("runs", "bench-act"), help="swap directory (removed after)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON to PATH")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from offloadpp.bench.step import _machine
+    from offloadpp.io import TensorStore
+    from offloadpp.runtime.act_policy import ActivationConfig
+    from offloadpp.runtime.activations import ActivationManager
+    from offloadpp.runtime.units import find_units
+
+    torch.set_num_threads(args.threads)
+    policies = [s.strip() for s in args.policies.split(",") if s.strip()]
+    bad = [s for s in policies if s not in CONTENDERS]
+    if bad or "keep" not in policies:
+        raise SystemExit(
+            f"--policies must name contenders from {CONTENDERS} and include keep, got {policies}"
+        )
+    batches = [int(b) for b in args.batch.split(",")]
+    cfg = GPT2Config(
+        n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, n_positions=max(1024, args.seq),
+        vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    model = GPT2LMHeadModel(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    modules = dict(model.named_modules())
+    units = [(d.name, [modules[q] for q in d.modules]) for d in find_units(model)]
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    results = []
+    store = TensorStore([args.dir])
+    env = SimpleNamespace(
+        torch=torch, model=model, opt=opt, units=units, store=store, policies=policies, device=device,
+        Manager=ActivationManager, Config=ActivationConfig,
+    )  # fmt: skip
+    try:
+        for batch in batches:
+            results.append(_measure(args, env, batch))
+    finally:
+        store.close()
+        shutil.rmtree(args.dir, ignore_errors=True)
+    report = {
+        "bench": "activations",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "offloadpp bench activations "
+        + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "activations"] else sys.argv[1:]),
+        "machine": _machine(),
+        "torch_threads": args.threads,
+        "device": str(device),
+        "model": {
+            "n_layer": args.n_layer,
+            "n_embd": args.n_embd,
+            "vocab": args.vocab,
+            "params": n_params,
+            "seq": args.seq,
+        },
+        "bar_ssd_vs_keep": BAR,
+        "results": results,
+    }
+    ok = [r["batch"] for r in results if "ssd" in r["median"] and r["ssd_vs_keep"] <= BAR]
+    report["pass_batches"] = ok
+    report["pass"] = bool(ok) or "ssd" not in policies
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["pass"] else 1
+
+
+def _measure(args, env: SimpleNamespace, batch: int) -> dict:
+    torch, model, opt, units, store = env.torch, env.model, env.opt, env.units, env.store
+    policies, device, ActivationManager, ActivationConfig = env.policies, env.device, env.Manager, env.Config
+    g = torch.Generator().manual_seed(args.seed + batch)
+    data = [torch.randint(0, args.vocab, (batch, args.seq), generator=g).to(device) for _ in range(2)]
+    cuda = device.type == "cuda"
+    rows: dict[str, list[dict]] = {p: [] for p in policies}
+    state = {"i": 0}
+
+    def make(policy: str, budget):
+        if policy == "none":
+            return None
+        cfg = ActivationConfig(
+            policy=policy,
+            budget_bytes=budget,
+            prefetch_units=args.prefetch_units,
+            min_swap_bytes=args.min_swap_kib << 10,
+        )
+        return ActivationManager(units, cfg, store=store, device=device, model=model)
+
+    def step(policy: str, mgr, timed: bool) -> None:
+        x = data[state["i"] % len(data)]
+        state["i"] += 1
+        io0 = store.stats
+        if mgr is not None:
+            mgr.install()
+            mgr.reset_stats()
+        if cuda:
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        with mgr.forward() if mgr is not None else _null():
+            loss = model(input_ids=x, labels=x).loss
+        if cuda:
+            torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        if mgr is not None:
+            mgr.backward(loss)
+        else:
+            loss.backward()
+        if cuda:
+            torch.cuda.synchronize(device)
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t3 = time.perf_counter()
+        io = store.stats - io0
+        row = {"step_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2}
+        if cuda:  # the allocator's peak above what was allocated before the step (includes grads)
+            row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+        if mgr is not None:
+            mgr.remove()
+            s = mgr.stats()
+            row.update(
+                swap_out_wait_s=s.swap_out_wait_s, swap_in_wait_s=s.swap_in_wait_s, recompute_s=s.recompute_s,
+                saved_bytes=s.saved_bytes, d2h_bytes=s.d2h_bytes, h2d_bytes=s.h2d_bytes,
+                ssd_write_bytes=s.ssd_write_bytes, ssd_read_bytes=s.ssd_read_bytes,
+                ssd_write_busy_s=io.write_seconds, ssd_read_busy_s=io.read_seconds,
+                peak_act_bytes=s.peak_device_bytes, fetch_misses=s.fetch_misses,
+            )  # fmt: skip
+        if timed:
+            rows[policy].append(row)
+
+    # keep's peak sizes the budget (when asked for one); then every contender warms up.
+    keep = make("keep", None)
+    step("keep", keep, False)
+    keep_peak = keep.stats().peak_device_bytes
+    budget = int(keep_peak * args.budget_frac) if args.budget_frac else None
+    mgrs = {p: (keep if p == "keep" and budget is None else make(p, budget)) for p in policies}
+    for p in policies:
+        for _ in range(args.warmup):
+            step(p, mgrs[p], False)
+    for r in range(args.steps):
+        order = policies[r % len(policies) :] + policies[: r % len(policies)]
+        for p in order:
+            step(p, mgrs[p], True)
+        _log(
+            f"batch {batch}: round {r + 1}/{args.steps} "
+            + " ".join(f"{p}={rows[p][-1]['step_s']:.2f}s" for p in policies)
+        )
+    for m in mgrs.values():
+        if m is not None:
+            m.close()
+    if keep is not mgrs.get("keep"):
+        keep.close()
+    med = {p: {k: statistics.median(row[k] for row in rows[p]) for k in rows[p][0]} for p in policies}
+    out = {
+        "batch": batch,
+        "tokens": batch * args.seq,
+        "keep_peak_bytes": keep_peak,
+        "budget_bytes": budget,
+        "median": med,
+        "samples": rows,
+    }
+    for p in policies:
+        out[f"{p}_vs_keep"] = med[p]["step_s"] / med["keep"]["step_s"]
+        out[f"{p}_fb_vs_keep"] = (med[p]["forward_s"] + med[p]["backward_s"]) / (
+            med["keep"]["forward_s"] + med["keep"]["backward_s"]
+        )
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _print(report: dict) -> None:
+    mb = 1 / (1 << 20)
+    m = report["model"]
+    print(
+        f"activation swapping, GPT-2 {m['n_layer']} layers x {m['n_embd']}, vocab {m['vocab']}, {m['params'] / 1e6:.1f}M params, "
+        f"seq {m['seq']}, fp32, device {report['device']}, {report['torch_threads']} threads ({report['date']})"
+    )
+    cols = (
+        "step",
+        "x keep",
+        "fwd",
+        "bwd",
+        "opt",
+        "out-wait",
+        "in-wait",
+        "recomp",
+        "d2h MB",
+        "ssd w MB",
+        "ssd r MB",
+        "ssd busy",
+        "peak MB",
+    )
+    for r in report["results"]:
+        budget = f", budget {r['budget_bytes'] * mb:.0f} MB" if r["budget_bytes"] else ""
+        print(
+            f"\nbatch {r['batch']} ({r['tokens']} tokens), keep-all activation peak {r['keep_peak_bytes'] * mb:.0f} MB{budget}"
+        )
+        print(f"{'policy':<10}" + "".join(f"{c:>10}" for c in cols))
+        for p, d in r["median"].items():
+            vals = [
+                f"{d['step_s']:.3f}",
+                f"{r[f'{p}_vs_keep']:.3f}",
+                f"{d['forward_s']:.3f}",
+                f"{d['backward_s']:.3f}",
+                f"{d['optimizer_s']:.3f}",
+            ]
+            if "saved_bytes" in d:
+                busy = d["ssd_write_busy_s"] + d["ssd_read_busy_s"]
+                vals += [
+                    f"{d['swap_out_wait_s']:.3f}", f"{d['swap_in_wait_s']:.3f}", f"{d['recompute_s']:.3f}",
+                    f"{d['d2h_bytes'] * mb:.0f}", f"{d['ssd_write_bytes'] * mb:.0f}", f"{d['ssd_read_bytes'] * mb:.0f}",
+                    f"{busy:.3f}", f"{d['peak_act_bytes'] * mb:.0f}",
+                ]  # fmt: skip
+            else:
+                vals += ["-"] * 8
+            print(f"{p:<10}" + "".join(f"{v:>10}" for v in vals))
+    print(
+        f"\nbar: ssd <= {report['bar_ssd_vs_keep']}x keep: "
+        + (f"met at batch {report['pass_batches']}" if report["pass_batches"] else "NOT met")
+    )

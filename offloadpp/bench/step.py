@@ -1,0 +1,359 @@
+"""`offloadpp bench step`: the out-of-core runtime against plain in-memory torch, same model, same
+initial weights, same batches, in one process, alternating blocks of steps.
+
+Contenders. "torch": the model in memory, torch.optim.AdamW (fused, or foreach: the faster,
+measured in the warm-up). "offloadpp": OffloadEngine with its budgets set to the streaming
+minimum (planner.min_budgets), so every unit's weights, master and Adam moments live on SSD
+and are read and written every step; `--budget default` instead gives it the budgets named by
+--device-budget/--host-budget and lets the default plan keep what fits.
+
+The floor of an offloadpp step is max(compute, SSD, Adam): compute is torch's forward+backward
+time measured in the same run (the work any schedule must do), SSD is the step's bytes read and
+written (from the store's counters) over the store's read and write bandwidth (measured here
+on 256 MiB before training), Adam is one fused CPU Adam call over all parameters at the
+runtime's Adam thread count (measured here, without contention). Warm-up steps are excluded;
+the table shows medians. Bars: offloadpp <= 1.25x torch, <= 1.15x its floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+
+BAR_VS_TORCH = 1.25
+BAR_VS_FLOOR = 1.15
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt2-45m", help="model preset (offloadpp/bench/models.py)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per contender (after warm-up)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps per contender first")
+    p.add_argument("--block", type=int, default=3, help="steps per contender before switching")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both contenders)")
+    p.add_argument("--adam-threads", type=int, default=1, help="threads of offloadpp's CPU Adam")
+    p.add_argument(
+        "--prefetch-depth", type=int, default=None, help="weights prefetch depth k (default: plan's)"
+    )
+    p.add_argument(
+        "--optim-prefetch-depth", type=int, default=None, help="optimizer read-ahead (default: plan's)"
+    )
+    p.add_argument(
+        "--budget",
+        choices=("stream", "default"),
+        default="stream",
+        help="stream: minimum budgets, all state on SSD (default); default: the given budgets",
+    )
+    p.add_argument("--device-budget", type=float, default=2e9, help="bytes, with --budget default")
+    p.add_argument("--host-budget", type=float, default=4e9, help="bytes, with --budget default")
+    p.add_argument("--dir", default=os.path.join("runs", "bench-step"), help="swap directory (removed after)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="strict streaming: drop each unit's weights after every use even where the budget could keep them",
+    )
+    p.add_argument("--io-threads", type=int, default=1, help="I/O engine threads per swap directory")
+    p.add_argument(
+        "--clip", type=float, default=0.0, help="gradient clipping by global norm (both contenders)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON to PATH")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"host": platform.node(), "kernel": platform.release(), "cpu": cpu, "cpus": os.cpu_count()}
+
+
+def _measure_ssd(store, nbytes: int = 256 << 20) -> tuple[float, float]:
+    from offloadpp.runtime.preflight import measure_ssd
+
+    best_r = best_w = 0.0
+    for _ in range(2):
+        r, w = measure_ssd(store, nbytes)
+        best_r, best_w = max(best_r, r), max(best_w, w)
+    return best_r, best_w
+
+
+def _adam_seconds(numel: int, threads: int) -> float:
+    import torch
+
+    from offloadpp.optim import AdamHyper, adam_step_flat
+
+    bufs = [torch.full((numel,), 0.01) for _ in range(4)]
+    times = []
+    for step in range(1, 4):
+        t0 = time.perf_counter()
+        adam_step_flat(*bufs, step=step, hyper=AdamHyper(lr=1e-4), num_threads=threads)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    import copy
+    import dataclasses
+
+    import torch
+    from tqdm import tqdm
+    from transformers import GPT2LMHeadModel
+
+    from offloadpp.bench.models import get_preset
+    from offloadpp.io import IOConfig, TensorStore
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import default_plan, min_budgets
+    from offloadpp.runtime import OffloadEngine, RuntimeConfig, find_units, layout_units
+
+    torch.set_num_threads(args.threads)
+    preset = get_preset(args.model)
+    torch.manual_seed(args.seed)
+    ref = GPT2LMHeadModel(preset.gpt2_config())
+    n_params = sum(p.numel() for p in ref.parameters())
+    model = copy.deepcopy(ref)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    try:
+        with TensorStore([args.dir]) as probe:
+            read_gbps, write_gbps = _measure_ssd(probe)
+        adam_s = _adam_seconds(n_params, args.adam_threads)
+        _log(
+            f"SSD read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s; Adam over {n_params:,} params "
+            f"{adam_s * 1e3:.1f} ms ({args.adam_threads} thread(s))"
+        )
+        lr = 1e-4
+        if args.budget == "stream":
+            specs = [lay.spec() for lay in layout_units(model, find_units(model))]
+            dev, host = min_budgets(
+                specs,
+                device="cpu",
+                compute_dtype="fp32",
+                deferred_update=args.clip > 0,
+                prefetch_depth=args.prefetch_depth or 2,
+                optim_prefetch_depth=2 if args.optim_prefetch_depth is None else args.optim_prefetch_depth,
+            )
+        else:
+            dev, host = int(args.device_budget), int(args.host_budget)
+        cfg = RuntimeConfig(
+            nvme_paths=[args.dir],
+            device_budget_bytes=dev,
+            host_budget_bytes=host,
+            device="cpu",
+            prefetch_depth=args.prefetch_depth,
+            optim_prefetch_depth=args.optim_prefetch_depth,
+            adam_threads=args.adam_threads,
+            gradient_clipping=args.clip,
+            io=IOConfig(num_threads=args.io_threads),
+            ssd_read_gbps=read_gbps,
+            ssd_write_gbps=write_gbps,
+            log_every=0,
+        )
+        plan = None
+        if args.strict:  # drop every unit's weights after each use (no keeping between uses)
+            specs = [lay.spec() for lay in layout_units(model, find_units(model))]
+            plan = dataclasses.replace(
+                default_plan(
+                    specs,
+                    device="cpu",
+                    compute_dtype="fp32",
+                    device_budget_bytes=dev,
+                    host_budget_bytes=host,
+                    prefetch_depth=args.prefetch_depth,
+                    optim_prefetch_depth=args.optim_prefetch_depth,
+                    deferred_update=args.clip > 0,
+                ),
+                fill_gaps=False,
+            )
+        engine = OffloadEngine(model, cfg, hyper=AdamHyper(lr=lr), plan=plan)
+        _log(engine.plan.describe())
+        g = torch.Generator().manual_seed(args.seed + 1)
+        data = [
+            torch.randint(0, preset.vocab_size, (preset.micro_batch, preset.seq_len), generator=g)
+            for _ in range(8)
+        ]
+        opts = {
+            "fused": torch.optim.AdamW(ref.parameters(), lr=lr, fused=True),
+            "foreach": torch.optim.AdamW(ref.parameters(), lr=lr, foreach=True),
+        }
+        rows = {"torch": [], "offloadpp": []}
+        state = {"i": 0, "opt": "fused", "torch_fb": [], "reports": [], "opt_times": {k: [] for k in opts}}
+
+        def torch_step(timed: bool) -> None:
+            x = data[state["i"] % len(data)]
+            state["i"] += 1
+            t0 = time.perf_counter()
+            ref(input_ids=x, labels=x).loss.backward()
+            t1 = time.perf_counter()
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)
+            o = opts[state["opt"]]
+            o.step()
+            o.zero_grad(set_to_none=True)
+            t2 = time.perf_counter()
+            if timed:
+                rows["torch"].append(t2 - t0)
+                state["torch_fb"].append(t1 - t0)
+            else:
+                state["opt_times"][state["opt"]].append(t2 - t1)
+
+        def engine_step(timed: bool) -> None:
+            x = data[state["i"] % len(data)]
+            state["i"] += 1
+            t0 = time.perf_counter()
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            r = engine.step()
+            t1 = time.perf_counter()
+            if timed:
+                rows["offloadpp"].append(t1 - t0)
+                state["reports"].append(r)
+
+        for name in ("fused", "foreach"):  # warm-up: both torch optimizers, keep the faster
+            state["opt"] = name
+            for _ in range(args.warmup):
+                torch_step(False)
+        x = data[0]
+        ref(input_ids=x, labels=x).loss.backward()  # grads for a few optimizer-only steps
+        for _ in range(5):
+            for name, o in opts.items():
+                t0 = time.perf_counter()
+                o.step()
+                state["opt_times"][name].append(time.perf_counter() - t0)
+        for o in opts.values():
+            o.zero_grad(set_to_none=True)
+        state["opt"] = min(opts, key=lambda k: min(state["opt_times"][k]))
+        for _ in range(args.warmup):
+            engine_step(False)
+        with tqdm(total=2 * args.steps, desc="bench step", file=sys.stderr) as bar:
+            while len(rows["torch"]) < args.steps or len(rows["offloadpp"]) < args.steps:
+                for name, fn in (("torch", torch_step), ("offloadpp", engine_step)):
+                    for _ in range(min(args.block, args.steps - len(rows[name]))):
+                        fn(True)
+                        bar.update(1)
+        engine.close()
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    report = _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_s, engine)
+    _print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["pass"] else 1
+
+
+def _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_s, engine) -> dict:
+    med = statistics.median
+    reps = state["reports"]
+    torch_step = med(rows["torch"])
+    ours = med(rows["offloadpp"])
+    compute = med(state["torch_fb"])
+    ssd_read = med(r.ssd_read_bytes for r in reps)
+    ssd_write = med(r.ssd_write_bytes for r in reps)
+    ssd_s = ssd_read / (read_gbps * 1e9) + ssd_write / (write_gbps * 1e9)
+    floor = max(compute, ssd_s, adam_s)
+    report = {
+        "bench": "step",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "offloadpp bench step "
+        + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "step"] else sys.argv[1:]),
+        "machine": _machine(),
+        "config": {
+            "model": preset.name,
+            "params": n_params,
+            "batch": [preset.micro_batch, preset.seq_len],
+            "threads": args.threads,
+            "adam_threads": args.adam_threads,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "block": args.block,
+            "budget": args.budget,
+            "clip": args.clip,
+            "io_threads": args.io_threads,
+            "strict": args.strict,
+            "plan": engine.plan.describe(),
+            "torch_optimizer": f"AdamW({state['opt']}=True)",
+        },
+        "torch": {
+            "step_s": torch_step,
+            "fwd_bwd_s": compute,
+            "optimizer_step_s": {k: min(v) for k, v in state["opt_times"].items()},
+            "steps": rows["torch"],
+        },
+        "offloadpp": {
+            "step_s": ours,
+            "forward_s": med(r.forward_s for r in reps),
+            "backward_s": med(r.backward_s for r in reps),
+            "optimizer_wait_s": med(r.optimizer_wait_s for r in reps),
+            "fetch_wait_s": med(r.fetch_wait_s for r in reps),
+            "adam_s_in_run": med(r.adam_s for r in reps),
+            "ssd_read_bytes": ssd_read,
+            "ssd_write_bytes": ssd_write,
+            "steps": rows["offloadpp"],
+        },
+        "floor": {
+            "compute_s": compute,
+            "ssd_s": ssd_s,
+            "adam_s": adam_s,
+            "floor_s": floor,
+            "ssd_read_gbps": read_gbps,
+            "ssd_write_gbps": write_gbps,
+        },
+        "ratio_vs_torch": ours / torch_step,
+        # the same ratio step by step (each offloadpp step over the torch step of the same index,
+        # which ran within a block or two of it): less sensitive to load that drifts over the run
+        "paired_ratio_vs_torch": med(o / t for o, t in zip(rows["offloadpp"], rows["torch"])),
+        "ratio_vs_floor": ours / floor,
+    }
+    report["pass"] = report["ratio_vs_torch"] <= BAR_VS_TORCH and report["ratio_vs_floor"] <= BAR_VS_FLOOR
+    return report
+
+
+def _print_table(r: dict) -> None:
+    c, o, f = r["config"], r["offloadpp"], r["floor"]
+    gb = 1e9
+    print(
+        f"# bench step: {c['model']} ({c['params'] / 1e6:.1f}M params, batch {c['batch'][0]}x{c['batch'][1]}, fp32), "
+        f"{r['machine']['cpu']} x{r['machine']['cpus']}, {r['date']}"
+    )
+    print(
+        f"# {c['steps']} timed steps each after {c['warmup']} warm-up, alternating blocks of {c['block']}; "
+        f"torch threads {c['threads']}, Adam threads {c['adam_threads']}; medians"
+    )
+    print(
+        "| contender | step s | vs torch | vs floor | fwd s | bwd s | opt wait s | fetch wait s | SSD read | SSD write |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| torch {c['torch_optimizer']} (in memory) | {r['torch']['step_s']:.3f} | 1.00 | "
+        f"{r['torch']['step_s'] / f['floor_s']:.2f} | | | | | | |"
+    )
+    print(
+        f"| offloadpp (all state on SSD) | {o['step_s']:.3f} | {r['ratio_vs_torch']:.2f} | {r['ratio_vs_floor']:.2f} | "
+        f"{o['forward_s']:.3f} | {o['backward_s']:.3f} | {o['optimizer_wait_s']:.3f} | {o['fetch_wait_s']:.3f} | "
+        f"{o['ssd_read_bytes'] / gb:.2f} GB | {o['ssd_write_bytes'] / gb:.2f} GB |"
+    )
+    print(
+        f"\nfloor {f['floor_s']:.3f} s = max(compute {f['compute_s']:.3f} s [torch fwd+bwd], "
+        f"SSD {f['ssd_s']:.3f} s [{f['ssd_read_gbps']:.2f} GB/s read, {f['ssd_write_gbps']:.2f} GB/s write], "
+        f"Adam {f['adam_s']:.3f} s)"
+    )
+    print(f"paired (step by step) ratio vs torch: {r['paired_ratio_vs_torch']:.2f}")
+    print(f"bars: <= {BAR_VS_TORCH}x torch, <= {BAR_VS_FLOOR}x floor: {'PASS' if r['pass'] else 'FAIL'}")
+
+
+if __name__ == "__main__":
+    _p = argparse.ArgumentParser(prog="offloadpp bench step", description=__doc__.splitlines()[0])
+    add_arguments(_p)
+    sys.exit(run(_p.parse_args()))

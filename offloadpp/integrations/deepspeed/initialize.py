@@ -1,0 +1,73 @@
+"""`offloadpp.initialize`: `deepspeed.initialize`'s signature and return value.
+
+With `"offloadpp": {"enabled": true}` in the config it returns an OffloadppEngine on offloadpp's
+runtime; without it, it is exactly `deepspeed.initialize` (every argument passed through).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from offloadpp.integrations.deepspeed.config import (
+    OffloadppConfigError,
+    load_ds_config,
+    offloadpp_enabled,
+    parse_block,
+)
+
+logger = logging.getLogger("offloadpp")
+
+
+def initialize(
+    args: Any = None,
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Optional[torch.utils.data.Dataset] = None,
+    lr_scheduler: Any = None,
+    distributed_port: Optional[int] = None,
+    mpu: Any = None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn: Optional[Callable] = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+):
+    """Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize."""
+    if config is None and config_params is not None:
+        config = config_params
+    ds_dict = load_ds_config(config, args) if (config is not None or args is not None) else None
+    if ds_dict is None or not offloadpp_enabled(ds_dict):
+        import deepspeed
+
+        kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                      training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                      dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                      mesh_param=mesh_param, config_params=config_params)  # fmt: skip
+        if distributed_port is not None:
+            kwargs["distributed_port"] = distributed_port
+        return deepspeed.initialize(**kwargs)
+
+    if model is None:
+        raise OffloadppConfigError("initialize: model is required")
+    if optimizer is not None:
+        raise OffloadppConfigError(
+            "initialize: offloadpp runs its own fused CPU Adam during backward; describe the optimizer in "
+            "the config's 'optimizer' block (Adam/AdamW) instead of passing optimizer="
+        )
+    if mpu is not None:
+        raise OffloadppConfigError("initialize: model parallelism (mpu=) is not supported by offloadpp")
+    from offloadpp.integrations.deepspeed.build import build_engine
+
+    return build_engine(
+        ds_dict,
+        parse_block(ds_dict),
+        model=model,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        collate_fn=collate_fn,
+    )

@@ -1,0 +1,217 @@
+"""Flat-buffer entry points of the fused CPU Adam kernel (csrc/adam/), for the out-of-core
+optimizer and for CPUAdam.
+
+Tensors are checked here (device, dtype, contiguity, sizes; ``ValueError`` naming the argument),
+then only addresses and sizes go to ``offloadpp._C``, which runs without the GIL. One call
+covers a whole shard, or many tensors at once: no Python loop per tensor in the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import torch
+
+from offloadpp import _C
+from offloadpp.optim.hyper import AdamHyper
+
+# dtype codes understood by offloadpp._C (csrc/adam/adam_kernel.h, enum DType)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+NO_DTYPE = 3
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+__all__ = [
+    "adam_step_flat",
+    "squared_norm",
+    "all_finite",
+    "convert_",
+    "default_num_threads",
+    "kernel_isa",
+    "bandwidth_floor",
+]
+
+
+def default_num_threads() -> int:
+    """Threads a kernel call uses when none is given: every core this process may run on."""
+    return int(_C.adam_default_threads())
+
+
+def kernel_isa() -> str:
+    """The kernel variant calls use now: "avx512", "avx2" or "scalar" (after OFFLOADPP_SIMD)."""
+    return str(_C.adam_isa())
+
+
+def _threads(num_threads: Optional[int], name: str = "num_threads") -> int:
+    if num_threads is None:
+        return 0  # the native side picks default_num_threads()
+    if isinstance(num_threads, bool) or not isinstance(num_threads, numbers.Integral) or num_threads < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {num_threads!r}")
+    return int(num_threads)
+
+
+def check_tensor(t, name: str, dtypes: Sequence[torch.dtype], numel: Optional[int] = None) -> torch.Tensor:
+    """Checks a tensor the kernel will read or write; returns it. ``ValueError`` names ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise ValueError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {allowed}")
+    if t.layout is not torch.strided or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous (strided) tensor")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, expected {numel} (as params)")
+    return t
+
+
+def _scalar(x, name: str, *, positive: bool = False) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {x!r}") from None
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"{name} must be finite and {'> 0' if positive else '>= 0'}, got {x!r}")
+    return v
+
+
+def _step(step) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (the step being taken, 1 for the first), got {step!r}")
+    return int(step)
+
+
+def adam_step_flat(
+    params: torch.Tensor,
+    grads: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    hyper: AdamHyper,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    half_out: Optional[torch.Tensor] = None,
+    check_finite: bool = False,
+    num_threads: Optional[int] = None,
+) -> bool:
+    """One fused Adam step, in place, over flat buffers (e.g. one shard of many parameters).
+
+    params fp32/bf16/fp16; grads fp32/bf16/fp16; exp_avg and exp_avg_sq fp32 (or, with 16-bit
+    params, the params' own dtype); all contiguous CPU tensors with the same number of elements.
+    Grads are used as ``grad * clip_coef / grad_scale``. ``half_out`` (bf16/fp16) receives a copy
+    of the updated params in the same pass. With ``check_finite``, the grads are scanned first
+    (one extra read of them) and, if any is inf/nan, nothing is written and False is returned.
+    ``step`` is the step being taken (1 for the first). Runs on ``num_threads`` threads (default:
+    all cores) without the GIL.
+    """
+    if not isinstance(hyper, AdamHyper):
+        raise ValueError(f"hyper must be an AdamHyper, got {type(hyper).__name__}")
+    step = _step(step)
+    grad_scale = _scalar(grad_scale, "grad_scale", positive=True)
+    clip_coef = _scalar(clip_coef, "clip_coef")
+    threads = _threads(num_threads)
+    check_tensor(params, "params", tuple(DTYPE_CODES))
+    n = params.numel()
+    check_tensor(grads, "grads", tuple(DTYPE_CODES), n)
+    state_dtypes = (torch.float32, params.dtype) if params.dtype in HALF_DTYPES else (torch.float32,)
+    check_tensor(exp_avg, "exp_avg", state_dtypes, n)
+    check_tensor(exp_avg_sq, "exp_avg_sq", (exp_avg.dtype,), n)
+    out_code, out_ptr = NO_DTYPE, 0
+    if half_out is not None:
+        check_tensor(half_out, "half_out", HALF_DTYPES, n)
+        if exp_avg.dtype != torch.float32:
+            raise ValueError("half_out needs fp32 exp_avg/exp_avg_sq")
+        out_code, out_ptr = DTYPE_CODES[half_out.dtype], half_out.data_ptr()
+    seg = [params.data_ptr(), grads.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), out_ptr, n]
+    return bool(
+        _C.adam_step(
+            seg,
+            DTYPE_CODES[params.dtype],
+            DTYPE_CODES[grads.dtype],
+            DTYPE_CODES[exp_avg.dtype],
+            out_code,
+            hyper.lr,
+            hyper.beta1,
+            hyper.beta2,
+            hyper.eps,
+            hyper.weight_decay,
+            hyper.adamw_mode,
+            hyper.bias_correction,
+            step,
+            clip_coef / grad_scale,
+            bool(check_finite),
+            threads,
+            -1,
+        )
+    )
+
+
+def _buffers(tensors, name: str) -> list:
+    if isinstance(tensors, torch.Tensor):
+        tensors = (tensors,)
+    flat = []
+    for i, t in enumerate(tensors):
+        check_tensor(t, f"{name}[{i}]" if len(tensors) > 1 else name, tuple(DTYPE_CODES))
+        flat += (t.data_ptr(), t.numel(), DTYPE_CODES[t.dtype])
+    return flat
+
+
+def squared_norm(
+    tensors: Union[torch.Tensor, Sequence[torch.Tensor]], *, num_threads: Optional[int] = None
+) -> float:
+    """Sum of squares of a tensor (or of several, together), accumulated in fp64; inf and nan
+    propagate, so ``math.isfinite(result)`` is the overflow check. fp32/bf16/fp16, contiguous."""
+    return float(_C.adam_squared_norm(_buffers(tensors, "tensor"), _threads(num_threads)))
+
+
+def all_finite(
+    tensors: Union[torch.Tensor, Sequence[torch.Tensor]],
+    *,
+    mult: float = 1.0,
+    num_threads: Optional[int] = None,
+) -> bool:
+    """True if every element (times ``mult``) of the tensors is finite; stops at the first inf/nan."""
+    mult = float(mult)
+    if not math.isfinite(mult):
+        raise ValueError(f"mult must be finite, got {mult!r}")
+    return bool(_C.adam_all_finite(_buffers(tensors, "tensor"), mult, _threads(num_threads)))
+
+
+def convert_(dst: torch.Tensor, src: torch.Tensor, *, num_threads: Optional[int] = None) -> torch.Tensor:
+    """``dst.copy_(src)`` between fp32/bf16/fp16 (round to nearest even) with the SIMD kernels."""
+    check_tensor(src, "src", tuple(DTYPE_CODES))
+    check_tensor(dst, "dst", tuple(DTYPE_CODES), src.numel())
+    _C.adam_convert(
+        src.data_ptr(),
+        DTYPE_CODES[src.dtype],
+        dst.data_ptr(),
+        DTYPE_CODES[dst.dtype],
+        src.numel(),
+        _threads(num_threads),
+    )
+    return dst
+
+
+def bandwidth_floor(
+    params: torch.Tensor,
+    grads: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    half_out: Optional[torch.Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> None:
+    """Adam's memory traffic on fp32 buffers (read p, g, m, v; write p, m, v; optionally a bf16
+    copy) without its arithmetic: the floor a memory-bound step cannot beat. Values are kept."""
+    check_tensor(params, "params", (torch.float32,))
+    n = params.numel()
+    for name, t in (("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        check_tensor(t, name, (torch.float32,), n)
+    out_ptr = 0
+    if half_out is not None:
+        out_ptr = check_tensor(half_out, "half_out", (torch.bfloat16,), n).data_ptr()
+    seg = [params.data_ptr(), grads.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), out_ptr, n]
+    _C.adam_bandwidth_floor(seg, -1, _threads(num_threads))

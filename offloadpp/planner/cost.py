@@ -1,0 +1,205 @@
+"""The cost model: estimate(plan, hardware, model) -> StepEstimate.
+
+Pure (no torch). The step time comes from a replay of the runtime's schedule on timed
+resources (simulate.py: device compute, the optimizer's worker, one SSD shared by reads and
+writes, the host<->device link, CPU sharing between compute and Adam on the CPU device); the
+floor and the bound come from the totals.
+
+Note: the equations (docs/planner.md has them with the measured accuracy).
+  compute_s = sum over units of forward_s(u) + backward_s(u)   [measured per unit on this device
+              kind, else FLOPs / device FLOP/s; recompute adds forward_s(u) to backward]
+  adam_s    = params / Adam params/s at the runtime's Adam threads
+  ssd_s     = read bytes / read GB/s + write bytes / write GB/s   [bytes as the replay moves them]
+  link_s    = max(h2d bytes / h2d GB/s, d2h bytes / d2h GB/s)     [CUDA only]
+  floor_s   = max(compute_s, ssd_s, adam_s, link_s); `bound` names the largest.
+  step_s    = the replay's time from the first forward to step() returning, steady state, and
+              at least ssd_s and link_s (a step can leave writes queued that no later read waits
+              for, but not forever).
+The replay is what makes step_s differ from floor_s: weights that arrive late (the SSD queue
+holds the previous step's writes), Adam slowed by compute on shared cores, the last units'
+updates after backward, deferred updates run after backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping, Optional
+
+from .desim import Fifo, run
+from .hardware import HardwareProfile
+from .model_profile import ModelProfile
+from .plan import Plan, PlanError, fmt_bytes
+from .schedule import build_schedule
+from .simulate import Costs, Sim
+
+REPLAY_STEPS = 3  # the first steps fill the SSD queue and the moments; the last is steady
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_wait_s: float
+    compute_s: float
+    adam_s: float
+    ssd_s: float
+    link_s: float
+    floor_s: float
+    bound: str  # "compute" | "ssd" | "adam" | "link"
+    ssd_read_bytes: int
+    ssd_write_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    pool_wait_s: float  # of step_s, the main thread waiting for a buffer to come free
+    peak_device_bytes: int  # the schedule's runtime buffers (activations not included)
+    peak_host_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (
+            f"estimate {self.step_s:.3f}s (fwd {self.forward_s:.3f} bwd {self.backward_s:.3f} "
+            f"opt-wait {self.optimizer_wait_s:.3f}) floor {self.floor_s:.3f}s bound by {self.bound} "
+            f"[compute {self.compute_s:.3f} ssd {self.ssd_s:.3f} adam {self.adam_s:.3f} link {self.link_s:.3f}] "
+            f"ssd r {fmt_bytes(self.ssd_read_bytes)} w {fmt_bytes(self.ssd_write_bytes)}"
+        )
+
+
+def activation_policies(plan: Plan) -> dict[str, str]:
+    """The plan's activation policy per unit, if the plan carries them ({} means keep all)."""
+    acts = getattr(plan, "activations", None)
+    if not acts:
+        return {}
+    if isinstance(acts, Mapping):
+        return {k: getattr(v, "value", v) for k, v in acts.items()}
+    return {u.name: getattr(a, "value", a) for u, a in zip(plan.units, acts)}
+
+
+def compute_times(plan: Plan, hardware: HardwareProfile, model: ModelProfile) -> tuple[dict, dict]:
+    """(forward_s, backward_s) per unit on this hardware: measured when the profile was taken on
+    this device kind, else FLOPs / FLOP/s."""
+    names = [u.name for u in plan.units]
+    have = {u.name for u in model.units}
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise PlanError(f"the model profile has no unit(s) {missing}: profile the model the plan is for")
+    measured = model.has_times(hardware.device)
+    rate = hardware.flops_per_s(plan.compute_dtype)
+    fwd, bwd = {}, {}
+    for n in names:
+        u = model.unit(n)
+        if measured:
+            fwd[n], bwd[n] = float(u.forward_s), float(u.backward_s)
+        else:
+            fwd[n], bwd[n] = u.forward_flops / rate, u.backward_flops / rate
+    return fwd, bwd
+
+
+def estimate(
+    plan: Plan,
+    hardware: HardwareProfile,
+    model: ModelProfile,
+    *,
+    adam_threads: int = 1,
+    micro_batches: int = 1,
+    activations: Optional[Mapping[str, str]] = None,
+    act_prefetch_units: int = 2,
+) -> StepEstimate:
+    """The step time `plan` takes on `hardware` for `model` (one optimizer step of
+    `micro_batches` micro-batches), and the phase that bounds it. `activations`: per unit
+    "keep" | "host" | "ssd" | "recompute" (default: the plan's, else keep everything)."""
+    return replay(plan, hardware, model, adam_threads=adam_threads, micro_batches=micro_batches,
+                  activations=activations, act_prefetch_units=act_prefetch_units)[0]  # fmt: skip
+
+
+def replay(
+    plan: Plan,
+    hardware: HardwareProfile,
+    model: ModelProfile,
+    *,
+    adam_threads: int = 1,
+    micro_batches: int = 1,
+    activations: Optional[Mapping[str, str]] = None,
+    act_prefetch_units: int = 2,
+) -> tuple[StepEstimate, dict]:
+    """estimate(), plus the SSD bytes the steady step moves per key ("<unit>.<array>")."""
+    if plan.device != hardware.device:
+        raise PlanError(
+            f"the plan is for device {plan.device!r}, the hardware profile for {hardware.device!r}"
+        )
+    if micro_batches < 1:
+        raise PlanError(f"micro_batches must be >= 1, got {micro_batches}")
+    if (micro_batches > 1) != plan.accumulate_grads:
+        raise PlanError(f"micro_batches={micro_batches} but plan.accumulate_grads={plan.accumulate_grads}")
+    fwd, bwd = compute_times(plan, hardware, model)
+    cuda = plan.device == "cuda"
+    costs = Costs(
+        forward_s=fwd,
+        backward_s=bwd,
+        adam_rate=hardware.adam_rate(adam_threads),
+        adam_tail_rate=hardware.adam_rate(max(adam_threads, hardware.cpu_cores)),
+        memcpy_bps=hardware.memcpy_gbps * 1e9,
+        compute_slowdown=1.0 if cuda else hardware.compute_slowdown_under_adam,
+        adam_slowdown=1.0 if cuda else hardware.adam_slowdown_under_compute,
+        forward_visit_s=hardware.runtime_forward_visit_s,
+        backward_visit_s=hardware.runtime_backward_visit_s,
+    )
+    rb, wb = hardware.ssd_rates()
+    ssd = Fifo(rb * 1e9, wb * 1e9)
+    h2d = Fifo(hardware.h2d_gbps * 1e9, hardware.h2d_gbps * 1e9)
+    d2h = Fifo(hardware.d2h_gbps * 1e9, hardware.d2h_gbps * 1e9)
+    policies = activations if activations is not None else activation_policies(plan)
+    sim = Sim(
+        plan,
+        costs,
+        ssd,
+        h2d,
+        d2h,
+        micro_batches=micro_batches,
+        act_policies=policies,
+        act_bytes={u.name: u.activation_bytes for u in model.units},
+        act_prefetch_units=act_prefetch_units,
+    )
+    run(
+        sim,
+        sim.main(REPLAY_STEPS),
+        sim.helpers(),
+        compute_slowdown=costs.compute_slowdown,
+        helper_slowdown=costs.adam_slowdown,
+    )
+    m = sim.marks[-1]
+    sched = build_schedule(plan)
+    recompute = sum(fwd[n] for n in fwd if policies.get(n) == "recompute")
+    compute = micro_batches * (sum(fwd[n] + bwd[n] for n in fwd) + recompute)
+    adam = sum(u.numel for u in plan.units) / costs.adam_rate
+    ssd_s = m["ssd_r"] / ssd.read_bps + m["ssd_w"] / ssd.write_bps
+    link = max(m["h2d"] / h2d.read_bps, m["d2h"] / d2h.read_bps) if cuda else 0.0
+    parts = {"compute": compute, "ssd": ssd_s, "adam": adam, "link": link}
+    bound = max(parts, key=parts.get)
+    # A replayed step can end with writes still queued (activations no later step reads back
+    # first); in the long run no step is shorter than what the SSD or the link must do in one.
+    step = max(m["end"] - m["start"], ssd_s, link)
+    fwd_end = m["forward_end"][-1]
+    bwd_end = m["backward_end"][-1]
+    est = StepEstimate(
+        step_s=step,
+        forward_s=sum(f - s for f, s in zip(m["forward_end"], [m["start"]] + m["backward_end"][:-1])),
+        backward_s=sum(b - f for b, f in zip(m["backward_end"], m["forward_end"])),
+        optimizer_wait_s=m["end"] - bwd_end if bwd_end >= fwd_end else 0.0,
+        compute_s=compute,
+        adam_s=adam,
+        ssd_s=ssd_s,
+        link_s=link,
+        floor_s=parts[bound],
+        bound=bound,
+        ssd_read_bytes=int(m["ssd_r"]),
+        ssd_write_bytes=int(m["ssd_w"]),
+        h2d_bytes=int(m["h2d"]),
+        d2h_bytes=int(m["d2h"]),
+        pool_wait_s=m["pool_wait"],
+        peak_device_bytes=sched.peak_device_bytes,
+        peak_host_bytes=sched.peak_host_bytes,
+    )
+    return est, m["by_key"]

@@ -1,0 +1,154 @@
+"""The default placement policy: stream what must be streamed, keep what fits, the rest on SSD.
+
+Pure (no torch). A later cost-model planner replaces this; until then the rule is plain:
+
+1. The streaming working set (everything on SSD) must fit the budgets with some prefetch depth:
+   k = 2, else 1, else 0 (no look-ahead), unless the caller fixed k. If even k = 0 does not fit,
+   the budget is too small for one unit: a PlanError names the unit and the bytes.
+2. What is left of the device budget keeps units' weights resident on the device, in forward
+   order (first come, first kept).
+3. What is left of the host budget keeps, unit by unit in forward order, the master weights
+   (with fp32 compute these are also the weights, the most-read array), then the moments.
+4. Gradients that must persist (accumulation, deferred update) stay in host memory if the rest
+   of the host budget holds them all, else all go to SSD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from .plan import Placement, Plan, PlanError, Tier, UnitSpec, all_on_ssd, fmt_bytes
+from .schedule import build_schedule
+
+DEFAULT_OPTIM_PREFETCH = 2
+
+
+def streaming_plan(
+    units: Sequence[UnitSpec],
+    *,
+    device: str,
+    compute_dtype: str,
+    prefetch_depth: int,
+    optim_prefetch_depth: int = DEFAULT_OPTIM_PREFETCH,
+    accumulate_grads: bool = False,
+    deferred_update: bool = False,
+    device_budget_bytes: int = 0,
+    host_budget_bytes: int = 0,
+) -> Plan:
+    """Every array of every unit on SSD."""
+    return Plan(
+        units=tuple(units),
+        placements=all_on_ssd(units),
+        device=device,
+        compute_dtype=compute_dtype,
+        prefetch_depth=prefetch_depth,
+        optim_prefetch_depth=min(optim_prefetch_depth, max(0, len(units) - 1)),
+        accumulate_grads=accumulate_grads,
+        deferred_update=deferred_update,
+        device_budget_bytes=device_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+    )
+
+
+def min_budgets(units: Sequence[UnitSpec], **kwargs) -> tuple[int, int]:
+    """(device_bytes, host_bytes) the streaming plan needs: the smallest budgets that run.
+    Takes streaming_plan's keyword arguments."""
+    sched = build_schedule(streaming_plan(units, **kwargs))
+    return sched.peak_device_bytes, sched.peak_host_bytes
+
+
+def default_plan(
+    units: Sequence[UnitSpec],
+    *,
+    device: str,
+    compute_dtype: str,
+    device_budget_bytes: int,
+    host_budget_bytes: int,
+    prefetch_depth: int | None = None,
+    optim_prefetch_depth: int | None = None,
+    accumulate_grads: bool = False,
+    deferred_update: bool = False,
+) -> Plan:
+    if not units:
+        raise PlanError("no units to plan: the model has no parameters")
+    base = dict(
+        device=device,
+        compute_dtype=compute_dtype,
+        accumulate_grads=accumulate_grads,
+        deferred_update=deferred_update,
+        device_budget_bytes=device_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+    )
+    q = DEFAULT_OPTIM_PREFETCH if optim_prefetch_depth is None else optim_prefetch_depth
+    ks = (prefetch_depth,) if prefetch_depth is not None else (2, 1, 0)
+    qs = (q,) if optim_prefetch_depth is not None else tuple(range(min(q, len(units) - 1), -1, -1))
+    # Deepest weights prefetch first, then the deepest optimizer read-ahead that also fits.
+    for k in ks:
+        for q_try in qs:
+            plan = streaming_plan(units, prefetch_depth=k, optim_prefetch_depth=q_try, **base)
+            sched = build_schedule(plan)
+            if sched.peak_device_bytes <= device_budget_bytes and sched.peak_host_bytes <= host_budget_bytes:
+                need_dev, need_host = sched.peak_device_bytes, sched.peak_host_bytes
+                return _keep_what_fits(plan, device_budget_bytes - need_dev, host_budget_bytes - need_host)
+    smallest = streaming_plan(units, prefetch_depth=ks[-1], optim_prefetch_depth=qs[-1], **base)
+    sched = build_schedule(smallest)
+    if sched.peak_device_bytes > device_budget_bytes:
+        _raise_device_too_small(units, smallest, sched.peak_device_bytes)
+    _raise_host_too_small(units, smallest, sched.peak_host_bytes)
+    raise AssertionError("unreachable")
+
+
+def _keep_what_fits(plan: Plan, spare_dev: int, spare_host: int) -> Plan:
+    cdt = plan.compute_dtype
+    cpu = plan.device == "cpu"
+    placements = []
+    notes = []
+    for u, p in plan:
+        weights, master, moments = p.weights, p.master, p.moments
+        wb = u.weights_bytes(cdt)
+        fp32_cpu = cpu and not plan.separate_weights
+        if wb <= spare_dev:
+            weights, spare_dev = Tier.DEVICE, spare_dev - wb
+            if fp32_cpu:
+                master = Tier.HOST  # the resident weights are the master itself
+        if master is Tier.SSD and u.master_bytes <= spare_host:
+            master, spare_host = Tier.HOST, spare_host - u.master_bytes
+            if not plan.separate_weights and weights is not Tier.DEVICE:
+                weights = Tier.HOST
+        if plan.separate_weights and weights is Tier.SSD and wb <= spare_host:
+            weights, spare_host = Tier.HOST, spare_host - wb
+        if u.moments_bytes <= spare_host:
+            moments, spare_host = Tier.HOST, spare_host - u.moments_bytes
+        placements.append(Placement(u.name, weights, master, moments, Tier.SSD))
+    grads = Tier.SSD
+    if plan.persistent_grads:
+        total = sum(u.grad_bytes for u in plan.units)
+        if total <= spare_host:
+            grads, spare_host = Tier.HOST, spare_host - total
+        else:
+            notes.append(f"gradients ({fmt_bytes(total)}) do not fit the host budget's rest: kept on SSD")
+    placements = [replace(p, grads=grads) for p in placements]
+    return replace(plan, placements=tuple(placements), notes=tuple(notes))
+
+
+def _raise_device_too_small(units: Sequence[UnitSpec], plan: Plan, need: int) -> None:
+    cdt = plan.compute_dtype
+    biggest = max(units, key=lambda u: u.weights_bytes(cdt))
+    raise PlanError(
+        f"device budget of {fmt_bytes(plan.device_budget_bytes)} ({plan.device_budget_bytes} bytes) is too "
+        f"small: streaming the units with prefetch depth {plan.prefetch_depth} needs at least {fmt_bytes(need)} "
+        f"({need} bytes); the largest unit {biggest.name!r} has {biggest.numel:,} parameters "
+        f"({fmt_bytes(biggest.weights_bytes(cdt))} of {cdt} weights). Raise device_budget_bytes to at least {need}."
+    )
+
+
+def _raise_host_too_small(units: Sequence[UnitSpec], plan: Plan, need: int) -> None:
+    biggest = max(units, key=lambda u: u.moments_bytes)
+    raise PlanError(
+        f"host budget of {fmt_bytes(plan.host_budget_bytes)} ({plan.host_budget_bytes} bytes) is too "
+        f"small: the optimizer's working set with optimizer prefetch depth "
+        f"{plan.optim_prefetch_depth} needs at least {fmt_bytes(need)} ({need} bytes); the largest "
+        f"unit {biggest.name!r} has {biggest.numel:,} parameters ({fmt_bytes(biggest.moments_bytes)} of "
+        f"Adam moments). Raise host_budget_bytes to at least {need}."
+    )

@@ -1,0 +1,245 @@
+"""ModelProfile: per unit, parameter count, saved-activation bytes, FLOPs and (when measured) time.
+
+Pure (no torch). Filled either by one profiling iteration of the real model
+(offloadpp/profiling/model.py: hooks per unit, saved_tensors_hooks, FlopCounterMode) or
+analytically from a Hugging Face config (`analytic_profile`, for GPT-2 and Llama-style models,
+no weights needed). Unit names and sizes are the runtime's (runtime/units.py), so a plan made
+from a profile runs on the model it was made for.
+
+Note: measured times. A measured profile also carries each unit's forward and backward seconds
+on the device it ran on (the forward visit spans from the unit's first module to the next unit's,
+the loss included in the last; the backward visit from the gradient reaching the unit's outputs
+to it reaching the previous unit's). The cost model uses them on that device kind and falls back
+to FLOPs / the hardware's FLOP/s elsewhere: GEMM FLOP/s alone miss the attention, norm and
+element-wise time that small models spend most of a CPU step in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping, Optional
+
+from .plan import DTYPE_BYTES, UnitSpec
+
+
+class ModelProfileError(ValueError):
+    """A model profile that cannot be used; the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    name: str
+    numel: int  # parameters owned (unpadded), as UnitSpec
+    forward_flops: int
+    backward_flops: int
+    activation_bytes: (
+        int  # tensors the unit's forward saves for backward (parameters excluded), one micro-batch
+    )
+    output_bytes: int = 0  # the unit's output (what a recomputing unit needs kept to run again)
+    borrows: tuple[str, ...] = ()
+    backward_needs_weights: bool = True
+    forward_s: Optional[float] = None  # measured, one micro-batch (see the module note)
+    backward_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ModelProfileError(f"unit {self.name!r}: {name} must be an int >= 0, got {v!r}")
+        for name in ("forward_s", "backward_s"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or v < 0):
+                raise ModelProfileError(f"unit {self.name!r}: {name} must be None or seconds >= 0, got {v!r}")
+
+    def spec(self) -> UnitSpec:
+        return UnitSpec(self.name, self.numel, tuple(self.borrows), self.backward_needs_weights)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    model: str  # a name for humans (preset, HF model type, path)
+    micro_batch: int
+    seq_len: int
+    compute_dtype: str
+    units: tuple[UnitProfile, ...]  # forward order
+    source: str = "analytic"  # "analytic" | "measured"
+    measured_device: Optional[str] = None  # "cpu" | "cuda": where forward_s/backward_s were taken
+    torch_threads: Optional[int] = None
+    gemms: tuple[tuple[int, int, int], ...] = ()  # (m, k, n) of the model's matmuls, for `offloadpp profile`
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in DTYPE_BYTES:
+            raise ModelProfileError(
+                f"ModelProfile.compute_dtype must be one of {tuple(DTYPE_BYTES)}, got {self.compute_dtype!r}"
+            )
+        if self.micro_batch < 1 or self.seq_len < 1:
+            raise ModelProfileError(
+                f"ModelProfile.micro_batch and seq_len must be >= 1, got {self.micro_batch}, {self.seq_len}"
+            )
+        if not self.units:
+            raise ModelProfileError("ModelProfile.units is empty: the model has no parameters")
+        if self.source not in ("analytic", "measured"):
+            raise ModelProfileError(
+                f"ModelProfile.source must be 'analytic' or 'measured', got {self.source!r}"
+            )
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ModelProfileError(f"ModelProfile.units has duplicate names: {names}")
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    def unit_specs(self) -> tuple[UnitSpec, ...]:
+        return tuple(u.spec() for u in self.units)
+
+    def unit(self, name: str) -> UnitProfile:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"no unit named {name!r} in the model profile")
+
+    def has_times(self, device: str) -> bool:
+        return self.measured_device == device and all(
+            u.forward_s is not None and u.backward_s is not None for u in self.units
+        )
+
+    def without_times(self) -> ModelProfile:
+        return replace(self, units=tuple(replace(u, forward_s=None, backward_s=None) for u in self.units),
+                       measured_device=None)  # fmt: skip
+
+    # ---- JSON ----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["units"] = [asdict(u) for u in self.units]
+        for u in d["units"]:
+            u["borrows"] = list(u["borrows"])
+        d["gemms"] = [list(g) for g in self.gemms]
+        return d
+
+    def to_json(self, path: Optional[str] = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelProfile:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ModelProfileError(f"model profile has unknown field(s) {unknown}")
+        kw = dict(d)
+        kw["units"] = tuple(UnitProfile(**{**u, "borrows": tuple(u.get("borrows", ()))}) for u in d["units"])
+        kw["gemms"] = tuple(tuple(int(x) for x in g) for g in d.get("gemms", ()))
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path_or_text: str) -> ModelProfile:
+        text = path_or_text
+        if not path_or_text.lstrip().startswith("{"):
+            if not os.path.isfile(path_or_text):
+                raise ModelProfileError(f"model profile {path_or_text!r} does not exist")
+            with open(path_or_text) as f:
+                text = f.read()
+        return cls.from_dict(json.loads(text))
+
+    def describe(self) -> str:
+        lines = [
+            f"model: {self.model} ({self.numel:,} params, {len(self.units)} units), micro-batch "
+            f"{self.micro_batch}x{self.seq_len}, {self.compute_dtype}, {self.source}"
+            + (f" on {self.measured_device}" if self.measured_device else ""),
+            f"  {'unit':<24} {'params':>12} {'fwd GFLOP':>10} {'bwd GFLOP':>10} {'act MiB':>8} {'fwd ms':>8} {'bwd ms':>8}",
+        ]
+        for u in self.units:
+            fs = f"{u.forward_s * 1e3:.1f}" if u.forward_s is not None else "-"
+            bs = f"{u.backward_s * 1e3:.1f}" if u.backward_s is not None else "-"
+            lines.append(
+                f"  {u.name:<24} {u.numel:>12,} {u.forward_flops / 1e9:>10.2f} {u.backward_flops / 1e9:>10.2f} "
+                f"{u.activation_bytes / 2**20:>8.1f} {fs:>8} {bs:>8}"
+            )
+        return "\n".join(lines)
+
+
+# ---- the analytic path ----------------------------------------------------------------------
+def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    if default is not None:
+        return default
+    raise ModelProfileError(f"model config lacks {names[0]!r} (also looked for {list(names[1:])})")
+
+
+def analytic_profile(
+    config: Mapping[str, Any], *, micro_batch: int, seq_len: int, compute_dtype: str = "fp32", name: str = ""
+) -> ModelProfile:
+    """A profile from a Hugging Face config dict (config.json), no weights: GPT-2 and the
+    Llama family (llama, qwen2, mistral). Parameter counts are exact; FLOPs count the matmuls
+    (2 per multiply-add, backward twice forward); activation bytes count what autograd saves in
+    eager mode with SDPA attention (inputs of each linear, norm and activation function, q/k/v,
+    the attention output and its statistics, the logits for the loss), checked against measured
+    GPT-2 and Llama profiles (tests/test_profiling.py)."""
+    mtype = str(config.get("model_type", "")).lower()
+    b, s = micro_batch, seq_len
+    t = b * s
+    eb = DTYPE_BYTES[compute_dtype]
+    if mtype == "gpt2":
+        d = int(_get(config, "n_embd", "hidden_size"))
+        n_layer = int(_get(config, "n_layer", "num_hidden_layers"))
+        vocab = int(_get(config, "vocab_size"))
+        npos = int(_get(config, "n_positions", "max_position_embeddings"))
+        inner = int(config.get("n_inner") or 4 * d)
+        tied = bool(config.get("tie_word_embeddings", True))
+        block_numel = 4 * d + 3 * d * d + 3 * d + d * d + d + 2 * d * inner + inner + d
+        lin = 3 * d * d + d * d + 2 * d * inner
+        # saved: ln_1 in and out, q/k/v, attention out and its log-sum-exp, ln_2 in and out, c_fc
+        # in; c_fc out, GELU's tanh-form intermediates (3) and c_proj in at the inner width
+        act_elems = t * (8 * d + 5 * inner) + 2 * b * s * int(_get(config, "n_head", "num_attention_heads"))
+        units = [UnitProfile("embed", vocab * d + npos * d, 0, 0, 8 * t, t * d * eb, (), False)]
+        units += [
+            UnitProfile(f"transformer.h.{i}", block_numel, 2 * t * lin + 4 * b * s * s * d,
+                        2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb)
+            for i in range(n_layer)
+        ]  # fmt: skip
+        head_numel = 2 * d + (0 if tied else vocab * d)
+        units.append(UnitProfile("head", head_numel, 2 * t * d * vocab, 4 * t * d * vocab,
+                                 (2 * t * d + t * vocab) * eb, t * vocab * eb, ("embed",) if tied else ()))  # fmt: skip
+        gemms = ((t, d, 3 * d), (t, d, d), (t, d, inner), (t, inner, d), (t, d, vocab))
+    elif mtype in ("llama", "qwen2", "mistral"):
+        d = int(_get(config, "hidden_size"))
+        n_layer = int(_get(config, "num_hidden_layers"))
+        vocab = int(_get(config, "vocab_size"))
+        ff = int(_get(config, "intermediate_size"))
+        heads = int(_get(config, "num_attention_heads"))
+        kv = int(config.get("num_key_value_heads") or heads)
+        hd = int(config.get("head_dim") or d // heads)
+        tied = bool(config.get("tie_word_embeddings", False))
+        qkv_bias = mtype == "qwen2" or bool(config.get("attention_bias", False))
+        attn = d * heads * hd + 2 * d * kv * hd + heads * hd * d + ((heads + 2 * kv) * hd if qkv_bias else 0)
+        block_numel = attn + 3 * d * ff + 2 * d
+        lin = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * ff
+        attn_flops = 4 * b * s * s * heads * hd
+        act_elems = t * (6 * d + 2 * heads * hd + 2 * kv * hd + 4 * ff) + 2 * b * s * heads
+        units = [UnitProfile("embed", vocab * d, 0, 0, 8 * t, t * d * eb, (), False)]
+        units += [
+            UnitProfile(f"model.layers.{i}", block_numel, 2 * t * lin + attn_flops, 2 * (2 * t * lin + attn_flops),
+                        act_elems * eb, t * d * eb)
+            for i in range(n_layer)
+        ]  # fmt: skip
+        units.append(UnitProfile("head", d + (0 if tied else vocab * d), 2 * t * d * vocab, 4 * t * d * vocab,
+                                 (3 * t * d + t * vocab) * eb, t * vocab * eb, ("embed",) if tied else ()))  # fmt: skip
+        gemms = ((t, d, heads * hd), (t, d, kv * hd), (t, d, ff), (t, ff, d), (t, d, vocab))
+    else:
+        raise ModelProfileError(
+            f"config.model_type {mtype!r}: the analytic profile knows 'gpt2', 'llama', 'qwen2' and 'mistral'; "
+            "profile the model instead (offloadpp.profiling.profile_model)"
+        )
+    return ModelProfile(name or mtype, b, s, compute_dtype, tuple(units), "analytic", gemms=gemms)

@@ -1,0 +1,245 @@
+"""The Plan: where each unit's training state lives, and how far ahead the runtime fetches.
+
+Pure data (no torch). The runtime executes a frozen Plan and never re-decides placement; a later
+planner fills the same types from a cost model (DESIGN.md, convention 7).
+
+A *unit* is the granularity of I/O and of the optimizer: a transformer block, the embeddings, the
+head. Each unit owns a flat run of parameters (`numel` elements); a unit whose modules also read
+another unit's parameters (tied embeddings/lm_head) names it in `borrows`.
+
+Note: the four arrays of a unit and where they can live.
+  weights  the compute-precision copy the device computes with. DEVICE: resident for the whole
+           run; HOST: a resident copy in host memory, copied to the device for each use; SSD: read
+           for each use. With fp32 compute the weights *are* the fp32 master (no second copy is
+           kept anywhere), so a non-DEVICE weights tier must equal the master tier.
+  master   fp32 master weights, read and written by the CPU optimizer: HOST or SSD.
+  moments  Adam's exp_avg and exp_avg_sq (fp32): HOST or SSD.
+  grads    fp32 gradients kept between micro-batches, or until a deferred update (clipping, fp16
+           overflow check) can run: HOST or SSD. Without accumulation or deferral they are
+           transient (one unit in flight at a time) and this tier is not used.
+On the CPU acting as the device, DEVICE and HOST are the same memory; the device buffer of a
+unit is then the host buffer itself (no copy), and DEVICE fp32 weights mean the master stays in
+memory too, so they require master HOST.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterator, Sequence
+
+# Bytes per element of the dtypes the runtime uses, by the names RuntimeConfig uses.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+COMPUTE_DTYPES = tuple(DTYPE_BYTES)
+DEVICES = ("cpu", "cuda")
+
+# Direct I/O moves whole 4096-byte blocks: every flat buffer is padded to a multiple of this many
+# elements (4096 bytes at 2 bytes/element, 8192 at 4), so one layout serves every dtype.
+ALIGN_NUMEL = 2048
+
+
+class PlanError(ValueError):
+    """A plan that cannot run: budgets too small, inconsistent tiers. The message names the unit,
+    the budget and the bytes needed."""
+
+
+class Tier(str, Enum):
+    DEVICE = "device"
+    HOST = "host"
+    SSD = "ssd"
+
+
+def flat_numel(numel: int) -> int:
+    """Elements of a unit's flat buffer: its parameters back to back, padded to ALIGN_NUMEL."""
+    return -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """What the planner needs to know about a unit (the runtime discovers these from the model)."""
+
+    name: str
+    numel: int  # parameters owned, unpadded
+    borrows: tuple[str, ...] = ()  # units whose weights this unit's modules also read
+    # False for units whose backward reads none of their weights (embedding lookups): their
+    # weights are then not fetched for backward.
+    backward_needs_weights: bool = True
+
+    @property
+    def padded_numel(self) -> int:
+        return flat_numel(self.numel)
+
+    def weights_bytes(self, compute_dtype: str) -> int:
+        return self.padded_numel * DTYPE_BYTES[compute_dtype]
+
+    @property
+    def master_bytes(self) -> int:
+        return self.padded_numel * 4
+
+    @property
+    def moments_bytes(self) -> int:
+        return self.padded_numel * 8
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.padded_numel * 4
+
+
+@dataclass(frozen=True)
+class Placement:
+    unit: str
+    weights: Tier
+    master: Tier
+    moments: Tier
+    grads: Tier = Tier.HOST
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A frozen placement of every unit plus the prefetch depths; validated on construction."""
+
+    units: tuple[UnitSpec, ...]  # in forward order
+    placements: tuple[Placement, ...]  # same order
+    device: str  # "cpu" | "cuda"
+    compute_dtype: str  # "fp32" | "bf16" | "fp16"
+    prefetch_depth: int  # weights of visit i+k are fetched while visit i computes
+    optim_prefetch_depth: int  # optimizer state is read this many visits before its grads exist
+    accumulate_grads: bool = False  # gradient accumulation over micro-batches
+    deferred_update: bool = False  # updates wait for a global quantity (clip norm, overflow)
+    # Keep a unit's weights between two uses in a step where that raises neither peak
+    # (schedule.py, _fill_gaps); False: drop after every use and read again (strict streaming).
+    fill_gaps: bool = True
+    device_budget_bytes: int = 0
+    host_budget_bytes: int = 0
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise PlanError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise PlanError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+        if self.prefetch_depth < 0 or self.optim_prefetch_depth < 0:
+            raise PlanError(
+                f"prefetch depths must be >= 0, got prefetch_depth={self.prefetch_depth}, "
+                f"optim_prefetch_depth={self.optim_prefetch_depth}"
+            )
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise PlanError(f"unit names must be unique, got {names}")
+        if [p.unit for p in self.placements] != names:
+            raise PlanError("placements must list the units in the same order as units")
+        known = set(names)
+        for u in self.units:
+            for b in u.borrows:
+                if b not in known or b == u.name:
+                    raise PlanError(f"unit {u.name!r} borrows unknown unit {b!r}")
+        for p in self.placements:
+            self._check_placement(p)
+
+    def _check_placement(self, p: Placement) -> None:
+        for what in ("master", "moments", "grads"):
+            if getattr(p, what) is Tier.DEVICE:
+                raise PlanError(
+                    f"unit {p.unit!r}: {what} cannot live on the device (the optimizer runs on the CPU)"
+                )
+        if self.compute_dtype == "fp32":
+            if p.weights is not Tier.DEVICE and p.weights is not p.master:
+                raise PlanError(
+                    f"unit {p.unit!r}: with fp32 compute the weights are the master copy, so the weights "
+                    f"tier ({p.weights.value}) must be 'device' or equal the master tier ({p.master.value})"
+                )
+            if self.device == "cpu" and p.weights is Tier.DEVICE and p.master is not Tier.HOST:
+                raise PlanError(
+                    f"unit {p.unit!r}: on the CPU device, fp32 weights resident on the device are the "
+                    "master itself, so master must be 'host'"
+                )
+
+    # ---- lookups -------------------------------------------------------------------------
+    def unit(self, name: str) -> UnitSpec:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"no unit named {name!r} in the plan")
+
+    def placement(self, name: str) -> Placement:
+        for p in self.placements:
+            if p.unit == name:
+                return p
+        raise KeyError(f"no unit named {name!r} in the plan")
+
+    def __iter__(self) -> Iterator[tuple[UnitSpec, Placement]]:
+        return iter(zip(self.units, self.placements))
+
+    @property
+    def separate_weights(self) -> bool:
+        """True when the compute copy is not the master itself (16-bit compute)."""
+        return self.compute_dtype != "fp32"
+
+    @property
+    def persistent_grads(self) -> bool:
+        """Gradients outlive one unit's backward: kept across micro-batches or for a deferred update."""
+        return self.accumulate_grads or self.deferred_update
+
+    # ---- byte totals ---------------------------------------------------------------------
+    def ssd_bytes(self) -> int:
+        """Bytes the store holds at most: every array whose home is SSD."""
+        total = 0
+        for u, p in self:
+            if p.master is Tier.SSD:
+                total += u.master_bytes
+            if p.moments is Tier.SSD:
+                total += u.moments_bytes
+            if self.separate_weights and p.weights is Tier.SSD:
+                total += u.weights_bytes(self.compute_dtype)
+            if self.persistent_grads and p.grads is Tier.SSD:
+                total += u.grad_bytes
+        return total
+
+    def resident_device_bytes(self) -> int:
+        return sum(u.weights_bytes(self.compute_dtype) for u, p in self if p.weights is Tier.DEVICE)
+
+    def resident_host_bytes(self) -> int:
+        total = 0
+        for u, p in self:
+            if p.master is Tier.HOST and not (self.device == "cpu" and p.weights is Tier.DEVICE):
+                total += u.master_bytes
+            if p.moments is Tier.HOST:
+                total += u.moments_bytes
+            if self.separate_weights and p.weights is Tier.HOST:
+                total += u.weights_bytes(self.compute_dtype)
+            if self.persistent_grads and p.grads is Tier.HOST:
+                total += u.grad_bytes
+        return total
+
+    def describe(self) -> str:
+        """A table for humans: one line per unit."""
+        lines = [
+            f"plan: device={self.device} compute={self.compute_dtype} prefetch_depth={self.prefetch_depth} "
+            f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
+            f"deferred_update={self.deferred_update} fill_gaps={self.fill_gaps}",
+            f"  budgets: device {fmt_bytes(self.device_budget_bytes)}, host {fmt_bytes(self.host_budget_bytes)}; "
+            f"resident: device {fmt_bytes(self.resident_device_bytes())}, host "
+            f"{fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",
+            f"  {'unit':<28} {'params':>12} {'weights':>8} {'master':>8} {'moments':>8} {'grads':>8}",
+        ]
+        for u, p in self:
+            grads = p.grads.value if self.persistent_grads else "-"
+            lines.append(
+                f"  {u.name:<28} {u.numel:>12,} {p.weights.value:>8} {p.master.value:>8} "
+                f"{p.moments.value:>8} {grads:>8}"
+            )
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def all_on_ssd(units: Sequence[UnitSpec]) -> tuple[Placement, ...]:
+    """Every array of every unit on SSD."""
+    return tuple(Placement(u.name, Tier.SSD, Tier.SSD, Tier.SSD, Tier.SSD) for u in units)

@@ -1,0 +1,218 @@
+"""The schedule a Plan implies: the order units run in one training step, which weights are held
+at each point, the order the optimizer updates units, and the memory that takes.
+
+Pure (no torch). The runtime walks `Schedule.visits` and does what it says; the planner uses the
+same walk to check budgets, so what is checked is what runs.
+
+Note: the shape of a step. A *visit* is one unit running: forward visits the units in order,
+backward visits them in reverse. While visit i runs, the weights of visits i..i+k are held
+(`alive[i]`), so the fetch for visit i+k starts as visit i starts, and a unit used twice within
+k visits (the last blocks of forward, reused first in backward; the embeddings read again by a
+tied head) is simply kept. The optimizer updates a unit as its gradients complete, which is at
+its backward visit, so `update_order` is the backward order. Its state (master, moments) is read
+in a window over that order: the first q+1 units' state at the start of the forward that ends on
+an accumulation boundary, then unit i+q+1's as unit i is handed to the optimizer. That window is
+also what a deferred update (clipping, overflow check) uses after backward.
+
+Note: across the step boundary. The units the next forward's first two visits hold (`next_keep`)
+keep their buffers after their update: the weights the update just produced are what that
+forward needs, and reading them back would queue behind the step's own trailing writes of
+master and moments (the disk serves requests in order), stalling the first visits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .plan import DTYPE_BYTES, Plan, Tier
+
+
+@dataclass(frozen=True)
+class Visit:
+    index: int
+    unit: str
+    backward: bool
+    needs: tuple[str, ...]  # units whose weights must be on the device while this visit runs
+
+
+@dataclass(frozen=True)
+class Schedule:
+    visits: tuple[Visit, ...]  # forward visits, then backward visits
+    alive: tuple[frozenset[str], ...]  # weights held while visit i runs (needed by visits i..i+k)
+    update_order: tuple[str, ...]  # units in the order their gradients complete
+    prefetch_depth: int  # k: alive[i] spans visits i..i+k
+    next_keep: frozenset[str]  # updated weights kept in memory for the next forward (see Note)
+    keep_until_update: frozenset[str]  # weights (== master) kept from an early backward use to the update
+    optim_window: int  # q: state of updates i..i+q is read ahead
+    peak_device_bytes: int  # runtime buffers on the device (weights, one unit's grads)
+    peak_host_bytes: int  # runtime buffers in host memory, resident arrays included
+    forward_index: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
+    backward_index: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
+
+    @property
+    def num_forward(self) -> int:
+        return len(self.forward_index)
+
+    def window_at(self, submitted: int) -> tuple[str, ...]:
+        """Units whose optimizer state is wanted once `submitted` updates were handed out."""
+        n = len(self.update_order)
+        return self.update_order[max(0, submitted - 1) : min(n, submitted + self.optim_window + 1)]
+
+
+def build_schedule(plan: Plan) -> Schedule:
+    units = plan.units
+    k = plan.prefetch_depth
+    visits: list[Visit] = []
+    for u in units:
+        visits.append(Visit(len(visits), u.name, False, (u.name, *u.borrows)))
+    for u in reversed(units):
+        own = (u.name,) if u.backward_needs_weights else ()
+        visits.append(Visit(len(visits), u.name, True, own + u.borrows))
+    n = len(visits)
+    alive = tuple(
+        frozenset(name for v in visits[i : min(n, i + k + 1)] for name in v.needs) for i in range(n)
+    )
+    forward_index = {v.unit: v.index for v in visits if not v.backward}
+    backward_index = {v.unit: v.index for v in visits if v.backward}
+    update_order = tuple(v.unit for v in visits if v.backward)
+    keep_until_update = frozenset()
+    if _alias(plan) and not plan.deferred_update:
+        # A unit whose weights backward reads before its own visit (tied embeddings read by the
+        # head): its weights are its master, which its update needs at the end; keep them.
+        keep_until_update = frozenset(
+            name for v in visits if v.backward for name in v.needs if v.index < backward_index[name]
+        )
+    sched = Schedule(
+        visits=tuple(visits),
+        alive=alive,
+        update_order=update_order,
+        prefetch_depth=k,
+        next_keep=alive[0] | (alive[1] if n > 1 else frozenset()),
+        keep_until_update=keep_until_update,
+        optim_window=plan.optim_prefetch_depth,
+        peak_device_bytes=0,
+        peak_host_bytes=0,
+        forward_index=forward_index,
+        backward_index=backward_index,
+    )
+    if plan.fill_gaps:
+        sched = Schedule(**{**sched.__dict__, "alive": _fill_gaps(plan, sched)})
+    dev, host = _peaks(plan, sched)
+    return Schedule(**{**sched.__dict__, "peak_device_bytes": dev, "peak_host_bytes": host})
+
+
+def _alias(plan: Plan) -> bool:
+    """On the CPU device with fp32 compute a unit's device weights are its host master buffer."""
+    return plan.device == "cpu" and not plan.separate_weights
+
+
+def _peaks(plan: Plan, sched: Schedule) -> tuple[int, int]:
+    """Peak device and host bytes of the runtime's buffers over one step (an accumulation
+    boundary, the heavier case), by walking the visits as the runtime does (see _walk)."""
+    devs, hosts, _ = _walk(plan, sched)
+    specs = {u.name: u for u in plan.units}
+    place = {p.unit: p for p in plan.placements}
+    # One unit's worth of buffers for writes still draining (the pool waits for them beyond it).
+    drain = max((_optim_host_bytes(plan, specs[u.name], place[u.name]) for u in plan.units), default=0)
+    drain_dev = (
+        max((u.master_bytes for u, p in plan if p.master is Tier.SSD), default=0) if _alias(plan) else 0
+    )
+    return (
+        max(devs) + drain_dev + plan.resident_device_bytes(),
+        max(hosts) + drain + plan.resident_host_bytes(),
+    )
+
+
+def _optim_host_bytes(plan: Plan, u, p) -> int:
+    """Host bytes the optimizer holds for one unit in its window."""
+    cdt = plan.compute_dtype
+    b = 0
+    if p.moments is Tier.SSD:
+        b += u.moments_bytes
+    if p.master is Tier.SSD and not _alias(plan):
+        b += u.master_bytes
+    if plan.separate_weights and p.weights is not Tier.HOST:
+        b += u.weights_bytes(cdt)  # the new compute copy the update writes
+    if plan.persistent_grads:
+        if p.grads is Tier.SSD:
+            b += u.grad_bytes
+    elif plan.device != "cpu":
+        b += u.grad_bytes + u.padded_numel * DTYPE_BYTES[cdt]  # fp32 host grads + pinned staging
+    # (on the CPU device, transient grads are the device's own: counted there)
+    return b
+
+
+def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]:
+    """Per visit: device bytes, host bytes, and the units whose weights are in device memory.
+
+    Device: the weights `alive` holds; the unit's gradients in its backward visit; updated units
+    kept for the next forward; with the weights aliasing the master (CPU, fp32), also the masters
+    the optimizer holds (its window, units kept until their update). Host: the optimizer window's
+    moments (and master, compute copy, gradients where they are separate), a pinned copy per
+    weights fetch in flight where the device is separate. Resident arrays are not included.
+    """
+    cdt = plan.compute_dtype
+    alias = _alias(plan)
+    specs = {u.name: u for u in plan.units}
+    place = {p.unit: p for p in plan.placements}
+    first_backward = len(sched.forward_index)
+    devs, hosts, helds = [], [], []
+    for v in sched.visits:
+        seen = v.index - first_backward + 1 if v.backward else 0  # units handed to Adam, about
+        window = sched.window_at(seen)
+        updated = {w.unit for w in sched.visits[first_backward : v.index]} if v.backward else set()
+        held = set(sched.alive[v.index]) | (sched.next_keep & updated)
+        if alias:
+            held |= set(window)
+            if v.backward:
+                held |= {n for n in sched.keep_until_update if n not in updated}
+        held = {n for n in held if place[n].weights is not Tier.DEVICE}
+        dev = sum(specs[n].weights_bytes(cdt) for n in held)
+        if v.backward:
+            dev += specs[v.unit].padded_numel * DTYPE_BYTES[cdt]  # the unit's grads before they leave
+        host = sum(_optim_host_bytes(plan, specs[n], place[n]) for n in window)
+        if plan.device != "cpu":
+            # a pinned host copy per weights fetch in flight (SSD -> host -> device)
+            host += sum(
+                specs[n].weights_bytes(cdt) for n in sched.alive[v.index] if place[n].weights is Tier.SSD
+            )
+        devs.append(dev)
+        hosts.append(host)
+        helds.append(held)
+    return devs, hosts, helds
+
+
+def _fill_gaps(plan: Plan, sched: Schedule) -> tuple[frozenset[str], ...]:
+    """`alive`, with units kept between two uses wherever that does not raise either peak.
+
+    Note: why. The peak of a step is set by its heaviest moment (for a tied GPT-2 on the CPU,
+    the end of backward: the embeddings' master, gradients and moments at once). Elsewhere the
+    budget has room, and a unit read twice in a step (the embeddings: at the first visit and by
+    the tied head; the last blocks: in forward and again in backward) can simply stay: the same
+    memory, less SSD traffic. Largest units first.
+    """
+    devs, hosts, helds = _walk(plan, sched)
+    peak_dev, peak_host = max(devs), max(hosts)
+    specs = {u.name: u for u in plan.units}
+    place = {p.unit: p for p in plan.placements}
+    cdt = plan.compute_dtype
+    alive = [set(a) for a in sched.alive]
+    uses: dict[str, list[int]] = {}
+    for v in sched.visits:
+        for name in v.needs:
+            uses.setdefault(name, []).append(v.index)
+    for name in sorted(uses, key=lambda n: (-specs[n].weights_bytes(cdt), n)):
+        if place[name].weights is Tier.DEVICE:
+            continue
+        w = specs[name].weights_bytes(cdt)
+        w_host = w if plan.device != "cpu" and place[name].weights is Tier.SSD else 0
+        for a, b in zip(uses[name], uses[name][1:]):
+            gap = [i for i in range(a + 1, b) if name not in helds[i]]
+            if gap and all(devs[i] + w <= peak_dev and hosts[i] + w_host <= peak_host for i in gap):
+                for i in gap:
+                    alive[i].add(name)
+                    helds[i].add(name)
+                    devs[i] += w
+                    hosts[i] += w_host
+    return tuple(frozenset(a) for a in alive)

@@ -1,0 +1,493 @@
+"""A discrete-event replay of what the runtime does in a training step, for the cost model.
+
+Pure (no torch). It walks the same Schedule the runtime walks and applies the runtime's rules
+(runtime/executor.py, optimizer.py, slots.py, memory.py, device.py) to timed resources instead
+of real buffers, so the bytes it moves are the bytes the runtime moves and the waits are the
+waits the runtime has.
+
+Note: the resources.
+  main thread   runs the visits: device compute (forward / backward of each unit), the hooks'
+                fetch and release decisions, the optimizer's submissions and reaps. It blocks
+                where the runtime blocks: waiting for weights, for a key's own write to drain
+                before re-reading it, for the buffer pool, for the optimizer at step().
+  worker        the optimizer's single thread: per job, wait for its reads, absorb gradients,
+                run Adam, start the writes.
+  CPU sharing   on the CPU acting as the device, compute and Adam run on the same cores: while
+                both run, compute advances at 1/compute_slowdown_under_adam of its speed and
+                Adam at 1/adam_slowdown_under_compute (both measured by `offloadpp profile`).
+  SSD           one FIFO server for reads and writes together (the engine serves queued
+                requests in order, one device bandwidth): a request finishes at
+                max(issue, previous finish) + bytes / GB/s of its direction.
+  link (CUDA)   one FIFO server per direction (host->device, device->host).
+Several steps are replayed and the last is reported: writes started by one step's optimizer
+drain into the next step's reads, as they do in the runtime.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Optional
+
+from .desim import Fifo, Pool
+from .plan import DTYPE_BYTES, Plan, Tier
+from .schedule import Schedule, build_schedule
+from .simulate_act import ActReplay
+
+EMPTY, LOADING, READY = 0, 1, 2
+COMPUTE, OPTIM, NEXT = "compute", "optim", "next"
+
+
+@dataclass(eq=False)
+class Slot:
+    key: str
+    nbytes: int
+    pool: Pool
+    resident: bool
+    on_disk: bool
+    state: int = EMPTY
+    holds: set = field(default_factory=set)
+    read_done: float = 0.0
+    write_done: float = 0.0
+
+    def acquire(self, sim: Sim, hold: str, overwrite: bool = False) -> Iterator:
+        self.holds.add(hold)
+        if self.state != EMPTY:
+            return
+        if self.write_done > sim.t:  # our own write of this key is still draining
+            yield ("until", self.write_done)
+        yield from self.pool.get(sim, self.nbytes)
+        if overwrite or not self.on_disk:
+            self.state = READY
+        else:
+            self.read_done = sim.ssd.submit(sim.t, self.nbytes, write=False, key=self.key)
+            self.state = LOADING
+
+    def wait(self, sim: Sim) -> Iterator:
+        if self.state == LOADING:
+            if self.read_done > sim.t:
+                yield ("until", self.read_done)
+            self.state = READY
+
+    def release(self, sim: Sim, hold: str, after: float = 0.0) -> None:
+        self.holds.discard(hold)
+        if self.holds or self.resident or self.state == EMPTY:
+            return
+        self.pool.put(self.nbytes, max(self.read_done, self.write_done, after))
+        self.state = EMPTY
+
+    def wrote(self, done_t: float) -> None:
+        self.write_done = done_t
+        self.on_disk = True
+
+
+class CpuWeights:
+    def __init__(self, source: Slot):
+        self.source = source
+
+    def acquire(self, sim: Sim) -> Iterator:
+        yield from self.source.acquire(sim, COMPUTE)
+
+    def pump(self, sim: Sim) -> None:
+        pass
+
+    def wait(self, sim: Sim) -> Iterator:
+        yield from self.source.wait(sim)
+
+    def release(self, sim: Sim) -> None:
+        self.source.release(sim, COMPUTE)
+
+
+class CudaWeights:
+    def __init__(self, source: Slot, resident: bool):
+        self.source, self.resident = source, resident
+        self.state = READY if resident else EMPTY
+        self.copied = resident
+        self.copy_done = 0.0
+
+    def _copy(self, sim: Sim) -> None:
+        self.copy_done = sim.h2d.submit(sim.t, self.source.nbytes, write=False)
+        self.copied = True
+
+    def acquire(self, sim: Sim) -> Iterator:
+        if self.state != EMPTY:
+            return
+        yield from self.source.acquire(sim, COMPUTE)
+        self.copied = False
+        self.state = LOADING
+        self.pump(sim)
+
+    def pump(self, sim: Sim) -> None:
+        if self.state == LOADING and not self.copied:
+            s = self.source
+            if s.state != LOADING or s.read_done <= sim.t:
+                s.state = READY if s.state == LOADING else s.state
+                self._copy(sim)
+                if not s.resident:
+                    s.release(sim, COMPUTE, after=self.copy_done)
+
+    def wait(self, sim: Sim) -> Iterator:
+        if self.state == LOADING:
+            if not self.copied:
+                yield from self.source.wait(sim)
+                self.pump(sim)
+            self.state = READY
+        if self.copy_done > sim.t:
+            yield ("until", self.copy_done)
+
+    def release(self, sim: Sim) -> None:
+        if self.resident or self.state == EMPTY:
+            return
+        if not self.copied:
+            self.source.release(sim, COMPUTE)
+        self.state = EMPTY
+
+
+class Unit:
+    def __init__(self, sim: Sim, spec, placement, plan: Plan):
+        cuda = plan.device == "cuda"
+        alias = not plan.separate_weights
+        n = spec.padded_numel
+        self.name, self.numel, self.padded = spec.name, spec.numel, n
+        cdt = DTYPE_BYTES[plan.compute_dtype]
+        self.compute_bytes = n * cdt
+        master_pool = sim.device_pool if (not cuda and alias) else sim.host_pool
+
+        def slot(array: str, nbytes: int, pool: Pool, resident: bool, on_disk: bool) -> Slot:
+            s = Slot(f"{spec.name}.{array}", nbytes, pool, resident, on_disk and not resident)
+            if resident:
+                pool.allocated += nbytes
+                pool.peak = max(pool.peak, pool.allocated)
+                s.state = READY
+            return s
+
+        self.master = slot("master", n * 4, master_pool, placement.master is Tier.HOST, True)
+        if alias:
+            self.compute = self.master
+        else:
+            res = placement.weights is Tier.HOST or (not cuda and placement.weights is Tier.DEVICE)
+            self.compute = slot("weights", n * cdt, sim.device_pool if not cuda else sim.host_pool, res, True)
+        moments_host = placement.moments is Tier.HOST
+        self.exp_avg = slot("exp_avg", n * 4, sim.host_pool, moments_host, False)
+        self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool, moments_host, False)
+        self.grads_persist = plan.persistent_grads
+        self.grads = slot(
+            "grads", n * 4, sim.host_pool, plan.persistent_grads and placement.grads is Tier.HOST, False
+        )
+        if cuda:
+            self.weights = CudaWeights(self.compute, resident=placement.weights is Tier.DEVICE)
+            if placement.weights is Tier.DEVICE:
+                sim.resident_device_bytes += n * cdt
+        else:
+            self.weights = CpuWeights(self.compute)
+        self.bound = False
+        self.phase = "idle"
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        out: list[Slot] = []
+        for s in (self.master, self.compute, self.exp_avg, self.exp_avg_sq, self.grads):
+            if all(s is not x for x in out):
+                out.append(s)
+        return tuple(out)
+
+
+@dataclass(eq=False)
+class Job:
+    unit: Unit
+    before: list = field(default_factory=list)  # times the job waits for
+    absorb_s: float = 0.0
+    adam_s: float = 0.0
+    update: bool = False
+    writes: list = field(default_factory=list)  # slots written after the job's work
+    grads_ready: float = 0.0  # CUDA: the d2h copy
+    done_t: Optional[float] = None
+    write_done: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-unit seconds the replay charges, and the run's settings."""
+
+    forward_s: dict  # unit -> seconds of forward compute (one micro-batch)
+    backward_s: dict  # unit -> seconds of backward compute (recompute included)
+    adam_rate: float  # params/s at the runtime's Adam threads
+    adam_tail_rate: float  # params/s at all cores (the last unit's update, and deferred updates)
+    memcpy_bps: float
+    compute_slowdown: float
+    adam_slowdown: float
+    forward_visit_s: float = 0.0  # the runtime's own work per visit
+    backward_visit_s: float = 0.0
+
+
+class Sim:
+    def __init__(self, plan: Plan, costs: Costs, ssd: Fifo, h2d: Fifo, d2h: Fifo, *, micro_batches: int,
+                 act_policies: Optional[Mapping[str, str]] = None, act_bytes: Optional[Mapping[str, int]] = None,
+                 act_prefetch_units: int = 2):  # fmt: skip
+        self.plan, self.costs = plan, costs
+        self.ssd, self.h2d, self.d2h = ssd, h2d, d2h
+        self.t = 0.0
+        self.cuda = plan.device == "cuda"
+        self.device_pool = Pool(plan.device_budget_bytes)
+        self.host_pool = Pool(plan.host_budget_bytes)
+        self.resident_device_bytes = 0
+        self.pool_wait_s = 0.0
+        self.sched: Schedule = build_schedule(plan)
+        self.units = [Unit(self, u, p, plan) for u, p in plan]
+        self.by_name = {u.name: u for u in self.units}
+        self.order = [self.by_name[n] for n in self.sched.update_order]
+        self.micro_batches = micro_batches
+        self.deferred = plan.deferred_update
+        self.q = self.sched.optim_window
+        self.next_keep = getattr(self.sched, "next_keep", self.sched.alive[0])
+        self.keep_until_update = getattr(self.sched, "keep_until_update", frozenset())
+        self.in_backward = False
+        self.boundary = True
+        self.jobs: deque[Job] = deque()  # submitted, not reaped
+        self.queue: deque[Job] = deque()  # submitted, not started by the worker
+        self.closed = False
+        self.held: list[Unit] = []
+        self.fetch_order = []
+        for i in range(len(self.sched.visits)):
+            names: list[str] = []
+            for v in self.sched.visits[i : i + self.sched.prefetch_depth + 1]:
+                names.extend(n for n in v.needs if n not in names)
+            self.fetch_order.append(tuple(n for n in names if n in self.sched.alive[i]))
+        self.marks: list[dict] = []  # per step: times of its phases
+        self.adam_busy_s = 0.0
+        self.compute_busy_s = 0.0
+        self.act = ActReplay(self, act_policies or {}, act_bytes or {}, act_prefetch_units)
+
+    def helpers(self) -> list[Iterator]:
+        """The replay's other threads: the optimizer's worker, and the activation mover if any."""
+        return [self.worker()] + ([self.act.worker()] if self.act.active else [])
+
+    # ---- the main thread ----------------------------------------------------------------
+    def main(self, steps: int) -> Iterator:
+        for _ in range(steps):
+            m = {"start": self.t, "ssd_r0": self.ssd.read_bytes, "ssd_w0": self.ssd.write_bytes,
+                 "h2d0": self.h2d.read_bytes, "d2h0": self.d2h.read_bytes, "adam0": self.adam_busy_s,
+                 "pool_wait0": self.pool_wait_s, "by_key0": dict(self.ssd.by_key)}  # fmt: skip
+            for micro in range(self.micro_batches):
+                first, boundary = micro == 0, micro == self.micro_batches - 1
+                yield from self.begin_micro(first, boundary)
+                self.cursor = -1
+                nf = self.sched.num_forward
+                for v in self.sched.visits[:nf]:
+                    yield from self.enter(v.index)
+                    yield ("cpu", self.costs.forward_s[v.unit] + self.costs.forward_visit_s)
+                    self.act.after_forward(v.unit)
+                m.setdefault("forward_end", []).append(self.t)
+                for u in self.units:
+                    u.grads_pending = True
+                self.in_backward = True
+                for v in self.sched.visits[nf:]:
+                    yield from self.enter(v.index)
+                    yield from self.act.before_backward(v.unit)
+                    work = (
+                        self.costs.backward_s[v.unit]
+                        + self.costs.backward_visit_s
+                        + self.act.recompute_s(v.unit)
+                    )
+                    yield ("cpu", work)
+                    yield from self.on_grads(self.by_name[v.unit])
+                self.in_backward = False
+                for u in list(self.held):
+                    yield from self.drop(u)
+                m.setdefault("backward_end", []).append(self.t)
+                if not boundary:
+                    yield from self.finish()
+            if self.deferred:
+                yield from self.finish()
+                yield from self.run_deferred()
+            yield from self.finish()
+            for u in self.units:
+                u.phase = "idle"
+            m.update(end=self.t, ssd_r=self.ssd.read_bytes - m["ssd_r0"], ssd_w=self.ssd.write_bytes - m["ssd_w0"],
+                     h2d=self.h2d.read_bytes - m["h2d0"], d2h=self.d2h.read_bytes - m["d2h0"],
+                     adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"],
+                     by_key={k: v - m["by_key0"].get(k, 0) for k, v in self.ssd.by_key.items()})  # fmt: skip
+            self.marks.append(m)
+        self.closed = True
+
+    def begin_micro(self, first: bool, boundary: bool) -> Iterator:
+        self.first_micro, self.boundary = first, boundary
+        self.absorb_cursor = self.update_cursor = self.absorbed = self.submitted = 0
+        yield from self.advance_absorb(self.q + 1)
+        if boundary:
+            yield from self.advance_update(self.q + 1)
+
+    def advance_absorb(self, upto: int) -> Iterator:
+        while self.absorb_cursor < min(upto, len(self.order)):
+            u = self.order[self.absorb_cursor]
+            if u.grads_persist:
+                yield from u.grads.acquire(self, OPTIM, overwrite=self.first_micro)
+            self.absorb_cursor += 1
+
+    def advance_update(self, upto: int, with_grads: bool = False) -> Iterator:
+        while self.update_cursor < min(upto, len(self.order)):
+            u = self.order[self.update_cursor]
+            yield from u.master.acquire(self, OPTIM)
+            yield from u.exp_avg.acquire(self, OPTIM)
+            yield from u.exp_avg_sq.acquire(self, OPTIM)
+            if with_grads:
+                yield from u.grads.acquire(self, OPTIM)
+            self.update_cursor += 1
+
+    def enter(self, i: int) -> Iterator:
+        self.reap()
+        want = self.sched.alive[i]
+        for u in list(self.held):
+            if u.name not in want:
+                yield from self.drop(u)
+        for name in self.fetch_order[i]:
+            u = self.by_name[name]
+            if all(u is not h for h in self.held):
+                yield from u.weights.acquire(self)
+                self.held.append(u)
+        for u in self.held:
+            u.weights.pump(self)
+        if i <= 1:  # the kept updated weights: held by the schedule now, or not needed
+            for u in self.units:
+                if i == 1 or any(u is h for h in self.held):
+                    u.compute.release(self, NEXT)
+        for name in self.sched.visits[i].needs:
+            yield from self.by_name[name].weights.wait(self)
+        self.cursor = i
+
+    def drop(self, u: Unit) -> Iterator:
+        if (
+            self.in_backward
+            and u.name in self.keep_until_update
+            and u.phase not in ("updating", "updated")
+            and self.boundary
+        ):
+            yield from u.master.acquire(self, OPTIM)  # == its weights: its update needs them
+        u.weights.release(self)
+        self.held = [h for h in self.held if h is not u]
+
+    def on_grads(self, u: Unit) -> Iterator:
+        if not u.grads_pending:
+            return
+        u.grads_pending = False
+        idx = self.order.index(u)
+        yield from self.advance_absorb(idx + 1)
+        last = idx == len(self.order) - 1
+        job = Job(u)
+        rate = self.costs.adam_tail_rate if last else self.costs.adam_rate
+        if not self.cuda and not u.grads_persist:
+            yield from self.advance_update(idx + 1)
+            yield from self.fill_update(job, u, rate)
+            self.submitted += 1
+            yield from self.advance_update(self.submitted + self.q + 1)
+            self.submit(job)
+            return
+        yield from u.grads.acquire(self, OPTIM, overwrite=self.first_micro or not u.grads_persist)
+        if self.cuda:
+            grad_bytes = u.numel * DTYPE_BYTES[self.plan.compute_dtype]
+            yield from self.host_pool.get(self, grad_bytes)
+            job.grads_ready = self.d2h.submit(self.t, grad_bytes, write=False)
+            self.host_pool.put(grad_bytes, job.grads_ready)  # back once the job used it: close enough
+        job.before.append(job.grads_ready)
+        job.absorb_s = 2 * u.numel * 4 / self.costs.memcpy_bps
+        if self.deferred and self.boundary:
+            job.absorb_s += u.numel * 4 / self.costs.memcpy_bps  # the squared norm
+        if self.boundary and not self.deferred:
+            yield from self.advance_update(idx + 1)
+            yield from self.fill_update(job, u, rate)
+            self.submitted += 1
+            yield from self.advance_update(self.submitted + self.q + 1)
+        elif u.grads_persist and not u.grads.resident:
+            job.writes.append(u.grads)
+        self.add_before(job, u.grads)
+        self.submit(job)
+        self.absorbed += 1
+        yield from self.advance_absorb(self.absorbed + self.q + 1)
+
+    def fill_update(self, job: Job, u: Unit, rate: float) -> Iterator:
+        job.update = True
+        job.adam_s = u.numel / rate
+        self.add_before(job, u.master, u.exp_avg, u.exp_avg_sq)
+        if u.grads_persist or self.cuda:
+            self.add_before(job, u.grads)
+        slots = [u.master, u.exp_avg, u.exp_avg_sq]
+        if self.plan.separate_weights:
+            # the new compute copy is written by the same pass: its buffer is taken, not read
+            yield from u.compute.acquire(self, OPTIM, overwrite=True)
+            self.add_before(job, u.compute)
+            slots.append(u.compute)
+        job.writes.extend(s for s in slots if not s.resident)
+        u.phase = "updating"
+
+    def add_before(self, job: Job, *slots: Slot) -> None:
+        for s in slots:
+            if s.state == LOADING:
+                job.before.append(s.read_done)
+            if s.write_done > self.t:
+                job.before.append(s.write_done)
+
+    def submit(self, job: Job) -> None:
+        self.jobs.append(job)
+        self.queue.append(job)
+
+    def reap(self, block: bool = False) -> None:
+        while self.jobs and self.jobs[0].done_t is not None and (block or self.jobs[0].done_t <= self.t):
+            self.complete(self.jobs.popleft())
+
+    def finish(self) -> Iterator:
+        while self.jobs:
+            job = self.jobs[0]
+            if job.done_t is None or job.done_t > self.t:
+                yield ("cond", lambda job=job: job.done_t is not None)
+            self.complete(self.jobs.popleft())
+
+    def complete(self, job: Job) -> None:
+        u = job.unit
+        for s, done in zip(job.writes, job.write_done):
+            s.wrote(done)
+        if job.update:
+            after = 0.0
+            if self.cuda and isinstance(u.weights, CudaWeights) and u.weights.resident:
+                u.weights.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
+                after = u.weights.copy_done
+            if u.name in self.next_keep:
+                u.compute.holds.add(NEXT)
+            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
+                s.release(self, OPTIM)
+            u.compute.release(self, OPTIM, after=after)
+            u.phase = "updated"
+        else:
+            u.grads.release(self, OPTIM)
+
+    def run_deferred(self) -> Iterator:
+        self.update_cursor = 0
+        for i, u in enumerate(self.order):
+            yield from self.advance_update(i + self.q + 1, with_grads=True)
+            job = Job(u)
+            yield from self.fill_update(job, u, self.costs.adam_tail_rate)
+            self.submit(job)
+            self.submitted += 1
+            self.reap()
+
+    # ---- the optimizer's worker ---------------------------------------------------------
+    def worker(self) -> Iterator:
+        while True:
+            if not self.queue:
+                yield ("cond", lambda: bool(self.queue) or self.closed)
+                if not self.queue:
+                    return
+            job = self.queue.popleft()
+            ready = max(job.before, default=0.0)
+            if ready > self.t:
+                yield ("until", ready)
+            if job.absorb_s:
+                yield ("cpu", job.absorb_s)
+            if job.adam_s:
+                t0 = self.t
+                yield ("cpu", job.adam_s)
+                self.adam_busy_s += self.t - t0
+            job.write_done = [self.ssd.submit(self.t, s.nbytes, write=True, key=s.key) for s in job.writes]
+            job.done_t = self.t
+
+
+__all__ = ["Costs", "Sim"]

@@ -1,0 +1,504 @@
+"""Measuring the machine: SSD, copies, device FLOP/s, CPU Adam, contention, memory -> HardwareProfile.
+
+Everything goes through the code the runtime uses (the TensorStore and its engine, overwriting
+keys in place; adam_step_flat; torch matmuls on the model's GEMM shapes), so the numbers are the
+ones a step sees. `profile_hardware()` takes well under a minute at the defaults.
+
+Note: SSD numbers. The runtime overwrites existing keys (about twice as fast as writing fresh
+files on this class of disk), several puts or gets in flight at once, each about one unit's array.
+So: lay out `count` keys of `tensor_bytes` first, then time overwriting all of them (issued
+together, waited together) and reading all of them back; the median of `repeats` rounds. Each
+directory alone, then all together (a store over all directories stripes large tensors).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from typing import Iterable, Optional, Sequence
+
+from offloadpp.planner.hardware import HardwareProfile, IOPoint, SsdProfile
+
+DEFAULT_GEMMS = ((256, 1024, 3072), (256, 1024, 1024), (256, 1024, 4096), (256, 4096, 1024))
+IO_GRID = ((256 << 10, 8), (1 << 20, 4), (1 << 20, 8), (1 << 20, 16), (4 << 20, 4), (4 << 20, 8))
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ssd(
+    dirs: Sequence[str],
+    *,
+    block_size_bytes: int = 1 << 20,
+    queue_depth: int = 8,
+    tensor_bytes: int = 16 << 20,
+    total_bytes: int = 256 << 20,
+    repeats: int = 3,
+) -> tuple[float, float]:
+    """(read GB/s, write GB/s) of a TensorStore over `dirs`, overwriting in place."""
+    import torch
+
+    from offloadpp.io import IOConfig, TensorStore, aligned_empty
+
+    count = max(1, total_bytes // tensor_bytes)
+    numel = tensor_bytes // 4
+    sub = [os.path.join(d, f".offloadpp-profile-{uuid.uuid4().hex[:8]}") for d in dirs]
+    cfg = IOConfig(block_size_bytes=block_size_bytes, queue_depth=queue_depth)
+    bufs = [aligned_empty(numel, dtype=torch.float32) for _ in range(count)]
+    for b in bufs:
+        b.fill_(1.0)
+    keys = [f"probe{i}" for i in range(count)]
+    try:
+        with TensorStore(sub, config=cfg, create=True) as store:
+            for f in [store.put(k, b) for k, b in zip(keys, bufs)]:
+                f.wait()
+
+            def write() -> None:
+                for f in [store.put(k, b) for k, b in zip(keys, bufs)]:
+                    f.wait()
+
+            def read() -> None:
+                for f in [store.get(k, out=b) for k, b in zip(keys, bufs)]:
+                    f.wait()
+
+            w = _median_time(write, repeats)
+            r = _median_time(read, repeats)
+    finally:
+        for d in sub:
+            shutil.rmtree(d, ignore_errors=True)
+    nbytes = count * numel * 4
+    return nbytes / r / 1e9, nbytes / w / 1e9
+
+
+class _Spinner:
+    """While the block runs: matmuls on a background thread (torch's intra-op threads), and with
+    `adam_threads` the fused Adam on another, as a training step keeps the CPU busy."""
+
+    def __init__(self, gemms: Sequence[tuple[int, int, int]], adam_threads: int = 0):
+        import torch
+
+        self.ops = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in gemms]
+        self.adam_threads = adam_threads
+        self.bufs = [torch.full((1 << 20,), 0.01) for _ in range(4)] if adam_threads else []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._mm, daemon=True)]
+        if adam_threads:
+            self.threads.append(threading.Thread(target=self._adam, daemon=True))
+
+    def _mm(self) -> None:
+        import torch
+
+        while not self.stop.is_set():
+            for a, b in self.ops:
+                torch.mm(a, b)
+
+    def _adam(self) -> None:
+        from offloadpp.optim import AdamHyper, adam_step_flat
+
+        hyper, step = AdamHyper(lr=1e-4), 0
+        while not self.stop.is_set():
+            step += 1
+            adam_step_flat(*self.bufs, step=step, hyper=hyper, num_threads=self.adam_threads)
+
+    def __enter__(self) -> _Spinner:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def measure_mixed_ssd(
+    dirs: Sequence[str],
+    *,
+    block_size_bytes: int = 1 << 20,
+    queue_depth: int = 8,
+    tensor_bytes: int = 16 << 20,
+    total_bytes: int = 256 << 20,
+    repeats: int = 3,
+    busy: bool = False,
+    gemms: Sequence[tuple[int, int, int]] = DEFAULT_GEMMS,
+    adam_threads: int = 0,
+) -> float:
+    """GB/s of reads and writes together (half the bytes each, requests interleaved), as the
+    runtime's steady state has them: the next units' state read while the last ones' is written.
+    `busy`: with matmuls running on another thread meanwhile, and with `adam_threads` the fused
+    Adam on one more, as a training step keeps the CPU busy beside its I/O (on the CPU device the
+    I/O thread then competes for the cores with both)."""
+    import torch
+
+    from offloadpp.io import IOConfig, TensorStore, aligned_empty
+
+    count = max(1, total_bytes // tensor_bytes // 2)
+    numel = tensor_bytes // 4
+    sub = [os.path.join(d, f".offloadpp-profile-{uuid.uuid4().hex[:8]}") for d in dirs]
+    cfg = IOConfig(block_size_bytes=block_size_bytes, queue_depth=queue_depth)
+    bufs = [aligned_empty(numel, dtype=torch.float32) for _ in range(2 * count)]
+    for b in bufs:
+        b.fill_(1.0)
+    try:
+        with TensorStore(sub, config=cfg, create=True) as store:
+            for f in [store.put(f"probe{i}", b) for i, b in enumerate(bufs)]:
+                f.wait()
+
+            def mixed() -> None:
+                futs = []
+                for i in range(count):
+                    futs.append(store.get(f"probe{i}", out=bufs[i]))
+                    futs.append(store.put(f"probe{count + i}", bufs[count + i]))
+                for f in futs:
+                    f.wait()
+
+            if busy:
+                with _Spinner(gemms, adam_threads):
+                    t = _median_time(mixed, repeats)
+            else:
+                t = _median_time(mixed, repeats)
+    finally:
+        for d in sub:
+            shutil.rmtree(d, ignore_errors=True)
+    return 2 * count * numel * 4 / t / 1e9
+
+
+def measure_copies(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float, float]:
+    """(h2d GB/s, d2h GB/s, memcpy GB/s). Without CUDA, h2d and d2h are the memcpy rate."""
+    import torch
+
+    from offloadpp.io import aligned_empty
+
+    n = nbytes // 4
+    src = aligned_empty(n, dtype=torch.float32)
+    dst = aligned_empty(n, dtype=torch.float32)
+    src.fill_(1.0)
+    dst.fill_(0.0)
+    memcpy = nbytes / _median_time(lambda: dst.copy_(src), repeats) / 1e9
+    if not torch.cuda.is_available():
+        return memcpy, memcpy, memcpy
+    pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.float32, device="cuda")
+
+    def h2d() -> None:
+        dev.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def d2h() -> None:
+        pinned.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+
+    h2d()
+    return nbytes / _median_time(h2d, repeats) / 1e9, nbytes / _median_time(d2h, repeats) / 1e9, memcpy
+
+
+def measure_flops(
+    gemms: Iterable[tuple[int, int, int]] = DEFAULT_GEMMS,
+    dtypes: Optional[Sequence[str]] = None,
+    min_s: float = 0.6,
+) -> dict[str, float]:
+    """FLOP/s of forward matmuls (m x k) @ (k x n) over the shapes, per compute dtype."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtypes is None:
+        dtypes = ("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16")
+    gemms = [tuple(int(x) for x in g) for g in gemms]
+    out = {}
+    for name in dtypes:
+        dt = tdt[name]
+        # bf16 matmul on CPUs without native support is ~40x slower: measure it on small shapes.
+        shapes = (
+            gemms
+            if (cuda or name == "fp32")
+            else [(min(m, 64), min(k, 256), min(n, 256)) for m, k, n in gemms]
+        )
+        ops = [
+            (torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device))
+            for m, k, n in shapes
+        ]
+        flops = sum(2 * m * k * n for m, k, n in shapes)
+
+        def once(ops=ops) -> None:
+            for a, b in ops:
+                torch.mm(a, b)
+            if cuda:
+                torch.cuda.synchronize()
+
+        once()
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            once()
+            reps += 1
+            if time.perf_counter() - t0 >= (min_s if name == "fp32" or cuda else min_s / 3):
+                break
+        out[name] = flops * reps / (time.perf_counter() - t0)
+    return out
+
+
+def measure_adam(numel: int = 4 << 20, threads: Sequence[int] = (1,), repeats: int = 5) -> dict[int, float]:
+    """Parameters per second of adam_step_flat over fp32 params, grads and moments."""
+    import torch
+
+    from offloadpp.optim import AdamHyper, adam_step_flat
+
+    bufs = [torch.full((numel,), 0.01) for _ in range(4)]
+    hyper = AdamHyper(lr=1e-4)
+    out = {}
+    step = [0]
+    for t in threads:
+
+        def once(t=t) -> None:
+            step[0] += 1
+            adam_step_flat(*bufs, step=step[0], hyper=hyper, num_threads=t)
+
+        once()
+        out[int(t)] = numel / _median_time(once, repeats)
+    return out
+
+
+def measure_contention(
+    gemms: Sequence[tuple[int, int, int]] = DEFAULT_GEMMS,
+    adam_threads: int = 1,
+    numel: int = 2 << 20,
+    run_s: float = 1.0,
+) -> tuple[float, float]:
+    """(compute slowdown under Adam, Adam slowdown under compute) on the CPU: each alone, then
+    both at once (matmuls on this thread with torch's threads, Adam on a worker thread)."""
+    import torch
+
+    from offloadpp.optim import AdamHyper, adam_step_flat
+
+    ops = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in gemms]
+    bufs = [torch.full((numel,), 0.01) for _ in range(4)]
+    hyper = AdamHyper(lr=1e-4)
+
+    def gemm_once() -> None:
+        for a, b in ops:
+            torch.mm(a, b)
+
+    step = [0]
+
+    def adam_once() -> None:
+        step[0] += 1
+        adam_step_flat(*bufs, step=step[0], hyper=hyper, num_threads=adam_threads)
+
+    def rate(fn, stop: threading.Event, out: list) -> None:
+        n, t0 = 0, time.perf_counter()
+        while not stop.is_set():
+            fn()
+            n += 1
+        out.append((time.perf_counter() - t0) / max(n, 1))
+
+    gemm_once()
+    adam_once()
+    alone_g = _median_time(gemm_once, 5)
+    alone_a = _median_time(adam_once, 5)
+    stop = threading.Event()
+    adam_out: list = []
+    worker = threading.Thread(target=rate, args=(adam_once, stop, adam_out), daemon=True)
+    worker.start()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < run_s:
+        gemm_once()
+        n += 1
+    both_g = (time.perf_counter() - t0) / n
+    stop.set()
+    worker.join()
+    both_a = adam_out[0]
+    return max(1.0, both_g / alone_g), max(1.0, both_a / alone_a)
+
+
+def measure_visit_overhead(rounds: int = 15) -> tuple[float, float]:
+    """(forward, backward) seconds the runtime adds per unit visit on this CPU (its hooks: fetch
+    decisions, binding parameters, the saved-tensor hooks, handing gradients to the optimizer):
+    a small GPT-2 under an OffloadEngine with everything in memory against the same model plain,
+    interleaved, medians. (0, 0) without transformers."""
+    import copy
+    import statistics
+
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        return 0.0, 0.0
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import default_plan
+    from offloadpp.runtime import OffloadEngine, RuntimeConfig, find_units, layout_units
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (1, 32))
+    specs = [lay.spec() for lay in layout_units(model, find_units(model))]
+    big = 1 << 34
+    plan = default_plan(
+        specs, device="cpu", compute_dtype="fp32", device_budget_bytes=big, host_budget_bytes=big
+    )
+    d = tempfile.mkdtemp(prefix="offloadpp-visit-")
+    try:
+        rc = RuntimeConfig(nvme_paths=[d], device_budget_bytes=big, host_budget_bytes=big, device="cpu",
+                           ssd_read_gbps=1.0, ssd_write_gbps=1.0, log_every=0)  # fmt: skip
+        with OffloadEngine(model, rc, hyper=AdamHyper(lr=1e-4), plan=plan) as eng:
+            pf, pb, ef, eb = [], [], [], []
+            for i in range(rounds + 2):
+                t0 = time.perf_counter()
+                out = plain(input_ids=ids, labels=ids)
+                t1 = time.perf_counter()
+                out.loss.backward()
+                t2 = time.perf_counter()
+                plain.zero_grad(set_to_none=True)
+                t3 = time.perf_counter()
+                out = eng(input_ids=ids, labels=ids)
+                t4 = time.perf_counter()
+                eng.backward(out.loss)
+                t5 = time.perf_counter()
+                eng.step()
+                if i >= 2:
+                    pf.append(t1 - t0)
+                    pb.append(t2 - t1)
+                    ef.append(t4 - t3)
+                    eb.append(t5 - t4)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    n = len(specs)
+    med = statistics.median
+    return max(0.0, (med(ef) - med(pf)) / n), max(0.0, (med(eb) - med(pb)) / n)
+
+
+def available_memory() -> tuple[int, int]:
+    """(host bytes available, device bytes free); on the CPU the device figure is the host's."""
+    import psutil
+    import torch
+
+    host = int(psutil.virtual_memory().available)
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return host, int(free)
+    return host, host
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor()
+            )
+    except OSError:
+        return platform.processor() or "cpu"
+
+
+def profile_hardware(
+    dirs: Sequence[str],
+    *,
+    gemms: Optional[Iterable[tuple[int, int, int]]] = None,
+    total_bytes: int = 256 << 20,
+    io_grid: bool = True,
+    adam_threads: int = 1,
+    quick: bool = False,
+    log=None,
+) -> HardwareProfile:
+    """Measures everything the cost model needs. `dirs`: the swap directories (each must exist).
+    `quick`: shorter timing loops (tests; the numbers are noisier)."""
+    import torch
+
+    t_start = time.perf_counter()
+    say = log or (lambda msg: None)
+    dirs = [os.path.abspath(d) for d in dirs]
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise FileNotFoundError(
+                f"profile directory {d!r} does not exist (create it, or mount the SSD there)"
+            )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ssds = []
+    if len(dirs) > 1:
+        for d in dirs:
+            r, w = measure_ssd([d], total_bytes=total_bytes)
+            ssds.append(SsdProfile(d, r, w))
+            say(f"SSD {d}: read {r:.2f} GB/s, write {w:.2f} GB/s")
+    read, write = measure_ssd(dirs, total_bytes=total_bytes)
+    if len(dirs) == 1:
+        ssds.append(SsdProfile(dirs[0], read, write))
+    say(f"SSD (all {len(dirs)} together): read {read:.2f} GB/s, write {write:.2f} GB/s")
+    gemms = tuple(gemms) if gemms else DEFAULT_GEMMS
+    mixed = measure_mixed_ssd(dirs, total_bytes=total_bytes)
+    mixed_busy = 0.0
+    if not torch.cuda.is_available():
+        mixed_busy = measure_mixed_ssd(dirs, total_bytes=total_bytes, busy=True, gemms=gemms,
+                                       adam_threads=adam_threads, repeats=5)  # fmt: skip
+    say(
+        f"SSD reads and writes together: {mixed:.2f} GB/s"
+        + (f", {mixed_busy:.2f} GB/s while computing" if mixed_busy else "")
+    )
+    grid = []
+    if io_grid:
+        for bs, qd in IO_GRID:
+            r, w = measure_ssd(
+                dirs, block_size_bytes=bs, queue_depth=qd, total_bytes=total_bytes // 2, repeats=2
+            )
+            grid.append(IOPoint(bs, qd, r, w))
+            say(f"  block {bs >> 10} KiB qd {qd}: read {r:.2f}, write {w:.2f} GB/s")
+    h2d, d2h, memcpy = measure_copies((32 << 20) if quick else (256 << 20))
+    say(f"copies: h2d {h2d:.1f} GB/s, d2h {d2h:.1f} GB/s, memcpy {memcpy:.1f} GB/s")
+    flops = measure_flops(gemms, min_s=0.1 if quick else 0.6)
+    say("device FLOP/s: " + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in flops.items()))
+    adam = measure_adam(numel=(1 << 20) if quick else (4 << 20), threads=sorted({1, adam_threads, cores}))
+    say("CPU Adam: " + ", ".join(f"{k} thr {v / 1e9:.2f} Gparam/s" for k, v in adam.items()))
+    slow_c = slow_a = 1.0
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        slow_c, slow_a = measure_contention(gemms, adam_threads=adam_threads, run_s=0.2 if quick else 1.0)
+        say(f"contention: compute x{slow_c:.2f} while Adam runs, Adam x{slow_a:.2f} while compute runs")
+    visit_f, visit_b = measure_visit_overhead(8 if quick else 15)
+    say(f"runtime overhead per unit visit: forward {visit_f * 1e3:.2f} ms, backward {visit_b * 1e3:.2f} ms")
+    host, dev = available_memory()
+    return HardwareProfile(
+        device="cuda" if cuda else "cpu",
+        device_name=torch.cuda.get_device_name() if cuda else _cpu_name(),
+        cpu_cores=cores,
+        ssd_read_gbps=read,
+        ssd_write_gbps=write,
+        ssd_mixed_gbps=mixed,
+        ssd_mixed_busy_gbps=mixed_busy,
+        h2d_gbps=h2d,
+        d2h_gbps=d2h,
+        memcpy_gbps=memcpy,
+        device_flops_per_s=flops,
+        adam_params_per_s=adam,
+        host_memory_bytes=host,
+        device_memory_bytes=dev,
+        ssds=tuple(ssds),
+        io_grid=tuple(grid),
+        runtime_forward_visit_s=visit_f,
+        runtime_backward_visit_s=visit_b,
+        compute_slowdown_under_adam=slow_c,
+        adam_slowdown_under_compute=slow_a,
+        torch_threads=torch.get_num_threads(),
+        measured_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        measure_s=time.perf_counter() - t_start,
+    )
+
+
+def scratch_dir() -> str:
+    """A directory for a quick profile when none is named (tests)."""
+    return tempfile.mkdtemp(prefix="offloadpp-profile-")

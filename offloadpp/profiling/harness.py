@@ -1,0 +1,207 @@
+"""Running plans for real, side by side, for the planner's accuracy and grid benchmarks.
+
+Note: measuring on a shared machine. Step times here move with whatever else runs on the
+cores and the disk. So every contender (one OffloadEngine per plan) and the model profile's
+timing iterations run in one process, interleaved in blocks: each round runs `block` steps of
+every contender in turn and times the plain model once more; a block's first step is not counted
+(the engine's previous writes were drained before it, so it is faster than a steady step); the
+store is drained between blocks so one contender's writes do not land in the next one's steps;
+the order of the contenders rotates from round to round.
+The model profile's per-unit times are medians over all rounds, so the prediction sees the
+same load as the measurement.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from offloadpp.planner.model_profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class GPT2Shape:
+    n_layer: int
+    n_embd: int
+    n_head: int = 8
+    vocab_size: int = 8192
+    micro_batch: int = 1
+    seq_len: int = 64
+
+    @property
+    def label(self) -> str:
+        return f"gpt2 L{self.n_layer} d{self.n_embd} b{self.micro_batch}x{self.seq_len}"
+
+    def hf_config(self) -> dict:
+        return {"model_type": "gpt2", "n_layer": self.n_layer, "n_embd": self.n_embd, "n_head": self.n_head,
+                "vocab_size": self.vocab_size, "n_positions": max(128, self.seq_len)}  # fmt: skip
+
+    def build(self, seed: int = 0):
+        import torch
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        cfg = transformers.GPT2Config(**{k: v for k, v in self.hf_config().items() if k != "model_type"},
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        torch.manual_seed(seed)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    def batch(self, seed: int = 1):
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.vocab_size, (self.micro_batch, self.seq_len), generator=g)
+        return {"input_ids": ids, "labels": ids}
+
+
+@dataclass
+class Contender:
+    name: str
+    plan: object  # offloadpp.planner.Plan
+    engine: object = None
+    times: list = field(default_factory=list)
+    reports: list = field(default_factory=list)
+    round_times: list = field(default_factory=list)  # per round of run_interleaved, the block's timed steps
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times)
+
+
+def make_engines(model, contenders: Sequence[Contender], root: str, *, ssd_gbps: tuple[float, float],
+                 adam_threads: int = 1, gradient_clipping: float = 0.0, accumulation: int = 1) -> None:  # fmt: skip
+    """One OffloadEngine per contender, each over its own copy of `model` and swap directory."""
+    from offloadpp.optim import AdamHyper
+    from offloadpp.runtime import OffloadEngine, RuntimeConfig
+
+    for i, c in enumerate(contenders):
+        d = os.path.join(root, f"c{i}")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        cfg = RuntimeConfig(
+            nvme_paths=[d], device_budget_bytes=c.plan.device_budget_bytes, host_budget_bytes=c.plan.host_budget_bytes,
+            device=c.plan.device, compute_dtype=c.plan.compute_dtype, adam_threads=adam_threads, log_every=0,
+            ssd_read_gbps=ssd_gbps[0], ssd_write_gbps=ssd_gbps[1], gradient_clipping=gradient_clipping,
+            gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
+        c.engine = OffloadEngine(copy.deepcopy(model), cfg, hyper=AdamHyper(lr=1e-4), plan=c.plan)
+
+
+def _engine_step(c: Contender, batch: dict, timed: bool) -> None:
+    e = c.engine
+    t0 = time.perf_counter()
+    e.backward(e(**batch).loss)
+    r = e.step()
+    dt = time.perf_counter() - t0
+    if timed:
+        c.times.append(dt)
+        c.reports.append(r)
+
+
+@dataclass
+class Rounds:
+    """What run_interleaved measured besides the contenders' steps: per round, the model profile
+    (per-unit times from the plain model's iterations of that round) and the SSD GB/s probed."""
+
+    profiles: list = field(default_factory=list)
+    ssd_gbps: list = field(default_factory=list)  # mixed GB/s with compute and Adam beside it
+
+
+def run_interleaved(
+    contenders: Sequence[Contender],
+    model,
+    batch: dict,
+    *,
+    rounds: int = 6,
+    block: int = 3,
+    warmup: int = 2,
+    probe_dirs: Optional[Sequence[str]] = None,
+    name: str = "",
+    log=None,
+) -> Rounds:
+    """Runs every contender's engine `rounds` x `block` steps (the first of each block not
+    counted), each block right after one timing iteration of a plain copy of `model`."""
+    from offloadpp.profiling.model import ModelProfiler
+
+    say = log or (lambda msg: None)
+    out = Rounds()
+    with ModelProfiler(copy.deepcopy(model), batch, name=name) as prof:
+        prof.count()
+        gemms = prof.profile().gemms
+        for c in contenders:
+            for _ in range(warmup):
+                _engine_step(c, batch, timed=False)
+            c.engine.optimizer.finish()
+            c.engine.store.wait_all()
+        for r in range(rounds):
+            order = list(contenders[r % len(contenders) :]) + list(contenders[: r % len(contenders)])
+            for c in order:  # rotated: no contender always runs first after the probe
+                prof.time(1)
+                n0 = len(c.times)
+                for s in range(block):
+                    _engine_step(c, batch, timed=s > 0)
+                c.round_times.append(c.times[n0:])
+                c.engine.optimizer.finish()
+                c.engine.store.wait_all()
+            out.profiles.append(prof.profile(last=len(contenders)))
+            if probe_dirs:
+                out.ssd_gbps.append(probe_ssd(probe_dirs, gemms=gemms))
+            say(
+                f"  round {r + 1}/{rounds}: "
+                + ", ".join(f"{c.name} {statistics.median(c.times):.3f}s" for c in contenders)
+            )
+    return out
+
+
+def probe_ssd(dirs: Sequence[str], gemms=None, adam_threads: int = 1, total_bytes: int = 192 << 20) -> float:
+    """A short mixed read+write GB/s probe with compute and Adam running beside it (the
+    hardware profile's ssd_mixed_busy_gbps), between rounds of a benchmark."""
+    from offloadpp.profiling.hardware import DEFAULT_GEMMS, measure_mixed_ssd
+
+    return measure_mixed_ssd(dirs, tensor_bytes=12 << 20, total_bytes=total_bytes, repeats=1, busy=True,
+                             gemms=gemms or DEFAULT_GEMMS, adam_threads=adam_threads)  # fmt: skip
+
+
+def with_ssd(hw, mixed_busy_gbps: float):
+    """The hardware profile with a probe's mixed-while-busy SSD rate."""
+    return replace(hw, ssd_mixed_busy_gbps=mixed_busy_gbps)
+
+
+def merge_profiles(profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """The first profile's counts with each unit's median time over all profiles."""
+    first = profiles[0]
+    units = []
+    for i, u in enumerate(first.units):
+        f = statistics.median(p.units[i].forward_s for p in profiles)
+        b = statistics.median(p.units[i].backward_s for p in profiles)
+        units.append(replace(u, forward_s=f, backward_s=b))
+    return replace(first, units=tuple(units))
+
+
+def close_all(contenders: Sequence[Contender]) -> None:
+    for c in contenders:
+        if c.engine is not None:
+            c.engine.close()
+            c.engine = None
+
+
+def quick_hardware(dirs: Sequence[str], log=None, total_bytes: int = 256 << 20):
+    """A hardware profile measured now (no I/O grid), for benchmarks that predict and measure in one run."""
+    from offloadpp.profiling.hardware import profile_hardware
+
+    for d in dirs:
+        os.makedirs(d, exist_ok=True)
+    return profile_hardware(dirs, io_grid=False, total_bytes=total_bytes, log=log)
+
+
+def rel_err(pred: float, meas: float) -> float:
+    return abs(pred - meas) / meas
+
+
+def fmt_ms(s: Optional[float]) -> str:
+    return "-" if s is None else f"{s * 1e3:.0f}"

@@ -1,0 +1,172 @@
+"""Recompute at unit granularity (non-reentrant checkpointing), and the FLOP counter of the probe.
+
+Note: how a recompute segment works. One call of a recompute unit's root module is a Segment.
+In forward, every tensor autograd saves inside it is replaced by a RecomputeRef (segment, index)
+and not kept; the segment keeps the call's arguments and the RNG (and autocast) state. The
+first unpack in backward runs the root module's forward again, from those arguments, with that
+RNG state, under hooks that collect what it saves, in order; each unpack then takes its tensor
+by index (and drops it). That is torch.utils.checkpoint's non-reentrant scheme, at unit
+granularity and without changing the module. The forward must save the same tensors in the same
+order when run again (a check raises otherwise). Parameters are collected like any tensor: the
+recompute runs during the unit's backward visit, when the runtime has its weights bound.
+
+Note: KV caches. Hugging Face models hand each block a cache object (even in training) that the
+block appends its keys and values to: running the block again would append them twice and
+change the cache the caller gets back. The recompute therefore passes None for a cache argument
+(recognised by its interface, `update` and `get_seq_length`), as Hugging Face's own gradient
+checkpointing does; in training from scratch that computes the same tensors. A cache that held a
+prefix for the block would change them: every recomputed tensor's shape and dtype are checked
+against the forward's, so that case raises instead of computing wrong gradients.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from .act_records import ActivationError
+
+
+class SegState(enum.Enum):
+    RECORDING = "recording"  # its forward is running
+    SAVED = "saved"  # forward done: arguments and RNG state held, nothing else
+    RECOMPUTED = "recomputed"  # backward ran it again; its saved tensors wait to be unpacked
+    DONE = "done"  # every saved tensor was unpacked, or backward ended
+
+
+class RecomputeRef:
+    __slots__ = ("seg", "index", "size", "dtype")
+
+    def __init__(self, seg: Segment, index: int, t: torch.Tensor):
+        self.seg = seg
+        self.index = index
+        self.size = t.size()
+        self.dtype = t.dtype
+
+
+class Segment:
+    def __init__(
+        self, unit: str, fn: Callable, args: tuple, kwargs: dict, device: torch.device, input_bytes: int
+    ):
+        self.unit = unit
+        self.owner: object = None  # the manager's UnitActivations
+        self.fn = fn
+        self.args: Optional[tuple] = tuple(_without_cache(a) for a in args)
+        self.kwargs: Optional[dict] = {k: _without_cache(v) for k, v in kwargs.items()}
+        self.device = device
+        self.input_bytes = input_bytes  # accounted on the device until the recompute ran
+        self.rng_cpu = torch.get_rng_state()
+        self.rng_cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.autocast = [
+            (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in {"cpu", device.type}
+        ]
+        self.count = 0
+        self.tensors: Optional[list[Optional[torch.Tensor]]] = None
+        self.taken = 0
+        self.recomputed_bytes = 0  # accounted from the recompute until DONE
+        self.state = SegState.RECORDING
+
+    def pack(self, t: torch.Tensor) -> RecomputeRef:
+        ref = RecomputeRef(self, self.count, t)
+        self.count += 1
+        return ref
+
+    def close(self) -> None:
+        self.state = SegState.SAVED
+
+    def recompute(self, measure: Callable[[list[torch.Tensor]], int]) -> None:
+        collected: list[torch.Tensor] = []
+
+        def collect(t: torch.Tensor) -> int:
+            collected.append(t)
+            return len(collected) - 1
+
+        def never(_: Any):
+            raise ActivationError(f"unit {self.unit!r}: the recomputed graph was used for backward")
+
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.rng_cpu)
+            if self.rng_cuda is not None:
+                torch.cuda.set_rng_state(self.rng_cuda, self.device)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(collect, never):
+                ctxs = [torch.autocast(dt, dtype=dtype, enabled=on) for dt, on, dtype in self.autocast]
+                for c in ctxs:
+                    c.__enter__()
+                try:
+                    self.fn(*self.args, **self.kwargs)
+                except ActivationError:
+                    raise
+                except Exception as e:
+                    raise ActivationError(
+                        f"unit {self.unit!r}: recomputing its forward in backward failed: {e} (a KV cache "
+                        "holding a prefix cannot be replayed; use another activation policy for this unit)"
+                    ) from e
+                finally:
+                    for c in reversed(ctxs):
+                        c.__exit__(None, None, None)
+        if len(collected) != self.count:
+            raise ActivationError(
+                f"unit {self.unit!r}: its forward saved {self.count} tensors for backward, the recompute "
+                f"{len(collected)}; recompute needs a forward that saves the same tensors when run again "
+                "(use another activation policy for this unit)"
+            )
+        self.tensors = list(collected)
+        self.recomputed_bytes = measure(collected)
+        self.args = self.kwargs = None  # the inputs are no longer needed
+        self.state = SegState.RECOMPUTED
+
+    def take(self, ref: RecomputeRef) -> torch.Tensor:
+        index = ref.index
+        t = self.tensors[index] if self.tensors is not None else None
+        if t is None:
+            raise ActivationError(
+                f"unit {self.unit!r}: a recomputed saved tensor was unpacked twice (retain_graph or a "
+                "custom Function reading ctx.saved_tensors twice is not supported with recompute)"
+            )
+        if t.size() != ref.size or t.dtype != ref.dtype:
+            raise ActivationError(
+                f"unit {self.unit!r}: saved tensor {index} was {tuple(ref.size)} {ref.dtype} in forward but "
+                f"{tuple(t.size())} {t.dtype} when recomputed (a KV cache holding a prefix, or a forward that "
+                "depends on state it changes); use another activation policy for this unit"
+            )
+        self.tensors[index] = None
+        self.taken += 1
+        return t
+
+    @property
+    def finished(self) -> bool:
+        return self.state is SegState.RECOMPUTED and self.taken >= self.count
+
+    def drop(self) -> None:
+        self.tensors = None
+        self.args = self.kwargs = None
+        self.state = SegState.DONE
+
+
+def _without_cache(x):
+    """None for a KV cache argument, the argument otherwise (see the Note on caches)."""
+    if isinstance(x, torch.Tensor) or not (hasattr(x, "update") and hasattr(x, "get_seq_length")):
+        return x
+    return None
+
+
+class FlopCounter(TorchDispatchMode):
+    """Counts FLOPs of the operators torch.utils.flop_counter knows (matmuls, convolutions,
+    attention on CUDA); used once, in the forward that profiles units for `auto`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out

@@ -1,0 +1,395 @@
+"""Moving saved storages device -> pinned host -> SSD and back, and accounting the bytes.
+
+Note: who does what. The thread running forward or backward (autograd runs CUDA backward nodes
+on its device thread, one at a time with the caller) owns every SavedStorage and changes its
+state; one worker thread runs the swap-out jobs in FIFO order: on the CPU acting as the device
+the copy itself (a memmove that releases the GIL), on CUDA the wait for the device-to-host copy
+issued on a side stream; for ssd the job then submits the TensorStore put. The owner notices
+finished jobs and I/O at every hook (`pump`), or waits for them when the budget or backward
+needs it, and only then changes states and accounts.
+
+Note: the CPU as the device. Device and host memory are then the same RAM and only the
+accounting tells them apart: a swap-out is a copy into an aligned host buffer (the device bytes
+are released when it is done), a swap-in of a host copy hands that buffer to backward as device
+memory without a copy, and an SSD read lands directly in the buffer backward will use.
+
+Note: accounting. A SavedStorage counts its bytes on the device while its bytes there are held
+by the manager (DEVICE, MOVING_OUT, MOVING_IN, READY; READING on the CPU device), and on the host
+while it holds a host buffer that is not serving as device memory. `peak_device_bytes` is what
+the activation budget bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offloadpp import _C
+from offloadpp.io import ALIGNMENT, aligned_empty
+
+from .act_records import ActivationError, RecState, SavedStorage
+from .device import CudaEventWaitable
+from .memory import BufferPool
+
+_DEVICE_STATES = (RecState.DEVICE, RecState.MOVING_OUT, RecState.MOVING_IN, RecState.READY)
+_HOST_STATES = (RecState.MOVING_OUT, RecState.HOST, RecState.WRITING, RecState.READING, RecState.MOVING_IN)
+UNLIMITED = 1 << 62
+_instances = itertools.count()
+
+
+def _align(n: int) -> int:
+    return max(ALIGNMENT, -(-n // ALIGNMENT) * ALIGNMENT)
+
+
+class _CpuMover:
+    is_cuda = False
+
+    def out(self, worker, storage: torch.UntypedStorage, host: torch.Tensor, nbytes: int, then):
+        src, dst = storage.data_ptr(), host.data_ptr()
+
+        def job():
+            ctypes.memmove(dst, src, nbytes)  # `storage` and `host` stay alive: the record holds them
+            return then() if then is not None else None
+
+        return worker.submit(job), None
+
+    def into_device(self, host: torch.Tensor, nbytes: int):
+        return host.untyped_storage(), host.storage_offset(), None  # the buffer is device memory
+
+    def use(self, waitable) -> None:
+        pass
+
+
+class _CudaMover:
+    is_cuda = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+    def out(self, worker, storage: torch.UntypedStorage, host: torch.Tensor, nbytes: int, then):
+        src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # the bytes were produced there
+        with torch.cuda.stream(self.d2h):
+            host[:nbytes].copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.d2h)
+
+        def job():
+            ev.synchronize()
+            return then() if then is not None else None
+
+        return worker.submit(job), CudaEventWaitable(ev)
+
+    def into_device(self, host: torch.Tensor, nbytes: int):
+        compute = torch.cuda.current_stream(self.device)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # allocated on compute
+        self.h2d.wait_stream(compute)
+        with torch.cuda.stream(self.h2d):
+            dev.copy_(host[:nbytes], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d)
+        dev.record_stream(self.h2d)
+        return dev.untyped_storage(), 0, CudaEventWaitable(ev)
+
+    def use(self, waitable) -> None:
+        torch.cuda.current_stream(self.device).wait_event(waitable.event)
+
+
+class Swapper:
+    """Owns the movement of SavedStorages, the host buffers, the SSD keys and the accounting."""
+
+    def __init__(self, device: torch.device, store, *, key_prefix: str, host_budget_bytes: Optional[int]):
+        self.device = device
+        self.store = store
+        self.mover = _CudaMover(device) if device.type == "cuda" else _CpuMover()
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="offloadpp-act")
+        self.pool = BufferPool(
+            "activations", host_budget_bytes or UNLIMITED, lambda n, dt: aligned_empty(n, dt)
+        )
+        self.key_prefix = f"{key_prefix}{next(_instances)}"  # managers sharing a store never share keys
+        self.moving_out: deque[SavedStorage] = deque()  # swap-out jobs, in submission order
+        self.writing: list[SavedStorage] = []  # puts in flight
+        self.incoming: list[SavedStorage] = []  # reads and host -> device copies in flight
+        self._free_keys: dict[int, list[str]] = {}  # padded size -> keys whose files may be overwritten
+        self._nkeys = 0
+        # Unchanged storages still alive after their step: their SSD copy is reused, not rewritten.
+        self._cache: dict[StorageWeakRef, tuple[int, int, str, int]] = {}  # -> (version, nbytes, key, crc)
+        self.device_bytes = 0
+        self.host_bytes = 0
+        self.peak_device_bytes = 0
+        self.peak_host_bytes = 0
+        self.d2h_bytes = self.h2d_bytes = self.ssd_write_bytes = self.ssd_read_bytes = 0
+        self.swap_out_wait_s = self.swap_in_wait_s = 0.0
+        self.cache_hits = 0
+
+    # ---- accounting ----------------------------------------------------------------------
+    def _set(self, rec: SavedStorage, state: RecState) -> None:
+        rec.state = state
+        reading_into_device = state is RecState.READING and not self.mover.is_cuda
+        dev = rec.nbytes if state in _DEVICE_STATES or reading_into_device else 0
+        host = rec.nbytes if rec.host is not None and state in _HOST_STATES and not reading_into_device else 0
+        self.add_device(dev - rec.held_device)
+        self.host_bytes += host - rec.held_host
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        rec.held_device, rec.held_host = dev, host
+
+    def add_device(self, n: int) -> None:
+        self.device_bytes += n
+        if self.device_bytes > self.peak_device_bytes:
+            self.peak_device_bytes = self.device_bytes
+
+    def hold(self, rec: SavedStorage) -> None:
+        """A new record enters the accounts in its current state."""
+        self._set(rec, rec.state)
+
+    # ---- swap-out --------------------------------------------------------------------------
+    def swap_out(self, rec: SavedStorage) -> None:
+        """Starts moving a DEVICE record of policy HOST or SSD out (forward, at pack time)."""
+        rec.host = self.pool.get(_align(rec.nbytes), torch.uint8)
+        then: Optional[Callable] = None
+        if rec.policy.value == "ssd":
+            self._reuse_or_take_key(rec)
+            key, host, nbytes, verify, store = rec.key, rec.host, rec.nbytes, rec.verify, self.store
+            crc_always = self.mover.is_cuda  # the host CPU is idle there; on the CPU device: at release
+
+            def then():  # on the worker, once the bytes are in `host`
+                crc = None
+                if verify is not None or crc_always:
+                    crc = _C.crc32c(host.data_ptr(), nbytes)
+                    if crc == verify:
+                        return None, crc  # unchanged since the copy under `key` was written
+                return store.put(key, host), crc
+
+        rec.job, rec.event = self.mover.out(self.worker, rec.storage, rec.host, rec.nbytes, then)
+        self.d2h_bytes += rec.nbytes
+        self._set(rec, RecState.MOVING_OUT)
+        self.moving_out.append(rec)
+
+    def _reuse_or_take_key(self, rec: SavedStorage) -> None:
+        """The key of the storage's SSD copy from an earlier step, if it is still alive and the
+        same size (its write is skipped if the bytes prove unchanged: same version and CRC)."""
+        hit = self._cache.pop(rec.weak, None)
+        if hit is not None:
+            version, nbytes, key, crc = hit
+            if nbytes == rec.nbytes:
+                rec.key = key
+                rec.verify = crc if version == rec.version else None
+                return
+            self._free_key(key)
+        rec.key = self._take_key(rec.nbytes)
+
+    def _finish_out(self, rec: SavedStorage, block: bool) -> bool:
+        if not block and not rec.job.done():
+            return False
+        t0 = time.perf_counter()
+        try:
+            put = rec.job.result()
+        except BaseException as e:
+            raise ActivationError(f"unit {rec.owner!r}: swapping out {rec.nbytes} bytes failed: {e}") from e
+        finally:
+            self.swap_out_wait_s += time.perf_counter() - t0
+        rec.job, rec.event, rec.storage = None, None, None  # the device bytes are free
+        if put is None:
+            self._set(rec, RecState.HOST)
+        else:
+            rec.put, rec.crc = put
+            if rec.put is None:  # unchanged: the SSD copy is current, nothing was written
+                self.cache_hits += 1
+                self.pool.put(rec.host)
+                rec.host = None
+                self._set(rec, RecState.ON_SSD)
+            else:
+                self.ssd_write_bytes += rec.nbytes
+                self._set(rec, RecState.WRITING)
+                self.writing.append(rec)
+        if rec.want_in:
+            self.fetch(rec)
+        return True
+
+    def _finish_write(self, rec: SavedStorage, block: bool) -> bool:
+        if rec.put is None or (not block and not rec.put.done()):
+            return rec.put is None
+        try:
+            rec.put.wait()
+        except OSError as e:
+            raise ActivationError(
+                f"unit {rec.owner!r}: writing {rec.nbytes} bytes of activations to SSD failed: {e}"
+            ) from e
+        rec.put = None
+        if rec.state is RecState.WRITING:
+            self.pool.put(rec.host)
+            rec.host = None
+            self._set(rec, RecState.ON_SSD)
+        return True
+
+    def make_room(self, nbytes: int, budget: Optional[int]) -> None:
+        """Forward: waits for the oldest swap-outs until `nbytes` more fit the device budget."""
+        if budget is None:
+            return
+        while self.device_bytes + nbytes > budget and self.moving_out:
+            rec = self.moving_out.popleft()
+            if rec.state is RecState.MOVING_OUT:
+                with record_function("offloadpp::act_swap_out_wait"):
+                    self._finish_out(rec, block=True)
+
+    # ---- swap-in ---------------------------------------------------------------------------
+    def fetch(self, rec: SavedStorage) -> None:
+        """Starts bringing a record back to the device (backward, ahead of need)."""
+        s = rec.state
+        if s is RecState.MOVING_OUT:
+            if rec.job.cancel():  # never started: keep the device bytes, skip the copy
+                self.pool.put(rec.host, after=[rec.event] if rec.event is not None else [])
+                rec.host, rec.job, rec.event = None, None, None
+                if rec.key is not None:
+                    self._free_key(rec.key)
+                    rec.key = None
+                self.d2h_bytes -= rec.nbytes
+                self._set(rec, RecState.READY)
+            else:
+                rec.want_in = True  # continued when its job is done
+            return
+        if s is RecState.HOST or s is RecState.WRITING:
+            rec.want_in = False
+            self._into_device(rec)
+        elif s is RecState.ON_SSD:
+            rec.host = self.pool.get(_align(rec.nbytes), torch.uint8)
+            rec.get = self.store.get(rec.key, out=rec.host)
+            self.ssd_read_bytes += rec.nbytes
+            self._set(rec, RecState.READING)
+            self.incoming.append(rec)
+
+    def _into_device(self, rec: SavedStorage) -> None:
+        rec.storage, rec.base, ev = self.mover.into_device(rec.host, rec.nbytes)
+        self.h2d_bytes += rec.nbytes
+        if ev is None:  # the CPU device: the host buffer serves as device memory
+            self._set(rec, RecState.READY)
+        else:
+            rec.event = ev
+            self._set(rec, RecState.MOVING_IN)
+            if rec not in self.incoming:
+                self.incoming.append(rec)
+
+    def _advance_in(self, rec: SavedStorage, block: bool) -> None:
+        if rec.state is RecState.READING and (block or rec.get.done()):
+            try:
+                rec.get.wait()
+            except OSError as e:
+                raise ActivationError(
+                    f"unit {rec.owner!r}: reading {rec.nbytes} bytes of activations from SSD failed: {e}"
+                ) from e
+            rec.get = None
+            self._into_device(rec)
+        if rec.state is RecState.MOVING_IN and (block or rec.event.done()):
+            self.mover.use(rec.event)  # the compute stream waits for the copy, the host does not
+            self.pool.put(rec.host, after=[rec.event])
+            rec.host, rec.event = None, None
+            self._set(rec, RecState.READY)
+
+    def wait_ready(self, rec: SavedStorage) -> None:
+        """Backward needs the record now."""
+        if rec.state is RecState.READY or rec.state is RecState.DEVICE:
+            return
+        t0 = time.perf_counter()
+        with record_function("offloadpp::act_swap_in_wait"):
+            if rec.state is RecState.MOVING_OUT:
+                self._finish_out(rec, block=True)
+            if rec.state in (RecState.HOST, RecState.WRITING, RecState.ON_SSD):
+                self.fetch(rec)
+            self._advance_in(rec, block=True)
+        self.swap_in_wait_s += time.perf_counter() - t0
+        if rec in self.incoming:
+            self.incoming.remove(rec)
+        if rec.state is not RecState.READY:
+            raise ActivationError(
+                f"unit {rec.owner!r}: a saved storage could not be brought back ({rec.state.value})"
+            )
+
+    # ---- progress --------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Non-blocking: advances every move whose I/O or copy has finished."""
+        while self.moving_out:
+            rec = self.moving_out[0]
+            if rec.state is RecState.MOVING_OUT and not self._finish_out(rec, block=False):
+                break
+            self.moving_out.popleft()
+        if self.writing:
+            self.writing = [r for r in self.writing if not self._finish_write(r, block=False)]
+        if self.incoming:
+            for rec in list(self.incoming):
+                self._advance_in(rec, block=False)
+            self.incoming = [
+                r for r in self.incoming if r.state is RecState.READING or r.state is RecState.MOVING_IN
+            ]
+
+    # ---- release ---------------------------------------------------------------------------
+    def release(self, rec: SavedStorage) -> None:
+        """Backward is done with the record: its buffers go back, its key to reuse or the cache."""
+        if rec.state is RecState.RELEASED:
+            return
+        if rec.state is RecState.MOVING_OUT:
+            self._finish_out(rec, block=True)
+        crc_source = None  # where the bytes can be read on the host, for the CRC of a kept key
+        if rec.key is not None and rec.crc is None and not rec.weak.expired():
+            if rec.host is not None and rec.state in (RecState.HOST, RecState.WRITING, RecState.READY):
+                crc_source = rec.host.data_ptr()
+            elif rec.storage is not None and not self.mover.is_cuda:
+                crc_source = rec.storage.data_ptr() + rec.base
+        after = [w for w in (rec.put, rec.get, rec.event) if w is not None]
+        if rec.host is not None:
+            self.pool.put(rec.host, after=after)
+        rec.host, rec.storage, rec.job, rec.get, rec.event = None, None, None, None, None
+        if rec in self.incoming:
+            self.incoming.remove(rec)
+        if rec.key is not None:
+            # The key holds (or, with its put in flight, will hold) the bytes: while the storage
+            # lives, a later step saving it again finds the key, and skips the write if the bytes
+            # prove unchanged (same version and CRC-32C: writes torch does not track, through
+            # .data or numpy, change no version); otherwise a later record overwrites the file.
+            if not rec.weak.expired() and (rec.crc is not None or crc_source is not None):
+                crc = rec.crc if rec.crc is not None else _C.crc32c(crc_source, rec.nbytes)
+                self._cache[rec.weak] = (rec.version, rec.nbytes, rec.key, crc)
+            else:
+                self._free_key(rec.key)
+            rec.key = None
+        if rec in self.writing:
+            self.writing.remove(rec)
+        rec.put = None
+        self._set(rec, RecState.RELEASED)
+
+    def sweep_cache(self) -> None:
+        """Drops cached SSD copies of storages that no longer exist (end of a step)."""
+        for weak in [w for w in self._cache if w.expired()]:
+            self._free_key(self._cache.pop(weak)[2])
+
+    def _take_key(self, nbytes: int) -> str:
+        size = _align(nbytes)
+        free = self._free_keys.get(size)
+        if free:
+            return free.pop()
+        self._nkeys += 1
+        return f"{self.key_prefix}.{size}.{self._nkeys}"
+
+    def _free_key(self, key: str) -> None:
+        self._free_keys.setdefault(int(key.split(".")[-2]), []).append(key)
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)
+        for rec in list(self.moving_out) + self.writing:
+            if rec.put is not None:
+                try:
+                    rec.put.wait()
+                except OSError:
+                    pass
+        self.moving_out.clear()
+        self.writing.clear()
+        self.pool.clear()

@@ -1,0 +1,568 @@
+"""Activation swapping (DESIGN.md, idea 2): the tensors autograd saves in each unit's forward are
+kept on the device, moved to pinned host memory, moved on to SSD, or dropped and recomputed, as
+the unit's policy says; backward brings them back ahead of need, in the order it uses them.
+
+    mgr = ActivationManager.for_model(model, ActivationConfig(policy="ssd", budget_bytes=...),
+                                      store=TensorStore(dirs))
+    with mgr.forward():
+        loss = model(**batch).loss
+    mgr.backward(loss)                 # or: mgr.start_backward(); loss.backward(); mgr.end_backward()
+    mgr.stats()                        # bytes moved, waits, the accounted device peak
+
+Note: the hooks. A forward pre-hook on each unit's root modules makes the unit current (and, for
+recompute, opens a Segment); a forward hook closes it and registers a grad hook on its outputs,
+which fires when backward reaches the unit: the units backward finished before it release what
+they consumed, and the activations of the next `prefetch_units` units (in reverse forward order)
+start coming back within the budget. `saved_tensors_hooks(pack, unpack)` is active for the
+whole forward: pack hands autograd a SavedRef (or a ParamView for a parameter, a RecomputeRef
+inside a recompute segment), unpack rebuilds the tensor from wherever its bytes are then.
+
+Note: release. A SavedStorage is released once every SavedRef to it was unpacked, at the next
+unit boundary of backward (not at once: a custom Function may read ctx.saved_tensors twice within
+one node), and whatever is left at end_backward. A second backward over the same graph
+(retain_graph) is therefore refused with an error naming the unit.
+
+Note: auto. Until the planner fills `auto` in, the first forward profiles the auto units (bytes
+saved, FLOPs through a dispatch-mode counter) while sending them to host memory, which is within
+any budget; from the next forward on, resolve_auto's choice applies (act_policy.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.utils._pytree import tree_leaves
+
+from offloadpp.planner import fmt_bytes
+
+from .act_policy import ActivationConfig, ActPolicy, UnitActProfile, resolve_auto
+from .act_recompute import FlopCounter, RecomputeRef, Segment, SegState
+from .act_records import (
+    ActivationError,
+    ParamIndex,
+    ParamView,
+    RecState,
+    SavedRef,
+    SavedStorage,
+    storage_key,
+    swappable,
+)
+from .act_swap import Swapper
+
+log = logging.getLogger("offloadpp.runtime")
+
+
+class ActPhase(enum.Enum):
+    IDLE = "idle"  # no saved activations
+    FORWARD = "forward"  # its forward ran (or runs) in this step
+    BACKWARD = "backward"  # backward reached it
+    DONE = "done"  # backward moved past it
+
+
+@dataclass(frozen=True)
+class ActivationStats:
+    """Cumulative since the last reset_stats(); bytes, seconds."""
+
+    saved_bytes: int  # distinct storages saved (dedup), all policies but recompute
+    d2h_bytes: int  # device -> host (swap-out copies)
+    h2d_bytes: int  # host -> device (swap-in copies; on the CPU device, handed over without a copy)
+    ssd_write_bytes: int
+    ssd_read_bytes: int
+    swap_out_wait_s: float  # forward waiting for swap-outs (budget), or release waiting for them
+    swap_in_wait_s: float  # backward waiting for activations to arrive
+    recompute_s: float  # backward re-running forwards of recompute units
+    peak_device_bytes: int  # accounted activation bytes on the device
+    peak_host_bytes: int
+    budget_bytes: Optional[int]
+    fetch_misses: int  # records backward needed before any prefetch asked for them
+    dedup_hits: int  # saved tensors that were views of an already saved storage
+    param_refs: int  # saved tensors that were parameters (never swapped)
+    cache_hits: int  # storages whose unchanged SSD copy from an earlier step was reused
+
+    @property
+    def within_budget(self) -> bool:
+        return self.budget_bytes is None or self.peak_device_bytes <= self.budget_bytes
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class UnitActivations:
+    """One unit's saved activations in the current step, and its policy."""
+
+    def __init__(self, name: str, roots: tuple[nn.Module, ...], requested: ActPolicy):
+        self.name = name
+        self.roots = roots
+        self.requested = requested
+        self.policy = ActPolicy.HOST if requested is ActPolicy.AUTO else requested  # AUTO: profiled as host
+        self.phase = ActPhase.IDLE
+        self.position = -1  # in this step's forward order
+        self.records: list[SavedStorage] = []  # in pack order
+        self.segments: list[Segment] = []
+        self.fetch_cursor = 0  # records[:fetch_cursor] are not asked for yet (fetched from the end)
+        self.saved_bytes = 0  # bytes of the storages it saved first, this step
+        self.flops = 0
+        self.params = ParamIndex()
+
+    def __repr__(self) -> str:
+        return f"UnitActivations({self.name!r}, {self.policy.value}, {self.phase.value})"
+
+    def reset(self) -> None:
+        self.phase = ActPhase.IDLE
+        self.position = -1
+        self.records = []
+        self.segments = []
+        self.fetch_cursor = 0
+        self.saved_bytes = 0
+
+
+class ActivationManager:
+    def __init__(
+        self,
+        units: Sequence[tuple[str, Sequence[nn.Module]]],
+        config: ActivationConfig,
+        *,
+        store=None,
+        device: torch.device | str = "cpu",
+        policies: Optional[Sequence[str]] = None,
+        model: Optional[nn.Module] = None,
+        param_pack: Optional[Callable] = None,
+        param_unpack: Optional[Callable] = None,
+        param_handle: Optional[type] = None,
+    ):
+        """units: (name, root modules) in forward order. policies: one per unit, overriding the
+        config's (a Plan's). param_pack/unpack/handle: the runtime's own saved-parameter hooks,
+        tried first (it knows which weights are bound and fetches them for backward)."""
+        names = [n for n, _ in units]
+        config.check_units(names)
+        if policies is not None and len(policies) != len(units):
+            raise ValueError(f"{len(policies)} activation policies for {len(units)} units")
+        self.config = config
+        self.budget = config.budget_bytes
+        self.device = torch.device(device)
+        self.units = [
+            UnitActivations(
+                n, tuple(r), ActPolicy(policies[i]) if policies is not None else config.policy_for(n)
+            )
+            for i, (n, r) in enumerate(units)
+        ]
+        needs_ssd = [u.name for u in self.units if u.requested is ActPolicy.SSD]
+        if needs_ssd and store is None:
+            raise ValueError(f"units {needs_ssd} swap activations to SSD, but no TensorStore was given")
+        self.store = store
+        self.outside = UnitActivations("(outside units)", (), ActPolicy.KEEP)
+        self._all = ParamIndex()
+        self._model = model
+        self._ext = (param_pack, param_unpack, param_handle) if param_pack is not None else None
+        self.swapper = Swapper(self.device, store, key_prefix=config.key_prefix, host_budget_bytes=None)
+        self._handles: list = []
+        self._order: list[UnitActivations] = []
+        self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
+        self._stack: list[tuple[UnitActivations, Optional[Segment]]] = []
+        self._consumed: list[SavedStorage] = []
+        self._bw_unit: Optional[UnitActivations] = None
+        self._in_backward = False
+        self._active = False  # inside forward(): the unit hooks act only then
+        self._flops: Optional[FlopCounter] = None
+        self._probing = any(u.requested is ActPolicy.AUTO for u in self.units)
+        self.profiles: Optional[tuple[UnitActProfile, ...]] = None  # what auto was resolved from
+        self._closed = False
+        self.reset_stats()
+
+    @classmethod
+    def for_model(
+        cls, model: nn.Module, config: ActivationConfig, *, store=None, device=None, unit_split=None
+    ):
+        """Units found as the runtime finds them (runtime/units.py); hooks installed."""
+        from .units import find_units
+
+        modules = dict(model.named_modules())
+        defs = find_units(model, unit_split)
+        if device is None:
+            p = next(model.parameters(), None)
+            device = p.device if p is not None else "cpu"
+        mgr = cls(
+            [(d.name, [modules[q] for q in d.modules]) for d in defs],
+            config,
+            store=store,
+            device=device,
+            model=model,
+        )
+        mgr.install()
+        return mgr
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def install(self) -> None:
+        for u in self.units:
+            for m in u.roots:
+                self._handles.append(
+                    m.register_forward_pre_hook(functools.partial(self._pre, u), with_kwargs=True)
+                )
+                self._handles.append(m.register_forward_hook(functools.partial(self._post, u)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def forward(self):
+        """The forward pass: saved-tensor hooks active (and the FLOP counter while profiling)."""
+        self._check_open()
+        if self._in_backward:
+            self.end_backward()  # the previous backward was not closed
+        self._all.rebuild(
+            [self._model] if self._model is not None else [m for u in self.units for m in u.roots]
+        )
+        self._stack.clear()
+        probe = self._probing and torch.is_grad_enabled()
+        self._flops = FlopCounter() if probe else None
+        self._active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                with self._flops if self._flops is not None else contextlib.nullcontext():
+                    yield
+        finally:
+            self._active = False
+            self._flops = None
+            self._stack.clear()
+        if probe:
+            self._resolve_from_probe()
+
+    def _pre(self, unit: UnitActivations, module, args, kwargs):
+        if not self._active or not torch.is_grad_enabled():
+            return None
+        if unit.phase is ActPhase.IDLE:
+            unit.phase = ActPhase.FORWARD
+            unit.position = len(self._order)
+            self._order.append(unit)
+        unit.params.rebuild(unit.roots)
+        seg = None
+        if unit.policy is ActPolicy.RECOMPUTE:
+            inputs = self._measure(tree_leaves((args, kwargs)), unit.params)
+            seg = Segment(unit.name, module.forward, args, kwargs, self.device, inputs)
+            seg.owner = unit
+            self.swapper.add_device(inputs)
+            unit.segments.append(seg)
+        if self._flops is not None:
+            unit.flops -= self._flops.total
+        self._stack.append((unit, seg))
+        return None
+
+    def _post(self, unit: UnitActivations, module, args, output):
+        if not self._active or not self._stack or self._stack[-1][0] is not unit:
+            return None
+        _, seg = self._stack.pop()
+        if seg is not None:
+            seg.close()
+        if self._flops is not None:
+            unit.flops += self._flops.total
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, functools.partial(self._grad_hook, unit), mode="any"
+            )
+        return None
+
+    def _grad_hook(self, unit: UnitActivations, grad) -> None:
+        self._enter_backward(unit)
+
+    # ---- pack / unpack -------------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        if self._ext is not None:
+            h = self._ext[0](t)
+            if h is not t:
+                self.param_refs += 1
+                return h
+        unit, seg = self._stack[-1] if self._stack else (self.outside, None)
+        if seg is not None:
+            return seg.pack(t)
+        m = (unit.params if unit is not self.outside else self._all).match(t)
+        if m is not None:
+            self.param_refs += 1
+            return m
+        if not swappable(t, self.device):
+            return t
+        sw = self.swapper
+        sw.pump()
+        st, weak = storage_key(t)
+        rec = self._index.get(weak)
+        if rec is None or rec.version != t._version or rec.state is RecState.RELEASED:
+            policy = (
+                unit.policy
+                if unit.policy.swaps and st.nbytes() >= self.config.min_swap_bytes
+                else ActPolicy.KEEP
+            )
+            rec = SavedStorage(unit, policy, st, weak, t._version)
+            sw.make_room(rec.nbytes, self.budget)
+            sw.hold(rec)
+            if policy.swaps:
+                sw.swap_out(rec)
+            self._index[weak] = rec
+            unit.saved_bytes += rec.nbytes
+            self.saved_bytes += rec.nbytes
+            unit.records.append(rec)
+        else:
+            self.dedup_hits += 1
+            if all(r is not rec for r in unit.records):  # a storage saved by several units is in each list
+                unit.records.append(rec)
+        unit.fetch_cursor = len(unit.records)
+        rec.refs += 1
+        return SavedRef(rec, t)
+
+    def unpack(self, h):
+        tp = type(h)
+        if tp is SavedRef:
+            return self._unpack_saved(h)
+        if tp is RecomputeRef:
+            return self._unpack_recomputed(h)
+        if tp is ParamView:
+            return h.unpack()
+        if self._ext is not None and tp is self._ext[2]:
+            return self._ext[1](h)
+        return h
+
+    def _unpack_saved(self, h: SavedRef) -> torch.Tensor:
+        rec = h.rec
+        if rec.state is RecState.RELEASED:
+            raise ActivationError(
+                f"unit {rec.owner!r}: a saved activation was unpacked after backward released it "
+                "(a second backward through the same graph, retain_graph=True, is not supported)"
+            )
+        self._enter_backward(rec.unit)
+        if rec.state is not RecState.READY and rec.state is not RecState.DEVICE:
+            if not rec.want_in and rec.state in (
+                RecState.HOST,
+                RecState.WRITING,
+                RecState.ON_SSD,
+                RecState.MOVING_OUT,
+            ):
+                self.fetch_misses += 1
+            self.swapper.wait_ready(rec)
+        t = h.view()
+        rec.unpacked += 1
+        if rec.consumed:
+            self._consumed.append(rec)
+        self.swapper.pump()
+        self._prefetch()
+        return t
+
+    def _unpack_recomputed(self, h: RecomputeRef) -> torch.Tensor:
+        seg = h.seg
+        unit = seg.owner
+        self._enter_backward(unit)
+        if seg.state is SegState.SAVED:
+            t0 = time.perf_counter()
+            with record_function("offloadpp::act_recompute"):
+                unit.params.rebuild(unit.roots)  # the runtime may have rebound the weights
+                seg.recompute(lambda ts: self._measure(ts, unit.params))
+            self.recompute_s += time.perf_counter() - t0
+            self.swapper.add_device(seg.recomputed_bytes - seg.input_bytes)
+        elif seg.state is SegState.DONE:
+            raise ActivationError(
+                f"unit {seg.unit!r}: a recomputed activation was unpacked after backward released it"
+            )
+        t = seg.take(h)
+        if seg.finished:
+            self._drop_segment(seg)
+        return t
+
+    def _measure(self, tensors, params: ParamIndex) -> int:
+        """Bytes of the distinct storages among `tensors` that are activations on the device."""
+        seen = set()
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and swappable(t, self.device) and params.match(t) is None:
+                _, weak = storage_key(t)
+                if weak not in seen:
+                    seen.add(weak)
+                    total += t.untyped_storage().nbytes()
+        return total
+
+    def _drop_segment(self, seg: Segment) -> None:
+        if seg.state is SegState.SAVED or seg.state is SegState.RECORDING:
+            self.swapper.add_device(-seg.input_bytes)
+        elif seg.state is SegState.RECOMPUTED:
+            self.swapper.add_device(-seg.recomputed_bytes)
+        seg.drop()
+
+    def drain(self) -> None:
+        """Waits until every swap-out started so far has left the device (and its SSD write is
+        done). Backward does not need this; tests and benchmarks do."""
+        sw = self.swapper
+        sw.make_room(sw.device_bytes + 1, 0)  # waits for every job
+        for rec in list(sw.writing):
+            sw._finish_write(rec, block=True)
+        sw.pump()
+
+    # ---- backward ------------------------------------------------------------------------
+    def start_backward(self) -> None:
+        """Optional: starts fetching the last units' activations before backward runs."""
+        self._in_backward = True
+        self._index.clear()
+        self.swapper.pump()
+        self._prefetch()
+
+    def _enter_backward(self, unit: UnitActivations) -> None:
+        if not self._in_backward:
+            self.start_backward()
+        if unit.phase is not ActPhase.FORWARD or unit is self.outside:
+            return
+        self.swapper.pump()
+        self._release_consumed()
+        if self._bw_unit is not None:
+            self._bw_unit.phase = ActPhase.DONE
+        unit.phase = ActPhase.BACKWARD
+        self._bw_unit = unit
+        self._prefetch()
+
+    def _release_consumed(self) -> None:
+        for rec in self._consumed:
+            self.swapper.release(rec)
+        self._consumed.clear()
+
+    def _prefetch(self) -> None:
+        """Fetches the unit backward runs (whatever the budget), then the next prefetch_units
+        units in backward order while they fit the budget, each in its reverse pack order."""
+        cur = self._bw_unit
+        start = cur.position if cur is not None else len(self._order)
+        if cur is not None:
+            self._fetch_unit(cur, force=True)
+        for j in range(1, self.config.prefetch_units + 1):
+            if start - j < 0 or not self._fetch_unit(self._order[start - j], force=False):
+                break
+
+    def _fetch_unit(self, u: UnitActivations, force: bool) -> bool:
+        sw = self.swapper
+        while u.fetch_cursor > 0:
+            rec = u.records[u.fetch_cursor - 1]
+            s = rec.state
+            if s in (RecState.HOST, RecState.WRITING, RecState.ON_SSD) or (
+                s is RecState.MOVING_OUT and not rec.want_in
+            ):
+                extra = 0 if s is RecState.MOVING_OUT else rec.nbytes
+                if not force and self.budget is not None and sw.device_bytes + extra > self.budget:
+                    return False
+                sw.fetch(rec)
+            u.fetch_cursor -= 1
+        return True
+
+    def end_backward(self) -> None:
+        """Releases everything of this step; the next forward starts clean."""
+        self._consumed.clear()
+        for u in self.units + [self.outside]:
+            for rec in u.records:
+                self.swapper.release(rec)
+            for seg in u.segments:
+                self._drop_segment(seg)
+            u.reset()
+        self.swapper.sweep_cache()
+        self._order.clear()
+        self._index.clear()
+        self._bw_unit = None
+        self._in_backward = False
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        self.start_backward()
+        try:
+            loss.backward(**kwargs)
+        finally:
+            self.end_backward()
+
+    # ---- auto ----------------------------------------------------------------------------
+    def _resolve_from_probe(self) -> None:
+        self.resolve(
+            [UnitActProfile(u.name, u.saved_bytes, float(u.flops)) for u in self.units],
+            self.outside.saved_bytes,
+        )
+
+    def resolve(self, profiles: Sequence[UnitActProfile], outside_bytes: int = 0) -> None:
+        """Fixes the policy of every `auto` unit from per-unit profiles (forward order)."""
+        chosen = resolve_auto(
+            profiles,
+            [u.requested for u in self.units],
+            budget_bytes=self.budget,
+            host_budget_bytes=self.config.host_budget_bytes if self.store is not None else None,
+            outside_bytes=outside_bytes,
+            prefetch_units=self.config.prefetch_units,
+        )
+        for u, p in zip(self.units, chosen):
+            u.policy = p
+        self.profiles = tuple(profiles)
+        self._probing = False
+        log.info("activation policies (auto resolved):\n%s", self.describe(profiles))
+
+    def policies(self) -> dict[str, str]:
+        return {u.name: u.policy.value for u in self.units}
+
+    def describe(self, profiles: Optional[Sequence[UnitActProfile]] = None) -> str:
+        profiles = profiles if profiles is not None else self.profiles
+        lines = [f"  {'unit':<28} {'policy':>9} {'requested':>9} {'saved':>11} {'GFLOP':>8}"]
+        for i, u in enumerate(self.units):
+            b = profiles[i].bytes if profiles else u.saved_bytes
+            f = profiles[i].flops if profiles else u.flops
+            lines.append(
+                f"  {u.name:<28} {u.policy.value:>9} {u.requested.value:>9} {fmt_bytes(b):>11} {f / 1e9:>8.3f}"
+            )
+        lines.append(f"  budget: {fmt_bytes(self.budget) if self.budget else 'none'}")
+        return "\n".join(lines)
+
+    # ---- stats ---------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        sw = self.swapper
+        sw.d2h_bytes = sw.h2d_bytes = sw.ssd_write_bytes = sw.ssd_read_bytes = 0
+        sw.swap_out_wait_s = sw.swap_in_wait_s = 0.0
+        sw.cache_hits = 0
+        sw.peak_device_bytes = sw.device_bytes
+        sw.peak_host_bytes = sw.host_bytes
+        self.saved_bytes = 0
+        self.recompute_s = 0.0
+        self.fetch_misses = self.dedup_hits = self.param_refs = 0
+
+    def stats(self) -> ActivationStats:
+        sw = self.swapper
+        return ActivationStats(
+            saved_bytes=self.saved_bytes,
+            d2h_bytes=sw.d2h_bytes,
+            h2d_bytes=sw.h2d_bytes,
+            ssd_write_bytes=sw.ssd_write_bytes,
+            ssd_read_bytes=sw.ssd_read_bytes,
+            swap_out_wait_s=sw.swap_out_wait_s,
+            swap_in_wait_s=sw.swap_in_wait_s,
+            recompute_s=self.recompute_s,
+            peak_device_bytes=sw.peak_device_bytes,
+            peak_host_bytes=sw.peak_host_bytes,
+            budget_bytes=self.budget,
+            fetch_misses=self.fetch_misses,
+            dedup_hits=self.dedup_hits,
+            param_refs=self.param_refs,
+            cache_hits=sw.cache_hits,
+        )
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the ActivationManager was closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.end_backward()
+        self.remove()
+        self.swapper.close()
+
+    def __enter__(self) -> ActivationManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,187 @@
+"""The compute device, a CUDA GPU or the CPU acting as one, and each unit's weights on it.
+
+Note: the CPU as the device. Every path of the runtime runs without a GPU: the device buffer of
+a unit is then its host compute-copy buffer itself (no copy), and only the byte budget separates
+"device" from "host". The schedule, the holds and the hooks are the same code either way; only
+`CpuWeights` and `CudaWeights` differ, in how a host buffer becomes device weights.
+
+Note: CUDA streams. Host-to-device copies run on `h2d`, gradients leave on `d2h`, both from
+pinned host buffers. A copy is ordered before its use by an event the compute stream waits on;
+a device buffer used by the compute stream is marked with record_stream so the caching allocator
+does not hand it out again before that work is done; a pinned host buffer goes back to its pool
+only after the event of the copy that read it (the pool's `after`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .slots import Hold, Slot, SlotState
+
+
+class CudaEventWaitable:
+    """A recorded CUDA event seen as a pool `Waitable`."""
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
+class Device:
+    def __init__(self, spec: Optional[str]):
+        if spec is None:
+            spec = "cuda" if torch.cuda.is_available() else "cpu"
+        self.torch_device = torch.device(spec)
+        self.is_cuda = self.torch_device.type == "cuda"
+        if self.is_cuda:
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {spec!r} asked for, but torch sees no CUDA device")
+            if self.torch_device.index is None:
+                self.torch_device = torch.device("cuda", torch.cuda.current_device())
+            self.h2d = torch.cuda.Stream(self.torch_device)
+            self.d2h = torch.cuda.Stream(self.torch_device)
+        self.kind = "cuda" if self.is_cuda else "cpu"
+        self._nan: dict[torch.dtype, torch.Tensor] = {}
+        self.bytes_in_use = 0  # device weights buffers (CUDA), for the report
+        self.peak_bytes = 0
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    def placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """What a parameter points to while its weights are not on the device: its shape, no
+        memory, and NaN if anything reads it by mistake."""
+        if dtype not in self._nan:
+            self._nan[dtype] = torch.full((), float("nan"), dtype=dtype, device=self.torch_device)
+        return self._nan[dtype].expand(shape)
+
+    def compute_stream(self):
+        return torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
+
+
+class CpuWeights:
+    """A unit's device weights on the CPU device: its compute-copy slot's buffer, no copy."""
+
+    def __init__(self, source: Slot, device: Device):
+        self.source = source
+        self.device = device
+
+    @property
+    def state(self) -> SlotState:
+        return (
+            self.source.state
+            if Hold.COMPUTE in self.source.holds or self.source.resident
+            else SlotState.EMPTY
+        )
+
+    def acquire(self) -> None:
+        self.source.acquire(Hold.COMPUTE)
+
+    def pump(self) -> None:
+        pass
+
+    def wait(self) -> torch.Tensor:
+        return self.source.wait()
+
+    def release(self) -> None:
+        self.source.release(Hold.COMPUTE)
+
+    def refresh(self) -> None:
+        pass  # the update wrote the buffer the device computes with
+
+
+class CudaWeights:
+    """A unit's device weights on a GPU: a device buffer filled from the pinned compute copy.
+
+    resident: the buffer lives for the whole run and is refreshed after each update.
+    """
+
+    def __init__(self, source: Slot, device: Device, *, resident: bool):
+        self.source = source
+        self.device = device
+        self.resident = resident
+        self.tensor: Optional[torch.Tensor] = None
+        self.state = SlotState.EMPTY
+        self._event: Optional[torch.cuda.Event] = None
+        self._copied = False
+
+    def _start_copy(self, host: torch.Tensor) -> None:
+        dev = self.device
+        with torch.cuda.stream(dev.h2d):
+            if self.tensor is not None:
+                # Overwriting weights in place (a resident unit's refresh): kernels the CPU has
+                # queued on the compute stream may still read the old values.
+                dev.h2d.wait_stream(dev.compute_stream())
+            else:
+                self.tensor = torch.empty(host.numel(), dtype=host.dtype, device=dev.torch_device)
+                dev.bytes_in_use += host.numel() * host.element_size()
+                dev.peak_bytes = max(dev.peak_bytes, dev.bytes_in_use)
+            self.tensor.copy_(host, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(dev.h2d)
+        dev.h2d_bytes += host.numel() * host.element_size()
+        self._copied = True
+
+    def acquire(self) -> None:
+        if self.state is not SlotState.EMPTY:
+            return
+        self.source.acquire(Hold.COMPUTE)
+        self._copied = False
+        self.state = SlotState.LOADING
+        self.pump()
+
+    def pump(self) -> None:
+        """Starts the host-to-device copy once the host copy has arrived."""
+        if self.state is SlotState.LOADING and not self._copied:
+            read = self.source.pending_read
+            if read is None or read.done():
+                self._start_copy(self.source.wait())
+                if not self.source.resident:
+                    self.source.release(Hold.COMPUTE, after=(CudaEventWaitable(self._event),))
+
+    def wait(self) -> torch.Tensor:
+        if self.state is SlotState.EMPTY:
+            raise RuntimeError(f"{self.source.key}: device weights waited on before being fetched")
+        if self.state is SlotState.LOADING:
+            if not self._copied:
+                self.source.wait()
+                self.pump()
+            self.state = SlotState.READY
+        stream = self.device.compute_stream()
+        if self._event is not None:
+            stream.wait_event(self._event)
+        self.tensor.record_stream(stream)
+        return self.tensor
+
+    def release(self) -> None:
+        if self.resident or self.state is SlotState.EMPTY:
+            return
+        if not self._copied:  # never reached the device: give the host copy back as is
+            self.source.release(Hold.COMPUTE)
+        self.device.bytes_in_use -= (
+            self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else 0
+        )
+        self.tensor = None  # record_stream keeps the memory until the compute stream is past it
+        self._event = None
+        self.state = SlotState.EMPTY
+
+    def load_resident(self) -> None:
+        """Setup of a resident unit: copies the host copy to the device once."""
+        self._start_copy(self.source.wait())
+        self.state = SlotState.READY
+
+    def refresh(self) -> None:
+        """After an update: a resident device copy takes the new compute copy (source buffer,
+        which the caller keeps held until the returned copy is done: see `last_copy`)."""
+        if self.resident:
+            self._start_copy(self.source.wait())
+
+    @property
+    def last_copy(self) -> Optional[CudaEventWaitable]:
+        return CudaEventWaitable(self._event) if self._event is not None else None

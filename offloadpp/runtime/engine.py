@@ -1,0 +1,372 @@
+"""OffloadEngine: trains an nn.Module whose training state lives on SSD (DESIGN.md, idea 1).
+
+    engine = OffloadEngine(model, RuntimeConfig(nvme_paths=[...], device_budget_bytes=...,
+                                                host_budget_bytes=...), hyper=AdamHyper(lr=1e-4))
+    for batch in data:
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        report = engine.step()      # a StepReport on an accumulation boundary, else None
+
+The model is split into units (runtime/units.py), a Plan says where each unit's arrays live
+(planner/), and the executor's hooks stream weights in ahead of each unit while the optimizer
+pipeline updates units on a worker as their gradients complete (runtime/optimizer.py). After
+step() returns the weights are exactly those an in-memory AdamW step gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from offloadpp.io import TensorStore, aligned_empty
+from offloadpp.optim import AdamHyper
+from offloadpp.planner import Plan, PlanError, build_schedule, default_plan
+
+from .config import RuntimeConfig, StepReport
+from .device import Device
+from .executor import Executor
+from .memory import BufferPool
+from .optimizer import OptimizerPipeline
+from .precision import LossScaler
+from .preflight import check_free_space, check_nvme_paths, measure_ssd
+from .state import (
+    Exporter,
+    check_buffers,
+    export_checkpoint,
+    import_checkpoint,
+    initialize_units,
+    replace_meta_params,
+)
+from .unit import Unit, UnitPhase
+from .units import find_units, layout_units
+
+log = logging.getLogger("offloadpp.runtime")
+
+
+class OffloadEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: RuntimeConfig,
+        *,
+        hyper: Optional[AdamHyper] = None,
+        plan: Optional[Plan] = None,
+        init_fn: Optional[Callable[[nn.Module], None]] = None,
+        progress: bool = False,
+    ):
+        self.config = config
+        self.hyper = hyper if hyper is not None else AdamHyper()
+        self.module = model
+        self.device = Device(config.device)
+        check_nvme_paths(config.nvme_paths)
+        meta = replace_meta_params(model, self.device.placeholder)
+        check_buffers(model, self.device.torch_device)
+        layouts = layout_units(model, find_units(model, config.units))
+        specs = [lay.spec() for lay in layouts]
+        self.plan = self._make_plan(specs, plan)
+        self.schedule = build_schedule(self.plan)
+        check_free_space(config.nvme_paths, self.plan)
+        self.store = TensorStore(list(config.nvme_paths), config=config.io, create=True)
+        try:
+            self._setup(model, layouts, init_fn, meta, progress)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _make_plan(self, specs, plan: Optional[Plan]) -> Plan:
+        c = self.config
+        if plan is None:
+            return default_plan(
+                specs,
+                device=self.device.kind,
+                compute_dtype=c.compute_dtype,
+                device_budget_bytes=c.device_budget_bytes,
+                host_budget_bytes=c.host_budget_bytes,
+                prefetch_depth=c.prefetch_depth,
+                optim_prefetch_depth=c.optim_prefetch_depth,
+                accumulate_grads=c.gradient_accumulation_steps > 1,
+                deferred_update=c.deferred_update,
+            )
+        if list(plan.units) != specs:
+            raise PlanError(
+                "the plan was made for other units: plan has "
+                f"{[(u.name, u.numel) for u in plan.units]}, the model {[(u.name, u.numel) for u in specs]}"
+            )
+        want = dict(
+            device=self.device.kind,
+            compute_dtype=c.compute_dtype,
+            accumulate_grads=c.gradient_accumulation_steps > 1 or plan.accumulate_grads,
+            deferred_update=c.deferred_update or plan.deferred_update,
+        )
+        for k, v in want.items():
+            if getattr(plan, k) != v:
+                raise PlanError(f"plan.{k} is {getattr(plan, k)!r} but the config needs {v!r}")
+        return plan
+
+    def _setup(self, model, layouts, init_fn, meta: bool, progress: bool) -> None:
+        c, dev = self.config, self.device
+        self.device_pool = BufferPool(
+            "device", c.device_budget_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
+        )
+        self.host_pool = BufferPool("host", c.host_budget_bytes, lambda n, dt: aligned_empty(n, dt))
+        self.units = [
+            Unit(lay, p, self.plan, dev, self.store, device_pool=self.device_pool, host_pool=self.host_pool)
+            for lay, p in zip(layouts, self.plan.placements)
+        ]
+        modules = dict(model.named_modules())
+        with torch.no_grad():
+            initialize_units(self.units, modules, init_fn, meta, progress)
+        self.store.wait_all()
+        by_name = {u.name: u for u in self.units}
+        self.optimizer = OptimizerPipeline(
+            [by_name[n] for n in self.schedule.update_order],
+            optim_window=self.schedule.optim_window,
+            next_keep=self.schedule.next_keep,
+            hyper=self.hyper,
+            store=self.store,
+            host_pool=self.host_pool,
+            device=dev,
+            deferred=c.deferred_update,
+            separate_weights=self.plan.separate_weights,
+            threads=c.adam_threads,
+        )
+        self.executor = Executor(self.schedule, self.units, self._grads_complete)
+        self.executor.before_visit = self.optimizer.reap
+        self.executor.updates_pending = lambda: self.optimizer.boundary
+        self.executor.install(modules)
+        self.exporter = Exporter(self.units, self._quiesce)
+        self.exporter.install(model, modules)
+        self.loss_scaler = None
+        if c.compute_dtype == "fp16":
+            self.loss_scaler = LossScaler(
+                static_scale=c.loss_scale,
+                initial_power=c.initial_scale_power,
+                window=c.loss_scale_window,
+                hysteresis=c.hysteresis,
+                min_scale=c.min_loss_scale,
+            )
+        if c.ssd_read_gbps and c.ssd_write_gbps:
+            self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps, c.ssd_write_gbps
+        else:
+            r, w = measure_ssd(self.store)
+            self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps or r, c.ssd_write_gbps or w
+        self.global_step = 0  # optimizer steps taken (skipped fp16 steps do not count)
+        self.micro_in_window = 0
+        self._closed = False
+        self._reset_step_counters()
+        log.info("%s", self.plan.describe())
+
+    # ---- training ---------------------------------------------------------------------------
+    def _boundary(self) -> bool:
+        return self.micro_in_window + 1 >= self.config.gradient_accumulation_steps
+
+    def __call__(self, *args, **kwargs):
+        self._check_open()
+        t0 = time.perf_counter()
+        if self._step_t0 is None:
+            self._step_t0 = t0
+        if torch.is_grad_enabled():
+            self.optimizer.begin_micro(first=self.micro_in_window == 0, boundary=self._boundary())
+        self.executor.start_forward()
+        ex = self.executor
+        with (
+            record_function("offloadpp::forward"),
+            torch.autograd.graph.saved_tensors_hooks(ex.pack, ex.unpack),
+        ):
+            out = self.module(*args, **kwargs)
+        self._fwd_s += time.perf_counter() - t0
+        return out
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (scaled by 1/gradient_accumulation_steps, and by the fp16 loss
+        scale); units are handed to the optimizer as their gradients complete."""
+        self._check_open()
+        t0 = time.perf_counter()
+        scale = 1.0 / self.config.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        self.executor.start_backward()
+        with record_function("offloadpp::backward"):
+            (loss * scale if scale != 1.0 else loss).backward()
+            for u in self.optimizer.order:  # units some of whose parameters got no gradient
+                if u.phase not in (UnitPhase.GRADS_READY, UnitPhase.UPDATING, UnitPhase.UPDATED):
+                    self._grads_complete(u)
+        self.executor.end_backward()
+        self._bwd_s += time.perf_counter() - t0
+
+    def _grads_complete(self, u: Unit) -> None:
+        self.optimizer.on_grads(u)
+
+    def step(self) -> Optional[StepReport]:
+        """Waits for the optimizer. On an accumulation boundary returns the StepReport."""
+        self._check_open()
+        t0 = time.perf_counter()
+        boundary = self._boundary()
+        self.micro_in_window += 1
+        if not boundary:
+            self.optimizer.finish()
+            self._opt_s += time.perf_counter() - t0
+            return None
+        self.micro_in_window = 0
+        grad_norm, skipped = None, False
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+        with record_function("offloadpp::optimizer_wait"):
+            if self.config.deferred_update:
+                grad_norm, skipped = self._deferred_update(scale or 1.0)
+            self.optimizer.finish()
+        if not skipped:
+            self.global_step += 1
+        for u in self.units:
+            u.phase = UnitPhase.IDLE
+        self._opt_s += time.perf_counter() - t0
+        report = self._report(grad_norm, skipped, scale)
+        if self.config.log_every and report.step % self.config.log_every == 0:
+            log.info("%s", report.summary())
+        return report
+
+    def _deferred_update(self, scale: float) -> tuple[float, bool]:
+        """Clipping / fp16 overflow: every norm is known now; then the updates run."""
+        self.optimizer.wait_absorbed()
+        sq = sum(u.sq_norm for u in self.optimizer.order if u.sq_norm is not None)
+        finite = math.isfinite(sq)
+        grad_norm = math.sqrt(sq) / scale if finite else float("inf")
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=not finite)
+            if not finite:
+                self.optimizer.skip_update()
+                return grad_norm, True
+        elif not finite:
+            raise FloatingPointError(f"the global gradient norm is {sq} (inf or nan): the loss diverged")
+        clip = 1.0
+        if self.config.gradient_clipping > 0:
+            clip = min(1.0, self.config.gradient_clipping / (grad_norm + 1e-6))
+        self.optimizer.run_deferred(clip_coef=clip, grad_scale=scale)
+        return grad_norm, False
+
+    # ---- reports ----------------------------------------------------------------------------
+    def _reset_step_counters(self) -> None:
+        self._step_t0: Optional[float] = None
+        self._fwd_s = self._bwd_s = self._opt_s = 0.0
+        self._io0 = self.store.stats
+        self._wait0 = self._waits()
+        self._adam0 = self.optimizer.adam_s
+        self._misses0 = self.executor.misses
+        self._h2d0, self._d2h0 = self.device.h2d_bytes, self.device.d2h_bytes
+
+    def _waits(self) -> float:
+        return self.executor.wait_s + self.device_pool.wait_s + self.host_pool.wait_s
+
+    def _report(self, grad_norm, skipped: bool, scale) -> StepReport:
+        io = self.store.stats - self._io0
+        wait = self._waits() - self._wait0
+        compute = max(0.0, self._fwd_s + self._bwd_s - wait)
+        adam = self.optimizer.adam_s - self._adam0
+        ssd = io.bytes_read / (self.ssd_read_gbps * 1e9) + io.bytes_written / (self.ssd_write_gbps * 1e9)
+        now = time.perf_counter()
+        report = StepReport(
+            step=self.global_step,
+            step_s=now - (self._step_t0 if self._step_t0 is not None else now),
+            forward_s=self._fwd_s,
+            backward_s=self._bwd_s,
+            optimizer_wait_s=self._opt_s,
+            fetch_wait_s=wait,
+            compute_s=compute,
+            adam_s=adam,
+            ssd_s=ssd,
+            floor_s=max(compute, ssd, adam),
+            ssd_read_bytes=io.bytes_read,
+            ssd_write_bytes=io.bytes_written,
+            host_to_device_bytes=self.device.h2d_bytes - self._h2d0,
+            device_to_host_bytes=self.device.d2h_bytes - self._d2h0,
+            fetch_misses=self.executor.misses - self._misses0,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            loss_scale=scale,
+        )
+        self._reset_step_counters()
+        return report
+
+    # ---- the rest of the API ----------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        self.hyper = AdamHyper(**{**self.hyper.model_dump(), "lr": float(lr)})  # validated
+        self.optimizer.hyper = self.hyper
+
+    def get_lr(self) -> float:
+        return self.hyper.lr
+
+    def _quiesce(self) -> None:
+        """Between steps only: the optimizer has nothing in flight."""
+        self.optimizer.finish()
+
+    def state_dict(self) -> dict:
+        """A checkpoint: fp32 master weights, Adam moments and step counts per parameter (by
+        qualified name), the global step, hyper-parameters and the loss scaler."""
+        self._check_open()
+        self._quiesce()
+        sd = export_checkpoint(self.units)
+        sd.update(
+            global_step=self.global_step,
+            hyper=self.hyper.model_dump(),
+            loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        )
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._check_open()
+        self._quiesce()
+        import_checkpoint(self.units, sd)
+        self.store.wait_all()
+        self.global_step = int(sd.get("global_step", 0))
+        if "hyper" in sd:
+            self.hyper = AdamHyper(**sd["hyper"])
+            self.optimizer.hyper = self.hyper
+        if self.loss_scaler is not None and sd.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(sd["loss_scaler"])
+
+    def disk_bytes(self) -> int:
+        """Bytes the swap files occupy."""
+        return self.store.disk_bytes()
+
+    def peak_device_bytes(self) -> int:
+        """Peak bytes of the runtime's own device buffers so far (weights; on CUDA the device
+        copies, on the CPU device its pool). Activations are not counted."""
+        return self.device.peak_bytes if self.device.is_cuda else self.device_pool.peak_bytes
+
+    def peak_host_bytes(self) -> int:
+        """Peak bytes of the runtime's host buffers so far (optimizer state, gradients, staging)."""
+        return self.host_pool.peak_bytes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the OffloadEngine was closed")
+
+    def close(self) -> None:
+        """Waits for all I/O, removes the hooks, frees the buffers. The model's parameters are
+        left as placeholders (export weights first with module.state_dict())."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            self.optimizer.close()
+            self.executor.release_all()
+            self.executor.remove()
+            self.exporter.remove()
+            self.store.wait_all()
+        finally:
+            self.store.close()
+            self.device_pool.clear()
+            self.host_pool.clear()
+
+    def __enter__(self) -> OffloadEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,241 @@
+"""Walking the schedule: module and autograd hooks that fetch, bind and release unit weights.
+
+Note: the hooks. The user's model is not changed. A forward pre-hook on each unit's root modules
+enters the unit's forward visit; a forward post-hook registers a grad hook on the unit's outputs
+that enters its backward visit when their gradient arrives (before the unit's own backward
+runs); a post-accumulate-grad hook on each parameter counts the unit's gradients and hands the
+unit to the optimizer when the last one lands. Entering visit i makes the held weights equal to
+`alive[i]`: what is no longer needed is released, what is needed next is fetched (k ahead).
+
+Note: saved tensors. Autograd keeps, for backward, tensors that are parameters or views of them
+(GPT-2's Conv1D saves its weight; F.linear saves weight.t()). Those would pin the weights in
+memory from forward to backward, and would break when a unit's buffer is released and fetched
+again into another buffer. A saved-tensor pack hook therefore replaces any tensor that lies in
+a bound unit's weights by a ParamRef (unit, offset, size, stride), and the unpack hook rebuilds
+the view from whatever buffer holds the unit's weights at that point of backward (fetching them
+if the schedule did not: a miss, counted). Activations pass through untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.utils._pytree import tree_leaves
+
+from offloadpp.planner import Schedule
+
+from .slots import Hold
+from .unit import Unit, UnitPhase
+
+log = logging.getLogger("offloadpp.runtime")
+
+
+class ParamRef:
+    """A saved tensor that is a view of a unit's weights, by position rather than by buffer."""
+
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit: Unit, offset: int, size, stride):
+        self.unit = unit
+        self.offset = offset
+        self.size = size
+        self.stride = stride
+
+
+class Executor:
+    def __init__(self, schedule: Schedule, units: list[Unit], on_grads_complete):
+        self.schedule = schedule
+        self.units = units
+        self._by_name = {u.name: u for u in units}
+        self._on_grads_complete = on_grads_complete
+        self.cursor = -1
+        self.in_backward = False
+        self.held: list[Unit] = []  # units with a COMPUTE hold on their weights
+        self.bound: list[tuple[int, int, Unit]] = []  # (start, end) addresses of bound weights
+        self.wait_s = 0.0
+        self.misses = 0
+        self._warned_order = False
+        self.before_visit = None  # callback: the optimizer reaps finished jobs
+        self.updates_pending = lambda: False  # callback: this backward ends in an update
+        # Per visit, the units `alive` holds, in the order they are needed (units the schedule
+        # keeps between two uses last: they are held already).
+        self._fetch_order = []
+        for i in range(len(schedule.visits)):
+            names: list[str] = []
+            for v in schedule.visits[i:]:
+                names.extend(n for n in v.needs if n not in names and n in schedule.alive[i])
+            names.extend(sorted(schedule.alive[i] - set(names)))
+            self._fetch_order.append(tuple(names))
+        self._handles = []
+
+    # ---- installing the hooks -----------------------------------------------------------------
+    def install(self, modules: dict) -> None:
+        for u in self.units:
+            for q in u.layout.unit.modules:
+                m = modules[q]
+                self._handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, u)))
+                self._handles.append(m.register_forward_hook(functools.partial(self._post_forward, u)))
+            for p, _ in u.params:
+                if p.requires_grad:
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(functools.partial(self._on_param_grad, u))
+                    )
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ---- the walk ------------------------------------------------------------------------
+    def start_forward(self) -> None:
+        self.cursor = -1
+        self.in_backward = False
+
+    def start_backward(self) -> None:
+        self.in_backward = True
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        for u in list(self.held):
+            self._drop(u)
+
+    def release_all(self) -> None:
+        for u in list(self.held):
+            self._drop(u)
+        self.cursor = -1
+
+    def enter(self, i: int) -> None:
+        """Visit i starts: hold alive[i] (fetching what is new), bind what visit i needs."""
+        t_enter = time.perf_counter()
+        if self.before_visit is not None:
+            self.before_visit()
+        v = self.schedule.visits[i]
+        want = self.schedule.alive[i]
+        with record_function("offloadpp::fetch"):
+            for u in list(self.held):
+                if u.name not in want:
+                    self._drop(u)
+            for name in self._fetch_order[i]:
+                u = self._by_name[name]
+                if all(u is not h for h in self.held):
+                    u.weights.acquire()
+                    self.held.append(u)
+            for u in self.held:
+                u.weights.pump()
+        if i <= 1:
+            # The updated weights kept for this forward: held now by the schedule (or not needed).
+            for u in self.units:
+                if i == 1 or any(u is h for h in self.held):
+                    u.compute.release(Hold.NEXT)
+        with record_function("offloadpp::wait_weights"):
+            for name in v.needs:
+                self._bind(self._by_name[name])
+        self.wait_s += time.perf_counter() - t_enter  # all of it is time the device did not compute
+        self.cursor = i
+
+    def _bind(self, u: Unit) -> None:
+        if not u.bound:
+            u.bind()
+            start, end = u.flat_range()
+            self.bound.append((start, end, u))
+
+    def _drop(self, u: Unit) -> None:
+        if (
+            self.in_backward
+            and u.name in self.schedule.keep_until_update
+            and u.phase not in (UnitPhase.UPDATING, UnitPhase.UPDATED)
+            and self.updates_pending()
+        ):
+            u.master.acquire(Hold.OPTIM)  # == its weights: its update needs them (schedule.py)
+        if u.bound:
+            u.unbind()
+            self.bound = [b for b in self.bound if b[2] is not u]
+        u.weights.release()
+        self.held = [h for h in self.held if h is not u]
+
+    def ensure(self, u: Unit) -> torch.Tensor:
+        """The unit's weights for backward, fetched now if the schedule has not (a miss)."""
+        u.check_usable_in_backward()
+        if not u.bound:
+            self.misses += 1
+            if not self._warned_order:
+                log.warning(
+                    "unit %r was needed in backward but not prefetched (visit order differs "
+                    "from the plan's); fetching it now",
+                    u.name,
+                )
+                self._warned_order = True
+            t0 = time.perf_counter()
+            if all(u is not h for h in self.held):
+                u.weights.acquire()
+                self.held.append(u)
+            self._bind(u)
+            self.wait_s += time.perf_counter() - t0
+        return u.flat
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _pre_forward(self, u: Unit, module, args):
+        pos = self.schedule.forward_index[u.name]
+        if self.in_backward or pos < self.cursor:
+            self.start_forward()
+        if pos > self.cursor:
+            if pos != self.cursor + 1 and self.cursor >= 0 and not self._warned_order:
+                log.warning("forward ran unit %r out of the planned order", u.name)
+                self._warned_order = True
+            self.enter(pos)
+            u.phase = UnitPhase.FORWARD
+            if torch.is_grad_enabled():
+                u.start_backward()  # its parameters' gradients are expected in this backward
+        else:  # a second root module of the same unit, or a re-run: make sure it is bound
+            for name in self.schedule.visits[pos].needs:
+                self.ensure_forward(self._by_name[name])
+        return None
+
+    def ensure_forward(self, u: Unit) -> None:
+        if not u.bound:
+            self.misses += 1
+            if all(u is not h for h in self.held):
+                u.weights.acquire()
+                self.held.append(u)
+            self._bind(u)
+
+    def _post_forward(self, u: Unit, module, args, output):
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._pre_backward, u), mode="any"
+                )
+        return None
+
+    def _pre_backward(self, u: Unit, grad) -> None:
+        pos = self.schedule.backward_index[u.name]
+        if pos > self.cursor:
+            self.enter(pos)
+            u.phase = UnitPhase.BACKWARD
+
+    def _on_param_grad(self, u: Unit, param) -> None:
+        u.grads_pending -= 1
+        if u.grads_pending == 0:
+            self._on_grads_complete(u)
+
+    # ---- saved tensors -------------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        if self.bound and t.dtype.is_floating_point:
+            ptr = t.data_ptr()
+            for start, end, u in self.bound:
+                if start <= ptr < end:
+                    if t.dtype != u.flat.dtype:
+                        return t
+                    return ParamRef(u, (ptr - start) // t.element_size(), t.size(), t.stride())
+        return t
+
+    def unpack(self, x):
+        if type(x) is ParamRef:
+            flat = self.ensure(x.unit)
+            return torch.as_strided(flat, x.size, x.stride, flat.storage_offset() + x.offset)
+        return x

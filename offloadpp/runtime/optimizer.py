@@ -1,0 +1,379 @@
+"""The optimizer side of a step: gradients into host buffers, the fused CPU Adam on a worker
+thread, the new state written back, all while backward goes on.
+
+Note: the flow of one unit. Its gradients are complete when every parameter's
+post-accumulate-grad hook has fired (or backward ended). The main thread then takes them off
+the parameters (on CUDA, starts their copy to a pinned buffer) and submits a job to the single
+worker: add them into the unit's fp32 gradient buffer (copy on the first micro-batch of a
+window), take their squared norm if a global quantity is needed, and, on an accumulation
+boundary without a deferred update, run Adam over the unit's master weights and moments, which
+were read from SSD ahead of time, and start writing master, moments and, with 16-bit compute,
+the new compute copy back. Jobs run in submission order. The main thread reaps finished jobs at
+every visit: it records the writes on the slots and drops its holds, so buffers go back to the
+pool (reusable once the writes are done).
+
+Note: the read-ahead window. State is read for the units `update_order[s-1 .. s+q]` once s
+updates are submitted: the first q+1 units' state at the start of the boundary micro-batch's
+forward, then one more each time a unit is submitted. Gradients kept on SSD between micro-batches
+use the same window on every micro-batch.
+
+Note: deferred updates (clipping, fp16). The global norm (and the overflow check) need every
+gradient first. During backward the jobs only absorb gradients and take norms; gradients on SSD
+are written back. After backward, `run_deferred` submits the updates in order with the window
+reading state ahead: exact torch semantics, at the cost of running Adam and the state traffic
+after backward instead of during it (docs/runtime.md has the numbers).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.autograd.profiler import record_function
+
+from offloadpp.optim import AdamHyper, adam_step_flat, convert_, squared_norm
+
+from .device import CudaEventWaitable, Device
+from .memory import BufferPool
+from .slots import Hold, Slot
+from .unit import Unit, UnitPhase
+
+
+@dataclass
+class _Job:
+    unit: Unit
+    before: list  # reads and writes to wait for before touching the buffers
+    grads: Optional[list] = None  # [(index, ParamSlot, tensor)] to add into gbuf
+    grads_event: Optional[CudaEventWaitable] = None
+    staging: Optional[torch.Tensor] = None  # CUDA: pinned buffer the grads arrived in
+    first_micro: bool = True
+    need_norm: bool = False
+    gbuf: Optional[torch.Tensor] = None
+    update: bool = False
+    segments: list = field(default_factory=list)  # [(start, end, step, update)] over gbuf
+    direct: Optional[list] = None  # [(start, end, step, grad or None)]: grads used where they are
+    step_args: dict = field(default_factory=dict)
+    master: Optional[torch.Tensor] = None
+    exp_avg: Optional[torch.Tensor] = None
+    exp_avg_sq: Optional[torch.Tensor] = None
+    half: Optional[torch.Tensor] = None
+    writes: list = field(default_factory=list)  # [(Slot, buffer)] to put after the job's work
+    threads: int = 1
+
+
+@dataclass
+class _Done:
+    writes: list  # [(Slot, future)]
+    sq_norm: Optional[float]
+    adam_s: float
+    absorb_s: float
+
+
+def _work(job: _Job, store) -> _Done:
+    for w in job.before:
+        w.wait()
+    sq = None
+    t0 = time.perf_counter()
+    if job.grads is not None:
+        with record_function("offloadpp::grads_to_host"):
+            if job.grads_event is not None:
+                job.grads_event.wait()
+            gb = job.gbuf
+            for _, s, g in job.grads:
+                dst = gb[s.offset : s.offset + s.numel]
+                src = g.reshape(-1)
+                if job.first_micro:
+                    dst.copy_(src)
+                else:
+                    dst.add_(src)
+            if job.first_micro:
+                have = {i for i, _, _ in job.grads}
+                for i, (_, s) in enumerate(job.unit.params):
+                    if i not in have:
+                        gb[s.offset : s.offset + s.numel].zero_()
+            if job.need_norm:
+                sq = squared_norm(gb[: job.unit.numel], num_threads=job.threads)
+    t1 = time.perf_counter()
+    if job.update:
+        with record_function("offloadpp::adam"):
+            for a, b, step, g in job.direct or ():
+                if g is not None:
+                    adam_step_flat(
+                        job.master[a:b],
+                        g.view(-1),
+                        job.exp_avg[a:b],
+                        job.exp_avg_sq[a:b],
+                        step=step + 1,
+                        half_out=job.half[a:b] if job.half is not None else None,
+                        num_threads=job.threads,
+                        **job.step_args,
+                    )
+                elif job.half is not None:
+                    convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
+            for a, b, step, upd in job.segments if job.direct is None else ():
+                half = job.half[a:b] if job.half is not None else None
+                if upd:
+                    adam_step_flat(
+                        job.master[a:b],
+                        job.gbuf[a:b],
+                        job.exp_avg[a:b],
+                        job.exp_avg_sq[a:b],
+                        step=step + 1,
+                        half_out=half,
+                        num_threads=job.threads,
+                        **job.step_args,
+                    )
+                elif half is not None:
+                    convert_(half, job.master[a:b], num_threads=job.threads)
+    t2 = time.perf_counter()
+    with record_function("offloadpp::write_state"):
+        futs = [(slot, store.put(slot.key, buf)) for slot, buf in job.writes]
+    return _Done(futs, sq, t2 - t1, t1 - t0)
+
+
+class OptimizerPipeline:
+    def __init__(
+        self,
+        order: list[Unit],
+        *,
+        optim_window: int,
+        next_keep: frozenset,
+        hyper: AdamHyper,
+        store,
+        host_pool: BufferPool,
+        device: Device,
+        deferred: bool,
+        separate_weights: bool,
+        threads: int,
+    ):
+        self.order = order
+        self.q = optim_window
+        self.next_keep = next_keep
+        self.hyper = hyper
+        self.store = store
+        self.host_pool = host_pool
+        self.device = device
+        self.deferred = deferred
+        self.separate = separate_weights
+        self.threads = threads
+        self.tail_threads = max(threads, len(os.sched_getaffinity(0)))
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="offloadpp-adam")
+        self._jobs: deque[tuple[_Job, Future]] = deque()
+        self.boundary = False
+        self.first_micro = True
+        self._absorb_cursor = 0
+        self._update_cursor = 0
+        self._absorbed = 0
+        self._submitted = 0
+        self.adam_s = 0.0
+        self.absorb_s = 0.0
+
+    # ---- the window ----------------------------------------------------------------------
+    def begin_micro(self, *, first: bool, boundary: bool) -> None:
+        """At the first forward visit of a micro-batch: start reading what its backward needs."""
+        self.first_micro, self.boundary = first, boundary
+        self._absorb_cursor = self._update_cursor = self._absorbed = self._submitted = 0
+        if first:
+            for u in self.order:
+                u.start_window()
+        self._advance_absorb(self.q + 1)
+        if boundary:
+            self._advance_update(self.q + 1)
+
+    def _advance_absorb(self, upto: int) -> None:
+        while self._absorb_cursor < min(upto, len(self.order)):
+            u = self.order[self._absorb_cursor]
+            if u.grads_persist:
+                u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro)
+            self._absorb_cursor += 1
+
+    def _advance_update(self, upto: int, *, with_grads: bool = False) -> None:
+        """Reads the state (and, for a deferred update, the gradients kept so far) of the
+        units up to `upto` in update order."""
+        while self._update_cursor < min(upto, len(self.order)):
+            u = self.order[self._update_cursor]
+            with record_function("offloadpp::read_state"):
+                u.master.acquire(Hold.OPTIM)
+                u.exp_avg.acquire(Hold.OPTIM)
+                u.exp_avg_sq.acquire(Hold.OPTIM)
+                if with_grads:
+                    u.grads.acquire(Hold.OPTIM)
+            self._update_cursor += 1
+
+    # ---- submission ----------------------------------------------------------------------
+    def on_grads(self, u: Unit) -> None:
+        """A unit's gradients for this micro-batch are complete (main/autograd thread)."""
+        idx = self.order.index(u)
+        self._advance_absorb(idx + 1)
+        grads = u.take_grads()
+        last = idx == len(self.order) - 1  # backward is over: Adam may take every core
+        job = _Job(
+            u, before=[], first_micro=self.first_micro, threads=self.tail_threads if last else self.threads
+        )
+        u.phase = UnitPhase.GRADS_READY
+        if not self.device.is_cuda and not u.grads_persist:
+            # Note: on the CPU device the gradients already are in host memory, and without
+            # accumulation or a deferred update nothing needs them flat: Adam reads each one
+            # where autograd left it (no copy, no buffer).
+            self._advance_update(idx + 1)
+            self._fill_update(job, u, clip_coef=1.0, grad_scale=1.0, direct=grads)
+            self._submitted += 1
+            self._advance_update(self._submitted + self.q + 1)
+            self._submit(job)
+            return
+        u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro or not u.grads_persist)
+        if self.device.is_cuda and grads:
+            job.staging, job.grads_event, grads = self._grads_to_host(grads)
+        job.grads = grads
+        job.gbuf = u.grads.buffer
+        job.need_norm = self.deferred and self.boundary
+        if self.boundary and not self.deferred:
+            self._advance_update(idx + 1)
+            self._fill_update(job, u, clip_coef=1.0, grad_scale=1.0)
+            self._submitted += 1
+            self._advance_update(self._submitted + self.q + 1)
+        elif u.grads_persist and not u.grads.resident:
+            job.writes.append((u.grads, u.grads.buffer))
+        self._add_before(job, u.grads)
+        self._submit(job)
+        self._absorbed += 1
+        self._advance_absorb(self._absorbed + self.q + 1)
+
+    def _grads_to_host(self, grads):
+        dev = self.device
+        total = sum(s.numel for _, s, _ in grads)
+        staging = self.host_pool.get(total, grads[0][2].dtype)
+        out = []
+        off = 0
+        with torch.cuda.stream(dev.d2h):
+            dev.d2h.wait_stream(dev.compute_stream())
+            for i, s, g in grads:
+                view = staging[off : off + s.numel]
+                view.copy_(g.reshape(-1), non_blocking=True)
+                g.record_stream(dev.d2h)
+                out.append((i, s, view))
+                off += s.numel
+            ev = torch.cuda.Event()
+            ev.record(dev.d2h)
+        dev.d2h_bytes += total * staging.element_size()
+        return staging, CudaEventWaitable(ev), out
+
+    def _fill_update(
+        self, job: _Job, u: Unit, *, clip_coef: float, grad_scale: float, direct: Optional[list] = None
+    ) -> None:
+        job.update = True
+        u.phase = UnitPhase.UPDATING
+        job.step_args = dict(hyper=self.hyper, clip_coef=clip_coef, grad_scale=grad_scale)
+        if direct is not None:
+            by_index = {i: g for i, _, g in direct}
+            job.direct = [
+                (s.offset, s.offset + s.numel, u.steps[i], by_index.get(i))
+                for i, (_, s) in enumerate(u.params)
+            ]
+            job.segments = [(a, b, step, g is not None) for a, b, step, g in job.direct]
+        else:
+            job.segments = u.segments()
+            job.gbuf = u.grads.buffer if job.gbuf is None else job.gbuf
+            self._add_before(job, u.grads)
+        job.master = u.master.buffer
+        job.exp_avg, job.exp_avg_sq = u.exp_avg.buffer, u.exp_avg_sq.buffer
+        self._add_before(job, u.master, u.exp_avg, u.exp_avg_sq)
+        if self.device.is_cuda and u.weights.last_copy is not None:
+            job.before.append(u.weights.last_copy)  # a copy to the device may still read the buffer
+        if self.separate:
+            u.compute.acquire(Hold.OPTIM, overwrite=True)
+            self._add_before(job, u.compute)
+            job.half = u.compute.buffer
+        if not any(upd for _, _, _, upd in job.segments):
+            return  # no parameter of the unit got a gradient: nothing changed, nothing to write
+        for s in (u.master, u.exp_avg, u.exp_avg_sq) + ((u.compute,) if self.separate else ()):
+            if not s.resident:
+                job.writes.append((s, s.buffer))
+
+    @staticmethod
+    def _add_before(job: _Job, *slots: Slot) -> None:
+        for s in slots:
+            for w in (s.pending_read, s.pending_write):
+                if w is not None and all(w is not x for x in job.before):
+                    job.before.append(w)
+
+    def _submit(self, job: _Job) -> None:
+        self._jobs.append((job, self._worker.submit(_work, job, self.store)))
+
+    def run_deferred(self, *, clip_coef: float, grad_scale: float) -> None:
+        """After backward, in deferred mode: the updates, in order, state read ahead."""
+        self._update_cursor = 0  # state of the first units is held already; now their grads too
+        for i, u in enumerate(self.order):
+            self._advance_update(i + self.q + 1, with_grads=True)
+            job = _Job(u, before=[], threads=self.tail_threads)
+            job.gbuf = u.grads.buffer
+            self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale)
+            self._submit(job)
+            self._submitted += 1
+            self.reap()
+
+    def skip_update(self) -> None:
+        """fp16 overflow: no update; what was read for it is dropped."""
+        self.finish()
+        for u in self.order:
+            for s in u.slots:
+                s.release(Hold.OPTIM)
+            u.phase = UnitPhase.IDLE
+
+    # ---- completion ----------------------------------------------------------------------
+    def reap(self, block: bool = False) -> None:
+        while self._jobs and (block or self._jobs[0][1].done()):
+            job, fut = self._jobs.popleft()
+            done = fut.result()
+            self._complete(job, done)
+
+    def finish(self) -> None:
+        self.reap(block=True)
+
+    def wait_absorbed(self) -> None:
+        """Waits for every submitted job (deferred mode: the norms are then known)."""
+        self.finish()
+
+    @property
+    def idle(self) -> bool:
+        return not self._jobs
+
+    def _complete(self, job: _Job, done: _Done) -> None:
+        u = job.unit
+        self.adam_s += done.adam_s
+        self.absorb_s += done.absorb_s
+        for slot, fut in done.writes:
+            slot.wrote(fut)
+        if job.staging is not None:
+            self.host_pool.put(job.staging)
+        if done.sq_norm is not None:
+            u.sq_norm = done.sq_norm
+        if job.update:
+            for a, b, step, upd in job.segments:
+                if upd:
+                    for k, (_, s) in enumerate(u.params):
+                        if a <= s.offset < b:
+                            u.steps[k] = step + 1
+            after = ()
+            if self.device.is_cuda and u.weights.resident:
+                u.weights.refresh()
+                after = (u.weights.last_copy,)
+            if u.name in self.next_keep:
+                u.compute.acquire(Hold.NEXT)
+            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
+                s.release(Hold.OPTIM)
+            u.compute.release(Hold.OPTIM, after=after)
+            u.phase = UnitPhase.UPDATED
+        else:
+            u.grads.release(Hold.OPTIM)
+
+    def close(self) -> None:
+        try:
+            self.finish()
+        finally:
+            self._worker.shutdown(wait=True)

@@ -1,0 +1,50 @@
+"""fp16 loss scaling with DeepSpeed's semantics (DynamicLossScaler, consecutive_hysteresis off).
+
+On overflow the step is skipped; the scale is halved once `hysteresis` overflows were seen since
+the last growth, never below min_scale; after `window` steps without overflow it doubles.
+A static scale (loss_scale > 0) never changes.
+"""
+
+from __future__ import annotations
+
+
+class LossScaler:
+    def __init__(
+        self, *, static_scale: float, initial_power: int, window: int, hysteresis: int, min_scale: float
+    ):
+        self.dynamic = static_scale == 0
+        self.scale = float(2**initial_power) if self.dynamic else float(static_scale)
+        self.window = window
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self._cur_hysteresis = hysteresis
+        self._iter = 0
+        self._last_overflow = -1
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.hysteresis == 1 or self._cur_hysteresis == 1:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self._cur_hysteresis -= 1
+            self._last_overflow = self._iter
+        elif (self._iter - self._last_overflow) % self.window == 0:
+            self._cur_hysteresis = self.hysteresis
+            self.scale *= 2.0
+        self._iter += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "scale": self.scale,
+            "cur_hysteresis": self._cur_hysteresis,
+            "iter": self._iter,
+            "last_overflow": self._last_overflow,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale = float(sd["scale"])
+        self._cur_hysteresis = int(sd["cur_hysteresis"])
+        self._iter = int(sd["iter"])
+        self._last_overflow = int(sd["last_overflow"])

@@ -1,0 +1,88 @@
+"""Checks before training starts: the nvme paths exist and are writable, they have room for the
+plan's state, and what the SSDs deliver (for the step floor).
+
+Every error names what is missing and how much, before a single step runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from typing import Sequence
+
+from offloadpp.planner import Plan, fmt_bytes
+
+# Swap files carry a header block per key and round payloads up to 4096 bytes: leave headroom.
+SPACE_MARGIN = 1.02
+SPACE_MARGIN_BYTES = 64 << 20
+
+
+class PreflightError(RuntimeError):
+    """The machine cannot run the plan as asked; the message says what is missing."""
+
+
+def check_nvme_paths(paths: Sequence[str]) -> None:
+    for p in paths:
+        if not os.path.exists(p):
+            raise PreflightError(f"nvme path {p!r} does not exist (create it, or mount the SSD there)")
+        if not os.path.isdir(p):
+            raise PreflightError(f"nvme path {p!r} is not a directory")
+        probe = os.path.join(p, f".offloadpp-write-test-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"x")
+        except OSError as e:
+            raise PreflightError(
+                f"nvme path {p!r} is not writable: {e.strerror or e} (errno {e.errno})"
+            ) from None
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+
+
+def check_free_space(paths: Sequence[str], plan: Plan, existing_bytes: int = 0) -> None:
+    """The plan's SSD bytes, spread evenly over the paths, must fit the free space of each
+    filesystem (paths on one filesystem share its free space)."""
+    need_total = plan.ssd_bytes()
+    if need_total == 0:
+        return
+    per_path = need_total / len(paths) * SPACE_MARGIN + SPACE_MARGIN_BYTES
+    by_fs: dict[int, list[str]] = {}
+    for p in paths:
+        by_fs.setdefault(os.stat(p).st_dev, []).append(p)
+    for group in by_fs.values():
+        need = per_path * len(group) - existing_bytes * len(group) / len(paths)
+        free = shutil.disk_usage(group[0]).free
+        if free < need:
+            raise PreflightError(
+                f"not enough free space for the training state: the plan keeps {fmt_bytes(need_total)} on SSD; "
+                f"{', '.join(repr(g) for g in group)} {'has' if len(group) == 1 else 'share'} {fmt_bytes(free)} "
+                f"free and need{'s' if len(group) == 1 else ''} {fmt_bytes(need)} ({fmt_bytes(need - free)} more)"
+            )
+
+
+def measure_ssd(store, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """(read GB/s, write GB/s) of the store: one overwrite and one read of `nbytes`, after a
+    first write that lays the file out (steady-state training overwrites its files)."""
+    import torch
+
+    from offloadpp.io import aligned_empty
+
+    key = f"__offloadpp_probe_{uuid.uuid4().hex[:8]}"
+    buf = aligned_empty(nbytes // 4, dtype=torch.float32)
+    buf.fill_(1.0)
+    try:
+        store.put(key, buf).wait()
+        t0 = time.perf_counter()
+        store.put(key, buf).wait()
+        t1 = time.perf_counter()
+        store.get(key, out=buf).wait()
+        t2 = time.perf_counter()
+    finally:
+        if store.contains(key):
+            store.delete(key)
+    return nbytes / (t2 - t1) / 1e9, nbytes / (t1 - t0) / 1e9

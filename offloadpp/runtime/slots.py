@@ -1,0 +1,146 @@
+"""A Slot: one flat array of one unit (master weights, a moment, gradients, the compute copy) in
+memory, backed by a key in the TensorStore, or resident for the whole run.
+
+The main thread (the one running forward and the autograd hooks) is the only one that changes
+a slot; the optimizer's worker only reads and writes the buffer it was handed, and returns the
+futures of the writes it started, which the main thread records with `wrote()`.
+
+Note: holds. Several parties may need a slot's buffer at once: the schedule (the unit computes
+soon: COMPUTE), the optimizer (its update is pending: OPTIM), the next step's first visits (the
+buffer just updated is reused instead of read back: NEXT), an export (state_dict: EXPORT). A slot
+keeps its buffer while any hold is set; when the last goes the buffer returns to its pool,
+reusable once the read or write still using it is done. A resident slot never lets go.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .memory import BufferPool, Waitable
+
+
+class Hold(enum.Flag):
+    NONE = 0
+    COMPUTE = enum.auto()
+    OPTIM = enum.auto()
+    NEXT = enum.auto()
+    EXPORT = enum.auto()
+
+
+class SlotState(enum.Enum):
+    EMPTY = "empty"  # no buffer: the data is only at its home (the store)
+    LOADING = "loading"  # a buffer is being filled from the store
+    READY = "ready"  # the buffer holds the current data
+
+
+class SlotError(RuntimeError):
+    pass
+
+
+class Slot:
+    def __init__(
+        self,
+        key: str,
+        numel: int,
+        dtype: torch.dtype,
+        pool: BufferPool,
+        store,
+        *,
+        resident: bool,
+    ):
+        self.key = key
+        self.numel = numel
+        self.dtype = dtype
+        self.pool = pool
+        self.store = store
+        self.resident = resident
+        self.state = SlotState.EMPTY
+        self.buffer: Optional[torch.Tensor] = None
+        self.holds = Hold.NONE
+        self.on_disk = False  # the store has a current copy (else the content is all zeros)
+        self._read: Optional[Waitable] = None
+        self._write: Optional[Waitable] = None
+        self.bytes_read = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"Slot({self.key!r}, {self.state.value}, holds={self.holds}, resident={self.resident})"
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def make_resident(self, initial: Optional[torch.Tensor] = None) -> None:
+        """Allocates the permanent buffer of a resident slot (zeros, or a copy of `initial`)."""
+        self.buffer = self.pool.get(self.numel, self.dtype)
+        if initial is None:
+            self.buffer.zero_()
+        else:
+            self.buffer.copy_(initial)
+        self.state = SlotState.READY
+
+    def acquire(self, hold: Hold, *, overwrite: bool = False) -> None:
+        """Makes sure a buffer is (being) filled with the current data; `overwrite`: the caller
+        replaces every element, so nothing is read."""
+        self.holds |= hold
+        if self.state is not SlotState.EMPTY:
+            return
+        if self._write is not None and not self._write.done():
+            # Our own write of this key is still draining; reading now could see old bytes.
+            with record_function("offloadpp::wait_write"):
+                self._write.wait()
+        with record_function("offloadpp::pool_get"):
+            self.buffer = self.pool.get(self.numel, self.dtype)
+        if overwrite:
+            self.state = SlotState.READY
+        elif not self.on_disk:
+            self.buffer.zero_()
+            self.state = SlotState.READY
+        else:
+            with record_function("offloadpp::store_get"):
+                self._read = self.store.get(self.key, out=self.buffer)
+            self.bytes_read += self.nbytes
+            self.state = SlotState.LOADING
+
+    def wait(self) -> torch.Tensor:
+        """The buffer, once its data is there."""
+        if self.state is SlotState.EMPTY:
+            raise SlotError(f"{self.key}: wait() on a slot that was not acquired")
+        if self.state is SlotState.LOADING:
+            self._read.wait()
+            self._read = None
+            self.state = SlotState.READY
+        return self.buffer
+
+    @property
+    def pending_read(self) -> Optional[Waitable]:
+        return self._read if self.state is SlotState.LOADING else None
+
+    @property
+    def pending_write(self) -> Optional[Waitable]:
+        return self._write if self._write is not None and not self._write.done() else None
+
+    def wrote(self, fut: Waitable) -> None:
+        """Records a write of the buffer to the store (started by the optimizer's worker)."""
+        self._write = fut
+        self.on_disk = True
+
+    def release(self, hold: Hold, after: tuple = ()) -> None:
+        """Drops `hold`; with no hold left the buffer goes back to the pool."""
+        self.holds &= ~hold
+        if self.holds or self.resident or self.state is SlotState.EMPTY:
+            return
+        self.pool.put(self.buffer, after=(self._read, self._write, *after))
+        self.buffer = None
+        self._read = None
+        self.state = SlotState.EMPTY
+
+    def flush(self) -> None:
+        """Waits for this slot's write, if any."""
+        if self._write is not None:
+            self._write.wait()
+            self._write = None

@@ -1,0 +1,255 @@
+"""Getting training state in and out: the first weights (from the model, or initialised unit by
+unit for a model built on the meta device), `module.state_dict()` between steps, and the
+engine's checkpoint (master weights, moments, step counts).
+
+Note: a model larger than memory. Built on the meta device, it never exists whole in RAM: each
+unit's parameters are pointed at a fresh fp32 buffer, the user's init function (for Hugging
+Face models, `model._init_weights`) runs over the unit's modules, and the buffer is written to
+the store and given back before the next unit. Parameters a unit's modules borrow from another
+unit (tied weights) point at scratch memory meanwhile, so that their owner's values stand.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from offloadpp.optim import convert_
+
+from .slots import Hold, Slot
+from .unit import Unit
+from .units import ParamSlot
+
+
+def replace_meta_params(
+    model: nn.Module, placeholder: Callable[[torch.Size, torch.dtype], torch.Tensor]
+) -> bool:
+    """Swaps every parameter on the meta device for a fresh nn.Parameter holding a placeholder
+    (ties kept: one new object per old one). Returns True if there were any."""
+    new: dict[int, nn.Parameter] = {}  # local to this call: old parameter -> its replacement
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(placeholder(p.shape, p.dtype), requires_grad=p.requires_grad)
+            mod._parameters[name] = new[id(p)]
+    return bool(new)
+
+
+def check_buffers(model: nn.Module, device: torch.device) -> None:
+    """Module buffers stay in memory on the device; none may be on the meta device."""
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise ValueError(
+                f"buffer {name!r} is on the meta device: the runtime materialises parameters only; build "
+                "modules with buffers (e.g. rotary embeddings) on a real device"
+            )
+    if device.type != "cpu":
+        for mod in model.modules():
+            for name, b in list(mod._buffers.items()):
+                if b is not None and b.device != device:
+                    mod._buffers[name] = b.to(device)
+
+
+def initialize_units(
+    units: list[Unit], modules: dict, init_fn: Optional[Callable], meta: bool, progress: bool
+) -> None:
+    """Writes each unit's first master weights (and compute copy) to its homes."""
+    for u in tqdm(units, desc="offloadpp: initialising units", disable=not progress, leave=False):
+        master = u.master
+        if master.resident:
+            master.make_resident()
+        else:
+            master.acquire(Hold.EXPORT, overwrite=True)
+        buf = master.buffer
+        buf[u.numel :].zero_()
+        if meta:
+            _run_init(u, buf, modules, init_fn)
+        else:
+            for p, s in u.params:
+                buf[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
+        for p, s in u.params:
+            p.data = u.device.placeholder(s.shape, u.compute_dtype)
+        if not master.resident:
+            master.wrote(master.store.put(master.key, buf))
+        if u.compute is not master:
+            _init_compute_copy(u)
+        for s in (u.exp_avg, u.exp_avg_sq, u.grads):
+            if s.resident:
+                s.make_resident()
+        if u.device.is_cuda and u.weights.resident:
+            u.compute.acquire(Hold.EXPORT)
+            u.weights.load_resident()
+            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
+        master.release(Hold.EXPORT)
+
+
+def _init_compute_copy(u: Unit) -> None:
+    c = u.compute
+    if c.resident:
+        if c.buffer is None:
+            c.make_resident()
+    else:
+        c.acquire(Hold.EXPORT, overwrite=True)
+    convert_(c.buffer, u.master.buffer)
+    if not c.resident:
+        c.wrote(c.store.put(c.key, c.buffer))
+    c.release(Hold.EXPORT)
+
+
+def _run_init(u: Unit, buf: torch.Tensor, modules: dict, init_fn: Optional[Callable]) -> None:
+    if init_fn is None:
+        raise ValueError(
+            f"parameter {u.params[0][1].name!r} is on the meta device and no init_fn was given: pass "
+            "init_fn (for Hugging Face models, model._init_weights) to initialise units one by one"
+        )
+    owned = {id(p) for p, _ in u.params}
+    scratch = []
+    for p, s in u.params:
+        p.data = buf[s.offset : s.offset + s.numel].view(s.shape)
+    for q in u.layout.unit.modules:
+        for p in modules[q].parameters():
+            if id(p) not in owned:  # borrowed from another unit: let init write into scratch
+                scratch.append((p, p.data))
+                p.data = torch.zeros(p.shape, dtype=torch.float32)
+    with torch.no_grad():
+        for q in u.layout.unit.modules:
+            modules[q].apply(init_fn)
+    for p, data in scratch:
+        p.data = data
+
+
+# ---- module.state_dict() between steps ----------------------------------------------------------
+class Exporter:
+    """Fills `module.state_dict()` with the current weights, fetching each unit's master as it
+    goes (one unit held at a time)."""
+
+    def __init__(self, units: list[Unit], before: Callable[[], None]):
+        self.units = units
+        self._before = before  # waits for the optimizer: values are only final between steps
+        self._session = False
+        self._held: Optional[Slot] = None
+        self._values: dict[str, torch.Tensor] = {}  # within one state_dict() call, by param name
+        self._handles = []
+
+    def install(self, model: nn.Module, modules: dict) -> None:
+        owner_of = {}
+        for u in self.units:
+            for p, s in u.params:
+                owner_of[id(p)] = (u, s)
+        self._handles.append(model.register_state_dict_pre_hook(functools.partial(self._open)))
+        self._handles.append(model.register_state_dict_post_hook(functools.partial(self._close)))
+        for u in self.units:
+            for q in u.layout.unit.modules:
+                entries = [
+                    (rel, *owner_of[id(p)]) for rel, p in modules[q].named_parameters(remove_duplicate=False)
+                ]
+                hook = functools.partial(self._fill, entries)
+                self._handles.append(modules[q].register_state_dict_post_hook(hook))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _open(self, module, prefix, keep_vars) -> None:
+        self._before()
+        self._session = True
+
+    def _close(self, module, state_dict, prefix, local_metadata) -> None:
+        self._session = False
+        self._values.clear()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._held is not None:
+            self._held.release(Hold.EXPORT)
+            self._held = None
+
+    def _fill(self, entries, module, state_dict, prefix, local_metadata) -> None:
+        if not self._session:
+            self._before()
+        for rel, u, s in entries:
+            key = prefix + rel
+            if key in state_dict:
+                state_dict[key] = self.value(u, s)
+        if not self._session:
+            self._values.clear()
+            self._let_go()
+
+    def value(self, u: Unit, s: ParamSlot) -> torch.Tensor:
+        if s.name in self._values:
+            return self._values[s.name]
+        master = self.master(u)
+        v = master[s.offset : s.offset + s.numel].view(s.shape).to(s.dtype, copy=True)
+        if self._session:
+            self._values[s.name] = v
+        return v
+
+    def master(self, u: Unit) -> torch.Tensor:
+        """u's fp32 master weights (held for export until another unit is asked for)."""
+        if self._held is not u.master:
+            self._let_go()
+            u.master.acquire(Hold.EXPORT)
+            self._held = u.master
+        return u.master.wait()
+
+
+# ---- the engine's checkpoint -------------------------------------------------------------------
+ARRAYS = ("params", "exp_avg", "exp_avg_sq")
+
+
+def _slots_of(u: Unit) -> tuple[Slot, Slot, Slot]:
+    return u.master, u.exp_avg, u.exp_avg_sq
+
+
+def export_checkpoint(units: list[Unit]) -> dict:
+    """{"params"|"exp_avg"|"exp_avg_sq": {name: fp32 tensor}, "param_steps": {name: int}}, unit by unit."""
+    out: dict = {a: {} for a in ARRAYS}
+    out["param_steps"] = {}
+    for u in units:
+        for array, slot in zip(ARRAYS, _slots_of(u)):
+            slot.acquire(Hold.EXPORT)
+            buf = slot.wait()
+            for _, s in u.params:
+                out[array][s.name] = buf[s.offset : s.offset + s.numel].view(s.shape).clone()
+            slot.release(Hold.EXPORT)
+        for (_, s), step in zip(u.params, u.steps):
+            out["param_steps"][s.name] = step
+    return out
+
+
+def import_checkpoint(units: list[Unit], sd: dict) -> None:
+    """Writes a checkpoint from export_checkpoint back into every unit's homes."""
+    for array in (*ARRAYS, "param_steps"):
+        if array not in sd:
+            raise KeyError(f"checkpoint has no {array!r} section")
+    for u in units:
+        for array, slot in zip(ARRAYS, _slots_of(u)):
+            slot.acquire(Hold.EXPORT, overwrite=True)
+            buf = slot.wait()
+            buf[u.numel :].zero_()
+            for _, s in u.params:
+                t = sd[array].get(s.name)
+                if t is None:
+                    raise KeyError(f"checkpoint has no {array} for parameter {s.name!r}")
+                if tuple(t.shape) != tuple(s.shape):
+                    raise ValueError(
+                        f"checkpoint {array} of parameter {s.name!r} has shape {tuple(t.shape)}, expected {tuple(s.shape)}"
+                    )
+                buf[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
+            if not slot.resident:
+                slot.wrote(slot.store.put(slot.key, buf))
+            if slot is u.master and u.compute is not u.master:
+                _init_compute_copy(u)
+            slot.release(Hold.EXPORT)
+        if u.device.is_cuda and u.weights.resident:
+            u.compute.acquire(Hold.EXPORT)
+            u.weights.refresh()
+            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
+        u.steps = [int(sd["param_steps"][s.name]) for _, s in u.params]

@@ -1,0 +1,185 @@
+"""Unit: the runtime state of one unit, owned in one object (DESIGN.md, convention 8).
+
+A unit holds its parameters (the model's own nn.Parameter objects and where each sits in the
+flat buffers), a Slot per array (master, moments, gradients, compute copy), its device weights,
+Adam's per-parameter step counts, and its phase in the current step.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+from torch import nn
+
+from offloadpp.planner import Placement, Plan, Tier, flat_numel
+
+from .device import CpuWeights, CudaWeights, Device
+from .memory import BufferPool
+from .slots import Slot, SlotState
+from .units import ParamSlot, UnitLayout
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class UnitPhase(enum.Enum):
+    IDLE = "idle"  # between steps
+    FORWARD = "forward"  # its forward visit started
+    BACKWARD = "backward"  # its backward visit started, gradients not all there
+    GRADS_READY = "grads_ready"  # this micro-batch's gradients were handed to the optimizer side
+    UPDATING = "updating"  # its update was submitted
+    UPDATED = "updated"  # its update is done: the weights are the new ones
+
+
+class UnitStateError(RuntimeError):
+    pass
+
+
+class Unit:
+    def __init__(
+        self,
+        layout: UnitLayout,
+        placement: Placement,
+        plan: Plan,
+        device: Device,
+        store,
+        *,
+        device_pool: BufferPool,
+        host_pool: BufferPool,
+    ):
+        self.name = layout.unit.name
+        self.layout = layout
+        self.placement = placement
+        self.device = device
+        self.params: list[tuple[nn.Parameter, ParamSlot]] = layout.params
+        self.numel = layout.numel
+        self.padded_numel = flat_numel(self.numel)
+        self.compute_dtype = TORCH_DTYPES[plan.compute_dtype]
+        self.phase = UnitPhase.IDLE
+        cpu = not device.is_cuda
+        alias = not plan.separate_weights
+        n = self.padded_numel
+
+        def slot(array: str, dtype: torch.dtype, pool: BufferPool, resident: bool) -> Slot:
+            return Slot(f"{self.name}.{array}", n, dtype, pool, store, resident=resident)
+
+        master_resident = placement.master is Tier.HOST
+        # On the CPU device the compute copy is device memory; with fp32 it is the master itself.
+        master_pool = device_pool if (cpu and alias) else host_pool
+        self.master = slot("master", torch.float32, master_pool, master_resident)
+        if alias:
+            self.compute = self.master
+        else:
+            compute_resident = placement.weights is Tier.HOST or (cpu and placement.weights is Tier.DEVICE)
+            self.compute = slot(
+                "weights", self.compute_dtype, device_pool if cpu else host_pool, compute_resident
+            )
+        self.exp_avg = slot("exp_avg", torch.float32, host_pool, placement.moments is Tier.HOST)
+        self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool, placement.moments is Tier.HOST)
+        grads_resident = plan.persistent_grads and placement.grads is Tier.HOST
+        self.grads = slot("grads", torch.float32, host_pool, grads_resident)
+        self.grads_persist = plan.persistent_grads
+        if device.is_cuda:
+            self.weights = CudaWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)
+        else:
+            self.weights = CpuWeights(self.compute, device)
+        self.steps = [0] * len(self.params)  # Adam step count per parameter (torch.optim semantics)
+        self.got_grad = [False] * len(self.params)  # in the current accumulation window
+        self.trainable = sum(1 for p, _ in self.params if p.requires_grad)
+        self.grads_pending = 0  # params still to receive a gradient in this backward
+        self.sq_norm: Optional[float] = None  # of the accumulated gradients, when needed
+        self.bound = False
+        self._flat: Optional[torch.Tensor] = None  # device weights the params view, when bound
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, {self.phase.value}, bound={self.bound})"
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        uniq = []
+        for s in (self.master, self.compute, self.exp_avg, self.exp_avg_sq, self.grads):
+            if all(s is not u for u in uniq):
+                uniq.append(s)
+        return tuple(uniq)
+
+    # ---- binding parameters to device weights -------------------------------------------------
+    def bind(self) -> None:
+        """Points every parameter at its view of the device weights (waiting for them)."""
+        flat = self.weights.wait()
+        if self.bound and flat is self._flat:
+            return
+        for p, s in self.params:
+            p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
+        self._flat = flat
+        self.bound = True
+
+    def unbind(self) -> None:
+        if not self.bound:
+            return
+        for p, s in self.params:
+            p.data = self.device.placeholder(s.shape, self.compute_dtype)
+        self._flat = None
+        self.bound = False
+
+    def flat_range(self) -> tuple[int, int]:
+        """[start, end) data addresses of the bound device weights (for the saved-tensor hooks)."""
+        f = self._flat
+        start = f.data_ptr()
+        return start, start + f.numel() * f.element_size()
+
+    @property
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            raise UnitStateError(f"unit {self.name!r}: weights are not bound")
+        return self._flat
+
+    def check_usable_in_backward(self) -> None:
+        if self.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED):
+            raise UnitStateError(
+                f"unit {self.name!r} (parameter {self.params[0][1].name!r}, ...): its weights were read by "
+                "backward after its gradients were complete and its update had started; the runtime "
+                "updates a unit as soon as all its parameters have gradients"
+            )
+
+    # ---- gradients ------------------------------------------------------------------------
+    def start_backward(self) -> None:
+        self.grads_pending = self.trainable
+
+    def start_window(self) -> None:
+        """A new accumulation window begins (the first micro-batch after a step)."""
+        self.got_grad = [False] * len(self.params)
+        self.sq_norm = None
+
+    def take_grads(self) -> list[tuple[int, ParamSlot, torch.Tensor]]:
+        """Removes the gradients autograd left on the parameters: [(index, slot, grad)]."""
+        out = []
+        for i, (p, s) in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            if g.shape != s.shape:
+                raise UnitStateError(
+                    f"parameter {s.name!r}: gradient of shape {tuple(g.shape)}, expected {tuple(s.shape)}"
+                )
+            p.grad = None
+            self.got_grad[i] = True
+            out.append((i, s, g))
+        return out
+
+    def segments(self) -> list[tuple[int, int, int, bool]]:
+        """Runs of consecutive parameters as (start, end, step, update): parameters that received a
+        gradient in this window with equal step counts form one run and are updated together;
+        the others are left alone, as torch.optim leaves parameters whose grad is None."""
+        runs: list[tuple[int, int, int, bool]] = []
+        for i, (_, s) in enumerate(self.params):
+            upd = self.got_grad[i]
+            step = self.steps[i]
+            if runs and runs[-1][1] == s.offset and runs[-1][3] == upd and (not upd or runs[-1][2] == step):
+                runs[-1] = (runs[-1][0], s.offset + s.numel, step, upd)
+            else:
+                runs.append((s.offset, s.offset + s.numel, step, upd))
+        return runs
+
+    def held_any(self) -> bool:
+        return any(s.state is not SlotState.EMPTY and not s.resident for s in self.slots)

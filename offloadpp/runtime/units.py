@@ -1,0 +1,183 @@
+"""Splitting a model into units: the repeated blocks, the modules before them (embeddings), the
+modules after them (final norm, head). Each parameter gets exactly one owner.
+
+Note: how blocks are found. The blocks are the nn.ModuleList whose children share one class and
+that holds the most parameters (for the Hugging Face GPT-2, Llama, Qwen2, OPT and GPT-NeoX models
+that is `transformer.h`, `model.layers`, `model.decoder.layers`, `gpt_neox.layers`). Walking from
+the root down to that list, every sibling registered before it is part of the "embed" unit and
+every one after it of the "head" unit; deeper levels' trailing siblings run first (GPT-2's ln_f
+before the root's lm_head). A few modules are registered before the blocks but run after them
+(OPT's final_layer_norm and project_out): names in POST_NAMES always go to the head. A model that
+does not fit this shape passes an explicit split (RuntimeConfig.units).
+
+Note: tied weights. A parameter reachable from two units (GPT-2's lm_head.weight is
+transformer.wte.weight) belongs to the first unit in forward order that reaches it; the other
+unit *borrows* it: its weights are fetched with it, and its gradient reaches the owner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offloadpp.planner import UnitSpec
+
+POST_NAMES = frozenset(
+    {"final_layer_norm", "final_layernorm", "project_out", "ln_f", "norm", "lm_head", "embed_out"}
+)
+# Hugging Face config.model_type -> attribute name of the blocks' ModuleList.
+KNOWN_BLOCKS = {"gpt2": "h", "llama": "layers", "qwen2": "layers", "opt": "layers", "gpt_neox": "layers"}
+
+
+class UnitDiscoveryError(ValueError):
+    """The model could not be split into units; the message says what to pass instead."""
+
+
+@dataclass(frozen=True)
+class UnitDef:
+    name: str
+    modules: tuple[str, ...]  # qualified names of the unit's root modules, in forward order
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter of a unit: where it sits in the unit's flat buffer, and every name it has."""
+
+    names: tuple[str, ...]  # qualified names; several when tied
+    shape: torch.Size
+    dtype: torch.dtype  # as the model created it
+    offset: int  # elements into the flat buffer
+    numel: int
+    requires_grad: bool
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class UnitLayout:
+    """A unit's definition, its owned parameters (the objects and their slots) and its borrows."""
+
+    unit: UnitDef
+    params: list[tuple[nn.Parameter, ParamSlot]]
+    borrows: tuple[str, ...]
+    backward_needs_weights: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for _, s in self.params)
+
+    def spec(self) -> UnitSpec:
+        return UnitSpec(self.unit.name, self.numel, self.borrows, self.backward_needs_weights)
+
+
+def _has_params(m: nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+def _find_blocks(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    known = KNOWN_BLOCKS.get(getattr(config, "model_type", None))
+    best, best_numel = None, -1
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
+            continue
+        if known is not None and name.rsplit(".", 1)[-1] != known:
+            continue
+        if len({type(c) for c in mod}) != 1:
+            continue
+        numel = sum(p.numel() for p in mod.parameters())
+        if numel > best_numel:
+            best, best_numel = name, numel
+    if best is None or best_numel <= 0:
+        raise UnitDiscoveryError(
+            f"no nn.ModuleList of blocks found in {type(model).__name__}; pass the unit split explicitly "
+            "(RuntimeConfig.units: a list of lists of module qualified names, in forward order)"
+        )
+    return best
+
+
+def find_units(model: nn.Module, override: tuple[tuple[str, ...], ...] | None = None) -> list[UnitDef]:
+    """The units of `model` in forward order."""
+    if override is not None:
+        modules = dict(model.named_modules())
+        units = []
+        for group in override:
+            for q in group:
+                if q not in modules:
+                    raise UnitDiscoveryError(
+                        f"RuntimeConfig.units names module {q!r}, which the model does not have"
+                    )
+            units.append(UnitDef("+".join(group), tuple(group)))
+        return units
+    blocks = _find_blocks(model)
+    path = blocks.split(".")
+    pre: list[str] = []
+    post_by_level: list[list[str]] = []
+    mod, prefix = model, ""
+    for part in path:
+        level_post: list[str] = []
+        after = False
+        for name, child in mod.named_children():
+            if name == part:
+                after = True
+                continue
+            if not _has_params(child):
+                continue
+            (level_post if after or name in POST_NAMES else pre).append(prefix + name)
+        post_by_level.append(level_post)
+        mod, prefix = getattr(mod, part), prefix + part + "."
+    post = [q for level in reversed(post_by_level) for q in level]
+    units = [UnitDef("embed", tuple(pre))] if pre else []
+    units += [UnitDef(f"{blocks}.{name}", (f"{blocks}.{name}",)) for name, _ in mod.named_children()]
+    if post:
+        units.append(UnitDef("head", tuple(post)))
+    return units
+
+
+def layout_units(model: nn.Module, defs: list[UnitDef]) -> list[UnitLayout]:
+    """Assigns every parameter to one unit (first in forward order wins) and lays each unit's
+    parameters out back to back in its flat buffer. Raises if a parameter has no unit."""
+    modules = dict(model.named_modules())
+    all_names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        all_names.setdefault(id(p), []).append(name)
+    owner: dict[int, str] = {}
+    layouts = []
+    for d in defs:
+        params: list[tuple[nn.Parameter, ParamSlot]] = []
+        borrows: list[str] = []
+        offset = 0
+        only_embeddings = True
+        for q in d.modules:
+            root = modules[q]
+            for sub in root.modules():
+                if any(True for _ in sub.parameters(recurse=False)) and not isinstance(sub, nn.Embedding):
+                    only_embeddings = False
+            for _, p in root.named_parameters(prefix=q):
+                if id(p) in owner:
+                    if owner[id(p)] != d.name and owner[id(p)] not in borrows:
+                        borrows.append(owner[id(p)])
+                    continue
+                owner[id(p)] = d.name
+                names = tuple(all_names[id(p)])
+                params.append((p, ParamSlot(names, p.shape, p.dtype, offset, p.numel(), p.requires_grad)))
+                offset += p.numel()
+        if not params:
+            raise UnitDiscoveryError(f"unit {d.name!r} owns no parameters (modules {list(d.modules)})")
+        if any(not p.dtype.is_floating_point for p, _ in params):
+            bad = next(s.name for p, s in params if not p.dtype.is_floating_point)
+            raise UnitDiscoveryError(
+                f"parameter {bad!r} is not floating point; the runtime trains float parameters"
+            )
+        layouts.append(UnitLayout(d, params, tuple(borrows), not only_embeddings))
+    for name, p in model.named_parameters():
+        if id(p) not in owner:
+            raise UnitDiscoveryError(
+                f"parameter {name!r} belongs to no unit: it is registered on a module that is not inside "
+                "any unit (pass RuntimeConfig.units to cover it)"
+            )
+    return layouts

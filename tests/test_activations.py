@@ -1,0 +1,357 @@
+"""Activation swapping (runtime/activations.py) around plain torch models, no engine: a tiny GPT-2
+(random init, built from a config, nothing downloaded) under each policy and a mix must give the
+gradients of the run without swapping; the accounted device peak must stay within a budget of
+25% of what keeping everything needs; parameters and views are never swapped twice; unchanged
+storages are not written to SSD again.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offloadpp.io import TensorStore
+from offloadpp.runtime.act_policy import ActivationConfig, ActPolicy, UnitActProfile, resolve_auto
+from offloadpp.runtime.act_records import ActivationError
+from offloadpp.runtime.activations import ActivationManager
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+
+
+def tiny_gpt2(n_layer: int = 4, dropout: float = 0.1, n_embd: int = 64, seed: int = 0):
+    cfg = transformers.GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=VOCAB, n_positions=64,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def run_step(model, x, mgr=None, seed: int = 5) -> tuple[float, dict]:
+    """One forward + backward (dropout seeded); (loss, gradients by name)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if mgr is None:
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+    else:
+        with mgr.forward():
+            loss = model(input_ids=x, labels=x).loss
+        mgr.backward(loss)
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel_diff(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = TensorStore([str(tmp_path / "nvme")])
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def data():
+    return torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+
+
+MIX = {
+    "embed": "ssd",
+    "transformer.h.0": "recompute",
+    "transformer.h.1": "host",
+    "transformer.h.2": "ssd",
+    "head": "recompute",
+}
+
+
+@pytest.mark.parametrize("policy", ["keep", "host", "ssd", "recompute", "auto", "mix"])
+def test_gradients_equal_the_run_without_swapping(policy, store, data):
+    ref = tiny_gpt2()  # dropout on: recompute must replay the RNG
+    _, want = run_step(ref, data)
+    model = copy.deepcopy(ref)
+    cfg = ActivationConfig(
+        policy="keep" if policy == "mix" else policy,
+        unit_policies=MIX if policy == "mix" else {},
+        min_swap_bytes=0,
+        budget_bytes=600_000 if policy == "auto" else None,
+    )
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        for _ in range(2):  # the second step reuses host buffers, SSD keys, and the auto decision
+            loss, got = run_step(model, data, mgr)
+            assert rel_diff(got, want) <= 1e-6, policy
+            s = mgr.stats()
+            assert s.fetch_misses == 0
+            if policy in ("host", "ssd"):
+                assert s.d2h_bytes > 0 and s.h2d_bytes > 0
+            if policy == "ssd":
+                assert s.ssd_write_bytes > 0 and s.ssd_read_bytes > 0
+            if policy == "recompute":
+                assert s.recompute_s > 0 and s.d2h_bytes == 0
+            mgr.reset_stats()
+        if policy == "auto":
+            assert set(mgr.policies().values()) <= {"keep", "host"} and "host" in mgr.policies().values()
+
+
+def test_quarter_budget_within_peak_and_trains_like_keep(store, data):
+    """8 blocks, budget 25% of the keep-all peak: the accounted peak stays within it, and three
+    SGD steps give the losses and weights of keeping everything."""
+    ref = tiny_gpt2(n_layer=8, dropout=0.0)
+    model = copy.deepcopy(ref)
+    with ActivationManager.for_model(ref, ActivationConfig(policy="keep")) as keep:
+        run_step(ref, data, keep)
+        keep_peak = keep.stats().peak_device_bytes
+    assert keep_peak >= keep.stats().saved_bytes > 0
+    budget = keep_peak // 4
+    for policy in ("auto", "ssd"):
+        m = copy.deepcopy(model)
+        r = copy.deepcopy(model)
+        opt_m, opt_r = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(r.parameters(), lr=0.1)
+        cfg = ActivationConfig(policy=policy, budget_bytes=budget, min_swap_bytes=4096)
+        with ActivationManager.for_model(m, cfg, store=store) as mgr:
+            for _ in range(3):
+                loss_r, _ = run_step(r, data)
+                loss_m, _ = run_step(m, data, mgr)
+                assert loss_m == loss_r
+                opt_r.step()
+                opt_m.step()
+                s = mgr.stats()
+                assert s.peak_device_bytes <= budget, (policy, s.peak_device_bytes, budget)
+                assert s.within_budget
+                mgr.reset_stats()
+        for (n, a), b in zip(m.named_parameters(), r.parameters()):
+            assert torch.equal(a, b), n
+
+
+class Body(nn.Module):
+    """Saves one storage through several views (split, transpose), a parameter and its transpose,
+    a module buffer, and a non-parameter input that lives across steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 96) * 0.1)
+        self.register_buffer("scale", torch.rand(32, 32) + 0.5)
+
+    def forward(self, x, ctx):
+        h = x @ self.w  # saves x (activation input) and w (parameter)
+        q, k, v = h.split(32, dim=-1)  # views of h's storage
+        s = (q @ k.transpose(-1, -2)) * self.scale  # saves q, k (views of h) and the buffer
+        y = s.softmax(-1) @ v  # saves softmax output and v (view of h)
+        return (y * ctx).sum() + (h.t() @ h).sum()  # saves ctx (long-lived), h.t() and h
+
+
+def body_manager(policy: str, store) -> tuple[Body, ActivationManager]:
+    torch.manual_seed(0)
+    body = Body()
+    mgr = ActivationManager(
+        [("body", [body])], ActivationConfig(policy=policy, min_swap_bytes=0), store=store
+    )
+    mgr.install()
+    return body, mgr
+
+
+def test_views_and_params_are_not_swapped_twice(store):
+    x = torch.randn(32, 64, requires_grad=True)
+    ctx = torch.randn(32, 32)
+    torch.manual_seed(0)
+    ref = Body()
+    body, mgr = body_manager("ssd", store)
+    (ref(x, ctx)).backward()
+    want = {"w": ref.w.grad, "x": x.grad.clone()}
+    x.grad = None
+    with mgr.forward():
+        out = body(x, ctx)
+    mgr.drain()  # else backward cancels the swap-outs still queued: nothing to compare
+    mgr.backward(out)
+    assert rel_diff({"w": body.w.grad, "x": x.grad}, want) <= 1e-6
+    s = mgr.stats()
+    h_bytes, x_bytes, ctx_bytes, sm_bytes = 32 * 96 * 4, 32 * 64 * 4, 32 * 32 * 4, 32 * 32 * 4
+    distinct = h_bytes + x_bytes + ctx_bytes + sm_bytes + 32 * 32 * 4  # + s (softmax input)
+    assert s.saved_bytes <= distinct
+    assert s.ssd_write_bytes == s.saved_bytes  # every distinct storage once, no parameter or buffer
+    assert s.dedup_hits >= 4  # q, k, v, h.t() found h
+    assert s.param_refs >= 2  # w (and the buffer) by reference
+    mgr.close()
+
+
+def test_unchanged_storage_is_not_rewritten_to_ssd(store):
+    """x and ctx are the same tensors every step: written once, then found unchanged (same
+    version, same CRC) and read from their first copy, until they change; a change torch does not
+    track (through numpy: no new version) is caught by the CRC."""
+    x = torch.randn(32, 64, requires_grad=True)
+    ctx = torch.randn(32, 32)
+    body, mgr = body_manager("ssd", store)
+    torch.manual_seed(0)
+    ref = Body()
+    written = []
+    for step in range(4):
+        if step == 2:
+            ctx.mul_(2.0)  # a new version
+        if step == 3:
+            ctx.numpy()[:] = 3.0  # the same version, other bytes
+        with mgr.forward():
+            out = body(x, ctx)
+        mgr.drain()
+        mgr.backward(out)
+        s = mgr.stats()
+        written.append((s.ssd_write_bytes, s.cache_hits))
+        mgr.reset_stats()
+        want_w = torch.autograd.grad(ref(x, ctx), ref.w)[0]
+        assert rel_diff({"w": body.w.grad}, {"w": want_w}) <= 1e-6, step
+        body.w.grad = None
+    ctx_bytes, x_bytes = ctx.untyped_storage().nbytes(), x.untyped_storage().nbytes()
+    assert written[1] == (written[0][0] - ctx_bytes - x_bytes, 2)
+    assert written[2] == (written[0][0] - x_bytes, 1)
+    assert written[3] == (written[0][0] - x_bytes, 1)
+    mgr.close()
+
+
+def test_unpack_reads_the_current_parameter_storage(store, data):
+    """The runtime rebinds parameter storage between forward and backward; saved parameters are
+    rebuilt from the parameter's data at unpack, never from the storage seen in forward."""
+    ref = tiny_gpt2(dropout=0.0)
+    _, want = run_step(ref, data)
+    model = copy.deepcopy(ref)
+    with ActivationManager.for_model(
+        model, ActivationConfig(policy="ssd", min_swap_bytes=0), store=store
+    ) as mgr:
+        model.zero_grad(set_to_none=True)
+        with mgr.forward():
+            loss = model(input_ids=data, labels=data).loss
+        old = [p.data for p in model.parameters()]
+        for p in model.parameters():
+            p.data = p.data.clone()
+        for o in old:
+            o.fill_(float("nan"))  # the storage forward saw is garbage now
+        mgr.backward(loss)
+        got = {n: p.grad for n, p in model.named_parameters()}
+        assert rel_diff(got, want) <= 1e-6
+        assert mgr.stats().param_refs > 0
+
+
+def test_second_backward_is_refused(store, data):
+    model = tiny_gpt2(dropout=0.0)
+    with ActivationManager.for_model(
+        model, ActivationConfig(policy="host", min_swap_bytes=0), store=store
+    ) as mgr:
+        with mgr.forward():
+            loss = model(input_ids=data, labels=data).loss
+        mgr.backward(loss, retain_graph=True)
+        with pytest.raises(ActivationError, match="retain_graph"):
+            loss.backward()
+
+
+def test_recompute_needs_the_same_saves(store):
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            y = x @ self.w
+            return (y.tanh() if self.calls == 1 else y).sum()
+
+    m = Flaky()
+    mgr = ActivationManager([("flaky", [m])], ActivationConfig(policy="recompute"))
+    mgr.install()
+    with mgr.forward():
+        out = m(torch.randn(4, 8, requires_grad=True))
+    with pytest.raises(ActivationError, match="flaky"):
+        mgr.backward(out)
+    mgr.close()
+
+
+def test_auto_ranks_by_flops_per_byte():
+    MB = 1 << 20
+    prof = [UnitActProfile("embed", 1 * MB, 0.0)] + [UnitActProfile(f"b{i}", 10 * MB, 1e9) for i in range(4)]
+    auto = [ActPolicy.AUTO] * 5
+    # Everything fits: all kept.
+    assert set(resolve_auto(prof, auto, budget_bytes=100 * MB, host_budget_bytes=None)) == {ActPolicy.KEEP}
+    # Room for 2 swapped blocks + one kept block + embed: embed (0 FLOPs/byte) and the last block kept.
+    got = resolve_auto(prof, auto, budget_bytes=31 * MB, host_budget_bytes=None)
+    assert got == (ActPolicy.KEEP, ActPolicy.HOST, ActPolicy.HOST, ActPolicy.HOST, ActPolicy.KEEP)
+    # Host holds one block: the rest go to SSD; explicit policies are left alone.
+    got = resolve_auto(
+        prof, [ActPolicy.RECOMPUTE] + auto[1:], budget_bytes=21 * MB, host_budget_bytes=15 * MB
+    )
+    assert got[0] is ActPolicy.RECOMPUTE and got.count(ActPolicy.HOST) == 1 and got.count(ActPolicy.SSD) >= 2
+
+
+def test_config_is_validated(store):
+    with pytest.raises(ValueError, match="min_swap_bytes"):
+        ActivationConfig(min_swap_bytes=-1)
+    with pytest.raises(ValueError, match="extra"):
+        ActivationConfig(polcy="ssd")
+    with pytest.raises(ValueError, match="nope"):
+        ActivationManager.for_model(tiny_gpt2(n_layer=1), ActivationConfig(unit_policies={"nope": "ssd"}))
+    with pytest.raises(ValueError, match="TensorStore"):
+        ActivationManager.for_model(tiny_gpt2(n_layer=1), ActivationConfig(policy="ssd"))
+
+
+def test_llama_under_ssd_and_recompute(store):
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg)
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    _, want = run_step(ref, x)
+    for unit_policies in (
+        {"model.layers.0": "ssd", "model.layers.1": "recompute"},
+        {"model.layers.0": "recompute"},
+    ):
+        model = copy.deepcopy(ref)
+        cfg = ActivationConfig(policy="host", unit_policies=unit_policies, min_swap_bytes=0)
+        with ActivationManager.for_model(model, cfg, store=store) as mgr:
+            _, got = run_step(model, x, mgr)
+        assert rel_diff(got, want) <= 1e-6
+
+
+def test_recompute_leaves_the_kv_cache_alone_and_refuses_a_prefix(data):
+    """HF blocks append to a KV cache even in training: the recompute must not append again, and
+    cannot replay a block whose cache held a prefix (that raises, it does not compute wrong)."""
+    model = tiny_gpt2(n_layer=2, dropout=0.0)
+    with ActivationManager.for_model(model, ActivationConfig(policy="recompute")) as mgr:
+        with mgr.forward():
+            out = model(input_ids=data, labels=data)
+        mgr.backward(out.loss)
+        assert out.past_key_values.get_seq_length() == data.shape[1]
+        with torch.no_grad():
+            prefix = model(input_ids=data[:, :4], use_cache=True).past_key_values
+        with mgr.forward():
+            out = model(input_ids=data[:, 4:], labels=data[:, 4:], cache=prefix)
+        with pytest.raises(ActivationError, match="recomput"):
+            mgr.backward(out.loss)
+
+
+def test_bench_activations_smoke(tmp_path):
+    """`offloadpp bench activations` on a toy model: runs, writes its JSON, reports every contender."""
+    import argparse
+    import json
+
+    from offloadpp.bench import activations as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    out = tmp_path / "act.json"
+    args = p.parse_args(
+        ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--vocab", "128", "--seq", "32", "--batch", "2",
+         "--steps", "1", "--warmup", "0", "--min-swap-kib", "0", "--dir", str(tmp_path / "swap"), "--json", str(out),
+         "--device", "cpu"]
+    )  # fmt: skip
+    rc = bench.run(args)
+    report = json.loads(out.read_text())
+    assert rc in (0, 1) and report["pass"] == (rc == 0)
+    med = report["results"][0]["median"]
+    assert set(med) == {"none", "keep", "host", "ssd", "recompute"}
+    assert med["ssd"]["ssd_write_bytes"] + med["ssd"]["d2h_bytes"] > 0 and med["recompute"]["recompute_s"] > 0

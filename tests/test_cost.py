@@ -1,0 +1,201 @@
+"""The cost model: the replay's timing on synthetic hardware (pure), and its bytes against the
+runtime's (a tiny GPT-2 trained for a few steps: every plan must move exactly what the replay says)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from offloadpp.planner import PlanError, Tier, streaming_plan
+from offloadpp.planner.cost import estimate, replay
+from offloadpp.planner.hardware import HardwareProfile
+from offloadpp.planner.model_profile import analytic_profile
+from offloadpp.planner.search import Budget, search
+
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 4,
+    "n_embd": 256,
+    "n_head": 4,
+    "vocab_size": 4096,
+    "n_positions": 128,
+}
+
+
+def hw(**kw) -> HardwareProfile:
+    base = dict(
+        device="cpu", device_name="t", cpu_cores=2, ssd_read_gbps=2.0, ssd_write_gbps=2.0, h2d_gbps=10.0,
+        d2h_gbps=10.0, memcpy_gbps=10.0, device_flops_per_s={"fp32": 100e9}, adam_params_per_s={1: 1e9},
+        host_memory_bytes=1 << 34, device_memory_bytes=1 << 34,
+    )  # fmt: skip
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+def model(seq_len: int = 64):
+    return analytic_profile(GPT2, micro_batch=1, seq_len=seq_len)
+
+
+def stream(m, k: int = 2, q: int = 2, **kw):
+    return streaming_plan(m.unit_specs(), device=kw.pop("device", "cpu"), compute_dtype=kw.pop("compute_dtype", "fp32"),
+                          prefetch_depth=k, optim_prefetch_depth=q, device_budget_bytes=1 << 34,
+                          host_budget_bytes=1 << 34, **kw)  # fmt: skip
+
+
+def in_memory(plan):
+    cpu = plan.device == "cpu"
+    return replace(plan, placements=tuple(
+        replace(p, weights=Tier.DEVICE, master=Tier.HOST, moments=Tier.HOST, grads=Tier.HOST) if cpu or not plan.separate_weights
+        else replace(p, weights=Tier.DEVICE, master=Tier.HOST, moments=Tier.HOST, grads=Tier.HOST)
+        for p in plan.placements))  # fmt: skip
+
+
+def test_in_memory_plan_is_compute_plus_the_last_update():
+    m = model()
+    e = estimate(in_memory(stream(m)), hw(), m)
+    assert e.ssd_read_bytes == e.ssd_write_bytes == 0 and e.ssd_s == 0
+    assert e.bound == "compute"
+    # the embeddings' backward has no FLOPs here: the last block's update and theirs run after backward
+    tail = (m.units[0].numel + m.units[1].numel) / 1e9
+    assert e.step_s == pytest.approx(e.compute_s + tail, rel=0.01)
+    assert e.optimizer_wait_s == pytest.approx(tail, rel=0.05)
+
+
+def test_slow_ssd_bounds_the_step():
+    m = model()
+    e = estimate(stream(m), hw(ssd_read_gbps=0.05, ssd_write_gbps=0.05), m)
+    assert e.bound == "ssd"
+    assert e.step_s >= 0.97 * e.ssd_s
+    assert e.ssd_read_bytes > 0 and e.ssd_write_bytes > 0
+    fast = estimate(stream(m), hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0), m)
+    assert fast.bound == "compute" and fast.step_s < 1.2 * fast.compute_s
+
+
+def test_step_is_at_least_the_floor_and_deterministic():
+    m = model()
+    for k, q in ((0, 0), (1, 1), (2, 2), (3, 0)):
+        for gbps in (0.2, 1.0, 5.0):
+            h = hw(ssd_read_gbps=gbps, ssd_write_gbps=gbps)
+            e = estimate(stream(m, k, q), h, m)
+            assert e.step_s >= 0.97 * e.floor_s, (k, q, gbps)
+            assert estimate(stream(m, k, q), h, m) == e
+
+
+def test_deeper_prefetch_hides_more_io():
+    m = model()
+    h = hw(ssd_read_gbps=0.5, ssd_write_gbps=2.0)
+    k0 = estimate(stream(m, 0, 0), h, m)
+    k2 = estimate(stream(m, 2, 2), h, m)
+    assert k2.step_s < k0.step_s
+
+
+def test_cpu_sharing_slows_the_step():
+    m = model()
+    base = estimate(in_memory(stream(m)), hw(adam_params_per_s={1: 0.05e9}), m)
+    shared = estimate(in_memory(stream(m)), hw(adam_params_per_s={1: 0.05e9}, compute_slowdown_under_adam=1.5,
+                                               adam_slowdown_under_compute=2.0), m)  # fmt: skip
+    assert shared.backward_s > base.backward_s * 1.2  # compute slowed while Adam runs beside it
+    assert shared.step_s > base.step_s * 1.03
+
+
+def test_deferred_update_runs_adam_after_backward():
+    m = model()
+    plan = in_memory(stream(m, deferred_update=True))
+    e = estimate(plan, hw(adam_params_per_s={1: 0.2e9, 2: 0.2e9}), m)
+    assert e.optimizer_wait_s >= 0.95 * sum(u.numel for u in m.units) / 0.2e9
+
+
+def test_accumulation_counts_micro_batches():
+    m = model()
+    one = estimate(in_memory(stream(m)), hw(), m)
+    two = estimate(in_memory(stream(m, accumulate_grads=True)), hw(), m, micro_batches=2)
+    assert two.compute_s == pytest.approx(2 * one.compute_s)
+    with pytest.raises(PlanError, match="accumulate_grads"):
+        estimate(in_memory(stream(m)), hw(), m, micro_batches=2)
+
+
+def test_cuda_plan_moves_weights_over_the_link():
+    m = analytic_profile(GPT2, micro_batch=1, seq_len=64, compute_dtype="bf16")
+    h = hw(device="cuda", device_flops_per_s={"bf16": 100e12}, h2d_gbps=0.5, d2h_gbps=0.5)
+    e = estimate(stream(m, device="cuda", compute_dtype="bf16"), h, m)
+    weights = sum(u.padded_numel * 2 for u in m.unit_specs())
+    assert weights < e.h2d_bytes < 2 * weights  # all once in forward, the early blocks again in backward
+    assert e.d2h_bytes > 0 and e.link_s > 0
+    with pytest.raises(PlanError, match="device"):
+        estimate(stream(m, device="cuda", compute_dtype="bf16"), hw(), m)
+
+
+# ---- the replay's bytes against the runtime's -------------------------------------------------------
+def _runtime_bytes(shape_kw, plan, steps: int = 4, clip: float = 0.0, micro: int = 1):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import tempfile
+
+    from offloadpp.profiling.harness import Contender, GPT2Shape, close_all, make_engines
+
+    shape = GPT2Shape(**shape_kw)
+    m, batch = shape.build(), shape.batch()
+    torch.set_num_threads(1)
+    c = Contender("c", plan)
+    with tempfile.TemporaryDirectory() as d:
+        make_engines(m, [c], d, ssd_gbps=(2.0, 2.0), gradient_clipping=clip, accumulation=micro)
+        e = c.engine
+        out = []
+        try:
+            for _ in range(steps):
+                s0 = e.store.stats
+                for _ in range(micro):
+                    e.backward(e(**batch).loss)
+                    e.step()
+                e.store.wait_all()  # the report counts completed I/O: count it all, here
+                d = e.store.stats - s0
+                out.append((d.bytes_read, d.bytes_written))
+        finally:
+            close_all([c])
+    return out
+
+
+TINY = dict(n_layer=8, n_embd=64, n_head=4, vocab_size=512, micro_batch=1, seq_len=16)
+
+
+def _tiny_plans():
+    h = hw(ssd_read_gbps=0.5, ssd_write_gbps=0.5)
+    m = analytic_profile(
+        {"model_type": "gpt2", "n_layer": 8, "n_embd": 64, "n_head": 4, "vocab_size": 512, "n_positions": 128},
+        micro_batch=1, seq_len=16,
+    )  # fmt: skip
+    plans = [
+        ("k2q2", stream(m, 2, 2), 0.0, 1),
+        ("k0q0", stream(m, 0, 0), 0.0, 1),
+        ("k1q3", stream(m, 1, 3), 0.0, 1),
+    ]
+    s = stream(m, 1, 1)
+    from offloadpp.planner import build_schedule
+
+    need = build_schedule(s)
+    extra = sum(u.padded_numel for u in m.unit_specs()) * 3  # a quarter of master + moments
+    b = Budget(
+        device_bytes=need.peak_device_bytes + extra,
+        host_bytes=need.peak_host_bytes + extra,
+        prefetch_depth=1,
+        optim_prefetch_depth=1,
+    )
+    partial = search(h, m, b).plan
+    assert partial.ssd_bytes() > 0 and any(
+        p.master is Tier.HOST or p.moments is Tier.HOST for p in partial.placements
+    )
+    plans.append(("partial", partial, 0.0, 1))
+    plans.append(("clip", stream(m, 2, 1, deferred_update=True), 1.0, 1))
+    plans.append(("accum", stream(m, 1, 1, accumulate_grads=True), 0.0, 2))
+    return h, m, plans
+
+
+@pytest.mark.parametrize("which", ["k2q2", "k0q0", "k1q3", "partial", "clip", "accum"])
+def test_replay_moves_the_runtimes_bytes(which):
+    h, m, plans = _tiny_plans()
+    _, plan, clip, micro = next(p for p in plans if p[0] == which)
+    got = _runtime_bytes(TINY, plan, clip=clip, micro=micro)
+    est, _ = replay(plan, h, m, micro_batches=micro)
+    assert got[-1] == got[-2], got  # steady state
+    assert (est.ssd_read_bytes, est.ssd_write_bytes) == got[-1]

@@ -1,0 +1,202 @@
+"""offloadpp.initialize: DeepSpeed's API and semantics on offloadpp's runtime."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+import offloadpp
+from numerics import compare_weights
+from offloadpp.integrations.deepspeed import OffloadppConfigError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("deepspeed")
+
+
+def tiny_gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=96, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def ds_config(nvme, **over):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 100,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(nvme)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)},
+        },
+        "offloadpp": {"enabled": True},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def batches(n, micro=2, seq=16, vocab=96, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(n)]
+
+
+def reference(model, cfg, data):
+    """The same training with plain torch: DeepSpeed's 'Adam' is AdamW; its WarmupLR; clipping."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    p = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"])
+    sched = WarmupLR(opt, **cfg["scheduler"]["params"])
+    gas = cfg["gradient_accumulation_steps"]
+    for i, ids in enumerate(data):
+        loss = model(input_ids=ids, labels=ids).loss / gas
+        loss.backward()
+        if (i + 1) % gas == 0:
+            if cfg["gradient_clipping"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["gradient_clipping"])
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    return model
+
+
+def train(engine, data):
+    losses = []
+    for ids in data:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def max_rel(a: dict, b: dict) -> float:
+    worst = 0.0
+    for k in a:
+        d = (a[k].float() - b[k].float()).abs().max().item()
+        worst = max(worst, d / max(b[k].float().abs().max().item(), 1e-12))
+    return worst
+
+
+@pytest.mark.parametrize("gas, clip", [(1, 0.0), (2, 1.0)])
+def test_matches_deepspeed_semantics_in_memory(tmp_path, gas, clip):
+    cfg = ds_config(tmp_path / "nvme", gradient_accumulation_steps=gas, gradient_clipping=clip)
+    data = batches(6 * gas)
+    ref = reference(tiny_gpt2(), copy.deepcopy(cfg), data)
+    model = tiny_gpt2()
+    engine, optimizer, loader, sched = offloadpp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    assert engine.gradient_accumulation_steps() == gas
+    assert engine.train_batch_size() == 2 * gas
+    assert loader is None and sched is not None
+    train(engine, data)
+    assert engine.global_steps == 6
+    lr = cfg["optimizer"]["params"]["lr"]
+    assert compare_weights(engine.module.state_dict(), ref.state_dict(), lr=lr, steps=6) < 1e-5
+    assert engine.get_lr() == pytest.approx([g["lr"] for g in sched.optimizer.param_groups])
+    engine.close()
+
+
+def test_checkpoint_resume_continues_identically(tmp_path):
+    cfg = ds_config(tmp_path / "nvme")
+    data = batches(6)
+    model = tiny_gpt2()
+    straight, *_ = offloadpp.initialize(model=model, config=copy.deepcopy(cfg))
+    losses_straight = train(straight, data)
+    want = {k: v.clone() for k, v in straight.module.state_dict().items()}
+    straight.close()
+
+    cfg2 = ds_config(tmp_path / "nvme2")
+    model = tiny_gpt2()
+    first, *_ = offloadpp.initialize(model=model, config=copy.deepcopy(cfg2))
+    losses = train(first, data[:3])
+    first.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 7})
+    first.close()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
+
+    cfg3 = ds_config(tmp_path / "nvme3")
+    model = tiny_gpt2(seed=123)  # different weights: all must come from the checkpoint
+    resumed, *_ = offloadpp.initialize(model=model, config=copy.deepcopy(cfg3))
+    path, client = resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert path.endswith("global_step3") and client == {"epoch": 7}
+    assert resumed.global_steps == 3
+    losses += train(resumed, data[3:])
+    assert losses == pytest.approx(losses_straight, rel=1e-6, abs=1e-6)
+    assert max_rel(resumed.module.state_dict(), want) < 1e-6
+    resumed.close()
+
+
+def test_load_checkpoint_without_one_returns_none(tmp_path):
+    model = tiny_gpt2()
+    engine, *_ = offloadpp.initialize(model=model, config=ds_config(tmp_path / "nvme"))
+    assert engine.load_checkpoint(str(tmp_path / "nothing")) == (None, None)
+    engine.close()
+
+
+def test_save_16bit_model_loads_with_from_pretrained(tmp_path):
+    model = tiny_gpt2()
+    engine, *_ = offloadpp.initialize(model=model, config=ds_config(tmp_path / "nvme"))
+    train(engine, batches(2))
+    out = tmp_path / "export"
+    engine.save_16bit_model(str(out), "model.safetensors")
+    model.config.save_pretrained(str(out))
+    current = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.close()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(out), local_files_only=True)
+    assert max_rel(loaded.state_dict(), current) == 0.0
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+def test_training_data_gives_a_dataloader(tmp_path):
+    data = torch.utils.data.TensorDataset(torch.randint(0, 96, (10, 16)))
+    model = tiny_gpt2()
+    engine, _, loader, _ = offloadpp.initialize(model=model, config=ds_config(tmp_path / "nvme"), training_data=data)
+    (ids,) = next(iter(loader))
+    assert ids.shape == (2, 16)
+    engine.close()
+
+
+def test_bad_block_fails_at_start_naming_the_field(tmp_path):
+    cfg = ds_config(tmp_path / "nvme")
+    cfg["offloadpp"]["prefetch_dept"] = 2
+    with pytest.raises(OffloadppConfigError, match=r"offloadpp\.prefetch_dept"):
+        offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+
+
+def test_unsupported_optimizer_is_refused(tmp_path):
+    cfg = ds_config(tmp_path / "nvme")
+    cfg["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-3}}
+    with pytest.raises(OffloadppConfigError, match="optimizer.type"):
+        offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+
+
+def test_config_from_args_like_the_launcher(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds_config(tmp_path / "nvme")))
+
+    class Args:
+        deepspeed_config = str(path)
+        local_rank = 0
+
+    engine, *_ = offloadpp.initialize(args=Args(), model=tiny_gpt2())
+    assert type(engine).__name__ == "OffloadppEngine"
+    engine.close()
+
+
+def test_without_the_block_it_is_deepspeed(tmp_path, monkeypatch):
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533").items():
+        monkeypatch.setenv(k, v)
+    cfg = ds_config(tmp_path / "nvme")
+    del cfg["offloadpp"]
+    cfg["zero_optimization"] = {"stage": 0}
+    import deepspeed
+
+    engine, *_ = offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+    assert isinstance(engine, deepspeed.DeepSpeedEngine)
+    train(engine, batches(1))

@@ -1,0 +1,182 @@
+"""offloadpp.planner: Plan types, the schedule a plan implies, the default placement policy.
+
+Pure Python: none of this imports torch (checked in a subprocess).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from offloadpp.planner import (
+    Placement,
+    Plan,
+    PlanError,
+    Tier,
+    UnitSpec,
+    all_on_ssd,
+    build_schedule,
+    default_plan,
+    flat_numel,
+    min_budgets,
+    streaming_plan,
+)
+
+# A GPT-2-like split: tied embeddings (read again by the head), six blocks, the head.
+UNITS = (
+    [UnitSpec("embed", 25_800_000, backward_needs_weights=False)]
+    + [UnitSpec(f"h.{i}", 3_150_000) for i in range(6)]
+    + [UnitSpec("head", 1024, borrows=("embed",))]
+)
+
+
+def test_planner_imports_no_torch():
+    code = "import sys, offloadpp.planner; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_flat_numel_pads_to_whole_blocks():
+    assert flat_numel(1) == 2048
+    assert flat_numel(2048) == 2048
+    assert flat_numel(2049) == 4096
+    assert UnitSpec("u", 10).master_bytes == 2048 * 4
+
+
+def test_schedule_visits_and_windows():
+    plan = replace(
+        streaming_plan(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2), fill_gaps=False
+    )
+    s = build_schedule(plan)
+    names = [(v.unit, v.backward) for v in s.visits]
+    assert names[:8] == [(u.name, False) for u in UNITS]
+    assert names[8:] == [(u.name, True) for u in reversed(UNITS)]
+    assert s.visits[7].needs == ("head", "embed")  # the tied head reads the embeddings
+    assert s.visits[-1].needs == ()  # embedding backward reads no weights
+    assert s.alive[0] == {"embed", "h.0", "h.1"}  # k=2: two visits ahead
+    assert s.alive[6] == {"h.5", "head", "embed"}  # the last blocks stay into backward
+    assert s.update_order == ("head", "h.5", "h.4", "h.3", "h.2", "h.1", "h.0", "embed")
+    assert s.window_at(0) == ("head", "h.5", "h.4")
+    assert s.window_at(3) == ("h.4", "h.3", "h.2", "h.1")  # one updating, q=2 read ahead, one more
+    assert s.next_keep == {"embed", "h.0", "h.1", "h.2"}  # what the next forward's first visits hold
+    assert s.keep_until_update == {"embed"}  # read by the tied head first in backward
+
+
+def test_gaps_are_filled_without_raising_the_peak():
+    strict = replace(
+        streaming_plan(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2), fill_gaps=False
+    )
+    s0, s1 = build_schedule(strict), build_schedule(replace(strict, fill_gaps=True))
+    assert (s1.peak_device_bytes, s1.peak_host_bytes) == (s0.peak_device_bytes, s0.peak_host_bytes)
+    assert all(a0 <= a1 for a0, a1 in zip(s0.alive, s1.alive))
+    # the embeddings stay from the first visit to the tied head instead of being read twice
+    assert all("embed" in s1.alive[i] for i in range(0, 9))
+
+
+def test_min_budgets_grow_with_prefetch_depth():
+    kw = dict(device="cpu", compute_dtype="fp32")
+    d0, h0 = min_budgets(UNITS, prefetch_depth=0, optim_prefetch_depth=0, **kw)
+    d2, h2 = min_budgets(UNITS, prefetch_depth=2, optim_prefetch_depth=2, **kw)
+    assert 0 < d0 <= d2 and 0 < h0 <= h2
+    # at least the largest unit's weights and grads
+    assert d0 >= UNITS[0].weights_bytes("fp32") + UNITS[0].grad_bytes
+
+
+def test_default_plan_streams_everything_at_the_minimum():
+    dev, host = min_budgets(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2)
+    plan = default_plan(
+        UNITS, device="cpu", compute_dtype="fp32", device_budget_bytes=dev, host_budget_bytes=host
+    )
+    assert plan.prefetch_depth == 2 and plan.optim_prefetch_depth == 2
+    assert all(p == Placement(u.name, Tier.SSD, Tier.SSD, Tier.SSD, Tier.SSD) for u, p in plan)
+    assert plan.ssd_bytes() == sum(u.master_bytes + u.moments_bytes for u in UNITS)
+    assert "embed" in plan.describe()
+
+
+def test_default_plan_keeps_what_fits():
+    plan = default_plan(
+        UNITS, device="cpu", compute_dtype="fp32", device_budget_bytes=10**10, host_budget_bytes=10**10
+    )
+    assert all(
+        p.weights is Tier.DEVICE and p.master is Tier.HOST and p.moments is Tier.HOST for p in plan.placements
+    )
+    assert plan.ssd_bytes() == 0
+
+
+def test_default_plan_backs_off_prefetch_depth_then_fails_clearly():
+    blocks = [UnitSpec(f"h.{i}", 3_150_000) for i in range(6)]
+    d1, _ = min_budgets(blocks, device="cpu", compute_dtype="fp32", prefetch_depth=1)
+    d2, _ = min_budgets(blocks, device="cpu", compute_dtype="fp32", prefetch_depth=2)
+    assert d1 < d2
+    plan = default_plan(
+        blocks, device="cpu", compute_dtype="fp32", device_budget_bytes=d1, host_budget_bytes=10**10,
+        optim_prefetch_depth=2,
+    )  # fmt: skip
+    assert plan.prefetch_depth == 1
+    with pytest.raises(PlanError, match=r"device budget of .* too small.*'embed'.*25,800,000 parameters"):
+        default_plan(
+            UNITS, device="cpu", compute_dtype="fp32", device_budget_bytes=1 << 20, host_budget_bytes=10**10
+        )
+    with pytest.raises(
+        PlanError, match=r"host budget of .* too small.*Raise host_budget_bytes to at least \d+"
+    ):
+        default_plan(
+            UNITS, device="cpu", compute_dtype="fp32", device_budget_bytes=10**10, host_budget_bytes=1 << 20
+        )
+
+
+def test_persistent_grads_go_to_ssd_when_host_is_short():
+    kw = dict(device="cpu", compute_dtype="fp32", accumulate_grads=True)
+    dev, host = min_budgets(UNITS, prefetch_depth=2, **kw)
+    plan = default_plan(UNITS, device_budget_bytes=dev, host_budget_bytes=host, **kw)
+    assert plan.persistent_grads and all(p.grads is Tier.SSD for p in plan.placements)
+    assert plan.notes and "gradients" in plan.notes[0]
+    roomy = default_plan(UNITS, device_budget_bytes=dev, host_budget_bytes=10**10, **kw)
+    assert all(p.grads is Tier.HOST for p in roomy.placements)
+
+
+def test_sixteen_bit_compute_keeps_a_separate_weights_copy():
+    plan = streaming_plan(UNITS, device="cuda", compute_dtype="bf16", prefetch_depth=2)
+    assert plan.separate_weights
+    assert plan.ssd_bytes() == sum(u.master_bytes + u.moments_bytes + u.weights_bytes("bf16") for u in UNITS)
+
+
+@pytest.mark.parametrize(
+    "placement, match",
+    [
+        (Placement("u", Tier.SSD, Tier.HOST, Tier.SSD), "weights are the master copy"),
+        (Placement("u", Tier.DEVICE, Tier.SSD, Tier.SSD), "master must be 'host'"),
+        (Placement("u", Tier.SSD, Tier.DEVICE, Tier.SSD), "cannot live on the device"),
+    ],
+)
+def test_plan_rejects_inconsistent_tiers(placement, match):
+    with pytest.raises(PlanError, match=match):
+        Plan(
+            (UnitSpec("u", 10),),
+            (placement,),
+            device="cpu",
+            compute_dtype="fp32",
+            prefetch_depth=1,
+            optim_prefetch_depth=0,
+        )
+
+
+def test_plan_rejects_bad_shapes():
+    u = (UnitSpec("a", 1), UnitSpec("b", 1, borrows=("zz",)))
+    with pytest.raises(PlanError, match="borrows unknown unit 'zz'"):
+        Plan(u, all_on_ssd(u), device="cpu", compute_dtype="fp32", prefetch_depth=1, optim_prefetch_depth=0)
+    with pytest.raises(PlanError, match="same order"):
+        Plan(
+            u[:1], all_on_ssd(u), device="cpu", compute_dtype="fp32", prefetch_depth=1, optim_prefetch_depth=0
+        )
+    with pytest.raises(PlanError, match="compute_dtype"):
+        Plan(
+            u[:1],
+            all_on_ssd(u[:1]),
+            device="cpu",
+            compute_dtype="fp8",
+            prefetch_depth=1,
+            optim_prefetch_depth=0,
+        )

@@ -1,0 +1,308 @@
+"""The planner: hardware and model profiles, the search, plan files. Pure Python, no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from offloadpp.planner import PlanError, Tier, build_schedule
+from offloadpp.planner.hardware import HardwareProfile, IOPoint, ProfileError, SsdProfile
+from offloadpp.planner.model_profile import ModelProfile, ModelProfileError, UnitProfile, analytic_profile
+from offloadpp.planner.planfile import load_plan, plan_from_dict, plan_to_dict, save_plan
+from offloadpp.planner.search import Budget, describe_buffers, plan, search
+
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 4,
+    "n_embd": 256,
+    "n_head": 4,
+    "vocab_size": 4096,
+    "n_positions": 128,
+}
+
+
+def cpu_hw(**kw) -> HardwareProfile:
+    base = dict(
+        device="cpu", device_name="test cpu", cpu_cores=2, ssd_read_gbps=2.0, ssd_write_gbps=2.0, h2d_gbps=10.0,
+        d2h_gbps=10.0, memcpy_gbps=10.0, device_flops_per_s={"fp32": 100e9}, adam_params_per_s={1: 1e9, 2: 1.5e9},
+        host_memory_bytes=16 << 30, device_memory_bytes=16 << 30, compute_slowdown_under_adam=1.2,
+        adam_slowdown_under_compute=2.0,
+    )  # fmt: skip
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+def cuda_hw(**kw) -> HardwareProfile:
+    return cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=25.0, d2h_gbps=25.0,
+                  device_flops_per_s={"fp32": 50e12, "bf16": 400e12}, compute_slowdown_under_adam=1.0,
+                  adam_slowdown_under_compute=1.0, cpu_cores=16, **kw)  # fmt: skip
+
+
+def gpt2_profile(**kw) -> ModelProfile:
+    return analytic_profile(GPT2, micro_batch=kw.pop("micro_batch", 1), seq_len=kw.pop("seq_len", 64), **kw)
+
+
+def test_planner_modules_import_no_torch():
+    code = (
+        "import sys\n"
+        "import offloadpp.planner, offloadpp.planner.hardware, offloadpp.planner.model_profile\n"
+        "import offloadpp.planner.cost, offloadpp.planner.search, offloadpp.planner.simulate\n"
+        "import offloadpp.planner.planfile, offloadpp.profiling\n"
+        "sys.exit(3 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ---- HardwareProfile ----------------------------------------------------------------------------
+def test_hardware_json_round_trip(tmp_path):
+    hw = cpu_hw(
+        ssds=(SsdProfile("/a", 2.0, 3.0),),
+        io_grid=(IOPoint(1 << 20, 8, 2.0, 3.0), IOPoint(4 << 20, 4, 2.5, 3.5)),
+    )
+    path = tmp_path / "hw.json"
+    hw.to_json(str(path))
+    back = HardwareProfile.from_json(str(path))
+    assert back == hw
+    assert HardwareProfile.from_json(path.read_text()) == hw
+    assert back.adam_params_per_s == {1: 1e9, 2: 1.5e9}
+    assert back.best_io().block_size_bytes == 4 << 20
+    assert "SSD read 2.00 GB/s" in back.describe()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("ssd_read_gbps", -1.0), ("ssd_write_gbps", 0), ("memcpy_gbps", float("nan")), ("device", "tpu"),
+     ("cpu_cores", 0), ("compute_slowdown_under_adam", 0.5), ("host_memory_bytes", -5)],
+)  # fmt: skip
+def test_hardware_errors_name_field_and_value(field, value):
+    with pytest.raises(ProfileError) as e:
+        cpu_hw(**{field: value})
+    assert field in str(e.value) and repr(value) in str(e.value)
+
+
+def test_hardware_from_dict_refuses_unknown_and_missing():
+    d = cpu_hw().to_dict()
+    with pytest.raises(ProfileError, match="unknown field.*bogus"):
+        HardwareProfile.from_dict({**d, "bogus": 1})
+    del d["ssd_read_gbps"]
+    with pytest.raises(ProfileError, match="lacks field.*ssd_read_gbps"):
+        HardwareProfile.from_dict(d)
+    with pytest.raises(ProfileError, match="does not exist"):
+        HardwareProfile.from_json("/nonexistent/hw.json")
+
+
+def test_adam_rate_lookup():
+    hw = cpu_hw(adam_params_per_s={2: 2e9, 8: 5e9})
+    assert hw.adam_rate(8) == 5e9
+    assert hw.adam_rate(4) == 2e9  # the nearest measured count at or below
+    assert hw.adam_rate(1) == 1e9  # scaled from the smallest
+
+
+# ---- ModelProfile -------------------------------------------------------------------------------
+def test_analytic_gpt2_units_and_counts():
+    m = gpt2_profile()
+    d, v = GPT2["n_embd"], GPT2["vocab_size"]
+    assert [u.name for u in m.units] == ["embed"] + [f"transformer.h.{i}" for i in range(4)] + ["head"]
+    assert m.units[0].numel == v * d + 128 * d and not m.units[0].backward_needs_weights
+    assert m.units[1].numel == 12 * d * d + 13 * d
+    assert m.units[-1].borrows == ("embed",) and m.units[-1].numel == 2 * d
+    assert m.units[1].backward_flops == 2 * m.units[1].forward_flops
+    assert m.unit_specs()[1].numel == m.units[1].numel
+
+
+def test_analytic_llama_and_unknown():
+    cfg = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}  # fmt: skip
+    m = analytic_profile(cfg, micro_batch=2, seq_len=32)
+    assert [u.name for u in m.units] == ["embed", "model.layers.0", "model.layers.1", "head"]
+    assert m.units[1].numel == 256 * 256 * 2 + 2 * 256 * 128 + 3 * 256 * 512 + 2 * 256
+    assert m.units[-1].numel == 256 + 1000 * 256  # untied lm_head
+    with pytest.raises(ModelProfileError, match="model_type 'bert'"):
+        analytic_profile({"model_type": "bert"}, micro_batch=1, seq_len=8)
+
+
+def test_model_profile_json_round_trip_and_errors(tmp_path):
+    m = replace(gpt2_profile(), source="measured", measured_device="cpu")
+    m = replace(m, units=tuple(replace(u, forward_s=0.01, backward_s=0.02) for u in m.units))
+    path = str(tmp_path / "m.json")
+    m.to_json(path)
+    back = ModelProfile.from_json(path)
+    assert back == m and back.has_times("cpu") and not back.has_times("cuda")
+    with pytest.raises(ModelProfileError, match="numel.*-3"):
+        UnitProfile("u", -3, 0, 0, 0)
+
+
+# ---- the search ---------------------------------------------------------------------------------
+def _fits(p, budget):
+    s = build_schedule(p)
+    return s.peak_device_bytes <= budget.device_bytes and s.peak_host_bytes <= budget.host_bytes
+
+
+def test_ample_budget_keeps_everything_in_memory():
+    hw, m = cpu_hw(), gpt2_profile()
+    b = Budget(device_bytes=4 << 30, host_bytes=4 << 30)
+    r = search(hw, m, b)
+    assert r.best.estimate.ssd_read_bytes == 0 and r.best.estimate.ssd_write_bytes == 0
+    assert r.plan.ssd_bytes() == 0
+    assert _fits(r.plan, b)
+    assert r.candidates[0].estimate.step_s <= r.best.estimate.step_s * 1.011
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.2, 0.5, 0.8])
+def test_plans_fit_their_budgets_and_beat_streaming(frac):
+    hw, m = cpu_hw(ssd_read_gbps=0.5, ssd_write_gbps=0.5), gpt2_profile()
+    total = sum(u.padded_numel for u in m.unit_specs()) * 16
+    dev, host = _stream_needs(hw, m)
+    b = Budget(device_bytes=dev + int(frac * total / 4), host_bytes=host + int(frac * total))
+    r = search(hw, m, b)
+    assert _fits(r.plan, b)
+    stream = [c for c in r.candidates if c.label.endswith("stream")]
+    assert r.best.estimate.step_s <= min(c.estimate.step_s for c in stream) * 1.011
+    assert r.plan.notes and "auto plan" in r.plan.notes[0]
+
+
+def _stream_needs(hw, m, **kw):
+    """(device, host) bytes of the streaming working set at k = q = 0."""
+    from offloadpp.planner import streaming_plan
+
+    s = build_schedule(streaming_plan(m.unit_specs(), device=hw.device, compute_dtype=m.compute_dtype,
+                                      prefetch_depth=0, optim_prefetch_depth=0, **kw))  # fmt: skip
+    return s.peak_device_bytes, s.peak_host_bytes
+
+
+def test_more_memory_means_less_ssd_traffic():
+    hw, m = cpu_hw(ssd_read_gbps=0.3, ssd_write_gbps=0.3), gpt2_profile()
+    dev, host = _stream_needs(hw, m)
+    total = sum(u.padded_numel for u in m.unit_specs()) * 4
+    traffic = []
+    for frac in (0.0, 0.5, 3.0):
+        r = search(hw, m, Budget(device_bytes=dev + int(frac * total), host_bytes=host + int(frac * total)))
+        traffic.append(r.best.estimate.ssd_read_bytes + r.best.estimate.ssd_write_bytes)
+    assert traffic[0] > traffic[1] > traffic[2] == 0
+
+
+def test_fixed_prefetch_depth_is_respected():
+    r = search(cpu_hw(), gpt2_profile(), Budget(device_bytes=1 << 30, host_bytes=1 << 30, prefetch_depth=1))
+    assert {c.plan.prefetch_depth for c in r.candidates} == {1}
+
+
+def test_infeasible_budget_names_missing_bytes_and_tier():
+    hw, m = cpu_hw(), gpt2_profile()
+    with pytest.raises(PlanError) as e:
+        plan(hw, m, Budget(device_bytes=1 << 20, host_bytes=1 << 20))
+    msg = str(e.value)
+    assert "device budget is short by" in msg and "host budget is short by" in msg
+    assert "'embed'" in msg  # the largest unit
+    # only the host tier short
+    dev, host = _stream_needs(hw, m)
+    with pytest.raises(PlanError) as e:
+        plan(
+            hw,
+            m,
+            Budget(device_bytes=1 << 30, host_bytes=host - 4096, prefetch_depth=0, optim_prefetch_depth=0),
+        )
+    assert "host budget is short by 4.00 KiB (4096 bytes)" in str(e.value) and "device budget" not in str(
+        e.value
+    )
+
+
+def test_ssd_space_is_a_budget_too():
+    hw, m = cpu_hw(), gpt2_profile()
+    dev, host = _stream_needs(hw, m)
+    with pytest.raises(PlanError, match="SSD space is short by"):
+        plan(hw, m, Budget(device_bytes=dev, host_bytes=host, ssd_bytes=1 << 20))
+
+
+def test_budget_errors_name_field():
+    with pytest.raises(PlanError, match="Budget.host_bytes.*-1"):
+        Budget(device_bytes=1, host_bytes=-1)
+    with pytest.raises(PlanError, match="compute_dtype.*'fp8'"):
+        Budget(device_bytes=1, host_bytes=1, compute_dtype="fp8")
+
+
+def test_deferred_and_accumulating_plans_place_gradients():
+    hw, m = cpu_hw(), gpt2_profile()
+    r = search(hw, m, Budget(device_bytes=1 << 30, host_bytes=1 << 30, deferred_update=True, micro_batches=2))
+    assert r.plan.deferred_update and r.plan.accumulate_grads
+    assert all(p.grads is Tier.HOST for p in r.plan.placements)
+    dev, host = _stream_needs(hw, m, deferred_update=True)
+    b = Budget(device_bytes=dev + (8 << 20), host_bytes=host + (8 << 20), deferred_update=True)
+    tight = search(hw, m, b)
+    assert _fits(tight.plan, b) and tight.plan.ssd_bytes() > 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_plans(dtype):
+    hw, m = cuda_hw(), gpt2_profile(compute_dtype=dtype)
+    dev, host = _stream_needs(hw, m)
+    r = search(hw, m, Budget(device_bytes=dev + (4 << 20), host_bytes=host + (4 << 20), compute_dtype=dtype))
+    assert r.plan.device == "cuda" and r.plan.compute_dtype == dtype
+    assert r.best.estimate.h2d_bytes > 0 and r.best.estimate.link_s > 0
+    big = search(hw, m, Budget(device_bytes=2 << 30, host_bytes=2 << 30, compute_dtype=dtype))
+    assert all(p.weights is Tier.DEVICE for p in big.plan.placements)
+    assert big.best.estimate.step_s <= r.best.estimate.step_s
+
+
+def test_describe_buffers():
+    hw, m = cpu_hw(), gpt2_profile()
+    dev, host = _stream_needs(hw, m)
+    r = search(hw, m, Budget(device_bytes=dev, host_bytes=host))
+    lines = describe_buffers(r.plan)
+    assert lines and any("buffers" in ln for ln in lines)
+
+
+# ---- plan files ---------------------------------------------------------------------------------
+def test_plan_file_round_trip(tmp_path):
+    r = search(cpu_hw(), gpt2_profile(), Budget(device_bytes=70 << 20, host_bytes=100 << 20))
+    path = str(tmp_path / "plan.json")
+    save_plan(path, r.plan, r.best.estimate)
+    p, est = load_plan(path)
+    assert p == r.plan and est == r.best.estimate
+    d = plan_to_dict(r.plan)
+    d["placements"][0]["moments"] = "nvram"
+    with pytest.raises(PlanError, match=r"placements\[0\].moments.*'nvram'"):
+        plan_from_dict(d)
+    with pytest.raises(PlanError, match="unknown field"):
+        plan_from_dict({**plan_to_dict(r.plan), "extra": 1})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        load_plan(str(tmp_path / "bad.json"))
+    assert json.loads((tmp_path / "plan.json").read_text())["estimate"]["bound"] == r.best.estimate.bound
+
+
+# ---- activation policies ------------------------------------------------------------------------
+def test_activation_policies_within_budget():
+    m = gpt2_profile(micro_batch=4, seq_len=128)
+    total = sum(u.activation_bytes for u in m.units)
+    dev, host = _stream_needs(cpu_hw(), m)
+    big = Budget(device_bytes=dev * 20, host_bytes=host * 20)
+    assert search(cpu_hw(), m, big).activations == {}  # no activation budget: everything kept
+    tight = replace(big, activation_bytes=total // 3)
+    slow_disk = search(cpu_hw(ssd_read_gbps=0.05, ssd_write_gbps=0.05), m, tight)
+    assert set(slow_disk.activations.values()) == {"recompute"}
+    kept = sum(u.activation_bytes for u in m.units if u.name not in slow_disk.activations)
+    assert kept <= total // 3
+    fast_disk = search(cpu_hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0, device_flops_per_s={"fp32": 5e9}), m, tight)
+    assert "ssd" in fast_disk.activations.values()
+    assert fast_disk.best.estimate.step_s < min(
+        c.estimate.step_s for c in fast_disk.candidates if set(dict(c.activations).values()) == {"recompute"}
+    )
+    # recomputed along the ranking: no kept unit has fewer FLOPs per saved byte than a recomputed one
+    ratio = {u.name: u.forward_flops / u.activation_bytes for u in m.units if u.activation_bytes}
+    rec = [n for n, p in slow_disk.activations.items() if p == "recompute"]
+    kept_units = [n for n in ratio if n not in slow_disk.activations]
+    assert max(ratio[n] for n in rec) <= min(ratio[n] for n in kept_units)
+
+
+def test_io_choice_needs_a_clear_gain():
+    from offloadpp.planner.search import io_choice
+
+    base = IOPoint(1 << 20, 8, 2.0, 2.0)
+    assert io_choice(cpu_hw()) is None  # no grid measured
+    assert io_choice(cpu_hw(io_grid=(base, IOPoint(4 << 20, 8, 2.1, 2.1)))) is None  # within noise
+    better = IOPoint(4 << 20, 16, 3.0, 3.0)
+    assert io_choice(cpu_hw(io_grid=(base, better))) == better
