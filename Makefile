@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-ab clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -28,13 +28,16 @@ demo: setup
 doctor: setup
 	$(PY) -m offloadpp doctor --dir runs/nvme
 
-bench: bench-io bench-adam
+bench: bench-io bench-adam bench-step bench-ab
 
 bench-io: setup
 	$(PY) -m offloadpp bench io --dir runs/nvme --size-mb 1024
 
 bench-adam: setup
 	$(PY) -m offloadpp bench adam --params 100M
+
+bench-step: setup
+	$(PY) -m offloadpp bench step
 
 bench-ab: setup
 	$(PY) -m offloadpp bench ab --config ds_configs/gpt2_45m.offloadpp.json --steps 10 --out runs/ab

@@ -41,8 +41,7 @@ ext = Pybind11Extension(
     define_macros=define_macros,
     libraries=libraries,
     cxx_std=17,
-    extra_compile_args=["-O3", "-fopenmp", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-    extra_link_args=["-fopenmp"],
+    extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 
 

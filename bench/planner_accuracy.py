@@ -55,6 +55,9 @@ CONFIGS = (
     Config("m-clip", 4, 512, 1, 64, "tight", clip=1.0),
     Config("l-tight", 6, 768, 1, 64, "tight"),
     Config("l-ample", 6, 768, 2, 128, "ample"),
+    Config("m-act-ssd", 4, 512, 2, 128, "tight", activations="ssd"),
+    Config("m-recompute", 4, 512, 2, 128, "half", activations="recompute"),
+    Config("m-act-host", 4, 512, 2, 128, "half", activations="host"),
 )
 
 
@@ -79,14 +82,21 @@ def budgets_for(kind: str, specs, deferred: bool) -> tuple[int, int]:
 
 
 def make_plan(cfg: Config, hw, profile, specs):
+    from dataclasses import replace
+
     from offloadpp.planner import streaming_plan
     from offloadpp.planner.search import Budget, search
 
     dev, host = budgets_for(cfg.budget, specs, cfg.clip > 0)
     if cfg.budget == "stream":
-        return streaming_plan(specs, device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=2,
+        plan = streaming_plan(specs, device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=2,
                               deferred_update=cfg.clip > 0, device_budget_bytes=dev, host_budget_bytes=host)  # fmt: skip
-    return search(hw, profile, Budget(device_bytes=dev, host_bytes=host, deferred_update=cfg.clip > 0)).plan
+    else:
+        plan = search(hw, profile, Budget(device_bytes=dev, host_bytes=host, deferred_update=cfg.clip > 0)).plan
+    if cfg.activations != "keep":  # the blocks' activations (the embeddings and the head keep theirs)
+        acts = tuple(cfg.activations if ".h." in u.name else "keep" for u in plan.units)
+        plan = replace(plan, activations=acts)
+    return plan
 
 
 def plan_summary(plan) -> str:
@@ -174,8 +184,13 @@ def main(argv=None) -> int:
         "--dir", default=os.path.join("runs", "planner-acc"), help="swap directory (removed after)"
     )
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
-    p.add_argument("--rounds", type=int, default=6, help="rounds per configuration (3 steps each)")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per configuration (3 steps each)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: compute, Adam and I/O threads fit the 2 cores here)",
+    )
     p.add_argument("--only", nargs="*", help="configuration names to run (default: all)")
     args = p.parse_args(argv)
     import torch

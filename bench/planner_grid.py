@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         default=0.2,
         help="budget beyond the streaming working set, as a fraction of the model's fp32 master+moments",
     )
-    p.add_argument("--rounds", type=int, default=10, help="rounds (--block steps per plan each)")
+    p.add_argument("--rounds", type=int, default=16, help="rounds (--block steps per plan each)")
     p.add_argument("--block", type=int, default=4, help="steps per plan per round (the first not counted)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args(argv)

@@ -29,7 +29,8 @@ SimdLevel detect() {
   const bool avx512f = ebx & (1u << 16);
   const bool avx512bw = ebx & (1u << 30);
   const bool avx512vl = ebx & (1u << 31);
-  if (zmm_ok && avx512f && avx512bw && avx512vl && fma && f16c) return SimdLevel::kAVX512;
+  const bool avx512dq = ebx & (1u << 17);
+  if (zmm_ok && avx512f && avx512bw && avx512vl && avx512dq && fma && f16c) return SimdLevel::kAVX512;
   if (ymm_ok && avx2 && fma && f16c) return SimdLevel::kAVX2;
   return SimdLevel::kScalar;
 }

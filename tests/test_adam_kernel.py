@@ -6,6 +6,7 @@ results, equal to torch's Adam/AdamW within 1e-6 relative; conversions round to 
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -51,8 +52,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
+@functools.cache
 def torch_reference(n, steps, *, adamw, wd, lr=1e-2, seed=0):
-    """torch.optim.AdamW/Adam on fp32 params; returns (initial params, grads, final param, optimizer)."""
+    """torch.optim.AdamW/Adam on fp32 params: (initial params, grads, final params, final state).
+    Cached: shared by the SIMD variants; callers must not modify what it returns."""
     gen = torch.Generator().manual_seed(seed)
     p0 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen) for _ in range(steps)]
@@ -146,6 +149,15 @@ def emulate_half_params(p_half, grads, *, lr=1e-3, wd=0.0):
     return cur
 
 
+@functools.cache
+def half_case(dtype, gdtype, n):
+    """Inputs and torch's result for test_half_params, shared by the SIMD variants (read-only)."""
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(n, generator=gen).to(dtype)
+    grads = [torch.randn(n, generator=gen).to(gdtype) for _ in range(10)]
+    return p0, grads, emulate_half_params(p0, grads)
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "n, gdtype",
@@ -155,13 +167,10 @@ def emulate_half_params(p_half, grads, *, lr=1e-3, wd=0.0):
 def test_half_params(simd, dtype, gdtype, n):
     """DeepSpeed's sizes; grads in the params' dtype (as DeepSpeed) and, on the small sizes, in each dtype."""
     gdtype = dtype if gdtype == "param" else gdtype
-    gen = torch.Generator().manual_seed(3)
-    p0 = torch.randn(n, generator=gen).to(dtype)
-    grads = [torch.randn(n, generator=gen).to(gdtype) for _ in range(10)]
+    p0, grads, ref = half_case(dtype, gdtype, n)
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     for step, g in enumerate(grads, 1):
         adam_step_flat(p, g, m, v, step=step, hyper=AdamHyper())
-    ref = emulate_half_params(p0, grads)
     # DeepSpeed's tolerance (tests/unit/ops/adam/test_cpu_adam.py): param norms within 1% ...
     tol = p.float().norm().item() * 1e-2
     assert abs(p.float().norm().item() - ref.float().norm().item()) <= tol

@@ -286,7 +286,9 @@ def test_activation_policies_within_budget():
     assert set(slow_disk.activations.values()) == {"recompute"}
     kept = sum(u.activation_bytes for u in m.units if u.name not in slow_disk.activations)
     assert kept <= total // 3
-    fast_disk = search(cpu_hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0, device_flops_per_s={"fp32": 5e9}), m, tight)
+    fast_disk = search(
+        cpu_hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0, device_flops_per_s={"fp32": 5e9}), m, tight
+    )
     assert "ssd" in fast_disk.activations.values()
     assert fast_disk.best.estimate.step_s < min(
         c.estimate.step_s for c in fast_disk.candidates if set(dict(c.activations).values()) == {"recompute"}

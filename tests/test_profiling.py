@@ -163,13 +163,17 @@ def test_plan_for_engine_auto_and_saved(tmp_path):
     specs = [lay.spec() for lay in layout_units(model, find_units(model))]
     budget = Budget(device_bytes=1 << 30, host_bytes=1 << 30)
     hw = _hw_json(tmp_path)
-    plan, est = plan_for_engine("auto", specs, model, budget=budget, device="cpu", hardware_path=hw, seq_len=32)
+    plan, est = plan_for_engine(
+        "auto", specs, model, budget=budget, device="cpu", hardware_path=hw, seq_len=32
+    )
     assert list(plan.units) == specs and est is not None and est.ssd_read_bytes == 0
     path = str(tmp_path / "plan.json")
     save_plan(path, plan, est)
     assert plan_for_engine(path, specs, model, budget=budget, device="cpu") == (plan, est)
     with pytest.raises(PlanError, match="offloadpp profile"):
-        plan_for_engine("auto", specs, model, budget=budget, device="cpu", hardware_path=str(tmp_path / "no.json"))
+        plan_for_engine(
+            "auto", specs, model, budget=budget, device="cpu", hardware_path=str(tmp_path / "no.json")
+        )
     with pytest.raises(PlanError, match="measured for device 'cpu'"):
         plan_for_engine("auto", specs, model, budget=budget, device="cuda", hardware_path=hw)
     with pytest.raises(PlanError, match="not a Hugging Face model"):

@@ -64,7 +64,8 @@ __attribute__((always_inline)) inline void adam_block(P* p, const G* g, St* m, S
   for (int u = 0; u < U; ++u) O::store(m + u * W, mv[u]);
   for (int u = 0; u < U; ++u) O::store(v + u * W, vv[u]);
   if constexpr (!std::is_same<Out, NoOut>::value) {
-    // A 16-bit param round-trips: the copy is the stored value, rounded once.
+    // The copy is the updated fp32 value rounded once to its type (for 16-bit params of the
+    // same type: exactly the stored param).
     for (int u = 0; u < U; ++u) {
       if constexpr (kStream) {
         O::stream(o + u * W, pv[u]);

@@ -33,6 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-dir", default=os.path.join("runs", "ab"), help="parent of each side's swap dir")
     p.add_argument("--out", default=os.path.join("runs", "ab"), help="where the JSON and PNG go")
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of zero,offloadpp")
+    p.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="run the sides one after the other instead of taking turns (both processes are alive "
+        "at once when interleaving: use this when the two together do not fit in memory)",
+    )
+    p.add_argument(
+        "--turn-steps", type=int, default=2, help="steps each side runs per turn when interleaving"
+    )
 
 
 def _free_port() -> int:
@@ -54,28 +64,77 @@ def _write_init(model: str, seed: int, path: str) -> None:
     save_file(state, path)
 
 
-def _run_side(side: str, args, init_path: str, out_dir: str) -> dict:
-    nvme = os.path.join(args.nvme_dir, f"swap-{side}")
-    shutil.rmtree(nvme, ignore_errors=True)
-    os.makedirs(nvme)
-    result_path = os.path.join(out_dir, f"{side}.json")
-    env = dict(os.environ)
-    # A single-process "distributed" world, as the deepspeed launcher would set up for one GPU.
-    env.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
-    )
-    cmd = [
-        sys.executable, "-m", "offloadpp.bench.ab_worker", "--side", side, "--config", args.config,
-        "--model", args.model, "--init", init_path, "--steps", str(args.steps), "--seed", str(args.seed),
-        "--nvme-dir", nvme, "--out", result_path,
-    ]  # fmt: skip
-    print(f"== {side}: {' '.join(cmd)}", flush=True)
-    proc = subprocess.run(cmd, env=env)
-    shutil.rmtree(nvme, ignore_errors=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {side} side failed with exit status {proc.returncode} (its output is above)")
-    with open(result_path) as f:
-        return json.load(f)
+class _Side:
+    """One side's worker process, started and driven by the harness."""
+
+    def __init__(self, side: str, args, init_path: str, out_dir: str, turns: bool):
+        self.side = side
+        self.nvme = os.path.join(args.nvme_dir, f"swap-{side}")
+        shutil.rmtree(self.nvme, ignore_errors=True)
+        os.makedirs(self.nvme)
+        self.result_path = os.path.join(out_dir, f"{side}.json")
+        env = dict(os.environ)
+        # A single-process "distributed" world, as the deepspeed launcher would set up for one GPU.
+        env.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
+        cmd = [
+            sys.executable, "-m", "offloadpp.bench.ab_worker", "--side", side, "--config", args.config,
+            "--model", args.model, "--init", init_path, "--steps", str(args.steps), "--seed", str(args.seed),
+            "--nvme-dir", self.nvme, "--out", self.result_path,
+        ] + (["--turns"] if turns else [])  # fmt: skip
+        print(f"== {side}: {' '.join(cmd)}", flush=True)
+        pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) if turns else {}
+        self.proc = subprocess.Popen(cmd, env=env, **pipes)
+
+    def expect(self, word: str) -> None:
+        """Waits for `word` alone on a line; whatever else the worker prints (libraries log to
+        stdout) is passed through."""
+        for line in self.proc.stdout:
+            if line.strip() == word:
+                return
+            sys.stdout.write(line)
+        self.proc.kill()
+        raise RuntimeError(f"the {self.side} side exited before saying {word!r}; its output is above")
+
+    def run(self, k: int) -> None:
+        self.proc.stdin.write(f"run {k}\n")
+        self.proc.stdin.flush()
+        self.expect("done")
+
+    def finish(self) -> dict:
+        rc = self.proc.wait()
+        shutil.rmtree(self.nvme, ignore_errors=True)
+        if rc != 0:
+            raise RuntimeError(f"the {self.side} side failed with exit status {rc} (its output is above)")
+        with open(self.result_path) as f:
+            return json.load(f)
+
+
+def run_sides(sides: list[str], args, init_path: str, out_dir: str) -> dict[str, dict]:
+    """Both sides start up (one after the other), then take turns of --turn-steps steps each, so a
+    change in machine load hits both alike; with --no-interleave each runs alone, in sequence."""
+    if not args.interleave or len(sides) == 1:
+        out = {}
+        for side in sides:
+            out[side] = _Side(side, args, init_path, out_dir, turns=False).finish()
+        return out
+    procs = []
+    try:
+        for side in sides:
+            procs.append(_Side(side, args, init_path, out_dir, turns=True))
+            procs[-1].expect("ready")  # start-ups never overlap another side's steps
+        done = 0
+        while done < args.steps:
+            k = min(args.turn_steps, args.steps - done)
+            for p in procs:
+                p.run(k)
+            done += k
+        return {p.side: p.finish() for p in procs}
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
 
 
 def summarize(r: dict) -> dict:
@@ -149,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         init_path = os.path.join(tmp, "init.safetensors")
         _write_init(args.model, args.seed, init_path)
-        results = {side: _run_side(side, args, init_path, args.out) for side in sides}
+        results = run_sides(sides, args, init_path, args.out)
     summ = {s: summarize(r) for s, r in results.items()}
     table = format_table(summ)
     print(table)

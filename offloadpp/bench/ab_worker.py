@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nvme-dir", required=True, help="fresh directory for this side's swap files")
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--turns",
+        action="store_true",
+        help="take turns with the other side: after start-up print 'ready', then run K steps on each "
+        "'run K' line read from stdin, answering 'done' (the harness interleaves the two sides)",
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = byte_batches(stdlib_docstrings(), micro, preset.seq_len, seed=args.seed)
     io0 = _proc_io()
     steps = []
-    for step in range(args.steps):
+    for step in _step_turns(args.steps, args.turns):
         t0 = time.perf_counter()
         losses = []
         for _ in range(gas):
@@ -139,6 +145,24 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     return 0
+
+
+def _step_turns(total: int, turns: bool):
+    """Step indices; with turns, only as many at a time as the harness grants on stdin."""
+    if not turns:
+        yield from range(total)
+        return
+    print("ready", flush=True)
+    step = 0
+    while step < total:
+        line = sys.stdin.readline()
+        if not line:
+            raise RuntimeError("the A/B harness went away")
+        k = int(line.split()[1])
+        for _ in range(min(k, total - step)):
+            yield step
+            step += 1
+        print("done", flush=True)
 
 
 def _peak_device_bytes(engine) -> int | None:

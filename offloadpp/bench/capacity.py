@@ -1,5 +1,7 @@
-"""`offloadpp bench capacity`: train a model whose fp32 training state (weights, grads, Adam
-moments: 16 B/param) is far larger than the memory allowed, and measure the peak RSS.
+"""`offloadpp bench capacity`: peak RSS training a model whose state far exceeds the memory allowed.
+
+The model's fp32 training state (weights, grads, Adam moments: 16 B/param) is far larger than
+the RSS allowed.
 
 The model (default: GPT-2 with 24 layers of width 2048, 1.31B parameters, 21 GB of training
 state in fp32) is built on the meta device and initialised unit by unit straight into the
@@ -32,6 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument(
+        "--prefetch-depth", type=int, default=2, help="weights prefetch depth the budgets are sized for"
+    )
+    p.add_argument(
+        "--optim-prefetch-depth", type=int, default=1, help="optimizer read-ahead the budgets are sized for"
+    )
     p.add_argument("--max-rss-gib", type=float, default=8.0, help="the bar: peak RSS at most this")
     p.add_argument("--device-budget", type=float, default=None, help="bytes (default: the streaming minimum)")
     p.add_argument("--host-budget", type=float, default=None, help="bytes (default: the streaming minimum)")
@@ -66,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         "dir",
         "device_budget",
         "host_budget",
+        "prefetch_depth",
+        "optim_prefetch_depth",
     ):
         v = getattr(args, k)
         if v is not None:
@@ -160,11 +170,23 @@ def _child(args: argparse.Namespace) -> int:
     n = sum(p.numel() for p in model.parameters())
     _log(f"model built on the meta device: {n:,} parameters")
     specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-    dev, host = min_budgets(specs, device="cpu", compute_dtype="fp32", prefetch_depth=2)
+    dev, host = min_budgets(
+        specs,
+        device="cpu",
+        compute_dtype="fp32",
+        prefetch_depth=args.prefetch_depth,
+        optim_prefetch_depth=args.optim_prefetch_depth,
+    )
     dev = int(args.device_budget or dev)
     host = int(args.host_budget or host)
     rc = RuntimeConfig(
-        nvme_paths=[args.dir], device_budget_bytes=dev, host_budget_bytes=host, device="cpu", log_every=0
+        nvme_paths=[args.dir],
+        device_budget_bytes=dev,
+        host_budget_bytes=host,
+        device="cpu",
+        prefetch_depth=args.prefetch_depth,
+        optim_prefetch_depth=args.optim_prefetch_depth,
+        log_every=0,
     )
     t0 = time.perf_counter()
     engine = OffloadEngine(model, rc, hyper=AdamHyper(lr=1e-4), init_fn=model._init_weights, progress=True)

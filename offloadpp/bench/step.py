@@ -1,5 +1,6 @@
-"""`offloadpp bench step`: the out-of-core runtime against plain in-memory torch, same model, same
-initial weights, same batches, in one process, alternating blocks of steps.
+"""`offloadpp bench step`: step time of the out-of-core runtime against in-memory torch.
+
+Same model, same initial weights, same batches, in one process, alternating blocks of steps.
 
 Contenders. "torch": the model in memory, torch.optim.AdamW (fused, or foreach: the faster,
 measured in the warm-up). "offloadpp": OffloadEngine with its budgets set to the streaming

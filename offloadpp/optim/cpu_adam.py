@@ -277,11 +277,16 @@ class CPUAdam(torch.optim.Optimizer):
                     f"adamw_mode={self.adam_w_mode} and weight_decay != 0"
                 )
         saved = state_dict["state"]
-        # Let torch map ids to params and restore the groups; put the state in ourselves, so
-        # fp32 moments of 16-bit params are not cast to the params' dtype on the way.
-        super().load_state_dict({"state": {}, "param_groups": groups})
         ids = [i for g in groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        if len(groups) != len(self.param_groups) or len(ids) != len(params):
+            raise ValueError(
+                f"state_dict has {len(groups)} param groups with {len(ids)} params; this optimizer has "
+                f"{len(self.param_groups)} with {len(params)}"
+            )
+        # Build and check every state before changing anything. Moments are put in by us rather
+        # than by torch, which would cast fp32 moments of 16-bit params to the params' dtype.
+        states = {}
         for i, p in zip(ids, params):
             if i not in saved:
                 continue
@@ -295,9 +300,13 @@ class CPUAdam(torch.optim.Optimizer):
             new["step"] = int(stepf)
             for key in ("exp_avg", "exp_avg_sq"):
                 t = s[key]
-                if t.shape != p.shape:
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(
-                        f"state of param {i}: {key} has shape {tuple(t.shape)}, param {tuple(p.shape)}"
+                        f"state of param {i}: {key} is {shape}, param has shape {tuple(p.shape)}"
                     )
                 new[key] = t.detach().to(device="cpu", dtype=sdt, copy=True).contiguous()
+            states[p] = new
+        super().load_state_dict({"state": {}, "param_groups": groups})  # torch restores the groups
+        for p, new in states.items():
             self.state[p] = new

@@ -147,7 +147,7 @@ def replay(
         backward_visit_s=hardware.runtime_backward_visit_s,
     )
     rb, wb = hardware.ssd_rates()
-    ssd = Fifo(rb * 1e9, wb * 1e9)
+    ssd = Fifo(rb * 1e9, wb * 1e9, hardware.ssd_latency_s)
     h2d = Fifo(hardware.h2d_gbps * 1e9, hardware.h2d_gbps * 1e9)
     d2h = Fifo(hardware.d2h_gbps * 1e9, hardware.d2h_gbps * 1e9)
     policies = activations if activations is not None else activation_policies(plan)

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 
 class Fifo:
-    """A FIFO server: each request takes bytes / rate after the previous one ends."""
+    """A FIFO server: each request takes bytes / rate after the previous one ends, plus the
+    device's round-trip latency when it arrives at an idle device."""
 
     def __init__(self, read_bps: float, write_bps: float, latency_s: float = 0.0):
         self.read_bps, self.write_bps, self.latency_s = read_bps, write_bps, latency_s
@@ -36,7 +37,12 @@ class Fifo:
         self.by_key: dict[str, int] = {}  # bytes moved per key (both directions)
 
     def submit(self, t: float, nbytes: int, write: bool, key: str = "") -> float:
-        dur = self.latency_s + nbytes / (self.write_bps if write else self.read_bps)
+        # The round trip of a request is exposed only when it finds the device idle; queued
+        # behind others it is overlapped with their transfers (the engine keeps several blocks
+        # in flight).
+        dur = nbytes / (self.write_bps if write else self.read_bps)
+        if t >= self.free_t:
+            dur += self.latency_s
         start = max(t, self.free_t)
         self.free_t = start + dur
         self.busy_s += dur

@@ -9,6 +9,9 @@ Note: what each number means, as the cost model uses it.
                                    the size of a unit's state, overwritten in place (the runtime's
                                    steady state), several requests in flight.
   ssds                             the same per directory.
+  ssd_latency_s                    the round trip of a small put or get alone (the store's header
+                                   and payload stages); the cost model charges it to a request
+                                   that finds the SSD idle.
   ssd_mixed_gbps                   reads and writes in flight together (half the bytes each), the
                                    runtime's steady state; ssd_mixed_busy_gbps the same while
                                    the CPU computes and runs Adam beside it (CPU device: the I/O
@@ -106,6 +109,7 @@ class HardwareProfile:
     io_grid: tuple[IOPoint, ...] = ()
     ssd_mixed_gbps: float = 0.0
     ssd_mixed_busy_gbps: float = 0.0
+    ssd_latency_s: float = 0.0  # round trip of a small request alone (put and get, averaged)
     io_block_size_bytes: int = 1 << 20  # the setting ssd_*_gbps were measured at
     io_queue_depth: int = 8
     runtime_forward_visit_s: float = 0.0
@@ -268,7 +272,8 @@ class HardwareProfile:
             f"  SSD read {self.ssd_read_gbps:.2f} GB/s, write {self.ssd_write_gbps:.2f} GB/s "
             f"(block {self.io_block_size_bytes >> 10} KiB, qd {self.io_queue_depth})"
             + (f"; mixed {self.ssd_mixed_gbps:.2f}" if self.ssd_mixed_gbps else "")
-            + (f", mixed while computing {self.ssd_mixed_busy_gbps:.2f}" if self.ssd_mixed_busy_gbps else ""),
+            + (f", mixed while computing {self.ssd_mixed_busy_gbps:.2f}" if self.ssd_mixed_busy_gbps else "")
+            + (f"; latency {self.ssd_latency_s * 1e3:.2f} ms" if self.ssd_latency_s else ""),
         ]
         for s in self.ssds:
             lines.append(f"    {s.path}: read {s.read_gbps:.2f}, write {s.write_gbps:.2f} GB/s")

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 # Bytes per element of the dtypes the runtime uses, by the names RuntimeConfig uses.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPUTE_DTYPES = tuple(DTYPE_BYTES)
 DEVICES = ("cpu", "cuda")
+ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "auto")
 
 # Direct I/O moves whole 4096-byte blocks: every flat buffer is padded to a multiple of this many
 # elements (4096 bytes at 2 bytes/element, 8192 at 4), so one layout serves every dtype.
@@ -120,6 +121,15 @@ class Plan:
     device_budget_bytes: int = 0
     host_budget_bytes: int = 0
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # The I/O engine's block size and queue depth the planner picked from the measured grid
+    # (None: IOConfig's); the runtime uses them unless the config sets `io` explicitly.
+    io_block_size_bytes: Optional[int] = None
+    io_queue_depth: Optional[int] = None
+    # What happens to each unit's saved activations (runtime/activations.py), one of
+    # ACTIVATION_POLICIES per unit in forward order; () keeps them all on the device. "auto" is
+    # resolved by the runtime from the first forward until a planner fills it in.
+    activations: tuple[str, ...] = ()
+    activation_budget_bytes: int = 0  # device bytes for activations (0: no budget)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -131,6 +141,7 @@ class Plan:
                 f"prefetch depths must be >= 0, got prefetch_depth={self.prefetch_depth}, "
                 f"optim_prefetch_depth={self.optim_prefetch_depth}"
             )
+        self._check_activations()
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise PlanError(f"unit names must be unique, got {names}")
@@ -143,6 +154,21 @@ class Plan:
                     raise PlanError(f"unit {u.name!r} borrows unknown unit {b!r}")
         for p in self.placements:
             self._check_placement(p)
+
+    def _check_activations(self) -> None:
+        object.__setattr__(self, "activations", tuple(self.activations))  # a plan file gives a list
+        if self.activations and len(self.activations) != len(self.units):
+            raise PlanError(
+                f"activations must name one policy per unit ({len(self.units)}), got {len(self.activations)}: "
+                f"{list(self.activations)}"
+            )
+        for u, a in zip(self.units, self.activations):
+            if a not in ACTIVATION_POLICIES:
+                raise PlanError(
+                    f"unit {u.name!r}: activation policy must be one of {ACTIVATION_POLICIES}, got {a!r}"
+                )
+        if self.activation_budget_bytes < 0:
+            raise PlanError(f"activation_budget_bytes must be >= 0, got {self.activation_budget_bytes}")
 
     def _check_placement(self, p: Placement) -> None:
         for what in ("master", "moments", "grads"):
@@ -235,6 +261,12 @@ class Plan:
             lines.append(
                 f"  {u.name:<28} {u.numel:>12,} {p.weights.value:>8} {p.master.value:>8} "
                 f"{p.moments.value:>8} {grads:>8}"
+            )
+        if self.activations and set(self.activations) != {"keep"}:
+            budget = fmt_bytes(self.activation_budget_bytes) if self.activation_budget_bytes else "none"
+            lines.append(
+                f"  activations (budget {budget}): "
+                + ", ".join(f"{u.name}={a}" for u, a in zip(self.units, self.activations))
             )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)

@@ -35,7 +35,7 @@ from .schedule import Schedule, build_schedule
 from .simulate_act import ActReplay
 
 EMPTY, LOADING, READY = 0, 1, 2
-COMPUTE, OPTIM, NEXT = "compute", "optim", "next"
+COMPUTE, OPTIM, NEXT, WRITE = "compute", "optim", "next", "write"
 
 
 @dataclass(eq=False)
@@ -203,6 +203,7 @@ class Job:
     grads_ready: float = 0.0  # CUDA: the d2h copy
     done_t: Optional[float] = None
     write_done: list = field(default_factory=list)
+    defer_writes: bool = False  # the step's last update: its writes start with the next fetches
 
 
 @dataclass(frozen=True)
@@ -244,15 +245,18 @@ class Sim:
         self.in_backward = False
         self.boundary = True
         self.jobs: deque[Job] = deque()  # submitted, not reaped
+        self.queued_writes: list[Slot] = []  # see flush_writes
         self.queue: deque[Job] = deque()  # submitted, not started by the worker
         self.closed = False
         self.held: list[Unit] = []
-        self.fetch_order = []
+        self.fetch_order = []  # as the executor: in the order of need, units kept between two uses last
         for i in range(len(self.sched.visits)):
+            alive = self.sched.alive[i]
             names: list[str] = []
-            for v in self.sched.visits[i : i + self.sched.prefetch_depth + 1]:
-                names.extend(n for n in v.needs if n not in names)
-            self.fetch_order.append(tuple(n for n in names if n in self.sched.alive[i]))
+            for v in self.sched.visits[i:]:
+                names.extend(n for n in v.needs if n not in names and n in alive)
+            names.extend(sorted(alive - set(names)))
+            self.fetch_order.append(tuple(names))
         self.marks: list[dict] = []  # per step: times of its phases
         self.adam_busy_s = 0.0
         self.compute_busy_s = 0.0
@@ -347,6 +351,8 @@ class Sim:
                 self.held.append(u)
         for u in self.held:
             u.weights.pump(self)
+        if self.in_backward or i >= min(self.sched.prefetch_depth, self.sched.num_forward - 1):
+            self.flush_writes()
         if i <= 1:  # the kept updated weights: held by the schedule now, or not needed
             for u in self.units:
                 if i == 1 or any(u is h for h in self.held):
@@ -373,9 +379,9 @@ class Sim:
         idx = self.order.index(u)
         yield from self.advance_absorb(idx + 1)
         last = idx == len(self.order) - 1
-        job = Job(u)
+        job = Job(u, defer_writes=last)
         rate = self.costs.adam_tail_rate if last else self.costs.adam_rate
-        if not self.cuda and not u.grads_persist:
+        if not self.cuda and not u.grads_persist and self.boundary:
             yield from self.advance_update(idx + 1)
             yield from self.fill_update(job, u, rate)
             self.submitted += 1
@@ -445,6 +451,10 @@ class Sim:
         u = job.unit
         for s, done in zip(job.writes, job.write_done):
             s.wrote(done)
+        if job.defer_writes:
+            for s in job.writes:
+                s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
+                self.queued_writes.append(s)
         if job.update:
             after = 0.0
             if self.cuda and isinstance(u.weights, CudaWeights) and u.weights.resident:
@@ -459,11 +469,18 @@ class Sim:
         else:
             u.grads.release(self, OPTIM)
 
+    def flush_writes(self) -> None:
+        """The step's last update's writes, started once the next forward's first fetches are."""
+        queued, self.queued_writes = self.queued_writes, []
+        for s in queued:
+            s.wrote(self.ssd.submit(self.t, s.nbytes, write=True, key=s.key))
+            s.release(self, WRITE)
+
     def run_deferred(self) -> Iterator:
         self.update_cursor = 0
         for i, u in enumerate(self.order):
             yield from self.advance_update(i + self.q + 1, with_grads=True)
-            job = Job(u)
+            job = Job(u, defer_writes=i == len(self.order) - 1)
             yield from self.fill_update(job, u, self.costs.adam_tail_rate)
             self.submit(job)
             self.submitted += 1
@@ -486,7 +503,8 @@ class Sim:
                 t0 = self.t
                 yield ("cpu", job.adam_s)
                 self.adam_busy_s += self.t - t0
-            job.write_done = [self.ssd.submit(self.t, s.nbytes, write=True, key=s.key) for s in job.writes]
+            if not job.defer_writes:
+                job.write_done = [self.ssd.submit(self.t, s.nbytes, write=True, key=s.key) for s in job.writes]
             job.done_t = self.t
 
 

@@ -176,6 +176,37 @@ def measure_mixed_ssd(
     return 2 * count * numel * 4 / t / 1e9
 
 
+def measure_ssd_latency(
+    dirs: Sequence[str], sizes: tuple[int, int] = (1 << 20, 8 << 20), repeats: int = 9
+) -> float:
+    """The fixed cost of one request alone, in seconds: puts and gets of two sizes with nothing
+    else in flight, t = latency + bytes / rate fitted through the medians (the two directions
+    averaged). It holds the store's header round trips and the time the engine takes to fill its
+    queue; a request that finds the SSD idle pays it."""
+    import torch
+
+    from offloadpp.io import TensorStore, aligned_empty
+
+    sub = [os.path.join(dirs[0], f".offloadpp-profile-{uuid.uuid4().hex[:8]}")]
+    bufs = [aligned_empty(n // 4, dtype=torch.float32) for n in sizes]
+    for b in bufs:
+        b.fill_(1.0)
+    times = {}
+    try:
+        with TensorStore(sub, create=True) as store:
+            for i, b in enumerate(bufs):
+                store.put(f"probe{i}", b).wait()
+                times[("put", i)] = _median_time(lambda i=i, b=b: store.put(f"probe{i}", b).wait(), repeats)
+                times[("get", i)] = _median_time(
+                    lambda i=i, b=b: store.get(f"probe{i}", out=b).wait(), repeats
+                )
+    finally:
+        shutil.rmtree(sub[0], ignore_errors=True)
+    s0, s1 = sizes
+    fits = [(times[(k, 0)] * s1 - times[(k, 1)] * s0) / (s1 - s0) for k in ("put", "get")]
+    return max(0.0, sum(fits) / 2)
+
+
 def measure_copies(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float, float]:
     """(h2d GB/s, d2h GB/s, memcpy GB/s). Without CUDA, h2d and d2h are the memcpy rate."""
     import torch
@@ -450,6 +481,8 @@ def profile_hardware(
         f"SSD reads and writes together: {mixed:.2f} GB/s"
         + (f", {mixed_busy:.2f} GB/s while computing" if mixed_busy else "")
     )
+    latency = measure_ssd_latency(dirs)
+    say(f"SSD round trip of a small request alone: {latency * 1e3:.2f} ms")
     grid = []
     if io_grid:
         for bs, qd in IO_GRID:
@@ -480,6 +513,7 @@ def profile_hardware(
         ssd_write_gbps=write,
         ssd_mixed_gbps=mixed,
         ssd_mixed_busy_gbps=mixed_busy,
+        ssd_latency_s=latency,
         h2d_gbps=h2d,
         d2h_gbps=d2h,
         memcpy_gbps=memcpy,

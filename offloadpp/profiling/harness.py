@@ -3,7 +3,8 @@
 Note: measuring on a shared machine. Step times here move with whatever else runs on the
 cores and the disk. So every contender (one OffloadEngine per plan) and the model profile's
 timing iterations run in one process, interleaved in blocks: each round runs `block` steps of
-every contender in turn and times the plain model once more; a block's first step is not counted
+every contender in turn, each block between two timing iterations of the plain model; a block's
+first step is not counted
 (the engine's previous writes were drained before it, so it is faster than a steady step); the
 store is drained between blocks so one contender's writes do not land in the next one's steps;
 the order of the contenders rotates from round to round.
@@ -125,12 +126,12 @@ def run_interleaved(
     log=None,
 ) -> Rounds:
     """Runs every contender's engine `rounds` x `block` steps (the first of each block not
-    counted), each block right after one timing iteration of a plain copy of `model`."""
+    counted), each block between two timing iterations of a plain copy of `model`."""
     from offloadpp.profiling.model import ModelProfiler
 
     say = log or (lambda msg: None)
     out = Rounds()
-    with ModelProfiler(copy.deepcopy(model), batch, name=name) as prof:
+    with ModelProfiler(copy.deepcopy(model), batch, name=name, runtime_layout=True) as prof:
         prof.count()
         gemms = prof.profile().gemms
         for c in contenders:
@@ -148,7 +149,8 @@ def run_interleaved(
                 c.round_times.append(c.times[n0:])
                 c.engine.optimizer.finish()
                 c.engine.store.wait_all()
-            out.profiles.append(prof.profile(last=len(contenders)))
+                prof.time(1)  # and once after: the block's steps sit between two plain iterations
+            out.profiles.append(prof.profile(last=2 * len(contenders)))
             if probe_dirs:
                 out.ssd_gbps.append(probe_ssd(probe_dirs, gemms=gemms))
             say(

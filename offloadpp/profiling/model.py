@@ -106,7 +106,8 @@ class ModelProfiler:
     """
 
     def __init__(self, model, batch: dict, *, units: Optional[Sequence[Sequence[str]]] = None,
-                 compute_dtype: str = "fp32", loss_fn: Optional[Callable] = None, name: str = ""):  # fmt: skip
+                 compute_dtype: str = "fp32", loss_fn: Optional[Callable] = None, name: str = "",
+                 runtime_layout: bool = False):  # fmt: skip
         import torch
 
         from offloadpp.runtime.units import find_units, layout_units
@@ -114,6 +115,8 @@ class ModelProfiler:
         self.model, self.batch, self.compute_dtype, self.name = model, batch, compute_dtype, name
         defs = find_units(model, tuple(tuple(u) for u in units) if units is not None else None)
         self.layouts = layout_units(model, defs)
+        if runtime_layout:
+            _flatten_like_runtime(self.layouts)
         self.n = n = len(defs)
         self.rec = _Recorder([d.name for d in defs], dict(model.named_modules()), defs)
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -252,6 +255,27 @@ class ModelProfiler:
         )
 
 
+def _flatten_like_runtime(layouts) -> None:
+    """Points each unit's parameters at views of one aligned flat buffer per unit, as the runtime
+    lays them out (offloadpp.io.aligned_empty: 4 KiB aligned, huge pages from 2 MiB): GEMMs over
+    few tokens are bound by reading the weights, and the layout changes how fast that goes."""
+    import torch
+
+    from offloadpp.io import aligned_empty
+    from offloadpp.planner import flat_numel
+
+    with torch.no_grad():
+        for lay in layouts:
+            p0 = lay.params[0][0]
+            if p0.device.type != "cpu":
+                return
+            flat = aligned_empty(flat_numel(lay.numel), dtype=p0.dtype, pin=False)
+            for p, s in lay.params:
+                view = flat[s.offset : s.offset + s.numel].view(s.shape)
+                view.copy_(p.detach())
+                p.data = view
+
+
 def profile_model(
     model,
     batch: dict,
@@ -261,10 +285,12 @@ def profile_model(
     repeats: int = 3,
     loss_fn: Optional[Callable] = None,
     name: str = "",
+    runtime_layout: bool = False,
 ) -> ModelProfile:
     """Profiles `model` on `batch` (keyword arguments of its forward; a "labels" entry makes
     Hugging Face models return the loss). `loss_fn(output) -> scalar` otherwise. The model runs
-    where its parameters are; gradients are cleared afterwards."""
+    where its parameters are; gradients are cleared afterwards. `runtime_layout`: first move the
+    parameters into per-unit aligned flat buffers as the runtime does (changes the model)."""
     with ModelProfiler(
         model, batch, units=units, compute_dtype=compute_dtype, loss_fn=loss_fn, name=name
     ) as prof:

@@ -151,3 +151,27 @@ def resolve_auto(
         else:
             out[i] = ActPolicy.SSD
     return tuple(out)
+
+
+def plan_policies(
+    units: Sequence,
+    plan_policies: Sequence[str],
+    policy: str,
+    overrides: Optional[Mapping[str, str]],
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The activation policy of each unit for a Plan (units: UnitSpecs in forward order): the
+    plan's own if it names them, else the config's `policy` and per-unit `overrides`. A unit whose
+    backward fetches none of its weights (embedding lookups) cannot run its forward again:
+    `recompute` becomes `keep` there. Returns (policies, notes)."""
+    names = [u.name for u in units]
+    unknown = sorted(set(overrides or {}) - set(names))
+    if unknown:
+        raise ValueError(f"activation_overrides names units the model does not have: {unknown}; units are {names}")
+    chosen = tuple(plan_policies) or tuple((overrides or {}).get(n, policy) for n in names)
+    out, notes = [], []
+    for u, p in zip(units, chosen):
+        if p == "recompute" and not u.backward_needs_weights:
+            notes.append(f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept")
+            p = "keep"
+        out.append(p)
+    return tuple(out), tuple(notes)

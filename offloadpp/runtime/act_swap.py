@@ -291,7 +291,8 @@ class Swapper:
             self._into_device(rec)
         if rec.state is RecState.MOVING_IN and (block or rec.event.done()):
             self.mover.use(rec.event)  # the compute stream waits for the copy, the host does not
-            self.pool.put(rec.host, after=[rec.event])
+            # The buffer is reusable once the copy (and an SSD write still reading it) is done.
+            self.pool.put(rec.host, after=[w for w in (rec.event, rec.put) if w is not None])
             rec.host, rec.event = None, None
             self._set(rec, RecState.READY)
 

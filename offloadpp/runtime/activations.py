@@ -278,14 +278,14 @@ class ActivationManager:
 
     # ---- pack / unpack -------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
+        unit, seg = self._stack[-1] if self._stack else (self.outside, None)
+        if seg is not None:  # everything, weights too: the recompute saves them again, in this order
+            return seg.pack(t)
         if self._ext is not None:
             h = self._ext[0](t)
             if h is not t:
                 self.param_refs += 1
                 return h
-        unit, seg = self._stack[-1] if self._stack else (self.outside, None)
-        if seg is not None:
-            return seg.pack(t)
         m = (unit.params if unit is not self.outside else self._all).match(t)
         if m is not None:
             self.param_refs += 1

@@ -15,6 +15,9 @@ from offloadpp.io import IOConfig
 from offloadpp.planner import fmt_bytes
 
 
+ActivationPolicyName = Literal["keep", "host", "ssd", "recompute", "auto"]
+
+
 class RuntimeConfig(BaseModel):
     """How the OffloadEngine trains a model.
 
@@ -43,6 +46,17 @@ class RuntimeConfig(BaseModel):
     ssd_read_gbps / ssd_write_gbps: SSD bandwidth for the step floor; None measures it once with a
         short write and read through the store when the engine starts.
     log_every: log a step report every this many optimizer steps (0: never).
+    plan: None: the default placement policy; "auto": the cost-model planner (docs/planner.md)
+        with the hardware profile `offloadpp profile` cached (or hardware_profile) and a model
+        profile (model_profile, else analytic from the Hugging Face config at plan_micro_batch x
+        plan_seq_len); otherwise the path of a plan JSON (`offloadpp plan --json`). An explicit
+        plan passed to the engine wins over this.
+    activations: what happens to the tensors autograd saves in each unit's forward (docs/activations.md):
+        "keep" on the device, "host" (pinned host memory), "ssd", "recompute" in backward, or "auto"
+        (keep what fits activation_budget_bytes, then host). A plan that names policies wins.
+    activation_overrides: per-unit policies by unit name, overriding `activations`.
+    activation_budget_bytes: device bytes for saved activations (None: no budget); forward waits
+        for swap-outs and backward prefetches only within it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -67,6 +81,14 @@ class RuntimeConfig(BaseModel):
     ssd_read_gbps: Optional[float] = Field(None, gt=0.0)
     ssd_write_gbps: Optional[float] = Field(None, gt=0.0)
     log_every: int = Field(1, ge=0)
+    plan: Optional[str] = None
+    hardware_profile: Optional[str] = None
+    model_profile: Optional[str] = None
+    plan_micro_batch: Optional[int] = Field(None, ge=1)
+    plan_seq_len: Optional[int] = Field(None, ge=1)
+    activations: ActivationPolicyName = "keep"
+    activation_overrides: Optional[dict[str, ActivationPolicyName]] = None
+    activation_budget_bytes: Optional[int] = Field(None, gt=0)
 
     @field_validator("nvme_paths")
     @classmethod
@@ -129,12 +151,23 @@ class StepReport:
     grad_norm: Optional[float] = None  # before clipping, when clipping (or fp16) needs it
     skipped: bool = False  # fp16 overflow: no update happened
     loss_scale: Optional[float] = None
+    predicted_s: Optional[float] = None  # the planner's estimate of step_s, when it made the plan
+    activation_peak_bytes: int = 0  # accounted saved activations on the device (docs/activations.md)
+    recompute_s: float = 0.0  # of backward_s, re-running the forward of recompute units
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
         extra = ""
+        if self.predicted_s is not None and self.step_s > 0:
+            extra += (
+                f" predicted {self.predicted_s:.3f}s ({(self.predicted_s - self.step_s) / self.step_s:+.0%})"
+            )
+        if self.activation_peak_bytes:
+            extra += f" act-peak {fmt_bytes(self.activation_peak_bytes)}"
+        if self.recompute_s:
+            extra += f" recompute {self.recompute_s:.3f}s"
         if self.grad_norm is not None:
             extra += f" grad_norm={self.grad_norm:.4g}"
         if self.loss_scale is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -30,7 +31,9 @@ from offloadpp.planner import Plan, PlanError, build_schedule, default_plan
 
 from .config import RuntimeConfig, StepReport
 from .device import Device
-from .executor import Executor
+from .act_policy import ActivationConfig, plan_policies
+from .activations import ActivationManager
+from .executor import Executor, ParamRef
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
 from .precision import LossScaler
@@ -69,18 +72,43 @@ class OffloadEngine:
         check_buffers(model, self.device.torch_device)
         layouts = layout_units(model, find_units(model, config.units))
         specs = [lay.spec() for lay in layouts]
-        self.plan = self._make_plan(specs, plan)
+        self.predicted = None  # the planner's StepEstimate, when it made the plan
+        self.plan = self._with_activations(self._make_plan(specs, plan))
         self.schedule = build_schedule(self.plan)
         check_free_space(config.nvme_paths, self.plan)
-        self.store = TensorStore(list(config.nvme_paths), config=config.io, create=True)
+        self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True)
         try:
             self._setup(model, layouts, init_fn, meta, progress)
         except BaseException:
             self.store.close()
             raise
 
+    def _io_config(self):
+        """The config's I/O settings, or the plan's where the config left `io` at its defaults."""
+        c, p = self.config, self.plan
+        if "io" in c.model_fields_set or p.io_block_size_bytes is None:
+            return c.io
+        return c.io.model_copy(
+            update={"block_size_bytes": p.io_block_size_bytes, "queue_depth": p.io_queue_depth}
+        )
+
     def _make_plan(self, specs, plan: Optional[Plan]) -> Plan:
         c = self.config
+        if plan is None and c.plan is not None:  # "auto" or a saved plan (docs/planner.md)
+            from offloadpp.planner.search import Budget
+            from offloadpp.profiling.auto import plan_for_engine
+
+            budget = Budget(
+                device_bytes=c.device_budget_bytes, host_bytes=c.host_budget_bytes, compute_dtype=c.compute_dtype,
+                micro_batches=c.gradient_accumulation_steps, deferred_update=c.deferred_update,
+                adam_threads=c.adam_threads, prefetch_depth=c.prefetch_depth,
+                optim_prefetch_depth=c.optim_prefetch_depth, activation_bytes=c.activation_budget_bytes,
+            )  # fmt: skip
+            plan, self.predicted = plan_for_engine(
+                c.plan, specs, self.module, budget=budget, device=self.device.kind,
+                hardware_path=c.hardware_profile, model_profile_path=c.model_profile,
+                micro_batch=c.plan_micro_batch, seq_len=c.plan_seq_len,
+            )  # fmt: skip
         if plan is None:
             return default_plan(
                 specs,
@@ -108,6 +136,13 @@ class OffloadEngine:
             if getattr(plan, k) != v:
                 raise PlanError(f"plan.{k} is {getattr(plan, k)!r} but the config needs {v!r}")
         return plan
+
+    def _with_activations(self, plan: Plan) -> Plan:
+        """Records each unit's activation policy and the activation budget in the plan."""
+        c = self.config
+        policies, notes = plan_policies(plan.units, plan.activations, c.activations, c.activation_overrides)
+        budget = plan.activation_budget_bytes or c.activation_budget_bytes or 0
+        return replace(plan, activations=policies, activation_budget_bytes=budget, notes=plan.notes + notes)
 
     def _setup(self, model, layouts, init_fn, meta: bool, progress: bool) -> None:
         c, dev = self.config, self.device
@@ -139,7 +174,20 @@ class OffloadEngine:
         self.executor = Executor(self.schedule, self.units, self._grads_complete)
         self.executor.before_visit = self.optimizer.reap
         self.executor.updates_pending = lambda: self.optimizer.boundary
+        self.executor.after_first_fetches = self.optimizer.flush_writes
         self.executor.install(modules)
+        self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
+            [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],
+            ActivationConfig(budget_bytes=self.plan.activation_budget_bytes or None),
+            store=self.store,
+            device=dev.torch_device,
+            policies=self.plan.activations,
+            model=model,
+            param_pack=self.executor.pack,
+            param_unpack=self.executor.unpack,
+            param_handle=ParamRef,
+        )
+        self.activations.install()
         self.exporter = Exporter(self.units, self._quiesce)
         self.exporter.install(model, modules)
         self.loss_scaler = None
@@ -174,11 +222,7 @@ class OffloadEngine:
         if torch.is_grad_enabled():
             self.optimizer.begin_micro(first=self.micro_in_window == 0, boundary=self._boundary())
         self.executor.start_forward()
-        ex = self.executor
-        with (
-            record_function("offloadpp::forward"),
-            torch.autograd.graph.saved_tensors_hooks(ex.pack, ex.unpack),
-        ):
+        with record_function("offloadpp::forward"), self.activations.forward():  # saved-tensor hooks
             out = self.module(*args, **kwargs)
         self._fwd_s += time.perf_counter() - t0
         return out
@@ -194,12 +238,14 @@ class OffloadEngine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.executor.start_backward()
+        self.activations.start_backward()
         with record_function("offloadpp::backward"):
             (loss * scale if scale != 1.0 else loss).backward()
             for u in self.optimizer.order:  # units some of whose parameters got no gradient
                 if u.phase not in (UnitPhase.GRADS_READY, UnitPhase.UPDATING, UnitPhase.UPDATED):
                     self._grads_complete(u)
         self.executor.end_backward()
+        self.activations.end_backward()
         self._bwd_s += time.perf_counter() - t0
 
     def _grads_complete(self, u: Unit) -> None:
@@ -253,6 +299,7 @@ class OffloadEngine:
 
     # ---- reports ----------------------------------------------------------------------------
     def _reset_step_counters(self) -> None:
+        self.activations.reset_stats()
         self._step_t0: Optional[float] = None
         self._fwd_s = self._bwd_s = self._opt_s = 0.0
         self._io0 = self.store.stats
@@ -262,7 +309,11 @@ class OffloadEngine:
         self._h2d0, self._d2h0 = self.device.h2d_bytes, self.device.d2h_bytes
 
     def _waits(self) -> float:
-        return self.executor.wait_s + self.device_pool.wait_s + self.host_pool.wait_s
+        act = self.activations.swapper
+        return (
+            self.executor.wait_s + self.device_pool.wait_s + self.host_pool.wait_s
+            + act.swap_out_wait_s + act.swap_in_wait_s
+        )  # fmt: skip
 
     def _report(self, grad_norm, skipped: bool, scale) -> StepReport:
         io = self.store.stats - self._io0
@@ -290,6 +341,9 @@ class OffloadEngine:
             grad_norm=grad_norm,
             skipped=skipped,
             loss_scale=scale,
+            predicted_s=self.predicted.step_s if self.predicted is not None else None,
+            activation_peak_bytes=self.activations.stats().peak_device_bytes,
+            recompute_s=self.activations.recompute_s,
         )
         self._reset_step_counters()
         return report
@@ -303,8 +357,9 @@ class OffloadEngine:
         return self.hyper.lr
 
     def _quiesce(self) -> None:
-        """Between steps only: the optimizer has nothing in flight."""
+        """Between steps only: the optimizer has nothing in flight, its writes are started."""
         self.optimizer.finish()
+        self.optimizer.flush_writes()
 
     def state_dict(self) -> dict:
         """A checkpoint: fp32 master weights, Adam moments and step counts per parameter (by
@@ -356,6 +411,7 @@ class OffloadEngine:
         self._closed = True
         try:
             self.optimizer.close()
+            self.activations.close()
             self.executor.release_all()
             self.executor.remove()
             self.exporter.remove()

@@ -61,6 +61,7 @@ class Executor:
         self._warned_order = False
         self.before_visit = None  # callback: the optimizer reaps finished jobs
         self.updates_pending = lambda: False  # callback: this backward ends in an update
+        self.after_first_fetches = None  # callback: the optimizer starts its queued writes
         # Per visit, the units `alive` holds, in the order they are needed (units the schedule
         # keeps between two uses last: they are held already).
         self._fetch_order = []
@@ -126,6 +127,10 @@ class Executor:
                     self.held.append(u)
             for u in self.held:
                 u.weights.pump()
+        if self.after_first_fetches is not None and (
+            self.in_backward or i >= min(self.schedule.prefetch_depth, self.schedule.num_forward - 1)
+        ):
+            self.after_first_fetches()
         if i <= 1:
             # The updated weights kept for this forward: held now by the schedule (or not needed).
             for u in self.units:
@@ -205,11 +210,12 @@ class Executor:
 
     def _post_forward(self, u: Unit, module, args, output):
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, u), mode="any"
-                )
+            # The first gradient to reach any output enters the backward visit (entering is
+            # idempotent, so a plain hook per output does what a multi-grad "any" hook would).
+            hook = functools.partial(self._pre_backward, u)
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
         return None
 
     def _pre_backward(self, u: Unit, grad) -> None:

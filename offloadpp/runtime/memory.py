@@ -60,7 +60,6 @@ class BufferPool:
         self.over_budget_bytes = 0
         self.wait_s = 0.0  # time spent waiting for pending work to free a buffer
         self.allocations = 0  # buffers allocated (each costs page faults on first touch)
-        self.allocated_ever_bytes = 0
 
     @staticmethod
     def _nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -91,7 +90,6 @@ class BufferPool:
             self.allocated_bytes += need
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
             self.allocations += 1
-            self.allocated_ever_bytes += need
         return self._alloc(numel, dtype)
 
     def put(self, buf: torch.Tensor, after: Sequence[Waitable] = ()) -> None:

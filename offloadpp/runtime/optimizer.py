@@ -63,6 +63,7 @@ class _Job:
     exp_avg_sq: Optional[torch.Tensor] = None
     half: Optional[torch.Tensor] = None
     writes: list = field(default_factory=list)  # [(Slot, buffer)] to put after the job's work
+    defer_writes: bool = False  # leave the puts to the main thread's flush_writes()
     threads: int = 1
 
 
@@ -105,7 +106,7 @@ def _work(job: _Job, store) -> _Done:
                 if g is not None:
                     adam_step_flat(
                         job.master[a:b],
-                        g.view(-1),
+                        g.reshape(-1),
                         job.exp_avg[a:b],
                         job.exp_avg_sq[a:b],
                         step=step + 1,
@@ -131,8 +132,10 @@ def _work(job: _Job, store) -> _Done:
                 elif half is not None:
                     convert_(half, job.master[a:b], num_threads=job.threads)
     t2 = time.perf_counter()
-    with record_function("offloadpp::write_state"):
-        futs = [(slot, store.put(slot.key, buf)) for slot, buf in job.writes]
+    futs = []
+    if not job.defer_writes:
+        with record_function("offloadpp::write_state"):
+            futs = [(slot, store.put(slot.key, buf)) for slot, buf in job.writes]
     return _Done(futs, sq, t2 - t1, t1 - t0)
 
 
@@ -164,6 +167,7 @@ class OptimizerPipeline:
         self.tail_threads = max(threads, len(os.sched_getaffinity(0)))
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="offloadpp-adam")
         self._jobs: deque[tuple[_Job, Future]] = deque()
+        self._queued_writes: list[tuple[Slot, torch.Tensor]] = []  # see flush_writes
         self.boundary = False
         self.first_micro = True
         self._absorb_cursor = 0
@@ -215,8 +219,9 @@ class OptimizerPipeline:
         job = _Job(
             u, before=[], first_micro=self.first_micro, threads=self.tail_threads if last else self.threads
         )
+        job.defer_writes = last
         u.phase = UnitPhase.GRADS_READY
-        if not self.device.is_cuda and not u.grads_persist:
+        if not self.device.is_cuda and not u.grads_persist and self.boundary:
             # Note: on the CPU device the gradients already are in host memory, and without
             # accumulation or a deferred update nothing needs them flat: Adam reads each one
             # where autograd left it (no copy, no buffer).
@@ -311,6 +316,7 @@ class OptimizerPipeline:
         for i, u in enumerate(self.order):
             self._advance_update(i + self.q + 1, with_grads=True)
             job = _Job(u, before=[], threads=self.tail_threads)
+            job.defer_writes = i == len(self.order) - 1
             job.gbuf = u.grads.buffer
             self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale)
             self._submit(job)
@@ -339,16 +345,16 @@ class OptimizerPipeline:
         """Waits for every submitted job (deferred mode: the norms are then known)."""
         self.finish()
 
-    @property
-    def idle(self) -> bool:
-        return not self._jobs
-
     def _complete(self, job: _Job, done: _Done) -> None:
         u = job.unit
         self.adam_s += done.adam_s
         self.absorb_s += done.absorb_s
         for slot, fut in done.writes:
             slot.wrote(fut)
+        if job.defer_writes:
+            for slot, buf in job.writes:
+                slot.acquire(Hold.WRITE)
+                self._queued_writes.append((slot, buf))
         if job.staging is not None:
             self.host_pool.put(job.staging)
         if done.sq_norm is not None:
@@ -372,8 +378,25 @@ class OptimizerPipeline:
         else:
             u.grads.release(Hold.OPTIM)
 
+    def flush_writes(self) -> None:
+        """Starts the writes the step's last update left queued.
+
+        Note: why they wait. The last unit updated (the embeddings, for a language model) is the
+        one whose gradients complete last; its master and moments are written as step() returns.
+        The disk serves requests roughly in order, so the next forward's first reads would queue
+        behind those writes and stall the device. The runtime therefore starts them only once
+        the next forward has issued its first fetches (or anything else needs the store: a
+        backward, an export, close). The buffers stay held (Hold.WRITE) until then.
+        """
+        queued, self._queued_writes = self._queued_writes, []
+        with record_function("offloadpp::write_state"):
+            for slot, buf in queued:
+                slot.wrote(self.store.put(slot.key, buf))
+                slot.release(Hold.WRITE)
+
     def close(self) -> None:
         try:
             self.finish()
+            self.flush_writes()
         finally:
             self._worker.shutdown(wait=True)

@@ -8,7 +8,7 @@ futures of the writes it started, which the main thread records with `wrote()`.
 Note: holds. Several parties may need a slot's buffer at once: the schedule (the unit computes
 soon: COMPUTE), the optimizer (its update is pending: OPTIM), the next step's first visits (the
 buffer just updated is reused instead of read back: NEXT), an export (state_dict: EXPORT). A slot
-keeps its buffer while any hold is set; when the last goes the buffer returns to its pool,
+keeps its buffer while any hold is set (WRITE: a write of it is queued, not yet started); when the last goes the buffer returns to its pool,
 reusable once the read or write still using it is done. A resident slot never lets go.
 """
 
@@ -29,6 +29,7 @@ class Hold(enum.Flag):
     OPTIM = enum.auto()
     NEXT = enum.auto()
     EXPORT = enum.auto()
+    WRITE = enum.auto()  # a write of the buffer is queued but not started yet
 
 
 class SlotState(enum.Enum):

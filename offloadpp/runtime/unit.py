@@ -17,7 +17,7 @@ from offloadpp.planner import Placement, Plan, Tier, flat_numel
 
 from .device import CpuWeights, CudaWeights, Device
 from .memory import BufferPool
-from .slots import Slot, SlotState
+from .slots import Slot
 from .units import ParamSlot, UnitLayout
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -180,6 +180,3 @@ class Unit:
             else:
                 runs.append((s.offset, s.offset + s.numel, step, upd))
         return runs
-
-    def held_any(self) -> bool:
-        return any(s.state is not SlotState.EMPTY and not s.resident for s in self.slots)

@@ -1,0 +1,98 @@
+"""Activation swapping under the OffloadEngine (every array of every unit on SSD, the CPU as the
+device): a GPT-2-style model trained with an activation budget of 25% of what keeping everything
+needs gives the losses and weights of keeping everything, with the accounted activation peak
+within the budget; the policy per unit is recorded in the Plan.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from offloadpp.optim import AdamHyper
+from offloadpp.planner import PlanError, min_budgets
+from offloadpp.runtime import OffloadEngine, RuntimeConfig, find_units, layout_units
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+
+
+def gpt2(n_layer: int = 8, seed: int = 0):
+    cfg = transformers.GPT2Config(
+        n_layer=n_layer, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def config(model, path, **kw) -> RuntimeConfig:
+    path.mkdir(parents=True, exist_ok=True)
+    specs = [lay.spec() for lay in layout_units(model, find_units(model))]
+    dev, host = min_budgets(specs, device="cpu", compute_dtype="fp32", prefetch_depth=2)
+    return RuntimeConfig(
+        nvme_paths=[str(path)], device_budget_bytes=dev, host_budget_bytes=host, device="cpu",
+        ssd_read_gbps=2.0, ssd_write_gbps=2.0, **kw,
+    )  # fmt: skip
+
+
+def train(engine, data) -> tuple[list[float], int]:
+    """(losses, the largest accounted activation peak of the steps)."""
+    losses, peak = [], 0
+    for x in data:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        report = engine.step()
+        losses.append(loss.item())
+        peak = max(peak, report.activation_peak_bytes)
+    return losses, peak
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (4, 64), generator=g) for _ in range(3)]  # tensors above min_swap_bytes
+
+
+def test_quarter_budget_trains_like_keep_within_the_peak(tmp_path, data):
+    ref = gpt2()
+    hyper = AdamHyper(lr=1e-3, weight_decay=0.01)
+    with OffloadEngine(copy.deepcopy(ref), config(ref, tmp_path / "keep"), hyper=hyper) as keep:
+        want, keep_peak = train(keep, data)
+        want_sd = {k: v.clone() for k, v in keep.module.state_dict().items()}
+    assert keep.plan.activations == () or set(keep.plan.activations) == {"keep"}
+    budget = keep_peak // 4
+    for policy in ("auto", "ssd", "recompute"):
+        cfg = config(ref, tmp_path / policy, activations=policy, activation_budget_bytes=budget)
+        with OffloadEngine(copy.deepcopy(ref), cfg, hyper=hyper) as eng:
+            assert eng.plan.activation_budget_bytes == budget
+            assert len(eng.plan.activations) == len(eng.plan.units)
+            got, peak = train(eng, data)
+            assert got == want, policy
+            for k, v in eng.module.state_dict().items():
+                assert torch.equal(v, want_sd[k]), (policy, k)
+            assert 0 < peak <= budget, (policy, peak, budget)
+            if policy == "recompute":  # the embeddings' backward fetches no weights: kept
+                assert eng.activations.policies()["embed"] == "keep"
+
+
+def test_per_unit_overrides_and_plan_validation(tmp_path, data):
+    ref = gpt2(n_layer=2)
+    overrides = {"transformer.h.0": "ssd", "transformer.h.1": "recompute", "head": "host"}
+    cfg = config(ref, tmp_path, activations="keep", activation_overrides=overrides)
+    with OffloadEngine(copy.deepcopy(ref), cfg) as eng:
+        assert dict(zip([u.name for u in eng.plan.units], eng.plan.activations)) == {
+            "embed": "keep",
+            **overrides,
+        }
+        train(eng, data[:1])
+    with pytest.raises(ValueError, match="activation_overrides"):
+        OffloadEngine(copy.deepcopy(ref), config(ref, tmp_path / "x", activation_overrides={"nope": "ssd"}))
+    from dataclasses import replace
+
+    with OffloadEngine(copy.deepcopy(ref), config(ref, tmp_path / "y")) as eng:
+        with pytest.raises(PlanError, match="activations"):
+            replace(eng.plan, activations=("keep",))

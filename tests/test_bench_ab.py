@@ -1,0 +1,39 @@
+"""The A/B harness's own logic: the table and the turn-taking protocol of its workers."""
+
+import pytest
+
+from offloadpp.bench.ab import format_table, summarize
+
+
+def _run(side, secs, loss):
+    return {
+        "side": side, "params": 1000, "tokens_per_step": 256, "peak_rss_bytes": 2**30,
+        "peak_device_bytes": None, "ssd_read_bytes": 2**30, "ssd_write_bytes": 2**29,
+        "steps": [{"step": i, "seconds": s, "loss": l} for i, (s, l) in enumerate(zip(secs, loss))],
+    }  # fmt: skip
+
+
+def test_summary_skips_the_warm_up_step_and_takes_the_median():
+    s = summarize(_run("zero", [9.0, 2.0, 1.0, 3.0], [4, 3, 2, 1]))
+    assert s["step_s"] == 2.0
+    assert s["tokens_per_s"] == pytest.approx(128.0)
+    assert s["final_loss"] == 1
+
+
+def test_table_has_the_ratio_column():
+    summ = {"zero": summarize(_run("zero", [1, 2, 2, 2], [1] * 4)),
+            "offloadpp": summarize(_run("offloadpp", [1, 1, 1, 1], [1] * 4))}  # fmt: skip
+    table = format_table(summ)
+    assert "| step time (s, median) | 2.000 | 1.000 | 0.500 |" in table
+    assert "peak device mem (GiB) | n/a | n/a | n/a |" in table
+
+
+def test_worker_turns_grant_steps_in_chunks(monkeypatch, capsys):
+    import io
+
+    from offloadpp.bench.ab_worker import _step_turns
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("run 2\nrun 2\nrun 2\n"))
+    assert list(_step_turns(5, turns=True)) == [0, 1, 2, 3, 4]
+    assert capsys.readouterr().out.split() == ["ready", "done", "done", "done"]
+    assert list(_step_turns(3, turns=False)) == [0, 1, 2]

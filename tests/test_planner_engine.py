@@ -1,0 +1,92 @@
+"""The planner inside the engine: RuntimeConfig(plan="auto") and a saved plan file, the predicted
+step time in the StepReport and its log line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from offloadpp.optim import AdamHyper  # noqa: E402
+from offloadpp.planner import PlanError, save_plan  # noqa: E402
+from offloadpp.planner.hardware import HardwareProfile  # noqa: E402
+from offloadpp.runtime import OffloadEngine, RuntimeConfig  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+
+def tiny():
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture
+def hw_path(tmp_path):
+    hw = HardwareProfile(
+        device="cpu", device_name="t", cpu_cores=2, ssd_read_gbps=2.0, ssd_write_gbps=2.0, h2d_gbps=10.0,
+        d2h_gbps=10.0, memcpy_gbps=10.0, device_flops_per_s={"fp32": 50e9}, adam_params_per_s={1: 1e9},
+        host_memory_bytes=8 << 30, device_memory_bytes=8 << 30,
+    )  # fmt: skip
+    path = str(tmp_path / "hw.json")
+    hw.to_json(path)
+    return path
+
+
+def _config(tmp_path, **kw) -> RuntimeConfig:
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    base = dict(nvme_paths=[str(tmp_path / "nvme")], device_budget_bytes=6 << 20, host_budget_bytes=8 << 20,
+                device="cpu", ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+def _train(engine, steps=3):
+    g = torch.Generator().manual_seed(1)
+    reports = []
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 16), generator=g)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        reports.append(engine.step())
+    return reports
+
+
+def test_auto_plan_runs_and_reports_the_prediction(tmp_path, hw_path, caplog):
+    cfg = _config(tmp_path, plan="auto", hardware_profile=hw_path, plan_micro_batch=2, plan_seq_len=16)
+    with caplog.at_level(logging.INFO, logger="offloadpp.runtime"):
+        with OffloadEngine(tiny(), cfg, hyper=AdamHyper(lr=1e-3)) as e:
+            assert e.predicted is not None and e.predicted.step_s > 0
+            assert any("auto plan" in n for n in e.plan.notes)
+            reports = _train(e)
+    assert all(r.predicted_s == pytest.approx(e.predicted.step_s) for r in reports)
+    assert any("predicted" in rec.getMessage() for rec in caplog.records)
+
+
+def test_saved_plan_file_runs(tmp_path, hw_path):
+    from offloadpp.planner.search import Budget
+    from offloadpp.profiling.auto import plan_for_engine
+    from offloadpp.runtime import find_units, layout_units
+
+    m = tiny()
+    specs = [lay.spec() for lay in layout_units(m, find_units(m))]
+    plan, est = plan_for_engine("auto", specs, m, budget=Budget(device_bytes=6 << 20, host_bytes=8 << 20),
+                                device="cpu", hardware_path=hw_path, seq_len=16)  # fmt: skip
+    path = str(tmp_path / "plan.json")
+    save_plan(path, plan, est)
+    with OffloadEngine(tiny(), _config(tmp_path, plan=path), hyper=AdamHyper(lr=1e-3)) as e:
+        assert e.plan.placements == plan.placements and e.predicted == est
+        assert _train(e, 2)[-1].predicted_s == pytest.approx(est.step_s)
+
+
+def test_infeasible_auto_plan_fails_before_training(tmp_path, hw_path):
+    cfg = _config(
+        tmp_path, plan="auto", hardware_profile=hw_path, device_budget_bytes=4096, host_budget_bytes=4096
+    )
+    with pytest.raises(PlanError, match="short by"):
+        OffloadEngine(tiny(), cfg)
+    with pytest.raises(PlanError, match="offloadpp profile"):
+        OffloadEngine(tiny(), _config(tmp_path, plan="auto", hardware_profile=str(tmp_path / "missing.json")))
