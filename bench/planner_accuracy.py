@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -32,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 BAR = 0.15
+MEASURE_S = 12.0
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,8 @@ class Config:
 
 
 CONFIGS = (
-    Config("s-stream", 2, 256, 1, 64, "stream"),
-    Config("s-ample", 2, 256, 1, 64, "ample"),
+    Config("s-stream", 2, 256, 2, 64, "stream"),
+    Config("s-ample", 2, 256, 2, 64, "ample"),
     Config("m-stream", 4, 512, 1, 64, "stream"),
     Config("m-tight", 4, 512, 1, 64, "tight"),
     Config("m-half", 4, 512, 2, 128, "half"),
@@ -92,7 +94,9 @@ def make_plan(cfg: Config, hw, profile, specs):
         plan = streaming_plan(specs, device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=2,
                               deferred_update=cfg.clip > 0, device_budget_bytes=dev, host_budget_bytes=host)  # fmt: skip
     else:
-        plan = search(hw, profile, Budget(device_bytes=dev, host_bytes=host, deferred_update=cfg.clip > 0)).plan
+        plan = search(
+            hw, profile, Budget(device_bytes=dev, host_bytes=host, deferred_update=cfg.clip > 0)
+        ).plan
     if cfg.activations != "keep":  # the blocks' activations (the embeddings and the head keep theirs)
         acts = tuple(cfg.activations if ".h." in u.name else "keep" for u in plan.units)
         plan = replace(plan, activations=acts)
@@ -127,6 +131,10 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
     first = profile_model(model, batch, repeats=2, name=shape.label)
     specs = first.unit_specs()
     plan = make_plan(cfg, hw, first, specs)
+    # Short steps are the most exposed to the machine's load: give every configuration about
+    # MEASURE_S seconds of timed steps (3 per round), within the rounds asked for and 3x that.
+    step_s = estimate(plan, hw, first).step_s
+    rounds = max(rounds, min(3 * rounds, math.ceil(MEASURE_S / (3 * step_s))))
     c = Contender(cfg.name, plan)
     d = os.path.join(root, cfg.name)
     try:
@@ -149,7 +157,7 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
     e = ests[preds.index(sorted(preds)[len(preds) // 2])]
     reps = c.reports
     return {
-        "config": cfg.name, "model": shape.label, "params": first.numel, "budget": cfg.budget,
+        "config": cfg.name, "model": shape.label, "params": first.numel, "budget": cfg.budget, "n_rounds": rounds,
         "activations": cfg.activations, "clip": cfg.clip, "plan": plan_summary(plan), "bound": e.bound,
         "predicted_s": predicted, "measured_s": measured, "error": abs(predicted - measured) / measured,
         "rounds": [{"predicted_s": p, "measured_s": med(t)} for p, t in zip(preds, c.round_times)],

@@ -504,7 +504,9 @@ class Sim:
                 yield ("cpu", job.adam_s)
                 self.adam_busy_s += self.t - t0
             if not job.defer_writes:
-                job.write_done = [self.ssd.submit(self.t, s.nbytes, write=True, key=s.key) for s in job.writes]
+                job.write_done = [
+                    self.ssd.submit(self.t, s.nbytes, write=True, key=s.key) for s in job.writes
+                ]
             job.done_t = self.t
 
 

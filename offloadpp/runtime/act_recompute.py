@@ -82,7 +82,10 @@ class Segment:
         collected: list[torch.Tensor] = []
 
         def collect(t: torch.Tensor) -> int:
-            collected.append(t)
+            # Detached (as torch.utils.checkpoint does): the recomputed graph is thrown away, and a
+            # tensor still pointing into it would tie that graph, through the forward graph's
+            # saved RecomputeRefs, into a cycle Python's collector cannot see.
+            collected.append(t.detach())
             return len(collected) - 1
 
         def never(_: Any):
