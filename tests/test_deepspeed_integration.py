@@ -190,7 +190,10 @@ def test_config_from_args_like_the_launcher(tmp_path):
 
 
 def test_without_the_block_it_is_deepspeed(tmp_path, monkeypatch):
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533").items():
+    from offloadpp.bench.ab import free_port
+
+    port = str(free_port())  # a fixed port collides with any other run on the machine
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
         monkeypatch.setenv(k, v)
     cfg = ds_config(tmp_path / "nvme")
     del cfg["offloadpp"]

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -76,7 +76,7 @@ class _Side:
         env = dict(os.environ)
         # A single-process "distributed" world, as the deepspeed launcher would set up for one GPU.
         env.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )
         cmd = [
             sys.executable, "-m", "offloadpp.bench.ab_worker", "--side", side, "--config", args.config,

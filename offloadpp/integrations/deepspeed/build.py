@@ -199,7 +199,12 @@ def runtime_config_from(ds_config, block: OffloadppBlock, device: str, model):
             num_threads=block.io.num_threads,
             checksum=block.io.checksum,
         ),
-        log_every=ds_config.steps_per_print if ds_config.wall_clock_breakdown else 0,
+        log_every=ds_config.steps_per_print,
+        plan=block.plan,
+        hardware_profile=block.hardware_profile,
+        model_profile=block.model_profile,
+        plan_micro_batch=ds_config.train_micro_batch_size_per_gpu,
+        plan_seq_len=block.seq_len,
         **extra,
     )
 

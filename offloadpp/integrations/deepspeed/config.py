@@ -60,6 +60,11 @@ class OffloadppBlock(_Frozen):
     device_budget: Union[int, str] = "auto"
     host_budget: Union[int, str] = "auto"
     prefetch_depth: Optional[int] = Field(None, ge=1)
+    # None: the default placement policy; "auto": the cost-model planner; else a plan JSON path.
+    plan: Optional[str] = None
+    hardware_profile: Optional[str] = None  # `offloadpp profile --json` output (default: the cached one)
+    model_profile: Optional[str] = None  # a measured model profile (default: analytic from the model config)
+    seq_len: Optional[int] = Field(None, ge=1)  # tokens per sequence, for the planner's model profile
     io: IOBlock = IOBlock()
 
     @field_validator("nvme_paths")
