@@ -14,7 +14,10 @@ import sys
 # command -> (module, help). Bench kinds are nested under `bench`.
 COMMANDS = {
     "doctor": ("offloadpp.doctor", "check the build, SIMD level, I/O backends, torch/deepspeed, CUDA"),
-    "profile": ("offloadpp.profiling.cli_profile", "measure SSD, copy, GEMM and CPU Adam speeds for the planner"),
+    "profile": (
+        "offloadpp.profiling.cli_profile",
+        "measure SSD, copy, GEMM and CPU Adam speeds for the planner",
+    ),
     "plan": ("offloadpp.planner_cli", "print the plan and its step-time estimate for a config and model"),
 }
 BENCHES = {
@@ -22,7 +25,10 @@ BENCHES = {
     "adam": ("offloadpp.bench.adam", "CPU Adam step: offloadpp vs DeepSpeedCPUAdam vs torch fused AdamW"),
     "step": ("offloadpp.bench.step", "training step with state on SSD vs plain torch in memory"),
     "capacity": ("offloadpp.bench.capacity", "a model whose training state exceeds RAM, peak RSS measured"),
-    "activations": ("offloadpp.bench.activations", "step time with activations kept, on host, on SSD, recomputed"),
+    "activations": (
+        "offloadpp.bench.activations",
+        "step time with activations kept, on host, on SSD, recomputed",
+    ),
     "ab": ("offloadpp.bench.ab", "the same model under ZeRO-Infinity and offloadpp, side by side"),
 }
 

@@ -367,7 +367,9 @@ def test_cuda_gradients_and_allocator_peak(policy, store, data):
     x = data.cuda()
     _, want = run_step(ref, x)
     model = copy.deepcopy(ref)
-    with ActivationManager.for_model(model, ActivationConfig(policy=policy, min_swap_bytes=0), store=store) as mgr:
+    with ActivationManager.for_model(
+        model, ActivationConfig(policy=policy, min_swap_bytes=0), store=store
+    ) as mgr:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

@@ -9,7 +9,7 @@ def _run(side, secs, loss):
     return {
         "side": side, "params": 1000, "tokens_per_step": 256, "peak_rss_bytes": 2**30,
         "peak_device_bytes": None, "ssd_read_bytes": 2**30, "ssd_write_bytes": 2**29,
-        "steps": [{"step": i, "seconds": s, "loss": l} for i, (s, l) in enumerate(zip(secs, loss))],
+        "steps": [{"step": i, "seconds": s, "loss": v} for i, (s, v) in enumerate(zip(secs, loss))],
     }  # fmt: skip
 
 

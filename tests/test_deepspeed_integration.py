@@ -2,13 +2,12 @@
 
 import copy
 import json
-import os
 
 import pytest
 import torch
+from numerics import compare_weights
 
 import offloadpp
-from numerics import compare_weights
 from offloadpp.integrations.deepspeed import OffloadppConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -18,7 +17,14 @@ pytest.importorskip("deepspeed")
 def tiny_gpt2(seed=0):
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=96, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        n_positions=32,
+        vocab_size=96,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -29,8 +35,14 @@ def ds_config(nvme, **over):
         "gradient_accumulation_steps": 1,
         "steps_per_print": 100,
         "gradient_clipping": 0.0,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 3}},
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 3},
+        },
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": str(nvme)},
@@ -52,7 +64,9 @@ def reference(model, cfg, data):
     from deepspeed.runtime.lr_schedules import WarmupLR
 
     p = cfg["optimizer"]["params"]
-    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"])
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"]
+    )
     sched = WarmupLR(opt, **cfg["scheduler"]["params"])
     gas = cfg["gradient_accumulation_steps"]
     for i, ids in enumerate(data):
@@ -91,7 +105,9 @@ def test_matches_deepspeed_semantics_in_memory(tmp_path, gas, clip):
     data = batches(6 * gas)
     ref = reference(tiny_gpt2(), copy.deepcopy(cfg), data)
     model = tiny_gpt2()
-    engine, optimizer, loader, sched = offloadpp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, optimizer, loader, sched = offloadpp.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
     assert engine.gradient_accumulation_steps() == gas
     assert engine.train_batch_size() == 2 * gas
     assert loader is None and sched is not None
@@ -156,7 +172,9 @@ def test_save_16bit_model_loads_with_from_pretrained(tmp_path):
 def test_training_data_gives_a_dataloader(tmp_path):
     data = torch.utils.data.TensorDataset(torch.randint(0, 96, (10, 16)))
     model = tiny_gpt2()
-    engine, _, loader, _ = offloadpp.initialize(model=model, config=ds_config(tmp_path / "nvme"), training_data=data)
+    engine, _, loader, _ = offloadpp.initialize(
+        model=model, config=ds_config(tmp_path / "nvme"), training_data=data
+    )
     (ids,) = next(iter(loader))
     assert ids.shape == (2, 16)
     engine.close()
@@ -193,7 +211,9 @@ def test_without_the_block_it_is_deepspeed(tmp_path, monkeypatch):
     from offloadpp.bench.ab import free_port
 
     port = str(free_port())  # a fixed port collides with any other run on the machine
-    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+    for k, v in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+    ).items():
         monkeypatch.setenv(k, v)
     cfg = ds_config(tmp_path / "nvme")
     del cfg["offloadpp"]

@@ -166,12 +166,16 @@ def plan_policies(
     names = [u.name for u in units]
     unknown = sorted(set(overrides or {}) - set(names))
     if unknown:
-        raise ValueError(f"activation_overrides names units the model does not have: {unknown}; units are {names}")
+        raise ValueError(
+            f"activation_overrides names units the model does not have: {unknown}; units are {names}"
+        )
     chosen = tuple(plan_policies) or tuple((overrides or {}).get(n, policy) for n in names)
     out, notes = [], []
     for u, p in zip(units, chosen):
         if p == "recompute" and not u.backward_needs_weights:
-            notes.append(f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept")
+            notes.append(
+                f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
+            )
             p = "keep"
         out.append(p)
     return tuple(out), tuple(notes)

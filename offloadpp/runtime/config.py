@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from offloadpp.io import IOConfig
 from offloadpp.planner import fmt_bytes
 
-
 ActivationPolicyName = Literal["keep", "host", "ssd", "recompute", "auto"]
 
 

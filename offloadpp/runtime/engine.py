@@ -29,10 +29,10 @@ from offloadpp.io import TensorStore, aligned_empty
 from offloadpp.optim import AdamHyper
 from offloadpp.planner import Plan, PlanError, build_schedule, default_plan
 
-from .config import RuntimeConfig, StepReport
-from .device import Device
 from .act_policy import ActivationConfig, plan_policies
 from .activations import ActivationManager
+from .config import RuntimeConfig, StepReport
+from .device import Device
 from .executor import Executor, ParamRef
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
