@@ -2,13 +2,8 @@
 config: nothing is downloaded) with every array on SSD must train to the weights
 torch.optim.AdamW gives, with and without gradient accumulation and clipping.
 
-Note: the one place exact agreement is impossible. The key third of GPT-2's c_attn.bias has a
-gradient that is zero in exact arithmetic (softmax does not change when every key score of a
-query moves by the same amount); in floating point it is rounding noise near 1e-10, which Adam
-normalises into updates of order lr. Any one-ulp difference upstream (a different Adam kernel,
-a different summation order) changes that noise completely: torch's own fused and for-loop
-AdamW disagree there by 1e-3 relative after a few steps. Those elements are compared with a
-bound of 2 * lr * steps; every other element to 1e-5 relative.
+The key-bias elements of GPT-2's c_attn.bias are compared with a looser bound: tests/numerics.py
+says why.
 """
 
 from __future__ import annotations
@@ -18,6 +13,7 @@ import math
 
 import pytest
 import torch
+from numerics import compare_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,24 +75,9 @@ def batches(n: int, seed: int = 1):
     return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(n)]
 
 
-def key_bias_mask(name: str, t: torch.Tensor) -> torch.Tensor:
-    m = torch.zeros_like(t, dtype=torch.bool)
-    if name.endswith("attn.c_attn.bias"):
-        third = t.numel() // 3
-        m[third : 2 * third] = True
-    return m
-
-
 def compare(got: dict, want: dict, steps: int) -> float:
     """Max over tensors of max|got - want| / max|want|, key-bias elements bounded separately."""
-    worst = 0.0
-    for name, w in want.items():
-        g = got[name].float()
-        noise = key_bias_mask(name, w)
-        if noise.any():
-            assert (g - w)[noise].abs().max().item() <= 2 * LR * steps, name
-        worst = max(worst, ((g - w)[~noise].abs().max() / w[~noise].abs().max()).item())
-    return worst
+    return compare_weights(got, want, lr=LR, steps=steps)
 
 
 def train_pair(ref, eng, data, *, accum: int = 1, clip: float = 0.0, check_every: int = 0):
