@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# DeepSpeed's JIT-built ops go into this clone's venv, not the ~/.cache every clone shares
+# (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab clean
 
