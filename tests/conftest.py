@@ -21,7 +21,7 @@ _STALE_LOCK_S = 30 * 60  # a DeepSpeed op builds in about 5 minutes on 2 cores
 
 
 def _clear_stale_build_locks(root: str) -> None:
-    for lock in Path(root).glob("*/*/lock"):
+    for lock in Path(root).rglob("lock"):  # <root>/<op>/lock (or <root>/py311_cpu/<op>/lock)
         try:
             if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
                 lock.unlink()
