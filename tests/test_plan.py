@@ -180,3 +180,11 @@ def test_plan_rejects_bad_shapes():
             prefetch_depth=1,
             optim_prefetch_depth=0,
         )
+
+
+def test_deferred_updates_run_largest_first():
+    plan = streaming_plan(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2, deferred_update=True)
+    s = build_schedule(plan)
+    assert s.absorb_order == ("head", "h.5", "h.4", "h.3", "h.2", "h.1", "h.0", "embed")
+    assert s.update_order[0] == "embed" and set(s.update_order) == set(s.absorb_order)
+    assert s.keep_until_update == frozenset()  # updates come after backward: nothing to keep for them

@@ -38,7 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per contender first")
     p.add_argument("--block", type=int, default=3, help="steps per contender before switching")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both contenders)")
-    p.add_argument("--adam-threads", type=int, default=1, help="threads of offloadpp's CPU Adam")
+    p.add_argument(
+        "--adam-threads",
+        type=int,
+        default=None,
+        help="threads of offloadpp's CPU Adam (default: the runtime's)",
+    )
     p.add_argument(
         "--prefetch-depth", type=int, default=None, help="weights prefetch depth k (default: plan's)"
     )
@@ -130,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         with TensorStore([args.dir]) as probe:
             read_gbps, write_gbps = _measure_ssd(probe)
+        if args.adam_threads is None:
+            args.adam_threads = RuntimeConfig.model_fields["adam_threads"].get_default(
+                call_default_factory=True
+            )
         adam_s = _adam_seconds(n_params, args.adam_threads)
         _log(
             f"SSD read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s; Adam over {n_params:,} params "

@@ -9,7 +9,8 @@ backward visits them in reverse. While visit i runs, the weights of visits i..i+
 (`alive[i]`), so the fetch for visit i+k starts as visit i starts, and a unit used twice within
 k visits (the last blocks of forward, reused first in backward; the embeddings read again by a
 tied head) is simply kept. The optimizer updates a unit as its gradients complete, which is at
-its backward visit, so `update_order` is the backward order. Its state (master, moments) is read
+its backward visit, so `update_order` is the backward order (a deferred update, run after
+backward, takes the largest units first instead). Its state (master, moments) is read
 in a window over that order: the first q+1 units' state at the start of the forward that ends on
 an accumulation boundary, then unit i+q+1's as unit i is handed to the optimizer. That window is
 also what a deferred update (clipping, overflow check) uses after backward.
@@ -40,13 +41,14 @@ class Visit:
 class Schedule:
     visits: tuple[Visit, ...]  # forward visits, then backward visits
     alive: tuple[frozenset[str], ...]  # weights held while visit i runs (needed by visits i..i+k)
-    update_order: tuple[str, ...]  # units in the order their gradients complete
+    update_order: tuple[str, ...]  # units in the order the optimizer updates them (see Note)
     prefetch_depth: int  # k: alive[i] spans visits i..i+k
     next_keep: frozenset[str]  # updated weights kept in memory for the next forward (see Note)
     keep_until_update: frozenset[str]  # weights (== master) kept from an early backward use to the update
     optim_window: int  # q: state of updates i..i+q is read ahead
     peak_device_bytes: int  # runtime buffers on the device (weights, one unit's grads)
     peak_host_bytes: int  # runtime buffers in host memory, resident arrays included
+    absorb_order: tuple[str, ...] = ()  # units in the order their gradients complete (backward)
     forward_index: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
     backward_index: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
 
@@ -75,7 +77,13 @@ def build_schedule(plan: Plan) -> Schedule:
     )
     forward_index = {v.unit: v.index for v in visits if not v.backward}
     backward_index = {v.unit: v.index for v in visits if v.backward}
-    update_order = tuple(v.unit for v in visits if v.backward)
+    absorb_order = tuple(v.unit for v in visits if v.backward)
+    update_order = absorb_order
+    if plan.deferred_update:
+        # Updates run after backward, in any order: the largest first, so that their state
+        # (primed at the start of forward, read during backward) is not read after backward.
+        specs = {u.name: u for u in units}
+        update_order = tuple(sorted(absorb_order, key=lambda n: -specs[n].master_bytes))
     keep_until_update = frozenset()
     if _alias(plan) and not plan.deferred_update:
         # A unit whose weights backward reads before its own visit (tied embeddings read by the
@@ -87,6 +95,7 @@ def build_schedule(plan: Plan) -> Schedule:
         visits=tuple(visits),
         alive=alive,
         update_order=update_order,
+        absorb_order=absorb_order,
         prefetch_depth=k,
         next_keep=alive[0] | (alive[1] if n > 1 else frozenset()),
         keep_until_update=keep_until_update,
@@ -159,8 +168,10 @@ def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]
     first_backward = len(sched.forward_index)
     devs, hosts, helds = [], [], []
     for v in sched.visits:
-        seen = v.index - first_backward + 1 if v.backward else 0  # units handed to Adam, about
-        window = sched.window_at(seen)
+        # units handed to Adam, about (a deferred update hands none out before backward ends)
+        seen = v.index - first_backward + 1 if v.backward and not plan.deferred_update else 0
+        # (a deferred update's window is read from the start of backward: optimizer.begin_backward)
+        window = sched.window_at(seen) if v.backward or not plan.deferred_update else ()
         updated = {w.unit for w in sched.visits[first_backward : v.index]} if v.backward else set()
         held = set(sched.alive[v.index]) | (sched.next_keep & updated)
         if alias:

@@ -204,6 +204,7 @@ class Job:
     done_t: Optional[float] = None
     write_done: list = field(default_factory=list)
     defer_writes: bool = False  # the step's last update: its writes start with the next fetches
+    keep_grads: bool = False  # deferred: gradients stay held for an update among the first
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,8 @@ class Sim:
         self.sched: Schedule = build_schedule(plan)
         self.units = [Unit(self, u, p, plan) for u, p in plan]
         self.by_name = {u.name: u for u in self.units}
-        self.order = [self.by_name[n] for n in self.sched.update_order]
+        self.order = [self.by_name[n] for n in self.sched.absorb_order]  # as gradients complete
+        self.update_order = [self.by_name[n] for n in self.sched.update_order]
         self.micro_batches = micro_batches
         self.deferred = plan.deferred_update
         self.q = self.sched.optim_window
@@ -285,6 +287,8 @@ class Sim:
                 for u in self.units:
                     u.grads_pending = True
                 self.in_backward = True
+                if self.deferred and self.boundary:
+                    yield from self.advance_update(self.q + 1)  # optimizer.begin_backward
                 for v in self.sched.visits[nf:]:
                     yield from self.enter(v.index)
                     yield from self.act.before_backward(v.unit)
@@ -318,7 +322,7 @@ class Sim:
         self.first_micro, self.boundary = first, boundary
         self.absorb_cursor = self.update_cursor = self.absorbed = self.submitted = 0
         yield from self.advance_absorb(self.q + 1)
-        if boundary:
+        if boundary and not self.deferred:
             yield from self.advance_update(self.q + 1)
 
     def advance_absorb(self, upto: int) -> Iterator:
@@ -329,8 +333,8 @@ class Sim:
             self.absorb_cursor += 1
 
     def advance_update(self, upto: int, with_grads: bool = False) -> Iterator:
-        while self.update_cursor < min(upto, len(self.order)):
-            u = self.order[self.update_cursor]
+        while self.update_cursor < min(upto, len(self.update_order)):
+            u = self.update_order[self.update_cursor]
             yield from u.master.acquire(self, OPTIM)
             yield from u.exp_avg.acquire(self, OPTIM)
             yield from u.exp_avg_sq.acquire(self, OPTIM)
@@ -403,6 +407,8 @@ class Sim:
             yield from self.fill_update(job, u, rate)
             self.submitted += 1
             yield from self.advance_update(self.submitted + self.q + 1)
+        elif self.deferred and self.boundary and any(u is w for w in self.update_order[: self.update_cursor]):
+            job.keep_grads = True
         elif u.grads_persist and not u.grads.resident:
             job.writes.append(u.grads)
         self.add_before(job, u.grads)
@@ -466,7 +472,7 @@ class Sim:
                 s.release(self, OPTIM)
             u.compute.release(self, OPTIM, after=after)
             u.phase = "updated"
-        else:
+        elif not job.keep_grads:
             u.grads.release(self, OPTIM)
 
     def flush_writes(self) -> None:
@@ -478,9 +484,9 @@ class Sim:
 
     def run_deferred(self) -> Iterator:
         self.update_cursor = 0
-        for i, u in enumerate(self.order):
+        for i, u in enumerate(self.update_order):
             yield from self.advance_update(i + self.q + 1, with_grads=True)
-            job = Job(u, defer_writes=i == len(self.order) - 1)
+            job = Job(u, defer_writes=i == len(self.update_order) - 1)
             yield from self.fill_update(job, u, self.costs.adam_tail_rate)
             self.submit(job)
             self.submitted += 1

@@ -160,7 +160,8 @@ class OffloadEngine:
         self.store.wait_all()
         by_name = {u.name: u for u in self.units}
         self.optimizer = OptimizerPipeline(
-            [by_name[n] for n in self.schedule.update_order],
+            [by_name[n] for n in self.schedule.absorb_order],
+            update_order=[by_name[n] for n in self.schedule.update_order],
             optim_window=self.schedule.optim_window,
             next_keep=self.schedule.next_keep,
             hyper=self.hyper,
@@ -239,6 +240,7 @@ class OffloadEngine:
             scale *= self.loss_scaler.scale
         self.executor.start_backward()
         self.activations.start_backward()
+        self.optimizer.begin_backward()
         with record_function("offloadpp::backward"):
             (loss * scale if scale != 1.0 else loss).backward()
             for u in self.optimizer.order:  # units some of whose parameters got no gradient

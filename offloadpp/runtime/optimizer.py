@@ -18,10 +18,12 @@ forward, then one more each time a unit is submitted. Gradients kept on SSD betw
 use the same window on every micro-batch.
 
 Note: deferred updates (clipping, fp16). The global norm (and the overflow check) need every
-gradient first. During backward the jobs only absorb gradients and take norms; gradients on SSD
-are written back. After backward, `run_deferred` submits the updates in order with the window
-reading state ahead: exact torch semantics, at the cost of running Adam and the state traffic
-after backward instead of during it (docs/runtime.md has the numbers).
+gradient first. During backward the jobs only absorb gradients and take norms. The updates
+then run after backward, largest unit first (`update_order`): the window's first q+1 units have
+their state read during backward (begin_backward) and their gradients kept in memory; the others'
+gradients are written to SSD (where they live there) and read back with their state, q ahead.
+Exact torch semantics, at the cost of running Adam and part of the state traffic after backward
+instead of during it (docs/runtime.md has the numbers).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class _Job:
     half: Optional[torch.Tensor] = None
     writes: list = field(default_factory=list)  # [(Slot, buffer)] to put after the job's work
     defer_writes: bool = False  # leave the puts to the main thread's flush_writes()
+    keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
     threads: int = 1
 
 
@@ -144,6 +147,7 @@ class OptimizerPipeline:
         self,
         order: list[Unit],
         *,
+        update_order: Optional[list[Unit]] = None,
         optim_window: int,
         next_keep: frozenset,
         hyper: AdamHyper,
@@ -154,7 +158,8 @@ class OptimizerPipeline:
         separate_weights: bool,
         threads: int,
     ):
-        self.order = order
+        self.order = order  # the order gradients complete in (backward)
+        self.update_order = update_order if update_order is not None else order
         self.q = optim_window
         self.next_keep = next_keep
         self.hyper = hyper
@@ -186,7 +191,18 @@ class OptimizerPipeline:
             for u in self.order:
                 u.start_window()
         self._advance_absorb(self.q + 1)
-        if boundary:
+        if boundary and not self.deferred:
+            self._advance_update(self.q + 1)
+
+    def begin_backward(self) -> None:
+        """At the start of backward: a deferred update's window is read now, not at forward.
+
+        Note: why not earlier. The previous step's deferred updates write every unit's state
+        as that step ends; read at the next forward, the same files would be read back while
+        those writes still drain (a read waits for the write of its file). Started here, the
+        reads find the writes done and still have all of backward to complete in.
+        """
+        if self.boundary and self.deferred:
             self._advance_update(self.q + 1)
 
     def _advance_absorb(self, upto: int) -> None:
@@ -199,8 +215,8 @@ class OptimizerPipeline:
     def _advance_update(self, upto: int, *, with_grads: bool = False) -> None:
         """Reads the state (and, for a deferred update, the gradients kept so far) of the
         units up to `upto` in update order."""
-        while self._update_cursor < min(upto, len(self.order)):
-            u = self.order[self._update_cursor]
+        while self._update_cursor < min(upto, len(self.update_order)):
+            u = self.update_order[self._update_cursor]
             with record_function("offloadpp::read_state"):
                 u.master.acquire(Hold.OPTIM)
                 u.exp_avg.acquire(Hold.OPTIM)
@@ -242,6 +258,10 @@ class OptimizerPipeline:
             self._fill_update(job, u, clip_coef=1.0, grad_scale=1.0)
             self._submitted += 1
             self._advance_update(self._submitted + self.q + 1)
+        elif (
+            self.deferred and self.boundary and any(u is w for w in self.update_order[: self._update_cursor])
+        ):
+            job.keep_grads = True  # its update is among the first after backward: no round trip
         elif u.grads_persist and not u.grads.resident:
             job.writes.append((u.grads, u.grads.buffer))
         self._add_before(job, u.grads)
@@ -313,10 +333,10 @@ class OptimizerPipeline:
     def run_deferred(self, *, clip_coef: float, grad_scale: float) -> None:
         """After backward, in deferred mode: the updates, in order, state read ahead."""
         self._update_cursor = 0  # state of the first units is held already; now their grads too
-        for i, u in enumerate(self.order):
+        for i, u in enumerate(self.update_order):
             self._advance_update(i + self.q + 1, with_grads=True)
             job = _Job(u, before=[], threads=self.tail_threads)
-            job.defer_writes = i == len(self.order) - 1
+            job.defer_writes = i == len(self.update_order) - 1
             job.gbuf = u.grads.buffer
             self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale)
             self._submit(job)
@@ -347,6 +367,13 @@ class OptimizerPipeline:
 
     def _complete(self, job: _Job, done: _Done) -> None:
         u = job.unit
+        # Note: who frees the gradients. Dropping a large tensor unmaps its pages (about 8 ms
+        # for the 103 MB embedding gradient of GPT-2 45M); on the main thread that would sit on
+        # the critical path (after backward, before step() returns). The worker drops them.
+        grads = [g for _, _, g in job.grads or ()] + [g for *_, g in job.direct or () if g is not None]
+        job.grads = job.direct = None
+        if grads:
+            self._worker.submit(grads.clear)
         self.adam_s += done.adam_s
         self.absorb_s += done.absorb_s
         for slot, fut in done.writes:
@@ -375,7 +402,7 @@ class OptimizerPipeline:
                 s.release(Hold.OPTIM)
             u.compute.release(Hold.OPTIM, after=after)
             u.phase = UnitPhase.UPDATED
-        else:
+        elif not job.keep_grads:
             u.grads.release(Hold.OPTIM)
 
     def flush_writes(self) -> None:

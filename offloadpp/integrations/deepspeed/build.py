@@ -59,25 +59,43 @@ def adam_hyper_from_ds(name: Optional[str], params: Optional[dict]) -> AdamHyper
 
 
 def _streaming_budgets(
-    model, device: str, compute: str, gas: int, deferred: bool, prefetch_depth
-) -> tuple[int, int]:
-    """(device, host) bytes the runtime needs to stream every array from SSD."""
+    model, device: str, compute: str, gas: int, deferred: bool, prefetch_depth, available: int
+) -> tuple[int, int, int]:
+    """(device, host) bytes the runtime needs to stream every array from SSD, and the optimizer
+    read-ahead q they are sized for.
+
+    Note: deferred updates (clipping, fp16) run after backward; the state of the first q+1 of
+    them is read during backward. With q covering every unit the updates wait for no read at
+    all (measured on GPT-2 45M with clipping: 1.16x plain torch against 1.24x at q=2), so q is
+    the largest whose host buffers take at most a quarter of the memory available now."""
     from offloadpp.planner.default import DEFAULT_OPTIM_PREFETCH, min_budgets
     from offloadpp.runtime import find_units, layout_units
 
     specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-    return min_budgets(
-        specs,
-        device="cuda" if device.startswith("cuda") else "cpu",
-        compute_dtype=compute,
-        prefetch_depth=2 if prefetch_depth is None else prefetch_depth,
-        optim_prefetch_depth=min(DEFAULT_OPTIM_PREFETCH, max(0, len(specs) - 1)),
-        accumulate_grads=gas > 1,
-        deferred_update=deferred,
+    top = max(0, len(specs) - 1)
+    qs = (
+        range(top, min(DEFAULT_OPTIM_PREFETCH, top) - 1, -1)
+        if deferred
+        else [min(DEFAULT_OPTIM_PREFETCH, top)]
     )
+    for q in qs:
+        dev, host = min_budgets(
+            specs,
+            device="cuda" if device.startswith("cuda") else "cpu",
+            compute_dtype=compute,
+            prefetch_depth=2 if prefetch_depth is None else prefetch_depth,
+            optim_prefetch_depth=q,
+            accumulate_grads=gas > 1,
+            deferred_update=deferred,
+        )
+        if host <= available // 4:
+            break
+    return dev, host, q
 
 
-def _budgets(block: OffloadppBlock, ds_config, model, device: str, compute: str) -> tuple[int, int]:
+def _budgets(
+    block: OffloadppBlock, ds_config, model, device: str, compute: str
+) -> tuple[int, int, Optional[int]]:
     """Byte budgets: explicit values as given. "auto" follows the ZeRO-Infinity settings beside the
     block: where they put parameters (offload_param) or optimizer state (offload_optimizer) on
     NVMe, the matching budget is what streaming that state from SSD needs, so the state lives on
@@ -88,12 +106,13 @@ def _budgets(block: OffloadppBlock, ds_config, model, device: str, compute: str)
     param_nvme = zero.offload_param is not None and zero.offload_param.device == "nvme"
     optim_nvme = zero.offload_optimizer is not None and zero.offload_optimizer.device == "nvme"
     streaming = None
+    available = psutil.virtual_memory().available
     if (block.device_budget == "auto" and param_nvme) or (block.host_budget == "auto" and optim_nvme):
         deferred = bool(ds_config.gradient_clipping) or compute == "fp16"
         streaming = _streaming_budgets(
-            model, device, compute, ds_config.gradient_accumulation_steps, deferred, block.prefetch_depth
-        )
-    available = psutil.virtual_memory().available
+            model, device, compute, ds_config.gradient_accumulation_steps, deferred, block.prefetch_depth,
+            available,
+        )  # fmt: skip
     if block.host_budget != "auto":
         host = parse_bytes(block.host_budget)
     elif optim_nvme:
@@ -109,7 +128,7 @@ def _budgets(block: OffloadppBlock, ds_config, model, device: str, compute: str)
         dev = int(free * 0.8)  # the rest for activations and the allocator's slack
     else:
         dev = available // 4
-    return dev, host
+    return dev, host, streaming[2] if streaming is not None else None
 
 
 def _scheduler(ds_config, optimizer, lr_scheduler):
@@ -173,7 +192,7 @@ def runtime_config_from(ds_config, block: OffloadppBlock, device: str, model):
     if fp16.enabled and bf16.enabled:
         raise OffloadppConfigError("fp16 and bf16 are both enabled; choose one")
     compute = "fp16" if fp16.enabled else ("bf16" if bf16.enabled else "fp32")
-    dev_budget, host_budget = _budgets(block, ds_config, model, device, compute)
+    dev_budget, host_budget, optim_prefetch = _budgets(block, ds_config, model, device, compute)
     extra: dict[str, Any] = {}
     if compute == "fp16":
         extra = dict(
@@ -188,6 +207,7 @@ def runtime_config_from(ds_config, block: OffloadppBlock, device: str, model):
         device_budget_bytes=dev_budget,
         host_budget_bytes=host_budget,
         prefetch_depth=block.prefetch_depth,
+        optim_prefetch_depth=optim_prefetch,
         gradient_accumulation_steps=ds_config.gradient_accumulation_steps,
         gradient_clipping=float(ds_config.gradient_clipping or 0.0),
         compute_dtype=compute,
