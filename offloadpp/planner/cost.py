@@ -145,6 +145,7 @@ def replay(
         adam_slowdown=1.0 if cuda else hardware.adam_slowdown_under_compute,
         forward_visit_s=hardware.runtime_forward_visit_s,
         backward_visit_s=hardware.runtime_backward_visit_s,
+        io_issue_s=hardware.io_issue_s,
     )
     rb, wb = hardware.ssd_rates()
     ssd = Fifo(rb * 1e9, wb * 1e9, hardware.ssd_latency_s)

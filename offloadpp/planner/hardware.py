@@ -110,6 +110,7 @@ class HardwareProfile:
     ssd_mixed_gbps: float = 0.0
     ssd_mixed_busy_gbps: float = 0.0
     ssd_latency_s: float = 0.0  # round trip of a small request alone (put and get, averaged)
+    io_issue_s: float = 0.0  # CPU time of the thread that issues one request (store get/put)
     io_block_size_bytes: int = 1 << 20  # the setting ssd_*_gbps were measured at
     io_queue_depth: int = 8
     runtime_forward_visit_s: float = 0.0
@@ -138,6 +139,7 @@ class HardwareProfile:
             "ssd_mixed_busy_gbps",
             "runtime_forward_visit_s",
             "runtime_backward_visit_s",
+            "io_issue_s",
         ):
             _positive("HardwareProfile", name, getattr(self, name), allow_zero=True)
         for name in ("host_memory_bytes", "device_memory_bytes"):

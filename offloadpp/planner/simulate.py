@@ -60,6 +60,8 @@ class Slot:
         if overwrite or not self.on_disk:
             self.state = READY
         else:
+            if sim.costs.io_issue_s:
+                yield ("cpu", sim.costs.io_issue_s)
             self.read_done = sim.ssd.submit(sim.t, self.nbytes, write=False, key=self.key)
             self.state = LOADING
 
@@ -220,6 +222,7 @@ class Costs:
     adam_slowdown: float
     forward_visit_s: float = 0.0  # the runtime's own work per visit
     backward_visit_s: float = 0.0
+    io_issue_s: float = 0.0  # CPU time of the issuing thread per SSD request
 
 
 class Sim:
@@ -356,7 +359,10 @@ class Sim:
         for u in self.held:
             u.weights.pump(self)
         if self.in_backward or i >= min(self.sched.prefetch_depth, self.sched.num_forward - 1):
+            n = len(self.queued_writes)
             self.flush_writes()
+            if n and self.costs.io_issue_s:
+                yield ("cpu", n * self.costs.io_issue_s)
         if i <= 1:  # the kept updated weights: held by the schedule now, or not needed
             for u in self.units:
                 if i == 1 or any(u is h for h in self.held):
@@ -510,6 +516,8 @@ class Sim:
                 yield ("cpu", job.adam_s)
                 self.adam_busy_s += self.t - t0
             if not job.defer_writes:
+                if job.writes and self.costs.io_issue_s:
+                    yield ("cpu", len(job.writes) * self.costs.io_issue_s)
                 job.write_done = [
                     self.ssd.submit(self.t, s.nbytes, write=True, key=s.key) for s in job.writes
                 ]
