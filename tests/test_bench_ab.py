@@ -33,7 +33,21 @@ def test_worker_turns_grant_steps_in_chunks(monkeypatch, capsys):
 
     from offloadpp.bench.ab_worker import _step_turns
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("run 2\nrun 2\nrun 2\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("run 2\nrun 2\nrun 2\nfinish\n"))
     assert list(_step_turns(5, turns=True)) == [0, 1, 2, 3, 4]
     assert capsys.readouterr().out.split() == ["ready", "done", "done", "done"]
     assert list(_step_turns(3, turns=False)) == [0, 1, 2]
+
+
+def test_worker_holds_until_the_harness_says_finish(monkeypatch):
+    """After its last turn a side must not wrap up (and load the machine) on its own."""
+    import io
+
+    from offloadpp.bench.ab_worker import _step_turns
+
+    stdin = io.StringIO("run 2\n")
+    monkeypatch.setattr("sys.stdin", stdin)
+    with pytest.raises(RuntimeError, match="went away"):
+        list(_step_turns(2, turns=True))  # the harness closed stdin without "finish"
+    monkeypatch.setattr("sys.stdin", io.StringIO("run 2\nfinish\n"))
+    assert list(_step_turns(2, turns=True)) == [0, 1]

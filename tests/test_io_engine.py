@@ -89,6 +89,24 @@ def test_roundtrip(io_backend, tmp_path, nbytes, block, qd):
     eng.close()
 
 
+def test_reads_overtake_queued_writes(io_backend, tmp_path):
+    """A read submitted behind a long queue of writes is served next, not after them: the
+    runtime's fetches must not wait for the state written at the end of a step."""
+    eng = _C.Engine(io_backend, MiB, 1, 1)  # one block in flight: the order is the engine's alone
+    small = _open(tmp_path / "small.bin")
+    src, a = _buf(MiB, 1)
+    eng.write(small, src.ptr, MiB, 0).wait()
+    big = _open(tmp_path / "big.bin")
+    wsrc, _ = _buf(128 * MiB, 2)
+    w = eng.write(big, wsrc.ptr, 128 * MiB, 0)
+    dst, b = _buf(MiB, 3)
+    r = eng.read(small, dst.ptr, MiB, 0)
+    assert r.wait() == MiB and np.array_equal(a, b)
+    assert not w.done(), "the read waited for all 128 queued write blocks"
+    assert w.wait() == 128 * MiB
+    eng.close()
+
+
 def test_many_in_flight_and_threads(io_backend, tmp_path):
     eng = _C.Engine(io_backend, 64 << 10, 4, 2)  # 2 workers, each with its own kernel queue
     files = [_open(tmp_path / f"f{i}.bin") for i in range(4)]

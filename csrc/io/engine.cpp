@@ -250,7 +250,7 @@ void Engine::worker_main(Worker& w) {
       for (;;) {
         fill_locked(w, batch, fin);
         if (!batch.empty() || w.inflight > 0 || !fin.empty()) break;
-        if (stopping_ && queue_.empty()) return;
+        if (stopping_ && !queued_locked()) return;
         work_cv_.wait(lock);
       }
     }
@@ -266,7 +266,7 @@ void Engine::worker_main(Worker& w) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         for (size_t i = 0; i < n; ++i) complete_block_locked(w, events[i], fin);
-        more = !queue_.empty();
+        more = queued_locked();
       }
       notify(fin);
       if (more && num_threads_ > 1) work_cv_.notify_all();
@@ -293,11 +293,12 @@ void Engine::fill_locked(Worker& w, std::vector<BlockOp>& batch, std::vector<std
       }
       continue;
     }
-    while (!queue_.empty() && (queue_.front()->failed || queue_.front()->handed >= queue_.front()->spec.len)) {
-      queue_.pop_front();
+    for (auto* q : {&reads_, &writes_}) {
+      while (!q->empty() && (q->front()->failed || q->front()->handed >= q->front()->spec.len)) q->pop_front();
     }
-    if (queue_.empty()) break;
-    std::shared_ptr<Request> rp = queue_.front();
+    auto& queue = reads_.empty() ? writes_ : reads_;
+    if (queue.empty()) break;
+    std::shared_ptr<Request> rp = queue.front();
     Request& r = *rp;
     const uint64_t len = std::min<uint64_t>(block_size_, r.spec.len - r.handed);
     const uint32_t si = w.free_slots.back();
@@ -306,7 +307,7 @@ void Engine::fill_locked(Worker& w, std::vector<BlockOp>& batch, std::vector<std
     batch.push_back(make_op(r, r.handed, len, si));
     r.handed += len;
     r.outstanding++;
-    if (r.handed >= r.spec.len) queue_.pop_front();
+    if (r.handed >= r.spec.len) queue.pop_front();
   }
 }
 
@@ -405,7 +406,7 @@ void Engine::request_finished_locked(Request& r, std::vector<std::shared_ptr<Han
 void Engine::start_stage_locked(Chain& c, std::vector<std::shared_ptr<Handle>>& fin) {
   auto& reqs = c.stages[c.current];
   c.pending = reqs.size();
-  for (auto& r : reqs) queue_.push_back(r);
+  for (auto& r : reqs) (r->spec.write ? writes_ : reads_).push_back(r);
 }
 
 void Engine::handle_finished_locked(Handle& h, std::vector<std::shared_ptr<Handle>>& fin) {

@@ -185,7 +185,14 @@ class Engine {
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // workers: new requests or stop
   std::condition_variable idle_cv_;  // wait_all
-  std::deque<std::shared_ptr<Request>> queue_;
+  // Requests not yet fully handed to a worker, reads and writes apart: a worker fills its free
+  // slots from reads_ first. Why: the runtime's reads are on the critical path (a unit's
+  // weights the next forward waits for) while its writes (updated state) only have to finish
+  // before their own key is read again, which the TensorStore orders itself. In one FIFO a
+  // fetch would queue behind hundreds of MB of state written at the end of a step.
+  std::deque<std::shared_ptr<Request>> reads_;
+  std::deque<std::shared_ptr<Request>> writes_;
+  bool queued_locked() const { return !reads_.empty() || !writes_.empty(); }
   // Handles in flight, kept alive by the engine until they finish.
   std::unordered_map<Handle*, std::shared_ptr<Handle>> live_;
   bool stopping_ = false;

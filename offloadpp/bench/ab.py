@@ -103,6 +103,10 @@ class _Side:
         self.expect("done")
 
     def finish(self) -> dict:
+        if self.proc.stdin is not None:  # taking turns: the worker waits for leave to wrap up
+            self.proc.stdin.write("finish\n")
+            self.proc.stdin.flush()
+            self.proc.stdin.close()
         rc = self.proc.wait()
         shutil.rmtree(self.nvme, ignore_errors=True)
         if rc != 0:

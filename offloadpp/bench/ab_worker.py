@@ -163,6 +163,11 @@ def _step_turns(total: int, turns: bool):
             yield step
             step += 1
         print("done", flush=True)
+    # Note: hold here until the harness says "finish". Left to exit on its own, this side would
+    # write its results and tear down (DeepSpeed frees GBs of pinned buffers and its swap files)
+    # while the other side runs its last turn, and slow those timed steps down.
+    if sys.stdin.readline().split()[:1] != ["finish"]:
+        raise RuntimeError("the A/B harness went away")
 
 
 def _peak_device_bytes(engine) -> int | None:

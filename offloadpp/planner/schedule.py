@@ -81,9 +81,13 @@ def build_schedule(plan: Plan) -> Schedule:
     update_order = absorb_order
     if plan.deferred_update:
         # Updates run after backward, in any order: the largest first, so that their state
-        # (primed at the start of forward, read during backward) is not read after backward.
+        # (read during backward) is not read after it; among equals in the next forward's
+        # order, so the weights that forward reads first are the first written back (a read of
+        # a key waits for that key's write).
         specs = {u.name: u for u in units}
-        update_order = tuple(sorted(absorb_order, key=lambda n: -specs[n].master_bytes))
+        update_order = tuple(
+            sorted(absorb_order, key=lambda n: (-specs[n].master_bytes, forward_index.get(n, 0)))
+        )
     keep_until_update = frozenset()
     if _alias(plan) and not plan.deferred_update:
         # A unit whose weights backward reads before its own visit (tied embeddings read by the

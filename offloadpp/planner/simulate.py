@@ -8,8 +8,9 @@ waits the runtime has.
 Note: the resources.
   main thread   runs the visits: device compute (forward / backward of each unit), the hooks'
                 fetch and release decisions, the optimizer's submissions and reaps. It blocks
-                where the runtime blocks: waiting for weights, for a key's own write to drain
-                before re-reading it, for the buffer pool, for the optimizer at step().
+                where the runtime blocks: waiting for weights, for the buffer pool, for the
+                optimizer at step(). (A read of a key whose write still drains is issued when
+                the write is done, without blocking.)
   worker        the optimizer's single thread: per job, wait for its reads, absorb gradients,
                 run Adam, start the writes.
   CPU sharing   on the CPU acting as the device, compute and Adam run on the same cores: while
@@ -54,15 +55,15 @@ class Slot:
         self.holds.add(hold)
         if self.state != EMPTY:
             return
-        if self.write_done > sim.t:  # our own write of this key is still draining
-            yield ("until", self.write_done)
         yield from self.pool.get(sim, self.nbytes)
         if overwrite or not self.on_disk:
             self.state = READY
         else:
             if sim.costs.io_issue_s:
                 yield ("cpu", sim.costs.io_issue_s)
-            self.read_done = sim.ssd.submit(sim.t, self.nbytes, write=False, key=self.key)
+            # issued once our own write of this key is done (slots._ReadAfterWrite), not blocking
+            issue = max(sim.t, self.write_done)
+            self.read_done = sim.ssd.submit(issue, self.nbytes, write=False, key=self.key)
             self.state = LOADING
 
     def wait(self, sim: Sim) -> Iterator:
@@ -206,7 +207,13 @@ class Job:
     done_t: Optional[float] = None
     write_done: list = field(default_factory=list)
     defer_writes: bool = False  # the step's last update: its writes start with the next fetches
+    defer_moments: bool = False  # deferred updates, window over every unit: moments wait too
     keep_grads: bool = False  # deferred: gradients stay held for an update among the first
+
+
+def _late(job: Job, s: Slot) -> bool:
+    """optimizer._late: a moment whose write waits for flush_writes."""
+    return job.defer_moments and (s is job.unit.exp_avg or s is job.unit.exp_avg_sq)
 
 
 @dataclass(frozen=True)
@@ -461,12 +468,13 @@ class Sim:
 
     def complete(self, job: Job) -> None:
         u = job.unit
-        for s, done in zip(job.writes, job.write_done):
+        for s, done in job.write_done:
             s.wrote(done)
-        if job.defer_writes:
+        if job.defer_writes or job.defer_moments:
             for s in job.writes:
-                s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
-                self.queued_writes.append(s)
+                if job.defer_writes or _late(job, s):
+                    s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
+                    self.queued_writes.append(s)
         if job.update:
             after = 0.0
             if self.cuda and isinstance(u.weights, CudaWeights) and u.weights.resident:
@@ -493,6 +501,7 @@ class Sim:
         for i, u in enumerate(self.update_order):
             yield from self.advance_update(i + self.q + 1, with_grads=True)
             job = Job(u, defer_writes=i == len(self.update_order) - 1)
+            job.defer_moments = self.q + 1 >= len(self.update_order)
             yield from self.fill_update(job, u, self.costs.adam_tail_rate)
             self.submit(job)
             self.submitted += 1
@@ -516,11 +525,10 @@ class Sim:
                 yield ("cpu", job.adam_s)
                 self.adam_busy_s += self.t - t0
             if not job.defer_writes:
-                if job.writes and self.costs.io_issue_s:
-                    yield ("cpu", len(job.writes) * self.costs.io_issue_s)
-                job.write_done = [
-                    self.ssd.submit(self.t, s.nbytes, write=True, key=s.key) for s in job.writes
-                ]
+                now = [s for s in job.writes if not _late(job, s)]
+                if now and self.costs.io_issue_s:
+                    yield ("cpu", len(now) * self.costs.io_issue_s)
+                job.write_done = [(s, self.ssd.submit(self.t, s.nbytes, write=True, key=s.key)) for s in now]
             job.done_t = self.t
 
 

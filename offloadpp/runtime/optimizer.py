@@ -66,8 +66,13 @@ class _Job:
     half: Optional[torch.Tensor] = None
     writes: list = field(default_factory=list)  # [(Slot, buffer)] to put after the job's work
     defer_writes: bool = False  # leave the puts to the main thread's flush_writes()
+    defer_moments: bool = False  # only the moments' puts (see run_deferred)
     keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
     threads: int = 1
+
+
+def _late(job: _Job, slot: Slot) -> bool:
+    return job.defer_moments and (slot is job.unit.exp_avg or slot is job.unit.exp_avg_sq)
 
 
 @dataclass
@@ -138,7 +143,7 @@ def _work(job: _Job, store) -> _Done:
     futs = []
     if not job.defer_writes:
         with record_function("offloadpp::write_state"):
-            futs = [(slot, store.put(slot.key, buf)) for slot, buf in job.writes]
+            futs = [(slot, store.put(slot.key, buf)) for slot, buf in job.writes if not _late(job, slot)]
     return _Done(futs, sq, t2 - t1, t1 - t0)
 
 
@@ -337,6 +342,10 @@ class OptimizerPipeline:
             self._advance_update(i + self.q + 1, with_grads=True)
             job = _Job(u, before=[], threads=self.tail_threads)
             job.defer_writes = i == len(self.update_order) - 1
+            # Note: with every unit's state in the window (q covers them all) the moments stay
+            # held anyway until the last update; their writes then wait for flush_writes, so
+            # the masters, which the next forward reads back, are not queued behind them.
+            job.defer_moments = self.q + 1 >= len(self.update_order)
             job.gbuf = u.grads.buffer
             self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale)
             self._submit(job)
@@ -378,8 +387,10 @@ class OptimizerPipeline:
         self.absorb_s += done.absorb_s
         for slot, fut in done.writes:
             slot.wrote(fut)
-        if job.defer_writes:
+        if job.defer_writes or job.defer_moments:
             for slot, buf in job.writes:
+                if not job.defer_writes and not _late(job, slot):
+                    continue
                 slot.acquire(Hold.WRITE)
                 self._queued_writes.append((slot, buf))
         if job.staging is not None:
