@@ -1,6 +1,7 @@
 #include "adam/thread_pool.h"
 
 #include <pthread.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -22,6 +23,7 @@ struct Job {
   void* ctx;
   size_t chunks;
   int max_helpers;
+  int nice = 0;  // the caller's nice value: helpers run the job at the caller's priority
   std::atomic<size_t> next{0};
   std::atomic<size_t> done{0};
   int helpers = 0;     // joined so far (under the pool mutex)
@@ -40,6 +42,7 @@ struct Job {
 class Pool {
  public:
   void run(Job& job, int helpers_wanted) {
+    job.nice = getpriority(PRIO_PROCESS, 0);  // Linux: the calling thread's own nice value
     {
       std::lock_guard<std::mutex> lock(mu_);
       grow(helpers_wanted);
@@ -69,6 +72,7 @@ class Pool {
   }
 
   void loop() {
+    int my_nice = getpriority(PRIO_PROCESS, 0);
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       Job* job = pick();
@@ -86,7 +90,12 @@ class Pool {
       }
       ++job->helpers;
       ++job->running;
+      const int want = job->nice;
       lock.unlock();
+      // Note: a job from a deprioritised caller (the runtime's optimizer worker on the
+      // CPU-as-device) must not take a core from torch's threads at normal priority through a
+      // helper. Raising priority back may be refused without CAP_SYS_NICE: then it stays lower.
+      if (want != my_nice && setpriority(PRIO_PROCESS, 0, want) == 0) my_nice = want;
       job->work();
       lock.lock();
       if (--job->running == 0) job->finished.notify_all();

@@ -29,6 +29,7 @@ instead of during it (docs/runtime.md has the numbers).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,6 +70,22 @@ class _Job:
     defer_moments: bool = False  # only the moments' puts (see run_deferred)
     keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
     threads: int = 1
+
+
+# Note: the optimizer's priority on the CPU-as-device. There torch's threads fill every core, and
+# an Adam thread at the same priority takes a core from one of them mid-GEMM; the others then wait
+# at the parallel region's barrier, so a millisecond of Adam costs more than a millisecond of
+# step. At nice 10 the worker (and the kernel's pool helpers, which take their caller's nice
+# value) mostly runs where compute leaves the cores idle, and at the end of backward, when the
+# main thread waits for it. On CUDA the cores are otherwise idle and the worker keeps its priority.
+ADAM_NICE = 10
+
+
+def _yield_to_compute() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ADAM_NICE)
+    except (OSError, AttributeError):
+        pass  # not permitted, or not Linux: run at normal priority
 
 
 def _late(job: _Job, slot: Slot) -> bool:
@@ -175,7 +192,9 @@ class OptimizerPipeline:
         self.separate = separate_weights
         self.threads = threads
         self.tail_threads = max(threads, len(os.sched_getaffinity(0)))
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="offloadpp-adam")
+        self._worker = ThreadPoolExecutor(
+            1, thread_name_prefix="offloadpp-adam", initializer=None if device.is_cuda else _yield_to_compute
+        )
         self._jobs: deque[tuple[_Job, Future]] = deque()
         self._queued_writes: list[tuple[Slot, torch.Tensor]] = []  # see flush_writes
         self.boundary = False
