@@ -10,15 +10,15 @@ backward visits them in reverse. While visit i runs, the weights of visits i..i+
 k visits (the last blocks of forward, reused first in backward; the embeddings read again by a
 tied head) is simply kept. The optimizer updates a unit as its gradients complete, which is at
 its backward visit, so `update_order` is the backward order (a deferred update, run after
-backward, takes the largest units first instead). Its state (master, moments) is read
-in a window over that order: the first q+1 units' state at the start of the forward that ends on
-an accumulation boundary, then unit i+q+1's as unit i is handed to the optimizer. That window is
-also what a deferred update (clipping, overflow check) uses after backward.
+backward, takes the largest units first instead, equals in forward order). Its state (master,
+moments) is read in a window over that order: the first q+1 units' state at the start of the
+forward that ends on an accumulation boundary (for a deferred update, clipping or the overflow
+check: at the start of that backward), then unit i+q+1's as unit i is handed to the optimizer.
 
 Note: across the step boundary. The units the next forward's first two visits hold (`next_keep`)
 keep their buffers after their update: the weights the update just produced are what that
-forward needs, and reading them back would queue behind the step's own trailing writes of
-master and moments (the disk serves requests in order), stalling the first visits.
+forward needs, and reading them back would wait for the step's own trailing write of that very
+key (a read of a key starts only once its write is done), stalling the first visits.
 """
 
 from __future__ import annotations

@@ -470,11 +470,10 @@ class Sim:
         u = job.unit
         for s, done in job.write_done:
             s.wrote(done)
-        if job.defer_writes or job.defer_moments:
-            for s in job.writes:
-                if job.defer_writes or _late(job, s):
-                    s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
-                    self.queued_writes.append(s)
+        for s in job.writes:
+            if job.defer_writes or _late(job, s):
+                s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
+                self.queued_writes.append(s)
         if job.update:
             after = 0.0
             if self.cuda and isinstance(u.weights, CudaWeights) and u.weights.resident:

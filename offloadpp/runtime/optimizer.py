@@ -14,7 +14,8 @@ pool (reusable once the writes are done).
 
 Note: the read-ahead window. State is read for the units `update_order[s-1 .. s+q]` once s
 updates are submitted: the first q+1 units' state at the start of the boundary micro-batch's
-forward, then one more each time a unit is submitted. Gradients kept on SSD between micro-batches
+forward (deferred updates: of its backward, see begin_backward), then one more each time a unit
+is submitted. Gradients kept on SSD between micro-batches
 use the same window on every micro-batch.
 
 Note: deferred updates (clipping, fp16). The global norm (and the overflow check) need every
@@ -406,10 +407,8 @@ class OptimizerPipeline:
         self.absorb_s += done.absorb_s
         for slot, fut in done.writes:
             slot.wrote(fut)
-        if job.defer_writes or job.defer_moments:
-            for slot, buf in job.writes:
-                if not job.defer_writes and not _late(job, slot):
-                    continue
+        for slot, buf in job.writes:
+            if job.defer_writes or _late(job, slot):  # left to flush_writes
                 slot.acquire(Hold.WRITE)
                 self._queued_writes.append((slot, buf))
         if job.staging is not None:
