@@ -30,7 +30,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BAR = 0.15
 MEASURE_S = 12.0
@@ -84,8 +84,6 @@ def budgets_for(kind: str, specs, deferred: bool) -> tuple[int, int]:
 
 
 def make_plan(cfg: Config, hw, profile, specs):
-    from dataclasses import replace
-
     from offloadpp.planner import streaming_plan
     from offloadpp.planner.search import Budget, search
 
@@ -116,6 +114,7 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
     import torch  # noqa: F401
 
     from offloadpp.planner.cost import estimate
+    from offloadpp.profiling.hardware import measure_io_contention
     from offloadpp.profiling.harness import (
         Contender,
         GPT2Shape,
@@ -130,6 +129,10 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
     model, batch = shape.build(), shape.batch()
     first = profile_model(model, batch, repeats=2, name=shape.label)
     specs = first.unit_specs()
+    # how much the SSD's traffic slows this model's own GEMMs (small shapes suffer more than the
+    # profile's default ones), as `offloadpp profile --model` measures it
+    io_slow = measure_io_contention([root], first.gemms)
+    hw = replace(hw, compute_slowdown_under_io=io_slow)
     plan = make_plan(cfg, hw, first, specs)
     # Short steps are the most exposed to the machine's load: give every configuration about
     # MEASURE_S seconds of timed steps (3 per round), within the rounds asked for and 3x that.
@@ -161,11 +164,12 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
         "activations": cfg.activations, "clip": cfg.clip, "plan": plan_summary(plan), "bound": e.bound,
         "predicted_s": predicted, "measured_s": measured, "error": abs(predicted - measured) / measured,
         "rounds": [{"predicted_s": p, "measured_s": med(t)} for p, t in zip(preds, c.round_times)],
-        "ssd_mixed_busy_gbps": res.ssd_gbps,
+        "ssd_mixed_busy_gbps": res.ssd_gbps, "compute_slowdown_under_io": io_slow,
         "predicted": {"forward_s": e.forward_s, "backward_s": e.backward_s, "optimizer_wait_s": e.optimizer_wait_s,
                       "ssd_read_bytes": e.ssd_read_bytes, "ssd_write_bytes": e.ssd_write_bytes},
         "measured": {"forward_s": med(x.forward_s for x in reps), "backward_s": med(x.backward_s for x in reps),
                      "optimizer_wait_s": med(x.optimizer_wait_s for x in reps),
+                     "fetch_wait_s": med(x.fetch_wait_s for x in reps), "compute_s": med(x.compute_s for x in reps),
                      "ssd_read_bytes": med(x.ssd_read_bytes for x in reps),
                      "ssd_write_bytes": med(x.ssd_write_bytes for x in reps)},
     }  # fmt: skip

@@ -99,6 +99,33 @@ def test_cpu_sharing_slows_the_step():
     assert shared.step_s > base.step_s * 1.03
 
 
+def test_io_contention_slows_compute_only_while_the_ssd_works():
+    m = model()
+    for plan, charged in ((in_memory(stream(m)), False), (stream(m), True)):
+        fast = dict(ssd_read_gbps=8.0, ssd_write_gbps=8.0)  # the step is bound by compute
+        base = estimate(plan, hw(**fast), m)
+        slowed = estimate(plan, hw(compute_slowdown_under_io=1.5, **fast), m)
+        if charged:  # forward and backward compute while the state streams
+            assert base.bound == "compute"
+            assert slowed.step_s > 1.05 * base.step_s
+        else:  # nothing on SSD: nothing to charge
+            assert slowed == base
+    with pytest.raises(ValueError, match="compute_slowdown_under_io"):
+        hw(compute_slowdown_under_io=0.9)
+
+
+def test_forward_reads_overtake_the_previous_steps_writes():
+    # as the engine serves them: the next forward's fetches (k=2 ahead) go before the writes the
+    # previous step's updates queued, so forward computes nearly as if the weights were in memory
+    # (a FIFO SSD put them behind every queued write: forward 7x longer here)
+    m = model()
+    h = hw(ssd_read_gbps=1.0, ssd_write_gbps=1.0)
+    e = estimate(stream(m, 2, 2), h, m)
+    resident = estimate(in_memory(stream(m, 2, 2)), h, m)
+    assert e.ssd_read_bytes > 0 and e.ssd_write_bytes > 0
+    assert e.forward_s < 2.0 * resident.forward_s
+
+
 def test_deferred_update_runs_adam_after_backward():
     m = model()
     plan = in_memory(stream(m, deferred_update=True))

@@ -69,6 +69,7 @@ def test_hardware_profile_quick(tmp_path):
     assert hw.ssd_read_gbps > 0 and hw.ssd_write_gbps > 0 and hw.ssd_mixed_gbps > 0
     assert hw.flops_per_s("fp32") > 1e8 and hw.adam_rate(1) > 1e6
     assert hw.compute_slowdown_under_adam >= 1.0 and hw.host_memory_bytes > 0
+    assert hw.compute_slowdown_under_io >= 1.0
     assert hw.ssds and hw.ssds[0].path == str(tmp_path)
     path = tmp_path / "hw.json"
     hw.to_json(str(path))

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
-from .desim import Fifo, run
+from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
 from .plan import Plan, PlanError, fmt_bytes
@@ -148,7 +148,9 @@ def replay(
         io_issue_s=hardware.io_issue_s,
     )
     rb, wb = hardware.ssd_rates()
-    ssd = Fifo(rb * 1e9, wb * 1e9, hardware.ssd_latency_s)
+    block = plan.io_block_size_bytes or hardware.io_block_size_bytes
+    depth = plan.io_queue_depth or hardware.io_queue_depth
+    ssd = Ssd(rb * 1e9, wb * 1e9, hardware.ssd_latency_s, inflight_bytes=block * depth)
     h2d = Fifo(hardware.h2d_gbps * 1e9, hardware.h2d_gbps * 1e9)
     d2h = Fifo(hardware.d2h_gbps * 1e9, hardware.d2h_gbps * 1e9)
     policies = activations if activations is not None else activation_policies(plan)
@@ -169,6 +171,7 @@ def replay(
         sim.helpers(),
         compute_slowdown=costs.compute_slowdown,
         helper_slowdown=costs.adam_slowdown,
+        io_slowdown=1.0 if cuda else hardware.compute_slowdown_under_io,
     )
     m = sim.marks[-1]
     sched = build_schedule(plan)

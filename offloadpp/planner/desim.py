@@ -1,6 +1,6 @@
-"""The discrete-event kernel of the cost model's replay (simulate.py): FIFO servers for the SSD
-and the link, the runtime's buffer pool with times instead of buffers, and the loop that runs the
-replay's threads (generators) on shared cores.
+"""The discrete-event kernel of the cost model's replay (simulate.py): the SSD as the I/O engine
+serves it (reads before queued writes), FIFO servers for the link, the runtime's buffer pool with
+times instead of buffers, and the loop that runs the replay's threads (generators) on shared cores.
 
 Pure (no torch).
 
@@ -8,20 +8,144 @@ Note: the requests a thread yields.
   ("cpu", seconds)   work on the cores; how fast it advances depends on who else works (below).
   ("until", t)       wait for a known time (an I/O completion).
   ("cond", fn)       wait until fn() is true (a job done, a queue not empty).
+  ("wait", items)    wait until every item is done: times, and SSD requests' Done (whose time is
+                     known only once the SSD has served them: a later read can delay a write).
 CPU sharing: the main thread's work is the device's compute; the helpers' (the optimizer's
 worker, the activation mover) is memory-bound CPU work. On the CPU acting as the device, while
 compute and helpers work at once, compute advances at 1/compute_slowdown and the helpers share
 1/helper_slowdown (the measured pairwise contention; two helpers split what one would get).
-Without compute, helpers run at full speed. On a GPU both factors are 1.
+Without compute, helpers run at full speed. While the SSD serves a request, compute advances
+a further 1/io_slowdown (the I/O thread and the kernel's block layer take their share of the
+cores). On a GPU all these factors are 1.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence, Union
 
 if TYPE_CHECKING:
     from .simulate import Sim
+
+
+class Done:
+    """When an SSD request finishes: `t` is None until the SSD has served it."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: Optional[float] = None):
+        self.t = t
+
+
+When = Union[float, Done, None]  # a time, a request's completion, or nothing to wait for
+INF = float("inf")
+
+
+def when(x: When) -> float:
+    """The time `x` is done at: inf while an SSD request is not served yet; 0 for nothing."""
+    if x is None:
+        return 0.0
+    if isinstance(x, Done):
+        return INF if x.t is None else x.t
+    return x
+
+
+def done_by(items: Iterable[When], t: float) -> bool:
+    return all(when(x) <= t for x in items)
+
+
+class _Req:
+    __slots__ = ("nbytes", "left", "write", "done", "after")
+
+    def __init__(self, nbytes: int, write: bool, after: Optional[Done]):
+        self.nbytes, self.left, self.write, self.after = nbytes, float(nbytes), write, after
+        self.done = Done()
+
+
+class Ssd:
+    """The SSD as io/engine serves it: one device bandwidth, requests in two queues, and each
+    free block slot goes to the oldest queued read before any queued write. A read that arrives
+    while a write is served waits only for the write's blocks already in flight
+    (`inflight_bytes`: block size x queue depth), then the write resumes behind the reads.
+    A request that finds the device idle also pays its round trip (`latency_s`).
+
+    Note: why not a FIFO. With reads first, the completion time of a write depends on reads
+    submitted after it (the optimizer's next state reads, the next forward's fetches), so it is
+    known only when the replay reaches it: submit() returns a Done, the replay's loop (run)
+    calls advance() as its clock moves and wakes whoever waits on it."""
+
+    def __init__(self, read_bps: float, write_bps: float, latency_s: float = 0.0, inflight_bytes: int = 8 << 20):
+        self.read_bps, self.write_bps, self.latency_s = read_bps, write_bps, latency_s
+        self.inflight_bytes = inflight_bytes
+        self.reads: deque[_Req] = deque()
+        self.writes: deque[_Req] = deque()
+        self.held: list[_Req] = []  # reads issued once their key's write is done
+        self.cur: Optional[_Req] = None
+        self.cur_start = self.cur_end = self.cur_lat = 0.0
+        self.read_bytes = 0
+        self.write_bytes = 0
+        self.busy_s = 0.0
+        self.by_key: dict[str, int] = {}  # bytes moved per key (both directions)
+
+    @property
+    def busy(self) -> bool:
+        return self.cur is not None
+
+    def next_event(self) -> float:
+        return self.cur_end if self.cur is not None else INF
+
+    def submit(self, t: float, nbytes: int, write: bool, key: str = "", after: When = None) -> Done:
+        """Queues a request at `t` (the replay's now); with `after` (a write's Done) it is queued
+        once that is done, as slots._ReadAfterWrite issues a read of a key whose write drains."""
+        self.advance(t)
+        if write:
+            self.write_bytes += nbytes
+        else:
+            self.read_bytes += nbytes
+        if key:
+            self.by_key[key] = self.by_key.get(key, 0) + nbytes
+        req = _Req(nbytes, write, after if isinstance(after, Done) else None)
+        if when(after) > t:
+            self.held.append(req)
+        else:
+            self._queue(req, t, idle=self.cur is None)
+        return req.done
+
+    def advance(self, t: float) -> None:
+        """Serves everything that ends by `t`."""
+        while self.cur is not None and self.cur_end <= t:
+            req, end = self.cur, self.cur_end
+            self.busy_s += end - self.cur_start
+            req.left -= max(0.0, end - self.cur_start - self.cur_lat) * (self.write_bps if req.write else self.read_bps)
+            self.cur = None
+            if req.left > 0.5:  # a write that let reads pass: it goes on first among the writes
+                self.writes.appendleft(req)
+            else:
+                req.done.t = end
+                if self.held:
+                    go = [r for r in self.held if when(r.after) <= end]
+                    self.held = [r for r in self.held if when(r.after) > end]
+                    for r in go:
+                        self._queue(r, end, idle=False)
+            self._start(end, idle=False)
+
+    def _queue(self, req: _Req, t: float, idle: bool) -> None:
+        (self.writes if req.write else self.reads).append(req)
+        if self.cur is None:
+            self._start(t, idle)
+        elif not req.write and self.cur.write:
+            # the next free block slot goes to the read: the write keeps its blocks in flight
+            cut = max(t, self.cur_start + self.cur_lat) + self.inflight_bytes / self.write_bps
+            self.cur_end = min(self.cur_end, cut)
+
+    def _start(self, t: float, idle: bool) -> None:
+        q = self.reads or self.writes
+        if self.cur is not None or not q:
+            return
+        req = q.popleft()
+        self.cur, self.cur_start = req, t
+        self.cur_lat = self.latency_s if idle else 0.0
+        self.cur_end = t + self.cur_lat + req.left / (self.write_bps if req.write else self.read_bps)
 
 
 class Fifo:
@@ -63,10 +187,10 @@ class Pool:
         self.allocated = 0
         self.peak = 0
         self.free: dict[int, int] = {}
-        self.pending: deque[tuple[int, float]] = deque()
+        self.pending: deque[tuple[int, tuple[When, ...]]] = deque()  # (bytes, done when all are)
 
     def get(self, sim: Sim, n: int) -> Iterator:
-        while self.pending and self.pending[0][1] <= sim.t:
+        while self.pending and done_by(self.pending[0][1], sim.t):
             self._add_free(self.pending.popleft()[0])
         if self.free.get(n):
             self.free[n] -= 1
@@ -74,9 +198,10 @@ class Pool:
         self._trim(n)
         while self.allocated + n > self.budget and self.pending:
             m, ready = self.pending.popleft()
-            if ready > sim.t:
-                sim.pool_wait_s += ready - sim.t
-                yield ("until", ready)
+            if not done_by(ready, sim.t):
+                t0 = sim.t
+                yield ("wait", ready)
+                sim.pool_wait_s += sim.t - t0
             self._add_free(m)
             if self.free.get(n):
                 self.free[n] -= 1
@@ -85,7 +210,7 @@ class Pool:
         self.allocated += n
         self.peak = max(self.peak, self.allocated)
 
-    def put(self, n: int, ready: float) -> None:
+    def put(self, n: int, *ready: When) -> None:
         self.pending.append((n, ready))
 
     def _add_free(self, n: int) -> None:
@@ -101,8 +226,9 @@ class Pool:
 
 
 def run(sim: Sim, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdown: float,
-        helper_slowdown: float) -> None:  # fmt: skip
+        helper_slowdown: float, io_slowdown: float = 1.0) -> None:  # fmt: skip
     """Runs `main` and the `helpers` together until `main` is done."""
+    ssd = sim.ssd
     procs: list[list] = [[g, None, 0.0] for g in (main, *helpers)]  # [generator, request, remaining cpu work]
 
     def resume(p: list) -> None:
@@ -122,12 +248,14 @@ def run(sim: Sim, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdo
         guard += 1
         if guard > 10_000_000:
             raise RuntimeError("cost model replay did not finish (internal error)")
+        ssd.advance(sim.t)
         progressed = False
         for p in procs:  # requests that are already satisfied resume at once
             req = p[1]
             if (
                 (req[0] == "cond" and req[1]())
                 or (req[0] == "until" and req[1] <= sim.t)
+                or (req[0] == "wait" and done_by(req[1], sim.t))
                 or (req[0] == "cpu" and p[2] <= 1e-12)
             ):
                 resume(p)
@@ -136,15 +264,17 @@ def run(sim: Sim, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdo
             continue
         computing = first[1][0] == "cpu"
         busy_helpers = sum(1 for p in procs[1:] if p[1][0] == "cpu")
-        rates = [1.0 / compute_slowdown if computing and busy_helpers else 1.0]
+        rates = [(1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (io_slowdown if ssd.busy else 1.0)]
         helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
         rates += [helper_rate] * (len(procs) - 1)
-        nxt, first_done = float("inf"), None
+        nxt, first_done = ssd.next_event(), None
         for p, r in zip(procs, rates):
             if p[1][0] == "cpu" and sim.t + p[2] / r < nxt:
                 nxt, first_done = sim.t + p[2] / r, p
             elif p[1][0] == "until" and p[1][1] < nxt:
                 nxt, first_done = p[1][1], None
+            elif p[1][0] == "wait" and max(map(when, p[1][1]), default=0.0) < nxt:
+                nxt, first_done = max(map(when, p[1][1])), None
         if nxt == float("inf"):
             waits = ", ".join(p[1][0] for p in procs)
             raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
@@ -159,4 +289,4 @@ def run(sim: Sim, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdo
         sim.t = nxt
 
 
-__all__ = ["Fifo", "Pool", "run"]
+__all__ = ["Done", "Fifo", "Pool", "Ssd", "When", "done_by", "run", "when"]

@@ -32,6 +32,9 @@ Note: what each number means, as the cost model uses it.
   adam_slowdown_under_compute      how much longer each takes while the other runs (>= 1; on a
                                    GPU both are 1 for compute). Measured with the two running
                                    together.
+  compute_slowdown_under_io        on the CPU as the device, how much longer compute takes while
+                                   the SSD streams reads and writes (the I/O thread and the
+                                   kernel's block layer run on the same cores; 1 on a GPU).
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class HardwareProfile:
     runtime_backward_visit_s: float = 0.0
     compute_slowdown_under_adam: float = 1.0
     adam_slowdown_under_compute: float = 1.0
+    compute_slowdown_under_io: float = 1.0
     torch_threads: int = 1  # intra-op threads compute was measured with
     measured_at: str = ""
     measure_s: float = 0.0
@@ -160,7 +164,7 @@ class HardwareProfile:
                     f"HardwareProfile.adam_params_per_s has thread count {k!r}; expected an int >= 1"
                 )
             _positive("HardwareProfile", f"adam_params_per_s[{k}]", v)
-        for name in ("compute_slowdown_under_adam", "adam_slowdown_under_compute"):
+        for name in ("compute_slowdown_under_adam", "adam_slowdown_under_compute", "compute_slowdown_under_io"):
             v = getattr(self, name)
             _positive("HardwareProfile", name, v)
             if v < 1.0:
@@ -292,7 +296,8 @@ class HardwareProfile:
             f"  runtime per unit visit: forward {self.runtime_forward_visit_s * 1e3:.2f} ms, "
             f"backward {self.runtime_backward_visit_s * 1e3:.2f} ms",
             f"  contention: compute x{self.compute_slowdown_under_adam:.2f} under Adam, "
-            f"Adam x{self.adam_slowdown_under_compute:.2f} under compute",
+            f"Adam x{self.adam_slowdown_under_compute:.2f} under compute, "
+            f"compute x{self.compute_slowdown_under_io:.2f} under SSD I/O",
             f"  memory: host {self.host_memory_bytes / 2**30:.1f} GiB available, device {self.device_memory_bytes / 2**30:.1f} GiB",
         ]
         return "\n".join(lines)

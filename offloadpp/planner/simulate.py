@@ -16,9 +16,10 @@ Note: the resources.
   CPU sharing   on the CPU acting as the device, compute and Adam run on the same cores: while
                 both run, compute advances at 1/compute_slowdown_under_adam of its speed and
                 Adam at 1/adam_slowdown_under_compute (both measured by `offloadpp profile`).
-  SSD           one FIFO server for reads and writes together (the engine serves queued
-                requests in order, one device bandwidth): a request finishes at
-                max(issue, previous finish) + bytes / GB/s of its direction.
+  SSD           one device bandwidth, reads served before queued writes, as the engine does
+                (desim.Ssd): a write's completion is known only once the replay reaches it,
+                so waits on SSD requests are on their Done. While the SSD is busy, compute on
+                the CPU acting as the device runs at 1/compute_slowdown_under_io.
   link (CUDA)   one FIFO server per direction (host->device, device->host).
 Several steps are replayed and the last is reported: writes started by one step's optimizer
 drain into the next step's reads, as they do in the runtime.
@@ -30,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
-from .desim import Fifo, Pool
+from .desim import Done, Fifo, Pool, Ssd, When, done_by
 from .plan import DTYPE_BYTES, Plan, Tier
 from .schedule import Schedule, build_schedule
 from .simulate_act import ActReplay
@@ -48,8 +49,8 @@ class Slot:
     on_disk: bool
     state: int = EMPTY
     holds: set = field(default_factory=set)
-    read_done: float = 0.0
-    write_done: float = 0.0
+    read_done: When = None
+    write_done: When = None
 
     def acquire(self, sim: Sim, hold: str, overwrite: bool = False) -> Iterator:
         self.holds.add(hold)
@@ -62,25 +63,24 @@ class Slot:
             if sim.costs.io_issue_s:
                 yield ("cpu", sim.costs.io_issue_s)
             # issued once our own write of this key is done (slots._ReadAfterWrite), not blocking
-            issue = max(sim.t, self.write_done)
-            self.read_done = sim.ssd.submit(issue, self.nbytes, write=False, key=self.key)
+            self.read_done = sim.ssd.submit(sim.t, self.nbytes, write=False, key=self.key, after=self.write_done)
             self.state = LOADING
 
     def wait(self, sim: Sim) -> Iterator:
         if self.state == LOADING:
-            if self.read_done > sim.t:
-                yield ("until", self.read_done)
+            if not done_by((self.read_done,), sim.t):
+                yield ("wait", (self.read_done,))
             self.state = READY
 
     def release(self, sim: Sim, hold: str, after: float = 0.0) -> None:
         self.holds.discard(hold)
         if self.holds or self.resident or self.state == EMPTY:
             return
-        self.pool.put(self.nbytes, max(self.read_done, self.write_done, after))
+        self.pool.put(self.nbytes, self.read_done, self.write_done, after)
         self.state = EMPTY
 
-    def wrote(self, done_t: float) -> None:
-        self.write_done = done_t
+    def wrote(self, done: Done) -> None:
+        self.write_done = done
         self.on_disk = True
 
 
@@ -123,7 +123,7 @@ class CudaWeights:
     def pump(self, sim: Sim) -> None:
         if self.state == LOADING and not self.copied:
             s = self.source
-            if s.state != LOADING or s.read_done <= sim.t:
+            if s.state != LOADING or done_by((s.read_done,), sim.t):
                 s.state = READY if s.state == LOADING else s.state
                 self._copy(sim)
                 if not s.resident:
@@ -233,7 +233,7 @@ class Costs:
 
 
 class Sim:
-    def __init__(self, plan: Plan, costs: Costs, ssd: Fifo, h2d: Fifo, d2h: Fifo, *, micro_batches: int,
+    def __init__(self, plan: Plan, costs: Costs, ssd: Ssd, h2d: Fifo, d2h: Fifo, *, micro_batches: int,
                  act_policies: Optional[Mapping[str, str]] = None, act_bytes: Optional[Mapping[str, int]] = None,
                  act_prefetch_units: int = 2):  # fmt: skip
         self.plan, self.costs = plan, costs
@@ -448,7 +448,7 @@ class Sim:
         for s in slots:
             if s.state == LOADING:
                 job.before.append(s.read_done)
-            if s.write_done > self.t:
+            if not done_by((s.write_done,), self.t):
                 job.before.append(s.write_done)
 
     def submit(self, job: Job) -> None:
@@ -514,9 +514,8 @@ class Sim:
                 if not self.queue:
                     return
             job = self.queue.popleft()
-            ready = max(job.before, default=0.0)
-            if ready > self.t:
-                yield ("until", ready)
+            if not done_by(job.before, self.t):
+                yield ("wait", tuple(job.before))
             if job.absorb_s:
                 yield ("cpu", job.absorb_s)
             if job.adam_s:

@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Mapping, Optional
 
+from .desim import When, done_by, when
+
 if TYPE_CHECKING:
     from .simulate import Sim
 
@@ -33,7 +35,7 @@ class _Out:
     started: bool = False
     cancelled: bool = False
     copy_done: Optional[float] = None
-    write_done: Optional[float] = None
+    write_done: When = None
 
 
 class ActReplay:
@@ -50,7 +52,7 @@ class ActReplay:
         self.backward_order = [v.unit for v in sim.sched.visits if v.backward]
         self.queue: deque[_Out] = deque()
         self.out: dict[str, _Out] = {}
-        self.ready: dict[str, float] = {}  # unit -> time its activations are back
+        self.ready: dict[str, tuple[When, bool]] = {}  # unit -> (its read or time, a h2d copy to follow)
         self.swapped_bytes = 0
 
     def policy(self, unit: str) -> str:
@@ -81,13 +83,19 @@ class ActReplay:
         i = self.backward_order.index(unit)
         for name in self.backward_order[i : i + self.prefetch + 1]:
             self._fetch(name)
-        t = self.ready.get(unit)
-        if t is None and unit in self.out:  # fetched while its copy was running: ready when it ends
+        r = self.ready.get(unit)
+        if r is None and unit in self.out:  # fetched while its copy was running: ready when it ends
             yield ("cond", lambda: self.out[unit].copy_done is not None)
             self._fetch(unit)
-            t = self.ready.get(unit)
-        if t is not None and t > self.sim.t:
-            yield ("until", t)
+            r = self.ready.get(unit)
+        if r is not None:
+            got, h2d = r
+            if not done_by((got,), self.sim.t):
+                yield ("wait", (got,))
+            if h2d:  # CUDA: copied up once the bytes are in host memory (the read's end)
+                t = self.sim.h2d.submit(when(got), self.act_bytes[unit], write=False)
+                if t > self.sim.t:
+                    yield ("until", t)
         self.out.pop(unit, None)
         self.ready.pop(unit, None)
 
@@ -99,18 +107,16 @@ class ActReplay:
         if not job.started:  # never left: the bytes are still on the device
             job.cancelled = True
             self.queue = deque(j for j in self.queue if j is not job)
-            self.ready[unit] = sim.t
+            self.ready[unit] = (sim.t, False)
             return
         if job.copy_done is None:  # copying now: continued when the copy ends (before_backward)
             return
-        on_ssd = job.to_ssd and job.write_done is not None and job.write_done <= sim.t
+        on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)
         if on_ssd:
-            done = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
+            done: When = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
         else:
             done = sim.t
-        if sim.cuda:
-            done = sim.h2d.submit(done, job.nbytes, write=False)
-        self.ready[unit] = done
+        self.ready[unit] = (done, sim.cuda)
 
     # ---- the activation worker -------------------------------------------------------------
     def worker(self) -> Iterator:

@@ -390,6 +390,81 @@ def measure_contention(
     return max(1.0, both_g / alone_g), max(1.0, both_a / alone_a)
 
 
+def measure_io_contention(
+    dirs: Sequence[str],
+    gemms: Sequence[tuple[int, int, int]] = DEFAULT_GEMMS,
+    tensor_bytes: int = 4 << 20,
+    count: int = 8,
+    window_s: float = 0.2,
+    pairs: int = 10,
+) -> float:
+    """Compute slowdown while the SSD streams (>= 1): matmuls on this thread in short windows,
+    alternately alone and while another thread keeps reads and writes in flight through a
+    TensorStore, as a streamed step does; the median of the `pairs` (busy / alone) ratios (the
+    machine's load moves between windows, and a pair sees the same load).
+
+    Note: why it is measured and not folded into the per-unit times. On the CPU acting as the
+    device the I/O engine's thread and the kernel's block layer take CPU from compute only while
+    requests are in flight; the replay applies it for exactly that time, so an in-memory plan is
+    not charged and a streamed one is."""
+    import torch
+
+    from offloadpp.io import TensorStore, aligned_empty
+
+    ops = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in gemms]
+
+    def gemm_rate(seconds: float) -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for a, b in ops:
+                torch.mm(a, b)
+            n += 1
+        return (time.perf_counter() - t0) / n
+
+    sub = [os.path.join(dirs[0], f".offloadpp-profile-{uuid.uuid4().hex[:8]}")]
+    bufs = [aligned_empty(tensor_bytes // 4, dtype=torch.float32) for _ in range(2 * count)]
+    ratios = []
+    go, idle, stop = threading.Event(), threading.Event(), threading.Event()
+    try:
+        with TensorStore(sub, create=True) as store:
+            for i, b in enumerate(bufs):
+                b.fill_(1.0)
+                store.put(f"p{i}", b).wait()
+
+            def stream() -> None:
+                while not stop.is_set():
+                    if not go.is_set():
+                        idle.set()  # nothing in flight: the alone window may start
+                        go.wait(0.05)
+                        continue
+                    idle.clear()
+                    futs = []
+                    for i in range(count):
+                        futs.append(store.get(f"p{i}", out=bufs[i]))
+                        futs.append(store.put(f"p{count + i}", bufs[count + i]))
+                    for f in futs:
+                        f.wait()
+
+            io = threading.Thread(target=stream, daemon=True)
+            io.start()
+            try:
+                gemm_rate(0.05)
+                for _ in range(pairs):
+                    idle.wait()
+                    alone = gemm_rate(window_s)
+                    go.set()
+                    busy = gemm_rate(window_s)
+                    go.clear()
+                    ratios.append(busy / alone)
+            finally:
+                stop.set()
+                go.set()
+                io.join()
+    finally:
+        shutil.rmtree(sub[0], ignore_errors=True)
+    return max(1.0, statistics.median(ratios))
+
+
 def measure_visit_overhead(rounds: int = 15) -> tuple[float, float]:
     """(forward, backward) seconds the runtime adds per unit visit on this CPU (its hooks: fetch
     decisions, binding parameters, the saved-tensor hooks, handing gradients to the optimizer):
@@ -534,11 +609,13 @@ def profile_hardware(
     say("device FLOP/s: " + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in flops.items()))
     adam = measure_adam(numel=(1 << 20) if quick else (4 << 20), threads=sorted({1, adam_threads, cores}))
     say("CPU Adam: " + ", ".join(f"{k} thr {v / 1e9:.2f} Gparam/s" for k, v in adam.items()))
-    slow_c = slow_a = 1.0
+    slow_c = slow_a = slow_io = 1.0
     cuda = torch.cuda.is_available()
     if not cuda:
         slow_c, slow_a = measure_contention(gemms, adam_threads=adam_threads, run_s=0.2 if quick else 1.0)
         say(f"contention: compute x{slow_c:.2f} while Adam runs, Adam x{slow_a:.2f} while compute runs")
+        slow_io = measure_io_contention(dirs, gemms, window_s=0.05 if quick else 0.2, pairs=4 if quick else 10)
+        say(f"contention: compute x{slow_io:.2f} while the SSD streams")
     visit_f, visit_b = measure_visit_overhead(8 if quick else 15)
     say(f"runtime overhead per unit visit: forward {visit_f * 1e3:.2f} ms, backward {visit_b * 1e3:.2f} ms")
     host, dev = available_memory()
@@ -565,6 +642,7 @@ def profile_hardware(
         runtime_backward_visit_s=visit_b,
         compute_slowdown_under_adam=slow_c,
         adam_slowdown_under_compute=slow_a,
+        compute_slowdown_under_io=slow_io,
         torch_threads=torch.get_num_threads(),
         measured_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         measure_s=time.perf_counter() - t_start,
