@@ -75,6 +75,31 @@ def test_gaps_are_filled_without_raising_the_peak():
     assert all("embed" in s1.alive[i] for i in range(0, 9))
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_updated_weights_are_kept_for_the_next_forward_without_raising_the_peak(deferred, monkeypatch):
+    import offloadpp.planner.schedule as sched_mod
+
+    plan = streaming_plan(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=8,
+                          deferred_update=deferred)  # fmt: skip
+    s1 = build_schedule(plan)
+    with monkeypatch.context() as m:
+        m.setattr(sched_mod, "_keep_across", lambda plan, sched: sched)
+        s0 = build_schedule(plan)
+    assert (s1.peak_device_bytes, s1.peak_host_bytes) == (s0.peak_device_bytes, s0.peak_host_bytes)
+    assert s0.next_keep <= s1.next_keep
+    assert s0.next_keep == {"embed", "h.0", "h.1", "h.2"}  # the first two visits' units
+    if deferred:  # every master is held through the updates anyway: all stay (no reads at forward)
+        assert s1.next_keep == {u.name for u in UNITS}
+    # each kept unit's hold ends at the first visit that holds it
+    assert all(
+        n in s1.alive[t] and all(n not in a for a in s1.alive[:t]) for n, t in s1.next_keep_until.items()
+    )
+    # only on the CPU device with fp32 compute (where the weights are the master)
+    bf16 = streaming_plan(UNITS, device="cpu", compute_dtype="bf16", prefetch_depth=2, optim_prefetch_depth=8,
+                          deferred_update=deferred)  # fmt: skip
+    assert build_schedule(bf16).next_keep == {"embed", "h.0", "h.1", "h.2"}
+
+
 def test_min_budgets_grow_with_prefetch_depth():
     kw = dict(device="cpu", compute_dtype="fp32")
     d0, h0 = min_budgets(UNITS, prefetch_depth=0, optim_prefetch_depth=0, **kw)

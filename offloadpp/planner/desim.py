@@ -74,7 +74,9 @@ class Ssd:
     known only when the replay reaches it: submit() returns a Done, the replay's loop (run)
     calls advance() as its clock moves and wakes whoever waits on it."""
 
-    def __init__(self, read_bps: float, write_bps: float, latency_s: float = 0.0, inflight_bytes: int = 8 << 20):
+    def __init__(
+        self, read_bps: float, write_bps: float, latency_s: float = 0.0, inflight_bytes: int = 8 << 20
+    ):
         self.read_bps, self.write_bps, self.latency_s = read_bps, write_bps, latency_s
         self.inflight_bytes = inflight_bytes
         self.reads: deque[_Req] = deque()
@@ -116,7 +118,9 @@ class Ssd:
         while self.cur is not None and self.cur_end <= t:
             req, end = self.cur, self.cur_end
             self.busy_s += end - self.cur_start
-            req.left -= max(0.0, end - self.cur_start - self.cur_lat) * (self.write_bps if req.write else self.read_bps)
+            req.left -= max(0.0, end - self.cur_start - self.cur_lat) * (
+                self.write_bps if req.write else self.read_bps
+            )
             self.cur = None
             if req.left > 0.5:  # a write that let reads pass: it goes on first among the writes
                 self.writes.appendleft(req)
@@ -264,7 +268,10 @@ def run(sim: Sim, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdo
             continue
         computing = first[1][0] == "cpu"
         busy_helpers = sum(1 for p in procs[1:] if p[1][0] == "cpu")
-        rates = [(1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (io_slowdown if ssd.busy else 1.0)]
+        rates = [
+            (1.0 / compute_slowdown if computing and busy_helpers else 1.0)
+            / (io_slowdown if ssd.busy else 1.0)
+        ]
         helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
         rates += [helper_rate] * (len(procs) - 1)
         nxt, first_done = ssd.next_event(), None

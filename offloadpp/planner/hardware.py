@@ -164,7 +164,11 @@ class HardwareProfile:
                     f"HardwareProfile.adam_params_per_s has thread count {k!r}; expected an int >= 1"
                 )
             _positive("HardwareProfile", f"adam_params_per_s[{k}]", v)
-        for name in ("compute_slowdown_under_adam", "adam_slowdown_under_compute", "compute_slowdown_under_io"):
+        for name in (
+            "compute_slowdown_under_adam",
+            "adam_slowdown_under_compute",
+            "compute_slowdown_under_io",
+        ):
             v = getattr(self, name)
             _positive("HardwareProfile", name, v)
             if v < 1.0:

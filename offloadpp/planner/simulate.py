@@ -33,7 +33,7 @@ from typing import Iterator, Mapping, Optional
 
 from .desim import Done, Fifo, Pool, Ssd, When, done_by
 from .plan import DTYPE_BYTES, Plan, Tier
-from .schedule import Schedule, build_schedule
+from .schedule import Schedule, build_schedule, flush_rank
 from .simulate_act import ActReplay
 
 EMPTY, LOADING, READY = 0, 1, 2
@@ -63,7 +63,9 @@ class Slot:
             if sim.costs.io_issue_s:
                 yield ("cpu", sim.costs.io_issue_s)
             # issued once our own write of this key is done (slots._ReadAfterWrite), not blocking
-            self.read_done = sim.ssd.submit(sim.t, self.nbytes, write=False, key=self.key, after=self.write_done)
+            self.read_done = sim.ssd.submit(
+                sim.t, self.nbytes, write=False, key=self.key, after=self.write_done
+            )
             self.state = LOADING
 
     def wait(self, sim: Sim) -> Iterator:
@@ -370,10 +372,11 @@ class Sim:
             self.flush_writes()
             if n and self.costs.io_issue_s:
                 yield ("cpu", n * self.costs.io_issue_s)
-        if i <= 1:  # the kept updated weights: held by the schedule now, or not needed
-            for u in self.units:
-                if i == 1 or any(u is h for h in self.held):
-                    u.compute.release(self, NEXT)
+        until = self.sched.next_keep_until  # the kept updated weights: held now, or past their first hold
+        for u in self.units if not self.in_backward else ():
+            t = until.get(u.name)
+            if t is not None and (i >= t or any(u is h for h in self.held)):
+                u.compute.release(self, NEXT)
         for name in self.sched.visits[i].needs:
             yield from self.by_name[name].weights.wait(self)
         self.cursor = i
@@ -491,6 +494,7 @@ class Sim:
     def flush_writes(self) -> None:
         """The step's last update's writes, started once the next forward's first fetches are."""
         queued, self.queued_writes = self.queued_writes, []
+        queued.sort(key=lambda s: flush_rank(s.key))
         for s in queued:
             s.wrote(self.ssd.submit(self.t, s.nbytes, write=True, key=s.key))
             s.release(self, WRITE)

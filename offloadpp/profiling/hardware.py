@@ -614,7 +614,9 @@ def profile_hardware(
     if not cuda:
         slow_c, slow_a = measure_contention(gemms, adam_threads=adam_threads, run_s=0.2 if quick else 1.0)
         say(f"contention: compute x{slow_c:.2f} while Adam runs, Adam x{slow_a:.2f} while compute runs")
-        slow_io = measure_io_contention(dirs, gemms, window_s=0.05 if quick else 0.2, pairs=4 if quick else 10)
+        slow_io = measure_io_contention(
+            dirs, gemms, window_s=0.05 if quick else 0.2, pairs=4 if quick else 10
+        )
         say(f"contention: compute x{slow_io:.2f} while the SSD streams")
     visit_f, visit_b = measure_visit_overhead(8 if quick else 15)
     say(f"runtime overhead per unit visit: forward {visit_f * 1e3:.2f} ms, backward {visit_b * 1e3:.2f} ms")

@@ -131,11 +131,13 @@ class Executor:
             self.in_backward or i >= min(self.schedule.prefetch_depth, self.schedule.num_forward - 1)
         ):
             self.after_first_fetches()
-        if i <= 1:
-            # The updated weights kept for this forward: held now by the schedule (or not needed).
-            for u in self.units:
-                if i == 1 or any(u is h for h in self.held):
-                    u.compute.release(Hold.NEXT)
+        # The updated weights kept for this forward (schedule.next_keep): held now by the
+        # schedule, or from their first holding visit on (not needed before).
+        until = self.schedule.next_keep_until
+        for u in self.units if not self.in_backward else ():
+            t = until.get(u.name)
+            if t is not None and (i >= t or any(u is h for h in self.held)):
+                u.compute.release(Hold.NEXT)
         with record_function("offloadpp::wait_weights"):
             for name in v.needs:
                 self._bind(self._by_name[name])

@@ -41,6 +41,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from offloadpp.optim import AdamHyper, adam_step_flat, convert_, squared_norm
+from offloadpp.planner.schedule import flush_rank
 
 from .device import CudaEventWaitable, Device
 from .memory import BufferPool
@@ -445,6 +446,7 @@ class OptimizerPipeline:
         backward, an export, close). The buffers stay held (Hold.WRITE) until then.
         """
         queued, self._queued_writes = self._queued_writes, []
+        queued.sort(key=lambda sb: flush_rank(sb[0].key))  # weights first (schedule.flush_rank)
         with record_function("offloadpp::write_state"):
             for slot, buf in queued:
                 slot.wrote(self.store.put(slot.key, buf))
