@@ -114,7 +114,7 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
     import torch  # noqa: F401
 
     from offloadpp.planner.cost import estimate
-    from offloadpp.profiling.hardware import measure_io_contention
+    from offloadpp.profiling.hardware import measure_contention, measure_io_contention
     from offloadpp.profiling.harness import (
         Contender,
         GPT2Shape,
@@ -129,10 +129,12 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
     model, batch = shape.build(), shape.batch()
     first = profile_model(model, batch, repeats=2, name=shape.label)
     specs = first.unit_specs()
-    # how much the SSD's traffic slows this model's own GEMMs (small shapes suffer more than the
-    # profile's default ones), as `offloadpp profile --model` measures it
+    # how much Adam and the SSD's traffic slow this model's own GEMMs (small shapes suffer more
+    # than the profile's default ones), as `offloadpp profile --model` measures them
+    slow_c, slow_a = measure_contention(first.gemms, adam_threads=1)
     io_slow = measure_io_contention([root], first.gemms)
-    hw = replace(hw, compute_slowdown_under_io=io_slow)
+    hw = replace(hw, compute_slowdown_under_adam=slow_c, adam_slowdown_under_compute=slow_a,
+                 compute_slowdown_under_io=io_slow)  # fmt: skip
     plan = make_plan(cfg, hw, first, specs)
     # Short steps are the most exposed to the machine's load: give every configuration about
     # MEASURE_S seconds of timed steps (3 per round), within the rounds asked for and 3x that.
@@ -165,6 +167,7 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
         "predicted_s": predicted, "measured_s": measured, "error": abs(predicted - measured) / measured,
         "rounds": [{"predicted_s": p, "measured_s": med(t)} for p, t in zip(preds, c.round_times)],
         "ssd_mixed_busy_gbps": res.ssd_gbps, "compute_slowdown_under_io": io_slow,
+        "compute_slowdown_under_adam": slow_c, "adam_slowdown_under_compute": slow_a,
         "predicted": {"forward_s": e.forward_s, "backward_s": e.backward_s, "optimizer_wait_s": e.optimizer_wait_s,
                       "ssd_read_bytes": e.ssd_read_bytes, "ssd_write_bytes": e.ssd_write_bytes},
         "measured": {"forward_s": med(x.forward_s for x in reps), "backward_s": med(x.backward_s for x in reps),
