@@ -128,8 +128,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     contenders = []
     try:
-        hw = quick_hardware([args.dir], log=_log)
         prof = profile_model(model, batch, repeats=3, name=shape.label)
+        # contention measured with this model's GEMMs, as `offloadpp profile --model` does
+        hw = quick_hardware([args.dir], log=_log, gemms=prof.gemms)
         specs = prof.unit_specs()
         # the budgets start where every hand-written plan's streaming working set fits (k = q = 2)
         need = build_schedule(streaming_plan(specs, device="cpu", compute_dtype="fp32", prefetch_depth=2,

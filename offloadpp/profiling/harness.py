@@ -192,13 +192,14 @@ def close_all(contenders: Sequence[Contender]) -> None:
             c.engine = None
 
 
-def quick_hardware(dirs: Sequence[str], log=None, total_bytes: int = 256 << 20):
-    """A hardware profile measured now (no I/O grid), for benchmarks that predict and measure in one run."""
+def quick_hardware(dirs: Sequence[str], log=None, total_bytes: int = 256 << 20, gemms=None):
+    """A hardware profile measured now (no I/O grid), for benchmarks that predict and measure in
+    one run; `gemms`: the model's GEMM shapes (FLOP/s and contention measured with them)."""
     from offloadpp.profiling.hardware import profile_hardware
 
     for d in dirs:
         os.makedirs(d, exist_ok=True)
-    return profile_hardware(dirs, io_grid=False, total_bytes=total_bytes, log=log)
+    return profile_hardware(dirs, io_grid=False, total_bytes=total_bytes, log=log, gemms=gemms)
 
 
 def rel_err(pred: float, meas: float) -> float:
