@@ -54,6 +54,24 @@ def done_by(items: Iterable[When], t: float) -> bool:
     return all(when(x) <= t for x in items)
 
 
+class _Tally:
+    """The bytes a server moved: per direction, and per key in both directions."""
+
+    def __init__(self) -> None:
+        self.read_bytes = 0
+        self.write_bytes = 0
+        self.busy_s = 0.0
+        self.by_key: dict[str, int] = {}
+
+    def _count(self, nbytes: int, write: bool, key: str) -> None:
+        if write:
+            self.write_bytes += nbytes
+        else:
+            self.read_bytes += nbytes
+        if key:
+            self.by_key[key] = self.by_key.get(key, 0) + nbytes
+
+
 class _Req:
     __slots__ = ("nbytes", "left", "write", "done", "after")
 
@@ -62,7 +80,7 @@ class _Req:
         self.done = Done()
 
 
-class Ssd:
+class Ssd(_Tally):
     """The SSD as io/engine serves it: one device bandwidth, requests in two queues, and each
     free block slot goes to the oldest queued read before any queued write. A read that arrives
     while a write is served waits only for the write's blocks already in flight
@@ -84,10 +102,7 @@ class Ssd:
         self.held: list[_Req] = []  # reads issued once their key's write is done
         self.cur: Optional[_Req] = None
         self.cur_start = self.cur_end = self.cur_lat = 0.0
-        self.read_bytes = 0
-        self.write_bytes = 0
-        self.busy_s = 0.0
-        self.by_key: dict[str, int] = {}  # bytes moved per key (both directions)
+        super().__init__()
 
     @property
     def busy(self) -> bool:
@@ -100,12 +115,7 @@ class Ssd:
         """Queues a request at `t` (the replay's now); with `after` (a write's Done) it is queued
         once that is done, as slots._ReadAfterWrite issues a read of a key whose write drains."""
         self.advance(t)
-        if write:
-            self.write_bytes += nbytes
-        else:
-            self.read_bytes += nbytes
-        if key:
-            self.by_key[key] = self.by_key.get(key, 0) + nbytes
+        self._count(nbytes, write, key)
         req = _Req(nbytes, write, after if isinstance(after, Done) else None)
         if when(after) > t:
             self.held.append(req)
@@ -152,17 +162,14 @@ class Ssd:
         self.cur_end = t + self.cur_lat + req.left / (self.write_bps if req.write else self.read_bps)
 
 
-class Fifo:
+class Fifo(_Tally):
     """A FIFO server: each request takes bytes / rate after the previous one ends, plus the
     device's round-trip latency when it arrives at an idle device."""
 
     def __init__(self, read_bps: float, write_bps: float, latency_s: float = 0.0):
         self.read_bps, self.write_bps, self.latency_s = read_bps, write_bps, latency_s
         self.free_t = 0.0
-        self.read_bytes = 0
-        self.write_bytes = 0
-        self.busy_s = 0.0
-        self.by_key: dict[str, int] = {}  # bytes moved per key (both directions)
+        super().__init__()
 
     def submit(self, t: float, nbytes: int, write: bool, key: str = "") -> float:
         # The round trip of a request is exposed only when it finds the device idle; queued
@@ -174,12 +181,7 @@ class Fifo:
         start = max(t, self.free_t)
         self.free_t = start + dur
         self.busy_s += dur
-        if write:
-            self.write_bytes += nbytes
-        else:
-            self.read_bytes += nbytes
-        if key:
-            self.by_key[key] = self.by_key.get(key, 0) + nbytes
+        self._count(nbytes, write, key)
         return self.free_t
 
 

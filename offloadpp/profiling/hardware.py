@@ -124,6 +124,17 @@ class _Spinner:
             t.join()
 
 
+def _mixed_round(store, bufs, count: int, prefix: str) -> None:
+    """Reads keys 0..count-1 into bufs[:count] while writing bufs[count:] to the next count keys,
+    requests interleaved (a streamed step's mix), and waits for all of them."""
+    futs = []
+    for i in range(count):
+        futs.append(store.get(f"{prefix}{i}", out=bufs[i]))
+        futs.append(store.put(f"{prefix}{count + i}", bufs[count + i]))
+    for f in futs:
+        f.wait()
+
+
 def measure_mixed_ssd(
     dirs: Sequence[str],
     *,
@@ -158,12 +169,7 @@ def measure_mixed_ssd(
                 f.wait()
 
             def mixed() -> None:
-                futs = []
-                for i in range(count):
-                    futs.append(store.get(f"probe{i}", out=bufs[i]))
-                    futs.append(store.put(f"probe{count + i}", bufs[count + i]))
-                for f in futs:
-                    f.wait()
+                _mixed_round(store, bufs, count, "probe")
 
             if busy:
                 with _Spinner(gemms, adam_threads):
@@ -438,12 +444,7 @@ def measure_io_contention(
                         go.wait(0.05)
                         continue
                     idle.clear()
-                    futs = []
-                    for i in range(count):
-                        futs.append(store.get(f"p{i}", out=bufs[i]))
-                        futs.append(store.put(f"p{count + i}", bufs[count + i]))
-                    for f in futs:
-                        f.wait()
+                    _mixed_round(store, bufs, count, "p")
 
             io = threading.Thread(target=stream, daemon=True)
             io.start()
