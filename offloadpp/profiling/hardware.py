@@ -13,6 +13,7 @@ directory alone, then all together (a store over all directories stripes large t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -22,7 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from offloadpp.planner.hardware import HardwareProfile, IOPoint, SsdProfile
 
@@ -39,6 +40,21 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def _scratch_store(dirs: Sequence[str], config=None) -> Iterator:
+    """A TensorStore over a fresh hidden sub-directory of each of `dirs`, removed afterwards
+    (the probes below write hundreds of MB there)."""
+    from offloadpp.io import TensorStore
+
+    sub = [os.path.join(d, f".offloadpp-profile-{uuid.uuid4().hex[:8]}") for d in dirs]
+    try:
+        with TensorStore(sub, config=config, create=True) as store:
+            yield store
+    finally:
+        for d in sub:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def measure_ssd(
     dirs: Sequence[str],
     *,
@@ -51,34 +67,29 @@ def measure_ssd(
     """(read GB/s, write GB/s) of a TensorStore over `dirs`, overwriting in place."""
     import torch
 
-    from offloadpp.io import IOConfig, TensorStore, aligned_empty
+    from offloadpp.io import IOConfig, aligned_empty
 
     count = max(1, total_bytes // tensor_bytes)
     numel = tensor_bytes // 4
-    sub = [os.path.join(d, f".offloadpp-profile-{uuid.uuid4().hex[:8]}") for d in dirs]
     cfg = IOConfig(block_size_bytes=block_size_bytes, queue_depth=queue_depth)
     bufs = [aligned_empty(numel, dtype=torch.float32) for _ in range(count)]
     for b in bufs:
         b.fill_(1.0)
     keys = [f"probe{i}" for i in range(count)]
-    try:
-        with TensorStore(sub, config=cfg, create=True) as store:
+    with _scratch_store(dirs, cfg) as store:
+        for f in [store.put(k, b) for k, b in zip(keys, bufs)]:
+            f.wait()
+
+        def write() -> None:
             for f in [store.put(k, b) for k, b in zip(keys, bufs)]:
                 f.wait()
 
-            def write() -> None:
-                for f in [store.put(k, b) for k, b in zip(keys, bufs)]:
-                    f.wait()
+        def read() -> None:
+            for f in [store.get(k, out=b) for k, b in zip(keys, bufs)]:
+                f.wait()
 
-            def read() -> None:
-                for f in [store.get(k, out=b) for k, b in zip(keys, bufs)]:
-                    f.wait()
-
-            w = _median_time(write, repeats)
-            r = _median_time(read, repeats)
-    finally:
-        for d in sub:
-            shutil.rmtree(d, ignore_errors=True)
+        w = _median_time(write, repeats)
+        r = _median_time(read, repeats)
     nbytes = count * numel * 4
     return nbytes / r / 1e9, nbytes / w / 1e9
 
@@ -154,31 +165,26 @@ def measure_mixed_ssd(
     I/O thread then competes for the cores with both)."""
     import torch
 
-    from offloadpp.io import IOConfig, TensorStore, aligned_empty
+    from offloadpp.io import IOConfig, aligned_empty
 
     count = max(1, total_bytes // tensor_bytes // 2)
     numel = tensor_bytes // 4
-    sub = [os.path.join(d, f".offloadpp-profile-{uuid.uuid4().hex[:8]}") for d in dirs]
     cfg = IOConfig(block_size_bytes=block_size_bytes, queue_depth=queue_depth)
     bufs = [aligned_empty(numel, dtype=torch.float32) for _ in range(2 * count)]
     for b in bufs:
         b.fill_(1.0)
-    try:
-        with TensorStore(sub, config=cfg, create=True) as store:
-            for f in [store.put(f"probe{i}", b) for i, b in enumerate(bufs)]:
-                f.wait()
+    with _scratch_store(dirs, cfg) as store:
+        for f in [store.put(f"probe{i}", b) for i, b in enumerate(bufs)]:
+            f.wait()
 
-            def mixed() -> None:
-                _mixed_round(store, bufs, count, "probe")
+        def mixed() -> None:
+            _mixed_round(store, bufs, count, "probe")
 
-            if busy:
-                with _Spinner(gemms, adam_threads):
-                    t = _median_time(mixed, repeats)
-            else:
+        if busy:
+            with _Spinner(gemms, adam_threads):
                 t = _median_time(mixed, repeats)
-    finally:
-        for d in sub:
-            shutil.rmtree(d, ignore_errors=True)
+        else:
+            t = _median_time(mixed, repeats)
     return 2 * count * numel * 4 / t / 1e9
 
 
@@ -192,28 +198,24 @@ def measure_io_issue(dirs: Sequence[str], nbytes: int = 1 << 20, keys: int = 8, 
     per-visit overhead (measured with everything in memory) does not hold."""
     import torch
 
-    from offloadpp.io import TensorStore, aligned_empty
+    from offloadpp.io import aligned_empty
 
-    sub = [os.path.join(dirs[0], f".offloadpp-profile-{uuid.uuid4().hex[:8]}")]
     bufs = [aligned_empty(nbytes // 4, dtype=torch.float32) for _ in range(keys)]
     gets, puts = [], []
-    try:
-        with TensorStore(sub, create=True) as store:
+    with _scratch_store(dirs[:1]) as store:
+        for i, b in enumerate(bufs):
+            b.fill_(float(i))
+            store.put(f"k{i}", b).wait()
+        for _ in range(repeats):
             for i, b in enumerate(bufs):
-                b.fill_(float(i))
-                store.put(f"k{i}", b).wait()
-            for _ in range(repeats):
-                for i, b in enumerate(bufs):
-                    t0 = time.perf_counter()
-                    f = store.get(f"k{i}", out=b)
-                    gets.append(time.perf_counter() - t0)
-                    f.wait()
-                    t0 = time.perf_counter()
-                    f = store.put(f"k{i}", b)
-                    puts.append(time.perf_counter() - t0)
-                    f.wait()
-    finally:
-        shutil.rmtree(sub[0], ignore_errors=True)
+                t0 = time.perf_counter()
+                f = store.get(f"k{i}", out=b)
+                gets.append(time.perf_counter() - t0)
+                f.wait()
+                t0 = time.perf_counter()
+                f = store.put(f"k{i}", b)
+                puts.append(time.perf_counter() - t0)
+                f.wait()
     return (statistics.median(gets) + statistics.median(puts)) / 2
 
 
@@ -226,23 +228,17 @@ def measure_ssd_latency(
     queue; a request that finds the SSD idle pays it."""
     import torch
 
-    from offloadpp.io import TensorStore, aligned_empty
+    from offloadpp.io import aligned_empty
 
-    sub = [os.path.join(dirs[0], f".offloadpp-profile-{uuid.uuid4().hex[:8]}")]
     bufs = [aligned_empty(n // 4, dtype=torch.float32) for n in sizes]
     for b in bufs:
         b.fill_(1.0)
     times = {}
-    try:
-        with TensorStore(sub, create=True) as store:
-            for i, b in enumerate(bufs):
-                store.put(f"probe{i}", b).wait()
-                times[("put", i)] = _median_time(lambda i=i, b=b: store.put(f"probe{i}", b).wait(), repeats)
-                times[("get", i)] = _median_time(
-                    lambda i=i, b=b: store.get(f"probe{i}", out=b).wait(), repeats
-                )
-    finally:
-        shutil.rmtree(sub[0], ignore_errors=True)
+    with _scratch_store(dirs[:1]) as store:
+        for i, b in enumerate(bufs):
+            store.put(f"probe{i}", b).wait()
+            times[("put", i)] = _median_time(lambda i=i, b=b: store.put(f"probe{i}", b).wait(), repeats)
+            times[("get", i)] = _median_time(lambda i=i, b=b: store.get(f"probe{i}", out=b).wait(), repeats)
     s0, s1 = sizes
     fits = [(times[(k, 0)] * s1 - times[(k, 1)] * s0) / (s1 - s0) for k in ("put", "get")]
     return max(0.0, sum(fits) / 2)
@@ -415,7 +411,7 @@ def measure_io_contention(
     not charged and a streamed one is."""
     import torch
 
-    from offloadpp.io import TensorStore, aligned_empty
+    from offloadpp.io import aligned_empty
 
     ops = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in gemms]
 
@@ -427,42 +423,38 @@ def measure_io_contention(
             n += 1
         return (time.perf_counter() - t0) / n
 
-    sub = [os.path.join(dirs[0], f".offloadpp-profile-{uuid.uuid4().hex[:8]}")]
     bufs = [aligned_empty(tensor_bytes // 4, dtype=torch.float32) for _ in range(2 * count)]
     ratios = []
     go, idle, stop = threading.Event(), threading.Event(), threading.Event()
-    try:
-        with TensorStore(sub, create=True) as store:
-            for i, b in enumerate(bufs):
-                b.fill_(1.0)
-                store.put(f"p{i}", b).wait()
+    with _scratch_store(dirs[:1]) as store:
+        for i, b in enumerate(bufs):
+            b.fill_(1.0)
+            store.put(f"p{i}", b).wait()
 
-            def stream() -> None:
-                while not stop.is_set():
-                    if not go.is_set():
-                        idle.set()  # nothing in flight: the alone window may start
-                        go.wait(0.05)
-                        continue
-                    idle.clear()
-                    _mixed_round(store, bufs, count, "p")
+        def stream() -> None:
+            while not stop.is_set():
+                if not go.is_set():
+                    idle.set()  # nothing in flight: the alone window may start
+                    go.wait(0.05)
+                    continue
+                idle.clear()
+                _mixed_round(store, bufs, count, "p")
 
-            io = threading.Thread(target=stream, daemon=True)
-            io.start()
-            try:
-                gemm_rate(0.05)
-                for _ in range(pairs):
-                    idle.wait()
-                    alone = gemm_rate(window_s)
-                    go.set()
-                    busy = gemm_rate(window_s)
-                    go.clear()
-                    ratios.append(busy / alone)
-            finally:
-                stop.set()
+        io = threading.Thread(target=stream, daemon=True)
+        io.start()
+        try:
+            gemm_rate(0.05)
+            for _ in range(pairs):
+                idle.wait()
+                alone = gemm_rate(window_s)
                 go.set()
-                io.join()
-    finally:
-        shutil.rmtree(sub[0], ignore_errors=True)
+                busy = gemm_rate(window_s)
+                go.clear()
+                ratios.append(busy / alone)
+        finally:
+            stop.set()
+            go.set()
+            io.join()
     return max(1.0, statistics.median(ratios))
 
 
