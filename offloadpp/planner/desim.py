@@ -111,12 +111,12 @@ class Ssd(_Tally):
     def next_event(self) -> float:
         return self.cur_end if self.cur is not None else INF
 
-    def submit(self, t: float, nbytes: int, write: bool, key: str = "", after: When = None) -> Done:
+    def submit(self, t: float, nbytes: int, write: bool, key: str = "", after: Optional[Done] = None) -> Done:
         """Queues a request at `t` (the replay's now); with `after` (a write's Done) it is queued
         once that is done, as slots._ReadAfterWrite issues a read of a key whose write drains."""
         self.advance(t)
         self._count(nbytes, write, key)
-        req = _Req(nbytes, write, after if isinstance(after, Done) else None)
+        req = _Req(nbytes, write, after)
         if when(after) > t:
             self.held.append(req)
         else:

@@ -50,7 +50,7 @@ class Slot:
     state: int = EMPTY
     holds: set = field(default_factory=set)
     read_done: When = None
-    write_done: When = None
+    write_done: Optional[Done] = None
 
     def acquire(self, sim: Sim, hold: str, overwrite: bool = False) -> Iterator:
         self.holds.add(hold)
@@ -372,10 +372,10 @@ class Sim:
             self.flush_writes()
             if n and self.costs.io_issue_s:
                 yield ("cpu", n * self.costs.io_issue_s)
-        until = self.sched.next_keep_until  # the kept updated weights: held now, or past their first hold
-        for u in self.units if not self.in_backward else ():
-            t = until.get(u.name)
-            if t is not None and (i >= t or any(u is h for h in self.held)):
+        # the kept updated weights: held now, or past their first hold
+        for name, t in self.sched.next_keep_until.items() if not self.in_backward else ():
+            u = self.by_name[name]
+            if i >= t or any(u is h for h in self.held):
                 u.compute.release(self, NEXT)
         for name in self.sched.visits[i].needs:
             yield from self.by_name[name].weights.wait(self)

@@ -133,10 +133,9 @@ class Executor:
             self.after_first_fetches()
         # The updated weights kept for this forward (schedule.next_keep): held now by the
         # schedule, or from their first holding visit on (not needed before).
-        until = self.schedule.next_keep_until
-        for u in self.units if not self.in_backward else ():
-            t = until.get(u.name)
-            if t is not None and (i >= t or any(u is h for h in self.held)):
+        for name, t in self.schedule.next_keep_until.items() if not self.in_backward else ():
+            u = self._by_name[name]
+            if i >= t or any(u is h for h in self.held):
                 u.compute.release(Hold.NEXT)
         with record_function("offloadpp::wait_weights"):
             for name in v.needs:
