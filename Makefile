@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab clean
+.PHONY: setup build test lint format demo doctor bench-io bench-adam bench-step bench-ab clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -17,12 +17,12 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
-	$(PY) -m ruff check offloadpp tests scripts examples bench
-	$(PY) -m ruff format --check offloadpp tests scripts examples bench
+	$(PY) -m ruff check offloadpp tests scripts examples
+	$(PY) -m ruff format --check offloadpp tests scripts examples
 
 format: setup
-	$(PY) -m ruff format offloadpp tests scripts examples bench
-	$(PY) -m ruff check --fix offloadpp tests scripts examples bench
+	$(PY) -m ruff format offloadpp tests scripts examples
+	$(PY) -m ruff check --fix offloadpp tests scripts examples
 
 # The main job: fine-tune with all training state on disk, then a short A/B against ZeRO-Infinity.
 demo: setup
@@ -34,16 +34,16 @@ doctor: setup
 bench: bench-io bench-adam bench-step bench-ab
 
 bench-io: setup
-	$(PY) -m offloadpp bench io --dir runs/nvme --size-mb 1024
+	$(PY) -m offloadpp io --dir runs/nvme --size-mb 1024
 
 bench-adam: setup
-	$(PY) -m offloadpp bench adam --params 100M
+	$(PY) -m offloadpp adam --params 100M
 
 bench-step: setup
-	$(PY) -m offloadpp bench step
+	$(PY) -m offloadpp step
 
 bench-ab: setup
-	$(PY) -m offloadpp bench ab --config ds_configs/gpt2_45m.offloadpp.json --steps 10 --out runs/ab
+	$(PY) -m offloadpp ab --config ds_configs/gpt2_45m.offloadpp.json --steps 10 --out runs/ab
 
 clean:
 	rm -rf build *.egg-info offloadpp/_C*.so runs

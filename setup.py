@@ -68,6 +68,6 @@ setup(
         "hf": ["transformers", "safetensors"],
         "dev": ["pytest", "ruff"],
     },
-    entry_points={"console_scripts": ["offloadpp=offloadpp.cli:main"]},
+    entry_points={"console_scripts": ["offloadpp=offloadpp.cli.main:main"]},
     zip_safe=False,
 )

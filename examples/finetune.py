@@ -5,7 +5,7 @@ for `offloadpp.initialize` in place of `deepspeed.initialize`.
     python examples/finetune.py --deepspeed_config ds_configs/demo.offloadpp.json \
         --model path/to/hf_model_dir --text my_corpus.txt --steps 100
 
---model takes a preset name (offloadpp/bench/models.py), a local Hugging Face model directory (its
+--model takes a preset name (offloadpp/presets.py), a local Hugging Face model directory (its
 weights are loaded) or a config.json (random init). Text is tokenised as bytes unless the model
 directory has a tokenizer. Without --text the docstrings of Python's standard library are used.
 Without an "offloadpp" block in the config this is plain DeepSpeed.
@@ -42,7 +42,7 @@ def build_model(spec: str):
     """(model, tokenizer or None, default seq_len) from a preset, an HF directory or a config file."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from offloadpp.bench.models import PRESETS
+    from offloadpp.presets import PRESETS
 
     if spec in PRESETS:
         preset = PRESETS[spec]

@@ -1,3 +1,3 @@
-from offloadpp.cli import main
+from offloadpp.cli.main import main
 
 raise SystemExit(main())

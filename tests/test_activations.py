@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from offloadpp.io import TensorStore
-from offloadpp.runtime.act_policy import ActivationConfig, ActPolicy, UnitActProfile, resolve_auto
-from offloadpp.runtime.act_records import ActivationError
-from offloadpp.runtime.activations import ActivationManager
+from offloadpp.planner import ActivationSettings
+from offloadpp.runtime.activations.manager import ActivationManager
+from offloadpp.runtime.activations.policy import ActPolicy, UnitActProfile, resolve_auto
+from offloadpp.runtime.activations.records import ActivationError
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,9 +78,9 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data):
     ref = tiny_gpt2()  # dropout on: recompute must replay the RNG
     _, want = run_step(ref, data)
     model = copy.deepcopy(ref)
-    cfg = ActivationConfig(
+    cfg = ActivationSettings(
         policy="keep" if policy == "mix" else policy,
-        unit_policies=MIX if policy == "mix" else {},
+        overrides=MIX if policy == "mix" else {},
         min_swap_bytes=0,
         budget_bytes=600_000 if policy == "auto" else None,
     )
@@ -105,7 +106,7 @@ def test_quarter_budget_within_peak_and_trains_like_keep(store, data):
     SGD steps give the losses and weights of keeping everything."""
     ref = tiny_gpt2(n_layer=8, dropout=0.0)
     model = copy.deepcopy(ref)
-    with ActivationManager.for_model(ref, ActivationConfig(policy="keep")) as keep:
+    with ActivationManager.for_model(ref, ActivationSettings(policy="keep")) as keep:
         run_step(ref, data, keep)
         keep_peak = keep.stats().peak_device_bytes
     assert keep_peak >= keep.stats().saved_bytes > 0
@@ -114,7 +115,7 @@ def test_quarter_budget_within_peak_and_trains_like_keep(store, data):
         m = copy.deepcopy(model)
         r = copy.deepcopy(model)
         opt_m, opt_r = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(r.parameters(), lr=0.1)
-        cfg = ActivationConfig(policy=policy, budget_bytes=budget, min_swap_bytes=4096)
+        cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=4096)
         with ActivationManager.for_model(m, cfg, store=store) as mgr:
             for _ in range(3):
                 loss_r, _ = run_step(r, data)
@@ -151,7 +152,7 @@ def body_manager(policy: str, store) -> tuple[Body, ActivationManager]:
     torch.manual_seed(0)
     body = Body()
     mgr = ActivationManager(
-        [("body", [body])], ActivationConfig(policy=policy, min_swap_bytes=0), store=store
+        [("body", [body])], ActivationSettings(policy=policy, min_swap_bytes=0), store=store
     )
     mgr.install()
     return body, mgr
@@ -220,7 +221,7 @@ def test_unpack_reads_the_current_parameter_storage(store, data):
     _, want = run_step(ref, data)
     model = copy.deepcopy(ref)
     with ActivationManager.for_model(
-        model, ActivationConfig(policy="ssd", min_swap_bytes=0), store=store
+        model, ActivationSettings(policy="ssd", min_swap_bytes=0), store=store
     ) as mgr:
         model.zero_grad(set_to_none=True)
         with mgr.forward():
@@ -239,7 +240,7 @@ def test_unpack_reads_the_current_parameter_storage(store, data):
 def test_second_backward_is_refused(store, data):
     model = tiny_gpt2(dropout=0.0)
     with ActivationManager.for_model(
-        model, ActivationConfig(policy="host", min_swap_bytes=0), store=store
+        model, ActivationSettings(policy="host", min_swap_bytes=0), store=store
     ) as mgr:
         with mgr.forward():
             loss = model(input_ids=data, labels=data).loss
@@ -261,7 +262,7 @@ def test_recompute_needs_the_same_saves(store):
             return (y.tanh() if self.calls == 1 else y).sum()
 
     m = Flaky()
-    mgr = ActivationManager([("flaky", [m])], ActivationConfig(policy="recompute"))
+    mgr = ActivationManager([("flaky", [m])], ActivationSettings(policy="recompute"))
     mgr.install()
     with mgr.forward():
         out = m(torch.randn(4, 8, requires_grad=True))
@@ -288,13 +289,13 @@ def test_auto_ranks_by_flops_per_byte():
 
 def test_config_is_validated(store):
     with pytest.raises(ValueError, match="min_swap_bytes"):
-        ActivationConfig(min_swap_bytes=-1)
+        ActivationSettings(min_swap_bytes=-1)
     with pytest.raises(ValueError, match="extra"):
-        ActivationConfig(polcy="ssd")
+        ActivationSettings(polcy="ssd")
     with pytest.raises(ValueError, match="nope"):
-        ActivationManager.for_model(tiny_gpt2(n_layer=1), ActivationConfig(unit_policies={"nope": "ssd"}))
+        ActivationManager.for_model(tiny_gpt2(n_layer=1), ActivationSettings(overrides={"nope": "ssd"}))
     with pytest.raises(ValueError, match="TensorStore"):
-        ActivationManager.for_model(tiny_gpt2(n_layer=1), ActivationConfig(policy="ssd"))
+        ActivationManager.for_model(tiny_gpt2(n_layer=1), ActivationSettings(policy="ssd"))
 
 
 def test_llama_under_ssd_and_recompute(store):
@@ -311,7 +312,7 @@ def test_llama_under_ssd_and_recompute(store):
         {"model.layers.0": "recompute"},
     ):
         model = copy.deepcopy(ref)
-        cfg = ActivationConfig(policy="host", unit_policies=unit_policies, min_swap_bytes=0)
+        cfg = ActivationSettings(policy="host", overrides=unit_policies, min_swap_bytes=0)
         with ActivationManager.for_model(model, cfg, store=store) as mgr:
             _, got = run_step(model, x, mgr)
         assert rel_diff(got, want) <= 1e-6
@@ -321,7 +322,7 @@ def test_recompute_leaves_the_kv_cache_alone_and_refuses_a_prefix(data):
     """HF blocks append to a KV cache even in training: the recompute must not append again, and
     cannot replay a block whose cache held a prefix (that raises, it does not compute wrong)."""
     model = tiny_gpt2(n_layer=2, dropout=0.0)
-    with ActivationManager.for_model(model, ActivationConfig(policy="recompute")) as mgr:
+    with ActivationManager.for_model(model, ActivationSettings(policy="recompute")) as mgr:
         with mgr.forward():
             out = model(input_ids=data, labels=data)
         mgr.backward(out.loss)
@@ -368,7 +369,7 @@ def test_cuda_gradients_and_allocator_peak(policy, store, data):
     _, want = run_step(ref, x)
     model = copy.deepcopy(ref)
     with ActivationManager.for_model(
-        model, ActivationConfig(policy=policy, min_swap_bytes=0), store=store
+        model, ActivationSettings(policy=policy, min_swap_bytes=0), store=store
     ) as mgr:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -385,10 +386,10 @@ def test_recompute_frees_its_graphs(data):
     graph keeps segments (and the memory they reach) alive across steps."""
     import gc
 
-    from offloadpp.runtime.act_recompute import Segment
+    from offloadpp.runtime.activations.recompute import Segment
 
     model = tiny_gpt2(n_layer=2, dropout=0.0)
-    with ActivationManager.for_model(model, ActivationConfig(policy="recompute")) as mgr:
+    with ActivationManager.for_model(model, ActivationSettings(policy="recompute")) as mgr:
         for _ in range(3):
             run_step(model, data, mgr)
         gc.collect()

@@ -11,9 +11,10 @@ import copy
 import pytest
 import torch
 
+from offloadpp.assemble import assemble_engine
 from offloadpp.optim import AdamHyper
-from offloadpp.planner import PlanError, min_budgets
-from offloadpp.runtime import OffloadEngine, RuntimeConfig, find_units, layout_units
+from offloadpp.planner import ActivationSettings, PlanError, Settings
+from offloadpp.runtime import RuntimeConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,14 +30,14 @@ def gpt2(n_layer: int = 8, seed: int = 0):
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def config(model, path, **kw) -> RuntimeConfig:
+def config(path, **activations) -> RuntimeConfig:
+    """Default settings (every array on SSD, budgets the streaming minimum) with these
+    activation settings."""
     path.mkdir(parents=True, exist_ok=True)
-    specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-    dev, host = min_budgets(specs, device="cpu", compute_dtype="fp32", prefetch_depth=2)
+    settings = Settings(activations=ActivationSettings(**activations))
     return RuntimeConfig(
-        nvme_paths=[str(path)], device_budget_bytes=dev, host_budget_bytes=host, device="cpu",
-        ssd_read_gbps=2.0, ssd_write_gbps=2.0, **kw,
-    )  # fmt: skip
+        nvme_paths=[str(path)], settings=settings, device="cpu", ssd_read_gbps=2.0, ssd_write_gbps=2.0
+    )
 
 
 def train(engine, data) -> tuple[list[float], int]:
@@ -47,7 +48,7 @@ def train(engine, data) -> tuple[list[float], int]:
         engine.backward(loss)
         report = engine.step()
         losses.append(loss.item())
-        peak = max(peak, report.activation_peak_bytes)
+        peak = max(peak, report.budget("activations").peak_bytes)
     return losses, peak
 
 
@@ -60,15 +61,15 @@ def data():
 def test_quarter_budget_trains_like_keep_within_the_peak(tmp_path, data):
     ref = gpt2()
     hyper = AdamHyper(lr=1e-3, weight_decay=0.01)
-    with OffloadEngine(copy.deepcopy(ref), config(ref, tmp_path / "keep"), hyper=hyper) as keep:
+    with assemble_engine(copy.deepcopy(ref), config(tmp_path / "keep"), hyper=hyper) as keep:
         want, keep_peak = train(keep, data)
         want_sd = {k: v.clone() for k, v in keep.module.state_dict().items()}
     assert keep.plan.activations == () or set(keep.plan.activations) == {"keep"}
     budget = keep_peak // 4
     for policy in ("auto", "ssd", "recompute"):
-        cfg = config(ref, tmp_path / policy, activations=policy, activation_budget_bytes=budget)
-        with OffloadEngine(copy.deepcopy(ref), cfg, hyper=hyper) as eng:
-            assert eng.plan.activation_budget_bytes == budget
+        cfg = config(tmp_path / policy, policy=policy, budget_bytes=budget)
+        with assemble_engine(copy.deepcopy(ref), cfg, hyper=hyper) as eng:
+            assert eng.plan.budgets.activation_bytes == budget
             assert len(eng.plan.activations) == len(eng.plan.units)
             got, peak = train(eng, data)
             assert got == want, policy
@@ -82,17 +83,17 @@ def test_quarter_budget_trains_like_keep_within_the_peak(tmp_path, data):
 def test_per_unit_overrides_and_plan_validation(tmp_path, data):
     ref = gpt2(n_layer=2)
     overrides = {"transformer.h.0": "ssd", "transformer.h.1": "recompute", "head": "host"}
-    cfg = config(ref, tmp_path, activations="keep", activation_overrides=overrides)
-    with OffloadEngine(copy.deepcopy(ref), cfg) as eng:
+    cfg = config(tmp_path, policy="keep", overrides=overrides)
+    with assemble_engine(copy.deepcopy(ref), cfg) as eng:
         assert dict(zip([u.name for u in eng.plan.units], eng.plan.activations)) == {
             "embed": "keep",
             **overrides,
         }
         train(eng, data[:1])
-    with pytest.raises(ValueError, match="activation_overrides"):
-        OffloadEngine(copy.deepcopy(ref), config(ref, tmp_path / "x", activation_overrides={"nope": "ssd"}))
+    with pytest.raises(ValueError, match="overrides names units the model does not have.*nope"):
+        assemble_engine(copy.deepcopy(ref), config(tmp_path / "x", overrides={"nope": "ssd"}))
     from dataclasses import replace
 
-    with OffloadEngine(copy.deepcopy(ref), config(ref, tmp_path / "y")) as eng:
+    with assemble_engine(copy.deepcopy(ref), config(tmp_path / "y")) as eng:
         with pytest.raises(PlanError, match="activations"):
             replace(eng.plan, activations=("keep",))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from offloadpp.cli import BENCHES, COMMANDS, main
+from offloadpp.cli.main import BENCHES, COMMANDS, main
 
 
 def test_doctor_ok_on_a_writable_dir(tmp_path, capsys):

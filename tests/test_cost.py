@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from offloadpp.planner import PlanError, Tier, streaming_plan
+from offloadpp.planner import Budgets, PlanError, Settings, Tier, streaming_plan
 from offloadpp.planner.cost import estimate, replay
 from offloadpp.planner.hardware import HardwareProfile
 from offloadpp.planner.model_profile import analytic_profile
-from offloadpp.planner.search import Budget, search
+from offloadpp.planner.search import Request, search
 
 GPT2 = {
     "model_type": "gpt2",
@@ -39,8 +39,7 @@ def model(seq_len: int = 64):
 
 def stream(m, k: int = 2, q: int = 2, **kw):
     return streaming_plan(m.unit_specs(), device=kw.pop("device", "cpu"), compute_dtype=kw.pop("compute_dtype", "fp32"),
-                          prefetch_depth=k, optim_prefetch_depth=q, device_budget_bytes=1 << 34,
-                          host_budget_bytes=1 << 34, **kw)  # fmt: skip
+                          prefetch_depth=k, optim_prefetch_depth=q, budgets=Budgets(1 << 34, 1 << 34), **kw)  # fmt: skip
 
 
 def in_memory(plan):
@@ -159,7 +158,7 @@ def _runtime_bytes(shape_kw, plan, steps: int = 4, clip: float = 0.0, micro: int
     pytest.importorskip("transformers")
     import tempfile
 
-    from offloadpp.profiling.harness import Contender, GPT2Shape, close_all, make_engines
+    from offloadpp.bench.harness import Contender, GPT2Shape, close_all, make_engines
 
     shape = GPT2Shape(**shape_kw)
     m, batch = shape.build(), shape.batch()
@@ -202,11 +201,9 @@ def _tiny_plans():
 
     need = build_schedule(s)
     extra = sum(u.padded_numel for u in m.unit_specs()) * 3  # a quarter of master + moments
-    b = Budget(
-        device_bytes=need.peak_device_bytes + extra,
-        host_bytes=need.peak_host_bytes + extra,
-        prefetch_depth=1,
-        optim_prefetch_depth=1,
+    b = Request(
+        Budgets(need.peak_device_bytes + extra, need.peak_host_bytes + extra),
+        Settings(prefetch_depth=1, optim_prefetch_depth=1),
     )
     partial = search(h, m, b).plan
     assert partial.ssd_bytes() > 0 and any(

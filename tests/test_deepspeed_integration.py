@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ def tiny_gpt2(seed=0):
 
 
 def ds_config(nvme, **over):
+    os.makedirs(nvme, exist_ok=True)  # an nvme path must exist (a missing one is an error)
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,

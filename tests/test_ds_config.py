@@ -5,6 +5,7 @@ import json
 import pytest
 
 from offloadpp.integrations.deepspeed.config import (
+    DS_OWNED,
     OffloadppConfigError,
     load_ds_config,
     offloadpp_enabled,
@@ -30,7 +31,7 @@ def test_defaults_come_from_zero_infinity_settings():
     cfg["offloadpp"] = {"enabled": True}
     block = parse_block(cfg)
     assert block.enabled
-    assert block.nvme_paths == ["/nvme/a"]
+    assert block.nvme_paths == ("/nvme/a",)
     assert block.io.block_size_bytes == 262144
     assert block.io.queue_depth == 16
     assert block.io.num_threads == 2
@@ -40,7 +41,7 @@ def test_explicit_values_win_over_zero_infinity_ones():
     cfg = _zero_infinity()
     cfg["offloadpp"] = {"enabled": True, "nvme_paths": ["/x", "/y"], "io": {"queue_depth": 4}}
     block = parse_block(cfg)
-    assert block.nvme_paths == ["/x", "/y"]
+    assert block.nvme_paths == ("/x", "/y")
     assert block.io.queue_depth == 4
     assert block.io.block_size_bytes == 262144
 
@@ -49,15 +50,19 @@ def test_distinct_param_and_optimizer_paths_are_both_used():
     cfg = _zero_infinity()
     cfg["zero_optimization"]["offload_param"]["nvme_path"] = "/nvme/b"
     cfg["offloadpp"] = {"enabled": True}
-    assert parse_block(cfg).nvme_paths == ["/nvme/a", "/nvme/b"]
+    assert parse_block(cfg).nvme_paths == ("/nvme/a", "/nvme/b")
 
 
 @pytest.mark.parametrize(
     "block, field",
     [
         ({"enabled": True, "nvme_pth": ["/x"]}, "offloadpp.nvme_pth"),
-        ({"enabled": True, "prefetch_depth": 0}, "offloadpp.prefetch_depth"),
-        ({"enabled": True, "device_budget": "lots"}, "offloadpp.device_budget"),
+        ({"enabled": True, "prefetch_depth": -1}, "offloadpp.prefetch_depth"),
+        ({"enabled": True, "prefetch_depth": "2"}, "offloadpp.prefetch_depth"),
+        ({"enabled": True, "device_budget_bytes": "lots"}, "offloadpp.device_budget_bytes"),
+        ({"enabled": True, "activations": {"budget_bytes": "lots"}}, "offloadpp.activations.budget_bytes"),
+        ({"enabled": True, "activations": {"policy": "disk"}}, "offloadpp.activations.policy"),
+        ({"enabled": True, "fill_gaps": "yes"}, "offloadpp.fill_gaps"),
         ({"enabled": True, "io": {"backend": "spdk"}}, "offloadpp.io.backend"),
         ({"enabled": True, "nvme_paths": []}, "offloadpp.nvme_paths"),
     ],
@@ -78,6 +83,91 @@ def test_enabled_flag():
     assert not offloadpp_enabled(_zero_infinity())
     assert not offloadpp_enabled({**_zero_infinity(), "offloadpp": {"enabled": False}})
     assert offloadpp_enabled({**_zero_infinity(), "offloadpp": {"enabled": True}})
+    for bad in ("false", "true", 1, None):  # a string must not switch anything on or off
+        with pytest.raises(OffloadppConfigError, match="offloadpp.enabled: expected true or false"):
+            offloadpp_enabled({**_zero_infinity(), "offloadpp": {"enabled": bad}})
+
+
+def test_unknown_keys_suggest_the_close_one():
+    cfg = {**_zero_infinity(), "offloadpp": {"enabled": True, "device_budget": "8GiB"}}
+    with pytest.raises(
+        OffloadppConfigError, match="offloadpp.device_budget: unknown key; did you mean 'device_budget_bytes'"
+    ):
+        parse_block(cfg)
+    cfg = {**_zero_infinity(), "offloadpp": {"enabled": True, "activations": {"polcy": "ssd"}}}
+    with pytest.raises(
+        OffloadppConfigError, match="offloadpp.activations.polcy: unknown key; did you mean 'policy'"
+    ):
+        parse_block(cfg)
+
+
+@pytest.mark.parametrize("key", sorted(DS_OWNED))
+def test_keys_deepspeed_owns_are_refused_naming_its_key(key):
+    cfg = {**_zero_infinity(), "offloadpp": {"enabled": True, key: 1}}
+    with pytest.raises(
+        OffloadppConfigError, match=f"offloadpp.{key}: DeepSpeed's own config sets this; use "
+    ):
+        parse_block(cfg)
+
+
+def test_every_setting_is_reachable_from_the_block(tmp_path):
+    """Each Settings field (less DeepSpeed's) and each IOConfig field set in the block arrives in
+    the RuntimeConfig the engine gets; "auto" leaves the default."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from offloadpp.integrations.deepspeed.build import runtime_config_from
+    from offloadpp.io import IOConfig
+    from offloadpp.planner import Settings
+
+    values = {
+        "device_budget_bytes": "1GiB", "host_budget_bytes": 3 << 30, "prefetch_depth": 1, "optim_prefetch_depth": 3,
+        "fill_gaps": False, "adam_threads": 1, "units": [["transformer.wte", "transformer.wpe"], ["lm_head"]],
+        "plan": "auto", "hardware_profile": "/hw.json", "model_profile": "/m.json", "seq_len": 77,
+        "activations": {"policy": "ssd", "overrides": {"embed": "keep"}, "budget_bytes": "64MiB",
+                        "host_budget_bytes": "1GB", "prefetch_units": 1, "min_swap_bytes": "4KiB"},
+    }  # fmt: skip
+    io = {"backend": "threadpool", "block_size_bytes": "512KiB", "queue_depth": 4, "num_threads": 2,
+          "o_direct": True, "checksum": True, "stripe_min_bytes": 0, "pin": False, "bounce_cache_bytes": "1MiB"}  # fmt: skip
+    missing = set(Settings.model_fields) - set(values) - set(DS_OWNED)
+    assert not missing, f"test does not cover {missing}"
+    assert set(io) == set(IOConfig.model_fields)
+    cfg = _zero_infinity(str(tmp_path))
+    cfg["offloadpp"] = {"enabled": True, **values, "io": io, "ssd_read_gbps": 1.5, "ssd_write_gbps": 2.5}
+    block = parse_block(cfg)
+    rc = runtime_config_from(DeepSpeedConfig(cfg), block, device="cpu")
+    s = rc.settings
+    assert s.device_budget_bytes == 1 << 30 and s.host_budget_bytes == 3 << 30 and s.seq_len == 77
+    assert (s.prefetch_depth, s.optim_prefetch_depth, s.fill_gaps, s.adam_threads) == (1, 3, False, 1)
+    assert s.units == (("transformer.wte", "transformer.wpe"), ("lm_head",)) and s.plan == "auto"
+    assert (s.hardware_profile, s.model_profile) == ("/hw.json", "/m.json")
+    a = s.activations
+    assert (a.policy, dict(a.overrides), a.budget_bytes, a.host_budget_bytes) == (
+        "ssd",
+        {"embed": "keep"},
+        64 << 20,
+        10**9,
+    )
+    assert (a.prefetch_units, a.min_swap_bytes) == (1, 4096)
+    assert rc.io == IOConfig(backend="threadpool", block_size_bytes=512 << 10, queue_depth=4, num_threads=2,
+                             checksum=True, stripe_min_bytes=0, pin=False, bounce_cache_bytes=1 << 20)  # fmt: skip
+    assert (rc.ssd_read_gbps, rc.ssd_write_gbps) == (1.5, 2.5)
+    # from DeepSpeed's own keys
+    assert s.micro_batch == 2 and s.offload_params and s.offload_optimizer and s.compute_dtype == "fp32"
+    # "auto" everywhere: the defaults (and the aio block's io); for `plan`, "auto" is the
+    # cost-model planner itself. DeepSpeed's gradient_clipping defaults to 1.0.
+    cfg["offloadpp"] = {"enabled": True, **{k: "auto" for k in values}, "io": {k: "auto" for k in io}}
+    rc = runtime_config_from(DeepSpeedConfig(cfg), parse_block(cfg), device="cpu")
+    assert rc.settings == Settings(micro_batch=2, plan="auto", gradient_clipping=1.0)
+    assert rc.io == IOConfig(block_size_bytes=262144, queue_depth=16, num_threads=2)
+
+
+def test_missing_nvme_path_is_an_error_not_created(tmp_path):
+    from offloadpp.integrations.deepspeed.build import swap_dirs
+
+    with pytest.raises(OffloadppConfigError, match="does not exist; create it or mount the SSD"):
+        swap_dirs([str(tmp_path / "typo")])
+    assert not (tmp_path / "typo").exists()
+    assert swap_dirs([str(tmp_path)]) == (str(tmp_path / "offloadpp"),)
 
 
 @pytest.mark.parametrize(
@@ -122,3 +212,16 @@ def test_shipped_configs_are_valid_pairs():
         a.pop("offloadpp")
         assert a == b, f"{ours} and {theirs} differ beyond the offloadpp block"
         parse_block(json.load(open(ours)))
+
+
+def test_every_block_key_is_documented():
+    import os
+
+    from offloadpp.integrations.deepspeed.config import block_keys
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "deepspeed.md")).read()
+    keys = []
+    for key, sub in block_keys().items():
+        keys += [f"{key}.{k}" for k in sub.model_fields] if sub is not None else [key]
+    missing = [k for k in keys if f"`{k}`" not in doc]
+    assert not missing, f"docs/deepspeed.md does not document {missing}"

@@ -15,7 +15,6 @@ import torch
 from offloadpp import _C
 from offloadpp.io import (
     ALIGNMENT,
-    BufferPool,
     IOConfig,
     SwapIOError,
     aligned_empty,
@@ -266,7 +265,7 @@ def test_gil_released_while_waiting(tmp_path):
     assert ticks > 10_000, f"the main thread ran only {ticks} iterations in {elapsed:.3f} s"
 
 
-def test_aligned_empty_and_pool():
+def test_aligned_empty():
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.int64):
         t = aligned_empty((3, 1001), dtype=dtype)
         assert t.shape == (3, 1001) and t.dtype == dtype and t.data_ptr() % ALIGNMENT == 0
@@ -276,11 +275,3 @@ def test_aligned_empty_and_pool():
     assert not is_managed(torch.empty(10))
     with pytest.raises(SwapIOError):
         aligned_empty(10, pin=True) if not torch.cuda.is_available() else (_ for _ in ()).throw(SwapIOError())
-    pool = BufferPool(2, 10_000)
-    a, b = pool.acquire(), pool.acquire()
-    assert a.data_ptr() % ALIGNMENT == 0 and a.data_ptr() != b.data_ptr()
-    with pytest.raises(TimeoutError):
-        pool.acquire(timeout=0.01)
-    pool.release(a)
-    with pool.buffer() as c:
-        assert c.data_ptr() == a.data_ptr()  # reused, not reallocated

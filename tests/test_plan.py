@@ -12,9 +12,11 @@ from dataclasses import replace
 import pytest
 
 from offloadpp.planner import (
+    Budgets,
     Placement,
     Plan,
     PlanError,
+    Settings,
     Tier,
     UnitSpec,
     all_on_ssd,
@@ -31,6 +33,16 @@ UNITS = (
     + [UnitSpec(f"h.{i}", 3_150_000) for i in range(6)]
     + [UnitSpec("head", 1024, borrows=("embed",))]
 )
+
+
+def dplan(units, device_budget_bytes, host_budget_bytes, device="cpu", **settings):
+    """The default plan of `units` for these budgets and settings."""
+    return default_plan(
+        units,
+        device=device,
+        settings=Settings(**settings),
+        budgets=Budgets(device_budget_bytes, host_budget_bytes),
+    )
 
 
 def test_planner_imports_no_torch():
@@ -111,9 +123,7 @@ def test_min_budgets_grow_with_prefetch_depth():
 
 def test_default_plan_streams_everything_at_the_minimum():
     dev, host = min_budgets(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2)
-    plan = default_plan(
-        UNITS, device="cpu", compute_dtype="fp32", device_budget_bytes=dev, host_budget_bytes=host
-    )
+    plan = dplan(UNITS, dev, host)
     assert plan.prefetch_depth == 2 and plan.optim_prefetch_depth == 2
     assert all(p == Placement(u.name, Tier.SSD, Tier.SSD, Tier.SSD, Tier.SSD) for u, p in plan)
     assert plan.ssd_bytes() == sum(u.master_bytes + u.moments_bytes for u in UNITS)
@@ -121,9 +131,7 @@ def test_default_plan_streams_everything_at_the_minimum():
 
 
 def test_default_plan_keeps_what_fits():
-    plan = default_plan(
-        UNITS, device="cpu", compute_dtype="fp32", device_budget_bytes=10**10, host_budget_bytes=10**10
-    )
+    plan = dplan(UNITS, 10**10, 10**10)
     assert all(
         p.weights is Tier.DEVICE and p.master is Tier.HOST and p.moments is Tier.HOST for p in plan.placements
     )
@@ -135,30 +143,24 @@ def test_default_plan_backs_off_prefetch_depth_then_fails_clearly():
     d1, _ = min_budgets(blocks, device="cpu", compute_dtype="fp32", prefetch_depth=1)
     d2, _ = min_budgets(blocks, device="cpu", compute_dtype="fp32", prefetch_depth=2)
     assert d1 < d2
-    plan = default_plan(
-        blocks, device="cpu", compute_dtype="fp32", device_budget_bytes=d1, host_budget_bytes=10**10,
-        optim_prefetch_depth=2,
-    )  # fmt: skip
+    plan = dplan(blocks, d1, 10**10, optim_prefetch_depth=2)
     assert plan.prefetch_depth == 1
     with pytest.raises(PlanError, match=r"device budget of .* too small.*'embed'.*25,800,000 parameters"):
-        default_plan(
-            UNITS, device="cpu", compute_dtype="fp32", device_budget_bytes=1 << 20, host_budget_bytes=10**10
-        )
+        dplan(UNITS, 1 << 20, 10**10)
     with pytest.raises(
-        PlanError, match=r"host budget of .* too small.*Raise host_budget_bytes to at least \d+"
+        PlanError, match=r"host budget of .* too small.*Raise the host budget to at least \d+ bytes"
     ):
-        default_plan(
-            UNITS, device="cpu", compute_dtype="fp32", device_budget_bytes=10**10, host_budget_bytes=1 << 20
-        )
+        dplan(UNITS, 10**10, 1 << 20)
 
 
 def test_persistent_grads_go_to_ssd_when_host_is_short():
-    kw = dict(device="cpu", compute_dtype="fp32", accumulate_grads=True)
-    dev, host = min_budgets(UNITS, prefetch_depth=2, **kw)
-    plan = default_plan(UNITS, device_budget_bytes=dev, host_budget_bytes=host, **kw)
+    dev, host = min_budgets(
+        UNITS, prefetch_depth=2, device="cpu", compute_dtype="fp32", accumulate_grads=True
+    )
+    plan = dplan(UNITS, dev, host, gradient_accumulation_steps=2)
     assert plan.persistent_grads and all(p.grads is Tier.SSD for p in plan.placements)
     assert plan.notes and "gradients" in plan.notes[0]
-    roomy = default_plan(UNITS, device_budget_bytes=dev, host_budget_bytes=10**10, **kw)
+    roomy = dplan(UNITS, dev, 10**10, gradient_accumulation_steps=2)
     assert all(p.grads is Tier.HOST for p in roomy.placements)
 
 

@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from offloadpp.planner import PlanError, Tier, build_schedule
+from offloadpp.planner import Budgets, PlanError, Settings, Tier, build_schedule
 from offloadpp.planner.hardware import HardwareProfile, IOPoint, ProfileError, SsdProfile
 from offloadpp.planner.model_profile import ModelProfile, ModelProfileError, UnitProfile, analytic_profile
 from offloadpp.planner.planfile import load_plan, plan_from_dict, plan_to_dict, save_plan
-from offloadpp.planner.search import Budget, describe_buffers, plan, search
+from offloadpp.planner.search import Request, describe_buffers, plan, search
 
 GPT2 = {
     "model_type": "gpt2",
@@ -40,6 +40,18 @@ def cuda_hw(**kw) -> HardwareProfile:
     return cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=25.0, d2h_gbps=25.0,
                   device_flops_per_s={"fp32": 50e12, "bf16": 400e12}, compute_slowdown_under_adam=1.0,
                   adam_slowdown_under_compute=1.0, cpu_cores=16, **kw)  # fmt: skip
+
+
+def request(
+    device_bytes, host_bytes, *, ssd_bytes=None, activation_bytes=None, adam_threads=1, **settings
+) -> Request:
+    """What the search is asked: budgets, and settings (deferred_update=True: clipping on)."""
+    if settings.pop("deferred_update", False):
+        settings["gradient_clipping"] = 1.0
+    if "micro_batches" in settings:
+        settings["gradient_accumulation_steps"] = settings.pop("micro_batches")
+    budgets = Budgets(device_bytes, host_bytes, activation_bytes=activation_bytes)
+    return Request(budgets, Settings(**settings), adam_threads=adam_threads, ssd_free_bytes=ssd_bytes)
 
 
 def gpt2_profile(**kw) -> ModelProfile:
@@ -137,14 +149,14 @@ def test_model_profile_json_round_trip_and_errors(tmp_path):
 
 
 # ---- the search ---------------------------------------------------------------------------------
-def _fits(p, budget):
+def _fits(p, req):
     s = build_schedule(p)
-    return s.peak_device_bytes <= budget.device_bytes and s.peak_host_bytes <= budget.host_bytes
+    return s.peak_device_bytes <= req.budgets.device_bytes and s.peak_host_bytes <= req.budgets.host_bytes
 
 
 def test_ample_budget_keeps_everything_in_memory():
     hw, m = cpu_hw(), gpt2_profile()
-    b = Budget(device_bytes=4 << 30, host_bytes=4 << 30)
+    b = request(4 << 30, host_bytes=4 << 30)
     r = search(hw, m, b)
     assert r.best.estimate.ssd_read_bytes == 0 and r.best.estimate.ssd_write_bytes == 0
     assert r.plan.ssd_bytes() == 0
@@ -157,7 +169,7 @@ def test_plans_fit_their_budgets_and_beat_streaming(frac):
     hw, m = cpu_hw(ssd_read_gbps=0.5, ssd_write_gbps=0.5), gpt2_profile()
     total = sum(u.padded_numel for u in m.unit_specs()) * 16
     dev, host = _stream_needs(hw, m)
-    b = Budget(device_bytes=dev + int(frac * total / 4), host_bytes=host + int(frac * total))
+    b = request(dev + int(frac * total / 4), host_bytes=host + int(frac * total))
     r = search(hw, m, b)
     assert _fits(r.plan, b)
     stream = [c for c in r.candidates if c.label.endswith("stream")]
@@ -180,20 +192,20 @@ def test_more_memory_means_less_ssd_traffic():
     total = sum(u.padded_numel for u in m.unit_specs()) * 4
     traffic = []
     for frac in (0.0, 0.5, 3.0):
-        r = search(hw, m, Budget(device_bytes=dev + int(frac * total), host_bytes=host + int(frac * total)))
+        r = search(hw, m, request(dev + int(frac * total), host_bytes=host + int(frac * total)))
         traffic.append(r.best.estimate.ssd_read_bytes + r.best.estimate.ssd_write_bytes)
     assert traffic[0] > traffic[1] > traffic[2] == 0
 
 
 def test_fixed_prefetch_depth_is_respected():
-    r = search(cpu_hw(), gpt2_profile(), Budget(device_bytes=1 << 30, host_bytes=1 << 30, prefetch_depth=1))
+    r = search(cpu_hw(), gpt2_profile(), request(1 << 30, host_bytes=1 << 30, prefetch_depth=1))
     assert {c.plan.prefetch_depth for c in r.candidates} == {1}
 
 
 def test_infeasible_budget_names_missing_bytes_and_tier():
     hw, m = cpu_hw(), gpt2_profile()
     with pytest.raises(PlanError) as e:
-        plan(hw, m, Budget(device_bytes=1 << 20, host_bytes=1 << 20))
+        plan(hw, m, request(1 << 20, host_bytes=1 << 20))
     msg = str(e.value)
     assert "device budget is short by" in msg and "host budget is short by" in msg
     assert "'embed'" in msg  # the largest unit
@@ -203,7 +215,7 @@ def test_infeasible_budget_names_missing_bytes_and_tier():
         plan(
             hw,
             m,
-            Budget(device_bytes=1 << 30, host_bytes=host - 4096, prefetch_depth=0, optim_prefetch_depth=0),
+            request(1 << 30, host_bytes=host - 4096, prefetch_depth=0, optim_prefetch_depth=0),
         )
     assert "host budget is short by 4.00 KiB (4096 bytes)" in str(e.value) and "device budget" not in str(
         e.value
@@ -214,23 +226,23 @@ def test_ssd_space_is_a_budget_too():
     hw, m = cpu_hw(), gpt2_profile()
     dev, host = _stream_needs(hw, m)
     with pytest.raises(PlanError, match="SSD space is short by"):
-        plan(hw, m, Budget(device_bytes=dev, host_bytes=host, ssd_bytes=1 << 20))
+        plan(hw, m, request(dev, host, ssd_bytes=1 << 20))
 
 
 def test_budget_errors_name_field():
-    with pytest.raises(PlanError, match="Budget.host_bytes.*-1"):
-        Budget(device_bytes=1, host_bytes=-1)
-    with pytest.raises(PlanError, match="compute_dtype.*'fp8'"):
-        Budget(device_bytes=1, host_bytes=1, compute_dtype="fp8")
+    with pytest.raises(ValueError, match="Budgets.host_bytes.*-1"):
+        Budgets(device_bytes=1, host_bytes=-1)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        Settings(compute_dtype="fp8")
 
 
 def test_deferred_and_accumulating_plans_place_gradients():
     hw, m = cpu_hw(), gpt2_profile()
-    r = search(hw, m, Budget(device_bytes=1 << 30, host_bytes=1 << 30, deferred_update=True, micro_batches=2))
+    r = search(hw, m, request(1 << 30, host_bytes=1 << 30, deferred_update=True, micro_batches=2))
     assert r.plan.deferred_update and r.plan.accumulate_grads
     assert all(p.grads is Tier.HOST for p in r.plan.placements)
     dev, host = _stream_needs(hw, m, deferred_update=True)
-    b = Budget(device_bytes=dev + (8 << 20), host_bytes=host + (8 << 20), deferred_update=True)
+    b = request(dev + (8 << 20), host_bytes=host + (8 << 20), deferred_update=True)
     tight = search(hw, m, b)
     assert _fits(tight.plan, b) and tight.plan.ssd_bytes() > 0
 
@@ -239,10 +251,10 @@ def test_deferred_and_accumulating_plans_place_gradients():
 def test_cuda_plans(dtype):
     hw, m = cuda_hw(), gpt2_profile(compute_dtype=dtype)
     dev, host = _stream_needs(hw, m)
-    r = search(hw, m, Budget(device_bytes=dev + (4 << 20), host_bytes=host + (4 << 20), compute_dtype=dtype))
+    r = search(hw, m, request(dev + (4 << 20), host_bytes=host + (4 << 20), compute_dtype=dtype))
     assert r.plan.device == "cuda" and r.plan.compute_dtype == dtype
     assert r.best.estimate.h2d_bytes > 0 and r.best.estimate.link_s > 0
-    big = search(hw, m, Budget(device_bytes=2 << 30, host_bytes=2 << 30, compute_dtype=dtype))
+    big = search(hw, m, request(2 << 30, host_bytes=2 << 30, compute_dtype=dtype))
     assert all(p.weights is Tier.DEVICE for p in big.plan.placements)
     assert big.best.estimate.step_s <= r.best.estimate.step_s
 
@@ -250,14 +262,14 @@ def test_cuda_plans(dtype):
 def test_describe_buffers():
     hw, m = cpu_hw(), gpt2_profile()
     dev, host = _stream_needs(hw, m)
-    r = search(hw, m, Budget(device_bytes=dev, host_bytes=host))
+    r = search(hw, m, request(dev, host))
     lines = describe_buffers(r.plan)
     assert lines and any("buffers" in ln for ln in lines)
 
 
 # ---- plan files ---------------------------------------------------------------------------------
 def test_plan_file_round_trip(tmp_path):
-    r = search(cpu_hw(), gpt2_profile(), Budget(device_bytes=70 << 20, host_bytes=100 << 20))
+    r = search(cpu_hw(), gpt2_profile(), request(70 << 20, host_bytes=100 << 20))
     path = str(tmp_path / "plan.json")
     save_plan(path, r.plan, r.best.estimate)
     p, est = load_plan(path)
@@ -279,9 +291,9 @@ def test_activation_policies_within_budget():
     m = gpt2_profile(micro_batch=4, seq_len=128)
     total = sum(u.activation_bytes for u in m.units)
     dev, host = _stream_needs(cpu_hw(), m)
-    big = Budget(device_bytes=dev * 20, host_bytes=host * 20)
+    big = request(dev * 20, host_bytes=host * 20)
     assert search(cpu_hw(), m, big).activations == {}  # no activation budget: everything kept
-    tight = replace(big, activation_bytes=total // 3)
+    tight = replace(big, budgets=replace(big.budgets, activation_bytes=total // 3))
     slow_disk = search(cpu_hw(ssd_read_gbps=0.05, ssd_write_gbps=0.05), m, tight)
     assert set(slow_disk.activations.values()) == {"recompute"}
     kept = sum(u.activation_bytes for u in m.units if u.name not in slow_disk.activations)

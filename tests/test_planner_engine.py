@@ -1,5 +1,5 @@
-"""The planner inside the engine: RuntimeConfig(plan="auto") and a saved plan file, the predicted
-step time in the StepReport and its log line."""
+"""The planner through the resolve stage into the engine: Settings(plan="auto") and a saved plan
+file, the predicted step time in the StepReport and its log line."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from offloadpp.assemble import assemble_engine, resolve_for_model  # noqa: E402
 from offloadpp.optim import AdamHyper  # noqa: E402
-from offloadpp.planner import PlanError, save_plan  # noqa: E402
+from offloadpp.planner import PlanError, Settings, save_plan  # noqa: E402
 from offloadpp.planner.hardware import HardwareProfile  # noqa: E402
-from offloadpp.runtime import OffloadEngine, RuntimeConfig  # noqa: E402
+from offloadpp.runtime import RuntimeConfig  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -37,12 +38,12 @@ def hw_path(tmp_path):
     return path
 
 
-def _config(tmp_path, **kw) -> RuntimeConfig:
+def _config(tmp_path, **settings) -> RuntimeConfig:
     (tmp_path / "nvme").mkdir(exist_ok=True)
-    base = dict(nvme_paths=[str(tmp_path / "nvme")], device_budget_bytes=6 << 20, host_budget_bytes=8 << 20,
-                device="cpu", ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
-    base.update(kw)
-    return RuntimeConfig(**base)
+    base = dict(device_budget_bytes=6 << 20, host_budget_bytes=8 << 20)
+    base.update(settings)
+    return RuntimeConfig(nvme_paths=[str(tmp_path / "nvme")], settings=Settings(**base), device="cpu",
+                         ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
 
 
 def _train(engine, steps=3):
@@ -56,9 +57,9 @@ def _train(engine, steps=3):
 
 
 def test_auto_plan_runs_and_reports_the_prediction(tmp_path, hw_path, caplog):
-    cfg = _config(tmp_path, plan="auto", hardware_profile=hw_path, plan_micro_batch=2, plan_seq_len=16)
+    cfg = _config(tmp_path, plan="auto", hardware_profile=hw_path, micro_batch=2, seq_len=16)
     with caplog.at_level(logging.INFO, logger="offloadpp.runtime"):
-        with OffloadEngine(tiny(), cfg, hyper=AdamHyper(lr=1e-3)) as e:
+        with assemble_engine(tiny(), cfg, hyper=AdamHyper(lr=1e-3)) as e:
             assert e.predicted is not None and e.predicted.step_s > 0
             assert any("auto plan" in n for n in e.plan.notes)
             reports = _train(e)
@@ -67,17 +68,13 @@ def test_auto_plan_runs_and_reports_the_prediction(tmp_path, hw_path, caplog):
 
 
 def test_saved_plan_file_runs(tmp_path, hw_path):
-    from offloadpp.planner.search import Budget
-    from offloadpp.profiling.auto import plan_for_engine
-    from offloadpp.runtime import find_units, layout_units
-
-    m = tiny()
-    specs = [lay.spec() for lay in layout_units(m, find_units(m))]
-    plan, est = plan_for_engine("auto", specs, m, budget=Budget(device_bytes=6 << 20, host_bytes=8 << 20),
-                                device="cpu", hardware_path=hw_path, seq_len=16)  # fmt: skip
+    r = resolve_for_model(
+        tiny(), _config(tmp_path, plan="auto", hardware_profile=hw_path, seq_len=16).settings
+    )
+    plan, est = r.plan, r.estimate
     path = str(tmp_path / "plan.json")
     save_plan(path, plan, est)
-    with OffloadEngine(tiny(), _config(tmp_path, plan=path), hyper=AdamHyper(lr=1e-3)) as e:
+    with assemble_engine(tiny(), _config(tmp_path, plan=path), hyper=AdamHyper(lr=1e-3)) as e:
         assert e.plan.placements == plan.placements and e.predicted == est
         assert _train(e, 2)[-1].predicted_s == pytest.approx(est.step_s)
 
@@ -87,6 +84,8 @@ def test_infeasible_auto_plan_fails_before_training(tmp_path, hw_path):
         tmp_path, plan="auto", hardware_profile=hw_path, device_budget_bytes=4096, host_budget_bytes=4096
     )
     with pytest.raises(PlanError, match="short by"):
-        OffloadEngine(tiny(), cfg)
+        assemble_engine(tiny(), cfg)
     with pytest.raises(PlanError, match="offloadpp profile"):
-        OffloadEngine(tiny(), _config(tmp_path, plan="auto", hardware_profile=str(tmp_path / "missing.json")))
+        assemble_engine(
+            tiny(), _config(tmp_path, plan="auto", hardware_profile=str(tmp_path / "missing.json"))
+        )

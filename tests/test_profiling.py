@@ -101,17 +101,25 @@ def _hw_json(tmp_path) -> str:
     return path
 
 
+def _ds(tmp_path, **block) -> dict:
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3, "offload_param": nvme, "offload_optimizer": nvme},
+            "offloadpp": {"enabled": True, **block}}  # fmt: skip
+
+
 def test_plan_cli(tmp_path, capsys):
-    from offloadpp import planner_cli
+    from offloadpp.cli import plan as plan_cli
     from offloadpp.planner.planfile import load_plan
 
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
-          "offloadpp": {"enabled": True, "device_budget": "200MB", "host_budget": "300MB"}}  # fmt: skip
+    ds = _ds(tmp_path, device_budget_bytes="200MB", host_budget_bytes="300MB", plan="auto")
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(ds))
     out = str(tmp_path / "plan.json")
     rc = _cli(
-        planner_cli,
+        plan_cli,
         ["--config", str(cfg), "--model", "gpt2-tiny", "--hardware", _hw_json(tmp_path), "--json", out],
     )
     text = capsys.readouterr().out
@@ -119,31 +127,32 @@ def test_plan_cli(tmp_path, capsys):
     assert "step (estimate)" in text and "bound by" in text and "transformer.h.1" in text
     plan, est = load_plan(out)
     assert plan.deferred_update and est is not None and est.step_s > 0
-    ds["offloadpp"]["host_budget"] = "1MB"
+    assert plan.budgets.device_bytes == 200 * 10**6 and plan.budgets.host_bytes == 300 * 10**6
+    ds["offloadpp"]["host_budget_bytes"] = "1MB"
     cfg.write_text(json.dumps(ds))
-    rc = _cli(planner_cli, ["--config", str(cfg), "--model", "gpt2-tiny", "--hardware", _hw_json(tmp_path)])
+    rc = _cli(plan_cli, ["--config", str(cfg), "--model", "gpt2-tiny", "--hardware", _hw_json(tmp_path)])
     err = capsys.readouterr().err
-    assert rc == 1 and "host budget is short by" in err
+    assert rc == 1 and "infeasible" in err and "host budget is short by" in err
 
 
 def test_plan_cli_with_model_dir_and_missing_profile(tmp_path, capsys):
-    from offloadpp import planner_cli
+    from offloadpp.cli import plan as plan_cli
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(LLAMA))
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"offloadpp": {"device_budget": "1GB", "host_budget": "1GB"}}))
-    rc = _cli(planner_cli, ["--config", str(cfg), "--model", str(tmp_path / "m"), "--seq-len", "64",
-                            "--hardware", _hw_json(tmp_path)])  # fmt: skip
+    cfg.write_text(json.dumps(_ds(tmp_path, device_budget_bytes="1GB", host_budget_bytes="1GB")))
+    rc = _cli(plan_cli, ["--config", str(cfg), "--model", str(tmp_path / "m"), "--seq-len", "64",
+                         "--hardware", _hw_json(tmp_path)])  # fmt: skip
     assert rc == 0 and "model.layers.1" in capsys.readouterr().out
     rc = _cli(
-        planner_cli, ["--config", str(cfg), "--model", "gpt2-tiny", "--hardware", str(tmp_path / "none.json")]
+        plan_cli, ["--config", str(cfg), "--model", "gpt2-tiny", "--hardware", str(tmp_path / "none.json")]
     )
     assert rc == 2 and "offloadpp profile" in capsys.readouterr().err
 
 
 def test_profile_cli(tmp_path, capsys):
-    from offloadpp.profiling import cli_profile
+    from offloadpp.cli import profile as cli_profile
 
     out = str(tmp_path / "hw.json")
     rc = _cli(
@@ -154,28 +163,31 @@ def test_profile_cli(tmp_path, capsys):
     assert "hardware: " in capsys.readouterr().out
 
 
-def test_plan_for_engine_auto_and_saved(tmp_path):
-    from offloadpp.planner import PlanError, save_plan
-    from offloadpp.planner.search import Budget
-    from offloadpp.profiling.auto import plan_for_engine
-    from offloadpp.runtime import find_units, layout_units
+def test_resolve_auto_and_saved_plans(tmp_path):
+    from offloadpp.assemble import resolve_for_model
+    from offloadpp.planner import Machine, PlanError, Settings, save_plan
+    from offloadpp.runtime import unit_specs
 
     model = _model(GPT2)
-    specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-    budget = Budget(device_bytes=1 << 30, host_bytes=1 << 30)
+    specs = unit_specs(model)
     hw = _hw_json(tmp_path)
-    plan, est = plan_for_engine(
-        "auto", specs, model, budget=budget, device="cpu", hardware_path=hw, seq_len=32
+    auto = Settings(
+        device_budget_bytes=1 << 30, host_budget_bytes=1 << 30, plan="auto", hardware_profile=hw, seq_len=32
     )
-    assert list(plan.units) == specs and est is not None and est.ssd_read_bytes == 0
+    r = resolve_for_model(model, auto, device="cpu")
+    assert list(r.plan.units) == specs and r.estimate is not None and r.estimate.ssd_read_bytes == 0
     path = str(tmp_path / "plan.json")
-    save_plan(path, plan, est)
-    assert plan_for_engine(path, specs, model, budget=budget, device="cpu") == (plan, est)
+    save_plan(path, r.plan, r.estimate)
+    saved = resolve_for_model(model, auto.model_copy(update={"plan": path}), device="cpu")
+    assert (saved.plan, saved.estimate) == (r.plan, r.estimate)
     with pytest.raises(PlanError, match="offloadpp profile"):
-        plan_for_engine(
-            "auto", specs, model, budget=budget, device="cpu", hardware_path=str(tmp_path / "no.json")
+        resolve_for_model(
+            model, auto.model_copy(update={"hardware_profile": str(tmp_path / "no.json")}), device="cpu"
         )
+    cuda = Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30)
     with pytest.raises(PlanError, match="measured for device 'cpu'"):
-        plan_for_engine("auto", specs, model, budget=budget, device="cuda", hardware_path=hw)
-    with pytest.raises(PlanError, match="not a Hugging Face model"):
-        plan_for_engine("auto", specs, torch.nn.Linear(2, 2), budget=budget, device="cpu", hardware_path=hw)
+        resolve_for_model(model, auto, machine=cuda)
+    with pytest.raises(PlanError, match="model without a Hugging Face config"):
+        blocks = torch.nn.Module()
+        blocks.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+        resolve_for_model(blocks, auto, device="cpu")

@@ -17,9 +17,10 @@ from numerics import compare_weights
 
 transformers = pytest.importorskip("transformers")
 
+from offloadpp.assemble import assemble_engine  # noqa: E402
 from offloadpp.optim import AdamHyper  # noqa: E402
-from offloadpp.planner import PlanError, Tier, min_budgets  # noqa: E402
-from offloadpp.runtime import OffloadEngine, PreflightError, RuntimeConfig, find_units, layout_units  # noqa: E402
+from offloadpp.planner import LossScaling, PlanError, Settings, Tier  # noqa: E402
+from offloadpp.runtime import PreflightError, RuntimeConfig  # noqa: E402
 
 LR, WD = 1e-3, 0.01
 VOCAB = 128
@@ -52,21 +53,18 @@ def tiny_llama(seed: int = 0):
     return transformers.LlamaForCausalLM(cfg)
 
 
-def streaming_config(model, path, **kw) -> RuntimeConfig:
-    """Budgets as small as streaming allows: every array of every unit lives on SSD."""
-    specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-    dev, host = min_budgets(
-        specs,
-        device="cpu",
-        compute_dtype=kw.get("compute_dtype", "fp32"),
-        prefetch_depth=2,
-        accumulate_grads=kw.get("gradient_accumulation_steps", 1) > 1,
-        deferred_update=kw.get("gradient_clipping", 0) > 0 or kw.get("compute_dtype") == "fp16",
-    )
-    kw.setdefault("ssd_read_gbps", 2.0)
-    kw.setdefault("ssd_write_gbps", 2.0)
+def streaming_config(path, **settings) -> RuntimeConfig:
+    """The default settings (budgets "auto" with the state on SSD: the streaming minimum, every
+    array of every unit on SSD), on the CPU as the device."""
+    scaling = {k: settings.pop(k) for k in ("initial_scale_power", "hysteresis") if k in settings}
+    if scaling:
+        settings["loss_scaling"] = LossScaling(**scaling)
     return RuntimeConfig(
-        nvme_paths=[str(path)], device_budget_bytes=dev, host_budget_bytes=host, device="cpu", **kw
+        nvme_paths=[str(path)],
+        settings=Settings(**settings),
+        device="cpu",
+        ssd_read_gbps=2.0,
+        ssd_write_gbps=2.0,
     )
 
 
@@ -110,8 +108,8 @@ def train_pair(ref, eng, data, *, accum: int = 1, clip: float = 0.0, check_every
 
 def test_all_state_on_ssd_trains_like_adamw(tmp_path):
     ref = tiny_gpt2()
-    eng = OffloadEngine(
-        copy.deepcopy(ref), streaming_config(ref, tmp_path), hyper=AdamHyper(lr=LR, weight_decay=WD)
+    eng = assemble_engine(
+        copy.deepcopy(ref), streaming_config(tmp_path), hyper=AdamHyper(lr=LR, weight_decay=WD)
     )
     try:
         for p in eng.plan.placements:
@@ -130,8 +128,8 @@ def test_all_state_on_ssd_trains_like_adamw(tmp_path):
 
 def test_accumulation_and_clipping_train_like_adamw(tmp_path):
     ref = tiny_gpt2()
-    cfg = streaming_config(ref, tmp_path, gradient_accumulation_steps=2, gradient_clipping=1.0)
-    eng = OffloadEngine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+    cfg = streaming_config(tmp_path, gradient_accumulation_steps=2, gradient_clipping=1.0)
+    eng = assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
     try:
         assert eng.plan.accumulate_grads and eng.plan.deferred_update
         assert all(p.grads is Tier.SSD for p in eng.plan.placements)
@@ -144,8 +142,8 @@ def test_accumulation_and_clipping_train_like_adamw(tmp_path):
 
 def test_llama_trains_like_adamw(tmp_path):
     ref = tiny_llama()
-    eng = OffloadEngine(
-        copy.deepcopy(ref), streaming_config(ref, tmp_path), hyper=AdamHyper(lr=LR, weight_decay=WD)
+    eng = assemble_engine(
+        copy.deepcopy(ref), streaming_config(tmp_path), hyper=AdamHyper(lr=LR, weight_decay=WD)
     )
     try:
         assert [u.name for u in eng.units] == ["embed", "model.layers.0", "model.layers.1", "head"]
@@ -158,18 +156,22 @@ def test_llama_trains_like_adamw(tmp_path):
 def test_budget_too_small_for_one_unit(tmp_path):
     model = tiny_gpt2()
     cfg = RuntimeConfig(
-        nvme_paths=[str(tmp_path)], device_budget_bytes=4096, host_budget_bytes=1 << 30, device="cpu"
+        nvme_paths=[str(tmp_path)],
+        settings=Settings(device_budget_bytes=4096, host_budget_bytes=1 << 30),
+        device="cpu",
     )
     with pytest.raises(
         PlanError,
         match=r"device budget of 4.00 KiB \(4096 bytes\) is too small.*largest unit 'transformer.h.0'",
     ):
-        OffloadEngine(model, cfg)
+        assemble_engine(model, cfg)
     cfg = RuntimeConfig(
-        nvme_paths=[str(tmp_path)], device_budget_bytes=1 << 30, host_budget_bytes=4096, device="cpu"
+        nvme_paths=[str(tmp_path)],
+        settings=Settings(device_budget_bytes=1 << 30, host_budget_bytes=4096),
+        device="cpu",
     )
     with pytest.raises(PlanError, match=r"host budget of 4.00 KiB \(4096 bytes\) is too small"):
-        OffloadEngine(model, cfg)
+        assemble_engine(model, cfg)
     assert list(tmp_path.iterdir()) == []  # nothing written before the error
 
 
@@ -182,18 +184,16 @@ def test_bad_nvme_path(tmp_path, what):
         path.write_text("")
     else:
         path, match = "/proc", "is not writable"  # not writable even for root
-    cfg = RuntimeConfig(
-        nvme_paths=[str(path)], device_budget_bytes=1 << 30, host_budget_bytes=1 << 30, device="cpu"
-    )
+    cfg = RuntimeConfig(nvme_paths=[str(path)], device="cpu")
     with pytest.raises(PreflightError, match=match):
-        OffloadEngine(tiny_gpt2(), cfg)
+        assemble_engine(tiny_gpt2(), cfg)
 
 
 def test_too_little_free_space(small_fs):
     model = tiny_gpt2()
-    cfg = streaming_config(model, small_fs)
+    cfg = streaming_config(small_fs)
     with pytest.raises(PreflightError, match=r"not enough free space.*keeps .* on SSD.*more\)"):
-        OffloadEngine(model, cfg)
+        assemble_engine(model, cfg)
 
 
 def test_checkpoint_round_trip(tmp_path):
@@ -202,8 +202,8 @@ def test_checkpoint_round_trip(tmp_path):
     hyper = AdamHyper(lr=LR, weight_decay=WD)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    a = OffloadEngine(copy.deepcopy(ref), streaming_config(ref, tmp_path / "a"), hyper=hyper)
-    b = OffloadEngine(tiny_gpt2(seed=5), streaming_config(ref, tmp_path / "b"), hyper=AdamHyper(lr=0.5))
+    a = assemble_engine(copy.deepcopy(ref), streaming_config(tmp_path / "a"), hyper=hyper)
+    b = assemble_engine(tiny_gpt2(seed=5), streaming_config(tmp_path / "b"), hyper=AdamHyper(lr=0.5))
     try:
         for x in data[:3]:
             a.backward(a(input_ids=x, labels=x).loss)
@@ -224,7 +224,7 @@ def test_checkpoint_round_trip(tmp_path):
 def test_meta_model_is_initialised_unit_by_unit(tmp_path):
     model = tiny_gpt2(meta=True)
     assert next(model.parameters()).is_meta
-    eng = OffloadEngine(model, streaming_config(tiny_gpt2(), tmp_path), init_fn=model._init_weights)
+    eng = assemble_engine(model, streaming_config(tmp_path), init_fn=model._init_weights)
     try:
         sd = eng.module.state_dict()
         assert not any(v.is_meta for v in sd.values())
@@ -244,8 +244,8 @@ def test_meta_model_is_initialised_unit_by_unit(tmp_path):
 
 def test_set_lr_and_eval_forward(tmp_path):
     ref = tiny_gpt2()
-    eng = OffloadEngine(
-        copy.deepcopy(ref), streaming_config(ref, tmp_path), hyper=AdamHyper(lr=LR, weight_decay=WD)
+    eng = assemble_engine(
+        copy.deepcopy(ref), streaming_config(tmp_path), hyper=AdamHyper(lr=LR, weight_decay=WD)
     )
     try:
         eng.set_lr(0.0)
@@ -285,12 +285,12 @@ def test_parameters_without_grads_are_left_alone(tmp_path):
     torch.manual_seed(0)
     ref = WithUnused()
     units = (("inp",), ("blocks.0", "spare.0"), ("blocks.1", "spare.1"), ("blocks.2", "spare.2"), ("out",))
+    settings = Settings(device_budget_bytes=1 << 24, host_budget_bytes=1 << 24, units=units)
     cfg = RuntimeConfig(
-        nvme_paths=[str(tmp_path)], device_budget_bytes=1 << 24, host_budget_bytes=1 << 24, device="cpu",
-        units=units, ssd_read_gbps=1.0, ssd_write_gbps=1.0,
-    )  # fmt: skip
+        nvme_paths=[str(tmp_path)], settings=settings, device="cpu", ssd_read_gbps=1.0, ssd_write_gbps=1.0
+    )
     init = copy.deepcopy(ref.state_dict())
-    eng = OffloadEngine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+    eng = assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     try:
         g = torch.Generator().manual_seed(3)
@@ -320,8 +320,8 @@ def test_bf16_compute_with_fp32_master(tmp_path):
     """The 16-bit path (a separate compute copy written by Adam's half_out) on the CPU device."""
     ref = tiny_gpt2()
     init = copy.deepcopy(ref.state_dict())
-    cfg = streaming_config(ref, tmp_path, compute_dtype="bf16")
-    eng = OffloadEngine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+    cfg = streaming_config(tmp_path, compute_dtype="bf16")
+    eng = assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     try:
         assert eng.plan.separate_weights and eng.units[1].compute is not eng.units[1].master
@@ -346,8 +346,8 @@ def test_bf16_compute_with_fp32_master(tmp_path):
 
 def test_fp16_overflow_skips_the_step(tmp_path):
     ref = tiny_gpt2()
-    cfg = streaming_config(ref, tmp_path, compute_dtype="fp16", initial_scale_power=40, hysteresis=1)
-    eng = OffloadEngine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+    cfg = streaming_config(tmp_path, compute_dtype="fp16", initial_scale_power=40, hysteresis=1)
+    eng = assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
     try:
         assert eng.plan.deferred_update
         x = batches(1)[0]
@@ -372,7 +372,7 @@ def test_updates_start_during_backward(tmp_path):
     """The point of the schedule: a unit is handed to Adam when its gradients are complete,
     while backward goes on with the units before it, not after backward."""
     ref = tiny_gpt2()
-    eng = OffloadEngine(copy.deepcopy(ref), streaming_config(ref, tmp_path), hyper=AdamHyper(lr=LR))
+    eng = assemble_engine(copy.deepcopy(ref), streaming_config(tmp_path), hyper=AdamHyper(lr=LR))
     submitted_during_backward = []
     orig = eng.optimizer._submit
 

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="DeepSpeed JSON with ZeRO-Infinity settings (offloadpp block optional)",
     )
-    p.add_argument("--model", default="gpt2-45m", help="model preset (offloadpp/bench/models.py)")
+    p.add_argument("--model", default="gpt2-45m", help="model preset (offloadpp/presets.py)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nvme-dir", default=os.path.join("runs", "ab"), help="parent of each side's swap dir")
@@ -56,7 +56,7 @@ def _write_init(model: str, seed: int, path: str) -> None:
     from safetensors.torch import save_file
     from transformers import GPT2LMHeadModel
 
-    from offloadpp.bench.models import get_preset
+    from offloadpp.presets import get_preset
 
     torch.manual_seed(seed)
     m = GPT2LMHeadModel(get_preset(model).gpt2_config())

@@ -48,7 +48,7 @@ def _build_model(preset_name: str, init_path: str):
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    from offloadpp.bench.models import get_preset
+    from offloadpp.presets import get_preset
 
     preset = get_preset(preset_name)
     model = GPT2LMHeadModel(preset.gpt2_config())
@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
-        import offloadpp
+        # offloadpp.initialize is this function (the package face re-exports it)
+        from offloadpp.integrations.deepspeed import initialize
 
-        engine, _, _, _ = offloadpp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
     init_s = time.perf_counter() - t_init
 
     micro = cfg.get("train_micro_batch_size_per_gpu", preset.micro_batch)

@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
     from offloadpp.bench.step import _machine
     from offloadpp.io import TensorStore
-    from offloadpp.runtime.act_policy import ActivationConfig
-    from offloadpp.runtime.activations import ActivationManager
-    from offloadpp.runtime.units import find_units
+    from offloadpp.planner import ActivationSettings
+    from offloadpp.runtime.activations.manager import ActivationManager
+    from offloadpp.runtime.partition import find_units
 
     torch.set_num_threads(args.threads)
     policies = [s.strip() for s in args.policies.split(",") if s.strip()]
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     store = TensorStore([args.dir])
     env = SimpleNamespace(
         torch=torch, model=model, opt=opt, units=units, store=store, policies=policies, device=device,
-        Manager=ActivationManager, Config=ActivationConfig,
+        Manager=ActivationManager, Config=ActivationSettings,
     )  # fmt: skip
     try:
         for batch in batches:
@@ -128,7 +128,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(args, env: SimpleNamespace, batch: int) -> dict:
     torch, model, opt, units, store = env.torch, env.model, env.opt, env.units, env.store
-    policies, device, ActivationManager, ActivationConfig = env.policies, env.device, env.Manager, env.Config
+    policies, device, ActivationManager, ActivationSettings = (
+        env.policies,
+        env.device,
+        env.Manager,
+        env.Config,
+    )
     g = torch.Generator().manual_seed(args.seed + batch)
     data = [torch.randint(0, args.vocab, (batch, args.seq), generator=g).to(device) for _ in range(2)]
     cuda = device.type == "cuda"
@@ -138,7 +143,7 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
     def make(policy: str, budget):
         if policy == "none":
             return None
-        cfg = ActivationConfig(
+        cfg = ActivationSettings(
             policy=policy,
             budget_bytes=budget,
             prefetch_units=args.prefetch_units,

@@ -150,9 +150,10 @@ def _child(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from offloadpp.assemble import assemble_engine
     from offloadpp.optim import AdamHyper
-    from offloadpp.planner import min_budgets
-    from offloadpp.runtime import OffloadEngine, RuntimeConfig, find_units, layout_units
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -169,27 +170,16 @@ def _child(args: argparse.Namespace) -> int:
         model = GPT2LMHeadModel(cfg)
     n = sum(p.numel() for p in model.parameters())
     _log(f"model built on the meta device: {n:,} parameters")
-    specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-    dev, host = min_budgets(
-        specs,
-        device="cpu",
-        compute_dtype="fp32",
+    settings = Settings(
         prefetch_depth=args.prefetch_depth,
         optim_prefetch_depth=args.optim_prefetch_depth,
+        device_budget_bytes=int(args.device_budget) if args.device_budget else None,  # None: "auto"
+        host_budget_bytes=int(args.host_budget) if args.host_budget else None,
     )
-    dev = int(args.device_budget or dev)
-    host = int(args.host_budget or host)
-    rc = RuntimeConfig(
-        nvme_paths=[args.dir],
-        device_budget_bytes=dev,
-        host_budget_bytes=host,
-        device="cpu",
-        prefetch_depth=args.prefetch_depth,
-        optim_prefetch_depth=args.optim_prefetch_depth,
-        log_every=0,
-    )
+    rc = RuntimeConfig(nvme_paths=[args.dir], settings=settings, device="cpu", log_every=0)
     t0 = time.perf_counter()
-    engine = OffloadEngine(model, rc, hyper=AdamHyper(lr=1e-4), init_fn=model._init_weights, progress=True)
+    engine = assemble_engine(model, rc, hyper=AdamHyper(lr=1e-4), init_fn=model._init_weights, progress=True)
+    dev, host = engine.plan.budgets.device_bytes, engine.plan.budgets.host_bytes
     init_s = time.perf_counter() - t0
     _log(engine.plan.describe())
     g = torch.Generator().manual_seed(1)

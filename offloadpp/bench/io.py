@@ -69,11 +69,12 @@ def _log(msg: str) -> None:
 
 
 def _offloadpp_engine(args, backend: str, path: str, buf) -> Contender:
-    from offloadpp import _C
+    from offloadpp.io import IOConfig, crc32c, make_engine, open_file
 
     n = buf.numel()
-    eng = _C.Engine(backend, args.block_kb << 10, args.queue_depth, 1)
-    f = _C.File(path, read=True, write=True, create=True, direct=True)
+    cfg = IOConfig(backend=backend, block_size_bytes=args.block_kb << 10, queue_depth=args.queue_depth)
+    eng = make_engine(cfg, os.path.dirname(path) or ".")
+    f = open_file(path)
     eng.write(f, buf.data_ptr(), n, 0).wait()  # lay the file down once: timed writes overwrite
     ptr = buf.data_ptr()
 
@@ -86,11 +87,11 @@ def _offloadpp_engine(args, backend: str, path: str, buf) -> Contender:
     def verify() -> None:
         # Other contenders overwrite the shared file with their own data, so check a round trip of
         # our own: the whole buffer written, wiped, read back and compared by CRC-32C.
-        crc = _C.crc32c(ptr, n)
+        crc = crc32c(ptr, n)
         eng.write(f, ptr, n, 0).wait()
         buf.zero_()
         eng.read(f, ptr, n, 0).wait()
-        if _C.crc32c(ptr, n) != crc:
+        if crc32c(ptr, n) != crc:
             raise RuntimeError(f"offloadpp ({backend}): data read back differs from the data written")
 
     return Contender(f"offloadpp ({backend})", write, read, eng.close, verify)

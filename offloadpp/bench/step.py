@@ -3,9 +3,10 @@
 Same model, same initial weights, same batches, in one process, alternating blocks of steps.
 
 Contenders. "torch": the model in memory, torch.optim.AdamW (fused, or foreach: the faster,
-measured in the warm-up). "offloadpp": OffloadEngine with its budgets set to the streaming
-minimum (planner.min_budgets), so every unit's weights, master and Adam moments live on SSD
-and are read and written every step; `--budget default` instead gives it the budgets named by
+measured in the warm-up). "offloadpp": OffloadEngine with the default settings, planned by the
+resolve stage as offloadpp.initialize plans it: "auto" budgets with the state on SSD are the
+streaming minimum, so every unit's weights, master and Adam moments live on SSD and are read and
+written every step; `--budget default` instead gives it the budgets named by
 --device-budget/--host-budget and lets the default plan keep what fits.
 
 The floor of an offloadpp step is max(compute, SSD, Adam): compute is torch's forward+backward
@@ -33,7 +34,7 @@ BAR_VS_FLOOR = 1.15
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt2-45m", help="model preset (offloadpp/bench/models.py)")
+    p.add_argument("--model", default="gpt2-45m", help="model preset (offloadpp/presets.py)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per contender (after warm-up)")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per contender first")
     p.add_argument("--block", type=int, default=3, help="steps per contender before switching")
@@ -54,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budget",
         choices=("stream", "default"),
         default="stream",
-        help="stream: minimum budgets, all state on SSD (default); default: the given budgets",
+        help="stream: the default ('auto') budgets, all state on SSD (default); default: the given budgets",
     )
     p.add_argument("--device-budget", type=float, default=2e9, help="bytes, with --budget default")
     p.add_argument("--host-budget", type=float, default=4e9, help="bytes, with --budget default")
@@ -87,11 +88,11 @@ def _machine() -> dict:
 
 
 def _measure_ssd(store, nbytes: int = 256 << 20) -> tuple[float, float]:
-    from offloadpp.runtime.preflight import measure_ssd
+    from offloadpp.io import measure_ssd
 
     best_r = best_w = 0.0
     for _ in range(2):
-        r, w = measure_ssd(store, nbytes)
+        r, w = measure_ssd(store, total_bytes=nbytes)
         best_r, best_w = max(best_r, r), max(best_w, w)
     return best_r, best_w
 
@@ -112,17 +113,17 @@ def _adam_seconds(numel: int, threads: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     import copy
-    import dataclasses
 
     import torch
     from tqdm import tqdm
     from transformers import GPT2LMHeadModel
 
-    from offloadpp.bench.models import get_preset
+    from offloadpp.assemble import assemble_engine
     from offloadpp.io import IOConfig, TensorStore
-    from offloadpp.optim import AdamHyper
-    from offloadpp.planner import default_plan, min_budgets
-    from offloadpp.runtime import OffloadEngine, RuntimeConfig, find_units, layout_units
+    from offloadpp.optim import AdamHyper, default_num_threads
+    from offloadpp.planner import Settings
+    from offloadpp.presets import get_preset
+    from offloadpp.runtime import RuntimeConfig
 
     torch.set_num_threads(args.threads)
     preset = get_preset(args.model)
@@ -136,58 +137,36 @@ def run(args: argparse.Namespace) -> int:
         with TensorStore([args.dir]) as probe:
             read_gbps, write_gbps = _measure_ssd(probe)
         if args.adam_threads is None:
-            args.adam_threads = RuntimeConfig.model_fields["adam_threads"].get_default(
-                call_default_factory=True
-            )
+            args.adam_threads = default_num_threads()  # the runtime's default
         adam_s = _adam_seconds(n_params, args.adam_threads)
         _log(
             f"SSD read {read_gbps:.2f} GB/s, write {write_gbps:.2f} GB/s; Adam over {n_params:,} params "
             f"{adam_s * 1e3:.1f} ms ({args.adam_threads} thread(s))"
         )
         lr = 1e-4
-        if args.budget == "stream":
-            specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-            dev, host = min_budgets(
-                specs,
-                device="cpu",
-                compute_dtype="fp32",
-                deferred_update=args.clip > 0,
-                prefetch_depth=args.prefetch_depth or 2,
-                optim_prefetch_depth=2 if args.optim_prefetch_depth is None else args.optim_prefetch_depth,
+        budgets = {}
+        if args.budget == "default":
+            budgets = dict(
+                device_budget_bytes=int(args.device_budget), host_budget_bytes=int(args.host_budget)
             )
-        else:
-            dev, host = int(args.device_budget), int(args.host_budget)
-        cfg = RuntimeConfig(
-            nvme_paths=[args.dir],
-            device_budget_bytes=dev,
-            host_budget_bytes=host,
-            device="cpu",
+        settings = Settings(
             prefetch_depth=args.prefetch_depth,
             optim_prefetch_depth=args.optim_prefetch_depth,
             adam_threads=args.adam_threads,
             gradient_clipping=args.clip,
+            fill_gaps=not args.strict,  # strict: drop every unit's weights after each use
+            **budgets,
+        )
+        cfg = RuntimeConfig(
+            nvme_paths=[args.dir],
+            settings=settings,
+            device="cpu",
             io=IOConfig(num_threads=args.io_threads),
             ssd_read_gbps=read_gbps,
             ssd_write_gbps=write_gbps,
             log_every=0,
         )
-        plan = None
-        if args.strict:  # drop every unit's weights after each use (no keeping between uses)
-            specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-            plan = dataclasses.replace(
-                default_plan(
-                    specs,
-                    device="cpu",
-                    compute_dtype="fp32",
-                    device_budget_bytes=dev,
-                    host_budget_bytes=host,
-                    prefetch_depth=args.prefetch_depth,
-                    optim_prefetch_depth=args.optim_prefetch_depth,
-                    deferred_update=args.clip > 0,
-                ),
-                fill_gaps=False,
-            )
-        engine = OffloadEngine(model, cfg, hyper=AdamHyper(lr=lr), plan=plan)
+        engine = assemble_engine(model, cfg, hyper=AdamHyper(lr=lr))
         _log(engine.plan.describe())
         g = torch.Generator().manual_seed(args.seed + 1)
         data = [

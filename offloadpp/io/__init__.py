@@ -12,11 +12,21 @@ AsyncIOHandle is a drop-in for DeepSpeed's aio_handle. probe_backends/build_info
 from offloadpp import _C
 
 from .aio_handle import AsyncIOHandle
-from .buffers import ALIGNMENT, BounceCache, BufferPool, aligned_empty, is_direct_capable, is_managed
+from .buffers import ALIGNMENT, BounceCache, aligned_empty, is_direct_capable, is_managed
 from .config import IOConfig
-from .engine import BACKENDS, BackendProbe, build_info, probe_backends, resolve_backend
+from .engine import (
+    BACKENDS,
+    BackendProbe,
+    build_info,
+    crc32c,
+    make_engine,
+    open_file,
+    probe_backends,
+    resolve_backend,
+)
 from .errors import SwapIOError
 from .future import IOFuture
+from .measure import measure_ssd
 from .store import IOStats, TensorStore
 
 if not ALIGNMENT == 4096 == int(_C.ALIGNMENT):
@@ -30,7 +40,6 @@ __all__ = [
     "BACKENDS",
     "BackendProbe",
     "BounceCache",
-    "BufferPool",
     "IOConfig",
     "IOFuture",
     "IOStats",
@@ -38,6 +47,10 @@ __all__ = [
     "TensorStore",
     "aligned_empty",
     "build_info",
+    "crc32c",
+    "make_engine",
+    "measure_ssd",
+    "open_file",
     "is_direct_capable",
     "is_managed",
     "probe_backends",

@@ -12,8 +12,7 @@ import bisect
 import math
 import threading
 import weakref
-from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -113,45 +112,6 @@ def aligned_empty(
         raise swap_error(EINVAL, "aligned_empty(pin=True) (no CUDA device to pin memory for)")
     raw = _aligned_bytes(numel * itemsize, pin)
     return raw[: numel * itemsize].view(dtype).view(shape)
-
-
-class BufferPool:
-    """`count` aligned buffers of `nbytes` each, allocated once and handed out again and again.
-
-    acquire() blocks (GIL released while waiting) until a buffer is free.
-    """
-
-    def __init__(self, count: int, nbytes: int, pin: Optional[bool] = None):
-        if count < 1 or nbytes < 0:
-            raise swap_error(EINVAL, f"BufferPool(count={count}, nbytes={nbytes})")
-        self.nbytes = nbytes
-        self._all = [aligned_empty(nbytes, torch.uint8, pin) for _ in range(count)]
-        self._free = list(self._all)
-        self._cv = threading.Condition()
-
-    def __len__(self) -> int:
-        return len(self._all)
-
-    def acquire(self, timeout: Optional[float] = None) -> torch.Tensor:
-        with self._cv:
-            if not self._cv.wait_for(lambda: bool(self._free), timeout):
-                raise TimeoutError(f"no free buffer in the pool after {timeout} s")
-            return self._free.pop()
-
-    def release(self, buf: torch.Tensor) -> None:
-        with self._cv:
-            if not any(buf.data_ptr() == b.data_ptr() for b in self._all):
-                raise ValueError("release() of a buffer that does not belong to this pool")
-            self._free.append(buf)
-            self._cv.notify()
-
-    @contextmanager
-    def buffer(self, timeout: Optional[float] = None) -> Iterator[torch.Tensor]:
-        b = self.acquire(timeout)
-        try:
-            yield b
-        finally:
-            self.release(b)
 
 
 class BounceCache:

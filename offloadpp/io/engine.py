@@ -32,7 +32,19 @@ def build_info() -> dict:
     O_DIRECT alignment, and whether CRC-32C uses the CPU instruction."""
     info = dict(_C.io_build_info())
     info["backends"] = {name: bool(info[name]) for name in BACKENDS}
+    info["extension"] = _C.__file__
     return info
+
+
+def crc32c(ptr: int, nbytes: int) -> int:
+    """CRC-32C of `nbytes` at address `ptr` (the CPU instruction where there is one), as the
+    store checksums payloads; callers keep the memory alive for the call."""
+    return int(_C.crc32c(ptr, nbytes))
+
+
+def open_file(path: str, *, direct: bool = True, create: bool = True):
+    """A raw read-write file of the native engine (benchmarks that bypass the TensorStore)."""
+    return _C.File(os.fspath(path), read=True, write=True, create=create, direct=direct)
 
 
 def probe_backends(directory: str, o_direct: bool = True) -> list[BackendProbe]:
@@ -80,6 +92,8 @@ def resolve_backend(config: IOConfig, directory: str) -> str:
 
 
 def make_engine(config: IOConfig, directory: str, clock: Optional[object] = None) -> _C.Engine:
+    """A native engine with `config`'s backend (AUTO probed in `directory`), block size, queue
+    depth and threads: submit reads and writes of raw addresses to files from open_file()."""
     backend = resolve_backend(config, directory)
     return _C.Engine(backend, config.block_size_bytes, config.queue_depth, config.num_threads, clock)
 
@@ -89,7 +103,9 @@ __all__ = [
     "BackendProbe",
     "SwapIOError",
     "build_info",
+    "crc32c",
     "make_engine",
+    "open_file",
     "probe_backends",
     "resolve_backend",
 ]

@@ -10,6 +10,7 @@ from offloadpp.optim.kernels import (
     convert_,
     default_num_threads,
     kernel_isa,
+    simd_levels,
     squared_norm,
 )
 
@@ -24,4 +25,5 @@ __all__ = [
     "bandwidth_floor",
     "default_num_threads",
     "kernel_isa",
+    "simd_levels",
 ]

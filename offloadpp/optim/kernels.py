@@ -30,6 +30,7 @@ __all__ = [
     "default_num_threads",
     "kernel_isa",
     "bandwidth_floor",
+    "simd_levels",
 ]
 
 
@@ -41,6 +42,11 @@ def default_num_threads() -> int:
 def kernel_isa() -> str:
     """The kernel variant calls use now: "avx512", "avx2" or "scalar" (after OFFLOADPP_SIMD)."""
     return str(_C.adam_isa())
+
+
+def simd_levels() -> dict:
+    """The SIMD level the CPU supports ("detected") and the one the kernels run ("active")."""
+    return {"detected": _C.detected_simd_level(), "active": _C.simd_level()}
 
 
 def _threads(num_threads: Optional[int], name: str = "num_threads") -> int:

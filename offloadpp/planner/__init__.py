@@ -2,10 +2,10 @@
 fetches. Pure Python, no torch: a plan can be made, checked and printed anywhere.
 """
 
-from .default import default_plan, min_budgets, streaming_plan
+from .default import default_plan, min_budgets, streaming_plan, with_peak_budgets
 from .plan import (
     ALIGN_NUMEL,
-    DTYPE_BYTES,
+    InfeasibleError,
     Placement,
     Plan,
     PlanError,
@@ -16,10 +16,18 @@ from .plan import (
     fmt_bytes,
 )
 from .schedule import Schedule, Visit, build_schedule
+from .spec import DTYPE_BYTES, PLAN_AUTO, PLAN_DEFAULT, ActivationSettings, Budgets, LossScaling, Settings
 
 __all__ = [
     "ALIGN_NUMEL",
+    "ActivationSettings",
+    "Budgets",
     "DTYPE_BYTES",
+    "InfeasibleError",
+    "LossScaling",
+    "PLAN_AUTO",
+    "PLAN_DEFAULT",
+    "Settings",
     "Placement",
     "Plan",
     "PlanError",
@@ -34,20 +42,24 @@ __all__ = [
     "fmt_bytes",
     "min_budgets",
     "streaming_plan",
+    "with_peak_budgets",
 ]
 
 # The cost model and the planner (docs/planner.md). `search.plan` is exported as `auto_plan`: the
 # name `plan` is this package's submodule.
 from .cost import StepEstimate, estimate  # noqa: E402
-from .hardware import HardwareProfile, IOPoint, ProfileError, SsdProfile  # noqa: E402
+from .hardware import HardwareProfile, IOPoint, ProfileError, SsdProfile, default_profile_path  # noqa: E402
 from .model_profile import ModelProfile, ModelProfileError, UnitProfile, analytic_profile  # noqa: E402
 from .planfile import load_plan, save_plan  # noqa: E402
-from .search import Budget, SearchResult, search  # noqa: E402
+from .resolve import Machine, Resolved, resolve  # noqa: E402
+from .search import Request, SearchResult, search  # noqa: E402
 from .search import plan as auto_plan  # noqa: E402
 
 __all__ += [
-    "Budget",
     "HardwareProfile",
+    "Machine",
+    "Request",
+    "Resolved",
     "IOPoint",
     "ModelProfile",
     "ModelProfileError",
@@ -58,6 +70,8 @@ __all__ += [
     "UnitProfile",
     "analytic_profile",
     "auto_plan",
+    "default_profile_path",
+    "resolve",
     "estimate",
     "load_plan",
     "save_plan",

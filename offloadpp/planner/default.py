@@ -1,6 +1,7 @@
 """The default placement policy: stream what must be streamed, keep what fits, the rest on SSD.
 
-Pure (no torch). A later cost-model planner replaces this; until then the rule is plain:
+Pure (no torch). This is Settings.plan "default"; the cost-model planner (search.py) is "auto".
+The rule:
 
 1. The streaming working set (everything on SSD) must fit the budgets with some prefetch depth:
    k = 2, else 1, else 0 (no look-ahead), unless the caller fixed k. If even k = 0 does not fit,
@@ -16,11 +17,13 @@ Pure (no torch). A later cost-model planner replaces this; until then the rule i
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Optional, Sequence
 
-from .plan import Placement, Plan, PlanError, Tier, UnitSpec, all_on_ssd, fmt_bytes
+from .plan import InfeasibleError, Placement, Plan, PlanError, Tier, UnitSpec, all_on_ssd, fmt_bytes
 from .schedule import build_schedule
+from .spec import Budgets, Settings
 
+DEFAULT_PREFETCH = 2
 DEFAULT_OPTIM_PREFETCH = 2
 
 
@@ -33,8 +36,8 @@ def streaming_plan(
     optim_prefetch_depth: int = DEFAULT_OPTIM_PREFETCH,
     accumulate_grads: bool = False,
     deferred_update: bool = False,
-    device_budget_bytes: int = 0,
-    host_budget_bytes: int = 0,
+    fill_gaps: bool = True,
+    budgets: Optional[Budgets] = None,
 ) -> Plan:
     """Every array of every unit on SSD."""
     return Plan(
@@ -46,8 +49,27 @@ def streaming_plan(
         optim_prefetch_depth=min(optim_prefetch_depth, max(0, len(units) - 1)),
         accumulate_grads=accumulate_grads,
         deferred_update=deferred_update,
-        device_budget_bytes=device_budget_bytes,
-        host_budget_bytes=host_budget_bytes,
+        fill_gaps=fill_gaps,
+        budgets=budgets,
+    )
+
+
+def plan_shape(settings: Settings) -> dict:
+    """The keyword arguments of streaming_plan that come from the settings."""
+    return dict(
+        compute_dtype=settings.compute_dtype,
+        accumulate_grads=settings.accumulate_grads,
+        deferred_update=settings.deferred_update,
+        fill_gaps=settings.fill_gaps,
+    )
+
+
+def with_peak_budgets(plan: Plan, activation_bytes: Optional[int] = None) -> Plan:
+    """`plan` with budgets equal to its schedule's peaks: exactly what it needs (hand-written
+    plans in benchmarks and tests; the resolve stage sizes budgets for real runs)."""
+    s = build_schedule(plan)
+    return replace(
+        plan, budgets=Budgets(s.peak_device_bytes, s.peak_host_bytes, activation_bytes=activation_bytes)
     )
 
 
@@ -58,42 +80,26 @@ def min_budgets(units: Sequence[UnitSpec], **kwargs) -> tuple[int, int]:
     return sched.peak_device_bytes, sched.peak_host_bytes
 
 
-def default_plan(
-    units: Sequence[UnitSpec],
-    *,
-    device: str,
-    compute_dtype: str,
-    device_budget_bytes: int,
-    host_budget_bytes: int,
-    prefetch_depth: int | None = None,
-    optim_prefetch_depth: int | None = None,
-    accumulate_grads: bool = False,
-    deferred_update: bool = False,
-) -> Plan:
+def default_plan(units: Sequence[UnitSpec], *, device: str, settings: Settings, budgets: Budgets) -> Plan:
+    """The rule of the module docstring, for `settings` within `budgets`."""
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
-    base = dict(
-        device=device,
-        compute_dtype=compute_dtype,
-        accumulate_grads=accumulate_grads,
-        deferred_update=deferred_update,
-        device_budget_bytes=device_budget_bytes,
-        host_budget_bytes=host_budget_bytes,
-    )
-    q = DEFAULT_OPTIM_PREFETCH if optim_prefetch_depth is None else optim_prefetch_depth
-    ks = (prefetch_depth,) if prefetch_depth is not None else (2, 1, 0)
-    qs = (q,) if optim_prefetch_depth is not None else tuple(range(min(q, len(units) - 1), -1, -1))
+    base = dict(device=device, budgets=budgets, **plan_shape(settings))
+    k_fixed, q_fixed = settings.prefetch_depth, settings.optim_prefetch_depth
+    q = DEFAULT_OPTIM_PREFETCH if q_fixed is None else q_fixed
+    ks = (k_fixed,) if k_fixed is not None else (DEFAULT_PREFETCH, 1, 0)
+    qs = (q,) if q_fixed is not None else tuple(range(min(q, len(units) - 1), -1, -1))
+    dev_b, host_b = budgets.device_bytes, budgets.host_bytes
     # Deepest weights prefetch first, then the deepest optimizer read-ahead that also fits.
     for k in ks:
         for q_try in qs:
             plan = streaming_plan(units, prefetch_depth=k, optim_prefetch_depth=q_try, **base)
             sched = build_schedule(plan)
-            if sched.peak_device_bytes <= device_budget_bytes and sched.peak_host_bytes <= host_budget_bytes:
-                need_dev, need_host = sched.peak_device_bytes, sched.peak_host_bytes
-                return _keep_what_fits(plan, device_budget_bytes - need_dev, host_budget_bytes - need_host)
+            if sched.peak_device_bytes <= dev_b and sched.peak_host_bytes <= host_b:
+                return _keep_what_fits(plan, dev_b - sched.peak_device_bytes, host_b - sched.peak_host_bytes)
     smallest = streaming_plan(units, prefetch_depth=ks[-1], optim_prefetch_depth=qs[-1], **base)
     sched = build_schedule(smallest)
-    if sched.peak_device_bytes > device_budget_bytes:
+    if sched.peak_device_bytes > dev_b:
         _raise_device_too_small(units, smallest, sched.peak_device_bytes)
     _raise_host_too_small(units, smallest, sched.peak_host_bytes)
     raise AssertionError("unreachable")
@@ -135,20 +141,20 @@ def _keep_what_fits(plan: Plan, spare_dev: int, spare_host: int) -> Plan:
 def _raise_device_too_small(units: Sequence[UnitSpec], plan: Plan, need: int) -> None:
     cdt = plan.compute_dtype
     biggest = max(units, key=lambda u: u.weights_bytes(cdt))
-    raise PlanError(
-        f"device budget of {fmt_bytes(plan.device_budget_bytes)} ({plan.device_budget_bytes} bytes) is too "
+    raise InfeasibleError(
+        f"device budget of {fmt_bytes(plan.budgets.device_bytes)} ({plan.budgets.device_bytes} bytes) is too "
         f"small: streaming the units with prefetch depth {plan.prefetch_depth} needs at least {fmt_bytes(need)} "
         f"({need} bytes); the largest unit {biggest.name!r} has {biggest.numel:,} parameters "
-        f"({fmt_bytes(biggest.weights_bytes(cdt))} of {cdt} weights). Raise device_budget_bytes to at least {need}."
+        f"({fmt_bytes(biggest.weights_bytes(cdt))} of {cdt} weights). Raise the device budget to at least {need} bytes."
     )
 
 
 def _raise_host_too_small(units: Sequence[UnitSpec], plan: Plan, need: int) -> None:
     biggest = max(units, key=lambda u: u.moments_bytes)
-    raise PlanError(
-        f"host budget of {fmt_bytes(plan.host_budget_bytes)} ({plan.host_budget_bytes} bytes) is too "
+    raise InfeasibleError(
+        f"host budget of {fmt_bytes(plan.budgets.host_bytes)} ({plan.budgets.host_bytes} bytes) is too "
         f"small: the optimizer's working set with optimizer prefetch depth "
         f"{plan.optim_prefetch_depth} needs at least {fmt_bytes(need)} ({need} bytes); the largest "
         f"unit {biggest.name!r} has {biggest.numel:,} parameters ({fmt_bytes(biggest.moments_bytes)} of "
-        f"Adam moments). Raise host_budget_bytes to at least {need}."
+        f"Adam moments). Raise the host budget to at least {need} bytes."
     )

@@ -186,7 +186,9 @@ class Fifo(_Tally):
 
 
 class Pool:
-    """runtime/memory.py's BufferPool, with times instead of buffers (main thread only)."""
+    """runtime/memory.py's BufferPool, with times instead of buffers (main thread only). Where
+    the runtime's pool would raise (nothing pending and still over budget) this one allocates:
+    the replay scores plans, and an infeasible one shows up in its peaks."""
 
     def __init__(self, budget: int):
         self.budget = budget

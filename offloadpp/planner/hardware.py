@@ -48,6 +48,15 @@ from typing import Any, Mapping, Optional
 PROFILE_VERSION = 1
 
 
+def default_profile_path() -> str:
+    """Where `offloadpp profile` caches the hardware profile and the planner looks for it:
+    $OFFLOADPP_CACHE_DIR/hardware.json, else ~/.cache/offloadpp/hardware.json."""
+    root = os.environ.get("OFFLOADPP_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "offloadpp"
+    )
+    return os.path.join(root, "hardware.json")
+
+
 class ProfileError(ValueError):
     """A profile JSON that cannot be used; the message names the field and the value."""
 

@@ -28,11 +28,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterator, Optional, Sequence
 
-# Bytes per element of the dtypes the runtime uses, by the names RuntimeConfig uses.
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-COMPUTE_DTYPES = tuple(DTYPE_BYTES)
+from .spec import ACTIVATION_POLICIES, COMPUTE_DTYPES, DTYPE_BYTES, Budgets
+
 DEVICES = ("cpu", "cuda")
-ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "auto")
 
 # Direct I/O moves whole 4096-byte blocks: every flat buffer is padded to a multiple of this many
 # elements (4096 bytes at 2 bytes/element, 8192 at 4), so one layout serves every dtype.
@@ -42,6 +40,10 @@ ALIGN_NUMEL = 2048
 class PlanError(ValueError):
     """A plan that cannot run: budgets too small, inconsistent tiers. The message names the unit,
     the budget and the bytes needed."""
+
+
+class InfeasibleError(PlanError):
+    """Nothing fits the budgets: the message names what each budget lacks and the largest unit."""
 
 
 class Tier(str, Enum):
@@ -118,8 +120,9 @@ class Plan:
     # Keep a unit's weights between two uses in a step where that raises neither peak
     # (schedule.py, _fill_gaps); False: drop after every use and read again (strict streaming).
     fill_gaps: bool = True
-    device_budget_bytes: int = 0
-    host_budget_bytes: int = 0
+    # The budgets the plan was made for and the runtime holds to (None: a plan made without
+    # budgets, for tests of the schedule; the runtime refuses it).
+    budgets: Optional[Budgets] = None
     notes: tuple[str, ...] = field(default=(), compare=False)
     # The I/O engine's block size and queue depth the planner picked from the measured grid
     # (None: IOConfig's); the runtime uses them unless the config sets `io` explicitly.
@@ -129,7 +132,6 @@ class Plan:
     # ACTIVATION_POLICIES per unit in forward order; () keeps them all on the device. "auto" is
     # resolved by the runtime from the first forward until a planner fills it in.
     activations: tuple[str, ...] = ()
-    activation_budget_bytes: int = 0  # device bytes for activations (0: no budget)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -167,8 +169,6 @@ class Plan:
                 raise PlanError(
                     f"unit {u.name!r}: activation policy must be one of {ACTIVATION_POLICIES}, got {a!r}"
                 )
-        if self.activation_budget_bytes < 0:
-            raise PlanError(f"activation_budget_bytes must be >= 0, got {self.activation_budget_bytes}")
 
     def _check_placement(self, p: Placement) -> None:
         for what in ("master", "moments", "grads"):
@@ -245,15 +245,21 @@ class Plan:
                 total += u.grad_bytes
         return total
 
+    def describe_budgets(self) -> str:
+        b = self.budgets
+        if b is None:
+            return "none"
+        act = fmt_bytes(b.activation_bytes) if b.activation_bytes else "unlimited"
+        return f"device {fmt_bytes(b.device_bytes)}, host {fmt_bytes(b.host_bytes)}, activations {act}"
+
     def describe(self) -> str:
         """A table for humans: one line per unit."""
         lines = [
             f"plan: device={self.device} compute={self.compute_dtype} prefetch_depth={self.prefetch_depth} "
             f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
             f"deferred_update={self.deferred_update} fill_gaps={self.fill_gaps}",
-            f"  budgets: device {fmt_bytes(self.device_budget_bytes)}, host {fmt_bytes(self.host_budget_bytes)}; "
-            f"resident: device {fmt_bytes(self.resident_device_bytes())}, host "
-            f"{fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",
+            f"  budgets: {self.describe_budgets()}; resident: device {fmt_bytes(self.resident_device_bytes())}, "
+            f"host {fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",
             f"  {'unit':<28} {'params':>12} {'weights':>8} {'master':>8} {'moments':>8} {'grads':>8}",
         ]
         for u, p in self:
@@ -263,7 +269,8 @@ class Plan:
                 f"{p.moments.value:>8} {grads:>8}"
             )
         if self.activations and set(self.activations) != {"keep"}:
-            budget = fmt_bytes(self.activation_budget_bytes) if self.activation_budget_bytes else "none"
+            act = self.budgets.activation_bytes if self.budgets is not None else None
+            budget = fmt_bytes(act) if act else "none"
             lines.append(
                 f"  activations (budget {budget}): "
                 + ", ".join(f"{u.name}={a}" for u, a in zip(self.units, self.activations))

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any, Mapping, Optional
 
 from .cost import StepEstimate
 from .plan import Placement, Plan, PlanError, Tier, UnitSpec
+from .spec import Budgets
 
-PLANFILE_VERSION = 1
+PLANFILE_VERSION = 2
 
 
 def plan_to_dict(plan: Plan, estimate: Optional[StepEstimate] = None) -> dict:
     d: dict[str, Any] = {"version": PLANFILE_VERSION}
     for f in fields(Plan):
-        if f.name in ("units", "placements", "notes"):
+        if f.name in ("units", "placements", "notes", "budgets"):
             continue
         d[f.name] = getattr(plan, f.name)
+    d["budgets"] = asdict(plan.budgets) if plan.budgets is not None else None
     d["units"] = [
         {
             "name": u.name,
@@ -82,8 +84,18 @@ def plan_from_dict(d: Mapping[str, Any]) -> tuple[Plan, Optional[StepEstimate]]:
         )
     except KeyError as e:
         raise PlanError(f"plan file: a unit or placement lacks the field {e.args[0]!r}") from None
-    kw = {k: v for k, v in d.items() if k not in ("version", "estimate", "units", "placements", "notes")}
-    plan = Plan(units=units, placements=placements, notes=tuple(d.get("notes", ())), **kw)
+    kw = {
+        k: v
+        for k, v in d.items()
+        if k not in ("version", "estimate", "units", "placements", "notes", "budgets")
+    }
+    budgets = None
+    if d.get("budgets") is not None:
+        try:
+            budgets = Budgets(**d["budgets"])
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"plan file: budgets: {e}") from None
+    plan = Plan(units=units, placements=placements, notes=tuple(d.get("notes", ())), budgets=budgets, **kw)
     est = None
     if d.get("estimate") is not None:
         est = StepEstimate(**d["estimate"])

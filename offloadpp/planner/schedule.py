@@ -74,7 +74,7 @@ def flush_rank(key: str) -> int:
     Note: why. The next forward reads back every updated unit's weights that it does not keep,
     and a read of a key waits for that key's own write; the engine serves writes in order, so a
     weights write queued behind the moments' (every unit's, with a window over all units) stalled
-    the forward's last visits for the moments' whole drain (13 ms a step on GPT-2 45M)."""
+    the forward's last visits for the moments' whole drain (docs/runtime.md)."""
     return 0 if key.endswith((".master", ".weights")) else 1
 
 

@@ -1,4 +1,4 @@
-"""The planner: plan(hardware, model, budget) -> Plan, the placement with the least estimated step.
+"""The planner: plan(hardware, model, req) -> Plan, the placement with the least estimated step.
 
 Pure (no torch). Candidates are enumerated within the budgets and each is scored with the cost
 model (cost.py); the least estimated step time wins.
@@ -9,7 +9,7 @@ Note: the candidates.
      checked against the budgets with the schedule the runtime walks.
   2. For each pair, what to keep in memory with the budget left over. Every (unit, array)
      that could stay resident is an *upgrade*: keep unit u's master (on the CPU device with fp32
-     compute that is its weights too, from the device budget, or from the host budget), its
+     compute that is its weights too, from the device req, or from the host req), its
      moments, or (16-bit compute, CUDA) its compute weights on the device or host. An
      upgrade's value is the SSD (and link) bytes per step it saves, measured by replaying the
      streaming plan and reading its per-key traffic; its price is the bytes it occupies.
@@ -26,15 +26,16 @@ set (k = 0, q = 0), and which unit makes it that large.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .cost import StepEstimate, replay
-from .default import _keep_what_fits, streaming_plan
+from .default import _keep_what_fits, plan_shape, streaming_plan
 from .hardware import HardwareProfile, IOPoint
 from .model_profile import ModelProfile
-from .plan import COMPUTE_DTYPES, Plan, PlanError, Tier, fmt_bytes
+from .plan import InfeasibleError, Plan, PlanError, Tier, fmt_bytes
 from .schedule import build_schedule
+from .spec import Budgets, Settings
 
 MAX_PREFETCH = 3
 MAX_OPTIM = 3
@@ -46,47 +47,22 @@ ACT_TOP_PLACEMENTS = 3
 
 
 @dataclass(frozen=True)
-class Budget:
-    """What the planner may use, and the run's settings that change the schedule.
+class Request:
+    """What the search is asked: budgets, and the settings that change the schedule and the
+    estimate (compute dtype, accumulation, deferral, Adam threads, fixed depths)."""
 
-    device_bytes / host_bytes: as RuntimeConfig's device_budget_bytes / host_budget_bytes.
-    activation_bytes: device bytes the saved activations may take (ActivationConfig.budget_bytes);
-        None: unlimited, every unit keeps its activations.
-    ssd_bytes: free space on the swap directories (None: not checked).
-    prefetch_depth / optim_prefetch_depth: fixed by the user (None: searched).
-    """
+    budgets: Budgets
+    settings: Settings
+    adam_threads: int = 1  # resolved (Settings.adam_threads may say "every core")
+    ssd_free_bytes: Optional[int] = None  # plans keeping more on SSD are not candidates (None: not checked)
 
-    device_bytes: int
-    host_bytes: int
-    ssd_bytes: Optional[int] = None
-    compute_dtype: str = "fp32"
-    micro_batches: int = 1
-    deferred_update: bool = False
-    adam_threads: int = 1
-    prefetch_depth: Optional[int] = None
-    optim_prefetch_depth: Optional[int] = None
-    activation_bytes: Optional[int] = None  # device bytes for saved activations (None: no limit)
-    act_prefetch_units: int = 2
+    @property
+    def micro_batches(self) -> int:
+        return self.settings.gradient_accumulation_steps
 
-    def __post_init__(self) -> None:
-        for name in ("device_bytes", "host_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise PlanError(f"Budget.{name} must be an int > 0, got {v!r}")
-        if self.ssd_bytes is not None and self.ssd_bytes < 0:
-            raise PlanError(f"Budget.ssd_bytes must be >= 0 or None, got {self.ssd_bytes!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise PlanError(
-                f"Budget.compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"
-            )
-        if self.micro_batches < 1:
-            raise PlanError(f"Budget.micro_batches must be >= 1, got {self.micro_batches!r}")
-        if self.adam_threads < 1:
-            raise PlanError(f"Budget.adam_threads must be >= 1, got {self.adam_threads!r}")
-        for name in ("prefetch_depth", "optim_prefetch_depth"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise PlanError(f"Budget.{name} must be >= 0 or None, got {v!r}")
+    @property
+    def act_prefetch_units(self) -> int:
+        return self.settings.activations.prefetch_units
 
 
 @dataclass(frozen=True)
@@ -113,14 +89,14 @@ class SearchResult:
 
 
 def _score(
-    plan: Plan, hw: HardwareProfile, model: ModelProfile, budget: Budget, acts: Optional[dict] = None
+    plan: Plan, hw: HardwareProfile, model: ModelProfile, req: Request, acts: Optional[dict] = None
 ) -> tuple[StepEstimate, dict]:
-    return replay(plan, hw, model, adam_threads=budget.adam_threads, micro_batches=budget.micro_batches,
-                  activations=acts or {}, act_prefetch_units=budget.act_prefetch_units)  # fmt: skip
+    return replay(plan, hw, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
+                  activations=acts or {}, act_prefetch_units=req.act_prefetch_units)  # fmt: skip
 
 
-def activation_candidates(model: ModelProfile, budget: Budget, device: str) -> list[tuple[str, dict]]:
-    """Activation policies to score when the saved activations exceed budget.activation_bytes.
+def activation_candidates(model: ModelProfile, req: Request, device: str) -> list[tuple[str, dict]]:
+    """Activation policies to score when the saved activations exceed req.budgets.activation_bytes.
 
     Units are ranked by forward FLOPs per saved byte, lowest first (the paper's rule): those are
     the cheapest to recompute per byte freed and the hardest to hide a swap behind. Candidates:
@@ -129,9 +105,9 @@ def activation_candidates(model: ModelProfile, budget: Budget, device: str) -> l
     memory (CUDA) or SSD; and half of each."""
     acts = [(i, u) for i, u in enumerate(model.units) if u.activation_bytes > 0]
     total = sum(u.activation_bytes for _, u in acts)
-    if budget.activation_bytes is None or total <= budget.activation_bytes:
+    if req.budgets.activation_bytes is None or total <= req.budgets.activation_bytes:
         return [("keep", {})]
-    cap = budget.activation_bytes
+    cap = req.budgets.activation_bytes
     ranked = [u for _, u in sorted(acts, key=lambda x: (x[1].forward_flops / x[1].activation_bytes, -x[0]))]
     swap_to = "host" if device == "cuda" else "ssd"
     out = []
@@ -145,7 +121,7 @@ def activation_candidates(model: ModelProfile, budget: Budget, device: str) -> l
     if kept <= cap:
         out.append(("recompute lowest FLOPs/byte", rec))
     # keep along the ranking, swap the rest
-    working = 2 if budget.act_prefetch_units > 0 else 1
+    working = 2 if req.act_prefetch_units > 0 else 1
     for pol in dict.fromkeys((swap_to, "ssd")):
         keep, used = set(), 0
         for u in ranked:
@@ -172,9 +148,9 @@ def activation_candidates(model: ModelProfile, budget: Budget, device: str) -> l
     return out or [("recompute all", {u.name: "recompute" for u in ranked})]
 
 
-def _fits(plan: Plan, budget: Budget) -> bool:
+def _fits(plan: Plan, req: Request) -> bool:
     s = build_schedule(plan)
-    return s.peak_device_bytes <= budget.device_bytes and s.peak_host_bytes <= budget.host_bytes
+    return s.peak_device_bytes <= req.budgets.device_bytes and s.peak_host_bytes <= req.budgets.host_bytes
 
 
 def _upgrades(plan: Plan, traffic: dict) -> list[tuple[float, int, str, str]]:
@@ -243,7 +219,7 @@ def _apply(plan: Plan, unit: str, what: str) -> Optional[Plan]:
 MAX_MISSES = 6  # a fill stops after this many arrays in a row did not fit
 
 
-def _take(base: Plan, steps: list[tuple[tuple[str, str], ...]], budget: Budget) -> Plan:
+def _take(base: Plan, steps: list[tuple[tuple[str, str], ...]], req: Request) -> Plan:
     """Applies `steps` in order (each the first of its (unit, what) alternatives that fits) while
     the budgets allow. The longest prefix that fits with first alternatives is found by bisection
     (keeping more never shrinks the peaks much), then steps go one by one, up to MAX_MISSES
@@ -259,7 +235,7 @@ def _take(base: Plan, steps: list[tuple[tuple[str, str], ...]], budget: Budget) 
     lo, hi = 0, len(steps)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits(prefix(mid), budget):
+        if _fits(prefix(mid), req):
             lo = mid
         else:
             hi = mid - 1
@@ -267,27 +243,27 @@ def _take(base: Plan, steps: list[tuple[tuple[str, str], ...]], budget: Budget) 
     for step in steps[lo:]:
         for unit, what in step:
             nxt = _apply(plan, unit, what)
-            if nxt is not None and _fits(nxt, budget):
+            if nxt is not None and _fits(nxt, req):
                 plan, misses = nxt, -1
                 break
         misses += 1
         if misses >= MAX_MISSES:
             break
-    return _persistent_grads(plan, budget)
+    return _persistent_grads(plan, req)
 
 
-def _greedy(base: Plan, traffic: dict, budget: Budget) -> Plan:
-    return _take(base, [((unit, what),) for _, _, unit, what in _upgrades(base, traffic)], budget)
+def _greedy(base: Plan, traffic: dict, req: Request) -> Plan:
+    return _take(base, [((unit, what),) for _, _, unit, what in _upgrades(base, traffic)], req)
 
 
-def _ordered_fill(base: Plan, order: list[str], arrays: tuple[str, ...], budget: Budget) -> Plan:
+def _ordered_fill(base: Plan, order: list[str], arrays: tuple[str, ...], req: Request) -> Plan:
     """Keeps `arrays` of the units in `order` (all of the first array's units, then the next
     array's) while the budgets allow: the fills a person tuning by hand would try."""
     masters = ("master@device", "master@host") if base.device == "cpu" else ("master@host",)
     steps = [
         tuple((u, w) for w in (masters if what == "master" else (what,))) for what in arrays for u in order
     ]
-    return _take(base, steps, budget)
+    return _take(base, steps, req)
 
 
 FILLS = (
@@ -297,67 +273,73 @@ FILLS = (
 )
 
 
-def _persistent_grads(plan: Plan, budget: Budget) -> Plan:
+def _persistent_grads(plan: Plan, req: Request) -> Plan:
     """Gradients kept between micro-batches or for a deferred update: in host memory if all fit."""
     if not plan.persistent_grads:
         return plan
     host = replace(plan, placements=tuple(replace(p, grads=Tier.HOST) for p in plan.placements))
     return (
         host
-        if _fits(host, budget)
+        if _fits(host, req)
         else replace(plan, placements=tuple(replace(p, grads=Tier.SSD) for p in plan.placements))
     )
 
 
-def _depths(budget: Budget, n_units: int) -> list[tuple[int, int]]:
-    ks = [budget.prefetch_depth] if budget.prefetch_depth is not None else list(range(MAX_PREFETCH + 1))
+def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:
+    ks = (
+        [req.settings.prefetch_depth]
+        if req.settings.prefetch_depth is not None
+        else list(range(MAX_PREFETCH + 1))
+    )
     qmax = max(0, min(MAX_OPTIM, n_units - 1))
-    qs = [budget.optim_prefetch_depth] if budget.optim_prefetch_depth is not None else list(range(qmax + 1))
+    qs = (
+        [req.settings.optim_prefetch_depth]
+        if req.settings.optim_prefetch_depth is not None
+        else list(range(qmax + 1))
+    )
     return [(k, q) for k in ks for q in qs]
 
 
-def search(hardware: HardwareProfile, model: ModelProfile, budget: Budget) -> SearchResult:
+def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> SearchResult:
     units = model.unit_specs()
-    common = dict(
-        device=hardware.device,
-        compute_dtype=budget.compute_dtype,
-        accumulate_grads=budget.micro_batches > 1,
-        deferred_update=budget.deferred_update,
-        device_budget_bytes=budget.device_bytes,
-        host_budget_bytes=budget.host_bytes,
-    )
+    common = dict(device=hardware.device, budgets=req.budgets, **plan_shape(req.settings))
     cands: list[Candidate] = []
     smallest: Optional[Plan] = None
-    for k, q in _depths(budget, len(units)):
+    for k, q in _depths(req, len(units)):
         base = streaming_plan(units, prefetch_depth=k, optim_prefetch_depth=q, **common)
         if smallest is None or (k, q) < (smallest.prefetch_depth, smallest.optim_prefetch_depth):
             smallest = base
         sched = build_schedule(base)
-        if sched.peak_device_bytes > budget.device_bytes or sched.peak_host_bytes > budget.host_bytes:
+        if (
+            sched.peak_device_bytes > req.budgets.device_bytes
+            or sched.peak_host_bytes > req.budgets.host_bytes
+        ):
             continue
-        est, traffic = _score(base, hardware, model, budget)
+        est, traffic = _score(base, hardware, model, req)
         tried = {base.placements: "stream"}
-        greedy = _greedy(base, traffic, budget)
+        greedy = _greedy(base, traffic, req)
         tried.setdefault(greedy.placements, "greedy")
         dflt = _keep_what_fits(
-            base, budget.device_bytes - sched.peak_device_bytes, budget.host_bytes - sched.peak_host_bytes
+            base,
+            req.budgets.device_bytes - sched.peak_device_bytes,
+            req.budgets.host_bytes - sched.peak_host_bytes,
         )
-        if _fits(dflt, budget):
-            tried.setdefault(_persistent_grads(dflt, budget).placements, "default fill")
+        if _fits(dflt, req):
+            tried.setdefault(_persistent_grads(dflt, req).placements, "default fill")
         names = [u.name for u in units]
         for label, backward, arrays in FILLS:
-            filled = _ordered_fill(base, names[::-1] if backward else names, arrays, budget)
+            filled = _ordered_fill(base, names[::-1] if backward else names, arrays, req)
             tried.setdefault(filled.placements, label)
         for placements, how in tried.items():
             plan = replace(base, placements=placements, notes=())
-            if budget.ssd_bytes is not None and plan.ssd_bytes() > budget.ssd_bytes:
+            if req.ssd_free_bytes is not None and plan.ssd_bytes() > req.ssd_free_bytes:
                 continue
-            e = est if how == "stream" else _score(plan, hardware, model, budget)[0]
+            e = est if how == "stream" else _score(plan, hardware, model, req)[0]
             cands.append(Candidate(f"k={k} q={q} {how}", plan, e))
     if not cands:
-        _raise_infeasible(smallest, budget)
+        _raise_infeasible(smallest, req)
     cands.sort(key=lambda c: c.estimate.step_s)
-    act_cands = activation_candidates(model, budget, hardware.device)
+    act_cands = activation_candidates(model, req, hardware.device)
     if act_cands != [("keep", {})]:
         # the activation policy interacts with placement through the SSD and the cores: score
         # every policy against the best few placements
@@ -365,19 +347,19 @@ def search(hardware: HardwareProfile, model: ModelProfile, budget: Budget) -> Se
         cands = []
         for c in top:
             for label, acts in act_cands:
-                e = _score(c.plan, hardware, model, budget, acts)[0]
+                e = _score(c.plan, hardware, model, req, acts)[0]
                 cands.append(
                     Candidate(f"{c.label}; activations: {label}", c.plan, e, tuple(sorted(acts.items())))
                 )
         cands.sort(key=lambda c: c.estimate.step_s)
-    best = _robust_pick(cands, hardware, model, budget)
+    best = _robust_pick(cands, hardware, model, req)
     notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
              f"(best of {len(cands)} candidates)",)  # fmt: skip
     best_plan = replace(best.plan, notes=notes)
     io = io_choice(hardware)
-    if io is not None and "io_block_size_bytes" in {f.name for f in fields(Plan)}:
+    if io is not None:
         best_plan = replace(best_plan, io_block_size_bytes=io.block_size_bytes, io_queue_depth=io.queue_depth)
-    if best.activations and "activations" in {f.name for f in fields(Plan)}:
+    if best.activations:
         acts = dict(best.activations)
         best_plan = replace(best_plan, activations=tuple(acts.get(u.name, "keep") for u in best_plan.units))
     best = replace(best, plan=best_plan)
@@ -401,9 +383,7 @@ def io_choice(hardware: HardwareProfile) -> Optional[IOPoint]:
     return best if best.seconds_per_byte() <= IO_GAIN * default.seconds_per_byte() else None
 
 
-def _robust_pick(
-    cands: list[Candidate], hw: HardwareProfile, model: ModelProfile, budget: Budget
-) -> Candidate:
+def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfile, req: Request) -> Candidate:
     """The candidate to run. Note: the SSD's bandwidth moves from run to run (up to 2x on the
     development machine, DESIGN.md), and a plan whose I/O sits on the critical path pays for
     every slow moment. So the candidates within ROBUST_WINDOW of the best estimate are scored
@@ -420,58 +400,58 @@ def _robust_pick(
     )
     score = {}
     for c in near:
-        pessimistic = _score(c.plan, slow, model, budget, dict(c.activations))[0].step_s
+        pessimistic = _score(c.plan, slow, model, req, dict(c.activations))[0].step_s
         score[id(c)] = (c.estimate.step_s + pessimistic) / 2
     top = min(score.values())
     close = [c for c in near if score[id(c)] <= top * (1 + TIE_FRAC)]
     return min(close, key=lambda c: (c.estimate.ssd_read_bytes + c.estimate.ssd_write_bytes, score[id(c)]))
 
 
-def plan(hardware: HardwareProfile, model: ModelProfile, budget: Budget) -> Plan:
-    """The placement and prefetch depths with the least estimated step time within `budget`.
+def plan(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Plan:
+    """The placement and prefetch depths with the least estimated step time within `req`'s budgets.
     Raises PlanError naming the missing bytes and the tier when nothing fits."""
-    return search(hardware, model, budget).plan
+    return search(hardware, model, req).plan
 
 
-def _raise_infeasible(smallest: Optional[Plan], budget: Budget) -> None:
+def _raise_infeasible(smallest: Optional[Plan], req: Request) -> None:
     if smallest is None:
         raise PlanError("no prefetch depths to try")
     sched = build_schedule(smallest)
     cdt = smallest.compute_dtype
     biggest = max(smallest.units, key=lambda u: u.master_bytes)
     parts = []
-    if sched.peak_device_bytes > budget.device_bytes:
-        miss = sched.peak_device_bytes - budget.device_bytes
+    if sched.peak_device_bytes > req.budgets.device_bytes:
+        miss = sched.peak_device_bytes - req.budgets.device_bytes
         parts.append(
-            f"the device budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(budget.device_bytes)}, "
+            f"the device budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(req.budgets.device_bytes)}, "
             f"streaming with prefetch depth {smallest.prefetch_depth} needs {fmt_bytes(sched.peak_device_bytes)}"
         )
-    if sched.peak_host_bytes > budget.host_bytes:
-        miss = sched.peak_host_bytes - budget.host_bytes
+    if sched.peak_host_bytes > req.budgets.host_bytes:
+        miss = sched.peak_host_bytes - req.budgets.host_bytes
         parts.append(
-            f"the host budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(budget.host_bytes)}, "
+            f"the host budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(req.budgets.host_bytes)}, "
             f"the optimizer's working set with read-ahead {smallest.optim_prefetch_depth} needs "
             f"{fmt_bytes(sched.peak_host_bytes)}"
         )
-    if not parts and budget.ssd_bytes is not None:
-        need = _all_kept_ssd_bytes(smallest, budget)
-        miss = need - budget.ssd_bytes
+    if not parts and req.ssd_free_bytes is not None:
+        need = _all_kept_ssd_bytes(smallest, req)
+        miss = need - req.ssd_free_bytes
         parts.append(
-            f"the SSD space is short by {fmt_bytes(miss)} ({miss} bytes): {fmt_bytes(budget.ssd_bytes)} free, "
+            f"the SSD space is short by {fmt_bytes(miss)} ({miss} bytes): {fmt_bytes(req.ssd_free_bytes)} free, "
             f"the state that does not fit in memory needs {fmt_bytes(need)}"
         )
-    raise PlanError(
+    raise InfeasibleError(
         "no plan fits the budgets: " + "; ".join(parts) + f". The largest unit is {biggest.name!r} "
         f"({biggest.numel:,} parameters: {fmt_bytes(biggest.weights_bytes(cdt))} of {cdt} weights, "
         f"{fmt_bytes(biggest.master_bytes + biggest.moments_bytes)} of master weights and moments)."
     )
 
 
-def _all_kept_ssd_bytes(plan: Plan, budget: Budget) -> int:
+def _all_kept_ssd_bytes(plan: Plan, req: Request) -> int:
     """SSD bytes of the plan that keeps the most in memory (forward fill) at these depths."""
     s = build_schedule(plan)
     kept = _keep_what_fits(
-        plan, budget.device_bytes - s.peak_device_bytes, budget.host_bytes - s.peak_host_bytes
+        plan, req.budgets.device_bytes - s.peak_device_bytes, req.budgets.host_bytes - s.peak_host_bytes
     )
     return kept.ssd_bytes()
 
@@ -494,4 +474,4 @@ def describe_buffers(plan: Plan) -> list[str]:
     return lines
 
 
-__all__ = ["Budget", "Candidate", "SearchResult", "plan", "search", "describe_buffers"]
+__all__ = ["Request", "Candidate", "SearchResult", "plan", "search", "describe_buffers"]

@@ -242,8 +242,9 @@ class Sim:
         self.ssd, self.h2d, self.d2h = ssd, h2d, d2h
         self.t = 0.0
         self.cuda = plan.device == "cuda"
-        self.device_pool = Pool(plan.device_budget_bytes)
-        self.host_pool = Pool(plan.host_budget_bytes)
+        budgets = plan.budgets
+        self.device_pool = Pool(budgets.device_bytes if budgets is not None else 0)
+        self.host_pool = Pool(budgets.host_bytes if budgets is not None else 0)
         self.resident_device_bytes = 0
         self.pool_wait_s = 0.0
         self.sched: Schedule = build_schedule(plan)

@@ -4,11 +4,8 @@ Everything goes through the code the runtime uses (the TensorStore and its engin
 keys in place; adam_step_flat; torch matmuls on the model's GEMM shapes), so the numbers are the
 ones a step sees. `profile_hardware()` takes well under a minute at the defaults.
 
-Note: SSD numbers. The runtime overwrites existing keys (about twice as fast as writing fresh
-files on this class of disk), several puts or gets in flight at once, each about one unit's array.
-So: lay out `count` keys of `tensor_bytes` first, then time overwriting all of them (issued
-together, waited together) and reading all of them back; the median of `repeats` rounds. Each
-directory alone, then all together (a store over all directories stripes large tensors).
+Note: SSD numbers are offloadpp.io.measure_ssd's (overwriting keys in place, as training does),
+each directory alone, then all together (a store over all directories stripes large tensors).
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ def _scratch_store(dirs: Sequence[str], config=None) -> Iterator:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def measure_ssd(
+def measure_dirs(
     dirs: Sequence[str],
     *,
     block_size_bytes: int = 1 << 20,
@@ -64,34 +61,13 @@ def measure_ssd(
     total_bytes: int = 256 << 20,
     repeats: int = 3,
 ) -> tuple[float, float]:
-    """(read GB/s, write GB/s) of a TensorStore over `dirs`, overwriting in place."""
-    import torch
+    """(read GB/s, write GB/s) of a scratch TensorStore over `dirs` (io.measure_ssd)."""
+    from offloadpp.io import IOConfig
+    from offloadpp.io import measure_ssd as measure_store
 
-    from offloadpp.io import IOConfig, aligned_empty
-
-    count = max(1, total_bytes // tensor_bytes)
-    numel = tensor_bytes // 4
     cfg = IOConfig(block_size_bytes=block_size_bytes, queue_depth=queue_depth)
-    bufs = [aligned_empty(numel, dtype=torch.float32) for _ in range(count)]
-    for b in bufs:
-        b.fill_(1.0)
-    keys = [f"probe{i}" for i in range(count)]
     with _scratch_store(dirs, cfg) as store:
-        for f in [store.put(k, b) for k, b in zip(keys, bufs)]:
-            f.wait()
-
-        def write() -> None:
-            for f in [store.put(k, b) for k, b in zip(keys, bufs)]:
-                f.wait()
-
-        def read() -> None:
-            for f in [store.get(k, out=b) for k, b in zip(keys, bufs)]:
-                f.wait()
-
-        w = _median_time(write, repeats)
-        r = _median_time(read, repeats)
-    nbytes = count * numel * 4
-    return nbytes / r / 1e9, nbytes / w / 1e9
+        return measure_store(store, total_bytes=total_bytes, tensor_bytes=tensor_bytes, repeats=repeats)
 
 
 class _Spinner:
@@ -472,9 +448,10 @@ def measure_visit_overhead(rounds: int = 15) -> tuple[float, float]:
         import transformers
     except ImportError:
         return 0.0, 0.0
+    from offloadpp.assemble import assemble_engine
     from offloadpp.optim import AdamHyper
-    from offloadpp.planner import default_plan
-    from offloadpp.runtime import OffloadEngine, RuntimeConfig, find_units, layout_units
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig, unit_specs
 
     transformers.logging.set_verbosity_error()
     cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
@@ -483,16 +460,13 @@ def measure_visit_overhead(rounds: int = 15) -> tuple[float, float]:
     model = transformers.GPT2LMHeadModel(cfg)
     plain = copy.deepcopy(model)
     ids = torch.randint(0, 256, (1, 32))
-    specs = [lay.spec() for lay in layout_units(model, find_units(model))]
-    big = 1 << 34
-    plan = default_plan(
-        specs, device="cpu", compute_dtype="fp32", device_budget_bytes=big, host_budget_bytes=big
-    )
+    specs = unit_specs(model)
+    big = 1 << 34  # everything in memory: only the runtime's own work differs from plain torch
     d = tempfile.mkdtemp(prefix="offloadpp-visit-")
     try:
-        rc = RuntimeConfig(nvme_paths=[d], device_budget_bytes=big, host_budget_bytes=big, device="cpu",
-                           ssd_read_gbps=1.0, ssd_write_gbps=1.0, log_every=0)  # fmt: skip
-        with OffloadEngine(model, rc, hyper=AdamHyper(lr=1e-4), plan=plan) as eng:
+        rc = RuntimeConfig(nvme_paths=[d], settings=Settings(device_budget_bytes=big, host_budget_bytes=big),
+                           device="cpu", ssd_read_gbps=1.0, ssd_write_gbps=1.0, log_every=0)  # fmt: skip
+        with assemble_engine(model, rc, hyper=AdamHyper(lr=1e-4)) as eng:
             pf, pb, ef, eb = [], [], [], []
             for i in range(rounds + 2):
                 t0 = time.perf_counter()
@@ -567,10 +541,10 @@ def profile_hardware(
     ssds = []
     if len(dirs) > 1:
         for d in dirs:
-            r, w = measure_ssd([d], total_bytes=total_bytes)
+            r, w = measure_dirs([d], total_bytes=total_bytes)
             ssds.append(SsdProfile(d, r, w))
             say(f"SSD {d}: read {r:.2f} GB/s, write {w:.2f} GB/s")
-    read, write = measure_ssd(dirs, total_bytes=total_bytes)
+    read, write = measure_dirs(dirs, total_bytes=total_bytes)
     if len(dirs) == 1:
         ssds.append(SsdProfile(dirs[0], read, write))
     say(f"SSD (all {len(dirs)} together): read {read:.2f} GB/s, write {write:.2f} GB/s")
@@ -591,7 +565,7 @@ def profile_hardware(
     grid = []
     if io_grid:
         for bs, qd in IO_GRID:
-            r, w = measure_ssd(
+            r, w = measure_dirs(
                 dirs, block_size_bytes=bs, queue_depth=qd, total_bytes=total_bytes // 2, repeats=2
             )
             grid.append(IOPoint(bs, qd, r, w))

@@ -110,7 +110,7 @@ class ModelProfiler:
                  runtime_layout: bool = False):  # fmt: skip
         import torch
 
-        from offloadpp.runtime.units import find_units, layout_units
+        from offloadpp.runtime.partition import find_units, layout_units
 
         self.model, self.batch, self.compute_dtype, self.name = model, batch, compute_dtype, name
         defs = find_units(model, tuple(tuple(u) for u in units) if units is not None else None)

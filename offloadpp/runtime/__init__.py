@@ -1,15 +1,20 @@
-"""The out-of-core training runtime: executes a Plan, streaming unit weights to the device ahead
-of use and running the CPU optimizer on each unit as soon as its gradients are complete.
+"""The out-of-core training runtime: executes a finished Plan, streaming unit weights to the
+device ahead of use and running the CPU optimizer on each unit as soon as its gradients are
+complete. It is handed the plan (offloadpp/assemble.py, planner/resolve.py) and never decides
+placement or budgets itself.
 
     from offloadpp.runtime import OffloadEngine, RuntimeConfig, StepReport
 """
 
-from .config import RuntimeConfig, StepReport
+from .config import BudgetUse, RuntimeConfig, StepReport
 from .engine import OffloadEngine
+from .memory import BudgetExceededError
+from .partition import UnitDef, UnitDiscoveryError, find_units, layout_units, unit_specs
 from .preflight import PreflightError
-from .units import UnitDef, UnitDiscoveryError, find_units, layout_units
 
 __all__ = [
+    "BudgetExceededError",
+    "BudgetUse",
     "OffloadEngine",
     "PreflightError",
     "RuntimeConfig",
@@ -18,4 +23,5 @@ __all__ = [
     "UnitDiscoveryError",
     "find_units",
     "layout_units",
+    "unit_specs",
 ]

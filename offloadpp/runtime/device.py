@@ -34,10 +34,17 @@ class CudaEventWaitable:
         return self.event.query()
 
 
+def device_kind(spec: Optional[str]) -> str:
+    """ "cuda" or "cpu" for a device spec (None: cuda when available, else the CPU as the device)."""
+    if spec is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(spec).type
+
+
 class Device:
     def __init__(self, spec: Optional[str]):
         if spec is None:
-            spec = "cuda" if torch.cuda.is_available() else "cpu"
+            spec = device_kind(None)
         self.torch_device = torch.device(spec)
         self.is_cuda = self.torch_device.type == "cuda"
         if self.is_cuda:
@@ -49,8 +56,10 @@ class Device:
             self.d2h = torch.cuda.Stream(self.torch_device)
         self.kind = "cuda" if self.is_cuda else "cpu"
         self._nan: dict[torch.dtype, torch.Tensor] = {}
-        self.bytes_in_use = 0  # device weights buffers (CUDA), for the report
+        self.bytes_in_use = 0  # device weights buffers (CUDA), accounted against budget_bytes
         self.peak_bytes = 0
+        self.step_peak_bytes = 0
+        self.budget_bytes: Optional[int] = None  # the plan's device budget (CUDA), set by the engine
         self.h2d_bytes = 0
         self.d2h_bytes = 0
 
@@ -60,6 +69,24 @@ class Device:
         if dtype not in self._nan:
             self._nan[dtype] = torch.full((), float("nan"), dtype=dtype, device=self.torch_device)
         return self._nan[dtype].expand(shape)
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Accounts `nbytes` of device weights (CUDA) against the device budget: they are taken
+        and given back on the main thread in the schedule's order, so more than the budget
+        means the plan does not fit and waiting would not help."""
+        if self.budget_bytes is not None and self.bytes_in_use + nbytes > self.budget_bytes:
+            from .memory import BudgetExceededError
+
+            raise BudgetExceededError(
+                f"device budget: {what} needs {nbytes} bytes more with {self.bytes_in_use} in use; the budget is "
+                f"{self.budget_bytes} bytes. The plan does not fit this run: raise the budget, or report it as a bug"
+            )
+        self.bytes_in_use += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
+        self.step_peak_bytes = max(self.step_peak_bytes, self.bytes_in_use)
+
+    def unreserve(self, nbytes: int) -> None:
+        self.bytes_in_use -= nbytes
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
@@ -119,9 +146,8 @@ class CudaWeights:
                 # queued on the compute stream may still read the old values.
                 dev.h2d.wait_stream(dev.compute_stream())
             else:
+                dev.reserve(host.numel() * host.element_size(), self.source.key)
                 self.tensor = torch.empty(host.numel(), dtype=host.dtype, device=dev.torch_device)
-                dev.bytes_in_use += host.numel() * host.element_size()
-                dev.peak_bytes = max(dev.peak_bytes, dev.bytes_in_use)
             self.tensor.copy_(host, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record(dev.h2d)
@@ -164,7 +190,7 @@ class CudaWeights:
             return
         if not self._copied:  # never reached the device: give the host copy back as is
             self.source.release(Hold.COMPUTE)
-        self.device.bytes_in_use -= (
+        self.device.unreserve(
             self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else 0
         )
         self.tensor = None  # record_stream keeps the memory until the compute stream is past it

@@ -1,16 +1,19 @@
 """OffloadEngine: trains an nn.Module whose training state lives on SSD (DESIGN.md, idea 1).
 
-    engine = OffloadEngine(model, RuntimeConfig(nvme_paths=[...], device_budget_bytes=...,
-                                                host_budget_bytes=...), hyper=AdamHyper(lr=1e-4))
+    config = RuntimeConfig(nvme_paths=[...], settings=Settings(...))
+    plan = offloadpp.assemble.resolve_for_model(model, config.settings).plan   # the resolve stage
+    engine = OffloadEngine(model, config, plan, hyper=AdamHyper(lr=1e-4))
     for batch in data:
         loss = engine(**batch).loss
         engine.backward(loss)
         report = engine.step()      # a StepReport on an accumulation boundary, else None
 
-The model is split into units (runtime/units.py), a Plan says where each unit's arrays live
-(planner/), and the executor's hooks stream weights in ahead of each unit while the optimizer
-pipeline updates units on a worker as their gradients complete (runtime/optimizer.py). After
-step() returns the weights are exactly those an in-memory AdamW step gives.
+The model is split into units (runtime/partition.py), a finished Plan says where each unit's
+arrays live and what each budget is (the runtime never re-decides it), and the executor's hooks
+stream weights in ahead of each unit while the optimizer pipeline updates units on a worker as
+their gradients complete (runtime/optimizer.py). After step() returns the weights are exactly
+those an in-memory AdamW step gives. The engine's buffer pools hold to the plan's budgets
+(runtime/memory.py) and each StepReport carries their peaks.
 """
 
 from __future__ import annotations
@@ -18,26 +21,27 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from offloadpp.io import TensorStore, aligned_empty
-from offloadpp.optim import AdamHyper
-from offloadpp.planner import Plan, PlanError, build_schedule, default_plan
+from offloadpp.io import TensorStore, aligned_empty, measure_ssd
+from offloadpp.optim import AdamHyper, default_num_threads
+from offloadpp.planner import Plan, PlanError, build_schedule
+from offloadpp.planner.cost import StepEstimate
+from offloadpp.planner.resolve import check_plan
 
-from .act_policy import ActivationConfig, plan_policies
-from .activations import ActivationManager
-from .config import RuntimeConfig, StepReport
+from .activations.manager import ActivationManager
+from .config import BudgetUse, RuntimeConfig, StepReport
 from .device import Device
 from .executor import Executor, ParamRef
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
+from .partition import find_units, layout_units
 from .precision import LossScaler
-from .preflight import check_free_space, check_nvme_paths, measure_ssd
+from .preflight import check_free_space, check_nvme_paths
 from .state import (
     Exporter,
     check_buffers,
@@ -47,7 +51,6 @@ from .state import (
     replace_meta_params,
 )
 from .unit import Unit, UnitPhase
-from .units import find_units, layout_units
 
 log = logging.getLogger("offloadpp.runtime")
 
@@ -57,23 +60,31 @@ class OffloadEngine:
         self,
         model: nn.Module,
         config: RuntimeConfig,
+        plan: Plan,
         *,
         hyper: Optional[AdamHyper] = None,
-        plan: Optional[Plan] = None,
         init_fn: Optional[Callable[[nn.Module], None]] = None,
         progress: bool = False,
+        predicted: Optional[StepEstimate] = None,
     ):
+        """plan: the finished plan for this model and config (offloadpp.assemble.resolve_for_model
+        or planner.resolve); predicted: its estimated step, for the reports."""
         self.config = config
+        self.settings = s = config.settings
         self.hyper = hyper if hyper is not None else AdamHyper()
         self.module = model
         self.device = Device(config.device)
+        if plan.budgets is None:
+            raise PlanError(
+                "the plan has no budgets: make it with offloadpp.assemble.resolve_for_model or planner.resolve"
+            )
         check_nvme_paths(config.nvme_paths)
         meta = replace_meta_params(model, self.device.placeholder)
         check_buffers(model, self.device.torch_device)
-        layouts = layout_units(model, find_units(model, config.units))
-        specs = [lay.spec() for lay in layouts]
-        self.predicted = None  # the planner's StepEstimate, when it made the plan
-        self.plan = self._with_activations(self._make_plan(specs, plan))
+        layouts = layout_units(model, find_units(model, s.units))
+        check_plan(plan, [lay.spec() for lay in layouts], self.device.kind, s)
+        self.plan = plan
+        self.predicted = predicted
         self.schedule = build_schedule(self.plan)
         check_free_space(config.nvme_paths, self.plan)
         self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True)
@@ -92,64 +103,14 @@ class OffloadEngine:
             update={"block_size_bytes": p.io_block_size_bytes, "queue_depth": p.io_queue_depth}
         )
 
-    def _make_plan(self, specs, plan: Optional[Plan]) -> Plan:
-        c = self.config
-        if plan is None and c.plan is not None:  # "auto" or a saved plan (docs/planner.md)
-            from offloadpp.planner.search import Budget
-            from offloadpp.profiling.auto import plan_for_engine
-
-            budget = Budget(
-                device_bytes=c.device_budget_bytes, host_bytes=c.host_budget_bytes, compute_dtype=c.compute_dtype,
-                micro_batches=c.gradient_accumulation_steps, deferred_update=c.deferred_update,
-                adam_threads=c.adam_threads, prefetch_depth=c.prefetch_depth,
-                optim_prefetch_depth=c.optim_prefetch_depth, activation_bytes=c.activation_budget_bytes,
-            )  # fmt: skip
-            plan, self.predicted = plan_for_engine(
-                c.plan, specs, self.module, budget=budget, device=self.device.kind,
-                hardware_path=c.hardware_profile, model_profile_path=c.model_profile,
-                micro_batch=c.plan_micro_batch, seq_len=c.plan_seq_len,
-            )  # fmt: skip
-        if plan is None:
-            return default_plan(
-                specs,
-                device=self.device.kind,
-                compute_dtype=c.compute_dtype,
-                device_budget_bytes=c.device_budget_bytes,
-                host_budget_bytes=c.host_budget_bytes,
-                prefetch_depth=c.prefetch_depth,
-                optim_prefetch_depth=c.optim_prefetch_depth,
-                accumulate_grads=c.gradient_accumulation_steps > 1,
-                deferred_update=c.deferred_update,
-            )
-        if list(plan.units) != specs:
-            raise PlanError(
-                "the plan was made for other units: plan has "
-                f"{[(u.name, u.numel) for u in plan.units]}, the model {[(u.name, u.numel) for u in specs]}"
-            )
-        want = dict(
-            device=self.device.kind,
-            compute_dtype=c.compute_dtype,
-            accumulate_grads=c.gradient_accumulation_steps > 1 or plan.accumulate_grads,
-            deferred_update=c.deferred_update or plan.deferred_update,
-        )
-        for k, v in want.items():
-            if getattr(plan, k) != v:
-                raise PlanError(f"plan.{k} is {getattr(plan, k)!r} but the config needs {v!r}")
-        return plan
-
-    def _with_activations(self, plan: Plan) -> Plan:
-        """Records each unit's activation policy and the activation budget in the plan."""
-        c = self.config
-        policies, notes = plan_policies(plan.units, plan.activations, c.activations, c.activation_overrides)
-        budget = plan.activation_budget_bytes or c.activation_budget_bytes or 0
-        return replace(plan, activations=policies, activation_budget_bytes=budget, notes=plan.notes + notes)
-
     def _setup(self, model, layouts, init_fn, meta: bool, progress: bool) -> None:
-        c, dev = self.config, self.device
+        c, s, dev, budgets = self.config, self.settings, self.device, self.plan.budgets
         self.device_pool = BufferPool(
-            "device", c.device_budget_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
+            "device", budgets.device_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
         )
-        self.host_pool = BufferPool("host", c.host_budget_bytes, lambda n, dt: aligned_empty(n, dt))
+        self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
+        if dev.is_cuda:
+            dev.budget_bytes = budgets.device_bytes
         self.units = [
             Unit(lay, p, self.plan, dev, self.store, device_pool=self.device_pool, host_pool=self.host_pool)
             for lay, p in zip(layouts, self.plan.placements)
@@ -168,10 +129,11 @@ class OffloadEngine:
             store=self.store,
             host_pool=self.host_pool,
             device=dev,
-            deferred=c.deferred_update,
+            deferred=s.deferred_update,
             separate_weights=self.plan.separate_weights,
-            threads=c.adam_threads,
+            threads=s.adam_threads or default_num_threads(),
         )
+        self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
         self.executor = Executor(self.schedule, self.units, self._grads_complete)
         self.executor.before_visit = self.optimizer.reap
         self.executor.updates_pending = lambda: self.optimizer.boundary
@@ -179,10 +141,10 @@ class OffloadEngine:
         self.executor.install(modules)
         self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
             [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],
-            ActivationConfig(budget_bytes=self.plan.activation_budget_bytes or None),
+            s.activations.model_copy(update={"budget_bytes": budgets.activation_bytes}),
             store=self.store,
             device=dev.torch_device,
-            policies=self.plan.activations,
+            policies=self.plan.activations or ("keep",) * len(self.units),  # (): the plan keeps them all
             model=model,
             param_pack=self.executor.pack,
             param_unpack=self.executor.unpack,
@@ -192,13 +154,14 @@ class OffloadEngine:
         self.exporter = Exporter(self.units, self._quiesce)
         self.exporter.install(model, modules)
         self.loss_scaler = None
-        if c.compute_dtype == "fp16":
+        if s.compute_dtype == "fp16":
+            ls = s.loss_scaling
             self.loss_scaler = LossScaler(
-                static_scale=c.loss_scale,
-                initial_power=c.initial_scale_power,
-                window=c.loss_scale_window,
-                hysteresis=c.hysteresis,
-                min_scale=c.min_loss_scale,
+                static_scale=ls.loss_scale,
+                initial_power=ls.initial_scale_power,
+                window=ls.loss_scale_window,
+                hysteresis=ls.hysteresis,
+                min_scale=ls.min_loss_scale,
             )
         if c.ssd_read_gbps and c.ssd_write_gbps:
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps, c.ssd_write_gbps
@@ -213,7 +176,7 @@ class OffloadEngine:
 
     # ---- training ---------------------------------------------------------------------------
     def _boundary(self) -> bool:
-        return self.micro_in_window + 1 >= self.config.gradient_accumulation_steps
+        return self.micro_in_window + 1 >= self.settings.gradient_accumulation_steps
 
     def __call__(self, *args, **kwargs):
         self._check_open()
@@ -235,7 +198,7 @@ class OffloadEngine:
         scale); units are handed to the optimizer as their gradients complete."""
         self._check_open()
         t0 = time.perf_counter()
-        scale = 1.0 / self.config.gradient_accumulation_steps
+        scale = 1.0 / self.settings.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self.executor.start_backward()
@@ -267,7 +230,7 @@ class OffloadEngine:
         grad_norm, skipped = None, False
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         with record_function("offloadpp::optimizer_wait"):
-            if self.config.deferred_update:
+            if self.settings.deferred_update:
                 grad_norm, skipped = self._deferred_update(scale or 1.0)
             self.optimizer.finish()
         if not skipped:
@@ -294,14 +257,17 @@ class OffloadEngine:
         elif not finite:
             raise FloatingPointError(f"the global gradient norm is {sq} (inf or nan): the loss diverged")
         clip = 1.0
-        if self.config.gradient_clipping > 0:
-            clip = min(1.0, self.config.gradient_clipping / (grad_norm + 1e-6))
+        if self.settings.gradient_clipping > 0:
+            clip = min(1.0, self.settings.gradient_clipping / (grad_norm + 1e-6))
         self.optimizer.run_deferred(clip_coef=clip, grad_scale=scale)
         return grad_norm, False
 
     # ---- reports ----------------------------------------------------------------------------
     def _reset_step_counters(self) -> None:
         self.activations.reset_stats()
+        self.device_pool.reset_step_peak()
+        self.host_pool.reset_step_peak()
+        self.device.step_peak_bytes = self.device.bytes_in_use
         self._step_t0: Optional[float] = None
         self._fwd_s = self._bwd_s = self._opt_s = 0.0
         self._io0 = self.store.stats
@@ -344,7 +310,7 @@ class OffloadEngine:
             skipped=skipped,
             loss_scale=scale,
             predicted_s=self.predicted.step_s if self.predicted is not None else None,
-            activation_peak_bytes=self.activations.stats().peak_device_bytes,
+            budgets=self.budget_report(),
             recompute_s=self.activations.recompute_s,
         )
         self._reset_step_counters()
@@ -392,10 +358,29 @@ class OffloadEngine:
         """Bytes the swap files occupy."""
         return self.store.disk_bytes()
 
+    def budget_report(self) -> tuple[BudgetUse, ...]:
+        """Each budget with the most the engine held against it in the current step and since it
+        started, by its own accounting: the device buffers (on CUDA the device copies, on the CPU
+        device its pool), the host buffers (optimizer state, gradients, staging), the saved
+        activations on the device, and the host buffers of swapped activations (not limited)."""
+        b = self.plan.budgets
+        if self.device.is_cuda:
+            dev_step, dev_run = self.device.step_peak_bytes, self.device.peak_bytes
+        else:
+            dev_step, dev_run = self.device_pool.step_peak_bytes, self.device_pool.peak_bytes
+        act = self.activations.stats()
+        self._act_run_peak = max(getattr(self, "_act_run_peak", 0), act.peak_device_bytes)
+        self._act_host_run_peak = max(getattr(self, "_act_host_run_peak", 0), act.peak_host_bytes)
+        return (
+            BudgetUse("device", b.device_bytes, dev_step, dev_run),
+            BudgetUse("host", b.host_bytes, self.host_pool.step_peak_bytes, self.host_pool.peak_bytes),
+            BudgetUse("activations", b.activation_bytes, act.peak_device_bytes, self._act_run_peak),
+            BudgetUse("activation staging", None, act.peak_host_bytes, self._act_host_run_peak),
+        )
+
     def peak_device_bytes(self) -> int:
-        """Peak bytes of the runtime's own device buffers so far (weights; on CUDA the device
-        copies, on the CPU device its pool). Activations are not counted."""
-        return self.device.peak_bytes if self.device.is_cuda else self.device_pool.peak_bytes
+        """Peak bytes of the runtime's own device buffers so far (activations not counted)."""
+        return self.budget_report()[0].run_peak_bytes
 
     def peak_host_bytes(self) -> int:
         """Peak bytes of the runtime's host buffers so far (optimizer state, gradients, staging)."""

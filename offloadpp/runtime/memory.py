@@ -4,11 +4,16 @@ Note: why a pool. A unit's array is fetched and dropped every step; allocating a
 buffer each time costs page faults and zeroing in the kernel (tens of ms per buffer, on the CPU
 that also computes). Buffers are kept by (numel, dtype) and handed out again. A buffer given
 back with work still reading or filling it (a write to SSD, a copy to the device) becomes
-reusable only when that work is done: `put(buf, after=[...])`. When a new buffer would exceed
-the budget, the pool first frees cached buffers of other sizes, then waits for pending work to
-finish, oldest first; the plan checked that the working set fits, so this only paces the step
-against the disk. If it still does not fit, the pool allocates anyway and counts the overshoot
-(`over_budget_bytes`), so a wrong estimate shows up in the numbers rather than as a hang.
+reusable only when that work is done: `put(buf, after=[...])`.
+
+Note: a budget is a promise. The pool never holds more than its budget. When a new buffer would
+pass it, the pool first frees cached buffers of other sizes, then waits for pending work to
+finish, oldest first, then has its owner give buffers back (`reclaim`: the optimizer completes
+its oldest job, which releases that unit's state), then waits for another thread to give a
+buffer back. The plan checked that the working set fits while the optimizer keeps up with
+backward; where it falls behind, this is what keeps the promise, pacing backward to the worker
+and the disk. If nothing comes back within RELEASE_WAIT_S the plan was wrong for this run:
+BudgetExceededError names the pool, its budget, what it holds and the request.
 """
 
 from __future__ import annotations
@@ -17,11 +22,19 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from offloadpp.planner import fmt_bytes
+
 log = logging.getLogger("offloadpp.runtime")
+
+RELEASE_WAIT_S = 60.0
+
+
+class BudgetExceededError(RuntimeError):
+    """A buffer would have taken a pool past its budget, and nothing was released in time."""
 
 
 class Waitable(Protocol):
@@ -46,7 +59,7 @@ class _Pending:
 
 
 class BufferPool:
-    """Buffers of one kind of memory (the device, or host) for one engine."""
+    """Buffers of one kind of memory (the device, or host) for one engine, within a byte budget."""
 
     def __init__(self, name: str, budget_bytes: int, alloc: Callable[[int, torch.dtype], torch.Tensor]):
         self.name = name
@@ -54,12 +67,17 @@ class BufferPool:
         self._alloc = alloc
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._pending: deque[_Pending] = deque()
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
         self.allocated_bytes = 0  # handed out + pending + free
         self.peak_bytes = 0
-        self.over_budget_bytes = 0
-        self.wait_s = 0.0  # time spent waiting for pending work to free a buffer
+        self.step_peak_bytes = 0  # since reset_step_peak()
+        self.wait_s = 0.0  # time spent waiting for pending work or a release to free a buffer
         self.allocations = 0  # buffers allocated (each costs page faults on first touch)
+        self.release_wait_s = RELEASE_WAIT_S
+        # Called (without the pool's lock, on the owner's thread) to have buffers given back;
+        # returns False when there is nothing left to give.
+        self.reclaim: Optional[Callable[[], bool]] = None
+        self.owner = threading.get_ident()
 
     @staticmethod
     def _nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -68,42 +86,69 @@ class BufferPool:
     def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         key = (numel, dtype)
         need = self._nbytes(numel, dtype)
-        with self._lock:
-            self._reclaim_done()
-            if self._free.get(key):
-                return self._free[key].pop()
-            self._trim_free(need)
-            while self.allocated_bytes + need > self.budget_bytes and self._pending:
-                p = self._pending.popleft()
-                t0 = time.perf_counter()
-                p.wait()
-                self.wait_s += time.perf_counter() - t0
-                self._add_free(p.buf)
+        if need > self.budget_bytes:
+            raise BudgetExceededError(
+                f"{self.name} pool: a buffer of {fmt_bytes(need)} ({need} bytes) is larger than the whole "
+                f"{self.name} budget of {fmt_bytes(self.budget_bytes)} ({self.budget_bytes} bytes)"
+            )
+        with self._cv:
+            while True:
+                self._reclaim_done()
                 if self._free.get(key):
                     return self._free[key].pop()
                 self._trim_free(need)
-            if self.allocated_bytes + need > self.budget_bytes:
-                over = self.allocated_bytes + need - self.budget_bytes
-                if over > self.over_budget_bytes:
-                    log.debug("%s pool over budget by %d bytes", self.name, over)
-                self.over_budget_bytes = max(self.over_budget_bytes, over)
+                if self.allocated_bytes + need <= self.budget_bytes:
+                    break
+                t0 = time.perf_counter()
+                if self._pending:  # work still using a returned buffer: wait for the oldest
+                    p = self._pending.popleft()
+                    self._cv.release()
+                    try:
+                        p.wait()
+                    finally:
+                        self._cv.acquire()
+                    self._add_free(p.buf)
+                elif self.reclaim is not None and threading.get_ident() == self.owner and self._reclaim():
+                    pass
+                elif not self._cv.wait(self.release_wait_s):  # a buffer handed out must come back
+                    self.wait_s += time.perf_counter() - t0
+                    raise BudgetExceededError(
+                        f"{self.name} pool: {fmt_bytes(need)} ({need} bytes) more would pass the {self.name} budget "
+                        f"of {fmt_bytes(self.budget_bytes)} ({self.budget_bytes} bytes): {fmt_bytes(self.allocated_bytes)} "
+                        f"held and nothing was given back for {self.release_wait_s:.0f} s. The plan does not fit "
+                        "this run: raise the budget, or report the model and config as a bug"
+                    )
+                self.wait_s += time.perf_counter() - t0
             self.allocated_bytes += need
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+            self.step_peak_bytes = max(self.step_peak_bytes, self.allocated_bytes)
             self.allocations += 1
         return self._alloc(numel, dtype)
 
+    def _reclaim(self) -> bool:
+        self._cv.release()
+        try:
+            return bool(self.reclaim())
+        finally:
+            self._cv.acquire()
+
     def put(self, buf: torch.Tensor, after: Sequence[Waitable] = ()) -> None:
         """Gives `buf` back; it is reused once every waitable in `after` is done."""
-        with self._lock:
+        with self._cv:
             after = [w for w in after if w is not None]
             if after:
                 self._pending.append(_Pending(buf, after))
             else:
                 self._add_free(buf)
+            self._cv.notify_all()
+
+    def reset_step_peak(self) -> None:
+        with self._cv:
+            self.step_peak_bytes = self.allocated_bytes
 
     def drain(self) -> None:
         """Waits for all pending work on returned buffers."""
-        with self._lock:
+        with self._cv:
             while self._pending:
                 p = self._pending.popleft()
                 p.wait()
@@ -112,7 +157,7 @@ class BufferPool:
     def clear(self) -> None:
         """Drains, then frees every cached buffer."""
         self.drain()
-        with self._lock:
+        with self._cv:
             for bufs in self._free.values():
                 for b in bufs:
                     self.allocated_bytes -= self._nbytes(b.numel(), b.dtype)

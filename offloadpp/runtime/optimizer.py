@@ -391,6 +391,15 @@ class OptimizerPipeline:
             done = fut.result()
             self._complete(job, done)
 
+    def reap_one(self) -> bool:
+        """Completes the oldest job, waiting for it (a pool short of room: its state is given
+        back). False when no job is in flight."""
+        if not self._jobs:
+            return False
+        job, fut = self._jobs.popleft()
+        self._complete(job, fut.result())
+        return True
+
     def finish(self) -> None:
         self.reap(block=True)
 
@@ -400,8 +409,8 @@ class OptimizerPipeline:
 
     def _complete(self, job: _Job, done: _Done) -> None:
         u = job.unit
-        # Note: who frees the gradients. Dropping a large tensor unmaps its pages (6-9 ms for the
-        # 103 MB embedding gradient of GPT-2 45M); on the main thread that would sit on the
+        # Note: who frees the gradients. Dropping a large tensor unmaps its pages (milliseconds
+        # for an embedding gradient, docs/runtime.md); on the main thread that would sit on the
         # critical path (after backward, before step() returns), and on the worker it would
         # delay the deferred updates queued behind it. A thread of its own drops them, beside
         # the updates.

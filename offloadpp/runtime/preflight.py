@@ -1,5 +1,5 @@
-"""Checks before training starts: the nvme paths exist and are writable, they have room for the
-plan's state, and what the SSDs deliver (for the step floor).
+"""Checks before training starts: the nvme paths exist and are writable, and they have room for
+the plan's state.
 
 Every error names what is missing and how much, before a single step runs.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import uuid
 from typing import Sequence
 
@@ -63,26 +62,3 @@ def check_free_space(paths: Sequence[str], plan: Plan, existing_bytes: int = 0) 
                 f"{', '.join(repr(g) for g in group)} {'has' if len(group) == 1 else 'share'} {fmt_bytes(free)} "
                 f"free and need{'s' if len(group) == 1 else ''} {fmt_bytes(need)} ({fmt_bytes(need - free)} more)"
             )
-
-
-def measure_ssd(store, nbytes: int = 64 << 20) -> tuple[float, float]:
-    """(read GB/s, write GB/s) of the store: one overwrite and one read of `nbytes`, after a
-    first write that lays the file out (steady-state training overwrites its files)."""
-    import torch
-
-    from offloadpp.io import aligned_empty
-
-    key = f"__offloadpp_probe_{uuid.uuid4().hex[:8]}"
-    buf = aligned_empty(nbytes // 4, dtype=torch.float32)
-    buf.fill_(1.0)
-    try:
-        store.put(key, buf).wait()
-        t0 = time.perf_counter()
-        store.put(key, buf).wait()
-        t1 = time.perf_counter()
-        store.get(key, out=buf).wait()
-        t2 = time.perf_counter()
-    finally:
-        if store.contains(key):
-            store.delete(key)
-    return nbytes / (t2 - t1) / 1e9, nbytes / (t1 - t0) / 1e9

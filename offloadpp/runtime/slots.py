@@ -62,7 +62,7 @@ class _ReadAfterWrite:
 
     Note: why not just wait. The runtime fetches weights k units ahead from the main thread; with
     deferred updates the step's last writes are those very keys, and waiting for them there
-    stalled forward (55 ms a step on GPT-2 45M with clipping). Here the read starts the moment
+    stalls forward (docs/runtime.md has the measurement). Here the read starts the moment
     the write is done and forward only waits if it reaches the unit before the read is done."""
 
     def __init__(self, write: Waitable, issue: Callable[[], Waitable]):

@@ -20,9 +20,9 @@ from tqdm import tqdm
 
 from offloadpp.optim import convert_
 
+from .partition import ParamSlot
 from .slots import Hold, Slot
 from .unit import Unit
-from .units import ParamSlot
 
 
 def replace_meta_params(

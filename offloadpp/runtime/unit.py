@@ -17,8 +17,8 @@ from offloadpp.planner import Placement, Plan, Tier, flat_numel
 
 from .device import CpuWeights, CudaWeights, Device
 from .memory import BufferPool
+from .partition import ParamSlot, UnitLayout
 from .slots import Slot
-from .units import ParamSlot, UnitLayout
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

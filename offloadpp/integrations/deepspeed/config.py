@@ -1,27 +1,59 @@
 """The `"offloadpp"` block of a DeepSpeed JSON config, validated once, here.
 
-Its defaults come from the ZeRO-Infinity settings already in the same file, so an existing
-ZeRO-Infinity config becomes an offloadpp one by adding `"offloadpp": {"enabled": true}`:
-- `nvme_paths` <- `zero_optimization.offload_optimizer.nvme_path` / `offload_param.nvme_path`
-- `io.block_size_bytes`, `io.queue_depth`, `io.num_threads` <- the `aio` block's `block_size`,
-  `queue_depth`, `intra_op_parallelism`
-Everything DeepSpeed itself defines (batch sizes, optimizer, scheduler, clipping, fp16/bf16,
-steps_per_print) is parsed by DeepSpeed's own `DeepSpeedConfig`, so it keeps DeepSpeed's semantics.
+The block is the run's Settings (planner/spec.py) with `"auto"` allowed for every key, plus what
+only the runtime needs (`nvme_paths`, the `io` engine, the SSD rates for the step floor). It is
+derived from those models, not copied: a field added to Settings or IOConfig is a key here.
+
+    "auto" (or leaving a key out)   Settings' default, which for budgets and depths means the
+                                    resolve stage decides (planner/resolve.py)
+    "8GiB", 8589934592, 8e9         any key ending in `_bytes`
+
+What DeepSpeed itself defines stays DeepSpeed's (parsed by its own DeepSpeedConfig, so the keys
+keep their meaning) and fills the matching settings: `fp16`/`bf16` -> compute_dtype and
+loss_scaling, `gradient_accumulation_steps`, `gradient_clipping`, `train_micro_batch_size_per_gpu`
+-> micro_batch, `zero_optimization.offload_param/offload_optimizer` device "nvme" ->
+offload_params/offload_optimizer, their `nvme_path`s -> nvme_paths, the `aio` block ->
+io.block_size_bytes, io.queue_depth, io.num_threads. Setting one of those in the block is
+refused with the DeepSpeed key to use instead.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ValidationError
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+from offloadpp.io import IOConfig
+from offloadpp.planner import Settings
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}  # fmt: skip
+
+# Settings that DeepSpeed's own keys fill: the block refuses them, naming the key to use.
+DS_OWNED = {
+    "compute_dtype": '"fp16": {"enabled": true} or "bf16": {"enabled": true}',
+    "loss_scaling": 'the "fp16" block (loss_scale, initial_scale_power, ...)',
+    "gradient_accumulation_steps": '"gradient_accumulation_steps"',
+    "gradient_clipping": '"gradient_clipping"',
+    "micro_batch": '"train_micro_batch_size_per_gpu"',
+    "offload_params": '"zero_optimization": {"offload_param": {"device": "nvme"}}',
+    "offload_optimizer": '"zero_optimization": {"offload_optimizer": {"device": "nvme"}}',
+}
+# Keys of the block that are not Settings: the switch, and what only the runtime needs.
+RUNTIME_KEYS = ("enabled", "nvme_paths", "io", "ssd_read_gbps", "ssd_write_gbps")
+# io keys the `aio` block fills when the block leaves them "auto": ours <- DeepSpeed's.
+AIO_KEYS = {
+    "block_size_bytes": "block_size",
+    "queue_depth": "queue_depth",
+    "num_threads": "intra_op_parallelism",
+}
 
 
 def parse_bytes(value: Union[int, float, str]) -> int:
@@ -38,53 +70,32 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class IOBlock(_Frozen):
-    backend: Literal["auto", "libaio", "io_uring", "threadpool"] = "auto"
-    block_size_bytes: int = Field(1 << 20, gt=0)
-    queue_depth: int = Field(8, gt=0)
-    num_threads: int = Field(1, gt=0)
-    checksum: bool = False
-
-
-class OffloadppBlock(_Frozen):
-    """Every key a user may put under `"offloadpp"` (docs/config.md describes each)."""
-
-    enabled: bool = False
-    nvme_paths: Optional[list[str]] = None
-    # Bytes, or "auto": on CUDA the free device memory less a safety margin; on the CPU-as-device
-    # and for host memory, a share of what the machine has available.
-    device_budget: Union[int, str] = "auto"
-    host_budget: Union[int, str] = "auto"
-    prefetch_depth: Optional[int] = Field(None, ge=1)
-    # None: the default placement policy; "auto": the cost-model planner; else a plan JSON path.
-    plan: Optional[str] = None
-    hardware_profile: Optional[str] = None  # `offloadpp profile --json` output (default: the cached one)
-    model_profile: Optional[str] = None  # a measured model profile (default: analytic from the model config)
-    seq_len: Optional[int] = Field(None, ge=1)  # tokens per sequence, for the planner's model profile
-    io: IOBlock = IOBlock()
-
-    @field_validator("nvme_paths")
-    @classmethod
-    def _non_empty(cls, v):
-        if v is not None and not v:
-            raise ValueError("nvme_paths must list at least one directory")
-        return v
-
-    @field_validator("device_budget", "host_budget")
-    @classmethod
-    def _size(cls, v):
-        if isinstance(v, str) and v.strip().lower() == "auto":
-            return "auto"
-        parse_bytes(v)
-        return v
-
-
 class OffloadppConfigError(ValueError):
     """A bad `offloadpp` block or a DeepSpeed config offloadpp cannot run; names the field."""
+
+
+def block_keys() -> dict[str, Any]:
+    """Every key the block takes, with its model: Settings' fields (less DeepSpeed's) and the
+    runtime's. Nested models (activations, io) take their own fields' keys."""
+    keys: dict[str, Any] = {k: None for k in RUNTIME_KEYS}
+    keys["io"] = IOConfig
+    for name, f in Settings.model_fields.items():
+        if name not in DS_OWNED:
+            ann = f.annotation
+            keys[name] = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return keys
+
+
+@dataclass(frozen=True)
+class OffloadppBlock:
+    """The block, validated: what it sets (everything else is "auto")."""
+
+    enabled: bool = False
+    nvme_paths: Optional[tuple[str, ...]] = None
+    io: IOConfig = IOConfig()  # the block's io keys over the aio block's over IOConfig's defaults
+    settings: dict = field(default_factory=dict)  # Settings keys the block sets (JSON values)
+    ssd_read_gbps: Optional[float] = None
+    ssd_write_gbps: Optional[float] = None
 
 
 def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None) -> dict:
@@ -101,47 +112,150 @@ def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None
     if not os.path.isfile(path):
         raise OffloadppConfigError(f"DeepSpeed config file {path!r} does not exist")
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise OffloadppConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
 
 
 def offloadpp_enabled(ds_config: dict) -> bool:
+    """True when the block says `"enabled": true`; a value that is not a JSON bool is refused
+    (a string "false" must not switch anything on)."""
     block = ds_config.get("offloadpp")
-    return isinstance(block, dict) and bool(block.get("enabled", False))
+    if block is None:
+        return False
+    if not isinstance(block, dict):
+        raise OffloadppConfigError(f"offloadpp: expected an object, got {block!r}")
+    enabled = block.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise OffloadppConfigError(f"offloadpp.enabled: expected true or false, got {enabled!r}")
+    return enabled
+
+
+def _unknown(where: str, key: str, known) -> OffloadppConfigError:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; the keys are {sorted(known)}"
+    return OffloadppConfigError(f"{where}{key}: unknown key{hint}")
+
+
+def _auto_is_a_value(key: str, annotation) -> bool:
+    """True where "auto" means something of its own (plan "auto": the cost-model planner; an
+    activation policy "auto"): there it is passed on, not read as "leave the default"."""
+    if key == "plan":
+        return True
+    if get_origin(annotation) is Literal:
+        return "auto" in get_args(annotation)
+    if get_origin(annotation) is Union:  # Optional[...]
+        return any(_auto_is_a_value(key, a) for a in get_args(annotation) if a is not type(None))
+    return False
+
+
+def _clean(where: str, raw: dict, model) -> dict:
+    """`raw` without "auto" values, byte sizes read, nested models cleaned; unknown keys refused."""
+    known = block_keys() if model is None else model.model_fields
+    out = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise _unknown(where, key, known)
+        field_info = Settings.model_fields.get(key) if model is None else known[key]
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            if field_info is None or not _auto_is_a_value(key, field_info.annotation):
+                continue
+        sub = known[key] if model is None else known[key].annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            if not isinstance(value, dict):
+                raise OffloadppConfigError(
+                    f"{where}{key}: expected an object of {sorted(sub.model_fields)}, got {value!r}"
+                )
+            value = _clean(f"{where}{key}.", value, sub)
+        elif key.endswith("_bytes") and isinstance(value, (str, float)):
+            try:
+                value = parse_bytes(value)
+            except ValueError as e:
+                raise OffloadppConfigError(f"{where}{key}: {e}") from None
+        out[key] = value
+    return out
+
+
+def _validation_error(prefix: str, e: ValidationError) -> OffloadppConfigError:
+    return OffloadppConfigError(
+        "; ".join(
+            f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+            for err in e.errors()
+        )
+    )
+
+
+def validate_settings(values: dict, where: str = "offloadpp.") -> Settings:
+    """Settings from JSON values, strictly (a string is not a number or a bool), errors named."""
+    try:
+        return Settings.model_validate_json(json.dumps(values), strict=True)
+    except ValidationError as e:
+        raise _validation_error(where, e) from None
+
+
+def validate_io(values: dict, where: str = "offloadpp.io.") -> IOConfig:
+    try:
+        return IOConfig.model_validate_json(json.dumps(values), strict=True)
+    except ValidationError as e:
+        raise _validation_error(where, e) from None
 
 
 def parse_block(ds_config: dict) -> OffloadppBlock:
-    """Validate the `offloadpp` block, filling defaults from the ZeRO-Infinity settings beside it."""
-    from pydantic import ValidationError
+    """Validate the `offloadpp` block, filling what it leaves "auto" from the ZeRO-Infinity
+    settings beside it (nvme paths, the aio block)."""
+    raw = ds_config.get("offloadpp")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise OffloadppConfigError(f"offloadpp: expected an object, got {raw!r}")
+    for key in raw:
+        if key in DS_OWNED:
+            raise OffloadppConfigError(
+                f"offloadpp.{key}: DeepSpeed's own config sets this; use {DS_OWNED[key]} instead"
+            )
+    enabled = raw.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise OffloadppConfigError(f"offloadpp.enabled: expected true or false, got {enabled!r}")
+    clean = _clean("offloadpp.", raw, None)
+    clean.pop("enabled", None)
 
-    raw = dict(ds_config.get("offloadpp") or {})
-    zero = ds_config.get("zero_optimization") or {}
-    if "nvme_paths" not in raw:
-        paths = []
+    paths = clean.pop("nvme_paths", None)
+    if paths is not None:
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
+            raise OffloadppConfigError(
+                f"offloadpp.nvme_paths: expected a non-empty list of directories, got {paths!r}"
+            )
+    else:
+        zero = ds_config.get("zero_optimization") or {}
+        found = []
         for key in ("offload_optimizer", "offload_param"):
-            path = (zero.get(key) or {}).get("nvme_path")
-            if path and str(path) not in paths:
-                paths.append(str(path))
-        if paths:
-            raw["nvme_paths"] = paths
-    aio = ds_config.get("aio") or {}
-    io = dict(raw.get("io") or {})
-    for ours, theirs in (("block_size_bytes", "block_size"), ("queue_depth", "queue_depth"),
-                         ("num_threads", "intra_op_parallelism")):  # fmt: skip
-        if ours not in io and theirs in aio:
-            io[ours] = aio[theirs]
-    if io:
-        raw["io"] = io
-    try:
-        block = OffloadppBlock(**raw)
-    except ValidationError as e:
-        problems = "; ".join(
-            f"offloadpp.{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
-            for err in e.errors()
-        )
-        raise OffloadppConfigError(problems) from None
-    if block.enabled and not block.nvme_paths:
+            sub = zero.get(key) if isinstance(zero, dict) else None
+            path = sub.get("nvme_path") if isinstance(sub, dict) else None
+            if path and str(path) not in found:
+                found.append(str(path))
+        paths = found or None
+    if enabled and not paths:
         raise OffloadppConfigError(
             "offloadpp.nvme_paths: no directory for swap files; set it, or zero_optimization."
             "offload_optimizer.nvme_path as for ZeRO-Infinity"
         )
-    return block
+
+    io = clean.pop("io", {})
+    aio = ds_config.get("aio") or {}
+    for ours, theirs in AIO_KEYS.items():
+        if ours not in io and isinstance(aio, dict) and theirs in aio:
+            io[ours] = aio[theirs]
+    io_config = validate_io(io)
+    rates = {k: clean.pop(k) for k in ("ssd_read_gbps", "ssd_write_gbps") if k in clean}
+    for k, v in rates.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise OffloadppConfigError(f"offloadpp.{k}: expected a number > 0 (GB/s), got {v!r}")
+    validate_settings(clean)  # errors now, at the boundary, naming the key
+    return OffloadppBlock(
+        enabled=enabled,
+        nvme_paths=tuple(paths) if paths else None,
+        io=io_config,
+        settings=clean,
+        **{k: float(v) for k, v in rates.items()},
+    )

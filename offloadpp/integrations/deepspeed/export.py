@@ -12,7 +12,7 @@ def save_weights(engine, save_dir: str, save_filename: str, exclude_frozen_param
 
     module = engine.module
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        engine.runtime.config.compute_dtype
+        engine.runtime.settings.compute_dtype
     ]
     # Tied weights (embeddings and lm_head) are one parameter under two names: safetensors stores
     # a tensor once, and from_pretrained re-ties from the config. Keep the first name only.

@@ -76,21 +76,22 @@ class Contender:
 
 def make_engines(model, contenders: Sequence[Contender], root: str, *, ssd_gbps: tuple[float, float],
                  adam_threads: int = 1, gradient_clipping: float = 0.0, accumulation: int = 1) -> None:  # fmt: skip
-    """One OffloadEngine per contender, each over its own copy of `model` and swap directory."""
+    """One OffloadEngine per contender, each over its own copy of `model` and swap directory,
+    running the contender's plan as it is (a plan without budgets gets its schedule's peaks)."""
     from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings, with_peak_budgets
     from offloadpp.runtime import OffloadEngine, RuntimeConfig
 
     for i, c in enumerate(contenders):
         d = os.path.join(root, f"c{i}")
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
-        cfg = RuntimeConfig(
-            nvme_paths=[d], device_budget_bytes=c.plan.device_budget_bytes, host_budget_bytes=c.plan.host_budget_bytes,
-            device=c.plan.device, compute_dtype=c.plan.compute_dtype, adam_threads=adam_threads, log_every=0,
-            ssd_read_gbps=ssd_gbps[0], ssd_write_gbps=ssd_gbps[1], gradient_clipping=gradient_clipping,
-            gradient_accumulation_steps=accumulation,
-        )  # fmt: skip
-        c.engine = OffloadEngine(copy.deepcopy(model), cfg, hyper=AdamHyper(lr=1e-4), plan=c.plan)
+        settings = Settings(compute_dtype=c.plan.compute_dtype, adam_threads=adam_threads,
+                            gradient_clipping=gradient_clipping, gradient_accumulation_steps=accumulation)  # fmt: skip
+        cfg = RuntimeConfig(nvme_paths=[d], settings=settings, device=c.plan.device, log_every=0,
+                            ssd_read_gbps=ssd_gbps[0], ssd_write_gbps=ssd_gbps[1])  # fmt: skip
+        plan = c.plan if c.plan.budgets is not None else with_peak_budgets(c.plan)
+        c.engine = OffloadEngine(copy.deepcopy(model), cfg, plan, hyper=AdamHyper(lr=1e-4))
 
 
 def _engine_step(c: Contender, batch: dict, timed: bool) -> None:

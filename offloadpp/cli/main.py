@@ -1,4 +1,4 @@
-"""The `offloadpp` command: doctor, profile, plan, bench io|adam|step|capacity|activations|ab.
+"""The `offloadpp` command: doctor, profile, plan, and the benchmarks (bench ...).
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Only the module of the command being run is imported: `--help` stays fast, and one broken
@@ -13,12 +13,12 @@ import sys
 
 # command -> (module, help). Bench kinds are nested under `bench`.
 COMMANDS = {
-    "doctor": ("offloadpp.doctor", "check the build, SIMD level, I/O backends, torch/deepspeed, CUDA"),
+    "doctor": ("offloadpp.cli.doctor", "check the build, SIMD level, I/O backends, torch/deepspeed, CUDA"),
     "profile": (
-        "offloadpp.profiling.cli_profile",
+        "offloadpp.cli.profile",
         "measure SSD, copy, GEMM and CPU Adam speeds for the planner",
     ),
-    "plan": ("offloadpp.planner_cli", "print the plan and its step-time estimate for a config and model"),
+    "plan": ("offloadpp.cli.plan", "print the plan and its step-time estimate for a config and model"),
 }
 BENCHES = {
     "io": ("offloadpp.bench.io", "SSD read/write GB/s: offloadpp vs fio vs DeepSpeed aio"),
@@ -30,6 +30,14 @@ BENCHES = {
         "step time with activations kept, on host, on SSD, recomputed",
     ),
     "ab": ("offloadpp.bench.ab", "the same model under ZeRO-Infinity and offloadpp, side by side"),
+    "planner-accuracy": (
+        "offloadpp.bench.planner_accuracy",
+        "the cost model's predicted step against measured steps, several configurations",
+    ),
+    "planner-grid": (
+        "offloadpp.bench.planner_grid",
+        "the automatic plan against hand-written plans, measured",
+    ),
 }
 
 

@@ -2,7 +2,7 @@
 kept on the device, moved to pinned host memory, moved on to SSD, or dropped and recomputed, as
 the unit's policy says; backward brings them back ahead of need, in the order it uses them.
 
-    mgr = ActivationManager.for_model(model, ActivationConfig(policy="ssd", budget_bytes=...),
+    mgr = ActivationManager.for_model(model, ActivationSettings(policy="ssd", budget_bytes=...),
                                       store=TensorStore(dirs))
     with mgr.forward():
         loss = model(**batch).loss
@@ -24,7 +24,7 @@ one node), and whatever is left at end_backward. A second backward over the same
 
 Note: auto. Until the planner fills `auto` in, the first forward profiles the auto units (bytes
 saved, FLOPs through a dispatch-mode counter) while sending them to host memory, which is within
-any budget; from the next forward on, resolve_auto's choice applies (act_policy.py).
+any budget; from the next forward on, resolve_auto's choice applies (policy.py).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
-from offloadpp.planner import fmt_bytes
+from offloadpp.planner import ActivationSettings, fmt_bytes
 
-from .act_policy import ActivationConfig, ActPolicy, UnitActProfile, resolve_auto
-from .act_recompute import FlopCounter, RecomputeRef, Segment, SegState
-from .act_records import (
+from .policy import ActPolicy, UnitActProfile, resolve_auto
+from .recompute import FlopCounter, RecomputeRef, Segment, SegState
+from .records import (
     ActivationError,
     ParamIndex,
     ParamView,
@@ -56,7 +56,7 @@ from .act_records import (
     storage_key,
     swappable,
 )
-from .act_swap import Swapper
+from .swap import Swapper
 
 log = logging.getLogger("offloadpp.runtime")
 
@@ -129,8 +129,9 @@ class ActivationManager:
     def __init__(
         self,
         units: Sequence[tuple[str, Sequence[nn.Module]]],
-        config: ActivationConfig,
+        config: ActivationSettings,
         *,
+        key_prefix: str = "act",
         store=None,
         device: torch.device | str = "cpu",
         policies: Optional[Sequence[str]] = None,
@@ -143,7 +144,13 @@ class ActivationManager:
         config's (a Plan's). param_pack/unpack/handle: the runtime's own saved-parameter hooks,
         tried first (it knows which weights are bound and fetches them for backward)."""
         names = [n for n, _ in units]
-        config.check_units(names)
+        unknown = sorted(set(config.overrides) - set(names))
+        if unknown:
+            raise ValueError(
+                f"activation overrides name units the model does not have: {unknown}; units are {names}"
+            )
+        if not key_prefix or "/" in key_prefix:
+            raise ValueError(f"key_prefix must be a non-empty name without '/', got {key_prefix!r}")
         if policies is not None and len(policies) != len(units):
             raise ValueError(f"{len(policies)} activation policies for {len(units)} units")
         self.config = config
@@ -151,7 +158,9 @@ class ActivationManager:
         self.device = torch.device(device)
         self.units = [
             UnitActivations(
-                n, tuple(r), ActPolicy(policies[i]) if policies is not None else config.policy_for(n)
+                n,
+                tuple(r),
+                ActPolicy(policies[i] if policies is not None else config.overrides.get(n, config.policy)),
             )
             for i, (n, r) in enumerate(units)
         ]
@@ -163,7 +172,7 @@ class ActivationManager:
         self._all = ParamIndex()
         self._model = model
         self._ext = (param_pack, param_unpack, param_handle) if param_pack is not None else None
-        self.swapper = Swapper(self.device, store, key_prefix=config.key_prefix, host_budget_bytes=None)
+        self.swapper = Swapper(self.device, store, key_prefix=key_prefix, host_budget_bytes=None)
         self._handles: list = []
         self._order: list[UnitActivations] = []
         self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
@@ -180,10 +189,10 @@ class ActivationManager:
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, config: ActivationConfig, *, store=None, device=None, unit_split=None
+        cls, model: nn.Module, config: ActivationSettings, *, store=None, device=None, unit_split=None
     ):
         """Units found as the runtime finds them (runtime/units.py); hooks installed."""
-        from .units import find_units
+        from ..partition import find_units
 
         modules = dict(model.named_modules())
         defs = find_units(model, unit_split)

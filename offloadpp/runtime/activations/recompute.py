@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .act_records import ActivationError
+from .records import ActivationError
 
 
 class SegState(enum.Enum):

@@ -1,12 +1,13 @@
 """The automatic plan against a grid of hand-written plans for the same model and budgets.
 
-    .venv/bin/python bench/planner_grid.py [--dir runs/planner-grid] [--json out.json]
+    offloadpp bench planner-grid [--dir runs/planner-grid] [--json out.json]
 
 Hand-written plans: what a user tuning ZeRO-Infinity-style knobs by hand would try (every array on
 SSD at several prefetch depths; the default policy; keep the moments first, or the masters, or
 the last units first; deeper read-ahead), each made to fit the same device and host budgets.
+The automatic plan is the resolve stage's (plan "auto"), as offloadpp.initialize would run it.
 All plans and the automatic one train the same model from the same weights in one process,
-interleaved in blocks (offloadpp/profiling/harness.py), so they see the same machine; the table
+interleaved in blocks (offloadpp/bench/harness.py), so they see the same machine; the table
 shows median step times. Bar: auto <= 1.05 x the best hand-written plan.
 """
 
@@ -53,10 +54,14 @@ def _fill(base, order, arrays, budget):
 
 
 def hand_plans(specs, budget) -> list[tuple[str, object]]:
-    from offloadpp.planner import build_schedule, default_plan, streaming_plan
+    """budget: planner.Budgets, which every hand plan must fit."""
+    from offloadpp.planner import Settings, build_schedule, default_plan, streaming_plan
 
-    common = dict(device="cpu", compute_dtype="fp32", device_budget_bytes=budget.device_bytes,
-                  host_budget_bytes=budget.host_bytes)  # fmt: skip
+    common = dict(device="cpu", compute_dtype="fp32", budgets=budget)
+
+    def dflt(**kw):
+        return default_plan(specs, device="cpu", settings=Settings(**kw), budgets=budget)
+
     fwd = [u.name for u in specs]
     bwd = list(reversed(fwd))
     out = []
@@ -66,10 +71,8 @@ def hand_plans(specs, budget) -> list[tuple[str, object]]:
 
     out.append(("all on SSD, k=2 q=2", stream(2, 2)))
     out.append(("all on SSD, k=0 q=0", stream(0, 0)))
-    out.append(("default policy", default_plan(specs, **common)))
-    out.append(
-        ("default policy, k=1 q=1", default_plan(specs, prefetch_depth=1, optim_prefetch_depth=1, **common))
-    )
+    out.append(("default policy", dflt()))
+    out.append(("default policy, k=1 q=1", dflt(prefetch_depth=1, optim_prefetch_depth=1)))
     out.append(("moments first, k=2 q=2", _fill(stream(2, 2), fwd, ("moments", "master"), budget)))
     out.append(("masters only, k=2 q=1", _fill(stream(2, 1), fwd, ("master",), budget)))
     out.append(("last units first, k=1 q=1", _fill(stream(1, 1), bwd, ("master", "moments"), budget)))
@@ -82,8 +85,7 @@ def hand_plans(specs, budget) -> list[tuple[str, object]]:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dir", default=os.path.join("runs", "planner-grid"), help="swap directory (removed after)"
     )
@@ -101,14 +103,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=16, help="rounds (--block steps per plan each)")
     p.add_argument("--block", type=int, default=4, help="steps per plan per round (the first not counted)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = p.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
-    from offloadpp.planner import build_schedule, streaming_plan
-    from offloadpp.planner.cost import estimate
-    from offloadpp.planner.search import Budget, search
-    from offloadpp.profiling.harness import (
+    from offloadpp.bench.harness import (
         Contender,
         GPT2Shape,
         close_all,
@@ -118,6 +118,8 @@ def main(argv=None) -> int:
         run_interleaved,
         with_ssd,
     )  # fmt: skip
+    from offloadpp.planner import Budgets, Machine, Settings, build_schedule, resolve, streaming_plan
+    from offloadpp.planner.cost import estimate
     from offloadpp.profiling.model import profile_model
 
     torch.set_num_threads(args.threads)
@@ -137,11 +139,13 @@ def main(argv=None) -> int:
                                              optim_prefetch_depth=2))  # fmt: skip
         state = sum(u.padded_numel for u in specs) * 12
         extra = int(args.budget_frac * state)
-        budget = Budget(
-            device_bytes=need.peak_device_bytes + extra // 3, host_bytes=need.peak_host_bytes + extra
+        budget = Budgets(need.peak_device_bytes + extra // 3, need.peak_host_bytes + extra)
+        settings = Settings(device_budget_bytes=budget.device_bytes, host_budget_bytes=budget.host_bytes,
+                            adam_threads=1, plan="auto")  # fmt: skip
+        auto = resolve(
+            settings, specs, Machine("cpu", hw.host_memory_bytes, cores=1), hardware=hw, model=prof
         )
-        auto = search(hw, prof, budget)
-        _log(f"auto plan: {auto.best.label}, estimated {auto.best.estimate.step_s:.3f} s")
+        _log(f"auto plan: {'; '.join(auto.plan.notes)}")
         contenders = [Contender("auto", auto.plan)] + [
             Contender(lbl, pl) for lbl, pl in hand_plans(specs, budget)
         ]
@@ -166,7 +170,7 @@ def main(argv=None) -> int:
     report = {
         "bench": "planner_grid",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": "bench/planner_grid.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "offloadpp bench planner-grid " + " ".join(sys.argv[3:]),
         "model": shape.label, "params": prof.numel,
         "budget": {"device_bytes": budget.device_bytes, "host_bytes": budget.host_bytes},
         "hardware": hw.to_dict(), "rows": rows, "auto_over_best_hand": auto_s / best_hand,
@@ -195,4 +199,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _p = argparse.ArgumentParser(prog="offloadpp bench planner-grid", description=__doc__.splitlines()[0])
+    add_arguments(_p)
+    sys.exit(run(_p.parse_args()))

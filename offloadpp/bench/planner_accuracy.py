@@ -1,6 +1,6 @@
 """The cost model against real steps: predicted vs measured step time on several configurations.
 
-    .venv/bin/python bench/planner_accuracy.py [--dir runs/planner-acc] [--json out.json] [--only NAME ...]
+    offloadpp bench planner-accuracy [--dir runs/planner-acc] [--json out.json] [--only NAME ...]
 
 Each configuration (model size x budget x plan x activation policy) is trained for a few rounds
 with the OffloadEngine on the CPU as the device; the prediction is the cost model's estimate of
@@ -12,7 +12,7 @@ mixed, FLOP/s, Adam, contention, the runtime's per-visit cost) is measured once 
 mixed-while-busy SSD rate is probed again after every round of a configuration and the median of
 those probes is used for it (the disk and the cores are shared with whatever else runs). The
 model profile's per-unit times come from a plain copy of the model run once right before each
-block of training steps (offloadpp/profiling/harness.py), so a prediction and its measurement see
+block of training steps (offloadpp/bench/harness.py), so a prediction and its measurement see
 the same load. Per round: predicted = estimate(plan, hardware, the round's model profile),
 measured = the median of the block's steps (its first step is not counted). The table shows
 medians over rounds.
@@ -84,21 +84,22 @@ def budgets_for(kind: str, specs, deferred: bool) -> tuple[int, int]:
 
 
 def make_plan(cfg: Config, hw, profile, specs):
-    from offloadpp.planner import streaming_plan
-    from offloadpp.planner.search import Budget, search
+    """The plan the resolve stage makes for the configuration: "stream" is the default plan at
+    the streaming minimum (every array on SSD, k = q = 2), the others the cost-model planner's."""
+    from offloadpp.planner import ActivationSettings, Machine, Settings, resolve
 
     dev, host = budgets_for(cfg.budget, specs, cfg.clip > 0)
-    if cfg.budget == "stream":
-        plan = streaming_plan(specs, device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=2,
-                              deferred_update=cfg.clip > 0, device_budget_bytes=dev, host_budget_bytes=host)  # fmt: skip
-    else:
-        plan = search(
-            hw, profile, Budget(device_bytes=dev, host_bytes=host, deferred_update=cfg.clip > 0)
-        ).plan
+    acts = ActivationSettings()
     if cfg.activations != "keep":  # the blocks' activations (the embeddings and the head keep theirs)
-        acts = tuple(cfg.activations if ".h." in u.name else "keep" for u in plan.units)
-        plan = replace(plan, activations=acts)
-    return plan
+        acts = ActivationSettings(overrides={u.name: cfg.activations for u in specs if ".h." in u.name})
+    stream = cfg.budget == "stream"
+    settings = Settings(
+        device_budget_bytes=dev, host_budget_bytes=host, gradient_clipping=cfg.clip, adam_threads=1,
+        activations=acts, plan="default" if stream else "auto",
+        prefetch_depth=2 if stream else None, optim_prefetch_depth=2 if stream else None,
+    )  # fmt: skip
+    machine = Machine("cpu", host_available_bytes=hw.host_memory_bytes, cores=1)
+    return resolve(settings, specs, machine, hardware=hw, model=profile).plan
 
 
 def plan_summary(plan) -> str:
@@ -113,9 +114,7 @@ def plan_summary(plan) -> str:
 def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
     import torch  # noqa: F401
 
-    from offloadpp.planner.cost import estimate
-    from offloadpp.profiling.hardware import measure_contention, measure_io_contention
-    from offloadpp.profiling.harness import (
+    from offloadpp.bench.harness import (
         Contender,
         GPT2Shape,
         close_all,
@@ -123,6 +122,8 @@ def run_config(cfg: Config, hw, root: str, rounds: int) -> dict:
         run_interleaved,
         with_ssd,
     )
+    from offloadpp.planner.cost import estimate
+    from offloadpp.profiling.hardware import measure_contention, measure_io_contention
     from offloadpp.profiling.model import profile_model
 
     shape = GPT2Shape(cfg.n_layer, cfg.n_embd, micro_batch=cfg.micro_batch, seq_len=cfg.seq_len)
@@ -193,8 +194,7 @@ def print_table(report: dict) -> None:
     print(f"\nworst error {worst:.1%}; bar <= {BAR:.0%} each: {'PASS' if report['pass'] else 'FAIL'}")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dir", default=os.path.join("runs", "planner-acc"), help="swap directory (removed after)"
     )
@@ -207,10 +207,12 @@ def main(argv=None) -> int:
         help="torch intra-op threads (1: compute, Adam and I/O threads fit the 2 cores here)",
     )
     p.add_argument("--only", nargs="*", help="configuration names to run (default: all)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
-    from offloadpp.profiling.harness import quick_hardware
+    from offloadpp.bench.harness import quick_hardware
 
     torch.set_num_threads(args.threads)
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
     report = {
         "bench": "planner_accuracy",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": "bench/planner_accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "offloadpp bench planner-accuracy " + " ".join(sys.argv[3:]),
         "machine": _machine(),
         "hardware": hw.to_dict(),
         "rows": rows,
@@ -248,4 +250,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _p = argparse.ArgumentParser(prog="offloadpp bench planner-accuracy", description=__doc__.splitlines()[0])
+    add_arguments(_p)
+    sys.exit(run(_p.parse_args()))

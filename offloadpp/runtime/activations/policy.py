@@ -7,8 +7,9 @@
                checkpointing at unit granularity); only the unit's inputs are held.
     auto       decided per unit (resolve_auto): keep what fits the budget, then host, then SSD.
 
-ActivationConfig is the component's own frozen config (DESIGN.md, convention 6); resolve_auto is
-pure (no torch), so the planner can call it too.
+The settings (policy, per-unit overrides, budget) are planner.ActivationSettings, defined once
+with the rest of a run's settings; the plan carries each unit's resolved policy. resolve_auto is
+pure (no torch).
 
 Note: how auto ranks units. A swapped unit costs nothing when the copies hide behind compute:
 the unit's time is proportional to its FLOPs, the copies to its activation bytes, so units with
@@ -25,11 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, Mapping, Optional, Sequence
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-PolicyName = Literal["keep", "host", "ssd", "recompute", "auto"]
+from typing import Optional, Sequence
 
 
 class ActPolicy(str, Enum):
@@ -42,49 +39,6 @@ class ActPolicy(str, Enum):
     @property
     def swaps(self) -> bool:
         return self is ActPolicy.HOST or self is ActPolicy.SSD
-
-
-class ActivationConfig(BaseModel):
-    """How the ActivationManager treats saved activations.
-
-    policy: the policy of every unit not named in unit_policies.
-    unit_policies: per-unit overrides, by unit name (unknown names are refused when the manager
-        learns the units).
-    budget_bytes: device bytes for activations (None: unlimited). Forward waits for swap-outs
-        when it would exceed it; backward prefetches only within it; auto keeps within it.
-    host_budget_bytes: host bytes auto may fill with swapped activations before using SSD
-        (None: unlimited, so auto never picks SSD).
-    prefetch_units: backward fetches the activations of this many units ahead of the one it runs.
-    min_swap_bytes: storages smaller than this are kept (an I/O costs more than they save).
-    key_prefix: prefix of the TensorStore keys of swapped activations.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    policy: PolicyName = "keep"
-    unit_policies: Mapping[str, PolicyName] = {}
-    budget_bytes: Optional[int] = Field(None, gt=0)
-    host_budget_bytes: Optional[int] = Field(None, gt=0)
-    prefetch_units: int = Field(2, ge=0)
-    min_swap_bytes: int = Field(64 << 10, ge=0)
-    key_prefix: str = "act"
-
-    @field_validator("key_prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        if not v or "/" in v:
-            raise ValueError(f"key_prefix must be a non-empty name without '/', got {v!r}")
-        return v
-
-    def policy_for(self, unit: str) -> ActPolicy:
-        return ActPolicy(self.unit_policies.get(unit, self.policy))
-
-    def check_units(self, names: Sequence[str]) -> None:
-        unknown = sorted(set(self.unit_policies) - set(names))
-        if unknown:
-            raise ValueError(
-                f"ActivationConfig.unit_policies names units the model does not have: {unknown}; units are {list(names)}"
-            )
 
 
 @dataclass(frozen=True)
@@ -151,31 +105,3 @@ def resolve_auto(
         else:
             out[i] = ActPolicy.SSD
     return tuple(out)
-
-
-def plan_policies(
-    units: Sequence,
-    plan_policies: Sequence[str],
-    policy: str,
-    overrides: Optional[Mapping[str, str]],
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The activation policy of each unit for a Plan (units: UnitSpecs in forward order): the
-    plan's own if it names them, else the config's `policy` and per-unit `overrides`. A unit whose
-    backward fetches none of its weights (embedding lookups) cannot run its forward again:
-    `recompute` becomes `keep` there. Returns (policies, notes)."""
-    names = [u.name for u in units]
-    unknown = sorted(set(overrides or {}) - set(names))
-    if unknown:
-        raise ValueError(
-            f"activation_overrides names units the model does not have: {unknown}; units are {names}"
-        )
-    chosen = tuple(plan_policies) or tuple((overrides or {}).get(n, policy) for n in names)
-    out, notes = [], []
-    for u, p in zip(units, chosen):
-        if p == "recompute" and not u.backward_needs_weights:
-            notes.append(
-                f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
-            )
-            p = "keep"
-        out.append(p)
-    return tuple(out), tuple(notes)

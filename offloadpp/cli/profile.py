@@ -4,7 +4,7 @@
     offloadpp profile --dir /nvme0/swap --model gpt2-45m --model-json model.json
 
 The hardware profile goes to --json, else to the cache the planner reads by default
-(offloadpp.profiling.default_profile_path()). With --model the model is profiled too (one
+(offloadpp.planner.default_profile_path()). With --model the model is profiled too (one
 profiling iteration plus a few timed ones) and its GEMM shapes are used for the FLOP/s.
 """
 
@@ -40,21 +40,24 @@ def _log(msg: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from offloadpp.profiling import default_profile_path
+    from offloadpp.planner import default_profile_path
     from offloadpp.profiling.hardware import profile_hardware
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model_profile = None
     if args.model:
-        from offloadpp.planner_cli import resolve_model
-        from offloadpp.profiling.model import profile_model
-
-        cfg, mb, seq, label = resolve_model(args.model, args.micro_batch, args.seq_len)
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        hf_cfg = AutoConfig.for_model(**cfg)
-        model = AutoModelForCausalLM.from_config(hf_cfg)
+        from offloadpp.presets import hf_config_dict
+        from offloadpp.profiling.model import profile_model
+
+        cfg, preset = hf_config_dict(args.model)
+        mb = args.micro_batch or (preset.micro_batch if preset else 1)
+        seq = args.seq_len or (preset.seq_len if preset else 512)
+        label = args.model
+        cfg.pop("transformers_version", None)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
         ids = torch.randint(0, int(cfg.get("vocab_size", 256)), (mb, seq))
         _log(
             f"profiling model {label}: {sum(p.numel() for p in model.parameters()):,} params, batch {mb}x{seq}"

@@ -32,12 +32,11 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offloadpp import _C
-from offloadpp.io import ALIGNMENT, aligned_empty
+from offloadpp.io import ALIGNMENT, aligned_empty, crc32c
 
-from .act_records import ActivationError, RecState, SavedStorage
-from .device import CudaEventWaitable
-from .memory import BufferPool
+from ..device import CudaEventWaitable
+from ..memory import BufferPool
+from .records import ActivationError, RecState, SavedStorage
 
 _DEVICE_STATES = (RecState.DEVICE, RecState.MOVING_OUT, RecState.MOVING_IN, RecState.READY)
 _HOST_STATES = (RecState.MOVING_OUT, RecState.HOST, RecState.WRITING, RecState.READING, RecState.MOVING_IN)
@@ -165,7 +164,7 @@ class Swapper:
             def then():  # on the worker, once the bytes are in `host`
                 crc = None
                 if verify is not None or crc_always:
-                    crc = _C.crc32c(host.data_ptr(), nbytes)
+                    crc = crc32c(host.data_ptr(), nbytes)
                     if crc == verify:
                         return None, crc  # unchanged since the copy under `key` was written
                 return store.put(key, host), crc
@@ -357,7 +356,7 @@ class Swapper:
             # prove unchanged (same version and CRC-32C: writes torch does not track, through
             # .data or numpy, change no version); otherwise a later record overwrites the file.
             if not rec.weak.expired() and (rec.crc is not None or crc_source is not None):
-                crc = rec.crc if rec.crc is not None else _C.crc32c(crc_source, rec.nbytes)
+                crc = rec.crc if rec.crc is not None else crc32c(crc_source, rec.nbytes)
                 self._cache[rec.weak] = (rec.version, rec.nbytes, rec.key, crc)
             else:
                 self._free_key(rec.key)

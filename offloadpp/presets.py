@@ -7,7 +7,10 @@ caller loads its own.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,32 @@ def get_preset(name: str) -> ModelPreset:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+def hf_config_dict(spec: str) -> tuple[dict, Optional[ModelPreset]]:
+    """A Hugging Face config dict for a preset name, a model directory or a config.json, and the
+    preset when it was one. Raises ValueError naming the choices."""
+    if spec in PRESETS:
+        p = PRESETS[spec]
+        return p.gpt2_config().to_dict(), p
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"model {spec!r}: not a preset ({', '.join(sorted(PRESETS))}), a model directory with config.json, "
+            "or a config file"
+        )
+    with open(path) as f:
+        return json.load(f), None
+
+
+def meta_model(config: dict):
+    """The causal-LM model of a Hugging Face config dict, built on the meta device (no memory):
+    what planning needs to see the units exactly as the runtime will."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(config)
+    cfg.pop("transformers_version", None)
+    hf = AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf)

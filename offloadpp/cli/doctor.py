@@ -44,15 +44,23 @@ def _versions() -> dict:
 
 
 def collect(dirs: list[str]) -> dict:
-    from offloadpp import _C, __version__
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("offloadpp")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        ours = "unknown (not installed)"
     from offloadpp.io import build_info, probe_backends
+    from offloadpp.optim import simd_levels
+
+    build = build_info()
 
     report = {
-        "offloadpp": __version__,
-        "extension": _C.__file__,
-        "simd": {"detected": _C.detected_simd_level(), "active": _C.simd_level()},
+        "offloadpp": ours,
+        "extension": build["extension"],
+        "simd": simd_levels(),
         "cpus": os.cpu_count(),
-        "build": build_info(),
+        "build": build,
         **_versions(),
         "dirs": {},
     }

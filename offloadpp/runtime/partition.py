@@ -8,7 +8,7 @@ the root down to that list, every sibling registered before it is part of the "e
 every one after it of the "head" unit; deeper levels' trailing siblings run first (GPT-2's ln_f
 before the root's lm_head). A few modules are registered before the blocks but run after them
 (OPT's final_layer_norm and project_out): names in POST_NAMES always go to the head. A model that
-does not fit this shape passes an explicit split (RuntimeConfig.units).
+does not fit this shape passes an explicit split (Settings.units).
 
 Note: tied weights. A parameter reachable from two units (GPT-2's lm_head.weight is
 transformer.wte.weight) belongs to the first unit in forward order that reaches it; the other
@@ -95,7 +95,8 @@ def _find_blocks(model: nn.Module) -> str:
     if best is None or best_numel <= 0:
         raise UnitDiscoveryError(
             f"no nn.ModuleList of blocks found in {type(model).__name__}; pass the unit split explicitly "
-            "(RuntimeConfig.units: a list of lists of module qualified names, in forward order)"
+            '(Settings.units, or "units" in the DeepSpeed config\'s offloadpp block: a list of lists of module '
+            "qualified names, in forward order)"
         )
     return best
 
@@ -109,7 +110,7 @@ def find_units(model: nn.Module, override: tuple[tuple[str, ...], ...] | None = 
             for q in group:
                 if q not in modules:
                     raise UnitDiscoveryError(
-                        f"RuntimeConfig.units names module {q!r}, which the model does not have"
+                        f"Settings.units names module {q!r}, which the model does not have"
                     )
             units.append(UnitDef("+".join(group), tuple(group)))
         return units
@@ -178,6 +179,11 @@ def layout_units(model: nn.Module, defs: list[UnitDef]) -> list[UnitLayout]:
         if id(p) not in owner:
             raise UnitDiscoveryError(
                 f"parameter {name!r} belongs to no unit: it is registered on a module that is not inside "
-                "any unit (pass RuntimeConfig.units to cover it)"
+                "any unit (pass Settings.units to cover it)"
             )
     return layouts
+
+
+def unit_specs(model: nn.Module, override: tuple[tuple[str, ...], ...] | None = None) -> list[UnitSpec]:
+    """The planner's view of `model`'s units (what resolve and the engine's plan check compare)."""
+    return [lay.spec() for lay in layout_units(model, find_units(model, override))]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .act_policy import ActPolicy
+from .policy import ActPolicy
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

@@ -1,0 +1,158 @@
+"""`offloadpp plan`: the budgets and the plan `offloadpp.initialize` would run for a DeepSpeed
+config and a model on this machine, and its step-time estimate.
+
+    offloadpp plan --config ds_config.json --model gpt2-45m [--json plan.json]
+    offloadpp plan --config ds_config.json --model path/to/hf_model_dir --hardware hardware.json
+
+--model takes a preset name (offloadpp/presets.py), a Hugging Face model directory or a
+config.json; the model is built on the meta device (no memory) so its units are exactly the
+ones the runtime will find. --model-profile takes a measured profile instead (its units). The
+settings come from the config as `offloadpp.initialize` reads them, through the same resolve
+stage (offloadpp/assemble.py), so the plan printed is the plan that runs. The estimate needs a
+hardware profile: --hardware, else the cache `offloadpp profile` writes when there is one.
+--json saves the plan (budgets inside) for `"plan": "PATH"` in the config's offloadpp block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="DeepSpeed JSON config (with an offloadpp block)")
+    p.add_argument("--model", help="preset name, Hugging Face model directory, or config.json")
+    p.add_argument("--model-profile", help="a measured model profile JSON instead of --model")
+    p.add_argument(
+        "--hardware", help="hardware profile JSON (default: the `offloadpp profile` cache, if any)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)"
+    )
+    p.add_argument(
+        "--device-budget", default=None, help="override the block's device_budget_bytes (e.g. 8GiB)"
+    )
+    p.add_argument("--host-budget", default=None, help="override the block's host_budget_bytes")
+    p.add_argument(
+        "--adam-threads", type=int, default=None, help="the runtime's Adam threads (default: every core)"
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: as initialize picks)")
+    p.add_argument(
+        "--top", type=int, default=5, help="with plan 'auto', also list this many runner-up candidates"
+    )
+    p.add_argument("--json", metavar="PATH", help="save the plan and its estimate here")
+
+
+def _estimate_table(e) -> str:
+    rows = [
+        ("step (estimate)", f"{e.step_s:.3f} s"),
+        ("  forward", f"{e.forward_s:.3f} s"),
+        ("  backward", f"{e.backward_s:.3f} s"),
+        ("  optimizer wait", f"{e.optimizer_wait_s:.3f} s"),
+        ("floor", f"{e.floor_s:.3f} s, bound by {e.bound}"),
+        ("  device compute", f"{e.compute_s:.3f} s"),
+        (
+            "  SSD",
+            f"{e.ssd_s:.3f} s ({e.ssd_read_bytes / 1e9:.3f} GB read, {e.ssd_write_bytes / 1e9:.3f} GB written)",
+        ),
+        ("  CPU Adam", f"{e.adam_s:.3f} s"),
+        (
+            "  host<->device",
+            f"{e.link_s:.3f} s ({e.h2d_bytes / 1e9:.3f} GB h2d, {e.d2h_bytes / 1e9:.3f} GB d2h)",
+        ),
+        (
+            "peak buffers",
+            f"device {e.peak_device_bytes / 2**20:.1f} MiB, host {e.peak_host_bytes / 2**20:.1f} MiB",
+        ),
+    ]
+    w = max(len(a) for a, _ in rows)
+    return "\n".join(f"  {a:<{w}}  {b}" for a, b in rows)
+
+
+def plan_for_config(ds: dict, args: argparse.Namespace):
+    """(Resolved, hardware profile or None, model profile or None) for the config and model of
+    `args`, through the resolve stage `offloadpp.initialize` uses."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from offloadpp.assemble import probe_machine, resolve_for_model
+    from offloadpp.integrations.deepspeed.build import settings_from, swap_dirs
+    from offloadpp.integrations.deepspeed.config import parse_block, parse_bytes
+    from offloadpp.planner import ModelProfile, default_profile_path, resolve
+    from offloadpp.planner.resolve import load_hardware, load_saved_plan
+
+    block = parse_block(ds)
+    settings = settings_from(DeepSpeedConfig(ds), block)
+    update = {}
+    if args.device_budget is not None:
+        update["device_budget_bytes"] = parse_bytes(args.device_budget)
+    if args.host_budget is not None:
+        update["host_budget_bytes"] = parse_bytes(args.host_budget)
+    if args.seq_len is not None:
+        update["seq_len"] = args.seq_len
+    if args.adam_threads is not None:
+        update["adam_threads"] = args.adam_threads
+    hw_path = args.hardware or settings.hardware_profile
+    if hw_path is None and os.path.isfile(default_profile_path()):
+        hw_path = default_profile_path()
+    if hw_path is not None:
+        update["hardware_profile"] = hw_path
+    if args.model_profile:
+        update["model_profile"] = args.model_profile
+    settings = settings.model_copy(update=update)
+    paths = swap_dirs(block.nvme_paths, create=False) if block.nvme_paths else ()
+    if args.model:
+        from offloadpp.presets import hf_config_dict, meta_model
+
+        cfg, _preset = hf_config_dict(args.model)
+        r = resolve_for_model(meta_model(cfg), settings, device=args.device, nvme_paths=paths)
+        hw = load_hardware(hw_path) if hw_path else None
+        return r, hw
+    profile = ModelProfile.from_json(args.model_profile)
+    hw = load_hardware(hw_path) if hw_path else None
+    machine = probe_machine(args.device, paths)
+    r = resolve(settings, profile.unit_specs(), machine, hardware=hw, model=profile if hw else None,
+                saved=load_saved_plan(settings))  # fmt: skip
+    return r, hw
+
+
+def run(args: argparse.Namespace) -> int:
+    from offloadpp.integrations.deepspeed.config import OffloadppConfigError, load_ds_config
+    from offloadpp.planner import InfeasibleError, ModelProfileError, PlanError, ProfileError
+    from offloadpp.planner.planfile import save_plan
+    from offloadpp.planner.search import describe_buffers, io_choice
+
+    if not args.model and not args.model_profile:
+        print("offloadpp plan: give --model or --model-profile", file=sys.stderr)
+        return 2
+    try:
+        ds = load_ds_config(args.config)
+        r, hw = plan_for_config(ds, args)
+    except InfeasibleError as e:
+        print(f"offloadpp plan: infeasible: {e}", file=sys.stderr)
+        return 1
+    except (OffloadppConfigError, ModelProfileError, ProfileError, PlanError, ValueError) as e:
+        print(f"offloadpp plan: {e}", file=sys.stderr)
+        return 2
+    if hw is not None:
+        print(hw.describe())
+    print(r.plan.describe())
+    for line in describe_buffers(r.plan):
+        print(f"  {line}")
+    io = io_choice(hw) if hw is not None else None
+    if io is not None:
+        print(f"  I/O: block {io.block_size_bytes >> 10} KiB, queue depth {io.queue_depth} "
+              f"(measured {io.read_gbps:.2f} GB/s read, {io.write_gbps:.2f} GB/s write)")  # fmt: skip
+    if r.estimate is not None:
+        print(_estimate_table(r.estimate))
+    else:
+        print("  (no hardware profile: run `offloadpp profile` for a step-time estimate)")
+    if r.candidates and args.top > 0:
+        print(f"runner-up candidates (of {len(r.candidates)}):")
+        for c in r.candidates[: args.top]:
+            print(f"  {c.label:<28} {c.estimate.step_s:.3f} s  bound by {c.estimate.bound}, SSD "
+                  f"{(c.estimate.ssd_read_bytes + c.estimate.ssd_write_bytes) / 1e9:.3f} GB")  # fmt: skip
+    if args.json:
+        save_plan(args.json, r.plan, r.estimate)
+        print(f"plan written to {args.json}", file=sys.stderr)
+    return 0

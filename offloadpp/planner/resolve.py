@@ -1,0 +1,314 @@
+"""The resolve stage: Settings + hardware profile + model profile + what the machine has free
+-> the byte budgets and the Plan the runtime runs (DESIGN.md, "one spine"). Pure.
+
+    r = resolve(settings, units, machine, hardware=hw, model=profile, saved=(plan, estimate))
+    r.plan          # budgets inside (r.plan.budgets); the runtime executes it as it is
+    r.estimate      # the cost model's step time, when profiles were given
+    r.settings      # the settings with what resolve decided filled in (Adam threads, read-ahead)
+
+`offloadpp.initialize`, `offloadpp plan` and every benchmark reach this one function (through
+offloadpp/assemble.py, which gathers the inputs), so the plan printed is the plan that runs.
+
+Note: "auto" budgets (Settings' None).
+  - Where the settings put the state on SSD (offload_params / offload_optimizer, from
+    ZeRO-Infinity's nvme offload), the budget is what streaming it needs and no more: the
+    schedule's peaks for the streaming plan (planner.default.min_budgets), so the state lives
+    on SSD as asked and resident memory stays small whatever the machine has free.
+  - The optimizer read-ahead q those budgets are sized for: with deferred updates (clipping,
+    fp16) the updates run after backward and the state of the first q+1 of them is read during
+    backward; with q covering every unit they wait for no read at all. So q is the largest
+    whose host buffers take at most READ_AHEAD_HOST_SHARE of the host memory available, else
+    DEFAULT_OPTIM_PREFETCH. The plan is then made for exactly that q.
+  - Elsewhere a share of what is free now: on CUDA DEVICE_SHARE_CUDA of the free device memory
+    (the rest for activations and the allocator's slack), on the CPU acting as the device
+    DEVICE_SHARE_CPU of available RAM; host memory HOST_SHARE of available RAM (the rest for
+    activations, the model's own code and the OS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional, Sequence
+
+from .cost import StepEstimate, estimate
+from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, min_budgets, plan_shape
+from .hardware import HardwareProfile, ProfileError, default_profile_path
+from .model_profile import ModelProfile, ModelProfileError, analytic_profile
+from .plan import Plan, PlanError, UnitSpec, fmt_bytes
+from .planfile import load_plan
+from .schedule import build_schedule
+from .search import Request, search
+from .spec import PLAN_AUTO, Budgets, Settings
+
+DEVICE_SHARE_CUDA = 0.8
+DEVICE_SHARE_CPU = 0.25
+HOST_SHARE = 0.5
+READ_AHEAD_HOST_SHARE = 0.25
+FALLBACK_SEQ_LEN = 512  # the analytic profile's sequence when neither settings nor model say
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the machine has when the run is planned (offloadpp/assemble.py measures it).
+
+    device: "cpu" (the CPU acting as the device) or "cuda".
+    host_available_bytes: host memory available now (psutil's `available`).
+    device_free_bytes: free device memory (CUDA only).
+    ssd_free_bytes: free space on the swap directories' filesystems (None: not known).
+    cores: cores this process may run on (the Adam threads' default).
+    """
+
+    device: str
+    host_available_bytes: int
+    device_free_bytes: Optional[int] = None
+    ssd_free_bytes: Optional[int] = None
+    cores: int = 1
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise PlanError(f"Machine.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.host_available_bytes <= 0:
+            raise PlanError(f"Machine.host_available_bytes must be > 0, got {self.host_available_bytes!r}")
+        if self.device == "cuda" and not self.device_free_bytes:
+            raise PlanError("Machine.device_free_bytes is needed for device 'cuda'")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    settings: Settings
+    plan: Plan
+    estimate: Optional[StepEstimate] = None
+    candidates: tuple = ()  # plan "auto": every plan the search scored, least estimate first
+
+    @property
+    def budgets(self) -> Budgets:
+        assert self.plan.budgets is not None  # resolve always sets them
+        return self.plan.budgets
+
+
+def resolve(
+    settings: Settings,
+    units: Sequence[UnitSpec],
+    machine: Machine,
+    *,
+    hardware: Optional[HardwareProfile] = None,
+    model: Optional[ModelProfile] = None,
+    saved: Optional[tuple[Plan, Optional[StepEstimate]]] = None,
+) -> Resolved:
+    """Budgets and the Plan for `units` (the model's, in forward order) under `settings`.
+
+    hardware / model: the profiles; plan "auto" needs both, other plans get an estimate when
+    both are given. saved: the plan file `settings.plan` names, already read (load_saved_plan).
+    Raises PlanError naming the budget, the unit and the bytes when nothing fits."""
+    units = tuple(units)
+    if not units:
+        raise PlanError("no units to plan: the model has no parameters")
+    settings = settings.model_copy(update={"adam_threads": settings.adam_threads or machine.cores})
+    budgets, settings = _budgets(settings, units, machine)
+    est: Optional[StepEstimate] = None
+    candidates: tuple = ()
+    if settings.plan_path is not None:
+        if saved is None:
+            raise PlanError(f"plan {settings.plan!r}: the plan file was not read (load_saved_plan)")
+        plan, est = saved
+        check_plan(plan, units, machine.device, settings)
+        plan = replace(plan, budgets=plan.budgets or budgets)  # a plan keeps the budgets it was made for
+        check_fits(plan)
+    elif settings.plan == PLAN_AUTO:
+        if hardware is None or model is None:
+            missing = "a hardware profile" if hardware is None else "a model profile"
+            raise PlanError(f"plan 'auto' needs {missing}")
+        _check_profiles(hardware, model, units, machine.device)
+        req = Request(
+            budgets, settings, adam_threads=settings.adam_threads, ssd_free_bytes=machine.ssd_free_bytes
+        )
+        result = search(hardware, model, req)
+        plan, est, candidates = result.plan, result.best.estimate, result.candidates
+    else:
+        plan = default_plan(units, device=machine.device, settings=settings, budgets=budgets)
+    plan = with_activation_policies(plan, settings)
+    if est is None and hardware is not None and model is not None:
+        _check_profiles(hardware, model, units, machine.device)
+        est = estimate(plan, hardware, model, adam_threads=settings.adam_threads,
+                       micro_batches=settings.gradient_accumulation_steps,
+                       act_prefetch_units=settings.activations.prefetch_units)  # fmt: skip
+    return Resolved(settings, plan, est, candidates)
+
+
+# ---- budgets ------------------------------------------------------------------------------
+def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine) -> tuple[Budgets, Settings]:
+    """The budgets for the settings' requests (the module Note), and the settings with the
+    optimizer read-ahead they were sized for."""
+    dev, host = settings.device_budget_bytes, settings.host_budget_bytes
+    stream_dev = dev is None and settings.offload_params
+    stream_host = host is None and settings.offload_optimizer
+    if stream_dev or stream_host:
+        k = DEFAULT_PREFETCH if settings.prefetch_depth is None else settings.prefetch_depth
+        need_dev, need_host, q = _streaming_need(settings, units, m, k)
+        if settings.optim_prefetch_depth is None and stream_host:
+            settings = settings.model_copy(update={"optim_prefetch_depth": q})
+        if stream_dev:
+            dev = need_dev
+        if stream_host:
+            host = need_host
+    if dev is None:
+        dev = (
+            int(m.device_free_bytes * DEVICE_SHARE_CUDA)
+            if m.device == "cuda"
+            else int(m.host_available_bytes * DEVICE_SHARE_CPU)
+        )
+    if host is None:
+        host = int(m.host_available_bytes * HOST_SHARE)
+    budgets = Budgets(
+        device_bytes=dev,
+        host_bytes=host,
+        activation_bytes=settings.activations.budget_bytes,
+    )
+    return budgets, settings
+
+
+def _streaming_need(settings: Settings, units, m: Machine, k: int) -> tuple[int, int, int]:
+    top = max(0, len(units) - 1)
+    if settings.optim_prefetch_depth is not None:
+        qs = [settings.optim_prefetch_depth]
+    elif settings.deferred_update:
+        qs = list(range(top, min(DEFAULT_OPTIM_PREFETCH, top) - 1, -1))
+    else:
+        qs = [min(DEFAULT_OPTIM_PREFETCH, top)]
+    shape = plan_shape(settings)
+    for q in qs:
+        dev, host = min_budgets(units, device=m.device, prefetch_depth=k, optim_prefetch_depth=q, **shape)
+        if host <= m.host_available_bytes * READ_AHEAD_HOST_SHARE:
+            break
+    return dev, host, q
+
+
+# ---- plans from elsewhere ---------------------------------------------------------------------
+def check_plan(plan: Plan, units: Sequence[UnitSpec], device: str, settings: Settings) -> None:
+    """A plan made elsewhere (a file, a caller) must be for these units and these settings."""
+    if list(plan.units) != list(units):
+        raise PlanError(
+            "the plan was made for other units: plan has "
+            f"{[(u.name, u.numel) for u in plan.units]}, the model {[(u.name, u.numel) for u in units]}"
+        )
+    want = dict(
+        device=device,
+        compute_dtype=settings.compute_dtype,
+        accumulate_grads=settings.accumulate_grads or plan.accumulate_grads,
+        deferred_update=settings.deferred_update or plan.deferred_update,
+    )
+    for k, v in want.items():
+        if getattr(plan, k) != v:
+            raise PlanError(f"plan.{k} is {getattr(plan, k)!r} but the settings need {v!r}")
+
+
+def check_fits(plan: Plan) -> None:
+    """The schedule's peaks fit the plan's budgets (a plan from a file, or edited by hand)."""
+    b = plan.budgets
+    if b is None:
+        raise PlanError("the plan has no budgets: make it with offloadpp plan or planner.resolve")
+    s = build_schedule(plan)
+    for tier, peak, budget in (
+        ("device", s.peak_device_bytes, b.device_bytes),
+        ("host", s.peak_host_bytes, b.host_bytes),
+    ):
+        if peak > budget:
+            raise PlanError(
+                f"the plan needs {fmt_bytes(peak)} ({peak} bytes) of {tier} buffers at its peak but its {tier} budget "
+                f"is {fmt_bytes(budget)} ({budget} bytes)"
+            )
+
+
+def load_saved_plan(settings: Settings) -> Optional[tuple[Plan, Optional[StepEstimate]]]:
+    """The plan file `settings.plan` names, read (None when the plan is made here)."""
+    return load_plan(settings.plan_path) if settings.plan_path is not None else None
+
+
+def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
+    """The plan with each unit's activation policy: the plan's own if it names them, else the
+    settings' policy and per-unit overrides. A unit whose backward reads none of its weights
+    (embedding lookups) cannot run its forward again: "recompute" becomes "keep" there."""
+    act = settings.activations
+    names = [u.name for u in plan.units]
+    unknown = sorted(set(act.overrides) - set(names))
+    if unknown:
+        raise PlanError(
+            f"activations.overrides names units the model does not have: {unknown}; units are {names}"
+        )
+    chosen = tuple(plan.activations) or tuple(act.overrides.get(n, act.policy) for n in names)
+    out, notes = [], []
+    for u, p in zip(plan.units, chosen):
+        if p == "recompute" and not u.backward_needs_weights:
+            notes.append(
+                f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
+            )
+            p = "keep"
+        out.append(p)
+    return replace(plan, activations=tuple(out), notes=plan.notes + tuple(notes))
+
+
+# ---- profiles ---------------------------------------------------------------------------------
+def load_hardware(path: Optional[str]) -> HardwareProfile:
+    """The hardware profile at `path`, else the one `offloadpp profile` cached."""
+    path = path or default_profile_path()
+    try:
+        return HardwareProfile.from_json(path)
+    except ProfileError as e:
+        raise PlanError(f"a hardware profile is needed (plan 'auto', or an estimate): {e}") from None
+
+
+def model_profile_for(
+    hf_config: Optional[Mapping[str, Any]],
+    units: Sequence[UnitSpec],
+    settings: Settings,
+    *,
+    name: str = "",
+) -> ModelProfile:
+    """The model profile: measured (settings.model_profile) or analytic from the model's
+    Hugging Face config at settings' micro-batch and sequence length (default: the model's
+    context length); its units must be `units`."""
+    if settings.model_profile:
+        prof = ModelProfile.from_json(settings.model_profile)
+    else:
+        if hf_config is None:
+            raise PlanError(
+                "a model profile is needed for a model without a Hugging Face config: write one with "
+                "`offloadpp profile --dir DIR --model ... --model-json PATH` and set model_profile to its path"
+            )
+        ctx = hf_config.get("n_positions") or hf_config.get("max_position_embeddings")
+        seq = settings.seq_len or int(ctx or FALLBACK_SEQ_LEN)
+        try:
+            prof = analytic_profile(hf_config, micro_batch=settings.micro_batch or 1, seq_len=seq,
+                                    compute_dtype=settings.compute_dtype, name=name)  # fmt: skip
+        except ModelProfileError as e:
+            raise PlanError(str(e)) from None
+    got = list(prof.unit_specs())
+    if got != list(units):
+        raise PlanError(
+            "the model profile's units do not match the model's: profile has "
+            f"{[(u.name, u.numel) for u in got]}, the model {[(u.name, u.numel) for u in units]}"
+        )
+    return prof
+
+
+def _check_profiles(hw: HardwareProfile, model: ModelProfile, units, device: str) -> None:
+    if hw.device != device:
+        raise PlanError(
+            f"the hardware profile was measured for device {hw.device!r}, the run is on {device!r}: "
+            "re-run `offloadpp profile` on this machine"
+        )
+    if list(model.unit_specs()) != list(units):
+        raise PlanError("the model profile's units do not match the model's")
+
+
+__all__ = [
+    "Machine",
+    "Resolved",
+    "check_fits",
+    "check_plan",
+    "load_hardware",
+    "load_saved_plan",
+    "model_profile_for",
+    "resolve",
+    "with_activation_policies",
+]

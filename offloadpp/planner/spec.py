@@ -1,0 +1,198 @@
+"""Every setting of a training run and its default, defined once (DESIGN.md, "one spine").
+
+    Settings            what the user asks for: budgets ("auto" = None), precision, prefetch
+                        depths, activation policies, how the plan is made.
+    Budgets             the byte budgets a run holds to, after the resolve stage (resolve.py)
+                        turned the requests into numbers; part of every Plan.
+
+Pure: pydantic and the standard library only, so the planner, the CLI and the DeepSpeed block can
+all read it. Components compose these models instead of copying their fields: the runtime's
+RuntimeConfig holds a Settings; the DeepSpeed `"offloadpp"` block is Settings with `"auto"`
+allowed for every key (integrations/deepspeed/block.py derives it from this file, so a field added
+here is reachable from the JSON without further work). Frozen, extra keys refused, validated once;
+errors name the field and the bad value (convention 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ComputeDtype = Literal["fp32", "bf16", "fp16"]
+ActivationPolicyName = Literal["keep", "host", "ssd", "recompute", "auto"]
+# Bytes per element of the dtypes the runtime uses, by the names the settings use.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+COMPUTE_DTYPES = tuple(DTYPE_BYTES)
+ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "auto")
+PLAN_DEFAULT = "default"
+PLAN_AUTO = "auto"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LossScaling(_Frozen):
+    """fp16 loss scaling, with DeepSpeed's meaning of each key (its `fp16` block fills them).
+
+    loss_scale: 0 means dynamic: start at 2**initial_scale_power, halve after `hysteresis`
+        overflows in a row (never below min_loss_scale), double after loss_scale_window clean
+        steps; otherwise a static scale. Overflowing steps are skipped.
+    """
+
+    loss_scale: float = Field(0.0, ge=0.0)
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: int = Field(1000, ge=1)
+    hysteresis: int = Field(2, ge=1)
+    min_loss_scale: float = Field(1.0, gt=0.0)
+
+
+class ActivationSettings(_Frozen):
+    """What happens to the tensors autograd saves in each unit's forward (docs/activations.md).
+
+    policy: of every unit not named in `overrides`: "keep" on the device, "host" (pinned host
+        memory), "ssd", "recompute" in backward, or "auto" (keep what fits budget_bytes, the
+        fewest FLOPs per byte first, then host, then SSD).
+    overrides: per-unit policies by unit name (unknown names are refused when the units are known).
+    budget_bytes: device bytes the saved activations may take (None: no limit). Forward waits for
+        swap-outs when it would pass it; backward prefetches only within it.
+    host_budget_bytes: host bytes swapped activations may take before "auto" sends them to SSD
+        (None: no limit, so "auto" never picks SSD).
+    prefetch_units: backward fetches the activations of this many units ahead of the one it runs.
+    min_swap_bytes: saved storages smaller than this are kept (an I/O costs more than it saves).
+    """
+
+    policy: ActivationPolicyName = "keep"
+    overrides: Mapping[str, ActivationPolicyName] = {}
+    budget_bytes: Optional[int] = Field(None, gt=0)
+    host_budget_bytes: Optional[int] = Field(None, gt=0)
+    prefetch_units: int = Field(2, ge=0)
+    min_swap_bytes: int = Field(64 << 10, ge=0)
+
+
+class Settings(_Frozen):
+    """What a run asks for. None means "decided by the resolve stage" (the JSON's "auto").
+
+    offload_params / offload_optimizer: the weights / the fp32 master weights and Adam moments
+        live on SSD (ZeRO-Infinity's `offload_param` / `offload_optimizer` with device "nvme").
+        Then an "auto" device / host budget is what streaming that state from SSD needs and no
+        more; otherwise it is a share of the memory free when the run starts (resolve.py).
+    device_budget_bytes: bytes of the runtime's buffers on the device (weights, a unit's
+        gradients); on the CPU acting as the device, a budget the runtime accounts and keeps.
+    host_budget_bytes: bytes of host memory for optimizer state, gradients and staging buffers.
+    compute_dtype: "fp32", or "bf16"/"fp16" with fp32 master weights (16-bit needs CUDA for
+        speed; it runs on the CPU too, slowly, for tests).
+    loss_scaling: fp16 only.
+    gradient_accumulation_steps: micro-batches per optimizer step; backward() scales the loss by
+        1/gradient_accumulation_steps, as DeepSpeed does.
+    gradient_clipping: clip gradients to this global L2 norm before the update (0: off); exact, as
+        torch.nn.utils.clip_grad_norm_.
+    prefetch_depth: weights of the unit k visits ahead are fetched while one computes (None: the
+        plan picks the deepest that fits, up to 2 for the default plan).
+    optim_prefetch_depth: optimizer state is read this many units ahead of the one updating (None:
+        the plan picks).
+    fill_gaps: keep a unit's weights between two uses in a step where no peak grows; False drops
+        them after every use (strict streaming, for benchmarks).
+    adam_threads: threads of the fused CPU Adam (None: every core this process may run on).
+        Note: on the CPU acting as the device torch's threads fill every core, and one Adam
+        thread stalls one torch thread and with it every parallel region (the others wait at
+        its barrier); Adam spread over all cores delays each by the same share instead
+        (docs/runtime.md has the measurement).
+    activations: the activation policies and budget.
+    units: an explicit split of the model into units, each a list of module qualified names in
+        forward order (None: the runtime finds the blocks of the model).
+    plan: "default" (the rule-based placement of planner/default.py), "auto" (the cost-model
+        planner, docs/planner.md; needs a hardware profile from `offloadpp profile`), or the
+        path of a plan JSON written by `offloadpp plan --json`.
+    hardware_profile: the hardware profile JSON for plan "auto" (None: the cache `offloadpp
+        profile` writes, see planner.hardware.default_profile_path).
+    model_profile: a measured model profile JSON for plan "auto" (None: analytic from the
+        model's Hugging Face config).
+    micro_batch / seq_len: the shape of one micro-batch, for the analytic model profile (None:
+        the DeepSpeed config's micro-batch, else 1; the model's context length).
+    """
+
+    offload_params: bool = True
+    offload_optimizer: bool = True
+    device_budget_bytes: Optional[int] = Field(None, gt=0)
+    host_budget_bytes: Optional[int] = Field(None, gt=0)
+    compute_dtype: ComputeDtype = "fp32"
+    loss_scaling: LossScaling = LossScaling()
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    gradient_clipping: float = Field(0.0, ge=0.0)
+    prefetch_depth: Optional[int] = Field(None, ge=0)
+    optim_prefetch_depth: Optional[int] = Field(None, ge=0)
+    fill_gaps: bool = True
+    adam_threads: Optional[int] = Field(None, ge=1)
+    activations: ActivationSettings = ActivationSettings()
+    units: Optional[tuple[tuple[str, ...], ...]] = None
+    plan: str = PLAN_DEFAULT
+    hardware_profile: Optional[str] = None
+    model_profile: Optional[str] = None
+    micro_batch: Optional[int] = Field(None, ge=1)
+    seq_len: Optional[int] = Field(None, ge=1)
+
+    @field_validator("units")
+    @classmethod
+    def _units(cls, v):
+        if v is not None and (not v or any(not u for u in v)):
+            raise ValueError("units must be a non-empty list of non-empty lists of module names")
+        return v
+
+    @field_validator("plan")
+    @classmethod
+    def _plan(cls, v: str) -> str:
+        if not v or not v.strip():
+            raise ValueError("plan must be 'default', 'auto' or the path of a plan JSON")
+        return v
+
+    @property
+    def deferred_update(self) -> bool:
+        """Updates need a global quantity first (clip norm, fp16 overflow) and wait for backward."""
+        return self.gradient_clipping > 0 or self.compute_dtype == "fp16"
+
+    @property
+    def accumulate_grads(self) -> bool:
+        return self.gradient_accumulation_steps > 1
+
+    @property
+    def plan_path(self) -> Optional[str]:
+        """The plan file to run, when `plan` names one."""
+        return None if self.plan in (PLAN_DEFAULT, PLAN_AUTO) else self.plan
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """The byte budgets a run holds to (the resolve stage's answer to Settings' requests).
+
+    device_bytes / host_bytes: the runtime's device buffers and host buffers; its pools account
+        every buffer against these and wait or raise rather than pass them.
+    activation_bytes: device bytes for saved activations (None: not limited).
+    (Free SSD space is not a budget but a fact of the machine: planner.resolve.Machine.)
+    """
+
+    device_bytes: int
+    host_bytes: int
+    activation_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Budgets.{name} must be an int > 0, got {v!r}")
+        v = self.activation_bytes
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"Budgets.activation_bytes must be an int >= 0 or None, got {v!r}")
+
+
+__all__ = [
+    "ACTIVATION_POLICIES",
+    "COMPUTE_DTYPES",
+    "DTYPE_BYTES",
+    "ActivationSettings",
+    "Budgets",
+    "LossScaling",
+    "Settings",
+]

@@ -1,0 +1,249 @@
+"""The one resolve stage (planner/resolve.py) and the promises it makes:
+
+- the rules for "auto" budgets, pure, from Settings, the units and what the machine has free;
+- `offloadpp plan --json` and `offloadpp.initialize` produce the same plan and budgets;
+- a run at the streaming minimum never holds more than a budget by the engine's own accounting,
+  and reports the peaks (a pool that would pass its budget raises a named error);
+- the smallest ZeRO-Infinity config (DeepSpeed leaves most keys None) trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from offloadpp.planner import (
+    Budgets,
+    Machine,
+    PlanError,
+    Settings,
+    UnitSpec,
+    build_schedule,
+    min_budgets,
+    resolve,
+)
+from offloadpp.planner.planfile import load_plan, plan_to_dict
+from offloadpp.planner.resolve import DEVICE_SHARE_CPU, HOST_SHARE, READ_AHEAD_HOST_SHARE
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+UNITS = (
+    UnitSpec("embed", 1_000_000, backward_needs_weights=False),
+    *(UnitSpec(f"h.{i}", 400_000) for i in range(6)),
+    UnitSpec("head", 1024, borrows=("embed",)),
+)
+MACHINE = Machine("cpu", host_available_bytes=16 << 30, cores=2)
+
+
+# ---- the rules, pure ----------------------------------------------------------------------------
+def test_auto_budgets_with_state_on_ssd_are_the_streaming_minimum():
+    r = resolve(Settings(), UNITS, MACHINE)
+    dev, host = min_budgets(
+        UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=2
+    )
+    assert (r.budgets.device_bytes, r.budgets.host_bytes) == (dev, host)
+    assert r.plan.ssd_bytes() == sum(u.master_bytes + u.moments_bytes for u in UNITS)  # all on SSD
+    assert r.settings.adam_threads == 2 and r.plan.activations == ("keep",) * len(UNITS)
+
+
+def test_deferred_updates_read_ahead_over_every_unit_when_it_fits():
+    clip = Settings(gradient_clipping=1.0)
+    r = resolve(clip, UNITS, MACHINE)
+    assert r.plan.optim_prefetch_depth == len(UNITS) - 1 == r.settings.optim_prefetch_depth
+    _, host_all = min_budgets(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2,
+                              optim_prefetch_depth=len(UNITS) - 1, deferred_update=True)  # fmt: skip
+    assert r.budgets.host_bytes == host_all
+    small = Machine("cpu", host_available_bytes=int(host_all / READ_AHEAD_HOST_SHARE) - 1, cores=2)
+    assert resolve(clip, UNITS, small).plan.optim_prefetch_depth < len(UNITS) - 1
+
+
+def test_auto_budgets_without_offload_are_shares_of_free_memory():
+    r = resolve(Settings(offload_params=False, offload_optimizer=False), UNITS, MACHINE)
+    assert r.budgets.device_bytes == int(MACHINE.host_available_bytes * DEVICE_SHARE_CPU)
+    assert r.budgets.host_bytes == int(MACHINE.host_available_bytes * HOST_SHARE)
+    assert r.plan.ssd_bytes() == 0  # everything fits in memory, so nothing is on SSD
+    cuda = Machine("cuda", host_available_bytes=64 << 30, device_free_bytes=10 << 30, cores=8)
+    rc = resolve(Settings(offload_params=False, offload_optimizer=False), UNITS, cuda)
+    assert rc.budgets.device_bytes == int(0.8 * (10 << 30)) and rc.plan.device == "cuda"
+
+
+def test_explicit_budgets_win_and_infeasible_ones_are_named():
+    r = resolve(Settings(device_budget_bytes=1 << 30, host_budget_bytes=2 << 30), UNITS, MACHINE)
+    assert r.budgets == Budgets(1 << 30, 2 << 30)
+    with pytest.raises(PlanError, match=r"device budget of 4.00 KiB \(4096 bytes\) is too small"):
+        resolve(Settings(device_budget_bytes=4096), UNITS, MACHINE)
+
+
+def test_the_plan_is_made_for_the_settings():
+    r = resolve(Settings(compute_dtype="bf16", gradient_accumulation_steps=2, prefetch_depth=1,
+                         activations={"policy": "recompute", "budget_bytes": 1 << 20}), UNITS, MACHINE)  # fmt: skip
+    p = r.plan
+    assert (p.compute_dtype, p.accumulate_grads, p.prefetch_depth) == ("bf16", True, 1)
+    assert p.activations[0] == "keep" and set(p.activations[1:]) == {"recompute"}  # embed cannot recompute
+    assert r.budgets.activation_bytes == 1 << 20
+    s = build_schedule(p)
+    assert s.peak_device_bytes <= r.budgets.device_bytes and s.peak_host_bytes <= r.budgets.host_bytes
+
+
+# ---- the CLI prints the plan initialize runs ----------------------------------------------------
+def _ds_config(nvme: str, **over) -> dict:
+    os.makedirs(nvme, exist_ok=True)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+        },
+        "offloadpp": {"enabled": True},
+    }
+    cfg.update(over)
+    return cfg
+
+
+def test_plan_cli_and_initialize_agree(tmp_path, capsys):
+    """For one config and model the plan `offloadpp plan --json` writes is the plan and budgets
+    offloadpp.initialize runs, "auto" budgets included."""
+    import offloadpp
+    from offloadpp.cli import plan as plan_cli
+    from offloadpp.presets import get_preset
+
+    cfg = _ds_config(str(tmp_path / "nvme"))
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "plan.json"
+    p = argparse.ArgumentParser()
+    plan_cli.add_arguments(p)
+    assert (
+        plan_cli.run(p.parse_args(["--config", str(path), "--model", "gpt2-tiny", "--json", str(out)])) == 0
+    )
+    printed, _ = load_plan(str(out))
+    assert "budgets: device" in capsys.readouterr().out
+    model = transformers.GPT2LMHeadModel(get_preset("gpt2-tiny").gpt2_config())
+    engine, *_ = offloadpp.initialize(model=model, config=str(path))
+    try:
+        ran = engine.runtime.plan
+        assert ran.budgets == printed.budgets
+        assert plan_to_dict(ran) == plan_to_dict(printed)
+    finally:
+        engine.close()
+
+
+# ---- budgets are promises -----------------------------------------------------------------------
+def _gpt2(n_layer=6, seed=0):
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=128, n_head=4, vocab_size=128, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"gradient_clipping": 1.0, "gradient_accumulation_steps": 2},
+        {"compute_dtype": "bf16"},
+        {"prefetch_depth": 0, "optim_prefetch_depth": 0},
+        {"activations": {"policy": "ssd", "budget_bytes": 6 << 20, "min_swap_bytes": 0}},
+    ],
+    ids=["plain", "clip-accum", "bf16", "k0q0", "act-ssd"],
+)  # act-ssd: 6 MiB holds the units backward works on (the swapped activations' working set), a
+# quarter of the 23 MiB keeping every activation takes here
+def test_streaming_minimum_holds_every_budget(tmp_path, settings, caplog):
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.runtime import RuntimeConfig
+
+    cfg = RuntimeConfig(nvme_paths=[str(tmp_path)], settings=Settings(**settings), device="cpu",
+                        ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="offloadpp.runtime"):
+        with assemble_engine(_gpt2(), cfg, hyper=AdamHyper(lr=1e-3)) as eng:
+            for p in eng.plan.placements:  # the streaming minimum: every array lives on SSD
+                assert (p.weights.value, p.master.value, p.moments.value) == ("ssd", "ssd", "ssd")
+            reports = []
+            for _ in range(3 * cfg.settings.gradient_accumulation_steps):
+                x = torch.randint(0, 128, (4, 64), generator=g)
+                eng.backward(eng(input_ids=x, labels=x).loss)
+                r = eng.step()
+                if r is not None:
+                    reports.append(r)
+            final = eng.budget_report()
+    for r in reports:
+        names = [b.name for b in r.budgets]
+        assert names == ["device", "host", "activations", "activation staging"]
+        for b in r.budgets:
+            assert b.within, (b.name, b.run_peak_bytes, b.budget_bytes)
+        assert r.budget("device").peak_bytes > 0 and r.budget("host").peak_bytes > 0
+    assert all(b.within for b in final)
+    assert any("mem device" in rec.getMessage() for rec in caplog.records)  # the log line
+
+
+def test_pool_never_passes_its_budget():
+    from offloadpp.runtime.memory import BudgetExceededError, BufferPool
+
+    pool = BufferPool("host", 4096 * 3, lambda n, dt: torch.empty(n, dtype=dt))
+    pool.release_wait_s = 0.05
+    a, b = pool.get(1024, torch.float32), pool.get(1024, torch.float32)
+    with pytest.raises(BudgetExceededError, match=r"host pool: 8.00 KiB .* host budget of 12.00 KiB"):
+        pool.get(2048, torch.float32)
+    with pytest.raises(BudgetExceededError, match="larger than the whole host budget"):
+        pool.get(10_000, torch.float32)
+    given = []
+
+    def reclaim() -> bool:  # the owner gives b back (as the optimizer completes a job), once
+        if given:
+            return False
+        given.append(b)
+        pool.put(b)
+        return True
+
+    pool.reclaim = reclaim
+    c = pool.get(2048, torch.float32)  # fits once b is back: no waiting, no raise
+    assert given == [b] and pool.peak_bytes <= pool.budget_bytes == pool.allocated_bytes
+    pool.put(a)
+    pool.put(c)
+
+
+# ---- the smallest config DeepSpeed documents ----------------------------------------------------
+def test_smallest_zero_infinity_config_trains(tmp_path):
+    """Only a batch size, an optimizer and ZeRO-Infinity's NVMe offload, plus the block: DeepSpeed
+    leaves steps_per_print, scheduler and more None; offloadpp uses its defaults."""
+    import offloadpp
+
+    nvme = str(tmp_path / "nvme")
+    os.makedirs(nvme)
+    cfg = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+            "offload_param": {"device": "nvme", "nvme_path": nvme},
+        },
+        "offloadpp": {"enabled": True},
+    }
+    model = _gpt2(n_layer=2)
+    engine, optimizer, loader, sched = offloadpp.initialize(model=model, model_parameters=model.parameters(),
+                                                            config=copy.deepcopy(cfg))  # fmt: skip
+    try:
+        x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+        losses = []
+        for _ in range(4):
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0] and engine.global_steps == 4
+        assert engine.runtime.config.log_every >= 1 and sched is None and loader is None
+    finally:
+        engine.close()
