@@ -151,11 +151,18 @@ class OffloadppEngine:
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
         """Current weights in the compute precision (bf16/fp16; fp32 when training in fp32, as
-        DeepSpeed does), as safetensors that `from_pretrained` loads. Weights come in from SSD
-        unit by unit; tied weights are stored once."""
+        DeepSpeed does), as safetensors that `from_pretrained` loads, streamed unit by unit
+        (sharded with an index when large); tied weights are stored once."""
         from offloadpp.integrations.deepspeed.export import save_weights
 
         save_weights(self, save_dir, save_filename, exclude_frozen_parameters)
+        return True
+
+    def save_pretrained(self, save_dir: str) -> bool:
+        """A Hugging Face model folder (weights, config.json) from_pretrained loads, streamed."""
+        from offloadpp.integrations.deepspeed.export import save_pretrained
+
+        save_pretrained(self, save_dir)
         return True
 
     def close(self):
