@@ -8,6 +8,14 @@ imported by the submodules that need it, not by `import offloadpp`.
 __version__ = "0.1.0"
 
 
+def Init(*args, **kwargs):  # noqa: N802 - named as deepspeed.zero.Init, whose role it plays
+    """A context manager under which a model is built without its weights in memory; offloadpp's
+    initialize fills them unit by unit (offloadpp.integrations.deepspeed.zero_init)."""
+    from offloadpp.integrations.deepspeed.zero_init import Init as _Init
+
+    return _Init(*args, **kwargs)
+
+
 def initialize(*args, **kwargs):
     """`deepspeed.initialize`'s signature; offloadpp's engine when the config enables it (see
     offloadpp.integrations.deepspeed.initialize)."""

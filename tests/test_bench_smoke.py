@@ -34,7 +34,9 @@ def test_bench_capacity_smoke(tmp_path, capsys):
 
     out = tmp_path / "cap.json"
     rc = _run(capacity, ["--layers", "2", "--width", "64", "--heads", "2", "--steps", "2", "--threads", "1",
-                         "--dir", str(tmp_path / "swap"), "--json", str(out)])  # fmt: skip
+                         "--checkpoint", "--dir", str(tmp_path / "work"), "--json", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
-    assert rc == 0 and report["pass"] and len(report["step_s"]) == 2
-    assert report["peak_rss_bytes"] > 0 and "peak RSS" in capsys.readouterr().out
+    o = report["offloadpp"]
+    assert rc == 0 and report["pass"] and len(o["step_s"]) == 2 and o["peak_rss_bytes"] > 0
+    assert o["checkpoint"]["bit_identical"] and o["checkpoint"]["save_s"] > 0
+    assert "peak RSS" in capsys.readouterr().out

@@ -1,13 +1,18 @@
-"""`offloadpp bench capacity`: peak RSS training a model whose state far exceeds the memory allowed.
+"""`offloadpp bench capacity`: a model whose training state exceeds what the run may hold in RAM,
+trained the way a DeepSpeed user trains it, peak RSS measured.
 
-The model's fp32 training state (weights, grads, Adam moments: 16 B/param) is far larger than
-the RSS allowed.
+The user's path: a ZeRO-Infinity config (parameters and optimizer state on NVMe, gradient
+clipping 1.0, nothing else tuned) plus `"offloadpp": {"enabled": true}`, the model built under
+offloadpp.Init (each unit initialised by the model's own init straight into the store) and
+trained through offloadpp.initialize with default budgets. `--checkpoint` adds the checkpoint's
+life cycle: save, one step, load, the same step again (its loss must be bit-identical), and a
+Hugging Face export, each timed against the disk-bandwidth floor. `--zero` then trains the same
+model under ZeRO-Infinity in the same session (deepspeed.zero.Init, with the two settings it
+needs for a model this size: an offload buffer larger than the largest parameter and a 1e8
+sub-group), for the step-time ratio.
 
-The model (default: GPT-2 with 24 layers of width 2048, 1.31B parameters, 21 GB of training
-state in fp32) is built on the meta device and initialised unit by unit straight into the
-store, so it never exists whole in RAM. Training runs in a child process; the parent reads the
-child's peak resident set size from the kernel (wait4's ru_maxrss), so the number covers every
-allocation of the run: Python, torch, the runtime's buffers, the I/O engine.
+Each run is a child process; the parent reads the child's peak resident set from the kernel
+(wait4's ru_maxrss), so the number covers every allocation of the run.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 GIB = 1 << 30
+BAR_RSS_GIB = 8.0
+BAR_VS_ZERO = 0.35
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,82 +40,253 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="training steps (the first is not counted as steady)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping of the DeepSpeed config")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--checkpoint", action="store_true", help="save, step, load, the same step again, export")
     p.add_argument(
-        "--prefetch-depth", type=int, default=2, help="weights prefetch depth the budgets are sized for"
+        "--zero", action="store_true", help="also train the model under ZeRO-Infinity, same session"
     )
+    p.add_argument("--zero-steps", type=int, default=3)
+    p.add_argument("--max-rss-gib", type=float, default=BAR_RSS_GIB, help="the bar: peak RSS at most this")
     p.add_argument(
-        "--optim-prefetch-depth", type=int, default=1, help="optimizer read-ahead the budgets are sized for"
+        "--dir", default=os.path.join("runs", "bench-capacity"), help="work directory (removed after)"
     )
-    p.add_argument("--max-rss-gib", type=float, default=8.0, help="the bar: peak RSS at most this")
-    p.add_argument("--device-budget", type=float, default=None, help="bytes (default: the streaming minimum)")
-    p.add_argument("--host-budget", type=float, default=None, help="bytes (default: the streaming minimum)")
-    p.add_argument(
-        "--dir", default=os.path.join("runs", "bench-capacity"), help="swap directory (removed after)"
-    )
-    p.add_argument("--keep", action="store_true", help="keep the swap directory")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON to PATH")
-    p.add_argument("--child", metavar="RESULT_JSON", help=argparse.SUPPRESS)
+    p.add_argument("--child", metavar="SIDE", choices=("offloadpp", "zero"), help=argparse.SUPPRESS)
+    p.add_argument("--result", metavar="PATH", help=argparse.SUPPRESS)
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def ds_config(args, nvme: str, side: str) -> dict:
+    nvme_dev = {"device": "nvme", "nvme_path": nvme}
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": args.clip,
+        "steps_per_print": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": dict(nvme_dev),
+            "offload_optimizer": dict(nvme_dev),
+        },
+    }
+    if side == "offloadpp":
+        cfg["offloadpp"] = {"enabled": True}
+    else:
+        # what ZeRO-Infinity needs to run this model at all on this machine (DESIGN.md)
+        largest = 50257 * args.width
+        cfg["zero_optimization"].update(stage3_max_reuse_distance=0, sub_group_size=int(1e8))
+        cfg["zero_optimization"]["offload_param"].update(buffer_size=int(largest * 1.05), buffer_count=5)
+        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
+    return cfg
+
+
+def _gpt2_config(args):
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.heads, n_positions=1024,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+
+
+def _batches(args, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 50257, (args.batch, args.seq), generator=g) for _ in range(n)]
+
+
+def _train_step(engine, x) -> float:
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _offloadpp_child(args, work: str) -> dict:
+    import torch
+    from tqdm import tqdm
+    from transformers import GPT2LMHeadModel
+
+    # offloadpp.Init and offloadpp.initialize, as a user script calls them (the package face re-exports these)
+    from offloadpp.integrations.deepspeed import Init, initialize
+
+    nvme = os.path.join(work, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    cfg = ds_config(args, nvme, "offloadpp")
+    t0 = time.perf_counter()
+    with Init(config=cfg):
+        model = GPT2LMHeadModel(_gpt2_config(args))
+    n = sum(p.numel() for p in model.parameters())
+    engine, *_ = initialize(model=model, config=cfg)
+    init_s = time.perf_counter() - t0
+    rt = engine.runtime
+    _log(rt.plan.describe())
+    data = _batches(args, args.steps + 1)
+    out: dict = {
+        "params": n,
+        "init_s": init_s,
+        "plan": rt.plan.describe(),
+        "budgets": rt.plan.describe_budgets(),
+    }
+    steps, losses, reports = [], [], []
+    for i in tqdm(range(args.steps), desc="offloadpp: steps", file=sys.stderr):
+        t = time.perf_counter()
+        losses.append(_train_step(engine, data[i]))
+        steps.append(time.perf_counter() - t)
+        reports.append(engine.last_report)
+        _log(engine.last_report.summary())
+    out.update(
+        step_s=steps, losses=losses, reports=[r.as_dict() for r in reports], disk_bytes=rt.disk_bytes()
+    )
+    if args.checkpoint:
+        state_bytes = 12 * sum(u.padded_numel for u in rt.units)  # fp32 master + two moments
+        rd, wr = rt.ssd_read_gbps * 1e9, rt.ssd_write_gbps * 1e9
+        ckpt = os.path.join(work, "ckpt")
+        t = time.perf_counter()
+        engine.save_checkpoint(ckpt, tag="a")
+        save_s = time.perf_counter() - t
+        x = data[args.steps]
+        loss_a = _train_step(engine, x)
+        t = time.perf_counter()
+        engine.load_checkpoint(ckpt, tag="a")
+        load_s = time.perf_counter() - t
+        loss_b = _train_step(engine, x)
+        t = time.perf_counter()
+        engine.save_pretrained(os.path.join(work, "export"))
+        export_s = time.perf_counter() - t
+        export_bytes = sum(
+            os.path.getsize(os.path.join(work, "export", f)) for f in os.listdir(os.path.join(work, "export"))
+        )
+        ckpt_bytes = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ckpt) for f in fs)
+        out["checkpoint"] = {
+            "state_bytes": state_bytes, "checkpoint_bytes": ckpt_bytes, "export_bytes": export_bytes,
+            "save_s": save_s, "save_floor_s": state_bytes / rd + state_bytes / wr,
+            "load_s": load_s, "load_floor_s": state_bytes / rd + state_bytes / wr,
+            "export_s": export_s, "export_floor_s": state_bytes / 3 / rd + export_bytes / wr,
+            "loss_before_save": loss_a, "loss_after_load": loss_b, "bit_identical": loss_a == loss_b,
+            "ssd_read_gbps": rt.ssd_read_gbps, "ssd_write_gbps": rt.ssd_write_gbps,
+        }  # fmt: skip
+        _log(
+            f"checkpoint: save {save_s:.1f}s, load {load_s:.1f}s, export {export_s:.1f}s; loss {loss_a} / {loss_b}"
+        )
+    engine.close()
+    del torch
+    return out
+
+
+def _zero_child(args, work: str) -> dict:
+    import deepspeed
+    import torch
+    from tqdm import tqdm
+    from transformers import GPT2LMHeadModel
+
+    nvme = os.path.join(work, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    cfg = ds_config(args, nvme, "zero")
+    t0 = time.perf_counter()
+    with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
+        model = GPT2LMHeadModel(_gpt2_config(args))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    init_s = time.perf_counter() - t0
+    data = _batches(args, args.zero_steps)
+    steps, losses = [], []
+    for i in tqdm(range(args.zero_steps), desc="zero-infinity: steps", file=sys.stderr):
+        t = time.perf_counter()
+        losses.append(_train_step(engine, data[i]))
+        steps.append(time.perf_counter() - t)
+        _log(f"zero step {i}: {steps[-1]:.1f}s loss {losses[-1]:.3f}")
+    del torch
+    return {"init_s": init_s, "step_s": steps, "losses": losses}
+
+
+def _run_child(args, side: str, work: str) -> tuple[dict, int, int]:
+    """(the child's result, its peak RSS in bytes, its exit status)."""
+    fd, result = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    argv = [sys.executable, "-m", "offloadpp.bench.capacity", "--child", side, "--result", result]
+    for k in ("layers", "width", "heads", "batch", "seq", "steps", "clip", "threads", "dir", "zero_steps"):
+        argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.checkpoint:
+        argv.append("--checkpoint")
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29500 + os.getpid() % 1000))  # fmt: skip
+    try:
+        proc = subprocess.Popen(argv, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        with open(result) as f:
+            text = f.read()
+    finally:
+        os.unlink(result)
+    return (json.loads(text) if text else {}), usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.child:
-        return _child(args)
+        import torch
+
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(0)
+        work = os.path.join(args.dir, args.child)
+        res = _offloadpp_child(args, work) if args.child == "offloadpp" else _zero_child(args, work)
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+        return 0
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    fd, result_path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    argv = [sys.executable, "-m", "offloadpp.bench.capacity", "--child", result_path]
-    for k in (
-        "layers",
-        "width",
-        "heads",
-        "batch",
-        "seq",
-        "steps",
-        "threads",
-        "dir",
-        "device_budget",
-        "host_budget",
-        "prefetch_depth",
-        "optim_prefetch_depth",
-    ):
-        v = getattr(args, k)
-        if v is not None:
-            argv += [f"--{k.replace('_', '-')}", str(v)]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.Popen(argv)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - t0
-        with open(result_path) as f:
-            text = f.read()
-        child = json.loads(text) if text else {}
-    finally:
-        os.unlink(result_path)
-        if not args.keep:
-            shutil.rmtree(args.dir, ignore_errors=True)
-    if proc.returncode != 0 or not child:
-        _log(f"the training process failed (exit {proc.returncode})")
-        return 1
-    peak = usage.ru_maxrss * 1024  # kilobytes on Linux
-    report = {
+    report: dict = {
         "bench": "capacity",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["offloadpp", "bench", "capacity", *sys.argv[3:]]),
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "mem_bytes": _mem_total()},
-        **child,
-        "peak_rss_bytes": peak,
-        "wall_s": wall,
-        "max_rss_bytes": int(args.max_rss_gib * GIB),
-        "pass": peak <= args.max_rss_gib * GIB,
+        "model": {
+            "layers": args.layers,
+            "width": args.width,
+            "batch": args.batch,
+            "seq": args.seq,
+            "clip": args.clip,
+        },
     }
+    try:
+        t0 = time.perf_counter()
+        ours, rss, rc = _run_child(args, "offloadpp", args.dir)
+        if rc != 0 or not ours:
+            _log(f"the offloadpp run failed (exit {rc})")
+            return 1
+        report["offloadpp"] = {**ours, "peak_rss_bytes": rss, "wall_s": time.perf_counter() - t0}
+        if not args.keep:
+            shutil.rmtree(os.path.join(args.dir, "offloadpp"), ignore_errors=True)
+        if args.zero:
+            t0 = time.perf_counter()
+            zero, zrss, zrc = _run_child(args, "zero", args.dir)
+            report["zero"] = {
+                **zero,
+                "peak_rss_bytes": zrss,
+                "exit_status": zrc,
+                "wall_s": time.perf_counter() - t0,
+            }
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    o = report["offloadpp"]
+    steady = statistics.median(o["step_s"][1:]) if len(o["step_s"]) > 1 else o["step_s"][0]
+    o["steady_step_s"] = steady
+    report["pass_rss"] = o["peak_rss_bytes"] <= args.max_rss_gib * GIB
+    checks = [report["pass_rss"]]
+    if "zero" in report and report["zero"].get("step_s"):
+        z = report["zero"]
+        z["steady_step_s"] = statistics.median(z["step_s"][1:]) if len(z["step_s"]) > 1 else z["step_s"][0]
+        report["vs_zero"] = steady / z["steady_step_s"]
+        checks.append(report["vs_zero"] <= BAR_VS_ZERO)
+    if "checkpoint" in o:
+        checks.append(o["checkpoint"]["bit_identical"])
+    report["pass"] = all(checks)
+    report["max_rss_bytes"] = int(args.max_rss_gib * GIB)
     _print(report)
     if args.json:
         with open(args.json, "w") as f:
@@ -124,100 +303,38 @@ def _mem_total() -> int:
 
 
 def _print(r: dict) -> None:
-    print(
-        f"# bench capacity: GPT-2 {r['layers']} layers x {r['width']} ({r['params'] / 1e9:.2f}B params), "
-        f"batch {r['batch']}x{r['seq']}, fp32, {r['date']}"
-    )
-    print(
-        f"# fp32 training state {r['training_state_bytes'] / 1e9:.1f} GB (16 B/param); "
-        f"machine memory {r['machine']['mem_bytes'] / GIB:.1f} GiB"
-    )
-    print(
-        "| peak RSS | bar | init s | step s (each) | SSD on disk | SSD read/step | SSD written/step | loss |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    steps = ", ".join(f"{s:.1f}" for s in r["step_s"])
-    print(
-        f"| {r['peak_rss_bytes'] / GIB:.2f} GiB | <= {r['max_rss_bytes'] / GIB:.0f} GiB | {r['init_s']:.1f} | {steps} | "
-        f"{r['disk_bytes'] / 1e9:.1f} GB | {r['ssd_read_bytes'] / 1e9:.1f} GB | {r['ssd_write_bytes'] / 1e9:.1f} GB | "
-        f"{' -> '.join(f'{x:.2f}' for x in r['losses'])} |"
-    )
-    print(f"bar: peak RSS <= {r['max_rss_bytes'] / GIB:.0f} GiB: {'PASS' if r['pass'] else 'FAIL'}")
-
-
-def _child(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm import tqdm
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from offloadpp.assemble import assemble_engine
-    from offloadpp.optim import AdamHyper
-    from offloadpp.planner import Settings
-    from offloadpp.runtime import RuntimeConfig
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=args.layers,
-        n_embd=args.width,
-        n_head=args.heads,
-        n_positions=1024,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    _log(f"model built on the meta device: {n:,} parameters")
-    settings = Settings(
-        prefetch_depth=args.prefetch_depth,
-        optim_prefetch_depth=args.optim_prefetch_depth,
-        device_budget_bytes=int(args.device_budget) if args.device_budget else None,  # None: "auto"
-        host_budget_bytes=int(args.host_budget) if args.host_budget else None,
-    )
-    rc = RuntimeConfig(nvme_paths=[args.dir], settings=settings, device="cpu", log_every=0)
-    t0 = time.perf_counter()
-    engine = assemble_engine(model, rc, hyper=AdamHyper(lr=1e-4), init_fn=model._init_weights, progress=True)
-    dev, host = engine.plan.budgets.device_bytes, engine.plan.budgets.host_bytes
-    init_s = time.perf_counter() - t0
-    _log(engine.plan.describe())
-    g = torch.Generator().manual_seed(1)
-    losses, step_s, reports = [], [], []
-    for _ in tqdm(range(args.steps), desc="capacity: steps", file=sys.stderr):
-        x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
-        t = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        r = engine.step()
-        step_s.append(time.perf_counter() - t)
-        losses.append(loss.item())
-        reports.append(r)
-        _log(r.summary())
-    disk = engine.disk_bytes()
-    engine.close()
-    last = reports[-1]
-    result = {
-        "layers": args.layers,
-        "width": args.width,
-        "batch": args.batch,
-        "seq": args.seq,
-        "params": n,
-        "training_state_bytes": 16 * n,
-        "device_budget_bytes": dev,
-        "host_budget_bytes": host,
-        "plan": engine.plan.describe(),
-        "init_s": init_s,
-        "step_s": step_s,
-        "losses": losses,
-        "disk_bytes": disk,
-        "ssd_read_bytes": last.ssd_read_bytes,
-        "ssd_write_bytes": last.ssd_write_bytes,
-        "reports": [r.as_dict() for r in reports],
-    }
-    with open(args.child, "w") as f:
-        json.dump(result, f)
-    return 0
+    m, o = r["model"], r["offloadpp"]
+    print(f"# bench capacity: GPT-2 {m['layers']} layers x {m['width']} ({o['params'] / 1e9:.2f}B params), batch "
+          f"{m['batch']}x{m['seq']}, fp32, clipping {m['clip']}, {r['date']}")  # fmt: skip
+    print(f"# fp32 training state {16 * o['params'] / 1e9:.1f} GB (16 B/param); machine memory "
+          f"{r['machine']['mem_bytes'] / GIB:.1f} GiB; offloadpp budgets: {o['budgets']}")  # fmt: skip
+    print("| run | peak RSS | init s | step s (each) | steady step s | on disk |")
+    print("|---|---|---|---|---|---|")
+    steps = ", ".join(f"{s:.1f}" for s in o["step_s"])
+    print(f"| offloadpp (offloadpp.Init + initialize) | {o['peak_rss_bytes'] / GIB:.2f} GiB | {o['init_s']:.0f} | "
+          f"{steps} | {o['steady_step_s']:.1f} | {o['disk_bytes'] / 1e9:.1f} GB |")  # fmt: skip
+    if "zero" in r:
+        z = r["zero"]
+        if z.get("step_s"):
+            zs = ", ".join(f"{s:.1f}" for s in z["step_s"])
+            print(f"| ZeRO-Infinity (zero.Init + initialize) | {z['peak_rss_bytes'] / GIB:.2f} GiB | {z['init_s']:.0f} | "
+                  f"{zs} | {z['steady_step_s']:.1f} | |")  # fmt: skip
+        else:
+            print(
+                f"| ZeRO-Infinity | {z['peak_rss_bytes'] / GIB:.2f} GiB | failed (exit {z['exit_status']}) | | | |"
+            )
+    if "checkpoint" in o:
+        c = o["checkpoint"]
+        print(f"\ncheckpoint of {c['state_bytes'] / 1e9:.1f} GB of state ({c['checkpoint_bytes'] / 1e9:.1f} GB on disk), "
+              f"SSD {c['ssd_read_gbps']:.2f} GB/s read, {c['ssd_write_gbps']:.2f} GB/s write:")  # fmt: skip
+        for what in ("save", "load", "export"):
+            print(f"  {what}: {c[what + '_s']:.1f} s (disk-bandwidth floor {c[what + '_floor_s']:.1f} s)")
+        print(f"  the same step before save and after load: loss {c['loss_before_save']!r} / {c['loss_after_load']!r} "
+              f"({'bit-identical' if c['bit_identical'] else 'DIFFERENT'})")  # fmt: skip
+    print(f"\nbar: peak RSS <= {r['max_rss_bytes'] / GIB:.0f} GiB: {'PASS' if r['pass_rss'] else 'FAIL'}")
+    if "vs_zero" in r:
+        print(f"bar: steady step <= {BAR_VS_ZERO}x ZeRO-Infinity's: {r['vs_zero']:.3f} "
+              f"({'PASS' if r['vs_zero'] <= BAR_VS_ZERO else 'FAIL'})")  # fmt: skip
 
 
 if __name__ == "__main__":

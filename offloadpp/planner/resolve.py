@@ -16,9 +16,11 @@ Note: "auto" budgets (Settings' None).
     on SSD as asked and resident memory stays small whatever the machine has free.
   - The optimizer read-ahead q those budgets are sized for: with deferred updates (clipping,
     fp16) the updates run after backward and the state of the first q+1 of them is read during
-    backward; with q covering every unit they wait for no read at all. So q is the largest
-    whose host buffers take at most READ_AHEAD_HOST_SHARE of the host memory available, else
-    DEFAULT_OPTIM_PREFETCH. The plan is then made for exactly that q.
+    backward; with q covering every unit they wait for no read at all. So q covers every unit
+    when its host buffers take at most READ_AHEAD_HOST_SHARE of the host memory available, else
+    it is DEFERRED_PARTIAL_PREFETCH: a read-ahead of some units but not all only moves memory
+    from the rest of the machine into buffers, for a model whose updates are bound by the SSD
+    anyway. The plan is then made for exactly that q.
   - Elsewhere a share of what is free now: on CUDA DEVICE_SHARE_CUDA of the free device memory
     (the rest for activations and the allocator's slack), on the CPU acting as the device
     DEVICE_SHARE_CPU of available RAM; host memory HOST_SHARE of available RAM (the rest for
@@ -44,6 +46,7 @@ DEVICE_SHARE_CUDA = 0.8
 DEVICE_SHARE_CPU = 0.25
 HOST_SHARE = 0.5
 READ_AHEAD_HOST_SHARE = 0.25
+DEFERRED_PARTIAL_PREFETCH = 1
 FALLBACK_SEQ_LEN = 512  # the analytic profile's sequence when neither settings nor model say
 
 
@@ -172,7 +175,7 @@ def _streaming_need(settings: Settings, units, m: Machine, k: int) -> tuple[int,
     if settings.optim_prefetch_depth is not None:
         qs = [settings.optim_prefetch_depth]
     elif settings.deferred_update:
-        qs = list(range(top, min(DEFAULT_OPTIM_PREFETCH, top) - 1, -1))
+        qs = [top, min(DEFERRED_PARTIAL_PREFETCH, top)]  # every unit's state read ahead, or one
     else:
         qs = [min(DEFAULT_OPTIM_PREFETCH, top)]
     shape = plan_shape(settings)

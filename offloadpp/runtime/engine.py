@@ -49,7 +49,7 @@ from .partition import find_units, layout_units
 from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
 from .slots import Hold, Txn
-from .state import Exporter, check_buffers, initialize_units, replace_meta_params
+from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
 from .unit import TORCH_DTYPES, Unit, UnitPhase
 
 log = logging.getLogger("offloadpp.runtime")
@@ -68,7 +68,9 @@ class OffloadEngine:
         predicted: Optional[StepEstimate] = None,
     ):
         """plan: the finished plan for this model and config (offloadpp.assemble.resolve_for_model
-        or planner.resolve); predicted: its estimated step, for the reports."""
+        or planner.resolve); predicted: its estimated step, for the reports. A model on the meta
+        device (built under offloadpp.Init) gets its weights unit by unit: from the safetensors
+        its from_pretrained named, else from init_fn (default: the model's own init)."""
         self.config = config
         self.settings = s = config.settings
         self.hyper = hyper if hyper is not None else AdamHyper()
@@ -79,7 +81,8 @@ class OffloadEngine:
                 "the plan has no budgets: make it with offloadpp.assemble.resolve_for_model or planner.resolve"
             )
         check_nvme_paths(config.nvme_paths)
-        meta = replace_meta_params(model, self.device.placeholder)
+        self.replaced_params = replace_meta_params(model, self.device.placeholder)  # {id(old): new}
+        meta = bool(self.replaced_params)
         check_buffers(model, self.device.torch_device)
         layouts = layout_units(model, find_units(model, s.units))
         check_plan(plan, [lay.spec() for lay in layouts], self.device.kind, s)
@@ -145,8 +148,15 @@ class OffloadEngine:
             for lay, p in zip(layouts, self.plan.placements)
         ]
         modules = dict(model.named_modules())
+        source = getattr(model, "_offloadpp_source", None)
+        if meta and init_fn is None:
+            init_fn = default_init_fn(model)
         with torch.no_grad():
-            initialize_units(self.units, modules, init_fn, meta, progress)
+            missing = initialize_units(self.units, modules, init_fn, meta, progress, source,
+                                       prefix=getattr(model, "base_model_prefix", ""))  # fmt: skip
+        if missing:
+            log.warning("offloadpp: %d parameters were not in %s and were initialised: %s", len(missing),
+                        source.folder, ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))  # fmt: skip
         self.store.wait_all()
         by_name = {u.name: u for u in self.units}
         self.optimizer = OptimizerPipeline(

@@ -27,10 +27,12 @@ from .unit import Unit
 
 def replace_meta_params(
     model: nn.Module, placeholder: Callable[[torch.Size, torch.dtype], torch.Tensor]
-) -> bool:
+) -> dict[int, nn.Parameter]:
     """Swaps every parameter on the meta device for a fresh nn.Parameter holding a placeholder
-    (ties kept: one new object per old one). Returns True if there were any."""
-    new: dict[int, nn.Parameter] = {}  # local to this call: old parameter -> its replacement
+    (ties kept: one new object per old one; a meta tensor cannot be re-pointed at memory).
+    Returns {id(old parameter): its replacement}: an optimizer built over the old objects
+    follows them (remap_param_groups)."""
+    new: dict[int, nn.Parameter] = {}
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
             if p is None or not p.is_meta:
@@ -38,7 +40,15 @@ def replace_meta_params(
             if id(p) not in new:
                 new[id(p)] = nn.Parameter(placeholder(p.shape, p.dtype), requires_grad=p.requires_grad)
             mod._parameters[name] = new[id(p)]
-    return bool(new)
+    return new
+
+
+def remap_param_groups(optimizer, replaced: dict[int, nn.Parameter]) -> None:
+    """Points an optimizer's parameter groups at the parameters replace_meta_params made."""
+    if not replaced:
+        return
+    for g in optimizer.param_groups:
+        g["params"] = [replaced.get(id(p), p) for p in g["params"]]
 
 
 def check_buffers(model: nn.Module, device: torch.device) -> None:
@@ -57,9 +67,13 @@ def check_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def initialize_units(
-    units: list[Unit], modules: dict, init_fn: Optional[Callable], meta: bool, progress: bool
-) -> None:
-    """Writes each unit's first master weights (and compute copy) to its homes."""
+    units: list[Unit], modules: dict, init_fn: Optional[Callable], meta: bool, progress: bool, source=None,
+    prefix: str = "",
+) -> list[str]:  # fmt: skip
+    """Writes each unit's first master weights (and compute copy) to its homes: from the model
+    as it is, or (a model on the meta device) from `source` (runtime/sources.py) and, for what
+    the source lacks, the module's own init. Returns the parameters the source lacked."""
+    missing: list[str] = []
     for u in tqdm(units, desc="offloadpp: initialising units", disable=not progress, leave=False):
         master = u.master
         if master.resident:
@@ -68,7 +82,19 @@ def initialize_units(
             master.acquire(Hold.EXPORT, overwrite=True)
         buf = master.buffer
         buf[u.numel :].zero_()
-        if meta:
+        if meta and source is not None:
+            loaded = [(s, source.tensor(s.names, prefix)) for _, s in u.params]
+            if any(t is None for _, t in loaded):
+                missing.extend(s.name for s, t in loaded if t is None)
+                _run_init(u, buf, modules, init_fn)
+            for s, t in loaded:
+                if t is not None:
+                    if tuple(t.shape) != tuple(s.shape):
+                        raise ValueError(
+                            f"{s.name!r}: the checkpoint's tensor has shape {tuple(t.shape)}, the model's {tuple(s.shape)}"
+                        )
+                    buf[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
+        elif meta:
             _run_init(u, buf, modules, init_fn)
         else:
             for p, s in u.params:
@@ -88,6 +114,21 @@ def initialize_units(
             u.weights.load_resident()
             u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
         master.release(Hold.EXPORT)
+    return missing
+
+
+def default_init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
+    """The model's own initialisation, applied module by module: Hugging Face's _init_weights,
+    else each module's reset_parameters (torch's convention)."""
+    init = getattr(model, "_init_weights", None)
+    if callable(init):
+        return init
+
+    def reset(m: nn.Module) -> None:
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+    return reset
 
 
 def init_compute_copy(u: Unit) -> None:

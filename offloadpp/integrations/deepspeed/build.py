@@ -20,6 +20,7 @@ from offloadpp.integrations.deepspeed.config import (
 from offloadpp.optim import AdamHyper
 from offloadpp.planner import Settings
 from offloadpp.runtime import RuntimeConfig
+from offloadpp.runtime.state import remap_param_groups
 
 logger = logging.getLogger("offloadpp")
 
@@ -185,6 +186,7 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, model_parameter
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     optimizer = OffloadppOptimizer(params, hyper)
     runtime = assemble_engine(model, rcfg, hyper=hyper)
+    remap_param_groups(optimizer, runtime.replaced_params)  # a model built under offloadpp.Init
     scheduler = _scheduler(ds_config, optimizer, lr_scheduler)
     loader = _dataloader(ds_config, training_data, collate_fn)
     engine = OffloadppEngine(runtime, ds_config, optimizer, scheduler, loader)
