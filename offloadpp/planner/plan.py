@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import Iterator, Optional, Sequence
 
 from .spec import ACTIVATION_POLICIES, COMPUTE_DTYPES, DTYPE_BYTES, Budgets
@@ -43,7 +44,17 @@ class PlanError(ValueError):
 
 
 class InfeasibleError(PlanError):
-    """Nothing fits the budgets: the message names what each budget lacks and the largest unit."""
+    """Nothing fits the budgets: the message names what each budget lacks and the largest unit.
+
+    largest_micro_batch: where the saved activations are what does not fit, the largest
+    micro-batch whose activations would (0: none; None: the batch is not the problem).
+    device_bytes_needed: the device budget the smallest working set needs at this batch."""
+
+    def __init__(self, msg: str, *, largest_micro_batch: Optional[int] = None,
+                 device_bytes_needed: Optional[int] = None):  # fmt: skip
+        super().__init__(msg)
+        self.largest_micro_batch = largest_micro_batch
+        self.device_bytes_needed = device_bytes_needed
 
 
 class Tier(str, Enum):
@@ -76,7 +87,7 @@ class UnitSpec:
     # weights are then not fetched for backward.
     backward_needs_weights: bool = True
 
-    @property
+    @cached_property  # (the planner asks millions of times; the dataclass is frozen)
     def padded_numel(self) -> int:
         return flat_numel(self.numel)
 
@@ -249,8 +260,10 @@ class Plan:
         b = self.budgets
         if b is None:
             return "none"
-        act = fmt_bytes(b.activation_bytes) if b.activation_bytes else "unlimited"
-        return f"device {fmt_bytes(b.device_bytes)}, host {fmt_bytes(b.host_bytes)}, activations {act}"
+        if b.activation_bytes is None:
+            return f"device {fmt_bytes(b.device_bytes)} (activations not counted), host {fmt_bytes(b.host_bytes)}"
+        return (f"device {fmt_bytes(b.device_bytes)} (buffers {fmt_bytes(b.buffer_bytes)}, activations "
+                f"{fmt_bytes(b.activation_bytes)}), host {fmt_bytes(b.host_bytes)}")  # fmt: skip
 
     def describe(self) -> str:
         """A table for humans: one line per unit."""

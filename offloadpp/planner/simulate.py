@@ -237,13 +237,13 @@ class Costs:
 class Sim:
     def __init__(self, plan: Plan, costs: Costs, ssd: Ssd, h2d: Fifo, d2h: Fifo, *, micro_batches: int,
                  act_policies: Optional[Mapping[str, str]] = None, act_bytes: Optional[Mapping[str, int]] = None,
-                 act_prefetch_units: int = 2):  # fmt: skip
+                 act_prefetch_units: int = 2, act_inputs: Optional[Mapping[str, int]] = None):  # fmt: skip
         self.plan, self.costs = plan, costs
         self.ssd, self.h2d, self.d2h = ssd, h2d, d2h
         self.t = 0.0
         self.cuda = plan.device == "cuda"
         budgets = plan.budgets
-        self.device_pool = Pool(budgets.device_bytes if budgets is not None else 0)
+        self.device_pool = Pool(budgets.buffer_bytes if budgets is not None else 0)
         self.host_pool = Pool(budgets.host_bytes if budgets is not None else 0)
         self.resident_device_bytes = 0
         self.pool_wait_s = 0.0
@@ -269,13 +269,16 @@ class Sim:
             alive = self.sched.alive[i]
             names: list[str] = []
             for v in self.sched.visits[i:]:
+                if len(names) == len(alive):
+                    break
                 names.extend(n for n in v.needs if n not in names and n in alive)
             names.extend(sorted(alive - set(names)))
             self.fetch_order.append(tuple(names))
         self.marks: list[dict] = []  # per step: times of its phases
         self.adam_busy_s = 0.0
         self.compute_busy_s = 0.0
-        self.act = ActReplay(self, act_policies or {}, act_bytes or {}, act_prefetch_units)
+        self.act = ActReplay(self, act_policies or {}, act_bytes or {}, act_prefetch_units,
+                             budgets.activation_bytes if budgets is not None else None, act_inputs)  # fmt: skip
 
     def helpers(self) -> list[Iterator]:
         """The replay's other threads: the optimizer's worker, and the activation mover if any."""
@@ -294,6 +297,7 @@ class Sim:
                 nf = self.sched.num_forward
                 for v in self.sched.visits[:nf]:
                     yield from self.enter(v.index)
+                    yield from self.act.before_forward(v.unit)
                     yield ("cpu", self.costs.forward_s[v.unit] + self.costs.forward_visit_s)
                     self.act.after_forward(v.unit)
                 m.setdefault("forward_end", []).append(self.t)
@@ -311,6 +315,7 @@ class Sim:
                         + self.act.recompute_s(v.unit)
                     )
                     yield ("cpu", work)
+                    self.act.after_backward(v.unit)
                     yield from self.on_grads(self.by_name[v.unit])
                 self.in_backward = False
                 for u in list(self.held):

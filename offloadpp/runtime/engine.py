@@ -105,12 +105,13 @@ class OffloadEngine:
 
     def _setup(self, model, layouts, init_fn, meta: bool, progress: bool) -> None:
         c, s, dev, budgets = self.config, self.settings, self.device, self.plan.budgets
+        # the device budget less the saved activations' part (Budgets.buffer_bytes)
         self.device_pool = BufferPool(
-            "device", budgets.device_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
+            "device", budgets.buffer_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
         )
         self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
         if dev.is_cuda:
-            dev.budget_bytes = budgets.device_bytes
+            dev.budget_bytes = budgets.buffer_bytes
         self.units = [
             Unit(lay, p, self.plan, dev, self.store, device_pool=self.device_pool, host_pool=self.host_pool)
             for lay, p in zip(layouts, self.plan.placements)
@@ -361,8 +362,9 @@ class OffloadEngine:
     def budget_report(self) -> tuple[BudgetUse, ...]:
         """Each budget with the most the engine held against it in the current step and since it
         started, by its own accounting: the device buffers (on CUDA the device copies, on the CPU
-        device its pool), the host buffers (optimizer state, gradients, staging), the saved
-        activations on the device, and the host buffers of swapped activations (not limited)."""
+        device its pool) against the device budget less the activations' part, the host buffers
+        (optimizer state, gradients, staging), the saved activations on the device against their
+        part, and the host buffers of swapped activations (not limited)."""
         b = self.plan.budgets
         if self.device.is_cuda:
             dev_step, dev_run = self.device.step_peak_bytes, self.device.peak_bytes
@@ -372,7 +374,7 @@ class OffloadEngine:
         self._act_run_peak = max(getattr(self, "_act_run_peak", 0), act.peak_device_bytes)
         self._act_host_run_peak = max(getattr(self, "_act_host_run_peak", 0), act.peak_host_bytes)
         return (
-            BudgetUse("device", b.device_bytes, dev_step, dev_run),
+            BudgetUse("device", b.buffer_bytes, dev_step, dev_run),
             BudgetUse("host", b.host_bytes, self.host_pool.step_peak_bytes, self.host_pool.peak_bytes),
             BudgetUse("activations", b.activation_bytes, act.peak_device_bytes, self._act_run_peak),
             BudgetUse("activation staging", None, act.peak_host_bytes, self._act_host_run_peak),
