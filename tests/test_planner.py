@@ -14,6 +14,7 @@ from offloadpp.planner import Budgets, PlanError, Settings, Tier, build_schedule
 from offloadpp.planner.cost import estimate
 from offloadpp.planner.hardware import HardwareProfile, IOPoint, ProfileError, SsdProfile
 from offloadpp.planner.model_profile import ModelProfile, ModelProfileError, UnitProfile, analytic_profile
+from offloadpp.planner.peaks import peak_bytes
 from offloadpp.planner.planfile import load_plan, plan_from_dict, plan_to_dict, save_plan
 from offloadpp.planner.search import Request, describe_buffers, plan, search
 
@@ -332,3 +333,100 @@ def test_io_choice_needs_a_clear_gain():
     assert io_choice(cpu_hw(io_grid=(base, IOPoint(4 << 20, 8, 2.1, 2.1)))) is None  # within noise
     better = IOPoint(4 << 20, 16, 3.0, 3.0)
     assert io_choice(cpu_hw(io_grid=(base, better))) == better
+
+
+# ---- activations inside the device budget ---------------------------------------------------------
+def test_need_bytes_counts_what_each_policy_holds():
+    from offloadpp.planner.activations import ActUnit, need_bytes
+
+    us = [ActUnit("a", 100, 0, 1, False), ActUnit("b", 1000, 10, 1, True), ActUnit("c", 1000, 10, 1, True)]
+    assert need_bytes(us, {}) == 2100  # keep all: at c's backward everything is held
+    assert need_bytes(us, {"b": "ssd", "c": "ssd"}) == 1100  # a kept, then one unit fetched back
+    assert need_bytes(us, {"b": "recompute", "c": "recompute"}) == 100 + 10 + 10 + 1000  # inputs held
+    assert need_bytes(us, {"a": "host", "b": "host", "c": "host"}) == 1000  # the least: the largest
+
+
+def _cuda_machine(device_gib: float):
+    from offloadpp.planner import Machine
+
+    return Machine(
+        "cuda", host_available_bytes=256 << 30, device_free_bytes=int(device_gib * 2**30), cores=16
+    )
+
+
+GPT2_CUDA = {
+    "model_type": "gpt2",
+    "n_layer": 4,
+    "n_embd": 1024,
+    "n_head": 16,
+    "vocab_size": 8192,
+    "n_positions": 1024,
+}
+
+
+def _resolve_cuda(batch: int, device_gib: float, **settings):
+    from offloadpp.planner import resolve
+
+    m = analytic_profile(GPT2_CUDA, micro_batch=batch, seq_len=1024, compute_dtype="bf16")
+    s = Settings(compute_dtype="bf16", plan="auto", micro_batch=batch, **settings)
+    return resolve(s, m.unit_specs(), _cuda_machine(device_gib), hardware=cuda_hw(), model=m), m
+
+
+def test_refusal_names_the_largest_micro_batch_that_fits():
+    from offloadpp.planner import InfeasibleError
+
+    with pytest.raises(InfeasibleError) as e:
+        _resolve_cuda(64, device_gib=4)
+    largest = e.value.largest_micro_batch
+    assert largest is not None and 1 <= largest < 64
+    assert f"The largest micro-batch that fits is {largest}" in str(e.value)
+    assert e.value.device_bytes_needed > int(0.8 * 4 * 2**30)
+    r, m = _resolve_cuda(largest, device_gib=4)  # fits
+    b = r.plan.budgets
+    assert peak_bytes(r.plan)[0] <= b.buffer_bytes and r.estimate.peak_activation_bytes <= b.activation_bytes
+    with pytest.raises(InfeasibleError):
+        _resolve_cuda(largest + 1, device_gib=4)
+
+
+def test_activations_are_swapped_or_recomputed_within_the_room_the_placement_leaves():
+    from offloadpp.planner.activations import act_units, need_bytes
+
+    r, m = _resolve_cuda(16, device_gib=6)
+    b = r.plan.budgets
+    pol = dict(zip([u.name for u in r.plan.units], r.plan.activations))
+    keep_all = need_bytes(act_units(m), {})
+    assert keep_all > b.activation_bytes  # keeping them all does not fit: the planner chose
+    assert set(pol.values()) - {"keep"} <= {"host", "ssd", "recompute"} and set(pol.values()) != {"keep"}
+    assert need_bytes(act_units(m), pol) <= b.activation_bytes
+    assert peak_bytes(r.plan)[0] + b.activation_bytes <= b.device_bytes
+    assert r.estimate.peak_activation_bytes <= b.activation_bytes
+    # with room for them all, keeping them all is a candidate (the cost model may still give
+    # their room to resident weights and recompute)
+    big, _ = _resolve_cuda(1, device_gib=40)
+    assert any({p for _, p in c.activations} == {"keep"} for c in big.candidates)
+
+
+def test_auto_device_budget_streams_and_keeps_the_activations():
+    from offloadpp.planner import resolve, streaming_plan
+    from offloadpp.planner.activations import act_units, need_bytes
+
+    m = analytic_profile(GPT2_CUDA, micro_batch=1, seq_len=256, compute_dtype="bf16")
+    units = m.unit_specs()
+    r = resolve(Settings(compute_dtype="bf16"), units, _cuda_machine(40), hardware=cuda_hw(), model=m)
+    stream = streaming_plan(
+        units, device="cuda", compute_dtype="bf16", prefetch_depth=2, optim_prefetch_depth=2
+    )
+    assert r.budgets.device_bytes == peak_bytes(stream)[0] + need_bytes(act_units(m), {})
+    assert set(r.plan.activations) == {"keep"}
+    # without a model profile the activations are not counted (nothing says how large they are)
+    bare = resolve(Settings(compute_dtype="bf16"), units, _cuda_machine(40))
+    assert bare.budgets.activation_bytes is None and bare.budgets.device_bytes == peak_bytes(stream)[0]
+
+
+def test_fp16_says_its_updates_are_deferred():
+    from offloadpp.planner import resolve
+
+    m = gpt2_profile(compute_dtype="fp16")
+    r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), _cuda_machine(8))
+    assert r.plan.deferred_update and any("fp16: updates are deferred" in n for n in r.plan.notes)
+    assert "deferred" in r.plan.describe()

@@ -225,20 +225,32 @@ class Plan:
         """Gradients outlive one unit's backward: kept across micro-batches or for a deferred update."""
         return self.accumulate_grads or self.deferred_update
 
-    # ---- byte totals ---------------------------------------------------------------------
+    # ---- homes and byte totals ----------------------------------------------------------
+    def homes(self, u: UnitSpec, p: Placement) -> dict[str, Optional[Tier]]:
+        """Where each array of unit `u` lives between uses, the one accounting the plan, the
+        cost model's replay and the runtime share: "master", "exp_avg", "exp_avg_sq", "grads"
+        and, with 16-bit compute, "weights" (with fp32 the weights are the master). DEVICE or
+        HOST: resident; SSD: a key in the store, read and written; None: no home, a buffer
+        filled and used within a step (transient gradients; on CUDA the host copy of 16-bit
+        weights resident on the device, which only carries each update's new copy up)."""
+        h: dict[str, Optional[Tier]] = {"master": p.master, "exp_avg": p.moments, "exp_avg_sq": p.moments}
+        if self.separate_weights:
+            h["weights"] = None if (p.weights is Tier.DEVICE and self.device == "cuda") else p.weights
+        h["grads"] = p.grads if self.persistent_grads else None
+        return h
+
+    def array_bytes(self, u: UnitSpec, array: str) -> int:
+        if array == "weights":
+            return u.weights_bytes(self.compute_dtype)
+        if array in ("exp_avg", "exp_avg_sq"):
+            return u.moments_bytes // 2
+        return u.master_bytes if array == "master" else u.grad_bytes
+
     def ssd_bytes(self) -> int:
-        """Bytes the store holds at most: every array whose home is SSD."""
-        total = 0
-        for u, p in self:
-            if p.master is Tier.SSD:
-                total += u.master_bytes
-            if p.moments is Tier.SSD:
-                total += u.moments_bytes
-            if self.separate_weights and p.weights is Tier.SSD:
-                total += u.weights_bytes(self.compute_dtype)
-            if self.persistent_grads and p.grads is Tier.SSD:
-                total += u.grad_bytes
-        return total
+        """Bytes the store holds at most: every array whose home is SSD (`homes`)."""
+        return sum(
+            self.array_bytes(u, a) for u, p in self for a, t in self.homes(u, p).items() if t is Tier.SSD
+        )
 
     def resident_device_bytes(self) -> int:
         return sum(u.weights_bytes(self.compute_dtype) for u, p in self if p.weights is Tier.DEVICE)

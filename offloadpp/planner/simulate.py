@@ -47,6 +47,7 @@ class Slot:
     pool: Pool
     resident: bool
     on_disk: bool
+    stored: bool = True  # its home is SSD (Plan.homes): written after its update
     state: int = EMPTY
     holds: set = field(default_factory=set)
     read_done: When = None
@@ -158,27 +159,29 @@ class Unit:
         self.compute_bytes = n * cdt
         master_pool = sim.device_pool if (not cuda and alias) else sim.host_pool
 
-        def slot(array: str, nbytes: int, pool: Pool, resident: bool, on_disk: bool) -> Slot:
-            s = Slot(f"{spec.name}.{array}", nbytes, pool, resident, on_disk and not resident)
+        homes = plan.homes(spec, placement)  # the accounting the plan and the runtime share
+
+        def slot(array: str, nbytes: int, pool: Pool) -> Slot:
+            home = homes[array]
+            resident = home is Tier.HOST or home is Tier.DEVICE
+            # master and compute copies are on SSD from the start (written at initialisation)
+            s = Slot(f"{spec.name}.{array}", nbytes, pool, resident,
+                     on_disk=home is Tier.SSD and array in ("master", "weights"), stored=home is Tier.SSD)  # fmt: skip
             if resident:
                 pool.allocated += nbytes
                 pool.peak = max(pool.peak, pool.allocated)
                 s.state = READY
             return s
 
-        self.master = slot("master", n * 4, master_pool, placement.master is Tier.HOST, True)
+        self.master = slot("master", n * 4, master_pool)
         if alias:
             self.compute = self.master
         else:
-            res = placement.weights is Tier.HOST or (not cuda and placement.weights is Tier.DEVICE)
-            self.compute = slot("weights", n * cdt, sim.device_pool if not cuda else sim.host_pool, res, True)
-        moments_host = placement.moments is Tier.HOST
-        self.exp_avg = slot("exp_avg", n * 4, sim.host_pool, moments_host, False)
-        self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool, moments_host, False)
+            self.compute = slot("weights", n * cdt, sim.device_pool if not cuda else sim.host_pool)
+        self.exp_avg = slot("exp_avg", n * 4, sim.host_pool)
+        self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool)
         self.grads_persist = plan.persistent_grads
-        self.grads = slot(
-            "grads", n * 4, sim.host_pool, plan.persistent_grads and placement.grads is Tier.HOST, False
-        )
+        self.grads = slot("grads", n * 4, sim.host_pool)
         if cuda:
             self.weights = CudaWeights(self.compute, resident=placement.weights is Tier.DEVICE)
             if placement.weights is Tier.DEVICE:
@@ -431,7 +434,7 @@ class Sim:
             yield from self.advance_update(self.submitted + self.q + 1)
         elif self.deferred and self.boundary and any(u is w for w in self.update_order[: self.update_cursor]):
             job.keep_grads = True
-        elif u.grads_persist and not u.grads.resident:
+        elif u.grads_persist and u.grads.stored:
             job.writes.append(u.grads)
         self.add_before(job, u.grads)
         self.submit(job)
@@ -450,7 +453,7 @@ class Sim:
             yield from u.compute.acquire(self, OPTIM, overwrite=True)
             self.add_before(job, u.compute)
             slots.append(u.compute)
-        job.writes.extend(s for s in slots if not s.resident)
+        job.writes.extend(s for s in slots if s.stored)
         u.phase = "updating"
 
     def add_before(self, job: Job, *slots: Slot) -> None:

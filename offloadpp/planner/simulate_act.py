@@ -119,6 +119,8 @@ class ActReplay:
         wait for its own."""
         i = self.backward_order.index(unit)
         self._fetch(unit, force=True)
+        if self.policy(unit) == "recompute":  # what it recomputes is counted before any prefetch
+            self._add(self.act_bytes.get(unit, 0))
         for name in self.backward_order[i + 1 : i + self.prefetch + 1]:
             if not self._fetch(name, force=False):
                 break
@@ -135,8 +137,6 @@ class ActReplay:
                 t = self.sim.h2d.submit(when(got), self.act_bytes[unit], write=False)
                 if t > self.sim.t:
                     yield ("until", t)
-        if self.policy(unit) == "recompute":
-            self._add(self.act_bytes.get(unit, 0))
         self.out.pop(unit, None)
         self.ready.pop(unit, None)
 

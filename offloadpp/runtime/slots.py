@@ -89,13 +89,18 @@ class Slot:
         store,
         *,
         resident: bool,
+        stored: bool = True,
     ):
+        """resident: the buffer lives for the whole run. stored: (not resident) the array's home
+        is a key in the store; False: it has none (Plan.homes), the buffer is filled and used
+        within a step and never read from or written to the store."""
         self.key = key
         self.numel = numel
         self.dtype = dtype
         self.pool = pool
         self.store = store
         self.resident = resident
+        self.stored = stored and not resident
         self.state = SlotState.EMPTY
         self.buffer: Optional[torch.Tensor] = None
         self.holds = Hold.NONE

@@ -82,14 +82,26 @@ def initialize_units(
         for s in (u.exp_avg, u.exp_avg_sq, u.grads):
             if s.resident:
                 s.make_resident()
-        if u.device.is_cuda and u.weights.resident:
-            u.compute.acquire(Hold.EXPORT)
-            u.weights.load_resident()
-            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
+        if u.device.is_cuda and u.weights.resident and u.compute is master:
+            _to_device(u)
         master.release(Hold.EXPORT)
 
 
+def _to_device(u: Unit) -> None:
+    """A unit whose weights are resident on the device: its compute copy (the master, with fp32)
+    copied up."""
+    u.compute.acquire(Hold.EXPORT)
+    if u.weights.tensor is None:
+        u.weights.load_resident()
+    else:
+        u.weights.refresh()
+    u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
+
+
 def _init_compute_copy(u: Unit) -> None:
+    """The compute copy made from the master (held in u.master.buffer): kept at its home, and
+    copied up where the weights are resident on the device (on CUDA that copy has no home of
+    its own: Plan.homes)."""
     c = u.compute
     if c.resident:
         if c.buffer is None:
@@ -97,8 +109,12 @@ def _init_compute_copy(u: Unit) -> None:
     else:
         c.acquire(Hold.EXPORT, overwrite=True)
     convert_(c.buffer, u.master.buffer)
-    if not c.resident:
+    if c.stored:
         c.wrote(c.store.put(c.key, c.buffer))
+    if u.device.is_cuda and u.weights.resident:
+        _to_device(
+            u
+        )  # (the buffer is still held: the EXPORT hold is taken again, and dropped after the copy)
     c.release(Hold.EXPORT)
 
 
@@ -243,13 +259,11 @@ def import_checkpoint(units: list[Unit], sd: dict) -> None:
                         f"checkpoint {array} of parameter {s.name!r} has shape {tuple(t.shape)}, expected {tuple(s.shape)}"
                     )
                 buf[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
-            if not slot.resident:
+            if slot.stored:
                 slot.wrote(slot.store.put(slot.key, buf))
             if slot is u.master and u.compute is not u.master:
                 _init_compute_copy(u)
+            elif slot is u.master and u.device.is_cuda and u.weights.resident:
+                _to_device(u)
             slot.release(Hold.EXPORT)
-        if u.device.is_cuda and u.weights.resident:
-            u.compute.acquire(Hold.EXPORT)
-            u.weights.refresh()
-            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
         u.steps = [int(sd["param_steps"][s.name]) for _, s in u.params]
