@@ -430,3 +430,25 @@ def test_fp16_says_its_updates_are_deferred():
     r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), _cuda_machine(8))
     assert r.plan.deferred_update and any("fp16: updates are deferred" in n for n in r.plan.notes)
     assert "deferred" in r.plan.describe()
+
+
+def test_several_ssds_are_charged_at_most_the_drives_sum_and_striped_by_their_rates():
+    drives = tuple(SsdProfile(f"/nvme{i}", 6.0 if i else 3.0, 4.0 if i else 2.0) for i in range(4))
+    hw = cpu_hw(ssds=drives, ssd_read_gbps=12.0, ssd_write_gbps=9.0)  # all at once, measured
+    assert hw.ssd_rates() == (12.0, 9.0)
+    # a hand-written aggregate above what the drives give is not believed
+    over = cpu_hw(ssds=drives, ssd_read_gbps=100.0, ssd_write_gbps=100.0)
+    assert over.ssd_rates() == (21.0, 14.0)
+    weights = dict(hw.stripe_weights())
+    assert weights["/nvme1"] == pytest.approx(2 * weights["/nvme0"]) and sum(
+        weights.values()
+    ) == pytest.approx(1)
+    m = gpt2_profile()
+    from offloadpp.planner import Machine, resolve
+
+    r = resolve(
+        Settings(plan="auto"), m.unit_specs(), Machine("cpu", 16 << 30, cores=2), hardware=hw, model=m
+    )
+    assert dict(r.plan.ssd_stripe) == weights
+    with pytest.raises(ProfileError, match="free_bytes"):
+        SsdProfile("/x", 1.0, 1.0, free_bytes=-1)

@@ -139,6 +139,9 @@ class Plan:
     # (None: IOConfig's); the runtime uses them unless the config sets `io` explicitly.
     io_block_size_bytes: Optional[int] = None
     io_queue_depth: Optional[int] = None
+    # Each profiled swap directory's share of a striped tensor, by its measured rate (the
+    # hardware profile's stripe_weights); () stripes evenly. The runtime matches its directories.
+    ssd_stripe: tuple[tuple[str, float], ...] = ()
     # What happens to each unit's saved activations (runtime/activations.py), one of
     # ACTIVATION_POLICIES per unit in forward order; () keeps them all on the device. "auto" is
     # resolved by the runtime from the first forward until a planner fills it in.
@@ -170,6 +173,10 @@ class Plan:
 
     def _check_activations(self) -> None:
         object.__setattr__(self, "activations", tuple(self.activations))  # a plan file gives a list
+        stripe = tuple((str(d), float(w)) for d, w in self.ssd_stripe)
+        if any(w <= 0 for _, w in stripe):
+            raise PlanError(f"ssd_stripe weights must be > 0, got {list(stripe)}")
+        object.__setattr__(self, "ssd_stripe", stripe)
         if self.activations and len(self.activations) != len(self.units):
             raise PlanError(
                 f"activations must name one policy per unit ({len(self.units)}), got {len(self.activations)}: "

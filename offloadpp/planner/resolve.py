@@ -141,6 +141,8 @@ def resolve(
         plan = _default(settings, units, machine, budgets, model)
     plan = with_activation_policies(plan, settings)
     plan = replace(plan, notes=plan.notes + settings_notes(settings))
+    if hardware is not None and not plan.ssd_stripe:
+        plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
     if est is None and hardware is not None and model is not None:
         _check_profiles(hardware, model, units, machine.device)
         est = estimate(plan, hardware, model, adam_threads=settings.adam_threads,

@@ -5,7 +5,10 @@ keys in place; adam_step_flat; torch matmuls on the model's GEMM shapes), so the
 ones a step sees. `profile_hardware()` takes well under a minute at the defaults.
 
 Note: SSD numbers are offloadpp.io.measure_ssd's (overwriting keys in place, as training does),
-each directory alone, then all together (a store over all directories stripes large tensors).
+each directory alone, then all at once: a store over every directory striping each tensor by the
+directories' own rates, as the runtime's store does with a plan from this profile. That aggregate
+is what the cost model charges; the drives' sum only bounds it (the PCIe root, the CPU and memory
+cap it well below on a machine with many drives).
 """
 
 from __future__ import annotations
@@ -38,14 +41,14 @@ def _median_time(fn, repeats: int) -> float:
 
 
 @contextlib.contextmanager
-def _scratch_store(dirs: Sequence[str], config=None) -> Iterator:
-    """A TensorStore over a fresh hidden sub-directory of each of `dirs`, removed afterwards
-    (the probes below write hundreds of MB there)."""
+def _scratch_store(dirs: Sequence[str], config=None, weights=None) -> Iterator:
+    """A TensorStore over a fresh hidden sub-directory of each of `dirs` (striping by `weights`),
+    removed afterwards (the probes below write hundreds of MB there)."""
     from offloadpp.io import TensorStore
 
     sub = [os.path.join(d, f".offloadpp-profile-{uuid.uuid4().hex[:8]}") for d in dirs]
     try:
-        with TensorStore(sub, config=config, create=True) as store:
+        with TensorStore(sub, config=config, create=True, weights=weights) as store:
             yield store
     finally:
         for d in sub:
@@ -60,13 +63,15 @@ def measure_dirs(
     tensor_bytes: int = 16 << 20,
     total_bytes: int = 256 << 20,
     repeats: int = 3,
+    weights: Optional[Sequence[float]] = None,
 ) -> tuple[float, float]:
-    """(read GB/s, write GB/s) of a scratch TensorStore over `dirs` (io.measure_ssd)."""
+    """(read GB/s, write GB/s) of a scratch TensorStore over `dirs` (io.measure_ssd), striping
+    by `weights` (None: evenly)."""
     from offloadpp.io import IOConfig
     from offloadpp.io import measure_ssd as measure_store
 
     cfg = IOConfig(block_size_bytes=block_size_bytes, queue_depth=queue_depth)
-    with _scratch_store(dirs, cfg) as store:
+    with _scratch_store(dirs, cfg, weights) as store:
         return measure_store(store, total_bytes=total_bytes, tensor_bytes=tensor_bytes, repeats=repeats)
 
 
@@ -133,6 +138,7 @@ def measure_mixed_ssd(
     busy: bool = False,
     gemms: Sequence[tuple[int, int, int]] = DEFAULT_GEMMS,
     adam_threads: int = 0,
+    weights: Optional[Sequence[float]] = None,
 ) -> float:
     """GB/s of reads and writes together (half the bytes each, requests interleaved), as the
     runtime's steady state has them: the next units' state read while the last ones' is written.
@@ -149,7 +155,7 @@ def measure_mixed_ssd(
     bufs = [aligned_empty(numel, dtype=torch.float32) for _ in range(2 * count)]
     for b in bufs:
         b.fill_(1.0)
-    with _scratch_store(dirs, cfg) as store:
+    with _scratch_store(dirs, cfg, weights) as store:
         for f in [store.put(f"probe{i}", b) for i, b in enumerate(bufs)]:
             f.wait()
 
@@ -539,21 +545,26 @@ def profile_hardware(
             )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ssds = []
+    weights = None
     if len(dirs) > 1:
         for d in dirs:
             r, w = measure_dirs([d], total_bytes=total_bytes)
-            ssds.append(SsdProfile(d, r, w))
-            say(f"SSD {d}: read {r:.2f} GB/s, write {w:.2f} GB/s")
-    read, write = measure_dirs(dirs, total_bytes=total_bytes)
+            ssds.append(SsdProfile(d, r, w, free_bytes=int(shutil.disk_usage(d).free)))
+            say(f"SSD {d}: read {r:.2f} GB/s, write {w:.2f} GB/s alone")
+        weights = [s.mix_gbps for s in ssds]  # each drive's share of a striped tensor
+    read, write = measure_dirs(dirs, total_bytes=total_bytes, weights=weights)
     if len(dirs) == 1:
-        ssds.append(SsdProfile(dirs[0], read, write))
-    say(f"SSD (all {len(dirs)} together): read {read:.2f} GB/s, write {write:.2f} GB/s")
+        ssds.append(SsdProfile(dirs[0], read, write, free_bytes=int(shutil.disk_usage(dirs[0]).free)))
+    else:
+        sr, sw = sum(s.read_gbps for s in ssds), sum(s.write_gbps for s in ssds)
+        say(f"SSD (all {len(dirs)} at once, striped by their rates): read {read:.2f} GB/s "
+            f"({read / sr:.0%} of their sum), write {write:.2f} GB/s ({write / sw:.0%})")  # fmt: skip
     gemms = tuple(gemms) if gemms else DEFAULT_GEMMS
-    mixed = measure_mixed_ssd(dirs, total_bytes=total_bytes)
+    mixed = measure_mixed_ssd(dirs, total_bytes=total_bytes, weights=weights)
     mixed_busy = 0.0
     if not torch.cuda.is_available():
         mixed_busy = measure_mixed_ssd(dirs, total_bytes=total_bytes, busy=True, gemms=gemms,
-                                       adam_threads=adam_threads, repeats=5)  # fmt: skip
+                                       adam_threads=adam_threads, repeats=5, weights=weights)  # fmt: skip
     say(
         f"SSD reads and writes together: {mixed:.2f} GB/s"
         + (f", {mixed_busy:.2f} GB/s while computing" if mixed_busy else "")
@@ -566,7 +577,12 @@ def profile_hardware(
     if io_grid:
         for bs, qd in IO_GRID:
             r, w = measure_dirs(
-                dirs, block_size_bytes=bs, queue_depth=qd, total_bytes=total_bytes // 2, repeats=2
+                dirs,
+                block_size_bytes=bs,
+                queue_depth=qd,
+                total_bytes=total_bytes // 2,
+                repeats=2,
+                weights=weights,
             )
             grid.append(IOPoint(bs, qd, r, w))
             say(f"  block {bs >> 10} KiB qd {qd}: read {r:.2f}, write {w:.2f} GB/s")

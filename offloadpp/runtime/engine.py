@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Callable, Optional
 
@@ -55,6 +56,23 @@ from .unit import Unit, UnitPhase
 log = logging.getLogger("offloadpp.runtime")
 
 
+def stripe_weights(paths, stripe) -> Optional[list[float]]:
+    """Each swap directory's share of a striped tensor from the plan's (the profiled directory it
+    lies in, or that lies in it: the runtime's are sub-directories of the ones profiled); None,
+    equal parts, unless every directory has one."""
+    if not stripe or len(paths) < 2:
+        return None
+    out = []
+    for p in paths:
+        p = os.path.abspath(p)
+        w = [w for d, w in stripe if os.path.commonpath([p, os.path.abspath(d)]) in (p, os.path.abspath(d))]
+        if not w:
+            log.info("swap directory %s was not profiled: striping evenly", p)
+            return None
+        out.append(w[0])
+    return out
+
+
 class OffloadEngine:
     def __init__(
         self,
@@ -87,7 +105,8 @@ class OffloadEngine:
         self.predicted = predicted
         self.schedule = build_schedule(self.plan)
         check_free_space(config.nvme_paths, self.plan)
-        self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True)
+        self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True,
+                                 weights=stripe_weights(config.nvme_paths, plan.ssd_stripe))  # fmt: skip
         try:
             self._setup(model, layouts, init_fn, meta, progress)
         except BaseException:
