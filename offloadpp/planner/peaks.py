@@ -19,7 +19,6 @@ phase after backward); such plans (small, CPU) are priced by building their sche
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
 
 from .plan import Plan, Tier
 from .schedule import (
@@ -38,11 +37,22 @@ def _shape_key(plan: Plan) -> tuple:
             plan.accumulate_grads, plan.deferred_update)  # fmt: skip
 
 
-@lru_cache(maxsize=64)
-def _holds_for(key: tuple, plan: Plan) -> tuple:
-    sched = structure(plan)
-    sched = replace(sched, next_keep_until=_first_alive(sched, sched.next_keep))
-    return tuple(holds(plan, sched))
+_HOLDS: dict[tuple, tuple] = {}
+_HOLDS_MAX = 64
+
+
+def _holds_for(plan: Plan) -> tuple:
+    """schedule.holds of the plan's shape, found once per shape (the placements do not matter)."""
+    key = _shape_key(plan)
+    hs = _HOLDS.get(key)
+    if hs is None:
+        sched = structure(plan)
+        sched = replace(sched, next_keep_until=_first_alive(sched, sched.next_keep))
+        hs = tuple(holds(plan, sched))
+        if len(_HOLDS) >= _HOLDS_MAX:
+            _HOLDS.pop(next(iter(_HOLDS)))
+        _HOLDS[key] = hs
+    return hs
 
 
 def peak_bytes(plan: Plan) -> tuple[int, int]:
@@ -50,7 +60,7 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     if plan.deferred_update and plan.fill_gaps and plan.device == "cpu" and not plan.separate_weights:
         s = build_schedule(plan)
         return s.peak_device_bytes, s.peak_host_bytes
-    hs = _holds_for(_shape_key(plan), plan)
+    hs = _holds_for(plan)
     cdt = plan.compute_dtype
     device_w = {}
     ssd_w = {}

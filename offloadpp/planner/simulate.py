@@ -255,6 +255,8 @@ class Sim:
         self.by_name = {u.name: u for u in self.units}
         self.order = [self.by_name[n] for n in self.sched.absorb_order]  # as gradients complete
         self.update_order = [self.by_name[n] for n in self.sched.update_order]
+        self.order_index = {u.name: i for i, u in enumerate(self.order)}
+        self.update_index = {u.name: i for i, u in enumerate(self.update_order)}
         self.micro_batches = micro_batches
         self.deferred = plan.deferred_update
         self.q = self.sched.optim_window
@@ -405,7 +407,7 @@ class Sim:
         if not u.grads_pending:
             return
         u.grads_pending = False
-        idx = self.order.index(u)
+        idx = self.order_index[u.name]
         yield from self.advance_absorb(idx + 1)
         last = idx == len(self.order) - 1
         job = Job(u, defer_writes=last)
@@ -432,7 +434,7 @@ class Sim:
             yield from self.fill_update(job, u, rate)
             self.submitted += 1
             yield from self.advance_update(self.submitted + self.q + 1)
-        elif self.deferred and self.boundary and any(u is w for w in self.update_order[: self.update_cursor]):
+        elif self.deferred and self.boundary and self.update_index[u.name] < self.update_cursor:
             job.keep_grads = True
         elif u.grads_persist and u.grads.stored:
             job.writes.append(u.grads)

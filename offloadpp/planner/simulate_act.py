@@ -60,6 +60,7 @@ class ActReplay:
         self.prefetch = prefetch_units
         self.budget = budget
         self.backward_order = [v.unit for v in sim.sched.visits if v.backward]
+        self.backward_index = {u: i for i, u in enumerate(self.backward_order)}
         self.queue: deque[_Out] = deque()
         self.inflight: deque[_Out] = deque()  # swap-outs whose copy is not done, oldest first
         self.out: dict[str, _Out] = {}
@@ -117,7 +118,7 @@ class ActReplay:
     def before_backward(self, unit: str) -> Iterator:
         """At the unit's backward visit: fetch it and the next units' (within the budget), then
         wait for its own."""
-        i = self.backward_order.index(unit)
+        i = self.backward_index[unit]
         self._fetch(unit, force=True)
         if self.policy(unit) == "recompute":  # what it recomputes is counted before any prefetch
             self._add(self.act_bytes.get(unit, 0))
