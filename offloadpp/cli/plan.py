@@ -101,7 +101,7 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
     from offloadpp.integrations.deepspeed.build import settings_from, swap_dirs
     from offloadpp.integrations.deepspeed.config import parse_block, parse_bytes
     from offloadpp.planner import ModelProfile, PlanError, Settings, default_profile_path, resolve
-    from offloadpp.planner.resolve import load_hardware, load_saved_plan
+    from offloadpp.planner.resolve import load_hardware, load_saved_plan, machine_for
 
     block = parse_block(ds)
     settings = settings_from(DeepSpeedConfig(ds), block)
@@ -136,7 +136,7 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
     if args.machine_from_hardware:
         if hw is None:
             raise PlanError("--machine-from-hardware needs a hardware profile (--hardware)")
-        machine = machine_of(hw)
+        machine = machine_for(hw)
         paths: tuple = ()
     else:
         paths = swap_dirs(block.nvme_paths, create=False) if block.nvme_paths else ()
@@ -154,21 +154,6 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
     r = resolve(settings, profile.unit_specs(), machine, hardware=hw, model=profile if hw else None,
                 saved=load_saved_plan(settings))  # fmt: skip
     return r, hw, time.perf_counter() - t0
-
-
-def machine_of(hw):
-    """The Machine a hardware profile describes: its memory, cores and SSD space (free space
-    unknown unless every directory's is given)."""
-    from offloadpp.planner import Machine
-
-    free = [s.free_bytes for s in hw.ssds]
-    return Machine(
-        device=hw.device,
-        host_available_bytes=hw.host_memory_bytes,
-        device_free_bytes=hw.device_memory_bytes if hw.device == "cuda" else None,
-        ssd_free_bytes=sum(free) if free and all(free) else None,
-        cores=hw.cpu_cores,
-    )
 
 
 def run(args: argparse.Namespace) -> int:

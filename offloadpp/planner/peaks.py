@@ -55,6 +55,11 @@ def _holds_for(plan: Plan) -> tuple:
     return hs
 
 
+def clear_cache() -> None:
+    """Forgets the holds found so far (benchmarks time planning from nothing)."""
+    _HOLDS.clear()
+
+
 def peak_bytes(plan: Plan) -> tuple[int, int]:
     """(device, host) peak bytes of the runtime's buffers: build_schedule(plan)'s peaks."""
     if plan.deferred_update and plan.fill_gaps and plan.device == "cpu" and not plan.separate_weights:
@@ -85,4 +90,4 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     return dev + drain_device_bytes(plan), host + drain_host_bytes(plan)
 
 
-__all__ = ["peak_bytes"]
+__all__ = ["clear_cache", "peak_bytes"]

@@ -84,6 +84,20 @@ class Machine:
             raise PlanError("Machine.device_free_bytes is needed for device 'cuda'")
 
 
+def machine_for(hw: HardwareProfile) -> Machine:
+    """The Machine a hardware profile describes: its memory, cores and SSD space (not known
+    unless every directory's free space is given). `offloadpp plan --machine-from-hardware`
+    plans for it: what a hand-written profile of another machine is for."""
+    free = [s.free_bytes for s in hw.ssds]
+    return Machine(
+        device=hw.device,
+        host_available_bytes=hw.host_memory_bytes,
+        device_free_bytes=hw.device_memory_bytes if hw.device == "cuda" else None,
+        ssd_free_bytes=sum(free) if free and all(free) else None,
+        cores=hw.cpu_cores,
+    )
+
+
 @dataclass(frozen=True)
 class Resolved:
     settings: Settings
@@ -153,13 +167,20 @@ def resolve(
 
 def settings_notes(settings: Settings) -> tuple[str, ...]:
     """What the settings imply that the plan's table does not show."""
+    out = []
     if settings.compute_dtype == "fp16":
-        return (
+        out.append(
             "fp16: updates are deferred to the end of backward (the loss scaler's overflow check needs "
             "every gradient first), so Adam does not overlap backward; bf16 needs no loss scaling and "
-            "keeps the overlap",
+            "keeps the overlap"
         )
-    return ()
+    if settings.gradient_clipping > 0:
+        out.append(
+            f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred to the end of backward "
+            "(the global norm needs every gradient first), so Adam does not overlap backward (DeepSpeed's "
+            'default is 1.0: set "gradient_clipping": 0 to keep the overlap)'
+        )
+    return tuple(out)
 
 
 def _request(settings: Settings, budgets: Budgets, machine: Machine) -> Request:
@@ -414,6 +435,7 @@ def _check_profiles(hw: HardwareProfile, model: ModelProfile, units, device: str
 __all__ = [
     "Machine",
     "Resolved",
+    "machine_for",
     "check_fits",
     "check_plan",
     "load_hardware",

@@ -53,7 +53,9 @@ MAX_OPTIM = 3
 TIE_FRAC = 0.01
 ROBUST_WINDOW = 0.25  # candidates this far above the best estimate are scored on a slow SSD too
 ROBUST_MAX = 24
-MANY_UNITS = 64  # beyond this many units the placements replayed are ROBUST_MAX // 2 at most
+MANY_UNITS = 64  # beyond this many units (a replay walks every visit of three steps) at most
+MANY_REPLAYS = 10  # placements are replayed, and the robust pick looks at MANY_NEAR candidates
+MANY_NEAR = 6
 RESCORE_GAIN = 0.05  # a new best is replayed on the slow SSD when it beats the last one by this
 SLOW_SSD = 0.7
 ACT_TOP_PLACEMENTS = 3  # the activation choices beyond the first are scored on this many placements
@@ -160,10 +162,8 @@ def _upgrades(plan: Plan, traffic: dict) -> list[tuple[float, int, str, str]]:
     return out
 
 
-def _apply(plan: Plan, unit: str, what: str) -> Optional[Plan]:
-    """The plan with one more array kept in memory, or None if that does not apply."""
-    idx = [u.name for u in plan.units].index(unit)
-    p = plan.placements[idx]
+def _upgraded(plan: Plan, p, what: str):
+    """Placement `p` with one more array kept in memory, or None if that does not apply."""
     cpu = plan.device == "cpu"
     sep = plan.separate_weights
     if what == "master@device":  # CPU device, fp32: the weights are the master
@@ -192,12 +192,22 @@ def _apply(plan: Plan, unit: str, what: str) -> Optional[Plan]:
         new = replace(p, moments=Tier.HOST)
     else:
         raise ValueError(what)
-    placements = list(plan.placements)
-    placements[idx] = new
     try:
-        return replace(plan, placements=tuple(placements))
+        plan._check_placement(new)  # (a placement is valid or not on its own)
     except PlanError:
         return None
+    return new
+
+
+def _apply(plan: Plan, unit: str, what: str) -> Optional[Plan]:
+    """The plan with one more array kept in memory, or None if that does not apply."""
+    idx = [u.name for u in plan.units].index(unit)
+    new = _upgraded(plan, plan.placements[idx], what)
+    if new is None:
+        return None
+    placements = list(plan.placements)
+    placements[idx] = new
+    return replace(plan, placements=tuple(placements))
 
 
 MAX_MISSES = 6  # a fill stops after this many arrays in a row did not fit
@@ -209,12 +219,16 @@ def _take(base: Plan, steps: list[tuple[tuple[str, str], ...]], req: Request) ->
     (keeping more never shrinks the peaks much), then steps go one by one, up to MAX_MISSES
     misses in a row: O(log n) schedule walks where a plain loop takes n."""
 
+    index = {u.name: i for i, u in enumerate(base.units)}
+
     def prefix(n: int) -> Plan:
-        plan = base
+        placements = list(base.placements)
         for step in steps[:n]:
-            nxt = _apply(plan, *step[0])
-            plan = nxt if nxt is not None else plan
-        return plan
+            unit, what = step[0]
+            new = _upgraded(base, placements[index[unit]], what)
+            if new is not None:
+                placements[index[unit]] = new
+        return replace(base, placements=tuple(placements))
 
     lo, hi = 0, len(steps)
     while lo < hi:
@@ -383,7 +397,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     best_s = float("inf")
     slow = _slow(hardware)
     # a replay walks every visit of three steps: on models of many units, fewer of them
-    max_replays = ROBUST_MAX if len(units) <= MANY_UNITS else ROBUST_MAX // 2
+    max_replays = ROBUST_MAX if len(units) <= MANY_UNITS else MANY_REPLAYS
     slow_s: dict[int, float] = {}  # id(candidate) -> its estimate on the slow SSD
     reach = float("inf")  # no candidate whose estimate is beyond this can win the robust pick
     for lb, label, plan, bounds in groups:
@@ -480,7 +494,7 @@ def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfil
     ref = cands[0].estimate
     many = len(cands[0].plan.units) > MANY_UNITS
     near = [c for c in cands if c.estimate.step_s <= best_s * (1 + ROBUST_WINDOW)][
-        : ROBUST_MAX // 3 if many else ROBUST_MAX
+        : MANY_NEAR if many else ROBUST_MAX
     ]
     slow = _slow(hw)
     slow_s = slow_s or {}
