@@ -240,7 +240,7 @@ class HardwareProfile:
         if not mixed:
             return r, w
         scale = mixed * (0.5 / r + 0.5 / w)  # measured mix rate / the mix rate r and w imply
-        return r * scale, w * scale
+        return min(r * scale, sr), min(w * scale, sw)
 
     def best_io(self) -> IOPoint:
         """The measured (block size, queue depth) with the least time per byte of a half-read,
