@@ -40,3 +40,16 @@ def test_bench_capacity_smoke(tmp_path, capsys):
     assert rc == 0 and report["pass"] and len(o["step_s"]) == 2 and o["peak_rss_bytes"] > 0
     assert o["checkpoint"]["bit_identical"] and o["checkpoint"]["save_s"] > 0
     assert "peak RSS" in capsys.readouterr().out
+
+
+def test_bench_planner_scale_smoke(tmp_path, capsys):
+    """The paper-scale planning benchmark: 175B plans at batch 8 and 16 and is refused at 32
+    (its activations cannot fit one RTX 4090) with the largest micro-batch that would."""
+    from offloadpp.bench import planner_scale
+
+    out = tmp_path / "scale.json"
+    assert _run(planner_scale, ["--only", "175b", "--dtype", "bf16", "--json", str(out)]) == 0
+    rows = {r["micro_batch"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[8]["step_s"] > 0 and rows[16]["step_s"] > 0
+    assert "refused" in rows[32] and 16 <= rows[32]["largest_micro_batch"] < 32
+    assert "| GPT-3 175B | 32 | bf16 | refused" in capsys.readouterr().out

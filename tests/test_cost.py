@@ -223,3 +223,77 @@ def test_replay_moves_the_runtimes_bytes(which):
     est, _ = replay(plan, h, m, micro_batches=micro)
     assert got[-1] == got[-2], got  # steady state
     assert (est.ssd_read_bytes, est.ssd_write_bytes) == got[-1]
+
+
+# ---- one byte accounting: the plan, the estimate and the runtime ------------------------------------
+def _homes_ssd(plan) -> dict[str, int]:
+    """key -> bytes of every array whose home is SSD (Plan.homes)."""
+    return {f"{u.name}.{a}": plan.array_bytes(u, a) for u, p in plan for a, t in plan.homes(u, p).items()
+            if t is Tier.SSD}  # fmt: skip
+
+
+@pytest.mark.parametrize("weights", ["device", "host", "ssd"])
+def test_cuda_plan_ssd_bytes_are_what_the_replay_writes(weights):
+    """16-bit weights resident on the device (or in host memory) have no SSD copy: the plan says
+    0 bytes on SSD for them and the replay writes none; on SSD they are written each step."""
+    m = analytic_profile(GPT2, micro_batch=1, seq_len=64, compute_dtype="bf16")
+    h = hw(device="cuda", device_flops_per_s={"bf16": 100e12}, h2d_gbps=10.0, d2h_gbps=10.0)
+    base = stream(m, device="cuda", compute_dtype="bf16")
+    t = Tier(weights)
+    plan = replace(base, placements=tuple(replace(p, weights=t, master=Tier.HOST, moments=Tier.HOST)
+                                          for p in base.placements))  # fmt: skip
+    est, by_key = replay(plan, h, m)
+    homes = _homes_ssd(plan)
+    assert plan.ssd_bytes() == sum(homes.values())
+    assert {k for k, v in by_key.items() if v} == set(homes)  # the replay moves exactly those keys
+    assert est.ssd_write_bytes == (plan.ssd_bytes() if weights == "ssd" else 0)
+    if weights != "ssd":
+        assert plan.ssd_bytes() == 0 and est.ssd_read_bytes == 0
+
+
+@pytest.mark.parametrize("which", ["k2q2", "partial", "clip"])
+def test_plan_estimate_and_runtime_hold_the_same_ssd_bytes(which):
+    """What the plan says lives on SSD is what the runtime's store holds (its keys and their
+    sizes), and every step writes each of them once, as the replay does."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import tempfile
+
+    from offloadpp.bench.harness import Contender, GPT2Shape, close_all, make_engines
+
+    h, m, plans = _tiny_plans()
+    _, plan, clip, micro = next(p for p in plans if p[0] == which)
+    shape = GPT2Shape(**TINY)
+    model, batch = shape.build(), shape.batch()
+    torch.set_num_threads(1)
+    c = Contender("c", plan)
+    with tempfile.TemporaryDirectory() as d:
+        make_engines(model, [c], d, ssd_gbps=(2.0, 2.0), gradient_clipping=clip)
+        e = c.engine
+        try:
+            for _ in range(3):
+                e.backward(e(**batch).loss)
+                e.step()
+            e.store.wait_all()
+            # a transactional array has two generations in the store (runtime/slots.py): each
+            # the size the plan says; the plan counts one
+            held, gens = {}, {}
+            for k in e.store.keys():
+                base = k.split("@")[0]
+                held[base] = e.store.nbytes(k)
+                gens.setdefault(base, set()).add(k)
+        finally:
+            close_all([c])
+    assert all(len(g) == (1 if clip else 2) or k.endswith(".grads") for k, g in gens.items())
+    homes = _homes_ssd(plan)
+    assert {k: homes[k] for k in held} == held  # every key the store holds, at the plan's size
+    # and every array the plan puts there, but the gradients a deferred update keeps in memory
+    # for its first units (the plan's SSD bytes are "at most")
+    assert all(k.endswith(".grads") for k in set(homes) - set(held))
+    assert sum(held.values()) <= plan.ssd_bytes() == sum(homes.values())
+    est, by_key = replay(plan, h, m, micro_batches=micro)
+    written = sum(plan.array_bytes(u, a) for u, p in plan for a, t in plan.homes(u, p).items()
+                  if t is Tier.SSD and a != "grads")  # fmt: skip
+    grads = sum(v for k, v in homes.items() if k.endswith(".grads"))
+    assert written <= est.ssd_write_bytes <= written + grads  # each once (persistent grads: when on SSD)
+    assert set(k for k, v in by_key.items() if v) <= set(homes)

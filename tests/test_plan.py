@@ -215,3 +215,42 @@ def test_deferred_updates_run_largest_first():
     assert s.absorb_order == ("head", "h.5", "h.4", "h.3", "h.2", "h.1", "h.0", "embed")
     assert s.update_order[0] == "embed" and set(s.update_order) == set(s.absorb_order)
     assert s.keep_until_update == frozenset()  # updates come after backward: nothing to keep for them
+
+
+def test_peak_bytes_equal_the_built_schedules_over_random_placements():
+    """planner.peaks prices a placement over the schedule's holds found once per shape; it must
+    give build_schedule's peaks exactly (the planner's _fits relies on it)."""
+    import itertools
+    import random
+
+    from offloadpp.planner import Placement, PlanError, Tier, streaming_plan
+    from offloadpp.planner.peaks import peak_bytes
+
+    units = (UnitSpec("embed", 50_000, backward_needs_weights=False), *(UnitSpec(f"h.{i}", 20_000) for i in range(5)),
+             UnitSpec("head", 1024, borrows=("embed",)))  # fmt: skip
+    rng = random.Random(0)
+    tiers = (Tier.DEVICE, Tier.HOST, Tier.SSD)
+    checked = 0
+    for device, dtype, k, q, accum, deferred in itertools.product(
+        ("cpu", "cuda"), ("fp32", "bf16"), (0, 1, 3), (0, 2, 6), (False, True), (False, True)
+    ):
+        base = streaming_plan(units, device=device, compute_dtype=dtype, prefetch_depth=k, optim_prefetch_depth=q,
+                              accumulate_grads=accum, deferred_update=deferred)  # fmt: skip
+        for _ in range(8):
+            placements = tuple(Placement(u.name, rng.choice(tiers), rng.choice(tiers[1:]), rng.choice(tiers[1:]),
+                                         rng.choice(tiers[1:])) for u in units)  # fmt: skip
+            try:
+                plan = replace(base, placements=placements)
+            except PlanError:
+                continue
+            s = build_schedule(plan)
+            assert peak_bytes(plan) == (s.peak_device_bytes, s.peak_host_bytes), (
+                device,
+                dtype,
+                k,
+                q,
+                accum,
+                deferred,
+            )
+            checked += 1
+    assert checked > 300

@@ -191,3 +191,20 @@ def test_resolve_auto_and_saved_plans(tmp_path):
         blocks = torch.nn.Module()
         blocks.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
         resolve_for_model(blocks, auto, device="cpu")
+
+
+def test_hardware_profile_several_dirs(tmp_path):
+    """Each directory alone (with its free space), then all at once striped by their rates: the
+    aggregate is measured, and the cost model charges at most the drives' sum."""
+    from offloadpp.profiling.hardware import profile_hardware
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    hw = profile_hardware([str(d) for d in dirs], total_bytes=16 << 20, io_grid=False, quick=True)
+    assert [s.path for s in hw.ssds] == [str(d) for d in dirs]
+    assert all(s.read_gbps > 0 and s.free_bytes > 0 for s in hw.ssds)
+    assert abs(sum(w for _, w in hw.stripe_weights()) - 1.0) < 1e-9
+    r, w = hw.ssd_rates()
+    assert 0 < r <= sum(s.read_gbps for s in hw.ssds) and 0 < w <= sum(s.write_gbps for s in hw.ssds)
+    assert "at once" in hw.describe()

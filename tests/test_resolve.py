@@ -247,3 +247,93 @@ def test_smallest_zero_infinity_config_trains(tmp_path):
         assert engine.runtime.config.log_every >= 1 and sched is None and loader is None
     finally:
         engine.close()
+
+
+# ---- activations: from the DeepSpeed block, in the device budget, refused when they cannot fit -----
+def _cpu_hardware(path) -> str:
+    from offloadpp.planner import HardwareProfile
+
+    hw = HardwareProfile(device="cpu", device_name="test cpu", cpu_cores=2, ssd_read_gbps=2.0, ssd_write_gbps=2.0,
+                         h2d_gbps=10.0, d2h_gbps=10.0, memcpy_gbps=10.0, device_flops_per_s={"fp32": 50e9},
+                         adam_params_per_s={1: 1e9, 2: 1.5e9}, host_memory_bytes=16 << 30,
+                         device_memory_bytes=16 << 30)  # fmt: skip
+    hw.to_json(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "ssd", "auto"])
+def test_activation_policies_from_the_deepspeed_block(tmp_path, policy):
+    """The block's activation policy reaches the plan initialize runs; with "auto" and a budget the
+    planner picks each unit's policy within it; the run keeps its activations within the budget."""
+    import offloadpp
+    from offloadpp.planner.activations import act_units, need_bytes
+    from offloadpp.planner.resolve import model_profile_for
+
+    model = _gpt2(n_layer=4)
+    s = Settings(micro_batch=4, seq_len=64)
+    prof = model_profile_for(model.config.to_dict(), unit_specs_of(model), s)
+    keep_all = need_bytes(act_units(prof), {})
+    acts = {"policy": policy, "min_swap_bytes": 0}
+    if policy == "auto":
+        acts["budget_bytes"] = keep_all // 3
+    cfg = _ds_config(str(tmp_path / "nvme"), train_micro_batch_size_per_gpu=4, gradient_clipping=0.0)
+    cfg["offloadpp"].update(plan="auto", hardware_profile=_cpu_hardware(tmp_path / "hw.json"), seq_len=64,
+                            activations=acts)  # fmt: skip
+    engine, *_ = offloadpp.initialize(model=model, config=cfg)
+    try:
+        plan = engine.runtime.plan
+        pol = dict(zip([u.name for u in plan.units], plan.activations))
+        if policy == "auto":
+            assert set(pol.values()) != {"keep"} and need_bytes(act_units(prof), pol) <= keep_all // 3
+        else:
+            assert {p for n, p in pol.items() if n != "embed"} == {policy}
+            # the embeddings' backward reads no weights: they cannot recompute
+            assert pol["embed"] == ("keep" if policy == "recompute" else policy)
+        assert plan.budgets.activation_bytes is not None  # counted in the device budget
+        x = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        assert engine.runtime.activations.policies() == pol
+        assert all(b.within for b in engine.runtime.budget_report()), engine.runtime.budget_report()
+    finally:
+        engine.close()
+
+
+def unit_specs_of(model):
+    from offloadpp.runtime import unit_specs
+
+    return unit_specs(model)
+
+
+def test_plan_cli_refuses_what_cannot_fit_with_the_largest_batch(tmp_path, capsys):
+    """`offloadpp plan` for another machine (its hand-written profile): a micro-batch whose
+    activations cannot fit is refused with the largest that can, which then plans."""
+    from offloadpp.cli import plan as plan_cli
+    from offloadpp.planner import HardwareProfile
+
+    hw = HardwareProfile(device="cuda", device_name="test gpu", cpu_cores=16, ssd_read_gbps=10.0, ssd_write_gbps=8.0,
+                         h2d_gbps=25.0, d2h_gbps=25.0, memcpy_gbps=20.0, device_flops_per_s={"bf16": 150e12},
+                         adam_params_per_s={16: 3e9}, host_memory_bytes=256 << 30, device_memory_bytes=4 << 30)  # fmt: skip
+    hw.to_json(str(tmp_path / "hw.json"))
+    model = {"model_type": "gpt2", "n_layer": 4, "n_embd": 1024, "n_head": 16, "vocab_size": 8192,
+             "n_positions": 1024}  # fmt: skip
+    (tmp_path / "model.json").write_text(json.dumps(model))
+    cfg = _ds_config(str(tmp_path / "nvme"), bf16={"enabled": True}, gradient_clipping=0.0)
+    cfg["offloadpp"]["plan"] = "auto"
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    p = argparse.ArgumentParser()
+    plan_cli.add_arguments(p)
+
+    def run(batch: int) -> int:
+        return plan_cli.run(p.parse_args(["--config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "model.json"),
+                                          "--hardware", str(tmp_path / "hw.json"), "--machine-from-hardware",
+                                          "--micro-batch", str(batch), "--seq-len", "1024"]))  # fmt: skip
+
+    assert run(64) == 1
+    err = capsys.readouterr().err
+    assert "infeasible" in err and "The largest micro-batch that fits is" in err
+    largest = int(err.split("The largest micro-batch that fits is ")[1].split(";")[0])
+    assert run(largest) == 0
+    out = capsys.readouterr().out
+    assert "activations (budget" in out and "planned in" in out

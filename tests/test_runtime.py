@@ -392,3 +392,15 @@ def test_updates_start_during_backward(tmp_path):
         assert eng.step().step == 1
     finally:
         eng.close()
+
+
+def test_swap_directories_take_the_plans_stripe_weights(tmp_path):
+    from offloadpp.runtime.engine import stripe_weights
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    stripe = ((a, 0.75), (b, 0.25))
+    # the runtime's directories lie inside the profiled ones (swap_dirs adds "offloadpp")
+    assert stripe_weights([f"{a}/offloadpp", f"{b}/offloadpp"], stripe) == [0.75, 0.25]
+    assert stripe_weights([f"{b}/offloadpp", f"{a}/offloadpp"], stripe) == [0.25, 0.75]
+    assert stripe_weights([a, str(tmp_path / "c")], stripe) is None  # one not profiled: evenly
+    assert stripe_weights([a, b], ()) is None

@@ -279,3 +279,23 @@ def test_buffered_mode(tmp_path):
         t = _rand((12345,), torch.int16)
         s.put("k", t).wait()
         assert torch.equal(s.get("k").result(), t)
+
+
+def test_weighted_striping_gives_each_directory_its_share(tmp_path):
+    """With weights (the drives' measured rates) a striped tensor's parts follow them, block-aligned,
+    so every SSD finishes its part at once; the layout is found again on reopening."""
+    cfg = IOConfig(block_size_bytes=64 << 10, stripe_min_bytes=256 << 10)
+    dirs = [str(tmp_path / "fast"), str(tmp_path / "slow")]
+    big = _rand((1 << 20,), torch.float32, 3)  # 4 MiB
+    with TensorStore(dirs, cfg, weights=[3.0, 1.0]) as s:
+        s.put("big", big).wait()
+        parts = {p.dir_index: p.nbytes for p in s._index["big"].parts}
+        assert sum(parts.values()) == big.numel() * 4
+        assert parts[0] == 3 * parts[1] and parts[0] % (64 << 10) == 0
+        assert torch.equal(s.get("big").result(), big)
+    with TensorStore(dirs, cfg) as s:  # equal weights by default; the file layout says what it is
+        assert torch.equal(s.get("big").result(), big)
+        s.put("even", big).wait()
+        assert [p.nbytes for p in s._index["even"].parts] == [2 << 20, 2 << 20]
+    with pytest.raises(OSError, match="weights"):
+        TensorStore(dirs, cfg, weights=[1.0])

@@ -87,11 +87,17 @@ def make_plan(cfg: Config, hw, profile, specs):
     """The plan the resolve stage makes for the configuration: "stream" is the default plan at
     the streaming minimum (every array on SSD, k = q = 2), the others the cost-model planner's."""
     from offloadpp.planner import ActivationSettings, Machine, Settings, resolve
+    from offloadpp.planner.activations import act_units, need_bytes
 
     dev, host = budgets_for(cfg.budget, specs, cfg.clip > 0)
-    acts = ActivationSettings()
+    # the activations count in the device budget: room for keeping them all on top of the
+    # configuration's buffers, so each policy runs without waiting for its copies
+    room = need_bytes(act_units(profile), {})
+    dev += room
+    overrides = {}
     if cfg.activations != "keep":  # the blocks' activations (the embeddings and the head keep theirs)
-        acts = ActivationSettings(overrides={u.name: cfg.activations for u in specs if ".h." in u.name})
+        overrides = {u.name: cfg.activations for u in specs if ".h." in u.name}
+    acts = ActivationSettings(policy="keep", overrides=overrides, budget_bytes=room)
     stream = cfg.budget == "stream"
     settings = Settings(
         device_budget_bytes=dev, host_budget_bytes=host, gradient_clipping=cfg.clip, adam_threads=1,

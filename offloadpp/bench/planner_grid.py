@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         with_ssd,
     )  # fmt: skip
     from offloadpp.planner import Budgets, Machine, Settings, build_schedule, resolve, streaming_plan
+    from offloadpp.planner.activations import act_units, need_bytes
     from offloadpp.planner.cost import estimate
     from offloadpp.profiling.model import profile_model
 
@@ -140,8 +141,12 @@ def run(args: argparse.Namespace) -> int:
         state = sum(u.padded_numel for u in specs) * 12
         extra = int(args.budget_frac * state)
         budget = Budgets(need.peak_device_bytes + extra // 3, need.peak_host_bytes + extra)
-        settings = Settings(device_budget_bytes=budget.device_bytes, host_budget_bytes=budget.host_bytes,
-                            adam_threads=1, plan="auto")  # fmt: skip
+        # the activations count in the device budget: the hand-written plans keep them all on
+        # top of their buffers, and so does the automatic one here
+        room = need_bytes(act_units(prof), {})
+        settings = Settings(device_budget_bytes=budget.device_bytes + room, host_budget_bytes=budget.host_bytes,
+                            adam_threads=1, plan="auto",
+                            activations={"policy": "keep", "budget_bytes": room})  # fmt: skip
         auto = resolve(
             settings, specs, Machine("cpu", hw.host_memory_bytes, cores=1), hardware=hw, model=prof
         )

@@ -38,6 +38,10 @@ BENCHES = {
         "offloadpp.bench.planner_grid",
         "the automatic plan against hand-written plans, measured",
     ),
+    "planner-scale": (
+        "offloadpp.bench.planner_scale",
+        "estimates and planning time for GPT-3 13B/175B on the paper machine's profile",
+    ),
 }
 
 

@@ -11,6 +11,10 @@ settings come from the config as `offloadpp.initialize` reads them, through the 
 stage (offloadpp/assemble.py), so the plan printed is the plan that runs. The estimate needs a
 hardware profile: --hardware, else the cache `offloadpp profile` writes when there is one.
 --json saves the plan (budgets inside) for `"plan": "PATH"` in the config's offloadpp block.
+--machine-from-hardware plans for the machine the hardware profile describes (its memory, cores
+and SSD space) instead of this one: what a hand-written profile of another machine is for.
+A configuration that cannot fit is refused (exit 1) with the largest micro-batch that would, or
+the budget it needs.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +34,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)"
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=None, help="sequences per micro-batch (default: the config's)"
+    )
+    p.add_argument(
+        "--activations",
+        choices=("auto", "keep", "host", "ssd", "recompute"),
+        default=None,
+        help="the activation policy of every unit (default: the block's, else auto)",
+    )
+    p.add_argument(
+        "--activation-budget", default=None, help="device bytes the saved activations may take (e.g. 8GiB)"
+    )
+    p.add_argument(
+        "--machine-from-hardware",
+        action="store_true",
+        help="plan for the machine the hardware profile describes, not this one",
     )
     p.add_argument(
         "--device-budget", default=None, help="override the block's device_budget_bytes (e.g. 8GiB)"
@@ -78,8 +100,8 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
     from offloadpp.assemble import probe_machine, resolve_for_model
     from offloadpp.integrations.deepspeed.build import settings_from, swap_dirs
     from offloadpp.integrations.deepspeed.config import parse_block, parse_bytes
-    from offloadpp.planner import ModelProfile, default_profile_path, resolve
-    from offloadpp.planner.resolve import load_hardware, load_saved_plan
+    from offloadpp.planner import ModelProfile, PlanError, Settings, default_profile_path, resolve
+    from offloadpp.planner.resolve import load_hardware, load_saved_plan, machine_for
 
     block = parse_block(ds)
     settings = settings_from(DeepSpeedConfig(ds), block)
@@ -90,6 +112,15 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
         update["host_budget_bytes"] = parse_bytes(args.host_budget)
     if args.seq_len is not None:
         update["seq_len"] = args.seq_len
+    if args.micro_batch is not None:
+        update["micro_batch"] = args.micro_batch
+    if args.activations is not None or args.activation_budget is not None:
+        act = {}
+        if args.activations is not None:
+            act["policy"] = args.activations
+        if args.activation_budget is not None:
+            act["budget_bytes"] = parse_bytes(args.activation_budget)
+        update["activations"] = settings.activations.model_copy(update=act)
     if args.adam_threads is not None:
         update["adam_threads"] = args.adam_threads
     hw_path = args.hardware or settings.hardware_profile
@@ -99,21 +130,30 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
         update["hardware_profile"] = hw_path
     if args.model_profile:
         update["model_profile"] = args.model_profile
-    settings = settings.model_copy(update=update)
-    paths = swap_dirs(block.nvme_paths, create=False) if block.nvme_paths else ()
+    settings = Settings.model_validate({**settings.model_dump(), **update})  # validated, as the block is
+    hw = load_hardware(hw_path) if hw_path else None
+    machine = None
+    if args.machine_from_hardware:
+        if hw is None:
+            raise PlanError("--machine-from-hardware needs a hardware profile (--hardware)")
+        machine = machine_for(hw)
+        paths: tuple = ()
+    else:
+        paths = swap_dirs(block.nvme_paths, create=False) if block.nvme_paths else ()
     if args.model:
         from offloadpp.presets import hf_config_dict, meta_model
 
         cfg, _preset = hf_config_dict(args.model)
-        r = resolve_for_model(meta_model(cfg), settings, device=args.device, nvme_paths=paths)
-        hw = load_hardware(hw_path) if hw_path else None
-        return r, hw
+        model = meta_model(cfg)
+        t0 = time.perf_counter()
+        r = resolve_for_model(model, settings, device=args.device, nvme_paths=paths, machine=machine)
+        return r, hw, time.perf_counter() - t0
     profile = ModelProfile.from_json(args.model_profile)
-    hw = load_hardware(hw_path) if hw_path else None
-    machine = probe_machine(args.device, paths)
+    machine = machine or probe_machine(args.device, paths)
+    t0 = time.perf_counter()
     r = resolve(settings, profile.unit_specs(), machine, hardware=hw, model=profile if hw else None,
                 saved=load_saved_plan(settings))  # fmt: skip
-    return r, hw
+    return r, hw, time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         ds = load_ds_config(args.config)
-        r, hw = plan_for_config(ds, args)
+        r, hw, took = plan_for_config(ds, args)
     except InfeasibleError as e:
         print(f"offloadpp plan: infeasible: {e}", file=sys.stderr)
         return 1
@@ -147,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         print(_estimate_table(r.estimate))
     else:
         print("  (no hardware profile: run `offloadpp profile` for a step-time estimate)")
+    print(f"  planned in {took:.2f} s (the resolve stage)")
     if r.candidates and args.top > 0:
         print(f"runner-up candidates (of {len(r.candidates)}):")
         for c in r.candidates[: args.top]:

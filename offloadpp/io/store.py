@@ -103,6 +103,32 @@ def _drain(handles: list) -> None:
             pass
 
 
+def _stripe(
+    nbytes: int, n: int, start: int, block: int, weights: Optional[list]
+) -> list[tuple[int, int, int]]:
+    """(directory, offset, size) of each part of a striped tensor: equal block-aligned parts
+    from directory `start` on, or with `weights` parts in proportion to them (block-aligned, the
+    last taking the rest)."""
+    if weights is None:
+        chunk = align_up(-(-nbytes // n), block)
+        return [
+            ((start + i) % n, off, min(chunk, nbytes - off)) for i, off in enumerate(range(0, nbytes, chunk))
+        ]
+    order = [(start + i) % n for i in range(n)]
+    total = sum(weights)
+    out, off = [], 0
+    for j, d in enumerate(order):
+        size = (
+            nbytes - off
+            if j == n - 1
+            else min(nbytes - off, align_up(int(nbytes * weights[d] / total), block))
+        )
+        if size > 0:
+            out.append((d, off, size))
+            off += size
+    return out
+
+
 def _file_stem(key: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:80]
     return f"{safe}.{hashlib.sha1(key.encode()).hexdigest()[:12]}"
@@ -145,12 +171,19 @@ class TensorStore:
         dirs: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
         config: Optional[IOConfig] = None,
         create: bool = True,
+        weights: Optional[Sequence[float]] = None,
     ):
+        """weights: per directory, its share of each striped tensor (e.g. its measured GB/s, so
+        that every SSD finishes its part at once); None: equal parts."""
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
         self.dirs = [os.path.abspath(os.fspath(d)) for d in dirs]
         if not self.dirs or len(set(self.dirs)) != len(self.dirs):
             raise swap_error(EINVAL, f"opening a TensorStore over {self.dirs} (need distinct directories)")
+        if weights is not None and (len(weights) != len(self.dirs) or not all(w > 0 for w in weights)):
+            raise swap_error(EINVAL, f"opening a TensorStore over {self.dirs} with weights {list(weights)} "
+                             "(need one weight > 0 per directory)")  # fmt: skip
+        self.weights = None if weights is None else [float(w) for w in weights]
         self.config = config if config is not None else IOConfig()
         for d in self.dirs:
             if create:
@@ -524,14 +557,8 @@ class TensorStore:
         parts: list[_Part] = []
         if n > 1 and nbytes >= max(self.config.stripe_min_bytes, 1):
             block = self.config.block_size_bytes
-            chunk = align_up(-(-nbytes // n), block)
-            for i, off in enumerate(range(0, nbytes, chunk)):
-                d = (start + i) % n
-                parts.append(
-                    _Part(
-                        i, d, os.path.join(self.dirs[d], f"{stem}.{i}{SUFFIX}"), off, min(chunk, nbytes - off)
-                    )
-                )
+            for i, (d, off, size) in enumerate(_stripe(nbytes, n, start, block, self.weights)):
+                parts.append(_Part(i, d, os.path.join(self.dirs[d], f"{stem}.{i}{SUFFIX}"), off, size))
         else:
             parts.append(_Part(0, start, os.path.join(self.dirs[start], f"{stem}.0{SUFFIX}"), 0, nbytes))
         for p in parts:

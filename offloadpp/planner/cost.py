@@ -25,10 +25,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
+from .activations import act_units
 from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
-from .plan import Plan, PlanError, fmt_bytes
+from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes
 from .schedule import build_schedule
 from .simulate import Costs, Sim
 
@@ -54,6 +55,7 @@ class StepEstimate:
     pool_wait_s: float  # of step_s, the main thread waiting for a buffer to come free
     peak_device_bytes: int  # the schedule's runtime buffers (activations not included)
     peak_host_bytes: int
+    peak_activation_bytes: int = 0  # the saved activations on the device, as the replay counts them
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +166,7 @@ def replay(
         act_policies=policies,
         act_bytes={u.name: u.activation_bytes for u in model.units},
         act_prefetch_units=act_prefetch_units,
+        act_inputs={a.name: a.inputs for a in act_units(model)},
     )
     run(
         sim,
@@ -205,5 +208,86 @@ def replay(
         pool_wait_s=m["pool_wait"],
         peak_device_bytes=sched.peak_device_bytes,
         peak_host_bytes=sched.peak_host_bytes,
+        peak_activation_bytes=sim.act.peak_bytes,
     )
     return est, m["by_key"]
+
+
+def lower_bound(
+    plan: Plan,
+    hardware: HardwareProfile,
+    model: ModelProfile,
+    *,
+    adam_threads: int = 1,
+    micro_batches: int = 1,
+    activations: Optional[Mapping[str, str]] = None,
+) -> float:
+    """A step time no replay of `plan` can beat, from totals alone (no replay): the planner
+    replays only candidates whose bound is near the best estimate so far.
+
+    Note: why each term is a bound. The main thread runs every visit's compute (recompute
+    included) one after the other, each at most at full speed; the worker runs every update, at
+    most at the rate of all cores; every array whose home is SSD is written once per step, and
+    the moments (and, where the weights are separate, the master) are read once per step: they
+    go back to the store after their update and nothing keeps them; on CUDA every weights not
+    resident on the device crosses the link at least once per forward, every resident one once
+    after its update, and every gradient leaves once per micro-batch. step_s is at least the
+    replay's time, its SSD time and its link time. Activation traffic is left out (a swap-out
+    not started when backward wants the unit is cancelled, so none of it is certain)."""
+    fwd, bwd = compute_times(plan, hardware, model)
+    policies = activations if activations is not None else activation_policies(plan)
+    n = len(fwd)
+    recompute = sum(
+        fwd[u] + hardware.runtime_forward_visit_s for u, p in policies.items() if p == "recompute"
+    )
+    visits = n * (hardware.runtime_forward_visit_s + hardware.runtime_backward_visit_s)
+    compute = micro_batches * (sum(fwd.values()) + sum(bwd.values()) + visits + recompute)
+    numel = sum(u.numel for u in plan.units)
+    adam = numel / max(
+        hardware.adam_rate(adam_threads), hardware.adam_rate(max(adam_threads, hardware.cpu_cores))
+    )
+    # the worker absorbs gradients (and takes their norm for a deferred update) unit by unit
+    # where they are not used in place (CUDA, or persistent), then runs Adam
+    absorbed = sum(u.numel for u in plan.units) if plan.device == "cuda" or plan.persistent_grads else 0
+    memcpy = hardware.memcpy_gbps * 1e9
+    absorb = absorbed * (micro_batches * 8 + (4 if plan.deferred_update else 0)) / memcpy
+    worker = absorb + adam
+    # a deferred update starts once backward is over
+    serial = compute + adam if plan.deferred_update else 0.0
+    sched_keep = _next_keep(plan)
+    cdt = plan.compute_dtype
+    read = write = 0
+    h2d = d2h = 0
+    for u, p in plan:
+        if p.moments is Tier.SSD:
+            read += u.moments_bytes
+            write += u.moments_bytes
+        if p.master is Tier.SSD:
+            write += u.master_bytes
+            if plan.separate_weights:
+                read += u.master_bytes
+        if plan.separate_weights and p.weights is Tier.SSD:
+            write += u.weights_bytes(cdt)
+            if u.name not in sched_keep:
+                read += u.weights_bytes(cdt)  # fetched at least once for the next forward
+        if plan.device == "cuda":
+            w = u.weights_bytes(cdt)
+            h2d += w if p.weights is Tier.DEVICE else micro_batches * w
+            d2h += micro_batches * u.numel * DTYPE_BYTES[cdt]
+    rb, wb = hardware.ssd_rates()
+    ssd = read / (rb * 1e9) + write / (wb * 1e9)
+    link = (
+        max(h2d / (hardware.h2d_gbps * 1e9), d2h / (hardware.d2h_gbps * 1e9))
+        if plan.device == "cuda"
+        else 0.0
+    )
+    return max(compute, worker, serial, ssd, link)
+
+
+def _next_keep(plan: Plan) -> frozenset:
+    """The units whose updated weights stay in memory for the next forward (schedule.next_keep,
+    before the CPU device's _keep_across, which only separate weights need here)."""
+    units = plan.units
+    k = plan.prefetch_depth
+    first = [u for u in units[: k + 2]]
+    return frozenset(n for u in first for n in (u.name, *u.borrows))

@@ -89,7 +89,7 @@ def default_plan(units: Sequence[UnitSpec], *, device: str, settings: Settings, 
     q = DEFAULT_OPTIM_PREFETCH if q_fixed is None else q_fixed
     ks = (k_fixed,) if k_fixed is not None else (DEFAULT_PREFETCH, 1, 0)
     qs = (q,) if q_fixed is not None else tuple(range(min(q, len(units) - 1), -1, -1))
-    dev_b, host_b = budgets.device_bytes, budgets.host_bytes
+    dev_b, host_b = budgets.buffer_bytes, budgets.host_bytes  # (the activations have their part)
     # Deepest weights prefetch first, then the deepest optimizer read-ahead that also fits.
     for k in ks:
         for q_try in qs:
@@ -141,11 +141,15 @@ def _keep_what_fits(plan: Plan, spare_dev: int, spare_host: int) -> Plan:
 def _raise_device_too_small(units: Sequence[UnitSpec], plan: Plan, need: int) -> None:
     cdt = plan.compute_dtype
     biggest = max(units, key=lambda u: u.weights_bytes(cdt))
+    b = plan.budgets
+    what = (f"device budget of {fmt_bytes(b.device_bytes)} ({b.device_bytes} bytes)" if b.activation_bytes is None else
+            f"device budget's {fmt_bytes(b.buffer_bytes)} ({b.buffer_bytes} bytes) for buffers (of {b.device_bytes} "
+            f"bytes, {b.activation_bytes} for activations)")  # fmt: skip
     raise InfeasibleError(
-        f"device budget of {fmt_bytes(plan.budgets.device_bytes)} ({plan.budgets.device_bytes} bytes) is too "
+        f"{what} is too "
         f"small: streaming the units with prefetch depth {plan.prefetch_depth} needs at least {fmt_bytes(need)} "
         f"({need} bytes); the largest unit {biggest.name!r} has {biggest.numel:,} parameters "
-        f"({fmt_bytes(biggest.weights_bytes(cdt))} of {cdt} weights). Raise the device budget to at least {need} bytes."
+        f"({fmt_bytes(biggest.weights_bytes(cdt))} of {cdt} weights). Raise the device budget to at least {need + (b.activation_bytes or 0)} bytes."
     )
 
 

@@ -45,13 +45,22 @@ def when(x: When) -> float:
     """The time `x` is done at: inf while an SSD request is not served yet; 0 for nothing."""
     if x is None:
         return 0.0
-    if isinstance(x, Done):
+    if x.__class__ is Done:
         return INF if x.t is None else x.t
     return x
 
 
 def done_by(items: Iterable[When], t: float) -> bool:
-    return all(when(x) <= t for x in items)
+    # (the replay's innermost test: a plain loop, no generator)
+    for x in items:
+        if x is None:
+            continue
+        if x.__class__ is Done:
+            if x.t is None or x.t > t:
+                return False
+        elif x > t:
+            return False
+    return True
 
 
 class _Tally:
@@ -252,44 +261,54 @@ def run(sim: Sim, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdo
         resume(p)
     first = procs[0]
     guard = 0
+    n_helpers = len(procs) - 1
     while first[1][0] != "done":
         guard += 1
         if guard > 10_000_000:
             raise RuntimeError("cost model replay did not finish (internal error)")
-        ssd.advance(sim.t)
+        t = sim.t
+        ssd.advance(t)
         progressed = False
         for p in procs:  # requests that are already satisfied resume at once
             req = p[1]
+            kind = req[0]
             if (
-                (req[0] == "cond" and req[1]())
-                or (req[0] == "until" and req[1] <= sim.t)
-                or (req[0] == "wait" and done_by(req[1], sim.t))
-                or (req[0] == "cpu" and p[2] <= 1e-12)
+                (kind == "cpu" and p[2] <= 1e-12)
+                or (kind == "wait" and done_by(req[1], t))
+                or (kind == "cond" and req[1]())
+                or (kind == "until" and req[1] <= t)
             ):
                 resume(p)
                 progressed = True
         if progressed:
             continue
         computing = first[1][0] == "cpu"
-        busy_helpers = sum(1 for p in procs[1:] if p[1][0] == "cpu")
-        rates = [
-            (1.0 / compute_slowdown if computing and busy_helpers else 1.0)
-            / (io_slowdown if ssd.busy else 1.0)
-        ]
+        busy_helpers = 0
+        for p in procs[1:]:
+            if p[1][0] == "cpu":
+                busy_helpers += 1
+        main_rate = (1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (
+            io_slowdown if ssd.busy else 1.0
+        )
         helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
-        rates += [helper_rate] * (len(procs) - 1)
+        rates = [main_rate] + [helper_rate] * n_helpers
         nxt, first_done = ssd.next_event(), None
         for p, r in zip(procs, rates):
-            if p[1][0] == "cpu" and sim.t + p[2] / r < nxt:
-                nxt, first_done = sim.t + p[2] / r, p
-            elif p[1][0] == "until" and p[1][1] < nxt:
-                nxt, first_done = p[1][1], None
-            elif p[1][0] == "wait" and max(map(when, p[1][1]), default=0.0) < nxt:
-                nxt, first_done = max(map(when, p[1][1])), None
-        if nxt == float("inf"):
+            kind = p[1][0]
+            if kind == "cpu":
+                if t + p[2] / r < nxt:
+                    nxt, first_done = t + p[2] / r, p
+            elif kind == "until":
+                if p[1][1] < nxt:
+                    nxt, first_done = p[1][1], None
+            elif kind == "wait":
+                last = max(map(when, p[1][1]), default=0.0)
+                if last < nxt:
+                    nxt, first_done = last, None
+        if nxt == INF:
             waits = ", ".join(p[1][0] for p in procs)
             raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
-        dt = nxt - sim.t
+        dt = nxt - t
         for p, r in zip(procs, rates):
             if p[1][0] == "cpu":
                 p[2] = max(0.0, p[2] - dt * r)

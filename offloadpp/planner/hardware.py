@@ -5,10 +5,15 @@ writes them as JSON; the planner and the cost model only ever read them from her
 constant the planner uses comes from a measurement (DESIGN.md, convention 7).
 
 Note: what each number means, as the cost model uses it.
-  ssd_read_gbps / ssd_write_gbps   all directories together, through the TensorStore, on tensors
-                                   the size of a unit's state, overwritten in place (the runtime's
-                                   steady state), several requests in flight.
-  ssds                             the same per directory.
+  ssd_read_gbps / ssd_write_gbps   all directories at once, through the TensorStore striping
+                                   each tensor over them by their own rates, on tensors the size
+                                   of a unit's state, overwritten in place (the runtime's steady
+                                   state), several requests in flight. With several SSDs this is
+                                   the aggregate ceiling (PCIe root, CPU, memory): measured, never
+                                   the sum of the drives.
+  ssds                             each directory alone (and the free space on it): the rates set
+                                   each drive's share of a striped tensor (Plan.ssd_stripe), and
+                                   their sum bounds what all can do at once.
   ssd_latency_s                    the round trip of a small put or get alone (the store's header
                                    and payload stages); the cost model charges it to a request
                                    that finds the SSD idle.
@@ -73,10 +78,18 @@ class SsdProfile:
     path: str
     read_gbps: float
     write_gbps: float
+    free_bytes: int = 0  # free space on its filesystem when measured (0: not known)
 
     def __post_init__(self) -> None:
         _positive("SsdProfile", "read_gbps", self.read_gbps)
         _positive("SsdProfile", "write_gbps", self.write_gbps)
+        if isinstance(self.free_bytes, bool) or not isinstance(self.free_bytes, int) or self.free_bytes < 0:
+            raise ProfileError(f"SsdProfile.free_bytes must be an int >= 0, got {self.free_bytes!r}")
+
+    @property
+    def mix_gbps(self) -> float:
+        """GB/s of a half-read, half-write mix (the runtime's)."""
+        return 1.0 / (0.5 / self.read_gbps + 0.5 / self.write_gbps)
 
 
 @dataclass(frozen=True)
@@ -201,16 +214,33 @@ class HardwareProfile:
         t0 = known[0]
         return float(self.adam_params_per_s[t0]) * threads / t0
 
+    def stripe_weights(self) -> tuple[tuple[str, float], ...]:
+        """Each directory's share of a striped tensor: its measured rate (of a half-read,
+        half-write mix), so that all finish their parts together. () with one directory."""
+        if len(self.ssds) < 2:
+            return ()
+        total = sum(d.mix_gbps for d in self.ssds)
+        return tuple((d.path, d.mix_gbps / total) for d in self.ssds)
+
+    def striped_gbps(self) -> tuple[float, float]:
+        """(read, write) GB/s the directories could give all at once if nothing but the drives
+        limited them, striped by their rates: the sum of each one's rate (inf with fewer than two
+        directories profiled). A bound on the aggregate, never a stand-in for it."""
+        if len(self.ssds) < 2:
+            return math.inf, math.inf
+        return sum(d.read_gbps for d in self.ssds), sum(d.write_gbps for d in self.ssds)
+
     def ssd_rates(self) -> tuple[float, float]:
-        """(read, write) GB/s as the cost model charges them in a training step: the alone rates,
-        scaled so that a half-read, half-write mix takes what the mixed measurement took (the
-        busy one where measured)."""
-        r, w = self.ssd_read_gbps, self.ssd_write_gbps
+        """(read, write) GB/s as the cost model charges them in a training step: the rates of all
+        directories at once (at most what the drives give striped), scaled so that a half-read,
+        half-write mix takes what the mixed measurement took (the busy one where measured)."""
+        sr, sw = self.striped_gbps()
+        r, w = min(self.ssd_read_gbps, sr), min(self.ssd_write_gbps, sw)
         mixed = self.ssd_mixed_busy_gbps or self.ssd_mixed_gbps
         if not mixed:
             return r, w
         scale = mixed * (0.5 / r + 0.5 / w)  # measured mix rate / the mix rate r and w imply
-        return r * scale, w * scale
+        return min(r * scale, sr), min(w * scale, sw)
 
     def best_io(self) -> IOPoint:
         """The measured (block size, queue depth) with the least time per byte of a half-read,
@@ -295,7 +325,13 @@ class HardwareProfile:
             + (f"; latency {self.ssd_latency_s * 1e3:.2f} ms" if self.ssd_latency_s else ""),
         ]
         for s in self.ssds:
-            lines.append(f"    {s.path}: read {s.read_gbps:.2f}, write {s.write_gbps:.2f} GB/s")
+            lines.append(f"    {s.path}: read {s.read_gbps:.2f}, write {s.write_gbps:.2f} GB/s alone")
+        if len(self.ssds) > 1:
+            sr, sw = self.striped_gbps()
+            lines.append(
+                f"    all {len(self.ssds)} at once: read {self.ssd_read_gbps / sr:.0%}, write "
+                f"{self.ssd_write_gbps / sw:.0%} of the drives' sum ({sr:.1f} / {sw:.1f} GB/s)"
+            )
         if self.io_grid:
             b = self.best_io()
             lines.append(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import Iterator, Optional, Sequence
 
 from .spec import ACTIVATION_POLICIES, COMPUTE_DTYPES, DTYPE_BYTES, Budgets
@@ -43,7 +44,17 @@ class PlanError(ValueError):
 
 
 class InfeasibleError(PlanError):
-    """Nothing fits the budgets: the message names what each budget lacks and the largest unit."""
+    """Nothing fits the budgets: the message names what each budget lacks and the largest unit.
+
+    largest_micro_batch: where the saved activations are what does not fit, the largest
+    micro-batch whose activations would (0: none; None: the batch is not the problem).
+    device_bytes_needed: the device budget the smallest working set needs at this batch."""
+
+    def __init__(self, msg: str, *, largest_micro_batch: Optional[int] = None,
+                 device_bytes_needed: Optional[int] = None):  # fmt: skip
+        super().__init__(msg)
+        self.largest_micro_batch = largest_micro_batch
+        self.device_bytes_needed = device_bytes_needed
 
 
 class Tier(str, Enum):
@@ -76,7 +87,7 @@ class UnitSpec:
     # weights are then not fetched for backward.
     backward_needs_weights: bool = True
 
-    @property
+    @cached_property  # (the planner asks millions of times; the dataclass is frozen)
     def padded_numel(self) -> int:
         return flat_numel(self.numel)
 
@@ -128,6 +139,9 @@ class Plan:
     # (None: IOConfig's); the runtime uses them unless the config sets `io` explicitly.
     io_block_size_bytes: Optional[int] = None
     io_queue_depth: Optional[int] = None
+    # Each profiled swap directory's share of a striped tensor, by its measured rate (the
+    # hardware profile's stripe_weights); () stripes evenly. The runtime matches its directories.
+    ssd_stripe: tuple[tuple[str, float], ...] = ()
     # What happens to each unit's saved activations (runtime/activations.py), one of
     # ACTIVATION_POLICIES per unit in forward order; () keeps them all on the device. "auto" is
     # resolved by the runtime from the first forward until a planner fills it in.
@@ -159,6 +173,10 @@ class Plan:
 
     def _check_activations(self) -> None:
         object.__setattr__(self, "activations", tuple(self.activations))  # a plan file gives a list
+        stripe = tuple((str(d), float(w)) for d, w in self.ssd_stripe)
+        if any(w <= 0 for _, w in stripe):
+            raise PlanError(f"ssd_stripe weights must be > 0, got {list(stripe)}")
+        object.__setattr__(self, "ssd_stripe", stripe)
         if self.activations and len(self.activations) != len(self.units):
             raise PlanError(
                 f"activations must name one policy per unit ({len(self.units)}), got {len(self.activations)}: "
@@ -214,20 +232,32 @@ class Plan:
         """Gradients outlive one unit's backward: kept across micro-batches or for a deferred update."""
         return self.accumulate_grads or self.deferred_update
 
-    # ---- byte totals ---------------------------------------------------------------------
+    # ---- homes and byte totals ----------------------------------------------------------
+    def homes(self, u: UnitSpec, p: Placement) -> dict[str, Optional[Tier]]:
+        """Where each array of unit `u` lives between uses, the one accounting the plan, the
+        cost model's replay and the runtime share: "master", "exp_avg", "exp_avg_sq", "grads"
+        and, with 16-bit compute, "weights" (with fp32 the weights are the master). DEVICE or
+        HOST: resident; SSD: a key in the store, read and written; None: no home, a buffer
+        filled and used within a step (transient gradients; on CUDA the host copy of 16-bit
+        weights resident on the device, which only carries each update's new copy up)."""
+        h: dict[str, Optional[Tier]] = {"master": p.master, "exp_avg": p.moments, "exp_avg_sq": p.moments}
+        if self.separate_weights:
+            h["weights"] = None if (p.weights is Tier.DEVICE and self.device == "cuda") else p.weights
+        h["grads"] = p.grads if self.persistent_grads else None
+        return h
+
+    def array_bytes(self, u: UnitSpec, array: str) -> int:
+        if array == "weights":
+            return u.weights_bytes(self.compute_dtype)
+        if array in ("exp_avg", "exp_avg_sq"):
+            return u.moments_bytes // 2
+        return u.master_bytes if array == "master" else u.grad_bytes
+
     def ssd_bytes(self) -> int:
-        """Bytes the store holds at most: every array whose home is SSD."""
-        total = 0
-        for u, p in self:
-            if p.master is Tier.SSD:
-                total += u.master_bytes
-            if p.moments is Tier.SSD:
-                total += u.moments_bytes
-            if self.separate_weights and p.weights is Tier.SSD:
-                total += u.weights_bytes(self.compute_dtype)
-            if self.persistent_grads and p.grads is Tier.SSD:
-                total += u.grad_bytes
-        return total
+        """Bytes the store holds at most: every array whose home is SSD (`homes`)."""
+        return sum(
+            self.array_bytes(u, a) for u, p in self for a, t in self.homes(u, p).items() if t is Tier.SSD
+        )
 
     def resident_device_bytes(self) -> int:
         return sum(u.weights_bytes(self.compute_dtype) for u, p in self if p.weights is Tier.DEVICE)
@@ -249,8 +279,10 @@ class Plan:
         b = self.budgets
         if b is None:
             return "none"
-        act = fmt_bytes(b.activation_bytes) if b.activation_bytes else "unlimited"
-        return f"device {fmt_bytes(b.device_bytes)}, host {fmt_bytes(b.host_bytes)}, activations {act}"
+        if b.activation_bytes is None:
+            return f"device {fmt_bytes(b.device_bytes)} (activations not counted), host {fmt_bytes(b.host_bytes)}"
+        return (f"device {fmt_bytes(b.device_bytes)} (buffers {fmt_bytes(b.buffer_bytes)}, activations "
+                f"{fmt_bytes(b.activation_bytes)}), host {fmt_bytes(b.host_bytes)}")  # fmt: skip
 
     def describe(self) -> str:
         """A table for humans: one line per unit."""

@@ -12,7 +12,7 @@ offloadpp/assemble.py, which gathers the inputs), so the plan printed is the pla
 Note: "auto" budgets (Settings' None).
   - Where the settings put the state on SSD (offload_params / offload_optimizer, from
     ZeRO-Infinity's nvme offload), the budget is what streaming it needs and no more: the
-    schedule's peaks for the streaming plan (planner.default.min_budgets), so the state lives
+    schedule's peaks for the streaming plan (planner.peaks.peak_bytes), so the state lives
     on SSD as asked and resident memory stays small whatever the machine has free.
   - The optimizer read-ahead q those budgets are sized for: with deferred updates (clipping,
     fp16) the updates run after backward and the state of the first q+1 of them is read during
@@ -22,9 +22,19 @@ Note: "auto" budgets (Settings' None).
     from the rest of the machine into buffers, for a model whose updates are bound by the SSD
     anyway. The plan is then made for exactly that q.
   - Elsewhere a share of what is free now: on CUDA DEVICE_SHARE_CUDA of the free device memory
-    (the rest for activations and the allocator's slack), on the CPU acting as the device
-    DEVICE_SHARE_CPU of available RAM; host memory HOST_SHARE of available RAM (the rest for
-    activations, the model's own code and the OS).
+    (the rest for the allocator's slack and the tensors a unit's compute makes and drops), on
+    the CPU acting as the device DEVICE_SHARE_CPU of available RAM; host memory HOST_SHARE of
+    available RAM (the rest for swapped activations, the model's own code and the OS).
+
+Note: the activations in the device budget. With a model profile (plan "auto", or any plan
+with a hardware profile) the saved activations are counted in the device budget: an "auto"
+device budget that streams is the buffers' need plus what keeping every activation needs (at
+most the activation budget), as far as the device's share allows; the planner then leaves the
+activations what each placement does not take (at most `activations.budget_bytes`) and picks
+their policies to fit it (planner/activations.py). Without a model profile nothing says how large
+they are: they are not counted, and only an explicit activation budget is added to the streaming
+device budget. Where even swapping every activation does not fit, the run is refused with the
+largest micro-batch that would.
 """
 
 from __future__ import annotations
@@ -33,13 +43,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from .cost import StepEstimate, estimate
-from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, min_budgets, plan_shape
+from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, plan_shape, streaming_plan
 from .hardware import HardwareProfile, ProfileError, default_profile_path
 from .model_profile import ModelProfile, ModelProfileError, analytic_profile
+from .peaks import peak_bytes
 from .plan import Plan, PlanError, UnitSpec, fmt_bytes
 from .planfile import load_plan
 from .schedule import build_schedule
-from .search import Request, search
+from .search import Request, _raise_infeasible, act_planner, search
 from .spec import PLAN_AUTO, Budgets, Settings
 
 DEVICE_SHARE_CUDA = 0.8
@@ -47,7 +58,7 @@ DEVICE_SHARE_CPU = 0.25
 HOST_SHARE = 0.5
 READ_AHEAD_HOST_SHARE = 0.25
 DEFERRED_PARTIAL_PREFETCH = 1
-FALLBACK_SEQ_LEN = 512  # the analytic profile's sequence when neither settings nor model say
+CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "seq_length", "max_sequence_length")
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,20 @@ class Machine:
             raise PlanError("Machine.device_free_bytes is needed for device 'cuda'")
 
 
+def machine_for(hw: HardwareProfile) -> Machine:
+    """The Machine a hardware profile describes: its memory, cores and SSD space (not known
+    unless every directory's free space is given). `offloadpp plan --machine-from-hardware`
+    plans for it: what a hand-written profile of another machine is for."""
+    free = [s.free_bytes for s in hw.ssds]
+    return Machine(
+        device=hw.device,
+        host_available_bytes=hw.host_memory_bytes,
+        device_free_bytes=hw.device_memory_bytes if hw.device == "cuda" else None,
+        ssd_free_bytes=sum(free) if free and all(free) else None,
+        cores=hw.cpu_cores,
+    )
+
+
 @dataclass(frozen=True)
 class Resolved:
     settings: Settings
@@ -101,13 +126,17 @@ def resolve(
     """Budgets and the Plan for `units` (the model's, in forward order) under `settings`.
 
     hardware / model: the profiles; plan "auto" needs both, other plans get an estimate when
-    both are given. saved: the plan file `settings.plan` names, already read (load_saved_plan).
-    Raises PlanError naming the budget, the unit and the bytes when nothing fits."""
+    both are given. With a model profile the saved activations count in the device budget (see
+    the module Note). saved: the plan file `settings.plan` names, already read (load_saved_plan).
+    Raises PlanError naming the budget, the unit and the bytes when nothing fits (an
+    InfeasibleError with the largest micro-batch that fits where the activations do not)."""
     units = tuple(units)
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
     settings = settings.model_copy(update={"adam_threads": settings.adam_threads or machine.cores})
-    budgets, settings = _budgets(settings, units, machine)
+    if model is not None:
+        _check_units(model, units)
+    budgets, settings = _budgets(settings, units, machine, model)
     est: Optional[StepEstimate] = None
     candidates: tuple = ()
     if settings.plan_path is not None:
@@ -122,14 +151,15 @@ def resolve(
             missing = "a hardware profile" if hardware is None else "a model profile"
             raise PlanError(f"plan 'auto' needs {missing}")
         _check_profiles(hardware, model, units, machine.device)
-        req = Request(
-            budgets, settings, adam_threads=settings.adam_threads, ssd_free_bytes=machine.ssd_free_bytes
-        )
+        req = _request(settings, budgets, machine)
         result = search(hardware, model, req)
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
-        plan = default_plan(units, device=machine.device, settings=settings, budgets=budgets)
+        plan = _default(settings, units, machine, budgets, model)
     plan = with_activation_policies(plan, settings)
+    plan = replace(plan, notes=plan.notes + settings_notes(settings))
+    if hardware is not None and not plan.ssd_stripe:
+        plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
     if est is None and hardware is not None and model is not None:
         _check_profiles(hardware, model, units, machine.device)
         est = estimate(plan, hardware, model, adam_threads=settings.adam_threads,
@@ -138,11 +168,79 @@ def resolve(
     return Resolved(settings, plan, est, candidates)
 
 
+def settings_notes(settings: Settings) -> tuple[str, ...]:
+    """What the settings imply that the plan's table does not show."""
+    out = []
+    if settings.compute_dtype == "fp16":
+        out.append(
+            "fp16: updates are deferred to the end of backward (the loss scaler's overflow check needs "
+            "every gradient first), so Adam does not overlap backward; bf16 needs no loss scaling and "
+            "keeps the overlap"
+        )
+    if settings.gradient_clipping > 0:
+        out.append(
+            f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred to the end of backward "
+            "(the global norm needs every gradient first), so Adam does not overlap backward (DeepSpeed's "
+            'default is 1.0: set "gradient_clipping": 0 to keep the overlap)'
+        )
+    return tuple(out)
+
+
+def _request(settings: Settings, budgets: Budgets, machine: Machine) -> Request:
+    return Request(budgets, settings, adam_threads=settings.adam_threads, ssd_free_bytes=machine.ssd_free_bytes,
+                   count_activations=True, act_host_bytes=_act_host_bytes(settings, budgets, machine))  # fmt: skip
+
+
+def _act_host_bytes(settings: Settings, budgets: Budgets, m: Machine) -> int:
+    """Host memory swapped activations may take: the settings' activation host budget, else what
+    the host budget (and, on the CPU acting as the device, the device budget) leaves."""
+    if settings.activations.host_budget_bytes is not None:
+        return settings.activations.host_budget_bytes
+    taken = budgets.host_bytes + (budgets.device_bytes if m.device == "cpu" else 0)
+    return max(0, m.host_available_bytes - taken)
+
+
+def _default(settings: Settings, units, machine: Machine, budgets: Budgets, model) -> Plan:
+    """The default plan; with a model profile, the activations' part of the device budget and
+    their policies first (keep them all if they fit, else swap along the ranking and keep what
+    fits: planner/activations.py)."""
+    if model is None:
+        return default_plan(units, device=machine.device, settings=settings, budgets=budgets)
+    req = _request(settings, budgets, machine)
+    acts = act_planner(model, req, machine.device)
+    k = DEFAULT_PREFETCH if settings.prefetch_depth is None else settings.prefetch_depth
+    q = DEFAULT_OPTIM_PREFETCH if settings.optim_prefetch_depth is None else settings.optim_prefetch_depth
+    shape = plan_shape(settings)
+    stream = streaming_plan(units, device=machine.device, prefetch_depth=k, optim_prefetch_depth=q, **shape)
+    left = budgets.device_bytes - peak_bytes(stream)[0]
+    room = min(req.act_cap, max(acts.least.need_bytes, min(acts.keep_all.need_bytes, left)))
+    choices = acts.candidates(room) if room < budgets.device_bytes else ()
+    if not choices:
+        smallest = streaming_plan(
+            units, device=machine.device, prefetch_depth=0, optim_prefetch_depth=0, **shape
+        )
+        _raise_infeasible(smallest, req, acts, model)
+    swap = "host" if machine.device == "cuda" else "ssd"
+    choice = next((c for c in choices if c.label in ("keep", f"swap to {swap}, keep what fits")), choices[0])
+    budgets = Budgets(budgets.device_bytes, budgets.host_bytes, activation_bytes=room)
+    plan = default_plan(units, device=machine.device, settings=settings, budgets=budgets)
+    return replace(plan, activations=tuple(p for _, p in choice.policies))
+
+
 # ---- budgets ------------------------------------------------------------------------------
-def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine) -> tuple[Budgets, Settings]:
+def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
+             model: Optional[ModelProfile]) -> tuple[Budgets, Settings]:  # fmt: skip
     """The budgets for the settings' requests (the module Note), and the settings with the
-    optimizer read-ahead they were sized for."""
+    optimizer read-ahead they were sized for. With a model profile the device budget counts the
+    activations; activation_bytes is then left for the planner to split (None here) unless the
+    settings cap it."""
     dev, host = settings.device_budget_bytes, settings.host_budget_bytes
+    cap = settings.activations.budget_bytes
+    machine_dev = (
+        int(m.device_free_bytes * DEVICE_SHARE_CUDA)
+        if m.device == "cuda"
+        else int(m.host_available_bytes * DEVICE_SHARE_CPU)
+    )
     stream_dev = dev is None and settings.offload_params
     stream_host = host is None and settings.offload_optimizer
     if stream_dev or stream_host:
@@ -151,38 +249,52 @@ def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine) -> tup
         if settings.optim_prefetch_depth is None and stream_host:
             settings = settings.model_copy(update={"optim_prefetch_depth": q})
         if stream_dev:
-            dev = need_dev
+            if model is None:
+                dev = need_dev + (cap or 0)
+            else:
+                # the buffers streaming needs, and room for keeping every activation (within
+                # the activation budget), as far as the device has it
+                acts = act_planner(model, Request(Budgets(1, 1), settings), m.device)
+                want = min(cap if cap is not None else acts.keep_all.need_bytes, acts.keep_all.need_bytes)
+                dev = min(need_dev + want, max(machine_dev, need_dev + 1))
         if stream_host:
             host = need_host
     if dev is None:
-        dev = (
-            int(m.device_free_bytes * DEVICE_SHARE_CUDA)
-            if m.device == "cuda"
-            else int(m.host_available_bytes * DEVICE_SHARE_CPU)
-        )
+        dev = machine_dev
     if host is None:
         host = int(m.host_available_bytes * HOST_SHARE)
-    budgets = Budgets(
-        device_bytes=dev,
-        host_bytes=host,
-        activation_bytes=settings.activations.budget_bytes,
-    )
+    if cap is not None and cap >= dev:
+        raise PlanError(
+            f"activations.budget_bytes ({cap}) must be less than the device budget ({dev} bytes): the saved "
+            "activations are a part of the device budget, the runtime's buffers need the rest"
+        )
+    budgets = Budgets(device_bytes=dev, host_bytes=host, activation_bytes=cap)
     return budgets, settings
 
 
 def _streaming_need(settings: Settings, units, m: Machine, k: int) -> tuple[int, int, int]:
+    """(device, host, q): the streaming plan's peaks at the read-ahead q resolve picks (the
+    module Note: every unit when that fits READ_AHEAD_HOST_SHARE of host memory, else
+    DEFERRED_PARTIAL_PREFETCH, for deferred updates; DEFAULT_OPTIM_PREFETCH otherwise)."""
     top = max(0, len(units) - 1)
-    if settings.optim_prefetch_depth is not None:
-        qs = [settings.optim_prefetch_depth]
-    elif settings.deferred_update:
-        qs = [top, min(DEFERRED_PARTIAL_PREFETCH, top)]  # every unit's state read ahead, or one
-    else:
-        qs = [min(DEFAULT_OPTIM_PREFETCH, top)]
     shape = plan_shape(settings)
-    for q in qs:
-        dev, host = min_budgets(units, device=m.device, prefetch_depth=k, optim_prefetch_depth=q, **shape)
-        if host <= m.host_available_bytes * READ_AHEAD_HOST_SHARE:
-            break
+
+    def needs(q: int) -> tuple[int, int]:
+        return peak_bytes(
+            streaming_plan(units, device=m.device, prefetch_depth=k, optim_prefetch_depth=q, **shape)
+        )
+
+    if settings.optim_prefetch_depth is not None:
+        q = settings.optim_prefetch_depth
+    elif settings.deferred_update:
+        q = (
+            top
+            if needs(top)[1] <= m.host_available_bytes * READ_AHEAD_HOST_SHARE
+            else min(DEFERRED_PARTIAL_PREFETCH, top)
+        )
+    else:
+        q = min(DEFAULT_OPTIM_PREFETCH, top)
+    dev, host = needs(q)
     return dev, host, q
 
 
@@ -212,7 +324,7 @@ def check_fits(plan: Plan) -> None:
         raise PlanError("the plan has no budgets: make it with offloadpp plan or planner.resolve")
     s = build_schedule(plan)
     for tier, peak, budget in (
-        ("device", s.peak_device_bytes, b.device_bytes),
+        ("device", s.peak_device_bytes, b.buffer_bytes),
         ("host", s.peak_host_bytes, b.host_bytes),
     ):
         if peak > budget:
@@ -229,8 +341,10 @@ def load_saved_plan(settings: Settings) -> Optional[tuple[Plan, Optional[StepEst
 
 def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     """The plan with each unit's activation policy: the plan's own if it names them, else the
-    settings' policy and per-unit overrides. A unit whose backward reads none of its weights
-    (embedding lookups) cannot run its forward again: "recompute" becomes "keep" there."""
+    settings' policy and per-unit overrides ("auto" is kept as it is for the runtime to resolve
+    where a budget limits the activations, and is "keep" where none does). A unit whose backward
+    reads none of its weights (embedding lookups) cannot run its forward again: "recompute"
+    becomes "keep" there."""
     act = settings.activations
     names = [u.name for u in plan.units]
     unknown = sorted(set(act.overrides) - set(names))
@@ -239,8 +353,11 @@ def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
             f"activations.overrides names units the model does not have: {unknown}; units are {names}"
         )
     chosen = tuple(plan.activations) or tuple(act.overrides.get(n, act.policy) for n in names)
+    unlimited = plan.budgets is None or plan.budgets.activation_bytes is None
     out, notes = [], []
     for u, p in zip(plan.units, chosen):
+        if p == "auto" and unlimited:  # nothing to fit: keep (the runtime would profile first)
+            p = "keep"
         if p == "recompute" and not u.backward_needs_weights:
             notes.append(
                 f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
@@ -278,8 +395,13 @@ def model_profile_for(
                 "a model profile is needed for a model without a Hugging Face config: write one with "
                 "`offloadpp profile --dir DIR --model ... --model-json PATH` and set model_profile to its path"
             )
-        ctx = hf_config.get("n_positions") or hf_config.get("max_position_embeddings")
-        seq = settings.seq_len or int(ctx or FALLBACK_SEQ_LEN)
+        ctx = next((hf_config[k] for k in CONTEXT_KEYS if hf_config.get(k)), None)
+        if settings.seq_len is None and ctx is None:
+            raise PlanError(
+                f"the model's config names no context length (none of {list(CONTEXT_KEYS)}): set seq_len "
+                "(`offloadpp plan --seq-len N`, or seq_len in the offloadpp block)"
+            )
+        seq = settings.seq_len or int(ctx)
         try:
             prof = analytic_profile(hf_config, micro_batch=settings.micro_batch or 1, seq_len=seq,
                                     compute_dtype=settings.compute_dtype, name=name)  # fmt: skip
@@ -292,6 +414,11 @@ def model_profile_for(
             f"{[(u.name, u.numel) for u in got]}, the model {[(u.name, u.numel) for u in units]}"
         )
     return prof
+
+
+def _check_units(model: ModelProfile, units) -> None:
+    if list(model.unit_specs()) != list(units):
+        raise PlanError("the model profile's units do not match the model's")
 
 
 def _check_profiles(hw: HardwareProfile, model: ModelProfile, units, device: str) -> None:
@@ -307,6 +434,7 @@ def _check_profiles(hw: HardwareProfile, model: ModelProfile, units, device: str
 __all__ = [
     "Machine",
     "Resolved",
+    "machine_for",
     "check_fits",
     "check_plan",
     "load_hardware",

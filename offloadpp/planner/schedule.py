@@ -79,6 +79,20 @@ def flush_rank(key: str) -> int:
 
 
 def build_schedule(plan: Plan) -> Schedule:
+    sched = structure(plan)
+    if plan.fill_gaps:
+        sched = Schedule(**{**sched.__dict__, "alive": _fill_gaps(plan, sched)})
+    sched = Schedule(**{**sched.__dict__, "next_keep_until": _first_alive(sched, sched.next_keep)})
+    if plan.fill_gaps and _alias(plan):
+        sched = _keep_across(plan, sched)
+    dev, host = _peaks(plan, sched)
+    return Schedule(**{**sched.__dict__, "peak_device_bytes": dev, "peak_host_bytes": host})
+
+
+def structure(plan: Plan) -> Schedule:
+    """The schedule before any gap is filled (no peaks): what depends only on the units, the
+    depths and the settings, not on where arrays live. Its peaks are the filled schedule's
+    (filling never raises a peak), which peaks.PeakModel evaluates for many placements."""
     units = plan.units
     k = plan.prefetch_depth
     visits: list[Visit] = []
@@ -111,7 +125,7 @@ def build_schedule(plan: Plan) -> Schedule:
         keep_until_update = frozenset(
             name for v in visits if v.backward for name in v.needs if v.index < backward_index[name]
         )
-    sched = Schedule(
+    return Schedule(
         visits=tuple(visits),
         alive=alive,
         update_order=update_order,
@@ -125,13 +139,6 @@ def build_schedule(plan: Plan) -> Schedule:
         forward_index=forward_index,
         backward_index=backward_index,
     )
-    if plan.fill_gaps:
-        sched = Schedule(**{**sched.__dict__, "alive": _fill_gaps(plan, sched)})
-    sched = Schedule(**{**sched.__dict__, "next_keep_until": _first_alive(sched, sched.next_keep)})
-    if plan.fill_gaps and _alias(plan):
-        sched = _keep_across(plan, sched)
-    dev, host = _peaks(plan, sched)
-    return Schedule(**{**sched.__dict__, "peak_device_bytes": dev, "peak_host_bytes": host})
 
 
 def _first_alive(sched: Schedule, names) -> dict[str, int]:
@@ -176,20 +183,24 @@ def _peaks(plan: Plan, sched: Schedule) -> tuple[int, int]:
     """Peak device and host bytes of the runtime's buffers over one step (an accumulation
     boundary, the heavier case), by walking the visits as the runtime does (see _walk)."""
     devs, hosts, _ = _walk(plan, sched)
-    specs = {u.name: u for u in plan.units}
-    place = {p.unit: p for p in plan.placements}
-    # One unit's worth of buffers for writes still draining (the pool waits for them beyond it).
-    drain = max((_optim_host_bytes(plan, specs[u.name], place[u.name]) for u in plan.units), default=0)
-    drain_dev = (
-        max((u.master_bytes for u, p in plan if p.master is Tier.SSD), default=0) if _alias(plan) else 0
-    )
-    return (
-        max(devs) + drain_dev + plan.resident_device_bytes(),
-        max(hosts) + drain + plan.resident_host_bytes(),
-    )
+    return max(devs) + drain_device_bytes(plan), max(hosts) + drain_host_bytes(plan)
 
 
-def _optim_host_bytes(plan: Plan, u, p) -> int:
+def drain_host_bytes(plan: Plan) -> int:
+    """One unit's worth of host buffers for writes still draining (the pool waits for them
+    beyond it), and the resident host arrays."""
+    drain = max((optim_host_bytes(plan, u, p) for u, p in plan), default=0)
+    return drain + plan.resident_host_bytes()
+
+
+def drain_device_bytes(plan: Plan) -> int:
+    """As drain_host_bytes, on the device: a master still being written where the weights
+    alias it (CPU, fp32), and the resident device weights."""
+    drain = max((u.master_bytes for u, p in plan if p.master is Tier.SSD), default=0) if _alias(plan) else 0
+    return drain + plan.resident_device_bytes()
+
+
+def optim_host_bytes(plan: Plan, u, p) -> int:
     """Host bytes the optimizer holds for one unit in its window."""
     cdt = plan.compute_dtype
     b = 0
@@ -208,8 +219,21 @@ def _optim_host_bytes(plan: Plan, u, p) -> int:
     return b
 
 
-def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]:
-    """Per visit: device bytes, host bytes, and the units whose weights are in device memory.
+@dataclass(frozen=True)
+class Holds:
+    """Per visit, the units whose buffers are held (names; the placements decide the bytes):
+    `device`: weights in device memory (before dropping those resident on the device anyway),
+    `window`: the optimizer's read-ahead window, `fetching`: weights being fetched (CUDA: a pinned
+    host copy each, where they come from SSD), `grads`: the bytes of the visit's own gradients."""
+
+    device: frozenset[str]
+    window: tuple[str, ...]
+    fetching: frozenset[str]
+    grads: int
+
+
+def holds(plan: Plan, sched: Schedule) -> list[Holds]:
+    """What _walk counts at each visit, independent of the placements.
 
     Device: the weights `alive` holds; the unit's gradients in its backward visit; updated units
     kept for the next forward; with the weights aliasing the master (CPU, fp32), also the masters
@@ -220,9 +244,8 @@ def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]
     cdt = plan.compute_dtype
     alias = _alias(plan)
     specs = {u.name: u for u in plan.units}
-    place = {p.unit: p for p in plan.placements}
     first_backward = len(sched.forward_index)
-    devs, hosts, helds = [], [], []
+    out = []
     for v in sched.visits:
         # units handed to Adam, about (a deferred update hands none out before backward ends)
         seen = v.index - first_backward + 1 if v.backward and not plan.deferred_update else 0
@@ -239,18 +262,26 @@ def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]
             held |= set(window)
             if v.backward:
                 held |= {n for n in sched.keep_until_update if n not in updated}
-        held = {n for n in held if place[n].weights is not Tier.DEVICE}
-        dev = sum(specs[n].weights_bytes(cdt) for n in held)
-        if v.backward:
-            dev += specs[v.unit].padded_numel * DTYPE_BYTES[cdt]  # the unit's grads before they leave
-        host = sum(_optim_host_bytes(plan, specs[n], place[n]) for n in window)
-        if plan.device != "cpu":
-            # a pinned host copy per weights fetch in flight (SSD -> host -> device)
-            host += sum(
-                specs[n].weights_bytes(cdt) for n in sched.alive[v.index] if place[n].weights is Tier.SSD
-            )
-        devs.append(dev)
-        hosts.append(host)
+        grads = specs[v.unit].padded_numel * DTYPE_BYTES[cdt] if v.backward else 0
+        fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()
+        out.append(Holds(frozenset(held), tuple(window), fetching, grads))
+    return out
+
+
+def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]:
+    """Per visit: device bytes, host bytes, and the units whose weights are in device memory
+    (the buffers of `holds`, with this plan's placements)."""
+    cdt = plan.compute_dtype
+    place = {p.unit: p for p in plan.placements}
+    wb = {u.name: u.weights_bytes(cdt) for u in plan.units}
+    ob = {u.name: optim_host_bytes(plan, u, place[u.name]) for u in plan.units}
+    devs, hosts, helds = [], [], []
+    for h in holds(plan, sched):
+        held = {n for n in h.device if place[n].weights is not Tier.DEVICE}
+        devs.append(sum(wb[n] for n in held) + h.grads)
+        hosts.append(
+            sum(ob[n] for n in h.window) + sum(wb[n] for n in h.fetching if place[n].weights is Tier.SSD)
+        )
         helds.append(held)
     return devs, hosts, helds
 

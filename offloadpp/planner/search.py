@@ -6,22 +6,31 @@ model (cost.py); the least estimated step time wins.
 Note: the candidates.
   1. Prefetch depths: weights k in 0..MAX_PREFETCH and optimizer read-ahead q in 0..MAX_OPTIM
      (or the caller's fixed values), each pair's streaming working set (every array on SSD)
-     checked against the budgets with the schedule the runtime walks.
+     checked against the budgets with the schedule the runtime walks, with room left on the
+     device for the least the activations need (planner/activations.py).
   2. For each pair, what to keep in memory with the budget left over. Every (unit, array)
      that could stay resident is an *upgrade*: keep unit u's master (on the CPU device with fp32
      compute that is its weights too, from the device req, or from the host req), its
      moments, or (16-bit compute, CUDA) its compute weights on the device or host. An
-     upgrade's value is the SSD (and link) bytes per step it saves, measured by replaying the
-     streaming plan and reading its per-key traffic; its price is the bytes it occupies.
+     upgrade's value is the SSD (and link) bytes per step it saves (read and written once per
+     step, weights read at each fetch the schedule makes); its price is the bytes it occupies.
      Upgrades are taken greedily by value per byte, each kept only if the schedule's peaks still
-     fit. The fills a person would try by hand are scored too: the default policy's, forward
-     order with masters or moments first, backward order (FILLS).
-  3. The least estimated step time wins, robustly: the candidates near the best are scored again
+     fit. The fills a person would try by hand are made too: the default policy's, forward
+     order with masters or moments first, backward order (FILLS). Where the activations count
+     in the device budget, each fill is made twice: setting aside room for keeping every
+     activation (or the activation budget), and only the least they need.
+  3. Each placement leaves the activations the rest of the device budget (at most the
+     activation budget); the activation choices that fit that room are paired with it.
+  4. Every pair gets a lower bound from totals alone (cost.lower_bound); pairs are replayed
+     (cost.replay) from the least bound up, until the next bound is beyond ROBUST_WINDOW of the
+     best estimate: no pair left out could have been chosen.
+  5. The least estimated step time wins, robustly: the candidates near the best are scored again
      with the SSD at 70% of its measured speed and the least mean of the two estimates wins
      (the disk's speed moves from run to run; a plan whose I/O is on the critical path pays for
      it); means within TIE_FRAC go to the plan moving fewer SSD bytes.
-If nothing fits, a PlanError says how many bytes each budget lacks for the smallest working
-set (k = 0, q = 0), and which unit makes it that large.
+If nothing fits, an InfeasibleError says how many bytes each budget lacks for the smallest working
+set (k = 0, q = 0), and which unit makes it that large; where the activations are what does not
+fit, the largest micro-batch whose activations would.
 """
 
 from __future__ import annotations
@@ -29,10 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .cost import StepEstimate, replay
+from .activations import ActChoice, ActPlanner, act_units, fixed_policies
+from .cost import StepEstimate, lower_bound, replay
 from .default import _keep_what_fits, plan_shape, streaming_plan
+from .fills import _placements
 from .hardware import HardwareProfile, IOPoint
 from .model_profile import ModelProfile
+from .peaks import peak_bytes
 from .plan import InfeasibleError, Plan, PlanError, Tier, fmt_bytes
 from .schedule import build_schedule
 from .spec import Budgets, Settings
@@ -42,19 +54,30 @@ MAX_OPTIM = 3
 TIE_FRAC = 0.01
 ROBUST_WINDOW = 0.25  # candidates this far above the best estimate are scored on a slow SSD too
 ROBUST_MAX = 24
+MANY_UNITS = 64  # beyond this many units (a replay walks every visit of three steps) at most
+MANY_REPLAYS = 10  # placements are replayed, and the robust pick looks at MANY_NEAR candidates
+MANY_NEAR = 6
+RESCORE_GAIN = 0.05  # a new best is replayed on the slow SSD when it beats the last one by this
 SLOW_SSD = 0.7
-ACT_TOP_PLACEMENTS = 3
+ACT_TOP_PLACEMENTS = 3  # the activation choices beyond the first are scored on this many placements
 
 
 @dataclass(frozen=True)
 class Request:
     """What the search is asked: budgets, and the settings that change the schedule and the
-    estimate (compute dtype, accumulation, deferral, Adam threads, fixed depths)."""
+    estimate (compute dtype, accumulation, deferral, Adam threads, fixed depths).
+
+    count_activations: the saved activations count in the device budget (the resolve stage sets
+    it: the model profile says how large they are); so does an activation budget in `budgets`,
+    which then caps them. act_host_bytes: host memory swapped activations may take (None: no
+    limit); beyond it they go to SSD."""
 
     budgets: Budgets
     settings: Settings
     adam_threads: int = 1  # resolved (Settings.adam_threads may say "every core")
     ssd_free_bytes: Optional[int] = None  # plans keeping more on SSD are not candidates (None: not checked)
+    count_activations: bool = False
+    act_host_bytes: Optional[int] = None
 
     @property
     def micro_batches(self) -> int:
@@ -64,19 +87,30 @@ class Request:
     def act_prefetch_units(self) -> int:
         return self.settings.activations.prefetch_units
 
+    @property
+    def counted(self) -> bool:
+        return self.count_activations or self.budgets.activation_bytes is not None
+
+    @property
+    def act_cap(self) -> int:
+        """The most the activations may take of the device budget."""
+        b = self.budgets
+        return b.activation_bytes if b.activation_bytes is not None else b.device_bytes - 1
+
 
 @dataclass(frozen=True)
 class Candidate:
     label: str
     plan: Plan
     estimate: StepEstimate
-    activations: tuple[tuple[str, str], ...] = ()  # (unit, policy) for units that do not keep
+    activations: tuple[tuple[str, str], ...] = ()  # (unit, policy) for every unit, when chosen here
 
 
 @dataclass(frozen=True)
 class SearchResult:
     best: Candidate
-    candidates: tuple[Candidate, ...]  # every plan scored, least estimate first
+    candidates: tuple[Candidate, ...]  # every plan replayed, least estimate first
+    pruned: int = 0  # candidates whose lower bound left them out of the replay
 
     @property
     def plan(self) -> Plan:
@@ -84,8 +118,8 @@ class SearchResult:
 
     @property
     def activations(self) -> dict[str, str]:
-        """The chosen activation policy per unit (units not named keep theirs)."""
-        return dict(self.best.activations)
+        """The chosen activation policy of each unit that does not keep its activations."""
+        return {u: p for u, p in self.best.activations if p != "keep"}
 
 
 def _score(
@@ -95,194 +129,10 @@ def _score(
                   activations=acts or {}, act_prefetch_units=req.act_prefetch_units)  # fmt: skip
 
 
-def activation_candidates(model: ModelProfile, req: Request, device: str) -> list[tuple[str, dict]]:
-    """Activation policies to score when the saved activations exceed req.budgets.activation_bytes.
-
-    Units are ranked by forward FLOPs per saved byte, lowest first (the paper's rule): those are
-    the cheapest to recompute per byte freed and the hardest to hide a swap behind. Candidates:
-    recompute along the ranking until the rest fits; keep along the ranking what fits (with room
-    for the swapped units' working set, as the runtime reserves it) and swap the rest to host
-    memory (CUDA) or SSD; and half of each."""
-    acts = [(i, u) for i, u in enumerate(model.units) if u.activation_bytes > 0]
-    total = sum(u.activation_bytes for _, u in acts)
-    if req.budgets.activation_bytes is None or total <= req.budgets.activation_bytes:
-        return [("keep", {})]
-    cap = req.budgets.activation_bytes
-    ranked = [u for _, u in sorted(acts, key=lambda x: (x[1].forward_flops / x[1].activation_bytes, -x[0]))]
-    swap_to = "host" if device == "cuda" else "ssd"
-    out = []
-    # recompute the lowest ratios until what is kept fits
-    rec, kept = {}, total
-    for u in ranked:
-        if kept <= cap:
-            break
-        rec[u.name] = "recompute"
-        kept -= u.activation_bytes
-    if kept <= cap:
-        out.append(("recompute lowest FLOPs/byte", rec))
-    # keep along the ranking, swap the rest
-    working = 2 if req.act_prefetch_units > 0 else 1
-    for pol in dict.fromkeys((swap_to, "ssd")):
-        keep, used = set(), 0
-        for u in ranked:
-            rest = [v.activation_bytes for v in ranked if v.name not in keep and v is not u]
-            if used + u.activation_bytes + working * max(rest, default=0) <= cap:
-                keep.add(u.name)
-                used += u.activation_bytes
-        out.append(
-            (
-                f"keep lowest FLOPs/byte, swap the rest to {pol}",
-                {u.name: pol for u in ranked if u.name not in keep},
-            )
-        )
-    # half recomputed, half swapped
-    if rec:
-        half = dict(list(rec.items())[: max(1, len(rec) // 2)])
-        swapped = {u.name: swap_to for u in reversed(ranked) if u.name not in half}
-        kept_bytes = 0
-        for u in ranked:
-            if u.name in swapped and kept_bytes + u.activation_bytes <= cap // 2:
-                del swapped[u.name]
-                kept_bytes += u.activation_bytes
-        out.append(("recompute half, swap half", {**half, **swapped}))
-    return out or [("recompute all", {u.name: "recompute" for u in ranked})]
-
-
-def _fits(plan: Plan, req: Request) -> bool:
-    s = build_schedule(plan)
-    return s.peak_device_bytes <= req.budgets.device_bytes and s.peak_host_bytes <= req.budgets.host_bytes
-
-
-def _upgrades(plan: Plan, traffic: dict) -> list[tuple[float, int, str, str]]:
-    """(value per byte, forward index, unit, what) for every array that could stay in memory."""
-    out = []
-    cpu = plan.device == "cpu"
-    cdt = plan.compute_dtype
-    for i, (u, _) in enumerate(plan):
-        master = traffic.get(f"{u.name}.master", 0)
-        moments = traffic.get(f"{u.name}.exp_avg", 0) + traffic.get(f"{u.name}.exp_avg_sq", 0)
-        weights = traffic.get(f"{u.name}.weights", 0)
-        if plan.separate_weights:
-            out.append(((weights + 1) / u.weights_bytes(cdt), i, u.name, "weights@device"))
-            out.append(((weights + 1) / u.weights_bytes(cdt), i, u.name, "weights@host"))
-            out.append(((master + 1) / u.master_bytes, i, u.name, "master@host"))
-        else:
-            out.append(
-                ((master + 1) / u.master_bytes, i, u.name, "master@device" if cpu else "weights@device")
-            )
-            out.append(((master + 1) / u.master_bytes, i, u.name, "master@host"))
-        out.append(((moments + 1) / u.moments_bytes, i, u.name, "moments@host"))
-    out.sort(key=lambda x: (-x[0], x[1]))
-    return out
-
-
-def _apply(plan: Plan, unit: str, what: str) -> Optional[Plan]:
-    """The plan with one more array kept in memory, or None if that does not apply."""
-    idx = [u.name for u in plan.units].index(unit)
-    p = plan.placements[idx]
-    cpu = plan.device == "cpu"
-    sep = plan.separate_weights
-    if what == "master@device":  # CPU device, fp32: the weights are the master
-        if p.weights is Tier.DEVICE:
-            return None
-        new = replace(p, weights=Tier.DEVICE, master=Tier.HOST)
-    elif what == "weights@device":
-        if p.weights is Tier.DEVICE:
-            return None
-        new = replace(p, weights=Tier.DEVICE)
-        if cpu and not sep:
-            new = replace(new, master=Tier.HOST)
-    elif what == "weights@host":
-        if p.weights is not Tier.SSD:
-            return None
-        new = replace(p, weights=Tier.HOST)
-    elif what == "master@host":
-        if p.master is Tier.HOST:
-            return None
-        new = replace(p, master=Tier.HOST)
-        if not sep and p.weights is not Tier.DEVICE:
-            new = replace(new, weights=Tier.HOST)
-    elif what == "moments@host":
-        if p.moments is Tier.HOST:
-            return None
-        new = replace(p, moments=Tier.HOST)
-    else:
-        raise ValueError(what)
-    placements = list(plan.placements)
-    placements[idx] = new
-    try:
-        return replace(plan, placements=tuple(placements))
-    except PlanError:
-        return None
-
-
-MAX_MISSES = 6  # a fill stops after this many arrays in a row did not fit
-
-
-def _take(base: Plan, steps: list[tuple[tuple[str, str], ...]], req: Request) -> Plan:
-    """Applies `steps` in order (each the first of its (unit, what) alternatives that fits) while
-    the budgets allow. The longest prefix that fits with first alternatives is found by bisection
-    (keeping more never shrinks the peaks much), then steps go one by one, up to MAX_MISSES
-    misses in a row: O(log n) schedule walks where a plain loop takes n."""
-
-    def prefix(n: int) -> Plan:
-        plan = base
-        for step in steps[:n]:
-            nxt = _apply(plan, *step[0])
-            plan = nxt if nxt is not None else plan
-        return plan
-
-    lo, hi = 0, len(steps)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _fits(prefix(mid), req):
-            lo = mid
-        else:
-            hi = mid - 1
-    plan, misses = prefix(lo), 0
-    for step in steps[lo:]:
-        for unit, what in step:
-            nxt = _apply(plan, unit, what)
-            if nxt is not None and _fits(nxt, req):
-                plan, misses = nxt, -1
-                break
-        misses += 1
-        if misses >= MAX_MISSES:
-            break
-    return _persistent_grads(plan, req)
-
-
-def _greedy(base: Plan, traffic: dict, req: Request) -> Plan:
-    return _take(base, [((unit, what),) for _, _, unit, what in _upgrades(base, traffic)], req)
-
-
-def _ordered_fill(base: Plan, order: list[str], arrays: tuple[str, ...], req: Request) -> Plan:
-    """Keeps `arrays` of the units in `order` (all of the first array's units, then the next
-    array's) while the budgets allow: the fills a person tuning by hand would try."""
-    masters = ("master@device", "master@host") if base.device == "cpu" else ("master@host",)
-    steps = [
-        tuple((u, w) for w in (masters if what == "master" else (what,))) for what in arrays for u in order
-    ]
-    return _take(base, steps, req)
-
-
-FILLS = (
-    ("forward, master first", False, ("master", "moments@host")),
-    ("forward, moments first", False, ("moments@host", "master")),
-    ("backward, master first", True, ("master", "moments@host")),
-)
-
-
-def _persistent_grads(plan: Plan, req: Request) -> Plan:
-    """Gradients kept between micro-batches or for a deferred update: in host memory if all fit."""
-    if not plan.persistent_grads:
-        return plan
-    host = replace(plan, placements=tuple(replace(p, grads=Tier.HOST) for p in plan.placements))
-    return (
-        host
-        if _fits(host, req)
-        else replace(plan, placements=tuple(replace(p, grads=Tier.SSD) for p in plan.placements))
-    )
+def act_planner(model: ModelProfile, req: Request, device: str) -> ActPlanner:
+    names = [u.name for u in model.units]
+    return ActPlanner(act_units(model), fixed_policies(req.settings.activations, names), device=device,
+                      host_bytes=req.act_host_bytes)  # fmt: skip
 
 
 def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:
@@ -302,68 +152,112 @@ def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:
 
 def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> SearchResult:
     units = model.unit_specs()
-    common = dict(device=hardware.device, budgets=req.budgets, **plan_shape(req.settings))
-    cands: list[Candidate] = []
+    b = req.budgets
+    common = dict(device=hardware.device, budgets=b, **plan_shape(req.settings))
+    acts = act_planner(model, req, hardware.device)
+    counted = req.counted
+    least = acts.least.need_bytes if counted else 0
+    if counted:
+        reserves = sorted({min(req.act_cap, acts.keep_all.need_bytes), least}, reverse=True)
+    else:
+        reserves = [0]
+    fixed = acts._choice("settings", {})  # not counted: the settings' policies, others kept
+    groups: list[tuple[float, str, Plan, list]] = []  # (least bound, label, plan, [(bound, i, choice)])
+    alike: set = set()
+    grain = max(1, sum(u.master_bytes + u.moments_bytes for u in units) // 1000)  # 0.1% of the state
     smallest: Optional[Plan] = None
     for k, q in _depths(req, len(units)):
         base = streaming_plan(units, prefetch_depth=k, optim_prefetch_depth=q, **common)
         if smallest is None or (k, q) < (smallest.prefetch_depth, smallest.optim_prefetch_depth):
             smallest = base
-        sched = build_schedule(base)
-        if (
-            sched.peak_device_bytes > req.budgets.device_bytes
-            or sched.peak_host_bytes > req.budgets.host_bytes
-        ):
+        dev0, host0 = peak_bytes(base)
+        if host0 > b.host_bytes or dev0 + least > b.device_bytes or least > req.act_cap:
             continue
-        est, traffic = _score(base, hardware, model, req)
-        tried = {base.placements: "stream"}
-        greedy = _greedy(base, traffic, req)
-        tried.setdefault(greedy.placements, "greedy")
-        dflt = _keep_what_fits(
-            base,
-            req.budgets.device_bytes - sched.peak_device_bytes,
-            req.budgets.host_bytes - sched.peak_host_bytes,
-        )
-        if _fits(dflt, req):
-            tried.setdefault(_persistent_grads(dflt, req).placements, "default fill")
-        names = [u.name for u in units]
-        for label, backward, arrays in FILLS:
-            filled = _ordered_fill(base, names[::-1] if backward else names, arrays, req)
-            tried.setdefault(filled.placements, label)
+        tried: dict = {}
+        for r in reserves:
+            for placements, how in _placements(base, req, r).items():
+                tried.setdefault(placements, how)
         for placements, how in tried.items():
             plan = replace(base, placements=placements, notes=())
             if req.ssd_free_bytes is not None and plan.ssd_bytes() > req.ssd_free_bytes:
                 continue
-            e = est if how == "stream" else _score(plan, hardware, model, req)[0]
-            cands.append(Candidate(f"k={k} q={q} {how}", plan, e))
-    if not cands:
-        _raise_infeasible(smallest, req)
+            choices: tuple = (fixed,)
+            if counted:
+                room = min(req.act_cap, b.device_bytes - peak_bytes(plan)[0])
+                choices = acts.candidates(room)
+                plan = replace(plan, budgets=Budgets(b.device_bytes, b.host_bytes, activation_bytes=room))
+            label = f"k={k} q={q} {how}"
+            # placements keeping the same bytes in each tier (to 0.1% of the state) at these
+            # depths behave alike: one of them is replayed (fills differ in which of equal units)
+            same = (k, q, plan.resident_device_bytes() // grain, plan.resident_host_bytes() // grain,
+                    plan.ssd_bytes() // grain, tuple(c.policies for c in choices))  # fmt: skip
+            if same in alike:
+                continue
+            alike.add(same)
+            bounds = [(_bound(plan, c, hardware, model, req), i, c) for i, c in enumerate(choices)]
+            if bounds:
+                groups.append((min(bounds)[0], label, plan, sorted(bounds)))
+    if not groups:
+        _raise_infeasible(smallest, req, acts, model)
+    # 1. the placements, each with its activation choice of least bound, from the least bound up
+    groups.sort(key=lambda g: g[0])
+    cands: list[Candidate] = []
+    best_s = float("inf")
+    slow = _slow(hardware)
+    # a replay walks every visit of three steps: on models of many units, fewer of them
+    max_replays = ROBUST_MAX if len(units) <= MANY_UNITS else MANY_REPLAYS
+    slow_s: dict[int, float] = {}  # id(candidate) -> its estimate on the slow SSD
+    reach = float("inf")  # no candidate whose estimate is beyond this can win the robust pick
+    for lb, label, plan, bounds in groups:
+        if lb > min(best_s * (1 + ROBUST_WINDOW), reach) or len(cands) >= max_replays:
+            break
+        c = bounds[0][2]
+        cands.append(_candidate(label, plan, c, counted, hardware, model, req))
+        if cands[-1].estimate.step_s < best_s:
+            best = cands[-1]
+            improved = best.estimate.step_s < best_s * (1 - RESCORE_GAIN)
+            best_s = best.estimate.step_s
+            if not improved:
+                continue  # (the reach of a best only slightly worse still holds every contender)
+            # Note: a slower SSD never makes a step shorter, so a candidate can win the robust
+            # pick (the least mean of both estimates, to TIE_FRAC) only if its own estimate is
+            # within TIE_FRAC of the best's mean: beyond that nothing needs replaying
+            slow_s[id(best)] = _score(best.plan, slow, model, req, dict(best.activations))[0].step_s
+            reach = (1 + TIE_FRAC) * (best_s + slow_s[id(best)]) / 2
+    replayed = len(cands)
+    # 2. the other activation choices of the best few placements
     cands.sort(key=lambda c: c.estimate.step_s)
-    act_cands = activation_candidates(model, req, hardware.device)
-    if act_cands != [("keep", {})]:
-        # the activation policy interacts with placement through the SSD and the cores: score
-        # every policy against the best few placements
-        top = cands[:ACT_TOP_PLACEMENTS]
-        cands = []
-        for c in top:
-            for label, acts in act_cands:
-                e = _score(c.plan, hardware, model, req, acts)[0]
-                cands.append(
-                    Candidate(f"{c.label}; activations: {label}", c.plan, e, tuple(sorted(acts.items())))
-                )
-        cands.sort(key=lambda c: c.estimate.step_s)
-    best = _robust_pick(cands, hardware, model, req)
+    by_plan = {id(g[2]): g for g in groups}
+    for top in cands[: ACT_TOP_PLACEMENTS - (len(units) > MANY_UNITS)]:
+        _, label, plan, bounds = by_plan[id(top.plan)]
+        for lb, _, c in bounds[1:]:
+            if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
+                cands.append(_candidate(label, plan, c, counted, hardware, model, req))
+                best_s = min(best_s, cands[-1].estimate.step_s)
+                replayed += 1
+    total = sum(len(g[3]) for g in groups)
+    cands.sort(key=lambda c: c.estimate.step_s)
+    best = _robust_pick(cands, hardware, model, req, slow_s)
     notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
-             f"(best of {len(cands)} candidates)",)  # fmt: skip
+             f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound)",)  # fmt: skip
     best_plan = replace(best.plan, notes=notes)
     io = io_choice(hardware)
     if io is not None:
         best_plan = replace(best_plan, io_block_size_bytes=io.block_size_bytes, io_queue_depth=io.queue_depth)
-    if best.activations:
-        acts = dict(best.activations)
-        best_plan = replace(best_plan, activations=tuple(acts.get(u.name, "keep") for u in best_plan.units))
+    if counted:
+        best_plan = replace(best_plan, activations=tuple(p for _, p in best.activations))
     best = replace(best, plan=best_plan)
-    return SearchResult(best, tuple(cands))
+    return SearchResult(best, tuple(cands), total - replayed)
+
+
+def _bound(plan: Plan, c: ActChoice, hw: HardwareProfile, model: ModelProfile, req: Request) -> float:
+    return lower_bound(plan, hw, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
+                       activations=c.as_dict())  # fmt: skip
+
+
+def _candidate(label: str, plan: Plan, c: ActChoice, counted: bool, hw, model, req: Request) -> Candidate:
+    e = _score(plan, hw, model, req, c.as_dict())[0]
+    return Candidate(label + (f"; activations: {c.label}" if counted else ""), plan, e, c.policies)
 
 
 IO_GAIN = 0.9  # another I/O setting is used only if it moves a byte in at most this much time
@@ -383,28 +277,63 @@ def io_choice(hardware: HardwareProfile) -> Optional[IOPoint]:
     return best if best.seconds_per_byte() <= IO_GAIN * default.seconds_per_byte() else None
 
 
-def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfile, req: Request) -> Candidate:
+def _slow(hw: HardwareProfile) -> HardwareProfile:
+    """The hardware with the SSD at SLOW_SSD of its measured speed (see _robust_pick)."""
+    return replace(
+        hw,
+        ssd_read_gbps=hw.ssd_read_gbps * SLOW_SSD,
+        ssd_write_gbps=hw.ssd_write_gbps * SLOW_SSD,
+        ssd_mixed_gbps=hw.ssd_mixed_gbps * SLOW_SSD,
+        ssd_mixed_busy_gbps=hw.ssd_mixed_busy_gbps * SLOW_SSD,
+        ssds=tuple(
+            replace(d, read_gbps=d.read_gbps * SLOW_SSD, write_gbps=d.write_gbps * SLOW_SSD) for d in hw.ssds
+        ),
+    )
+
+
+def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfile, req: Request,
+                 slow_s: Optional[dict] = None) -> Candidate:  # fmt: skip
     """The candidate to run. Note: the SSD's bandwidth moves from run to run (up to 2x on the
     development machine, DESIGN.md), and a plan whose I/O sits on the critical path pays for
     every slow moment. So the candidates within ROBUST_WINDOW of the best estimate are scored
     again with the SSD at SLOW_SSD of its measured rate, and the one with the least mean of the
     two estimates wins; means within TIE_FRAC go to the plan moving fewer SSD bytes."""
     best_s = cands[0].estimate.step_s
-    near = [c for c in cands if c.estimate.step_s <= best_s * (1 + ROBUST_WINDOW)][:ROBUST_MAX]
-    slow = replace(
-        hw,
-        ssd_read_gbps=hw.ssd_read_gbps * SLOW_SSD,
-        ssd_write_gbps=hw.ssd_write_gbps * SLOW_SSD,
-        ssd_mixed_gbps=hw.ssd_mixed_gbps * SLOW_SSD,
-        ssd_mixed_busy_gbps=hw.ssd_mixed_busy_gbps * SLOW_SSD,
-    )
-    score = {}
+    ref = cands[0].estimate
+    many = len(cands[0].plan.units) > MANY_UNITS
+    near = [c for c in cands if c.estimate.step_s <= best_s * (1 + ROBUST_WINDOW)][
+        : MANY_NEAR if many else ROBUST_MAX
+    ]
+    slow = _slow(hw)
+    slow_s = slow_s or {}
+    score: dict[int, float] = {}
+    top = float("inf")
+    seen: dict[tuple, float] = {}
     for c in near:
-        pessimistic = _score(c.plan, slow, model, req, dict(c.activations))[0].step_s
-        score[id(c)] = (c.estimate.step_s + pessimistic) / 2
-    top = min(score.values())
+        e = c.estimate
+        # candidates moving the same bytes in the same time (to TIE_FRAC) fare alike on a slow SSD
+        same = (round(e.step_s / best_s, 2), _rel(e.ssd_read_bytes, ref.ssd_read_bytes),
+                _rel(e.ssd_write_bytes, ref.ssd_write_bytes), _rel(e.h2d_bytes, ref.h2d_bytes))  # fmt: skip
+        if same in seen:
+            score[id(c)] = seen[same]
+            continue
+        acts = dict(c.activations)
+        # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
+        floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads,
+                            micro_batches=req.micro_batches, activations=acts)  # fmt: skip
+        # (a slower SSD never makes a step shorter)
+        if (c.estimate.step_s + max(floor, c.estimate.step_s)) / 2 > top * (1 + TIE_FRAC):
+            continue
+        pessimistic = slow_s[id(c)] if id(c) in slow_s else _score(c.plan, slow, model, req, acts)[0].step_s
+        score[id(c)] = seen[same] = (c.estimate.step_s + pessimistic) / 2
+        top = min(top, score[id(c)])
+    near = [c for c in near if id(c) in score]
     close = [c for c in near if score[id(c)] <= top * (1 + TIE_FRAC)]
     return min(close, key=lambda c: (c.estimate.ssd_read_bytes + c.estimate.ssd_write_bytes, score[id(c)]))
+
+
+def _rel(x: float, ref: float) -> float:
+    return round(x / ref, 2) if ref else x
 
 
 def plan(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Plan:
@@ -413,25 +342,44 @@ def plan(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Plan:
     return search(hardware, model, req).plan
 
 
-def _raise_infeasible(smallest: Optional[Plan], req: Request) -> None:
+def _raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, model: ModelProfile) -> None:
     if smallest is None:
         raise PlanError("no prefetch depths to try")
-    sched = build_schedule(smallest)
+    dev0, host0 = peak_bytes(smallest)
     cdt = smallest.compute_dtype
     biggest = max(smallest.units, key=lambda u: u.master_bytes)
+    b = req.budgets
     parts = []
-    if sched.peak_device_bytes > req.budgets.device_bytes:
-        miss = sched.peak_device_bytes - req.budgets.device_bytes
+    least = acts.least if req.counted else None
+    act_need = least.need_bytes if least is not None else 0
+    largest_batch = None
+    if dev0 + act_need > b.device_bytes or act_need > req.act_cap:
+        miss = max(dev0 + act_need - b.device_bytes, act_need - req.act_cap)
+        msg = (f"the device budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(b.device_bytes)}, "
+               f"streaming with prefetch depth {smallest.prefetch_depth} needs {fmt_bytes(dev0)} of buffers")  # fmt: skip
+        if least is not None:
+            top = max(acts.units, key=lambda u: u.saved)
+            msg += (f" and the saved activations at least {fmt_bytes(act_need)} at micro-batch {model.micro_batch} "
+                    f"(every unit swapped that can be; the largest, {top.name!r}, saves {fmt_bytes(top.saved)})")  # fmt: skip
+            if req.budgets.activation_bytes is not None and act_need > req.act_cap:
+                msg += f", above the activation budget of {fmt_bytes(req.act_cap)}"
+            # activations grow with the micro-batch (tokens), the buffers do not
+            room = min(req.act_cap, b.device_bytes - dev0)
+            if dev0 < b.device_bytes and act_need > 0:
+                largest_batch = int(room * model.micro_batch // act_need)
+                msg += (f". The largest micro-batch that fits is {largest_batch}" if largest_batch >= 1 else
+                        ". No micro-batch fits")  # fmt: skip
+            per_sample = -(-act_need // model.micro_batch)
+            msg += (f"; at micro-batch {model.micro_batch} the device budget must be at least "
+                    f"{fmt_bytes(dev0 + act_need)} ({dev0 + act_need} bytes), at micro-batch 1 "
+                    f"{fmt_bytes(dev0 + per_sample)}")  # fmt: skip
+        parts.append(msg)
+    if host0 > b.host_bytes:
+        miss = host0 - b.host_bytes
         parts.append(
-            f"the device budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(req.budgets.device_bytes)}, "
-            f"streaming with prefetch depth {smallest.prefetch_depth} needs {fmt_bytes(sched.peak_device_bytes)}"
-        )
-    if sched.peak_host_bytes > req.budgets.host_bytes:
-        miss = sched.peak_host_bytes - req.budgets.host_bytes
-        parts.append(
-            f"the host budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(req.budgets.host_bytes)}, "
+            f"the host budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(b.host_bytes)}, "
             f"the optimizer's working set with read-ahead {smallest.optim_prefetch_depth} needs "
-            f"{fmt_bytes(sched.peak_host_bytes)}"
+            f"{fmt_bytes(host0)}"
         )
     if not parts and req.ssd_free_bytes is not None:
         need = _all_kept_ssd_bytes(smallest, req)
@@ -443,16 +391,16 @@ def _raise_infeasible(smallest: Optional[Plan], req: Request) -> None:
     raise InfeasibleError(
         "no plan fits the budgets: " + "; ".join(parts) + f". The largest unit is {biggest.name!r} "
         f"({biggest.numel:,} parameters: {fmt_bytes(biggest.weights_bytes(cdt))} of {cdt} weights, "
-        f"{fmt_bytes(biggest.master_bytes + biggest.moments_bytes)} of master weights and moments)."
+        f"{fmt_bytes(biggest.master_bytes + biggest.moments_bytes)} of master weights and moments).",
+        largest_micro_batch=largest_batch if largest_batch is not None and parts[1:] == [] else None,
+        device_bytes_needed=dev0 + act_need,
     )
 
 
 def _all_kept_ssd_bytes(plan: Plan, req: Request) -> int:
     """SSD bytes of the plan that keeps the most in memory (forward fill) at these depths."""
-    s = build_schedule(plan)
-    kept = _keep_what_fits(
-        plan, req.budgets.device_bytes - s.peak_device_bytes, req.budgets.host_bytes - s.peak_host_bytes
-    )
+    dev, host = peak_bytes(plan)
+    kept = _keep_what_fits(plan, req.budgets.device_bytes - dev, req.budgets.host_bytes - host)
     return kept.ssd_bytes()
 
 

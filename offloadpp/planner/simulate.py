@@ -47,6 +47,7 @@ class Slot:
     pool: Pool
     resident: bool
     on_disk: bool
+    stored: bool = True  # its home is SSD (Plan.homes): written after its update
     state: int = EMPTY
     holds: set = field(default_factory=set)
     read_done: When = None
@@ -158,27 +159,29 @@ class Unit:
         self.compute_bytes = n * cdt
         master_pool = sim.device_pool if (not cuda and alias) else sim.host_pool
 
-        def slot(array: str, nbytes: int, pool: Pool, resident: bool, on_disk: bool) -> Slot:
-            s = Slot(f"{spec.name}.{array}", nbytes, pool, resident, on_disk and not resident)
+        homes = plan.homes(spec, placement)  # the accounting the plan and the runtime share
+
+        def slot(array: str, nbytes: int, pool: Pool) -> Slot:
+            home = homes[array]
+            resident = home is Tier.HOST or home is Tier.DEVICE
+            # master and compute copies are on SSD from the start (written at initialisation)
+            s = Slot(f"{spec.name}.{array}", nbytes, pool, resident,
+                     on_disk=home is Tier.SSD and array in ("master", "weights"), stored=home is Tier.SSD)  # fmt: skip
             if resident:
                 pool.allocated += nbytes
                 pool.peak = max(pool.peak, pool.allocated)
                 s.state = READY
             return s
 
-        self.master = slot("master", n * 4, master_pool, placement.master is Tier.HOST, True)
+        self.master = slot("master", n * 4, master_pool)
         if alias:
             self.compute = self.master
         else:
-            res = placement.weights is Tier.HOST or (not cuda and placement.weights is Tier.DEVICE)
-            self.compute = slot("weights", n * cdt, sim.device_pool if not cuda else sim.host_pool, res, True)
-        moments_host = placement.moments is Tier.HOST
-        self.exp_avg = slot("exp_avg", n * 4, sim.host_pool, moments_host, False)
-        self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool, moments_host, False)
+            self.compute = slot("weights", n * cdt, sim.device_pool if not cuda else sim.host_pool)
+        self.exp_avg = slot("exp_avg", n * 4, sim.host_pool)
+        self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool)
         self.grads_persist = plan.persistent_grads
-        self.grads = slot(
-            "grads", n * 4, sim.host_pool, plan.persistent_grads and placement.grads is Tier.HOST, False
-        )
+        self.grads = slot("grads", n * 4, sim.host_pool)
         if cuda:
             self.weights = CudaWeights(self.compute, resident=placement.weights is Tier.DEVICE)
             if placement.weights is Tier.DEVICE:
@@ -237,13 +240,13 @@ class Costs:
 class Sim:
     def __init__(self, plan: Plan, costs: Costs, ssd: Ssd, h2d: Fifo, d2h: Fifo, *, micro_batches: int,
                  act_policies: Optional[Mapping[str, str]] = None, act_bytes: Optional[Mapping[str, int]] = None,
-                 act_prefetch_units: int = 2):  # fmt: skip
+                 act_prefetch_units: int = 2, act_inputs: Optional[Mapping[str, int]] = None):  # fmt: skip
         self.plan, self.costs = plan, costs
         self.ssd, self.h2d, self.d2h = ssd, h2d, d2h
         self.t = 0.0
         self.cuda = plan.device == "cuda"
         budgets = plan.budgets
-        self.device_pool = Pool(budgets.device_bytes if budgets is not None else 0)
+        self.device_pool = Pool(budgets.buffer_bytes if budgets is not None else 0)
         self.host_pool = Pool(budgets.host_bytes if budgets is not None else 0)
         self.resident_device_bytes = 0
         self.pool_wait_s = 0.0
@@ -252,6 +255,8 @@ class Sim:
         self.by_name = {u.name: u for u in self.units}
         self.order = [self.by_name[n] for n in self.sched.absorb_order]  # as gradients complete
         self.update_order = [self.by_name[n] for n in self.sched.update_order]
+        self.order_index = {u.name: i for i, u in enumerate(self.order)}
+        self.update_index = {u.name: i for i, u in enumerate(self.update_order)}
         self.micro_batches = micro_batches
         self.deferred = plan.deferred_update
         self.q = self.sched.optim_window
@@ -269,13 +274,16 @@ class Sim:
             alive = self.sched.alive[i]
             names: list[str] = []
             for v in self.sched.visits[i:]:
+                if len(names) == len(alive):
+                    break
                 names.extend(n for n in v.needs if n not in names and n in alive)
             names.extend(sorted(alive - set(names)))
             self.fetch_order.append(tuple(names))
         self.marks: list[dict] = []  # per step: times of its phases
         self.adam_busy_s = 0.0
         self.compute_busy_s = 0.0
-        self.act = ActReplay(self, act_policies or {}, act_bytes or {}, act_prefetch_units)
+        self.act = ActReplay(self, act_policies or {}, act_bytes or {}, act_prefetch_units,
+                             budgets.activation_bytes if budgets is not None else None, act_inputs)  # fmt: skip
 
     def helpers(self) -> list[Iterator]:
         """The replay's other threads: the optimizer's worker, and the activation mover if any."""
@@ -294,6 +302,7 @@ class Sim:
                 nf = self.sched.num_forward
                 for v in self.sched.visits[:nf]:
                     yield from self.enter(v.index)
+                    yield from self.act.before_forward(v.unit)
                     yield ("cpu", self.costs.forward_s[v.unit] + self.costs.forward_visit_s)
                     self.act.after_forward(v.unit)
                 m.setdefault("forward_end", []).append(self.t)
@@ -311,6 +320,7 @@ class Sim:
                         + self.act.recompute_s(v.unit)
                     )
                     yield ("cpu", work)
+                    self.act.after_backward(v.unit)
                     yield from self.on_grads(self.by_name[v.unit])
                 self.in_backward = False
                 for u in list(self.held):
@@ -397,7 +407,7 @@ class Sim:
         if not u.grads_pending:
             return
         u.grads_pending = False
-        idx = self.order.index(u)
+        idx = self.order_index[u.name]
         yield from self.advance_absorb(idx + 1)
         last = idx == len(self.order) - 1
         job = Job(u, defer_writes=last)
@@ -424,9 +434,9 @@ class Sim:
             yield from self.fill_update(job, u, rate)
             self.submitted += 1
             yield from self.advance_update(self.submitted + self.q + 1)
-        elif self.deferred and self.boundary and any(u is w for w in self.update_order[: self.update_cursor]):
+        elif self.deferred and self.boundary and self.update_index[u.name] < self.update_cursor:
             job.keep_grads = True
-        elif u.grads_persist and not u.grads.resident:
+        elif u.grads_persist and u.grads.stored:
             job.writes.append(u.grads)
         self.add_before(job, u.grads)
         self.submit(job)
@@ -445,7 +455,7 @@ class Sim:
             yield from u.compute.acquire(self, OPTIM, overwrite=True)
             self.add_before(job, u.compute)
             slots.append(u.compute)
-        job.writes.extend(s for s in slots if not s.resident)
+        job.writes.extend(s for s in slots if s.stored)
         u.phase = "updating"
 
     def add_before(self, job: Job, *slots: Slot) -> None:

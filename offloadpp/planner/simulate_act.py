@@ -8,9 +8,17 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
   ssd        as host, then the worker writes them to SSD; backward reads them back ahead of use.
   recompute  nothing is saved: backward runs the unit's forward again first.
 Backward fetches the activations of the unit it reaches and of the next `prefetch_units` units
-(in backward order). A fetch finds a swap-out job still queued: it is cancelled (the bytes never
-left). Still copying: ready when the copy ends. Still in host memory (host policy, or an SSD write
-not yet finished): ready at once. On SSD: a read, queued behind whatever the SSD is doing.
+(in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
+cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
+(host policy, or an SSD write not yet finished): ready at once. On SSD: a read, queued behind
+whatever the SSD is doing.
+
+Device bytes are counted as the runtime counts them (planner/activations.py): a kept unit's from
+its forward to the end of its backward, a recomputing unit's inputs from its forward and what it
+recomputes during its backward, a swapped unit's until its copy out is done and again from its
+fetch. With a budget (the plan's Budgets.activation_bytes), a unit's forward waits for the
+oldest copies out until its bytes fit, as the runtime's pack hook waits (per unit here, per
+saved tensor there).
 """
 
 from __future__ import annotations
@@ -36,24 +44,31 @@ class _Out:
     cancelled: bool = False
     copy_done: Optional[float] = None
     write_done: When = None
+    back: bool = False  # fetched back: its bytes are on the device again
 
 
 class ActReplay:
-    def __init__(
-        self, sim: Sim, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int
-    ):
+    def __init__(self, sim: Sim, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int,
+                 budget: Optional[int] = None, inputs: Optional[Mapping[str, int]] = None):  # fmt: skip
         bad = {u: p for u, p in policies.items() if p not in POLICIES}
         if bad:
             raise ValueError(f"activation policies must be one of {POLICIES}, got {bad}")
         self.sim = sim
         self.policies = dict(policies)
         self.act_bytes = dict(act_bytes)
+        self.inputs = dict(inputs or {})
         self.prefetch = prefetch_units
+        self.budget = budget
         self.backward_order = [v.unit for v in sim.sched.visits if v.backward]
+        self.backward_index = {u: i for i, u in enumerate(self.backward_order)}
         self.queue: deque[_Out] = deque()
+        self.inflight: deque[_Out] = deque()  # swap-outs whose copy is not done, oldest first
         self.out: dict[str, _Out] = {}
         self.ready: dict[str, tuple[When, bool]] = {}  # unit -> (its read or time, a h2d copy to follow)
         self.swapped_bytes = 0
+        self.device_bytes = 0  # accounted on the device now (see the module docstring)
+        self.peak_bytes = 0
+        self.wait_s = 0.0  # forward waiting for copies out
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -67,26 +82,53 @@ class ActReplay:
             return 0.0
         return self.sim.costs.forward_s[unit] + self.sim.costs.forward_visit_s
 
+    def _add(self, n: int) -> None:
+        self.device_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+
     # ---- forward -------------------------------------------------------------------------
+    def before_forward(self, unit: str) -> Iterator:
+        """The unit's forward saves its bytes (a recomputing one keeps its inputs): within the
+        budget, waiting for the oldest copies out."""
+        pol = self.policy(unit)
+        own = self.inputs.get(unit, 0) if pol == "recompute" else self.act_bytes.get(unit, 0)
+        if self.budget is not None:
+            t0 = self.sim.t
+            while self.device_bytes + own > self.budget and self.inflight:
+                job = self.inflight[0]
+                yield ("cond", lambda job=job: job.copy_done is not None or job.cancelled)
+                if self.inflight and self.inflight[0] is job:
+                    self.inflight.popleft()
+            self.wait_s += self.sim.t - t0
+        self._add(own)
+
     def after_forward(self, unit: str) -> None:
         pol = self.policy(unit)
         n = self.act_bytes.get(unit, 0)
+        while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
+            self.inflight.popleft()
         if pol in ("host", "ssd") and n > 0:
             job = _Out(unit, n, pol == "ssd")
             self.out[unit] = job
             self.queue.append(job)
+            self.inflight.append(job)
             self.ready.pop(unit, None)
 
     # ---- backward ------------------------------------------------------------------------
     def before_backward(self, unit: str) -> Iterator:
-        """At the unit's backward visit: fetch it and the next units', then wait for its own."""
-        i = self.backward_order.index(unit)
-        for name in self.backward_order[i : i + self.prefetch + 1]:
-            self._fetch(name)
+        """At the unit's backward visit: fetch it and the next units' (within the budget), then
+        wait for its own."""
+        i = self.backward_index[unit]
+        self._fetch(unit, force=True)
+        if self.policy(unit) == "recompute":  # what it recomputes is counted before any prefetch
+            self._add(self.act_bytes.get(unit, 0))
+        for name in self.backward_order[i + 1 : i + self.prefetch + 1]:
+            if not self._fetch(name, force=False):
+                break
         r = self.ready.get(unit)
         if r is None and unit in self.out:  # fetched while its copy was running: ready when it ends
             yield ("cond", lambda: self.out[unit].copy_done is not None)
-            self._fetch(unit)
+            self._fetch(unit, force=True)
             r = self.ready.get(unit)
         if r is not None:
             got, h2d = r
@@ -99,24 +141,38 @@ class ActReplay:
         self.out.pop(unit, None)
         self.ready.pop(unit, None)
 
-    def _fetch(self, unit: str) -> None:
+    def after_backward(self, unit: str) -> None:
+        """The unit's backward is done: its activations (and a recompute's inputs) are released."""
+        n = self.act_bytes.get(unit, 0)
+        self.device_bytes -= n + (self.inputs.get(unit, 0) if self.policy(unit) == "recompute" else 0)
+
+    def _fetch(self, unit: str, force: bool) -> bool:
+        """Starts bringing `unit`'s activations back; False when the budget has no room for
+        them (a prefetch waits for a later visit)."""
         job = self.out.get(unit)
-        if job is None or unit in self.ready:
-            return
+        if job is None or unit in self.ready or job.back:
+            return True
         sim = self.sim
         if not job.started:  # never left: the bytes are still on the device
             job.cancelled = True
+            job.back = True
             self.queue = deque(j for j in self.queue if j is not job)
+            self.inflight = deque(j for j in self.inflight if j is not job)
             self.ready[unit] = (sim.t, False)
-            return
+            return True
         if job.copy_done is None:  # copying now: continued when the copy ends (before_backward)
-            return
+            return True
+        if not force and self.budget is not None and self.device_bytes + job.nbytes > self.budget:
+            return False
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)
         if on_ssd:
             done: When = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
         else:
             done = sim.t
+        job.back = True
+        self._add(job.nbytes)
         self.ready[unit] = (done, sim.cuda)
+        return True
 
     # ---- the activation worker -------------------------------------------------------------
     def worker(self) -> Iterator:
@@ -135,6 +191,7 @@ class ActReplay:
             else:
                 yield ("cpu", job.nbytes / sim.costs.memcpy_bps)
             self.swapped_bytes += job.nbytes
+            self.device_bytes -= job.nbytes  # the copy is out: the device bytes are free
             if job.to_ssd:
                 job.write_done = sim.ssd.submit(sim.t, job.nbytes, write=True, key=f"act.{job.unit}")
             job.copy_done = sim.t

@@ -53,18 +53,21 @@ class ActivationSettings(_Frozen):
     """What happens to the tensors autograd saves in each unit's forward (docs/activations.md).
 
     policy: of every unit not named in `overrides`: "keep" on the device, "host" (pinned host
-        memory), "ssd", "recompute" in backward, or "auto" (keep what fits budget_bytes, the
-        fewest FLOPs per byte first, then host, then SSD).
+        memory), "ssd", "recompute" in backward, or "auto": the planner chooses per unit (plan
+        "auto": by the cost model, within the room the placement leaves; otherwise keep what fits
+        the budget, the fewest FLOPs per byte first, then host, then SSD; with no budget, keep).
     overrides: per-unit policies by unit name (unknown names are refused when the units are known).
-    budget_bytes: device bytes the saved activations may take (None: no limit). Forward waits for
-        swap-outs when it would pass it; backward prefetches only within it.
+    budget_bytes: device bytes the saved activations may take, a part of the device budget (None:
+        what the device budget leaves once the runtime's buffers are counted, when a model profile
+        says how large the activations are; else no limit). Forward waits for swap-outs when it
+        would pass it; backward prefetches only within it.
     host_budget_bytes: host bytes swapped activations may take before "auto" sends them to SSD
         (None: no limit, so "auto" never picks SSD).
     prefetch_units: backward fetches the activations of this many units ahead of the one it runs.
     min_swap_bytes: saved storages smaller than this are kept (an I/O costs more than it saves).
     """
 
-    policy: ActivationPolicyName = "keep"
+    policy: ActivationPolicyName = "auto"
     overrides: Mapping[str, ActivationPolicyName] = {}
     budget_bytes: Optional[int] = Field(None, gt=0)
     host_budget_bytes: Optional[int] = Field(None, gt=0)
@@ -167,9 +170,13 @@ class Settings(_Frozen):
 class Budgets:
     """The byte budgets a run holds to (the resolve stage's answer to Settings' requests).
 
-    device_bytes / host_bytes: the runtime's device buffers and host buffers; its pools account
-        every buffer against these and wait or raise rather than pass them.
-    activation_bytes: device bytes for saved activations (None: not limited).
+    device_bytes: everything the run holds on the device: the runtime's buffers (weights, a
+        unit's gradients) and, when activation_bytes is set, the saved activations.
+    host_bytes: the runtime's host buffers (optimizer state, gradients, staging). Its pools
+        account every buffer against these and wait or raise rather than pass them.
+    activation_bytes: the part of device_bytes the saved activations may take; the buffers get
+        the rest (`buffer_bytes`). None: the activations are neither limited nor counted (no
+        model profile said how large they are).
     (Free SSD space is not a budget but a fact of the machine: planner.resolve.Machine.)
     """
 
@@ -185,6 +192,16 @@ class Budgets:
         v = self.activation_bytes
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"Budgets.activation_bytes must be an int >= 0 or None, got {v!r}")
+        if v is not None and v >= self.device_bytes:
+            raise ValueError(
+                f"Budgets.activation_bytes ({v}) must be less than device_bytes ({self.device_bytes}): "
+                "the activations are a part of the device budget, the runtime's buffers need the rest"
+            )
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device bytes for the runtime's buffers: the device budget less the activations'."""
+        return self.device_bytes - (self.activation_bytes or 0)
 
 
 __all__ = [

@@ -5,7 +5,10 @@ keys in place; adam_step_flat; torch matmuls on the model's GEMM shapes), so the
 ones a step sees. `profile_hardware()` takes well under a minute at the defaults.
 
 Note: SSD numbers are offloadpp.io.measure_ssd's (overwriting keys in place, as training does),
-each directory alone, then all together (a store over all directories stripes large tensors).
+each directory alone, then all at once: a store over every directory striping each tensor by the
+directories' own rates, as the runtime's store does with a plan from this profile. That aggregate
+is what the cost model charges; the drives' sum only bounds it (the PCIe root, the CPU and memory
+cap it well below on a machine with many drives).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from offloadpp.planner.hardware import HardwareProfile, IOPoint, SsdProfile
 
+from .visits import measure_visit_overhead
+
 DEFAULT_GEMMS = ((256, 1024, 3072), (256, 1024, 1024), (256, 1024, 4096), (256, 4096, 1024))
 IO_GRID = ((256 << 10, 8), (1 << 20, 4), (1 << 20, 8), (1 << 20, 16), (4 << 20, 4), (4 << 20, 8))
 
@@ -38,14 +43,14 @@ def _median_time(fn, repeats: int) -> float:
 
 
 @contextlib.contextmanager
-def _scratch_store(dirs: Sequence[str], config=None) -> Iterator:
-    """A TensorStore over a fresh hidden sub-directory of each of `dirs`, removed afterwards
-    (the probes below write hundreds of MB there)."""
+def _scratch_store(dirs: Sequence[str], config=None, weights=None) -> Iterator:
+    """A TensorStore over a fresh hidden sub-directory of each of `dirs` (striping by `weights`),
+    removed afterwards (the probes below write hundreds of MB there)."""
     from offloadpp.io import TensorStore
 
     sub = [os.path.join(d, f".offloadpp-profile-{uuid.uuid4().hex[:8]}") for d in dirs]
     try:
-        with TensorStore(sub, config=config, create=True) as store:
+        with TensorStore(sub, config=config, create=True, weights=weights) as store:
             yield store
     finally:
         for d in sub:
@@ -60,13 +65,15 @@ def measure_dirs(
     tensor_bytes: int = 16 << 20,
     total_bytes: int = 256 << 20,
     repeats: int = 3,
+    weights: Optional[Sequence[float]] = None,
 ) -> tuple[float, float]:
-    """(read GB/s, write GB/s) of a scratch TensorStore over `dirs` (io.measure_ssd)."""
+    """(read GB/s, write GB/s) of a scratch TensorStore over `dirs` (io.measure_ssd), striping
+    by `weights` (None: evenly)."""
     from offloadpp.io import IOConfig
     from offloadpp.io import measure_ssd as measure_store
 
     cfg = IOConfig(block_size_bytes=block_size_bytes, queue_depth=queue_depth)
-    with _scratch_store(dirs, cfg) as store:
+    with _scratch_store(dirs, cfg, weights) as store:
         return measure_store(store, total_bytes=total_bytes, tensor_bytes=tensor_bytes, repeats=repeats)
 
 
@@ -133,6 +140,7 @@ def measure_mixed_ssd(
     busy: bool = False,
     gemms: Sequence[tuple[int, int, int]] = DEFAULT_GEMMS,
     adam_threads: int = 0,
+    weights: Optional[Sequence[float]] = None,
 ) -> float:
     """GB/s of reads and writes together (half the bytes each, requests interleaved), as the
     runtime's steady state has them: the next units' state read while the last ones' is written.
@@ -149,7 +157,7 @@ def measure_mixed_ssd(
     bufs = [aligned_empty(numel, dtype=torch.float32) for _ in range(2 * count)]
     for b in bufs:
         b.fill_(1.0)
-    with _scratch_store(dirs, cfg) as store:
+    with _scratch_store(dirs, cfg, weights) as store:
         for f in [store.put(f"probe{i}", b) for i, b in enumerate(bufs)]:
             f.wait()
 
@@ -434,65 +442,6 @@ def measure_io_contention(
     return max(1.0, statistics.median(ratios))
 
 
-def measure_visit_overhead(rounds: int = 15) -> tuple[float, float]:
-    """(forward, backward) seconds the runtime adds per unit visit on this CPU (its hooks: fetch
-    decisions, binding parameters, the saved-tensor hooks, handing gradients to the optimizer):
-    a small GPT-2 under an OffloadEngine with everything in memory against the same model plain,
-    interleaved, medians. (0, 0) without transformers."""
-    import copy
-    import statistics
-
-    import torch
-
-    try:
-        import transformers
-    except ImportError:
-        return 0.0, 0.0
-    from offloadpp.assemble import assemble_engine
-    from offloadpp.optim import AdamHyper
-    from offloadpp.planner import Settings
-    from offloadpp.runtime import RuntimeConfig, unit_specs
-
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    plain = copy.deepcopy(model)
-    ids = torch.randint(0, 256, (1, 32))
-    specs = unit_specs(model)
-    big = 1 << 34  # everything in memory: only the runtime's own work differs from plain torch
-    d = tempfile.mkdtemp(prefix="offloadpp-visit-")
-    try:
-        rc = RuntimeConfig(nvme_paths=[d], settings=Settings(device_budget_bytes=big, host_budget_bytes=big),
-                           device="cpu", ssd_read_gbps=1.0, ssd_write_gbps=1.0, log_every=0)  # fmt: skip
-        with assemble_engine(model, rc, hyper=AdamHyper(lr=1e-4)) as eng:
-            pf, pb, ef, eb = [], [], [], []
-            for i in range(rounds + 2):
-                t0 = time.perf_counter()
-                out = plain(input_ids=ids, labels=ids)
-                t1 = time.perf_counter()
-                out.loss.backward()
-                t2 = time.perf_counter()
-                plain.zero_grad(set_to_none=True)
-                t3 = time.perf_counter()
-                out = eng(input_ids=ids, labels=ids)
-                t4 = time.perf_counter()
-                eng.backward(out.loss)
-                t5 = time.perf_counter()
-                eng.step()
-                if i >= 2:
-                    pf.append(t1 - t0)
-                    pb.append(t2 - t1)
-                    ef.append(t4 - t3)
-                    eb.append(t5 - t4)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    n = len(specs)
-    med = statistics.median
-    return max(0.0, (med(ef) - med(pf)) / n), max(0.0, (med(eb) - med(pb)) / n)
-
-
 def available_memory() -> tuple[int, int]:
     """(host bytes available, device bytes free); on the CPU the device figure is the host's."""
     import psutil
@@ -539,21 +488,26 @@ def profile_hardware(
             )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ssds = []
+    weights = None
     if len(dirs) > 1:
         for d in dirs:
             r, w = measure_dirs([d], total_bytes=total_bytes)
-            ssds.append(SsdProfile(d, r, w))
-            say(f"SSD {d}: read {r:.2f} GB/s, write {w:.2f} GB/s")
-    read, write = measure_dirs(dirs, total_bytes=total_bytes)
+            ssds.append(SsdProfile(d, r, w, free_bytes=int(shutil.disk_usage(d).free)))
+            say(f"SSD {d}: read {r:.2f} GB/s, write {w:.2f} GB/s alone")
+        weights = [s.mix_gbps for s in ssds]  # each drive's share of a striped tensor
+    read, write = measure_dirs(dirs, total_bytes=total_bytes, weights=weights)
     if len(dirs) == 1:
-        ssds.append(SsdProfile(dirs[0], read, write))
-    say(f"SSD (all {len(dirs)} together): read {read:.2f} GB/s, write {write:.2f} GB/s")
+        ssds.append(SsdProfile(dirs[0], read, write, free_bytes=int(shutil.disk_usage(dirs[0]).free)))
+    else:
+        sr, sw = sum(s.read_gbps for s in ssds), sum(s.write_gbps for s in ssds)
+        say(f"SSD (all {len(dirs)} at once, striped by their rates): read {read:.2f} GB/s "
+            f"({read / sr:.0%} of their sum), write {write:.2f} GB/s ({write / sw:.0%})")  # fmt: skip
     gemms = tuple(gemms) if gemms else DEFAULT_GEMMS
-    mixed = measure_mixed_ssd(dirs, total_bytes=total_bytes)
+    mixed = measure_mixed_ssd(dirs, total_bytes=total_bytes, weights=weights)
     mixed_busy = 0.0
     if not torch.cuda.is_available():
         mixed_busy = measure_mixed_ssd(dirs, total_bytes=total_bytes, busy=True, gemms=gemms,
-                                       adam_threads=adam_threads, repeats=5)  # fmt: skip
+                                       adam_threads=adam_threads, repeats=5, weights=weights)  # fmt: skip
     say(
         f"SSD reads and writes together: {mixed:.2f} GB/s"
         + (f", {mixed_busy:.2f} GB/s while computing" if mixed_busy else "")
@@ -566,7 +520,12 @@ def profile_hardware(
     if io_grid:
         for bs, qd in IO_GRID:
             r, w = measure_dirs(
-                dirs, block_size_bytes=bs, queue_depth=qd, total_bytes=total_bytes // 2, repeats=2
+                dirs,
+                block_size_bytes=bs,
+                queue_depth=qd,
+                total_bytes=total_bytes // 2,
+                repeats=2,
+                weights=weights,
             )
             grid.append(IOPoint(bs, qd, r, w))
             say(f"  block {bs >> 10} KiB qd {qd}: read {r:.2f}, write {w:.2f} GB/s")

@@ -31,7 +31,7 @@ from offloadpp.io import IOConfig, TensorStore, crc32c
 from offloadpp.io.durable import fsync_dir, fsync_file, write_atomic
 
 from .slots import Hold
-from .state import init_compute_copy
+from .state import init_compute_copy, to_device
 from .unit import Unit
 
 FORMAT = 2
@@ -201,16 +201,14 @@ def load_state(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, op
                 if crc32c(buf.data_ptr(), rec["nbytes"]) != rec["crc32c"]:
                     slot.release(Hold.EXPORT)
                     raise CheckpointError(f"checkpoint {path!r}: {key} does not match its manifest's CRC-32C")
-                if not slot.resident:
+                if slot.stored:
                     g = slot.write_generation()
                     slot.wrote(slot.store.put(slot.key_of(g), buf), g)
                 if slot is u.master and u.compute is not u.master:
-                    init_compute_copy(u)
+                    init_compute_copy(u)  # (and copied up where resident on the device)
+                elif slot is u.master and u.device.is_cuda and u.weights.resident:
+                    to_device(u)
                 slot.release(Hold.EXPORT)
-            if u.device.is_cuda and u.weights.resident:
-                u.compute.acquire(Hold.EXPORT)
-                u.weights.refresh()
-                u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
             if optimizer_states:
                 u.steps = [int(manifest["param_steps"][s.name]) for _, s in u.params]
             if after_unit is not None:

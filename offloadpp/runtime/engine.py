@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -53,6 +54,23 @@ from .state import Exporter, check_buffers, default_init_fn, initialize_units, r
 from .unit import TORCH_DTYPES, Unit, UnitPhase
 
 log = logging.getLogger("offloadpp.runtime")
+
+
+def stripe_weights(paths, stripe) -> Optional[list[float]]:
+    """Each swap directory's share of a striped tensor from the plan's (the profiled directory it
+    lies in, or that lies in it: the runtime's are sub-directories of the ones profiled); None,
+    equal parts, unless every directory has one."""
+    if not stripe or len(paths) < 2:
+        return None
+    out = []
+    for p in paths:
+        p = os.path.abspath(p)
+        w = [w for d, w in stripe if os.path.commonpath([p, os.path.abspath(d)]) in (p, os.path.abspath(d))]
+        if not w:
+            log.info("swap directory %s was not profiled: striping evenly", p)
+            return None
+        out.append(w[0])
+    return out
 
 
 class OffloadEngine:
@@ -100,7 +118,8 @@ class OffloadEngine:
                     ", ".join(config.nvme_paths),
                 )  # fmt: skip
             check_free_space(config.nvme_paths, self.plan)
-            self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True)
+            self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True,
+                                     weights=stripe_weights(config.nvme_paths, plan.ssd_stripe))  # fmt: skip
             self._setup(model, layouts, init_fn, meta, progress)
         except BaseException:
             if self.store is not None:
@@ -127,12 +146,13 @@ class OffloadEngine:
 
     def _setup(self, model, layouts, init_fn, meta: bool, progress: bool) -> None:
         c, s, dev, budgets = self.config, self.settings, self.device, self.plan.budgets
+        # the device budget less the saved activations' part (Budgets.buffer_bytes)
         self.device_pool = BufferPool(
-            "device", budgets.device_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
+            "device", budgets.buffer_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
         )
         self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
         if dev.is_cuda:
-            dev.budget_bytes = budgets.device_bytes
+            dev.budget_bytes = budgets.buffer_bytes
         self.txn = Txn()  # open while a step's updates may run during backward (slots.py, generations)
         self.units = [
             Unit(
@@ -522,8 +542,9 @@ class OffloadEngine:
     def budget_report(self) -> tuple[BudgetUse, ...]:
         """Each budget with the most the engine held against it in the current step and since it
         started, by its own accounting: the device buffers (on CUDA the device copies, on the CPU
-        device its pool), the host buffers (optimizer state, gradients, staging), the saved
-        activations on the device, and the host buffers of swapped activations (not limited)."""
+        device its pool) against the device budget less the activations' part, the host buffers
+        (optimizer state, gradients, staging), the saved activations on the device against their
+        part, and the host buffers of swapped activations (not limited)."""
         b = self.plan.budgets
         if self.device.is_cuda:
             dev_step, dev_run = self.device.step_peak_bytes, self.device.peak_bytes
@@ -533,7 +554,7 @@ class OffloadEngine:
         self._act_run_peak = max(getattr(self, "_act_run_peak", 0), act.peak_device_bytes)
         self._act_host_run_peak = max(getattr(self, "_act_host_run_peak", 0), act.peak_host_bytes)
         return (
-            BudgetUse("device", b.device_bytes, dev_step, dev_run),
+            BudgetUse("device", b.buffer_bytes, dev_step, dev_run),
             BudgetUse("host", b.host_bytes, self.host_pool.step_peak_bytes, self.host_pool.peak_bytes),
             BudgetUse("activations", b.activation_bytes, act.peak_device_bytes, self._act_run_peak),
             BudgetUse("activation staging", None, act.peak_host_bytes, self._act_host_run_peak),

@@ -295,7 +295,7 @@ class OptimizerPipeline:
             self.deferred and self.boundary and any(u is w for w in self.update_order[: self._update_cursor])
         ):
             job.keep_grads = True  # its update is among the first after backward: no round trip
-        elif u.grads_persist and not u.grads.resident:
+        elif u.grads_persist and u.grads.stored:
             job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         self._add_before(job, u.grads)
         self._submit(job)
@@ -350,7 +350,7 @@ class OptimizerPipeline:
         if not any(upd for _, _, _, upd in job.segments):
             return  # no parameter of the unit got a gradient: nothing changed, nothing to write
         for s in (u.master, u.exp_avg, u.exp_avg_sq) + ((u.compute,) if self.separate else ()):
-            if not s.resident:
+            if s.stored:  # (a compute copy resident on the device has no home: it is copied up only)
                 job.writes.append((s, s.buffer, s.write_generation()))
 
     @staticmethod

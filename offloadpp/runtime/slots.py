@@ -109,8 +109,13 @@ class Slot:
         store,
         *,
         resident: bool,
+        stored: bool = True,
         txn: Optional[Txn] = None,
     ):
+        """resident: the buffer lives for the whole run. stored: (not resident) the array's home
+        is a key in the store; False: it has none (Plan.homes), the buffer is filled and used
+        within a step and never read from or written to the store. txn: the engine's step
+        transaction (see the Note on generations); None: not transactional."""
         self.name = name
         self.txn = txn  # None: not transactional (gradients, which a new window overwrites)
         self._committed: Optional[int] = None  # generation of the last completed step (None: zeros)
@@ -120,6 +125,7 @@ class Slot:
         self.pool = pool
         self.store = store
         self.resident = resident
+        self.stored = stored and not resident
         self.state = SlotState.EMPTY
         self.buffer: Optional[torch.Tensor] = None
         self.holds = Hold.NONE

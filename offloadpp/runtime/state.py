@@ -109,10 +109,8 @@ def initialize_units(
         for s in (u.exp_avg, u.exp_avg_sq, u.grads):
             if s.resident:
                 s.make_resident()
-        if u.device.is_cuda and u.weights.resident:
-            u.compute.acquire(Hold.EXPORT)
-            u.weights.load_resident()
-            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
+        if u.device.is_cuda and u.weights.resident and u.compute is master:
+            to_device(u)
         master.release(Hold.EXPORT)
     return missing
 
@@ -131,7 +129,21 @@ def default_init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
     return reset
 
 
+def to_device(u: Unit) -> None:
+    """A unit whose weights are resident on the device: its compute copy (the master, with fp32)
+    copied up."""
+    u.compute.acquire(Hold.EXPORT)
+    if u.weights.tensor is None:
+        u.weights.load_resident()
+    else:
+        u.weights.refresh()
+    u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
+
+
 def init_compute_copy(u: Unit) -> None:
+    """The compute copy made from the master (held in u.master.buffer): kept at its home, and
+    copied up where the weights are resident on the device (on CUDA that copy has no home of
+    its own: Plan.homes)."""
     c = u.compute
     if c.resident:
         if c.buffer is None:
@@ -139,9 +151,11 @@ def init_compute_copy(u: Unit) -> None:
     else:
         c.acquire(Hold.EXPORT, overwrite=True)
     convert_(c.buffer, u.master.buffer)
-    if not c.resident:
+    if c.stored:
         g = c.write_generation()
         c.wrote(c.store.put(c.key_of(g), c.buffer), g)
+    if u.device.is_cuda and u.weights.resident:
+        to_device(u)  # (the buffer is still held: the EXPORT hold is taken again, and dropped after the copy)
     c.release(Hold.EXPORT)
 
 

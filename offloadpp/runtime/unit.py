@@ -62,27 +62,33 @@ class Unit:
         alias = not plan.separate_weights
         n = self.padded_numel
 
-        def slot(
-            array: str, dtype: torch.dtype, pool: BufferPool, resident: bool, transactional=True
-        ) -> Slot:
-            t = txn if transactional else None  # gradients: a new window overwrites them anyway
-            return Slot(f"{self.name}.{array}", n, dtype, pool, store, resident=resident, txn=t)
+        homes = plan.homes(layout.spec(), placement)  # the accounting the plan and the replay share
 
-        master_resident = placement.master is Tier.HOST
+        def slot(array: str, dtype: torch.dtype, pool: BufferPool, transactional: bool = True) -> Slot:
+            home = homes[array]
+            resident = home is Tier.HOST or home is Tier.DEVICE
+            t = txn if transactional else None  # gradients: a new window overwrites them anyway
+            return Slot(
+                f"{self.name}.{array}",
+                n,
+                dtype,
+                pool,
+                store,
+                resident=resident,
+                stored=home is Tier.SSD,
+                txn=t,
+            )
+
         # On the CPU device the compute copy is device memory; with fp32 it is the master itself.
         master_pool = device_pool if (cpu and alias) else host_pool
-        self.master = slot("master", torch.float32, master_pool, master_resident)
+        self.master = slot("master", torch.float32, master_pool)
         if alias:
             self.compute = self.master
         else:
-            compute_resident = placement.weights is Tier.HOST or (cpu and placement.weights is Tier.DEVICE)
-            self.compute = slot(
-                "weights", self.compute_dtype, device_pool if cpu else host_pool, compute_resident
-            )
-        self.exp_avg = slot("exp_avg", torch.float32, host_pool, placement.moments is Tier.HOST)
-        self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool, placement.moments is Tier.HOST)
-        grads_resident = plan.persistent_grads and placement.grads is Tier.HOST
-        self.grads = slot("grads", torch.float32, host_pool, grads_resident, transactional=False)
+            self.compute = slot("weights", self.compute_dtype, device_pool if cpu else host_pool)
+        self.exp_avg = slot("exp_avg", torch.float32, host_pool)
+        self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool)
+        self.grads = slot("grads", torch.float32, host_pool, transactional=False)
         self.grads_persist = plan.persistent_grads
         if device.is_cuda:
             self.weights = CudaWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)

@@ -376,6 +376,7 @@ class ActivationManager:
                 seg.recompute(lambda ts: self._measure(ts, unit.params))
             self.recompute_s += time.perf_counter() - t0
             self.swapper.add_device(seg.recomputed_bytes - seg.input_bytes)
+            self._prefetch()  # (held back until the recompute was counted)
         elif seg.state is SegState.DONE:
             raise ActivationError(
                 f"unit {seg.unit!r}: a recomputed activation was unpacked after backward released it"
@@ -446,6 +447,10 @@ class ActivationManager:
         start = cur.position if cur is not None else len(self._order)
         if cur is not None:
             self._fetch_unit(cur, force=True)
+            if any(seg.state is SegState.SAVED for seg in cur.segments):
+                # its recompute is still to come and will hold all it saves: the units after it
+                # are fetched once that is counted (_unpack_recomputed), within what is left
+                return
         for j in range(1, self.config.prefetch_units + 1):
             if start - j < 0 or not self._fetch_unit(self._order[start - j], force=False):
                 break

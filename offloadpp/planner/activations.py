@@ -1,0 +1,226 @@
+"""Saved activations inside the device budget: the bytes a choice of per-unit policies needs on
+the device, the choices the planner scores, and the smallest that can run.
+
+Pure (no torch). The runtime's accounting (runtime/activations/) is what this counts:
+
+  keep       the unit's saved bytes stay on the device from its forward to its backward.
+  recompute  only its inputs (the previous unit's output) stay; at its backward it runs its
+             forward again and holds everything it saved until that backward is done.
+  host, ssd  its saved bytes leave the device as they are saved (forward waits for the copies
+             when it must) and come back for its backward.
+
+Note: the need. Backward visits the units last to first, and releases a unit's activations once
+its backward is done. At unit j's backward every earlier unit still holds what its policy keeps
+(all of it, its inputs, or nothing) and unit j holds all it saved, fetched back or recomputed;
+forward never holds more than the moment the last unit's backward starts with. So
+
+    need = max over j of  sum_{i < j} held(i) + saved(j) [+ inputs(j) if j recomputes]
+
+Prefetching further units is done only within the budget (the runtime's rule), so it does not
+add to the need. Swapping everything gives the least need: the largest unit's saved bytes.
+
+Note: the candidates (`candidates`). When keeping everything does not fit the room a placement
+leaves, units are ranked by forward FLOPs per saved byte, lowest first (the paper's rule: the
+cheapest to recompute per byte freed, and the hardest to hide a swap behind; among equals the
+later unit, which backward needs first). Then: recompute along the ranking until the need fits;
+swap everything and keep along the ranking what still fits; recompute the first quarter, half or
+three quarters of the ranking, swap the rest and keep what fits. Swaps go to host memory on CUDA
+(to SSD beyond the host memory left for them) and to SSD on the CPU acting as the device, where
+host memory is the device's own; SSD is tried on CUDA too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from .model_profile import ModelProfile
+
+POLICIES = ("keep", "host", "ssd", "recompute")
+MIXES = (0.25, 0.5, 0.75)
+
+
+@dataclass(frozen=True)
+class ActUnit:
+    name: str
+    saved: int  # bytes its forward saves for backward (one micro-batch)
+    inputs: int  # bytes a recompute holds from forward to backward: its input
+    flops: int  # forward FLOPs
+    can_recompute: bool  # False where backward reads none of the unit's weights (embeddings)
+
+
+def act_units(model: ModelProfile) -> tuple[ActUnit, ...]:
+    """The model's units as the activation accounting sees them, in forward order."""
+    out, prev = [], 0
+    for u in model.units:
+        out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights))
+        prev = u.output_bytes
+    return tuple(out)
+
+
+def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
+    """Device bytes the saved activations need at their peak under `policies` (unit -> policy;
+    units not named keep). See the module Note."""
+    held = peak = 0
+    for u in units:
+        p = policies.get(u.name, "keep")
+        peak = max(peak, held + u.saved + (u.inputs if p == "recompute" else 0))
+        held += u.saved if p == "keep" else u.inputs if p == "recompute" else 0
+    return peak
+
+
+@dataclass(frozen=True)
+class ActChoice:
+    label: str
+    policies: tuple[tuple[str, str], ...]  # (unit, policy) for every unit, forward order
+    need_bytes: int
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.policies)
+
+
+class ActPlanner:
+    """The activation choices for one model and settings.
+
+    fixed: policies the settings fix (per-unit overrides; every unit when the settings' policy is
+    not "auto"); the others are the planner's to choose. host_bytes: host memory swapped
+    activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu"."""
+
+    def __init__(self, units: Sequence[ActUnit], fixed: Mapping[str, str], *, device: str,
+                 host_bytes: Optional[int] = None):  # fmt: skip
+        self.units = tuple(units)
+        self.fixed = {n: ("keep" if p == "recompute" and not self._unit(n).can_recompute else p)
+                      for n, p in fixed.items() if p != "auto"}  # fmt: skip
+        self.free = [u for u in self.units if u.name not in self.fixed]
+        self.device = device
+        self.host_bytes = host_bytes
+        self._cache: dict[int, tuple[ActChoice, ...]] = {}
+
+    def _unit(self, name: str) -> ActUnit:
+        return next(u for u in self.units if u.name == name)
+
+    def _choice(self, label: str, chosen: Mapping[str, str]) -> ActChoice:
+        pol = {**{u.name: "keep" for u in self.units}, **chosen, **self.fixed}
+        return ActChoice(label, tuple((u.name, pol[u.name]) for u in self.units), need_bytes(self.units, pol))
+
+    @property
+    def keep_all(self) -> ActChoice:
+        return self._choice("keep", {})
+
+    @property
+    def least(self) -> ActChoice:
+        """The choice with the least need: every free unit swapped (what must stay stays)."""
+        return self._choice("swap all", {u.name: "ssd" for u in self.free})
+
+    def _ranked(self) -> list[ActUnit]:
+        idx = {u.name: i for i, u in enumerate(self.units)}
+        return sorted(
+            (u for u in self.free if u.saved > 0),
+            key=lambda u: (u.flops / u.saved, -idx[u.name]),
+        )
+
+    def _swap_to(self, chosen: dict[str, str], to: str) -> dict[str, str]:
+        """`chosen` with its swaps sent to `to`; to host only within the host memory left for
+        them (the units with the fewest FLOPs per byte first: they hide an SSD read worst)."""
+        if to != "host":
+            return {n: (to if p in ("host", "ssd") else p) for n, p in chosen.items()}
+        left = self.host_bytes
+        out = dict(chosen)
+        for u in self._ranked():
+            if out.get(u.name) in ("host", "ssd"):
+                if left is None or u.saved <= left:
+                    out[u.name] = "host"
+                    left = None if left is None else left - u.saved
+                else:
+                    out[u.name] = "ssd"
+        return out
+
+    def _keep_what_fits(self, chosen: dict[str, str], room: int) -> dict[str, str]:
+        """`chosen` with its swapped units kept along the ranking while the need fits `room`.
+
+        Keeping unit p raises what every later unit's backward starts with by its saved bytes,
+        so the need becomes max(the peak up to p, the peak after p + saved(p)): two running
+        maxima, rebuilt only when a unit is kept."""
+        out = {**dict(chosen), **self.fixed}
+        pos = {u.name: i for i, u in enumerate(self.units)}
+
+        def maxima() -> tuple[list[int], list[int]]:
+            held, at = 0, []
+            for u in self.units:
+                p = out.get(u.name, "keep")
+                at.append(held + u.saved + (u.inputs if p == "recompute" else 0))
+                held += u.saved if p == "keep" else u.inputs if p == "recompute" else 0
+            upto, after = [], [0] * (len(at) + 1)
+            m = 0
+            for x in at:
+                m = max(m, x)
+                upto.append(m)
+            for i in range(len(at) - 1, -1, -1):
+                after[i] = max(after[i + 1], at[i])
+            return upto, after
+
+        upto, after = maxima()
+        for u in self._ranked():
+            if out.get(u.name) in ("host", "ssd"):
+                i = pos[u.name]
+                if max(upto[i], after[i + 1] + u.saved) <= room:
+                    out[u.name] = "keep"
+                    upto, after = maxima()
+        return out
+
+    def candidates(self, room: int) -> tuple[ActChoice, ...]:
+        """The choices whose need fits `room` device bytes (the first is keeping all, alone,
+        when it fits); () when even the least does not."""
+        if room in self._cache:
+            return self._cache[room]
+        keep = self.keep_all
+        if keep.need_bytes <= room:
+            out: tuple[ActChoice, ...] = (keep,)
+        elif self.least.need_bytes > room:
+            out = ()
+        else:
+            out = self._candidates(room)
+        self._cache[room] = out
+        return out
+
+    def _candidates(self, room: int) -> tuple[ActChoice, ...]:
+        ranked = self._ranked()
+        found: list[ActChoice] = []
+        rec: dict[str, str] = {}
+        for u in ranked:
+            if need_bytes(self.units, {**rec, **self.fixed}) <= room:
+                break
+            if u.can_recompute:
+                rec[u.name] = "recompute"
+        found.append(self._choice("recompute lowest FLOPs/byte", rec))
+        recomputable = [u for u in ranked if u.can_recompute]
+        swaps = ("host", "ssd") if self.device == "cuda" else ("ssd",)
+        for to in swaps:
+            base = {u.name: "ssd" for u in self.free}
+            found.append(self._choice(f"swap to {to}, keep what fits",
+                                      self._swap_to(self._keep_what_fits(base, room), to)))  # fmt: skip
+            for frac in MIXES:
+                head = {u.name: "recompute" for u in recomputable[: round(frac * len(recomputable))]}
+                if not head:
+                    continue
+                mixed = {**{u.name: "ssd" for u in self.free}, **head}
+                found.append(self._choice(f"recompute {frac:.0%}, swap to {to}",
+                                          self._swap_to(self._keep_what_fits(mixed, room), to)))  # fmt: skip
+        seen, out = set(), []
+        for c in found:
+            if c.need_bytes <= room and c.policies not in seen:
+                seen.add(c.policies)
+                out.append(c)
+        return tuple(out)
+
+
+def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]:
+    """The policies the settings fix: the per-unit overrides, and every unit's when the policy
+    is not "auto"."""
+    act = settings_activations
+    out = {n: act.policy for n in names} if act.policy != "auto" else {}
+    out.update({n: p for n, p in act.overrides.items() if p != "auto"})
+    return out
+
+
+__all__ = ["ActChoice", "ActPlanner", "ActUnit", "POLICIES", "act_units", "fixed_policies", "need_bytes"]

@@ -1,0 +1,93 @@
+"""The peaks of a plan's schedule without building it: many placements, one walk's structure.
+
+Pure (no torch). The planner tries hundreds of placements per prefetch depth; building the
+schedule for each (filling its gaps, keeping units across the step) walks every visit several
+times. What a visit holds depends only on the plan's shape (units, depths, device, precision,
+accumulation, deferral); the placements only decide how many bytes each held unit costs. So
+the holds are found once per shape (schedule.holds on schedule.structure) and each placement is
+priced over them.
+
+Note: why the unfilled schedule's peaks are the schedule's. Filling gaps (schedule._fill_gaps)
+and keeping units across the step boundary (schedule._keep_across) add a unit to a visit only
+where that raises neither peak, so build_schedule's peaks are those of the schedule before
+either (tests/test_plan.py checks equality over random placements). One exception: with
+deferred updates on the CPU device with fp32 compute, the units _keep_across adds are counted
+at backward visits it does not check (schedule._walk counts the kept units there for the update
+phase after backward); such plans (small, CPU) are priced by building their schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .plan import Plan, Tier
+from .schedule import (
+    _first_alive,
+    build_schedule,
+    drain_device_bytes,
+    drain_host_bytes,
+    holds,
+    optim_host_bytes,
+    structure,
+)
+
+
+def _shape_key(plan: Plan) -> tuple:
+    return (plan.units, plan.device, plan.compute_dtype, plan.prefetch_depth, plan.optim_prefetch_depth,
+            plan.accumulate_grads, plan.deferred_update)  # fmt: skip
+
+
+_HOLDS: dict[tuple, tuple] = {}
+_HOLDS_MAX = 64
+
+
+def _holds_for(plan: Plan) -> tuple:
+    """schedule.holds of the plan's shape, found once per shape (the placements do not matter)."""
+    key = _shape_key(plan)
+    hs = _HOLDS.get(key)
+    if hs is None:
+        sched = structure(plan)
+        sched = replace(sched, next_keep_until=_first_alive(sched, sched.next_keep))
+        hs = tuple(holds(plan, sched))
+        if len(_HOLDS) >= _HOLDS_MAX:
+            _HOLDS.pop(next(iter(_HOLDS)))
+        _HOLDS[key] = hs
+    return hs
+
+
+def clear_cache() -> None:
+    """Forgets the holds found so far (benchmarks time planning from nothing)."""
+    _HOLDS.clear()
+
+
+def peak_bytes(plan: Plan) -> tuple[int, int]:
+    """(device, host) peak bytes of the runtime's buffers: build_schedule(plan)'s peaks."""
+    if plan.deferred_update and plan.fill_gaps and plan.device == "cpu" and not plan.separate_weights:
+        s = build_schedule(plan)
+        return s.peak_device_bytes, s.peak_host_bytes
+    hs = _holds_for(plan)
+    cdt = plan.compute_dtype
+    device_w = {}
+    ssd_w = {}
+    ob = {}
+    for u, p in plan:
+        w = u.weights_bytes(cdt)
+        device_w[u.name] = 0 if p.weights is Tier.DEVICE else w
+        ssd_w[u.name] = w if p.weights is Tier.SSD else 0
+        ob[u.name] = optim_host_bytes(plan, u, p)
+    dev = host = 0
+    for h in hs:
+        d = h.grads
+        for n in h.device:
+            d += device_w[n]
+        x = 0
+        for n in h.window:
+            x += ob[n]
+        for n in h.fetching:
+            x += ssd_w[n]
+        dev = d if d > dev else dev
+        host = x if x > host else host
+    return dev + drain_device_bytes(plan), host + drain_host_bytes(plan)
+
+
+__all__ = ["clear_cache", "peak_bytes"]
