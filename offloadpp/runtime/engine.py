@@ -162,6 +162,7 @@ class OffloadEngine:
                 window=ls.loss_scale_window,
                 hysteresis=ls.hysteresis,
                 min_scale=ls.min_loss_scale,
+                consecutive=ls.consecutive_hysteresis,
             )
         if c.ssd_read_gbps and c.ssd_write_gbps:
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps, c.ssd_write_gbps

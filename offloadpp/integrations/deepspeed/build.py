@@ -147,6 +147,7 @@ def settings_from(ds_config, block: OffloadppBlock) -> Settings:
             loss_scale_window=int(fp16.loss_scale_window),
             hysteresis=int(fp16.hysteresis),
             min_loss_scale=float(fp16.min_loss_scale),
+            consecutive_hysteresis=bool(fp16.consecutive_hysteresis),
         )
     return validate_settings({**ds, **block.settings})
 
