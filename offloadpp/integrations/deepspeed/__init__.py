@@ -1,6 +1,15 @@
-"""DeepSpeed integration: `initialize`, the engine adapter, the config bridge."""
+"""DeepSpeed integration: `initialize`, `patch_deepspeed`, the engine adapter, the config bridge."""
 
 from offloadpp.integrations.deepspeed.config import OffloadppBlock, OffloadppConfigError, parse_block
 from offloadpp.integrations.deepspeed.initialize import initialize
+from offloadpp.integrations.deepspeed.patch import is_patched, patch_deepspeed, unpatch_deepspeed
 
-__all__ = ["OffloadppBlock", "OffloadppConfigError", "initialize", "parse_block"]
+__all__ = [
+    "OffloadppBlock",
+    "OffloadppConfigError",
+    "initialize",
+    "is_patched",
+    "parse_block",
+    "patch_deepspeed",
+    "unpatch_deepspeed",
+]

@@ -32,7 +32,20 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
+# What a scheduler may have changed in a param group (OneCycle cycles betas), restored on load.
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _names(engine) -> list:
+    return [s.name for u in engine.runtime.units for _, s in u.params]
+
+
+def _frozen(engine) -> set:
+    return {s.name for u in engine.runtime.units for _, s in u.params if not s.requires_grad}
+
+
+def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool, *,
+                           exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
     from safetensors.torch import save_file
 
     if os.sep in tag or tag in ("", ".", ".."):
@@ -44,7 +57,13 @@ def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, 
     os.makedirs(tmp)
 
     sd = engine.runtime.state_dict()
-    tensors = {f"{sec}/{name}": t.contiguous() for sec in SECTIONS for name, t in sd[sec].items()}
+    frozen = _frozen(engine) if exclude_frozen_parameters else set()
+    tensors = {
+        f"{sec}/{name}": t.contiguous()
+        for sec in SECTIONS
+        for name, t in sd[sec].items()
+        if name not in frozen
+    }
     save_file(tensors, os.path.join(tmp, STATE_FILE))
     meta = {
         "format": 1,
@@ -54,6 +73,10 @@ def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, 
         "runtime": {k: v for k, v in sd.items() if k not in SECTIONS},
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
+        "param_groups_hyper": [
+            {k: (list(g[k]) if k == "betas" else g[k]) for k in _GROUP_KEYS if k in g}
+            for g in engine.optimizer.param_groups
+        ],
     }
     with open(os.path.join(tmp, ENGINE_FILE), "w") as f:
         json.dump(meta, f, indent=1)
@@ -81,7 +104,7 @@ def _resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
 
 
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_optimizer_states: bool,
-                           load_lr_scheduler_states: bool) -> tuple[Optional[str], Any]:  # fmt: skip
+                           load_lr_scheduler_states: bool, strict: bool = True) -> tuple[Optional[str], Any]:  # fmt: skip
     """Returns (path, client_state), or (None, None) when there is no checkpoint, as DeepSpeed."""
     from safetensors.torch import load_file
 
@@ -104,6 +127,21 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         sec, name = key.split("/", 1)
         sd[sec][name] = t
     runtime_meta = dict(meta["runtime"])
+    # Parameters the checkpoint lacks keep their current state: frozen ones it was saved without
+    # (exclude_frozen_parameters), and with strict=False any (DeepSpeed's load_module_strict).
+    missing = [n for n in _names(engine) if n not in sd["params"]]
+    bad = [n for n in missing if n not in _frozen(engine)] if strict else []
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path!r} has no state for parameter {bad[0]!r} ({len(bad)} missing); "
+            "load_module_strict=False keeps the current values of missing parameters"
+        )
+    if missing:
+        current = engine.runtime.state_dict()
+        for sec in SECTIONS:
+            for n in missing:
+                sd[sec][n] = current[sec][n]
+        runtime_meta["param_steps"] = {**current["param_steps"], **runtime_meta["param_steps"]}
     if not load_optimizer_states:
         # Keep this engine's moments and steps; take the weights only.
         current = engine.runtime.state_dict()
@@ -119,6 +157,8 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     for g, lr in zip(engine.optimizer.param_groups, meta["param_groups_lr"]):
         g["lr"] = lr
+    for g, hyper in zip(engine.optimizer.param_groups, meta.get("param_groups_hyper", ())):
+        g.update({k: (tuple(v) if k == "betas" else v) for k, v in hyper.items()})
     engine._push_lr()
     client_file = os.path.join(path, CLIENT_FILE)
     client_state = torch.load(client_file, weights_only=False) if os.path.isfile(client_file) else {}
