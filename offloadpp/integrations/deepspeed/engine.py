@@ -349,8 +349,27 @@ class OffloadppEngine(DeepSpeedEngine):
         self.runtime.close()
 
     def __del__(self):
+        """Dropped while its model lives on (a Trainer going out of scope): the model gets its
+        weights back, as destroy() does, where they fit in half the available memory; a model
+        larger than that keeps placeholders (save_16bit_model first), and a warning says so."""
         try:
-            if "runtime" in self.__dict__:
+            if "runtime" not in self.__dict__ or self.runtime._closed:
+                return
+            import psutil
+
+            seen, nbytes = set(), 0
+            for p in self.module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    nbytes += p.numel() * p.element_size()
+            if nbytes < psutil.virtual_memory().available // 2:
+                self.destroy()
+            else:
+                logger.warning(
+                    "offloadpp: the engine was dropped; the model's %.1f GB of weights do not fit in memory, so its "
+                    "parameters stay empty placeholders (export with save_16bit_model before dropping the engine)",
+                    nbytes / 1e9,
+                )
                 self.close()
         except Exception:  # interpreter shutdown: the runtime's own cleanup may be gone already
             pass
