@@ -14,11 +14,13 @@ import os
 from typing import Any, Optional
 
 import torch
+from pydantic import ValidationError
 
 from offloadpp.integrations.deepspeed.config import (
     OffloadppBlock,
     OffloadppConfigError,
     validate_settings,
+    validation_error,
 )
 from offloadpp.integrations.deepspeed.keys import check_keys
 from offloadpp.integrations.deepspeed.optimizer import (
@@ -140,13 +142,12 @@ def runtime_config_from(ds_config, block: OffloadppBlock, device: Optional[str])
     for k in ("ssd_read_gbps", "ssd_write_gbps"):
         if getattr(block, k) is not None:
             extra[k] = getattr(block, k)
-    return RuntimeConfig(
-        nvme_paths=swap_dirs(block.nvme_paths),
-        settings=settings_from(ds_config, block),
-        io=block.io,
-        device=device,
-        **extra,
-    )
+    settings = settings_from(ds_config, block)
+    try:
+        return RuntimeConfig(nvme_paths=swap_dirs(block.nvme_paths), settings=settings, io=block.io, device=device,
+                             **extra)  # fmt: skip
+    except ValidationError as e:
+        raise validation_error("offloadpp.", e) from None
 
 
 def _positive_int(ds: dict, key: str) -> None:
@@ -164,6 +165,13 @@ def parse_ds_config(ds_dict: dict):
     checked = check_keys(ds_dict, OffloadppConfigError)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         _positive_int(checked, key)
+    for key in ("gradient_clipping", "steps_per_print"):  # DeepSpeed compares them with numbers
+        v = checked.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise OffloadppConfigError(f"{key}: expected a number >= 0, got {v!r}")
+    for key in ("optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "aio"):
+        if key in checked and not isinstance(checked[key], dict):
+            raise OffloadppConfigError(f"{key}: expected an object of keys, got {checked[key]!r}")
     if not any(k in checked for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
         raise OffloadppConfigError(
             "train_micro_batch_size_per_gpu: the config sets no batch size; set it (or train_batch_size)"

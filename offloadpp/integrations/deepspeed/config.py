@@ -246,7 +246,7 @@ def _clean(where: str, raw: dict, model) -> dict:
     return out
 
 
-def _validation_error(prefix: str, e: ValidationError) -> OffloadppConfigError:
+def validation_error(prefix: str, e: ValidationError) -> OffloadppConfigError:
     return OffloadppConfigError(
         "; ".join(
             f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
@@ -260,14 +260,14 @@ def validate_settings(values: dict, where: str = "offloadpp.") -> Settings:
     try:
         return Settings.model_validate_json(json.dumps(values), strict=True)
     except ValidationError as e:
-        raise _validation_error(where, e) from None
+        raise validation_error(where, e) from None
 
 
 def validate_io(values: dict, where: str = "offloadpp.io.") -> IOConfig:
     try:
         return IOConfig.model_validate_json(json.dumps(values), strict=True)
     except ValidationError as e:
-        raise _validation_error(where, e) from None
+        raise validation_error(where, e) from None
 
 
 def parse_block(ds_config: dict) -> OffloadppBlock:

@@ -253,6 +253,12 @@ class OffloadppEngine(DeepSpeedEngine):
             drop_last=self.dataloader_drop_last(),
         )
 
+    def collect_python_gc(self):
+        """Runs Python's cyclic GC now (with disable_python_gc, at a point the script picks)."""
+        from deepspeed.runtime.python_gc import python_gc_manager
+
+        return python_gc_manager.collect()
+
     def peak_device_bytes(self) -> int:
         return self.runtime.peak_device_bytes()
 
