@@ -86,6 +86,7 @@ def reference(model, cfg, data):
 def train(engine, data):
     losses = []
     for ids in data:
+        ids = ids.to(engine.device)  # CUDA (LOCAL_RANK's) where present, else the CPU as the device
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()

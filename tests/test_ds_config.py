@@ -201,6 +201,8 @@ def test_shipped_configs_are_valid_pairs():
     import glob
     import os
 
+    from offloadpp.integrations.deepspeed.build import parse_ds_config
+
     root = os.path.join(os.path.dirname(__file__), "..", "ds_configs")
     pairs = sorted(glob.glob(os.path.join(root, "*.offloadpp.json")))
     assert pairs, "ds_configs/ has no offloadpp configs"
@@ -212,6 +214,7 @@ def test_shipped_configs_are_valid_pairs():
         a.pop("offloadpp")
         assert a == b, f"{ours} and {theirs} differ beyond the offloadpp block"
         parse_block(json.load(open(ours)))
+        parse_ds_config(json.load(open(ours)))  # every DeepSpeed key in it honoured or ignored
 
 
 def test_every_block_key_is_documented():
