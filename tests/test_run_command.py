@@ -85,3 +85,23 @@ def test_run_under_the_deepspeed_launcher(tmp_path):
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert _result(p) == ["OffloadppEngine", "0", "2", "__main__"]
+
+
+def test_the_trainer_example_runs_on_offloadpp(tmp_path):
+    """examples/trainer_finetune.py, an ordinary Trainer script, as the README starts it."""
+    cfg = json.loads((REPO / "ds_configs" / "hf_trainer.offloadpp.json").read_text())
+    for key in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][key]["nvme_path"] = str(tmp_path / "nvme")
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    p = subprocess.run(
+        [sys.executable, "-m", "offloadpp", "run", str(REPO / "examples" / "trainer_finetune.py"),
+         "--deepspeed", str(tmp_path / "ds.json"), "--model", "gpt2-tiny", "--max_steps", "2",
+         "--per_device_train_batch_size", "2", "--seq_len", "32", "--samples", "16", "--report_to", "none",
+         "--output_dir", str(tmp_path / "out"), "--save_to", str(tmp_path / "final")],
+        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "engine: OffloadppEngine, steps: 2" in p.stdout
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    assert model.config.n_layer == 2
