@@ -2,6 +2,7 @@
 knows nothing of offloadpp. Started through offloadpp, it trains on offloadpp's engine with the
 training state on disk; started plainly, the same script and config train with ZeRO-Infinity.
 
+    mkdir -p runs/nvme   # the config's swap directory (an SSD path in a real config)
     python -m offloadpp run examples/trainer_finetune.py --deepspeed ds_configs/hf_trainer.offloadpp.json
     deepspeed --num_gpus 1 --module offloadpp run examples/trainer_finetune.py \
         --deepspeed ds_configs/hf_trainer.offloadpp.json --max_steps 100

@@ -57,7 +57,7 @@ def trainer_run(spec: dict, result: dict) -> torch.nn.Module:
         learning_rate=3e-3,
         lr_scheduler_type="linear",
         warmup_steps=2,
-        weight_decay=0.1,  # Trainer's two groups: decay for matrices, none for biases and norms
+        weight_decay=spec.get("weight_decay", 0.1),  # Trainer's two groups: decay on matrices only
         max_grad_norm=1.0,
         save_strategy="steps" if spec.get("save_steps") else "no",
         save_steps=spec.get("save_steps") or 500,
@@ -72,6 +72,8 @@ def trainer_run(spec: dict, result: dict) -> torch.nn.Module:
     result["engine"] = type(engine).__name__
     result["groups"] = len(trainer.optimizer.param_groups)
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result["lrs"] = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    result["scheduler"] = type(getattr(engine, "lr_scheduler", None)).__name__
     if hasattr(engine, "runtime"):
         result["disk_bytes"] = engine.runtime.disk_bytes()
         result["state_on_ssd"] = all(

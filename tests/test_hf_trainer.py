@@ -96,3 +96,29 @@ def test_accelerate_loop_on_offloadpp_matches_plain_accelerate(tmp_path):
     )
     assert ours["engine"] == "OffloadppEngine"
     assert compare_weights(got, want, lr=LR, steps=4) < 1e-5
+
+
+def test_trainer_with_the_configs_optimizer_and_scheduler_blocks(tmp_path):
+    """The other way Trainer configs are written: optimizer and scheduler blocks with "auto"
+    values, which Trainer fills; DeepSpeed's WarmupDecayLR then drives the engine's optimizer."""
+    ds = zero_infinity(tmp_path / "nvme")
+    ds["optimizer"] = {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    }
+    ds["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                       "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_type": "linear"}}  # fmt: skip
+    ours, _ = run(tmp_path, "ours", model="llama", deepspeed=ds)
+    assert (
+        ours["engine"] == "OffloadppEngine" and ours["scheduler"] == "WarmupDecayLR" and ours["groups"] == 1
+    )
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    sched = WarmupDecayLR(opt, total_num_steps=4, warmup_min_lr=0, warmup_max_lr=LR, warmup_num_steps=2,
+                          warmup_type="linear")  # fmt: skip
+    want = []
+    for _ in range(4):  # the engine steps it with each optimizer step, before Trainer reads the lr
+        sched.step()
+        want.append(sched.get_last_lr()[0])
+    assert ours["lrs"] == pytest.approx(want)
