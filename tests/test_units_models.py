@@ -42,7 +42,7 @@ def lm_loss(m, x):
 @pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
 def test_hugging_face_gradient_checkpointing_trains_exactly(tmp_path, make, reentrant):
     ref = make()
-    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ref.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
     ref.train()
     eng = assemble_engine(copy.deepcopy(ref), streaming_config(tmp_path, gradient_clipping=1.0, **STRICT),
                           hyper=AdamHyper(lr=LR, weight_decay=0.01))  # fmt: skip
