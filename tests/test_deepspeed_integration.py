@@ -274,29 +274,32 @@ def test_client_optimizer_groups_and_scheduler(tmp_path, as_callable):
     engine.close()
 
 
-def test_checkpoint_without_frozen_parameters(tmp_path):
-    """exclude_frozen_parameters leaves frozen parameters out of the checkpoint; loading it keeps
-    the loading model's own values for them (DeepSpeed's behaviour), the rest comes from it."""
+def test_checkpoint_with_frozen_parameters(tmp_path):
+    """A model with a frozen parameter (not given to the optimizer): the checkpoint holds it (its
+    arrays are whole units, exclude_frozen_parameters or not), and loading gives back every value."""
 
     def frozen_model(seed):
         m = tiny_gpt2(seed)
         m.transformer.wpe.weight.requires_grad_(False)
         return m
 
+    def trainable(m):
+        return [p for p in m.parameters() if p.requires_grad]
+
     model = frozen_model(0)
-    engine, *_ = offloadpp.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds_config(tmp_path / "nvme"))  # fmt: skip
+    engine, *_ = offloadpp.initialize(
+        model=model, model_parameters=trainable(model), config=ds_config(tmp_path / "nvme")
+    )
     train(engine, batches(2))
     engine.save_checkpoint(str(tmp_path / "ckpt"), exclude_frozen_parameters=True)
     saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
     engine.close()
 
     other = frozen_model(7)
-    own_wpe = other.transformer.wpe.weight.detach().clone()
-    resumed, *_ = offloadpp.initialize(model=other, model_parameters=[p for p in other.parameters() if p.requires_grad],
-                                       config=ds_config(tmp_path / "nvme2"))  # fmt: skip
-    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    resumed, *_ = offloadpp.initialize(
+        model=other, model_parameters=trainable(other), config=ds_config(tmp_path / "nvme2")
+    )
+    resumed.load_checkpoint(str(tmp_path / "ckpt"), load_module_strict=False)
     got = resumed.module.state_dict()
-    assert torch.equal(got["transformer.wpe.weight"], own_wpe)
-    assert all(torch.equal(got[k], saved[k]) for k in saved if k != "transformer.wpe.weight")
+    assert all(torch.equal(got[k], saved[k]) for k in saved)
     resumed.close()

@@ -127,7 +127,7 @@ def test_every_setting_is_reachable_from_the_block(tmp_path):
                         "host_budget_bytes": "1GB", "prefetch_units": 1, "min_swap_bytes": "4KiB"},
     }  # fmt: skip
     io = {"backend": "threadpool", "block_size_bytes": "512KiB", "queue_depth": 4, "num_threads": 2,
-          "o_direct": True, "checksum": True, "stripe_min_bytes": 0, "pin": False, "bounce_cache_bytes": "1MiB"}  # fmt: skip
+          "o_direct": False, "checksum": False, "stripe_min_bytes": 0, "pin": False, "bounce_cache_bytes": "1MiB"}  # fmt: skip
     missing = set(Settings.model_fields) - set(values) - set(DS_OWNED)
     assert not missing, f"test does not cover {missing}"
     assert set(io) == set(IOConfig.model_fields)
@@ -149,7 +149,7 @@ def test_every_setting_is_reachable_from_the_block(tmp_path):
     )
     assert (a.prefetch_units, a.min_swap_bytes) == (1, 4096)
     assert rc.io == IOConfig(backend="threadpool", block_size_bytes=512 << 10, queue_depth=4, num_threads=2,
-                             checksum=True, stripe_min_bytes=0, pin=False, bounce_cache_bytes=1 << 20)  # fmt: skip
+                             o_direct=False, checksum=False, stripe_min_bytes=0, pin=False, bounce_cache_bytes=1 << 20)  # fmt: skip
     assert (rc.ssd_read_gbps, rc.ssd_write_gbps) == (1.5, 2.5)
     # from DeepSpeed's own keys
     assert s.micro_batch == 2 and s.offload_params and s.offload_optimizer and s.compute_dtype == "fp32"

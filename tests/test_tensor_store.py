@@ -222,8 +222,10 @@ def test_failed_write_never_reads_as_valid(tmp_path):
         s.put("k", _rand((100_000,), torch.float32, 2)).wait()
     assert ei.value.errno == errno.EIO
     with pytest.raises(SwapIOError) as ei:
-        s.get("k").wait()  # neither the old nor a half-new version is served
-    assert ei.value.errno == errno.ESTALE and "incomplete" in str(ei.value)
+        s.get("k").wait()  # neither the old nor a half-new version is served: the write's own cause
+    assert ei.value.errno == errno.EIO and "writing key 'k' failed earlier" in str(ei.value)
+    with pytest.raises(SwapIOError, match="failed earlier"):
+        s.check_writes()
     s.close()
     with TensorStore(d) as s2:
         assert "k" not in s2  # the incomplete file is not indexed on reopen

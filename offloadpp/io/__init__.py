@@ -26,8 +26,9 @@ from .engine import (
 )
 from .errors import SwapIOError
 from .future import IOFuture
+from .lock import SwapDirBusyError, SwapDirLock
 from .measure import measure_ssd
-from .store import IOStats, TensorStore
+from .store import IOStats, TensorStore, remove_swap_files
 
 if not ALIGNMENT == 4096 == int(_C.ALIGNMENT):
     raise ImportError(
@@ -43,6 +44,8 @@ __all__ = [
     "IOConfig",
     "IOFuture",
     "IOStats",
+    "SwapDirBusyError",
+    "SwapDirLock",
     "SwapIOError",
     "TensorStore",
     "aligned_empty",
@@ -54,5 +57,6 @@ __all__ = [
     "is_direct_capable",
     "is_managed",
     "probe_backends",
+    "remove_swap_files",
     "resolve_backend",
 ]

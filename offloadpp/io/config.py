@@ -21,7 +21,9 @@ class IOConfig(BaseModel):
     num_threads: worker threads per directory, each with its own kernel queue.
     o_direct: bypass the page cache (the point of the exercise); False only for filesystems
         without O_DIRECT support.
-    checksum: CRC-32C of every payload, verified on read (costs a pass over memory each way).
+    checksum: CRC-32C of every payload, verified on read, so a flipped bit on disk is an error
+        naming the key and file, never silently different training (the CPU's CRC instruction:
+        a pass over memory each way; docs/performance.md has the cost on a step).
     stripe_min_bytes: with several directories, tensors at least this large are split over all
         of them (one file each) so one get reads from every SSD; smaller ones go whole to the
         directory holding the fewest bytes.
@@ -36,7 +38,7 @@ class IOConfig(BaseModel):
     queue_depth: int = 8
     num_threads: int = 1
     o_direct: bool = True
-    checksum: bool = False
+    checksum: bool = True
     stripe_min_bytes: int = 16 << 20
     pin: Optional[bool] = None
     bounce_cache_bytes: int = 256 << 20

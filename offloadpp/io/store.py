@@ -76,6 +76,7 @@ class _Entry:
     generation: int
     parts: list[_Part]
     pending: list[IOFuture] = field(default_factory=list)
+    failed: Optional[BaseException] = None  # the error of the key's last put, if it failed
 
     def header(self, p: _Part, **kw) -> fmt.Header:
         return fmt.Header(
@@ -105,6 +106,35 @@ def _drain(handles: list) -> None:
 def _file_stem(key: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:80]
     return f"{safe}.{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def remove_swap_files(dirs: Sequence[Union[str, os.PathLike]]) -> tuple[int, int]:
+    """Removes the swap files in `dirs` (this store's kind only: *.oswp); returns (files, bytes).
+
+    A run starts from the model or a checkpoint, never from swap files an earlier run left
+    behind (of this model or another one): those are stale, and left alone they would only
+    hold disk space the next run needs."""
+    count = total = 0
+    for d in dirs:
+        d = os.fspath(d)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            if not name.endswith(SUFFIX):
+                continue
+            path = os.path.join(d, name)
+            try:
+                size = os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise swap_error(e.errno or EIO, "removing a stale swap file", path) from None
+            count += 1
+            total += size
+    return count, total
 
 
 class TensorStore:
@@ -147,6 +177,7 @@ class TensorStore:
         self._dir_bytes = [0] * len(self.dirs)
         self._pending: dict[int, IOFuture] = {}
         self._since_prune = 0
+        self._first_failed: Optional[tuple[str, BaseException]] = None
         self._closed = False
         self._gen = itertools.count(self._scan() + 1)
 
@@ -235,6 +266,10 @@ class TensorStore:
         self._wait_key(key, writes_only=True)
         with self._lock:
             entry = self._index[key]
+            failed = entry.failed
+        if failed is not None:
+            raise self._write_failed(key, failed)
+        with self._lock:
             snap = _Entry(
                 entry.key, entry.dtype, entry.shape, entry.nbytes, entry.generation, list(entry.parts)
             )
@@ -317,6 +352,46 @@ class TensorStore:
             live = self._index.get(key)
         return self._track(live if live is not None else snap, fut, out)
 
+    def sync(self) -> None:
+        """Waits for every put, then makes every file of the store durable (fdatasync) and
+        the directories' entries too (fsync): what a checkpoint needs before it is named."""
+        self.wait_all()
+        with self._lock:
+            parts = [p for e in self._index.values() for p in e.parts]
+        for p in parts:
+            self._file(p, create=False).sync()
+        from .durable import fsync_dir
+
+        for d in self.dirs:
+            fsync_dir(d)
+
+    def file_sizes(self) -> dict[str, int]:
+        """{path: bytes} of every file of the store."""
+        with self._lock:
+            paths = [p.path for e in self._index.values() for p in e.parts]
+        return {path: os.stat(path).st_size for path in paths}
+
+    def check_writes(self) -> None:
+        """Raises the error of the first put that failed (without waiting for any): the place a
+        failed write reports its own cause (a read-only or full disk, an I/O error), not a later
+        read of what it left behind."""
+        with self._lock:
+            done = [f for f in self._pending.values() if f.kind == "put" and f.done()]
+        for f in done:
+            f._wait_quiet()  # settles it: _retire records a failure
+        with self._lock:
+            first = self._first_failed
+        if first is not None:
+            raise self._write_failed(*first)
+
+    @staticmethod
+    def _write_failed(key: str, cause: BaseException) -> SwapIOError:
+        err = getattr(cause, "errno", None) or EIO
+        e = SwapIOError(err, f"writing key {key!r} failed earlier, so its swap file holds no valid copy: {cause}",
+                        getattr(cause, "filename", None))  # fmt: skip
+        e.__cause__ = cause
+        return e
+
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._index
@@ -359,6 +434,23 @@ class TensorStore:
                 first = first or e
         if first is not None:
             raise first
+
+    def forget_failures(self) -> list[BaseException]:
+        """Waits for every outstanding operation and forgets those that failed (their errors are
+        returned: the caller reported them, e.g. an aborted step whose writes are discarded)."""
+        with self._lock:
+            futures = list(self._pending.values())
+        errors = []
+        for f in futures:
+            try:
+                f.wait()
+            except BaseException as e:  # noqa: BLE001 - returned
+                errors.append(e)
+            with self._lock:
+                self._pending.pop(id(f), None)
+        with self._lock:
+            self._first_failed = None
+        return errors
 
     def close(self) -> None:
         if self._closed:
@@ -502,6 +594,10 @@ class TensorStore:
             entry = self._index.get(fut.key)
             if entry is not None and fut in entry.pending:
                 entry.pending.remove(fut)
+            if fut.kind == "put" and entry is not None:
+                entry.failed = fut._error  # a later put that succeeds clears it
+                if fut._error is not None and self._first_failed is None:
+                    self._first_failed = (fut.key, fut._error)
 
     def _wait_key(self, key: str, writes_only: bool) -> None:
         with self._lock:

@@ -18,21 +18,27 @@ those an in-memory AdamW step gives. The engine's buffer pools hold to the plan'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
+import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from offloadpp.io import TensorStore, aligned_empty, measure_ssd
+from offloadpp.io import SwapDirLock, TensorStore, aligned_empty, measure_ssd, remove_swap_files
 from offloadpp.optim import AdamHyper, default_num_threads
-from offloadpp.planner import Plan, PlanError, build_schedule
+from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes
 from offloadpp.planner.cost import StepEstimate
 from offloadpp.planner.resolve import check_plan
 
+from . import checkpoint as ckpt
+from . import export
 from .activations.manager import ActivationManager
 from .config import BudgetUse, RuntimeConfig, StepReport
 from .device import Device
@@ -42,15 +48,9 @@ from .optimizer import OptimizerPipeline
 from .partition import find_units, layout_units
 from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
-from .state import (
-    Exporter,
-    check_buffers,
-    export_checkpoint,
-    import_checkpoint,
-    initialize_units,
-    replace_meta_params,
-)
-from .unit import Unit, UnitPhase
+from .slots import Hold, Txn
+from .state import Exporter, check_buffers, initialize_units, replace_meta_params
+from .unit import TORCH_DTYPES, Unit, UnitPhase
 
 log = logging.getLogger("offloadpp.runtime")
 
@@ -86,13 +86,32 @@ class OffloadEngine:
         self.plan = plan
         self.predicted = predicted
         self.schedule = build_schedule(self.plan)
-        check_free_space(config.nvme_paths, self.plan)
-        self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True)
+        self._closed = True  # until set up: close() has nothing to do
+        self._lock = SwapDirLock(config.nvme_paths)  # one run per swap directory
+        self.store = None
         try:
+            n, nbytes = remove_swap_files(config.nvme_paths)
+            if n:
+                log.warning(
+                    "removed %d stale swap files (%s) an earlier run left in %s", n, fmt_bytes(nbytes),
+                    ", ".join(config.nvme_paths),
+                )  # fmt: skip
+            check_free_space(config.nvme_paths, self.plan)
+            self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True)
             self._setup(model, layouts, init_fn, meta, progress)
         except BaseException:
-            self.store.close()
+            if self.store is not None:
+                self.store.close()
+            self._lock.release()
             raise
+        # Note: an engine dropped without close() must leave nothing behind (threads, open
+        # files, buffers, the lock). Its parts are released by a finalizer that holds them, not
+        # the engine, so it runs once the engine is unreachable (the hooks reach the engine
+        # weakly where torch keeps them out of the collector's sight: executor._param_hook).
+        self._finalizer = weakref.finalize(
+            self, _release, self.optimizer, self.activations.swapper, self.store,
+            (self.device_pool, self.host_pool), self._lock,
+        )  # fmt: skip
 
     def _io_config(self):
         """The config's I/O settings, or the plan's where the config left `io` at its defaults."""
@@ -111,8 +130,18 @@ class OffloadEngine:
         self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
         if dev.is_cuda:
             dev.budget_bytes = budgets.device_bytes
+        self.txn = Txn()  # open while a step's updates may run during backward (slots.py, generations)
         self.units = [
-            Unit(lay, p, self.plan, dev, self.store, device_pool=self.device_pool, host_pool=self.host_pool)
+            Unit(
+                lay,
+                p,
+                self.plan,
+                dev,
+                self.store,
+                device_pool=self.device_pool,
+                host_pool=self.host_pool,
+                txn=self.txn,
+            )  # fmt: skip
             for lay, p in zip(layouts, self.plan.placements)
         ]
         modules = dict(model.named_modules())
@@ -173,8 +202,11 @@ class OffloadEngine:
         self.micro_in_window = 0
         self._boundary_override: Optional[bool] = None  # set_boundary, for the current micro-batch
         self._micro: Optional[str] = None  # how far the current micro-batch got: "forward", "backward"
-        self._closed = False
+        self._failed: Optional[BaseException] = None  # a step that could not complete nor roll back
+        self._aborted = False  # a step was interrupted (its errors were raised then)
+        self._window_steps: list[list[int]] = [list(u.steps) for u in self.units]
         self._reset_step_counters()
+        self._closed = False
         log.info("%s", self.plan.describe())
 
     # ---- training ---------------------------------------------------------------------------
@@ -213,12 +245,19 @@ class OffloadEngine:
         t0 = time.perf_counter()
         if self._step_t0 is None:
             self._step_t0 = t0
-        if torch.is_grad_enabled():
-            self.optimizer.begin_micro(first=self.micro_in_window == 0, boundary=self._boundary())
-            self._micro = "forward"
-        self.executor.start_forward()
-        with record_function("offloadpp::forward"), self.activations.forward():  # saved-tensor hooks
-            out = self.module(*args, **kwargs)
+        try:
+            if torch.is_grad_enabled():
+                first = self.micro_in_window == 0
+                if first:
+                    self._begin_window()
+                self.optimizer.begin_micro(first=first, boundary=self._boundary())
+                self._micro = "forward"
+            self.executor.start_forward()
+            with record_function("offloadpp::forward"), self.activations.forward():  # saved-tensor hooks
+                out = self.module(*args, **kwargs)
+        except BaseException:
+            self._abort_step()
+            raise
         self._fwd_s += time.perf_counter() - t0
         return out
 
@@ -234,16 +273,20 @@ class OffloadEngine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         self._micro = "backward"
-        self.executor.start_backward()
-        self.activations.start_backward()
-        self.optimizer.begin_backward()
-        with record_function("offloadpp::backward"):
-            (loss * scale if scale != 1.0 else loss).backward()
-            for u in self.optimizer.order:  # units some of whose parameters got no gradient
-                if u.phase not in (UnitPhase.GRADS_READY, UnitPhase.UPDATING, UnitPhase.UPDATED):
-                    self._grads_complete(u)
-        self.executor.end_backward()
-        self.activations.end_backward()
+        try:
+            self.executor.start_backward()
+            self.activations.start_backward()
+            self.optimizer.begin_backward()
+            with record_function("offloadpp::backward"):
+                (loss * scale if scale != 1.0 else loss).backward()
+                for u in self.optimizer.order:  # units some of whose parameters got no gradient
+                    if u.phase not in (UnitPhase.GRADS_READY, UnitPhase.UPDATING, UnitPhase.UPDATED):
+                        self._grads_complete(u)
+            self.executor.end_backward()
+            self.activations.end_backward()
+        except BaseException:
+            self._abort_step()
+            raise
         self._bwd_s += time.perf_counter() - t0
 
     def _grads_complete(self, u: Unit) -> None:
@@ -256,27 +299,109 @@ class OffloadEngine:
         boundary = self._boundary()
         self._boundary_override = None
         self._micro = None
-        self.micro_in_window += 1
         if not boundary:
-            self.optimizer.finish()
+            try:
+                self.optimizer.finish()
+            except BaseException:
+                self._abort_step()
+                raise
+            self.micro_in_window += 1
             self._opt_s += time.perf_counter() - t0
             return None
-        self.micro_in_window = 0
         grad_norm, skipped = None, False
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
-        with record_function("offloadpp::optimizer_wait"):
-            if self.settings.deferred_update:
-                grad_norm, skipped = self._deferred_update(scale or 1.0)
-            self.optimizer.finish()
+        # Note: the end of a step is not interruptible. A Ctrl-C while the deferred updates run
+        # would leave some units updated: it is held until the step is complete, then raised.
+        try:
+            with _holding_interrupts(), record_function("offloadpp::optimizer_wait"):
+                if self.settings.deferred_update:
+                    grad_norm, skipped = self._deferred_update(scale or 1.0)
+                self.optimizer.finish()
+                self.store.check_writes()  # a write that failed reports its own cause, here
+                check_nvme_paths(self.config.nvme_paths, probe=False)  # still there (not removed)
+                self._commit()
+        except BaseException as e:
+            if self.txn.active:
+                self._abort_step()  # nothing committed yet: back to the last completed step
+            else:
+                self._fail(e)  # deferred updates half written: the engine cannot go on
+            raise
+        self.micro_in_window = 0
         if not skipped:
             self.global_step += 1
-        for u in self.units:
-            u.phase = UnitPhase.IDLE
         self._opt_s += time.perf_counter() - t0
         report = self._report(grad_norm, skipped, scale)
         if self.config.log_every and report.step % self.config.log_every == 0:
             log.info("%s", report.summary())
         return report
+
+    # ---- a step as a transaction ---------------------------------------------------------------
+    def _begin_window(self) -> None:
+        """A new accumulation window: its updates may run during backward (not deferred), so the
+        slots' writes go to a new generation until the step commits (slots.py)."""
+        self.txn.active = not self.settings.deferred_update
+        self._window_steps = [list(u.steps) for u in self.units]
+
+    def _commit(self) -> None:
+        for u in self.units:
+            for s in u.slots:
+                s.commit()
+            u.phase = UnitPhase.IDLE
+        self.txn.active = False
+
+    def _abort_step(self) -> None:
+        """A step interrupted before it completed (an exception, Ctrl-C in forward or backward):
+        every unit back to the state of the last completed step, bit for bit (tests/test_faults.py).
+
+        Note: updates already made during backward went to the open generation of their slots,
+        which is forgotten; the Adam step counts return to the window's start; gradients
+        accumulated in the window are dropped. State the plan keeps in memory (a HOST tier) is
+        updated in place and cannot go back: if any was, the engine refuses to go on and names
+        the unit (load the last checkpoint)."""
+        errors = self.optimizer.finish_all()  # jobs in flight complete (they cannot be stopped half way)
+        errors += self.store.forget_failures()  # reported by the interruption, or moot after the rollback
+        for e in errors:
+            log.warning("offloadpp: an I/O operation of the interrupted step failed too: %s", e)
+        torn = [
+            u.name for u in self.units if self.txn.active and u.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
+            and any(s.resident and s.txn is not None for s in u.slots)
+        ]  # fmt: skip
+        try:
+            self.optimizer.drop_uncommitted_writes()
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+        refresh = []
+        for u, steps in zip(self.units, self._window_steps):
+            updated = u.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
+            for s in u.slots:
+                s.rollback()
+            u.steps = list(steps)
+            u.phase = UnitPhase.IDLE
+            u.start_window()
+            if updated and u.device.is_cuda and u.weights.resident:
+                refresh.append(u)
+        for u in refresh:  # a resident device copy took the forgotten update: the committed one back
+            u.compute.acquire(Hold.EXPORT)
+            u.weights.refresh()
+            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
+        self.executor.end_backward()
+        self.activations.end_backward()
+        self.txn.active = False
+        self.micro_in_window = 0
+        self._boundary_override = None
+        self._micro = None
+        self._aborted = True
+        self._reset_step_counters()
+        if torn:
+            self._fail(RuntimeError(
+                f"the step was interrupted after unit {torn[0]!r} was updated, and that unit's optimizer state "
+                "lives in memory, where the update cannot be undone"
+            ))  # fmt: skip
+
+    def _fail(self, cause: BaseException) -> None:
+        if self._failed is None:
+            self._failed = cause
+            log.error("offloadpp: the engine cannot go on: %s", cause)
 
     def _deferred_update(self, scale: float) -> tuple[float, bool]:
         """Clipping / fp16 overflow: every norm is known now; then the updates run."""
@@ -403,29 +528,59 @@ class OffloadEngine:
         self.optimizer.finish()
         self.optimizer.flush_writes()
 
-    def state_dict(self) -> dict:
-        """A checkpoint: fp32 master weights, Adam moments and step counts per parameter (by
-        qualified name), the global step, hyper-parameters and the loss scaler."""
+    def save_state(self, path: str, *, meta: Optional[dict] = None, files: tuple[str, ...] = (),
+                   progress: bool = False) -> dict:  # fmt: skip
+        """Streams the training state (fp32 master weights, Adam moments, step counts, the
+        hyper-parameters, the loss scaler) into the empty folder `path`, unit by unit, durably;
+        `meta` and the small `files` the caller wrote there go into its manifest
+        (runtime/checkpoint.py). Between steps. Returns the manifest."""
         self._check_open()
         self._quiesce()
-        sd = export_checkpoint(self.units)
-        sd.update(
-            global_step=self.global_step,
-            hypers=[h.model_dump() for h in self.hypers],
-            loss_scaler=self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-        )
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        self._check_open()
-        self._quiesce()
-        import_checkpoint(self.units, sd)
         self.store.wait_all()
-        self.global_step = int(sd.get("global_step", 0))
-        if "hypers" in sd:
-            self.set_hypers([AdamHyper(**h) for h in sd["hypers"]])
-        if self.loss_scaler is not None and sd.get("loss_scaler"):
-            self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        self.store.check_writes()
+        runtime = {
+            "global_step": self.global_step,
+            "hypers": [h.model_dump() for h in self.hypers],  # one per param group
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+        return ckpt.save_state(self.units, path, io=self.store.config, meta={"runtime": runtime, **(meta or {})},
+                               files=files, progress=progress)  # fmt: skip
+
+    def load_state(self, path: str, *, optimizer_states: bool = True, progress: bool = False) -> dict:
+        """Reads a checkpoint save_state wrote into the engine (the weights only with
+        optimizer_states=False), after checking it is this model's and intact. Returns its
+        manifest. Between steps; a half-done accumulation window is dropped."""
+        self._check_open()
+        manifest = ckpt.read_manifest(path)
+        self._quiesce()
+        self.store.wait_all()
+        ckpt.load_state(self.units, path, manifest, io=self.store.config, optimizer_states=optimizer_states,
+                        progress=progress)  # fmt: skip
+        self.store.wait_all()
+        self.store.check_writes()
+        rt = manifest["runtime"]
+        if optimizer_states:
+            self.global_step = int(rt["global_step"])
+            if self.loss_scaler is not None and rt.get("loss_scaler"):
+                self.loss_scaler.load_state_dict(rt["loss_scaler"])
+            hypers = rt["hypers"] if "hypers" in rt else [rt["hyper"]]
+            if len(hypers) == len(self.hypers) or all(g == 0 for u in self.units for g in u.groups):
+                self.set_hypers([AdamHyper(**h) for h in hypers])
+        self.micro_in_window = 0
+        for u in self.units:
+            u.start_window()
+        return manifest
+
+    def export_weights(self, save_dir: str, *, dtype: Optional[torch.dtype] = None, filename: str = "model.safetensors",
+                       max_shard_bytes: int = export.DEFAULT_SHARD_BYTES, exclude_frozen: bool = False,
+                       progress: bool = False) -> list[str]:  # fmt: skip
+        """The current weights as safetensors from_pretrained loads, unit by unit at bounded
+        memory (runtime/export.py); dtype: the compute dtype unless given. Between steps."""
+        self._check_open()
+        dtype = dtype or TORCH_DTYPES[self.settings.compute_dtype]
+        return export.export_weights(self.units, self.module, save_dir, dtype, filename=filename,
+                                     max_shard_bytes=max_shard_bytes, exclude_frozen=exclude_frozen,
+                                     before=self._quiesce, progress=progress)  # fmt: skip
 
     def disk_bytes(self) -> int:
         """Bytes the swap files occupy."""
@@ -462,27 +617,71 @@ class OffloadEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the OffloadEngine was closed")
+        if self._failed is not None:
+            raise RuntimeError(
+                f"the OffloadEngine cannot go on after a step failed ({self._failed}); the last checkpoint is "
+                "intact: close this engine and load it into a new one"
+            ) from self._failed
 
     def close(self) -> None:
-        """Waits for all I/O, removes the hooks, frees the buffers. The model's parameters are
-        left as placeholders (export weights first with module.state_dict())."""
+        """Waits for all I/O, removes the hooks, frees the buffers, releases the swap
+        directories' lock. The model's parameters are left as placeholders (export weights first
+        with module.state_dict())."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        errors = self.optimizer.finish_all()
         try:
-            self.optimizer.close()
             self.activations.close()
             self.executor.release_all()
             self.executor.remove()
             self.exporter.remove()
-            self.store.wait_all()
         finally:
-            self.store.close()
-            self.device_pool.clear()
-            self.host_pool.clear()
+            try:
+                self._finalizer()
+            except BaseException as e:  # noqa: BLE001 - raised below unless a failed step reported it
+                errors.append(e)
+        if errors and self._failed is None and not self._aborted:
+            raise errors[0]  # not reported yet: a close() after clean steps must not hide it
+        for e in errors:
+            log.warning("offloadpp: closing after a failed step: %s", e)
 
     def __enter__(self) -> OffloadEngine:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _release(optimizer, swapper, store, pools, lock) -> None:
+    """Everything an engine holds outside Python's reach: worker threads, queued writes, open
+    swap files and the I/O engine's threads, buffers, the lock. Each part is released even if
+    another fails; the first error is raised after."""
+    first: Optional[BaseException] = None
+    for step in (optimizer.close, swapper.close, store.close, *(p.clear for p in pools), lock.release):
+        try:
+            step()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest is released
+            first = first or e
+    if first is not None:
+        raise first
+
+
+@contextlib.contextmanager
+def _holding_interrupts():
+    """Ctrl-C (SIGINT) held until the block is done, then raised; elsewhere than the main
+    thread, or where another handler was installed, nothing changes."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    got = []
+    old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if got:
+        raise KeyboardInterrupt

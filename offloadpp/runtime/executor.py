@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 
 import torch
 from torch.autograd.profiler import record_function
@@ -44,6 +45,23 @@ class ParamRef:
         self.offset = offset
         self.size = size
         self.stride = stride
+
+
+def _param_hook(executor: Executor, unit: str):
+    """A post-accumulate-grad hook that reaches the executor through a weak reference.
+
+    Note: why weak. A parameter's hooks are kept alive from torch's C++ side, where the garbage
+    collector cannot see them; a strong reference there keeps the whole engine (its threads,
+    files and buffers) alive after the user dropped it without close(). The module hooks are
+    ordinary Python references and need no such care."""
+    ref = weakref.ref(executor)
+
+    def hook(param) -> None:
+        ex = ref()
+        if ex is not None:
+            ex._on_param_grad(ex._by_name[unit], param)
+
+    return hook
 
 
 class Executor:
@@ -86,9 +104,7 @@ class Executor:
                 self._handles.append(m.register_forward_hook(functools.partial(self._post_forward, u)))
             for p, _ in u.params:
                 if p.requires_grad:
-                    self._handles.append(
-                        p.register_post_accumulate_grad_hook(functools.partial(self._on_param_grad, u))
-                    )
+                    self._handles.append(p.register_post_accumulate_grad_hook(_param_hook(self, u.name)))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -68,7 +68,7 @@ class _Job:
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
     half: Optional[torch.Tensor] = None
-    writes: list = field(default_factory=list)  # [(Slot, buffer)] to put after the job's work
+    writes: list = field(default_factory=list)  # [(Slot, buffer, generation)] to put after the job's work
     defer_writes: bool = False  # leave the puts to the main thread's flush_writes()
     defer_moments: bool = False  # only the moments' puts (see run_deferred)
     keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
@@ -97,7 +97,7 @@ def _late(job: _Job, slot: Slot) -> bool:
 
 @dataclass
 class _Done:
-    writes: list  # [(Slot, future)]
+    writes: list  # [(Slot, future, generation)]
     sq_norm: Optional[float]
     adam_s: float
     absorb_s: float
@@ -165,7 +165,11 @@ def _work(job: _Job, store) -> _Done:
     futs = []
     if not job.defer_writes:
         with record_function("offloadpp::write_state"):
-            futs = [(slot, store.put(slot.key, buf)) for slot, buf in job.writes if not _late(job, slot)]
+            futs = [
+                (slot, store.put(slot.key_of(g), buf), g)
+                for slot, buf, g in job.writes
+                if not _late(job, slot)
+            ]
     return _Done(futs, sq, t2 - t1, t1 - t0)
 
 
@@ -204,7 +208,7 @@ class OptimizerPipeline:
             1, thread_name_prefix="offloadpp-free", initializer=None if device.is_cuda else _yield_to_compute
         )
         self._jobs: deque[tuple[_Job, Future]] = deque()
-        self._queued_writes: list[tuple[Slot, torch.Tensor]] = []  # see flush_writes
+        self._queued_writes: list[tuple[Slot, torch.Tensor, int]] = []  # see flush_writes
         self.boundary = False
         self.first_micro = True
         self._absorb_cursor = 0
@@ -312,7 +316,7 @@ class OptimizerPipeline:
         ):
             job.keep_grads = True  # its update is among the first after backward: no round trip
         elif u.grads_persist and not u.grads.resident:
-            job.writes.append((u.grads, u.grads.buffer))
+            job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         self._add_before(job, u.grads)
         self._submit(job)
         self._absorbed += 1
@@ -368,7 +372,7 @@ class OptimizerPipeline:
             return  # no parameter of the unit got a gradient: nothing changed, nothing to write
         for s in (u.master, u.exp_avg, u.exp_avg_sq) + ((u.compute,) if self.separate else ()):
             if not s.resident:
-                job.writes.append((s, s.buffer))
+                job.writes.append((s, s.buffer, s.write_generation()))
 
     @staticmethod
     def _add_before(job: _Job, *slots: Slot) -> None:
@@ -424,6 +428,17 @@ class OptimizerPipeline:
     def finish(self) -> None:
         self.reap(block=True)
 
+    def finish_all(self) -> list[BaseException]:
+        """Waits for every job, even past a failed one (an aborted step, close()); returns the
+        errors, in order. A failed job leaves its unit's holds to the caller's rollback."""
+        errors = []
+        while self._jobs:
+            try:
+                self.reap(block=True)
+            except BaseException as e:  # noqa: BLE001 - collected for the caller
+                errors.append(e)
+        return errors
+
     def wait_absorbed(self) -> None:
         """Waits for every submitted job (deferred mode: the norms are then known)."""
         self.finish()
@@ -443,12 +458,13 @@ class OptimizerPipeline:
             self._freer.submit(grads.clear)
         self.adam_s += done.adam_s
         self.absorb_s += done.absorb_s
-        for slot, fut in done.writes:
-            slot.wrote(fut)
-        for slot, buf in job.writes:
+        for slot, fut, g in done.writes:
+            slot.wrote(fut, g)
+        for slot, buf, g in job.writes:
             if job.defer_writes or _late(job, slot):  # left to flush_writes
                 slot.acquire(Hold.WRITE)
-                self._queued_writes.append((slot, buf))
+                slot.will_write(g)
+                self._queued_writes.append((slot, buf, g))
         if job.staging is not None:
             self.host_pool.put(job.staging)
         if done.sq_norm is not None:
@@ -483,16 +499,25 @@ class OptimizerPipeline:
         backward, an export, close). The buffers stay held (Hold.WRITE) until then.
         """
         queued, self._queued_writes = self._queued_writes, []
-        queued.sort(key=lambda sb: flush_rank(sb[0].key))  # weights first (schedule.flush_rank)
+        queued.sort(key=lambda w: flush_rank(w[0].name))  # weights first (schedule.flush_rank)
         with record_function("offloadpp::write_state"):
-            for slot, buf in queued:
-                slot.wrote(self.store.put(slot.key, buf))
+            for slot, buf, g in queued:
+                slot.wrote(self.store.put(slot.key_of(g), buf), g)
                 slot.release(Hold.WRITE)
+
+    def drop_uncommitted_writes(self) -> None:
+        """An aborted step: queued writes of what it computed are dropped (their slots roll
+        back); those of the last completed step are started."""
+        keep = [w for w in self._queued_writes if w[2] == w[0]._committed]
+        self._queued_writes = keep
+        self.flush_writes()
 
     def close(self) -> None:
         try:
-            self.finish()
+            errors = self.finish_all()
             self.flush_writes()
+            if errors:
+                raise errors[0]
         finally:
             self._worker.shutdown(wait=True)
             self._freer.shutdown(wait=True)

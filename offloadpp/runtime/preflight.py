@@ -11,7 +11,7 @@ import shutil
 import uuid
 from typing import Sequence
 
-from offloadpp.planner import Plan, fmt_bytes
+from offloadpp.planner import Plan, Tier, fmt_bytes
 
 # Swap files carry a header block per key and round payloads up to 4096 bytes: leave headroom.
 SPACE_MARGIN = 1.02
@@ -22,15 +22,18 @@ class PreflightError(RuntimeError):
     """The machine cannot run the plan as asked; the message says what is missing."""
 
 
-def check_nvme_paths(paths: Sequence[str]) -> None:
+def check_nvme_paths(paths: Sequence[str], probe: bool = True) -> None:
+    """Each path exists, is a directory and (probe) takes a write."""
     for p in paths:
         if not os.path.exists(p):
             raise PreflightError(f"nvme path {p!r} does not exist (create it, or mount the SSD there)")
         if not os.path.isdir(p):
             raise PreflightError(f"nvme path {p!r} is not a directory")
-        probe = os.path.join(p, f".offloadpp-write-test-{uuid.uuid4().hex[:8]}")
+        if not probe:
+            continue
+        test_file = os.path.join(p, f".offloadpp-write-test-{uuid.uuid4().hex[:8]}")
         try:
-            with open(probe, "wb") as f:
+            with open(test_file, "wb") as f:
                 f.write(b"x")
         except OSError as e:
             raise PreflightError(
@@ -38,15 +41,27 @@ def check_nvme_paths(paths: Sequence[str]) -> None:
             ) from None
         finally:
             try:
-                os.unlink(probe)
+                os.unlink(test_file)
             except OSError:
                 pass
 
 
+def ssd_footprint_bytes(plan: Plan) -> int:
+    """Bytes the run keeps on SSD: the plan's arrays, and where updates run during backward
+    (not deferred) a second generation of every transactional one (master, moments, compute
+    copy: runtime/slots.py), which a step writes before it commits."""
+    total = plan.ssd_bytes()
+    if not plan.deferred_update:
+        total = 2 * total - sum(
+            u.grad_bytes for u, p in plan if plan.persistent_grads and p.grads is Tier.SSD
+        )
+    return total
+
+
 def check_free_space(paths: Sequence[str], plan: Plan, existing_bytes: int = 0) -> None:
-    """The plan's SSD bytes, spread evenly over the paths, must fit the free space of each
-    filesystem (paths on one filesystem share its free space)."""
-    need_total = plan.ssd_bytes()
+    """What the run keeps on SSD (ssd_footprint_bytes), spread evenly over the paths, must fit
+    the free space of each filesystem (paths on one filesystem share its free space)."""
+    need_total = ssd_footprint_bytes(plan)
     if need_total == 0:
         return
     per_path = need_total / len(paths) * SPACE_MARGIN + SPACE_MARGIN_BYTES

@@ -5,6 +5,17 @@ The main thread (the one running forward and the autograd hooks) is the only one
 a slot; the optimizer's worker only reads and writes the buffer it was handed, and returns the
 futures of the writes it started, which the main thread records with `wrote()`.
 
+Note: generations. A step whose updates run during backward must be able to vanish: if it is
+interrupted (an exception, Ctrl-C) some units are updated and others not, and the state of the
+last completed step is what must remain. A transactional slot (master, moments, the compute
+copy) therefore has two keys in the store, `name@0` and `name@1`. Writes made while the engine's
+step is open (`Txn.active`) go to the generation the last completed step does not use; reads go
+to the newest one; commit() makes the newest the committed one and rollback() forgets it. Each
+key is overwritten in place from step to step (fast), at the cost of twice the state on disk
+while updates overlap backward. Outside a step (deferred updates, which run after backward,
+uninterruptibly; the first weights; a checkpoint being loaded) writes go to the committed
+generation and count at once.
+
 Note: holds. Several parties may need a slot's buffer at once: the schedule (the unit computes
 soon: COMPUTE), the optimizer (its update is pending: OPTIM), the next step's first visits (the
 buffer just updated is reused instead of read back: NEXT), an export (state_dict: EXPORT). A slot
@@ -79,18 +90,31 @@ class _ReadAfterWrite:
         return self._f.result().wait()
 
 
+class Txn:
+    """Whether a step's transaction is open: shared by every slot of an engine."""
+
+    __slots__ = ("active",)
+
+    def __init__(self):
+        self.active = False
+
+
 class Slot:
     def __init__(
         self,
-        key: str,
+        name: str,
         numel: int,
         dtype: torch.dtype,
         pool: BufferPool,
         store,
         *,
         resident: bool,
+        txn: Optional[Txn] = None,
     ):
-        self.key = key
+        self.name = name
+        self.txn = txn  # None: not transactional (gradients, which a new window overwrites)
+        self._committed: Optional[int] = None  # generation of the last completed step (None: zeros)
+        self._latest: Optional[int] = None  # generation of the newest data
         self.numel = numel
         self.dtype = dtype
         self.pool = pool
@@ -99,7 +123,6 @@ class Slot:
         self.state = SlotState.EMPTY
         self.buffer: Optional[torch.Tensor] = None
         self.holds = Hold.NONE
-        self.on_disk = False  # the store has a current copy (else the content is all zeros)
         self._read: Optional[Waitable] = None
         self._write: Optional[Waitable] = None
         self.bytes_read = 0
@@ -108,8 +131,50 @@ class Slot:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    # ---- generations (see the Note) ------------------------------------------------------------
+    def key_of(self, generation: int) -> str:
+        return f"{self.name}@{generation}" if self.txn is not None else self.name
+
+    @property
+    def key(self) -> str:
+        """The store key of the newest data (reads go here)."""
+        return self.key_of(self._latest or 0)
+
+    @property
+    def on_disk(self) -> bool:
+        """The store has the newest data (else it is all zeros: nothing was ever written)."""
+        return self._latest is not None
+
+    def write_generation(self) -> int:
+        """Where a write decided now goes: in an open step, the generation the last completed
+        step does not use; otherwise the committed one."""
+        if self.txn is None:
+            return 0
+        base = self._committed if self._committed is not None else 1
+        return 1 - base if self.txn.active else (self._committed or 0)
+
+    @property
+    def uncommitted(self) -> bool:
+        return self._latest != self._committed
+
+    def commit(self) -> None:
+        self._committed = self._latest
+
+    def rollback(self) -> None:
+        """Back to the last completed step: the newest data is forgotten, and a buffer that may
+        hold it is given back (a resident slot cannot be rolled back: the engine checks)."""
+        self._latest = self._committed
+        self._write = None
+        self.holds = Hold.NONE
+        if self.resident or self.state is SlotState.EMPTY:
+            return
+        self.pool.put(self.buffer, after=(self._read,))
+        self.buffer = None
+        self._read = None
+        self.state = SlotState.EMPTY
+
     def __repr__(self) -> str:
-        return f"Slot({self.key!r}, {self.state.value}, holds={self.holds}, resident={self.resident})"
+        return f"Slot({self.name!r}, {self.state.value}, holds={self.holds}, resident={self.resident})"
 
     # ---- lifecycle -----------------------------------------------------------------------
     def make_resident(self, initial: Optional[torch.Tensor] = None) -> None:
@@ -148,7 +213,7 @@ class Slot:
     def wait(self) -> torch.Tensor:
         """The buffer, once its data is there."""
         if self.state is SlotState.EMPTY:
-            raise SlotError(f"{self.key}: wait() on a slot that was not acquired")
+            raise SlotError(f"{self.name}: wait() on a slot that was not acquired")
         if self.state is SlotState.LOADING:
             self._read.wait()
             self._read = None
@@ -163,10 +228,20 @@ class Slot:
     def pending_write(self) -> Optional[Waitable]:
         return self._write if self._write is not None and not self._write.done() else None
 
-    def wrote(self, fut: Waitable) -> None:
-        """Records a write of the buffer to the store (started by the optimizer's worker)."""
+    def will_write(self, generation: int) -> None:
+        """The buffer, held, is the newest data of `generation` and will be written there later
+        (flush_writes): reads until then are served from it, and a commit counts it."""
+        self._latest = generation
+        if self.txn is None or not self.txn.active:
+            self._committed = generation
+
+    def wrote(self, fut: Waitable, generation: int = 0) -> None:
+        """Records a write of the buffer to the store, to `generation` (write_generation()
+        when it was decided); outside an open step it counts as committed at once."""
         self._write = fut
-        self.on_disk = True
+        self._latest = generation
+        if self.txn is None or not self.txn.active:
+            self._committed = generation
 
     def release(self, hold: Hold, after: tuple = ()) -> None:
         """Drops `hold`; with no hold left the buffer goes back to the pool."""

@@ -1,6 +1,6 @@
 """Getting training state in and out: the first weights (from the model, or initialised unit by
-unit for a model built on the meta device), `module.state_dict()` between steps, and the
-engine's checkpoint (master weights, moments, step counts).
+unit for a model built on the meta device) and `module.state_dict()` between steps. Checkpoints
+are checkpoint.py's.
 
 Note: a model larger than memory. Built on the meta device, it never exists whole in RAM: each
 unit's parameters are pointed at a fresh fp32 buffer, the user's init function (for Hugging
@@ -76,9 +76,10 @@ def initialize_units(
         for p, s in u.params:
             p.data = u.device.placeholder(s.shape, u.compute_dtype)
         if not master.resident:
-            master.wrote(master.store.put(master.key, buf))
+            g = master.write_generation()
+            master.wrote(master.store.put(master.key_of(g), buf), g)
         if u.compute is not master:
-            _init_compute_copy(u)
+            init_compute_copy(u)
         for s in (u.exp_avg, u.exp_avg_sq, u.grads):
             if s.resident:
                 s.make_resident()
@@ -89,7 +90,7 @@ def initialize_units(
         master.release(Hold.EXPORT)
 
 
-def _init_compute_copy(u: Unit) -> None:
+def init_compute_copy(u: Unit) -> None:
     c = u.compute
     if c.resident:
         if c.buffer is None:
@@ -98,7 +99,8 @@ def _init_compute_copy(u: Unit) -> None:
         c.acquire(Hold.EXPORT, overwrite=True)
     convert_(c.buffer, u.master.buffer)
     if not c.resident:
-        c.wrote(c.store.put(c.key, c.buffer))
+        g = c.write_generation()
+        c.wrote(c.store.put(c.key_of(g), c.buffer), g)
     c.release(Hold.EXPORT)
 
 
@@ -198,58 +200,3 @@ class Exporter:
             u.master.acquire(Hold.EXPORT)
             self._held = u.master
         return u.master.wait()
-
-
-# ---- the engine's checkpoint -------------------------------------------------------------------
-ARRAYS = ("params", "exp_avg", "exp_avg_sq")
-
-
-def _slots_of(u: Unit) -> tuple[Slot, Slot, Slot]:
-    return u.master, u.exp_avg, u.exp_avg_sq
-
-
-def export_checkpoint(units: list[Unit]) -> dict:
-    """{"params"|"exp_avg"|"exp_avg_sq": {name: fp32 tensor}, "param_steps": {name: int}}, unit by unit."""
-    out: dict = {a: {} for a in ARRAYS}
-    out["param_steps"] = {}
-    for u in units:
-        for array, slot in zip(ARRAYS, _slots_of(u)):
-            slot.acquire(Hold.EXPORT)
-            buf = slot.wait()
-            for _, s in u.params:
-                out[array][s.name] = buf[s.offset : s.offset + s.numel].view(s.shape).clone()
-            slot.release(Hold.EXPORT)
-        for (_, s), step in zip(u.params, u.steps):
-            out["param_steps"][s.name] = step
-    return out
-
-
-def import_checkpoint(units: list[Unit], sd: dict) -> None:
-    """Writes a checkpoint from export_checkpoint back into every unit's homes."""
-    for array in (*ARRAYS, "param_steps"):
-        if array not in sd:
-            raise KeyError(f"checkpoint has no {array!r} section")
-    for u in units:
-        for array, slot in zip(ARRAYS, _slots_of(u)):
-            slot.acquire(Hold.EXPORT, overwrite=True)
-            buf = slot.wait()
-            buf[u.numel :].zero_()
-            for _, s in u.params:
-                t = sd[array].get(s.name)
-                if t is None:
-                    raise KeyError(f"checkpoint has no {array} for parameter {s.name!r}")
-                if tuple(t.shape) != tuple(s.shape):
-                    raise ValueError(
-                        f"checkpoint {array} of parameter {s.name!r} has shape {tuple(t.shape)}, expected {tuple(s.shape)}"
-                    )
-                buf[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
-            if not slot.resident:
-                slot.wrote(slot.store.put(slot.key, buf))
-            if slot is u.master and u.compute is not u.master:
-                _init_compute_copy(u)
-            slot.release(Hold.EXPORT)
-        if u.device.is_cuda and u.weights.resident:
-            u.compute.acquire(Hold.EXPORT)
-            u.weights.refresh()
-            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
-        u.steps = [int(sd["param_steps"][s.name]) for _, s in u.params]

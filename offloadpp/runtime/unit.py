@@ -18,7 +18,7 @@ from offloadpp.planner import Placement, Plan, Tier, flat_numel
 from .device import CpuWeights, CudaWeights, Device
 from .memory import BufferPool
 from .partition import ParamSlot, UnitLayout
-from .slots import Slot
+from .slots import Slot, Txn
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,6 +47,7 @@ class Unit:
         *,
         device_pool: BufferPool,
         host_pool: BufferPool,
+        txn: Optional[Txn] = None,
     ):
         self.name = layout.unit.name
         self.layout = layout
@@ -61,8 +62,11 @@ class Unit:
         alias = not plan.separate_weights
         n = self.padded_numel
 
-        def slot(array: str, dtype: torch.dtype, pool: BufferPool, resident: bool) -> Slot:
-            return Slot(f"{self.name}.{array}", n, dtype, pool, store, resident=resident)
+        def slot(
+            array: str, dtype: torch.dtype, pool: BufferPool, resident: bool, transactional=True
+        ) -> Slot:
+            t = txn if transactional else None  # gradients: a new window overwrites them anyway
+            return Slot(f"{self.name}.{array}", n, dtype, pool, store, resident=resident, txn=t)
 
         master_resident = placement.master is Tier.HOST
         # On the CPU device the compute copy is device memory; with fp32 it is the master itself.
@@ -78,7 +82,7 @@ class Unit:
         self.exp_avg = slot("exp_avg", torch.float32, host_pool, placement.moments is Tier.HOST)
         self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool, placement.moments is Tier.HOST)
         grads_resident = plan.persistent_grads and placement.grads is Tier.HOST
-        self.grads = slot("grads", torch.float32, host_pool, grads_resident)
+        self.grads = slot("grads", torch.float32, host_pool, grads_resident, transactional=False)
         self.grads_persist = plan.persistent_grads
         if device.is_cuda:
             self.weights = CudaWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)

@@ -1,95 +1,110 @@
-"""save_checkpoint / load_checkpoint for OffloadppEngine.
+"""save_checkpoint / load_checkpoint for OffloadppEngine: DeepSpeed's layout, crash-consistent.
 
-Layout, DeepSpeed's convention of one folder per tag and a `latest` file naming the newest:
+    save_dir/latest          the tag of the newest checkpoint (replaced atomically)
+    save_dir/TAG/            the runtime's checkpoint (runtime/checkpoint.py: manifest, state)
+        engine.pt            step counters, the LR scheduler, each group's lr
+        rng.pt               the random number generators' states (torch, CUDA, random, numpy)
+        client_state.pt      the caller's client_state
 
-    save_dir/latest                      the tag of the newest checkpoint
-    save_dir/TAG/offloadpp_state.safetensors  fp32 master weights and Adam moments, by parameter name
-    save_dir/TAG/engine.json             step counters, per-parameter Adam steps, LR scheduler,
-                                         loss scaler, hyper-parameters
-    save_dir/TAG/client_state.pt         the caller's client_state (arbitrary objects)
-
-A checkpoint is written to a temporary folder and renamed into place, so a crash mid-save never
-leaves a folder that loads as valid. Resuming restores everything the next step depends on, so a
-resumed run continues exactly as one that never stopped (given the same batches).
+Note: what a crash leaves. A checkpoint is written under `.TAG.partial`, every file fdatasync'ed,
+the folder fsync'ed, the manifest last; only then does it take the name TAG (replacing an older
+TAG atomically: the old one stays valid until the new one is in place), and only then does
+`latest` name it. So at any instant `latest` names a complete, verified checkpoint, whatever
+moment a kill -9 or power cut lands on (tests/test_crash.py). Folders of saves that died half
+way are removed by the next save. Resuming restores everything the next step depends on, so a
+resumed run continues bit for bit as one that never stopped (given the same batches).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import random
 import shutil
+import time
 from typing import Any, Optional
 
 import torch
 
-STATE_FILE = "offloadpp_state.safetensors"
-ENGINE_FILE = "engine.json"
+from offloadpp.io.durable import recover_aside, swap_into_place, write_atomic
+from offloadpp.runtime.checkpoint import CheckpointError
+
+log = logging.getLogger("offloadpp")
+
+ENGINE_FILE = "engine.pt"
+RNG_FILE = "rng.pt"
 CLIENT_FILE = "client_state.pt"
-SECTIONS = ("params", "exp_avg", "exp_avg_sq")
+PARTIAL = ".partial"
 
 
-class CheckpointError(RuntimeError):
-    pass
+def _check_tag(tag: str) -> None:
+    if os.sep in tag or tag in ("", ".", "..") or tag.startswith(".") or tag == "latest":
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} must be a plain folder name (not hidden, not 'latest')"
+        )
 
 
-# What a scheduler may have changed in a param group (OneCycle cycles betas), restored on load.
+def rng_states() -> dict:
+    import numpy as np
+
+    out = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_states(states: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _remove_dead_partials(save_dir: str) -> None:
+    for name in os.listdir(save_dir):
+        if name.startswith(".") and name.endswith(PARTIAL):
+            path = os.path.join(save_dir, name)
+            log.warning("offloadpp: removing %s, left by a save that did not finish", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# What a scheduler may change in a param group (OneCycle cycles betas), restored on load.
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-def _names(engine) -> list:
-    return [s.name for u in engine.runtime.units for _, s in u.params]
-
-
-def _frozen(engine) -> set:
-    return {s.name for u in engine.runtime.units for _, s in u.params if not s.requires_grad}
-
-
-def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool, *,
-                           exclude_frozen_parameters: bool = False) -> str:  # fmt: skip
-    from safetensors.torch import save_file
-
-    if os.sep in tag or tag in ("", ".", ".."):
-        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain folder name")
+def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
+    _check_tag(tag)
     os.makedirs(save_dir, exist_ok=True)
     final = os.path.join(save_dir, tag)
-    tmp = os.path.join(save_dir, f".{tag}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    recover_aside(final)
+    _remove_dead_partials(save_dir)
+    tmp = os.path.join(save_dir, f".{tag}{PARTIAL}")
     os.makedirs(tmp)
-
-    sd = engine.runtime.state_dict()
-    frozen = _frozen(engine) if exclude_frozen_parameters else set()
-    tensors = {
-        f"{sec}/{name}": t.contiguous()
-        for sec in SECTIONS
-        for name, t in sd[sec].items()
-        if name not in frozen
-    }
-    save_file(tensors, os.path.join(tmp, STATE_FILE))
-    meta = {
-        "format": 1,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "global_samples": engine.global_samples,
-        "runtime": {k: v for k, v in sd.items() if k not in SECTIONS},
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
-        "param_groups_hyper": [
-            {k: (list(g[k]) if k == "betas" else g[k]) for k in _GROUP_KEYS if k in g}
-            for g in engine.optimizer.param_groups
-        ],
-    }
-    with open(os.path.join(tmp, ENGINE_FILE), "w") as f:
-        json.dump(meta, f, indent=1)
+    sched = engine.lr_scheduler
+    torch.save(
+        {
+            "global_steps": engine.global_steps,
+            "micro_steps": engine.micro_steps,
+            "global_samples": engine.global_samples,
+            "lr_scheduler": sched.state_dict() if sched is not None else None,
+            "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
+            "param_groups_hyper": [
+                {k: g[k] for k in _GROUP_KEYS if k in g} for g in engine.optimizer.param_groups
+            ],
+        },
+        os.path.join(tmp, ENGINE_FILE),
+    )
+    torch.save(rng_states(), os.path.join(tmp, RNG_FILE))
     torch.save(client_state, os.path.join(tmp, CLIENT_FILE))
-
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    engine.runtime.save_state(
+        tmp, meta={"tag": tag, "saved_at": time.time()}, files=(ENGINE_FILE, RNG_FILE, CLIENT_FILE)
+    )
+    swap_into_place(tmp, final)
     if save_latest:
-        latest_tmp = os.path.join(save_dir, ".latest.partial")
-        with open(latest_tmp, "w") as f:
-            f.write(tag)
-        os.replace(latest_tmp, os.path.join(save_dir, "latest"))
+        write_atomic(os.path.join(save_dir, "latest"), tag.encode())
     return final
 
 
@@ -104,52 +119,18 @@ def _resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
 
 
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_optimizer_states: bool,
-                           load_lr_scheduler_states: bool, strict: bool = True) -> tuple[Optional[str], Any]:  # fmt: skip
+                           load_lr_scheduler_states: bool) -> tuple[Optional[str], Any]:  # fmt: skip
     """Returns (path, client_state), or (None, None) when there is no checkpoint, as DeepSpeed."""
-    from safetensors.torch import load_file
-
     tag = _resolve_tag(load_dir, tag)
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)
-    for name in (STATE_FILE, ENGINE_FILE):
-        if not os.path.isfile(os.path.join(path, name)):
-            raise CheckpointError(f"checkpoint {path!r} is incomplete: {name} is missing")
-    with open(os.path.join(path, ENGINE_FILE)) as f:
-        meta = json.load(f)
-    if meta.get("format") != 1:
-        raise CheckpointError(
-            f"checkpoint {path!r} has format {meta.get('format')!r}; this offloadpp reads 1"
-        )
-    flat = load_file(os.path.join(path, STATE_FILE))
-    sd: dict = {sec: {} for sec in SECTIONS}
-    for key, t in flat.items():
-        sec, name = key.split("/", 1)
-        sd[sec][name] = t
-    runtime_meta = dict(meta["runtime"])
-    # Parameters the checkpoint lacks keep their current state: frozen ones it was saved without
-    # (exclude_frozen_parameters), and with strict=False any (DeepSpeed's load_module_strict).
-    missing = [n for n in _names(engine) if n not in sd["params"]]
-    bad = [n for n in missing if n not in _frozen(engine)] if strict else []
-    if bad:
-        raise CheckpointError(
-            f"checkpoint {path!r} has no state for parameter {bad[0]!r} ({len(bad)} missing); "
-            "load_module_strict=False keeps the current values of missing parameters"
-        )
-    if missing:
-        current = engine.runtime.state_dict()
-        for sec in SECTIONS:
-            for n in missing:
-                sd[sec][n] = current[sec][n]
-        runtime_meta["param_steps"] = {**current["param_steps"], **runtime_meta["param_steps"]}
-    if not load_optimizer_states:
-        # Keep this engine's moments and steps; take the weights only.
-        current = engine.runtime.state_dict()
-        sd["exp_avg"], sd["exp_avg_sq"] = current["exp_avg"], current["exp_avg_sq"]
-        runtime_meta["param_steps"] = current["param_steps"]
-    sd.update(runtime_meta)
-    engine.runtime.load_state_dict(sd)
-
+    recover_aside(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist")
+    engine.runtime.load_state(path, optimizer_states=load_optimizer_states)
+    engine._pending = None  # a half-done accumulation window is dropped with the runtime's
+    meta = torch.load(os.path.join(path, ENGINE_FILE), weights_only=False)
     engine.global_steps = meta["global_steps"]
     engine.micro_steps = meta["micro_steps"]
     engine.global_samples = meta["global_samples"]
@@ -158,8 +139,9 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
     for g, lr in zip(engine.optimizer.param_groups, meta["param_groups_lr"]):
         g["lr"] = lr
     for g, hyper in zip(engine.optimizer.param_groups, meta.get("param_groups_hyper", ())):
-        g.update({k: (tuple(v) if k == "betas" else v) for k, v in hyper.items()})
+        g.update(hyper)
     engine._push_lr()
-    client_file = os.path.join(path, CLIENT_FILE)
-    client_state = torch.load(client_file, weights_only=False) if os.path.isfile(client_file) else {}
+    if load_optimizer_states:
+        set_rng_states(torch.load(os.path.join(path, RNG_FILE), weights_only=False))
+    client_state = torch.load(os.path.join(path, CLIENT_FILE), weights_only=False)
     return path, client_state

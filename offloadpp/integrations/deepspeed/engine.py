@@ -136,6 +136,11 @@ class OffloadppEngine(DeepSpeedEngine):
         self._step_applied = not skipped
         self.skipped_steps += int(skipped)
         if self.lr_scheduler is not None and not skipped:
+            # The update ran inside the engine, not through optimizer.step(): tell torch's
+            # schedulers it happened (their order check looks for this mark).
+            for opt in (self.optimizer, self.client_optimizer, getattr(self.lr_scheduler, "optimizer", None)):
+                if opt is not None:
+                    opt._opt_called = True
             self.lr_scheduler.step(**(lr_kwargs or {}))
         spp = self.steps_per_print()
         if spp and math.isfinite(spp) and self.global_steps % spp == 0:
@@ -301,11 +306,13 @@ class OffloadppEngine(DeepSpeedEngine):
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
+        """A crash-consistent checkpoint (checkpoint.py). Its arrays are whole units, so frozen
+        parameters are in it even with exclude_frozen_parameters (they do not change in training;
+        loading restores them)."""
         self._finish_micro()
         tag = tag or f"global_step{self.global_steps}"
         t0 = time.perf_counter()
-        save_engine_checkpoint(self, save_dir, str(tag), client_state or {}, save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)  # fmt: skip
+        save_engine_checkpoint(self, save_dir, str(tag), client_state or {}, save_latest)
         logger.info("offloadpp: saved checkpoint %s in %.1fs", os.path.join(save_dir, str(tag)),
                     time.perf_counter() - t0)  # fmt: skip
         return True
@@ -313,6 +320,9 @@ class OffloadppEngine(DeepSpeedEngine):
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None) -> tuple[Optional[str], Any]:  # fmt: skip
+        """Loads a checkpoint save_checkpoint wrote (the weights only with load_module_only or
+        load_optimizer_states=False). It must be this model's: load_module_strict=False does not
+        relax the check of its units and parameters (a mismatch is named)."""
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...): offloadpp loads its own checkpoint format"
@@ -321,7 +331,6 @@ class OffloadppEngine(DeepSpeedEngine):
         path, client = load_engine_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
-            strict=load_module_strict,
         )  # fmt: skip
         self._push_hypers()
         return path, client
@@ -343,6 +352,13 @@ class OffloadppEngine(DeepSpeedEngine):
             for name, p in params.items():
                 if name in values:
                     p.data = values[name]
+
+    def save_pretrained(self, save_dir: str) -> bool:
+        """A Hugging Face model folder (weights, config.json) from_pretrained loads, streamed."""
+        from offloadpp.integrations.deepspeed.export import save_pretrained
+
+        save_pretrained(self, save_dir)
+        return True
 
     def close(self) -> None:
         """Waits for the I/O and frees the runtime's buffers; the model's parameters are left as

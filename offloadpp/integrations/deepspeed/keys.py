@@ -223,7 +223,9 @@ KEYS: dict[str, Key] = {
     "checkpoint.tag_validation": _i("one process: a tag cannot differ between ranks"),
     "checkpoint.use_node_local_storage": _i("one node"),
     "checkpoint.parallel_write": _i("one process writes the checkpoint"),
-    "checkpoint.checkpoint_serialization": _i("offloadpp's checkpoints are safetensors and JSON"),
+    "checkpoint.checkpoint_serialization": _i(
+        "offloadpp writes its own checkpoint format (runtime/checkpoint.py)"
+    ),
     "checkpoint.load_universal": _r("offloadpp loads its own checkpoints (save_checkpoint)", False),
     "checkpoint.writer": _r("offloadpp writes its checkpoints itself", None),
     "checkpoint.writer.*": _i(_OFF),

@@ -1,0 +1,147 @@
+"""The current weights as safetensors `from_pretrained` loads, written unit by unit.
+
+Note: bounded memory. Each unit's fp32 master is fetched (from SSD or memory, into a buffer of
+the engine's pools), its parameters converted to the export dtype one at a time and streamed
+into the file (io/safetensors_stream.py); then the next unit. Nothing holds more than a unit.
+Weights up to `max_shard_bytes` go to one file named as asked (model.safetensors); more are
+split into model-0000k-of-0000N.safetensors shards with model.safetensors.index.json, as
+Hugging Face's save_pretrained writes them. Tied weights (embeddings and lm_head) are one
+parameter under two names: stored once under the first name, from_pretrained ties them again.
+Files are written under temporary names and renamed when complete, the index last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from offloadpp.io.durable import fsync_dir, write_atomic
+from offloadpp.io.safetensors_stream import SafetensorsWriter
+
+from .slots import Hold
+from .unit import Unit
+
+DEFAULT_SHARD_BYTES = 5 * 10**9
+INDEX_SUFFIX = ".index.json"
+
+
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for mname, mod in model.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is not None and bname not in mod._non_persistent_buffers_set:
+                out.append((f"{mname}.{bname}" if mname else bname, b))
+    return out
+
+
+def _shard_names(filename: str, n: int) -> list[str]:
+    if n == 1:
+        return [filename]
+    stem = filename.removesuffix(".safetensors")
+    return [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def export_weights(
+    units: list[Unit],
+    model: nn.Module,
+    save_dir: str,
+    dtype: torch.dtype,
+    *,
+    filename: str = "model.safetensors",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    exclude_frozen: bool = False,
+    before: Optional[Callable[[], None]] = None,
+    progress: bool = False,
+) -> list[str]:
+    """Writes the weights to save_dir (see the module Note); returns the files written."""
+    if before is not None:
+        before()  # the optimizer quiet: the masters are final
+    owner = {}
+    for u in units:
+        for p, s in u.params:
+            owner[id(p)] = (u, s)
+    entries = []  # (name, unit, slot) in unit order
+    seen: set[int] = set()
+    by_unit: dict[str, list] = {u.name: [] for u in units}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen or (exclude_frozen and not p.requires_grad):
+            seen.add(id(p))
+            continue
+        seen.add(id(p))
+        u, s = owner[id(p)]
+        by_unit[u.name].append((name, u, s))
+    for u in units:
+        entries.extend(by_unit[u.name])
+    buffers = _persistent_buffers(model)
+    sizes = [s.numel * dtype.itemsize for _, _, s in entries] + [
+        b.numel() * b.element_size() for _, b in buffers
+    ]
+    shards: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(sizes):
+        if shards[-1] and total + n > max_shard_bytes:
+            shards.append([])
+            total = 0
+        shards[-1].append(i)
+        total += n
+    names = _shard_names(filename, len(shards))
+    os.makedirs(save_dir, exist_ok=True)
+    written, weight_map = [], {}
+    held: Optional[Unit] = None
+
+    def master_of(u: Unit) -> torch.Tensor:
+        nonlocal held
+        if held is not u:
+            if held is not None:
+                held.master.release(Hold.EXPORT)
+            u.master.acquire(Hold.EXPORT)
+            held = u
+        return u.master.wait()
+
+    try:
+        bar = tqdm(total=len(units), desc="offloadpp: exporting", disable=not progress, leave=False)
+        for shard, fname in zip(shards, names):
+            decl = []
+            for i in shard:
+                if i < len(entries):
+                    name, _, s = entries[i]
+                    decl.append((name, dtype, tuple(s.shape)))
+                else:
+                    name, b = buffers[i - len(entries)]
+                    decl.append((name, b.dtype, tuple(b.shape)))
+            tmp = os.path.join(save_dir, f".{fname}.tmp")
+            w = SafetensorsWriter(tmp, decl, {"format": "pt"})
+            try:
+                for i in shard:
+                    if i < len(entries):
+                        name, u, s = entries[i]
+                        if held is not u:
+                            bar.update(1)
+                        buf = master_of(u)
+                        w.write(name, buf[s.offset : s.offset + s.numel].view(s.shape).to(dtype))
+                    else:
+                        name, b = buffers[i - len(entries)]
+                        w.write(name, b)
+                    weight_map[name] = fname
+                w.close()
+            except BaseException:
+                w.abort()
+                raise
+            os.replace(tmp, os.path.join(save_dir, fname))
+            written.append(os.path.join(save_dir, fname))
+        bar.close()
+    finally:
+        if held is not None:
+            held.master.release(Hold.EXPORT)
+    if len(names) > 1:
+        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        path = os.path.join(save_dir, filename + INDEX_SUFFIX)
+        write_atomic(path, json.dumps(index, indent=2).encode())
+        written.append(path)
+    fsync_dir(save_dir)
+    return written

@@ -1,0 +1,175 @@
+"""Checkpoints through the DeepSpeed API: streamed, verified, crash-consistent, and a resume that
+continues bit for bit; exports that from_pretrained loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import offloadpp
+from offloadpp.io import SwapIOError
+from offloadpp.runtime.checkpoint import MANIFEST, CheckpointError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("deepspeed")
+transformers.logging.set_verbosity_error()
+
+
+def gpt2(width=32, seed=0, dropout=0.1):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=width, n_head=2, n_positions=32, vocab_size=96,
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def config(nvme, **over):
+    os.makedirs(nvme, exist_ok=True)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(nvme)},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
+        "offloadpp": {"enabled": True},
+    }  # fmt: skip
+    cfg.update(over)
+    return cfg
+
+
+def batch(i):
+    return torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(100 + i))
+
+
+def steps(engine, start, n):
+    losses = []
+    for i in range(start, start + n):
+        x = batch(i)
+        loss = engine(input_ids=x, labels=x).loss  # dropout: the RNG's state matters
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def weights(engine):
+    return {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_resume_is_bit_identical(tmp_path):
+    a, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / "a"))
+    steps(a, 0, 3)
+    a.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 7, "note": "x"})
+    random.random(), np.random.rand()  # the caller's generators move on; the checkpoint has them
+    want_losses = steps(a, 3, 3)
+    want = weights(a)
+    a.close()
+    b, *_ = offloadpp.initialize(model=gpt2(seed=5), config=config(tmp_path / "b"))
+    torch.manual_seed(1234)  # a different RNG state: the checkpoint's must win
+    path, client = b.load_checkpoint(str(tmp_path / "ckpt"))
+    assert path == str(tmp_path / "ckpt" / "global_step3") and client == {"epoch": 7, "note": "x"}
+    assert b.global_steps == 3 and b.get_lr() == pytest.approx([g["lr"] for g in b.optimizer.param_groups])
+    assert steps(b, 3, 3) == want_losses
+    got = weights(b)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    b.close()
+
+
+def test_checkpoint_folder_is_durable_and_verified(tmp_path):
+    eng, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / "nvme"))
+    steps(eng, 0, 1)
+    eng.save_checkpoint(str(tmp_path / "ckpt"), tag="t1")
+    ckpt = tmp_path / "ckpt" / "t1"
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    assert manifest["format"] == 2 and (tmp_path / "ckpt" / "latest").read_text() == "t1"
+    assert {r["file"] for r in manifest["files"]} == {"engine.pt", "rng.pt", "client_state.pt"}
+    assert all(a["crc32c"] for a in manifest["arrays"].values())
+    assert not [p for p in os.listdir(tmp_path / "ckpt") if p.endswith(".partial")]
+    # a flipped byte in a moment's payload is an error naming the file, never other numbers
+    state_file = next(p for p in manifest["state_files"] if "exp_avg_sq" in p)
+    with open(ckpt / state_file, "r+b") as f:
+        f.seek(4096 + 100)
+        byte = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises((SwapIOError, CheckpointError), match="checksum|CRC"):
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+    # a truncated file is named before anything is read
+    with open(ckpt / state_file, "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(CheckpointError, match=r"has 4096 bytes, the manifest says"):
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+    os.unlink(ckpt / MANIFEST)
+    with pytest.raises(CheckpointError, match="not a complete checkpoint: manifest.json is missing"):
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+    eng.close()
+
+
+def test_another_models_checkpoint_is_refused_naming_the_difference(tmp_path):
+    a, *_ = offloadpp.initialize(model=gpt2(width=32), config=config(tmp_path / "a"))
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    a.close()
+    b, *_ = offloadpp.initialize(model=gpt2(width=64), config=config(tmp_path / "b"))
+    with pytest.raises(
+        CheckpointError,
+        match=r"parameter 'transformer\.wte\.weight': the checkpoint has shape \[96, 32\], the model \[96, 64\]",
+    ):
+        b.load_checkpoint(str(tmp_path / "ckpt"))
+    b.close()
+
+
+def test_a_failed_save_leaves_the_previous_tag_and_latest_valid(tmp_path, monkeypatch):
+    eng, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / "nvme"))
+    steps(eng, 0, 2)
+    eng.save_checkpoint(str(tmp_path / "ckpt"), tag="same")
+    want = weights(eng)
+    steps(eng, 2, 1)
+    real = eng.runtime.save_state
+
+    def dies_half_way(path, **kw):
+        real(path, **kw)
+        os.unlink(os.path.join(path, MANIFEST))  # as if killed before the manifest was written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eng.runtime, "save_state", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        eng.save_checkpoint(str(tmp_path / "ckpt"), tag="same")
+    monkeypatch.undo()
+    assert os.path.isdir(tmp_path / "ckpt" / ".same.partial")  # what the dead save left
+    fresh, *_ = offloadpp.initialize(model=gpt2(seed=9), config=config(tmp_path / "nvme2"))
+    fresh.load_checkpoint(str(tmp_path / "ckpt"))  # the old "same", still whole
+    got = weights(fresh)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    eng.save_checkpoint(str(tmp_path / "ckpt"), tag="next")  # cleans up the dead save's folder
+    assert not os.path.exists(tmp_path / "ckpt" / ".same.partial")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "next"
+    eng.close()
+    fresh.close()
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 60_000])
+def test_export_streams_shards_from_pretrained_loads(tmp_path, shard_bytes):
+    eng, *_ = offloadpp.initialize(model=gpt2(dropout=0.0), config=config(tmp_path / "nvme"))
+    steps(eng, 0, 2)
+    want = weights(eng)
+    out = tmp_path / "hf"
+    if shard_bytes is None:
+        eng.save_pretrained(str(out))
+        assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    else:
+        files = eng.runtime.export_weights(str(out), max_shard_bytes=shard_bytes)
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len({os.path.basename(f) for f in files}) > 2 and set(index["weight_map"].values()) <= set(
+            os.listdir(out)
+        )
+        eng.module.config.save_pretrained(str(out))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(out))
+    got = loaded.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # tied again
+    eng.close()

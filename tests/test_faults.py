@@ -1,0 +1,206 @@
+"""Faults: an interrupted step leaves exactly the state of the last completed step; a full disk, an
+I/O error, a swap directory removed or made read-only, a truncated or corrupted swap file each
+give an error naming the path (never a hang, never silently different numbers), and the last
+checkpoint stays loadable."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from offloadpp.io import SwapIOError
+from offloadpp.runtime.checkpoint import MANIFEST
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+def gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=2, n_positions=32, vocab_size=128,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def engine(nvme, clip=0.0, seed=0):
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+
+    os.makedirs(nvme, exist_ok=True)
+    cfg = RuntimeConfig(nvme_paths=[str(nvme)], settings=Settings(gradient_clipping=clip), device="cpu",
+                        ssd_read_gbps=1.0, ssd_write_gbps=1.0)  # fmt: skip
+    return assemble_engine(gpt2(seed), cfg, hyper=AdamHyper(lr=1e-3, weight_decay=0.1))
+
+
+def step(eng, i):
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i))
+    eng.backward(eng(input_ids=x, labels=x).loss)
+    return eng.step()
+
+
+def fingerprint(eng, path) -> dict:
+    """Every master and moment's CRC-32C and every step count, through a checkpoint."""
+    eng.save_state(str(path))
+    m = json.loads((path / MANIFEST).read_text())
+    return {"arrays": {k: v["crc32c"] for k, v in m["arrays"].items()}, "steps": m["param_steps"],
+            "global": m["runtime"]["global_step"]}  # fmt: skip
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["updates-in-backward", "deferred-updates"])
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
+def test_interrupted_step_leaves_the_last_completed_state(tmp_path, clip, exc):
+    ref = engine(tmp_path / "ref", clip)
+    eng = engine(tmp_path / "nvme", clip)
+    try:
+        for i in range(2):
+            step(ref, i)
+            step(eng, i)
+        blocks = eng.module.transformer.h
+        # the first block's backward runs last: by then the head and the later blocks are updated
+        handle = blocks[0].register_full_backward_hook(lambda *a: (_ for _ in ()).throw(exc("interrupted")))
+        with pytest.raises(exc):
+            step(eng, 2)
+        handle.remove()
+        assert fingerprint(eng, tmp_path / "a") == fingerprint(ref, tmp_path / "b")  # bit for bit
+        for i in (2, 3):  # and it trains on exactly as if nothing had happened
+            step(ref, i)
+            step(eng, i)
+        assert fingerprint(eng, tmp_path / "c") == fingerprint(ref, tmp_path / "d")
+    finally:
+        eng.close()
+        ref.close()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tmpfs to fill, break and remount (O_DIRECT works on tmpfs since Linux 6.6); root only."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _checkpoint_then(tmp_path, nvme, clip=0.0, steps=2):
+    """An engine on `nvme` after `steps` steps, with a checkpoint of them outside `nvme`."""
+    eng = engine(nvme, clip)
+    for i in range(steps):
+        step(eng, i)
+    eng.save_state(str(tmp_path / "ckpt"))
+    return eng
+
+
+def _checkpoint_loads(tmp_path, steps=2):
+    fresh = engine(tmp_path / "fresh", seed=3)
+    try:
+        assert fresh.load_state(str(tmp_path / "ckpt"))["runtime"]["global_step"] == steps
+    finally:
+        fresh.close()
+
+
+def test_full_disk(tmp_path, tmpfs):
+    # before the first step: the step's new generation of the state needs room on the disk
+    eng = _checkpoint_then(tmp_path, tmpfs / "nvme", steps=0)
+    try:
+        free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+        with open(tmpfs / "filler", "wb") as f:  # someone else fills the disk
+            f.truncate(0)
+            f.write(b"\0" * (free - (64 << 10)))
+        with pytest.raises(SwapIOError) as e:
+            for i in range(2, 6):
+                step(eng, i)
+        assert e.value.errno == errno.ENOSPC and str(tmpfs) in str(e.value)
+    finally:
+        os.unlink(tmpfs / "filler")
+        eng.close()
+    _checkpoint_loads(tmp_path, steps=0)
+
+
+def test_read_only_disk_reports_its_own_errno(tmp_path, tmpfs):
+    # a read-only view of the swap directory (the swap files already open stay writable, as
+    # on a filesystem remounted read-only with writers on it; the step's new files cannot be)
+    eng = _checkpoint_then(tmp_path, tmpfs / "nvme", steps=0)
+    nvme = str(tmpfs / "nvme")
+    try:
+        subprocess.run(["mount", "--bind", nvme, nvme], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", nvme], check=True)
+        with pytest.raises(OSError) as e:
+            step(eng, 0)
+        assert e.value.errno == errno.EROFS and "Stale file handle" not in str(e.value), str(e.value)
+        assert nvme in str(e.value)
+        subprocess.run(["umount", nvme], check=True)
+        step(eng, 0)  # the interrupted step rolled back: once writable again, it trains on
+    finally:
+        subprocess.run(["umount", nvme], capture_output=True)
+        eng.close()
+    _checkpoint_loads(tmp_path, steps=0)
+
+
+def test_io_error(tmp_path):
+    eng = _checkpoint_then(tmp_path, tmp_path / "nvme")
+    try:
+        eng.store._engines[0]._inject_fault(3, errno.EIO)
+        with pytest.raises(SwapIOError) as e:
+            for i in range(2, 5):
+                step(eng, i)
+        assert e.value.errno == errno.EIO and str(tmp_path / "nvme") in str(e.value)
+    finally:
+        eng.close()
+    _checkpoint_loads(tmp_path)
+
+
+def test_swap_directory_removed(tmp_path):
+    import shutil
+
+    eng = _checkpoint_then(tmp_path, tmp_path / "nvme")
+    try:
+        shutil.rmtree(tmp_path / "nvme")
+        with pytest.raises(Exception, match=str(tmp_path / "nvme")):
+            for i in range(2, 5):
+                step(eng, i)
+    finally:
+        eng.close()
+    _checkpoint_loads(tmp_path)
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped byte"])
+def test_damaged_swap_file(tmp_path, how):
+    eng = _checkpoint_then(tmp_path, tmp_path / "nvme")
+    try:
+        files = sorted((tmp_path / "nvme").glob("*exp_avg_sq*.oswp"))
+        assert files
+        for path in files:  # both generations of every unit's second moment
+            with open(path, "r+b") as f:
+                if how == "truncated":
+                    f.truncate(4096 + 512)
+                else:
+                    f.seek(4096 + 1000)
+                    b = f.read(1)
+                    f.seek(4096 + 1000)
+                    f.write(bytes([b[0] ^ 0x10]))
+        with pytest.raises(SwapIOError) as e:
+            for i in range(2, 5):
+                step(eng, i)
+        assert "exp_avg_sq" in str(e.value) and ("truncated" in str(e.value) or "checksum" in str(e.value))
+    finally:
+        eng.close()
+    _checkpoint_loads(tmp_path)
