@@ -39,7 +39,7 @@ from offloadpp.planner.cost import StepEstimate
 from offloadpp.planner.resolve import check_plan
 
 from . import checkpoint as ckpt
-from . import export
+from . import export, host_heap
 from .activations.manager import ActivationManager
 from .config import BudgetUse, RuntimeConfig, StepReport
 from .device import Device
@@ -94,6 +94,8 @@ class OffloadEngine:
         self.hypers: tuple[AdamHyper, ...] = (hyper if hyper is not None else AdamHyper(),)
         self.module = model
         self.device = Device(config.device)
+        if not self.device.is_cuda:
+            host_heap.return_freed_memory()  # the step's freed memory is the device's (host_heap's Note)
         if plan.budgets is None:
             raise PlanError(
                 "the plan has no budgets: make it with offloadpp.assemble.resolve_for_model or planner.resolve"
@@ -359,6 +361,8 @@ class OffloadEngine:
         self.micro_in_window = 0
         if not skipped:
             self.global_step += 1
+        if not self.device.is_cuda:
+            host_heap.trim()
         self._opt_s += time.perf_counter() - t0
         report = self._report(grad_norm, skipped, scale)
         if self.config.log_every and report.step % self.config.log_every == 0:
