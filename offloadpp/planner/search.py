@@ -45,7 +45,7 @@ from .fills import _placements
 from .hardware import HardwareProfile, IOPoint
 from .model_profile import ModelProfile
 from .peaks import peak_bytes
-from .plan import InfeasibleError, Plan, PlanError, Tier, fmt_bytes
+from .plan import InfeasibleError, Plan, PlanError, Tier, fmt_bytes, shard_units
 from .schedule import build_schedule
 from .spec import Budgets, Settings
 
@@ -78,6 +78,7 @@ class Request:
     ssd_free_bytes: Optional[int] = None  # plans keeping more on SSD are not candidates (None: not checked)
     count_activations: bool = False
     act_host_bytes: Optional[int] = None
+    ranks: int = 1  # data-parallel ranks the optimizer state is partitioned over (UnitSpec.shards)
 
     @property
     def micro_batches(self) -> int:
@@ -151,7 +152,7 @@ def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:
 
 
 def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> SearchResult:
-    units = model.unit_specs()
+    units = shard_units(model.unit_specs(), req.ranks)
     b = req.budgets
     common = dict(device=hardware.device, budgets=b, **plan_shape(req.settings))
     acts = act_planner(model, req, hardware.device)

@@ -19,6 +19,7 @@ those an in-memory AdamW step gives. The engine's buffer pools hold to the plan'
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ from offloadpp.io import SwapDirLock, TensorStore, aligned_empty, measure_ssd, r
 from offloadpp.optim import AdamHyper, default_num_threads
 from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes
 from offloadpp.planner.cost import StepEstimate
+from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
 
 from . import checkpoint as ckpt
@@ -43,12 +45,15 @@ from . import export
 from .activations.manager import ActivationManager
 from .config import BudgetUse, RuntimeConfig, StepReport
 from .device import Device
+from .distributed import DataParallel, rank_dirs
 from .executor import Executor, ParamRef
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
 from .partition import find_units, layout_units
 from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
+from .sharded import ShardedUnit, initialize_sharded_units
+from .sharded_optimizer import ShardedOptimizerPipeline
 from .slots import Hold, Txn
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
 from .unit import TORCH_DTYPES, Unit, UnitPhase
@@ -84,11 +89,17 @@ class OffloadEngine:
         init_fn: Optional[Callable[[nn.Module], None]] = None,
         progress: bool = False,
         predicted: Optional[StepEstimate] = None,
+        dp: Optional[DataParallel] = None,
     ):
         """plan: the finished plan for this model and config (offloadpp.assemble.resolve_for_model
         or planner.resolve); predicted: its estimated step, for the reports. A model on the meta
         device (built under offloadpp.Init) gets its weights unit by unit: from the safetensors
-        its from_pretrained named, else from init_fn (default: the model's own init)."""
+        its from_pretrained named, else from init_fn (default: the model's own init). dp: the
+        data-parallel ranks (runtime/distributed.py), each holding its shard of the state in a
+        folder of its own under each nvme path (runtime/sharded.py); the engine closes it."""
+        self.dp = dp
+        if dp is not None:
+            config = config.model_copy(update={"nvme_paths": rank_dirs(config.nvme_paths, dp.rank)})
         self.config = config
         self.settings = s = config.settings
         self.hyper = hyper if hyper is not None else AdamHyper()
@@ -103,7 +114,9 @@ class OffloadEngine:
         meta = bool(self.replaced_params)
         check_buffers(model, self.device.torch_device)
         layouts = layout_units(model, find_units(model, s.units))
-        check_plan(plan, [lay.spec() for lay in layouts], self.device.kind, s)
+        check_plan(
+            plan, shard_units([lay.spec() for lay in layouts], dp.world if dp else 1), self.device.kind, s
+        )
         self.plan = plan
         self.predicted = predicted
         self.schedule = build_schedule(self.plan)
@@ -132,7 +145,7 @@ class OffloadEngine:
         # weakly where torch keeps them out of the collector's sight: executor._param_hook).
         self._finalizer = weakref.finalize(
             self, _release, self.optimizer, self.activations.swapper, self.store,
-            (self.device_pool, self.host_pool), self._lock,
+            (self.device_pool, self.host_pool), self._lock, self.dp,
         )  # fmt: skip
 
     def _io_config(self):
@@ -154,8 +167,9 @@ class OffloadEngine:
         if dev.is_cuda:
             dev.budget_bytes = budgets.buffer_bytes
         self.txn = Txn()  # open while a step's updates may run during backward (slots.py, generations)
+        unit_cls = functools.partial(ShardedUnit, dp=self.dp) if self.dp is not None else Unit
         self.units = [
-            Unit(
+            unit_cls(
                 lay,
                 p,
                 self.plan,
@@ -171,15 +185,23 @@ class OffloadEngine:
         source = getattr(model, "_offloadpp_source", None)
         if meta and init_fn is None:
             init_fn = default_init_fn(model)
+        prefix = getattr(model, "base_model_prefix", "")
         with torch.no_grad():
-            missing = initialize_units(self.units, modules, init_fn, meta, progress, source,
-                                       prefix=getattr(model, "base_model_prefix", ""))  # fmt: skip
+            if self.dp is not None:
+                missing = initialize_sharded_units(
+                    self.units, modules, init_fn, meta, source, prefix, self.dp
+                )
+            else:
+                missing = initialize_units(
+                    self.units, modules, init_fn, meta, progress, source, prefix=prefix
+                )
         if missing:
             log.warning("offloadpp: %d parameters were not in %s and were initialised: %s", len(missing),
                         source.folder, ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))  # fmt: skip
         self.store.wait_all()
         by_name = {u.name: u for u in self.units}
-        self.optimizer = OptimizerPipeline(
+        pipeline = functools.partial(ShardedOptimizerPipeline, dp=self.dp) if self.dp else OptimizerPipeline
+        self.optimizer = pipeline(
             [by_name[n] for n in self.schedule.absorb_order],
             update_order=[by_name[n] for n in self.schedule.update_order],
             optim_window=self.schedule.optim_window,
@@ -373,8 +395,12 @@ class OffloadEngine:
             u.steps = list(steps)
             u.phase = UnitPhase.IDLE
             u.start_window()
-            if updated and u.device.is_cuda and u.weights.resident:
+            if updated and (u.device.is_cuda or self.dp is not None) and u.weights.resident:
                 refresh.append(u)
+        if refresh and self.dp is not None:  # (gathering it again would need every rank here)
+            self._fail(RuntimeError(f"the step was interrupted after unit {refresh[0].name!r}, resident on the device, "
+                                    "was updated: over several ranks its weights cannot be rolled back"))  # fmt: skip
+            refresh = []
         for u in refresh:  # a resident device copy took the forgotten update: the committed one back
             u.compute.acquire(Hold.EXPORT)
             u.weights.refresh()
@@ -400,6 +426,8 @@ class OffloadEngine:
         """Clipping / fp16 overflow: every norm is known now; then the updates run."""
         self.optimizer.wait_absorbed()
         sq = sum(u.sq_norm for u in self.optimizer.order if u.sq_norm is not None)
+        if self.dp is not None:
+            sq = self.dp.sum(sq)  # each rank's shards' part (runtime/sharded_optimizer.py)
         finite = math.isfinite(sq)
         grad_norm = math.sqrt(sq) / scale if finite else float("inf")
         if self.loss_scaler is not None:
@@ -607,12 +635,13 @@ class OffloadEngine:
         self.close()
 
 
-def _release(optimizer, swapper, store, pools, lock) -> None:
+def _release(optimizer, swapper, store, pools, lock, dp=None) -> None:
     """Everything an engine holds outside Python's reach: worker threads, queued writes, open
     swap files and the I/O engine's threads, buffers, the lock. Each part is released even if
     another fails; the first error is raised after."""
     first: Optional[BaseException] = None
-    for step in (optimizer.close, swapper.close, store.close, *(p.clear for p in pools), lock.release):
+    closers = (optimizer.close, swapper.close, store.close, *(p.clear for p in pools), lock.release)
+    for step in closers + ((dp.close,) if dp is not None else ()):
         try:
             step()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest is released

@@ -23,7 +23,6 @@ from tqdm import tqdm
 from offloadpp.io.durable import fsync_dir, write_atomic
 from offloadpp.io.safetensors_stream import SafetensorsWriter
 
-from .slots import Hold
 from .unit import Unit
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
@@ -94,14 +93,16 @@ def export_weights(
     written, weight_map = [], {}
     held: Optional[Unit] = None
 
+    master: Optional[torch.Tensor] = None
+
     def master_of(u: Unit) -> torch.Tensor:
-        nonlocal held
+        nonlocal held, master
         if held is not u:
             if held is not None:
-                held.master.release(Hold.EXPORT)
-            u.master.acquire(Hold.EXPORT)
+                held.end_export()
+            master = u.export_master()
             held = u
-        return u.master.wait()
+        return master
 
     try:
         bar = tqdm(total=len(units), desc="offloadpp: exporting", disable=not progress, leave=False)
@@ -137,7 +138,7 @@ def export_weights(
         bar.close()
     finally:
         if held is not None:
-            held.master.release(Hold.EXPORT)
+            held.end_export()
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         path = os.path.join(save_dir, filename + INDEX_SUFFIX)
