@@ -57,7 +57,9 @@ def _port() -> int:
 def _run(cmd: list[str], timeout: float) -> None:
     r = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
+        )
 
 
 def ranks(out, n=2) -> list[dict]:
