@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--save", default="")  # checkpoint folder: save after the steps
     ap.add_argument("--load", default="")  # checkpoint folder: load before the steps
-    ap.add_argument("--start", type=int, default=0)  # the global step the batches start at
+    ap.add_argument("--from-step", type=int, default=0)  # the global step the batches start at
     ap.add_argument("--local_rank", type=int, default=None)  # (the deepspeed launcher passes it)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -71,7 +71,7 @@ def main() -> None:
     if args.load:
         (engine.load_checkpoint(args.load) if args.api == "deepspeed" else runtime.load_state(args.load))
     reports = []
-    for batch in global_batches(args.start + args.steps)[args.start :]:
+    for batch in global_batches(args.from_step + args.steps)[args.from_step :]:
         mine = batch.chunk(world)[rank]  # this rank's part of the global batch
         for x in mine.chunk(args.accum):
             loss = engine(input_ids=x, labels=x).loss

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from dp_common import LR, reference
+from dp_common import LR, WD, reference
 from numerics import compare_weights
 
 pytest.importorskip("transformers")
@@ -123,3 +123,113 @@ def test_ranks_together_keep_what_one_process_keeps(tmp_path):
     # and so do the plans: each rank's SSD bytes are its shards' (UnitSpec.shards)
     for d in ranks(out):
         assert 0.5 * eng.plan.ssd_bytes() <= d["plan_ssd_bytes"] <= 0.6 * eng.plan.ssd_bytes()
+
+
+def test_deepspeed_launcher_two_cpu_ranks(tmp_path):
+    """The same run started by the `deepspeed` launcher (two CPU ranks, gloo), with gradient
+    accumulation: offloadpp.initialize starts torch.distributed through DeepSpeed's own
+    init_distributed, so DeepSpeed's config counts both ranks."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "out"
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()), WORKER, str(out),
+           "--nvme", str(nvme), "--api", "deepspeed", "--steps", "3", "--accum", "2", "--clip", "1.0"]  # fmt: skip
+    _run(cmd, 600)
+    # each rank's micro-batches are a quarter of the global batch: accumulated over four parts
+    assert compare_weights(weights(out), reference(3, clip=1.0, parts=4), lr=LR, steps=3) < 1e-5
+    assert sorted(os.listdir(nvme / "offloadpp")) == ["rank0", "rank1"]
+
+
+def _single_engine(nvme):
+    from dp_common import tiny_gpt2
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+
+    cfg = RuntimeConfig(nvme_paths=[str(nvme)], settings=Settings(gradient_clipping=1.0, gradient_accumulation_steps=2),
+                        device="cpu", ssd_read_gbps=2.0, ssd_write_gbps=2.0, log_every=0)  # fmt: skip
+    return assemble_engine(tiny_gpt2(), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+
+
+def _train_single(eng, start: int, steps: int) -> None:
+    """One process on the global batches start..start+steps, each as the ranks' two halves."""
+    from dp_common import global_batches
+
+    for x in global_batches(start + steps)[start:]:
+        for part in x.chunk(2):
+            eng.backward(eng(input_ids=part, labels=part).loss)
+            eng.step()
+
+
+def test_checkpoint_resumes_at_the_same_and_at_other_world_sizes(tmp_path):
+    """2 ranks save after 2 steps; 2 ranks, and 1 process (resharded), resume and end where 4
+    uninterrupted steps end; a one-process checkpoint resumes on 2 ranks too."""
+    want = reference(4, clip=1.0, parts=2)
+    ck2 = tmp_path / "ck2"
+    torchrun([str(tmp_path / "a"), "--nvme", str(tmp_path / "nv_a"), "--steps", "2", "--save", str(ck2)])
+    man = json.load(open(ck2 / "manifest.json"))
+    assert man["world_size"] == 2 and sorted(os.listdir(ck2)) == ["manifest.json", "rank00000", "rank00001"]
+    # same world size
+    torchrun(
+        [
+            str(tmp_path / "b"),
+            "--nvme",
+            str(tmp_path / "nv_b"),
+            "--steps",
+            "2",
+            "--from-step",
+            "2",
+            "--load",
+            str(ck2),
+        ]
+    )
+    assert compare_weights(weights(tmp_path / "b"), want, lr=LR, steps=4) < 1e-5
+    assert all(d["global_step"] == 4 for d in ranks(tmp_path / "b"))
+    # one process, resharded from two
+    (tmp_path / "nv_c").mkdir()
+    eng = _single_engine(tmp_path / "nv_c")
+    try:
+        eng.load_state(str(ck2))
+        assert eng.global_step == 2
+        _train_single(eng, 2, 2)
+        assert compare_weights(eng.module.state_dict(), want, lr=LR, steps=4) < 1e-5
+        # and a one-process checkpoint of 2 steps, resumed by two ranks
+        (tmp_path / "nv_d").mkdir()
+        eng.close()
+        eng = _single_engine(tmp_path / "nv_d")
+        _train_single(eng, 0, 2)
+        ck1 = tmp_path / "ck1"
+        ck1.mkdir()
+        eng.save_state(str(ck1))
+    finally:
+        eng.close()
+    torchrun(
+        [
+            str(tmp_path / "e"),
+            "--nvme",
+            str(tmp_path / "nv_e"),
+            "--steps",
+            "2",
+            "--from-step",
+            "2",
+            "--load",
+            str(ck1),
+        ]
+    )
+    assert compare_weights(weights(tmp_path / "e"), want, lr=LR, steps=4) < 1e-5
+
+
+def test_a_damaged_rank_shard_is_refused(tmp_path):
+    """The global manifest carries each rank's manifest's CRC: a rank folder changed after the
+    save is refused by name, before any state is read."""
+    ck = tmp_path / "ck"
+    torchrun([str(tmp_path / "a"), "--nvme", str(tmp_path / "nv"), "--steps", "1", "--save", str(ck)])
+    m = ck / "rank00001" / "manifest.json"
+    text = m.read_text()
+    m.write_text(text.replace('"format": 2', '"format":  2'))
+    from offloadpp.runtime.checkpoint import CheckpointError, read_manifest
+
+    with pytest.raises(CheckpointError, match="rank00001"):
+        read_manifest(str(ck))

@@ -35,6 +35,10 @@ import torch.distributed as dist
 
 log = logging.getLogger("offloadpp.runtime")
 
+# The one-tensor collectives (torch 2.13 names them *_single; older versions *_tensor).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # What torchrun and the deepspeed launcher set for every rank (DeepSpeed's init_distributed
 # requires the same five before it starts a process group from the environment).
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -60,8 +64,8 @@ class LaunchEnv:
 
 def launch_env(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv]:
     """The launcher's description of this rank, or None when it was not started by one (or
-    alone). LOCAL_WORLD_SIZE (torchrun sets it; the deepspeed launcher does not) defaults to
-    the world size: one node."""
+    alone). The ranks on this node: LOCAL_WORLD_SIZE (torchrun), LOCAL_SIZE (the deepspeed
+    launcher), else the world size (one node)."""
     env = os.environ if environ is None else environ
     if not all(k in env for k in ENV_KEYS):
         return None
@@ -71,7 +75,7 @@ def launch_env(environ: Optional[Mapping[str, str]] = None) -> Optional[LaunchEn
             rank=int(env["RANK"]),
             world_size=world,
             local_rank=int(env["LOCAL_RANK"]),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", world))),
         )
     except ValueError as e:
         raise DistributedError(f"the launcher's environment is not numeric: {e}") from None
@@ -138,6 +142,16 @@ class DataParallel:
         self.backend = dist.get_backend()
         self.fetch = Channel("gather", dist.new_group(backend=self.backend))
         self.grads_group = dist.new_group(backend=self.backend)
+        try:
+            locals_ = self.all_gather_object(self.local_world)
+            if len(set(locals_)) > 1:
+                raise DistributedError(
+                    f"the nodes run different numbers of ranks ({sorted(set(locals_))} per node): offloadpp plans "
+                    "each rank for an equal share of its node's memory, SSDs and cores; start the same number on each"
+                )
+        except BaseException:
+            self.close()
+            raise
         # Collective bytes and seconds by who issued them (read between steps for the reports).
         self.gather_bytes = 0
         self.gather_s = 0.0
@@ -152,9 +166,9 @@ class DataParallel:
         t0 = time.perf_counter()
         if stream is not None:
             with torch.cuda.stream(stream):
-                dist.all_gather_into_tensor(full, full[lo:hi], group=group)
+                _all_gather(full, full[lo:hi], group=group)
         else:
-            dist.all_gather_into_tensor(full, full[lo:hi], group=group)
+            _all_gather(full, full[lo:hi], group=group)
         n = full.numel() * full.element_size()
         if group is self.grads_group:
             self.reduce_bytes += n
@@ -174,7 +188,7 @@ class DataParallel:
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """On the optimizer's worker: this rank's shard of the mean of `full` over the ranks."""
         t0 = time.perf_counter()
-        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.grads_group)
+        _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=self.grads_group)
         shard.mul_(1.0 / self.world)
         self.reduce_bytes += full.numel() * full.element_size()
         self.reduce_s += time.perf_counter() - t0
@@ -240,7 +254,7 @@ class DataParallel:
             self.barrier()
             t0 = time.perf_counter()
             self.fetch.run(
-                lambda: dist.all_gather_into_tensor(
+                lambda: _all_gather(
                     full, full[self.rank * part : (self.rank + 1) * part], group=self.fetch.group
                 )
             )

@@ -53,6 +53,7 @@ from .partition import find_units, layout_units
 from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
 from .sharded import ShardedUnit, initialize_sharded_units
+from .sharded_checkpoint import load_sharded, rank_dir, save_sharded
 from .sharded_optimizer import ShardedOptimizerPipeline
 from .slots import Hold, Txn
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
@@ -511,11 +512,13 @@ class OffloadEngine:
         self.optimizer.flush_writes()
 
     def save_state(self, path: str, *, meta: Optional[dict] = None, files: tuple[str, ...] = (),
-                   progress: bool = False) -> dict:  # fmt: skip
+                   rank_files: tuple[str, ...] = (), progress: bool = False) -> dict:  # fmt: skip
         """Streams the training state (fp32 master weights, Adam moments, step counts, the
         hyper-parameters, the loss scaler) into the empty folder `path`, unit by unit, durably;
         `meta` and the small `files` the caller wrote there go into its manifest
-        (runtime/checkpoint.py). Between steps. Returns the manifest."""
+        (runtime/checkpoint.py). Between steps. Returns the manifest. Over several ranks a
+        collective: each rank's shards go to rank_dir(path) with the `rank_files` the caller
+        wrote there, the manifest and `files` are rank 0's (runtime/sharded_checkpoint.py)."""
         self._check_open()
         self._quiesce()
         self.store.wait_all()
@@ -525,8 +528,17 @@ class OffloadEngine:
             "hyper": self.hyper.model_dump(),
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
-        return ckpt.save_state(self.units, path, io=self.store.config, meta={"runtime": runtime, **(meta or {})},
-                               files=files, progress=progress)  # fmt: skip
+        meta = {"runtime": runtime, **(meta or {})}
+        if self.dp is not None:
+            return save_sharded(self.units, path, dp=self.dp, io=self.store.config, meta=meta, files=files,
+                                rank_files=rank_files, progress=progress)  # fmt: skip
+        return ckpt.save_state(
+            self.units, path, io=self.store.config, meta=meta, files=files, progress=progress
+        )
+
+    def rank_dir(self, path: str) -> str:
+        """Where this rank's part of a checkpoint at `path` goes (path itself for one process)."""
+        return rank_dir(path, self.dp.rank) if self.dp is not None else path
 
     def load_state(self, path: str, *, optimizer_states: bool = True, progress: bool = False) -> dict:
         """Reads a checkpoint save_state wrote into the engine (the weights only with
@@ -536,8 +548,14 @@ class OffloadEngine:
         manifest = ckpt.read_manifest(path)
         self._quiesce()
         self.store.wait_all()
-        ckpt.load_state(self.units, path, manifest, io=self.store.config, optimizer_states=optimizer_states,
-                        progress=progress)  # fmt: skip
+        if (
+            self.dp is not None or "world_size" in manifest
+        ):  # saved or loaded over ranks: resharded if need be
+            load_sharded(self.units, path, manifest, dp=self.dp, io=self.store.config,
+                         optimizer_states=optimizer_states, progress=progress)  # fmt: skip
+        else:
+            ckpt.load_state(self.units, path, manifest, io=self.store.config, optimizer_states=optimizer_states,
+                            progress=progress)  # fmt: skip
         self.store.wait_all()
         self.store.check_writes()
         rt = manifest["runtime"]
@@ -561,7 +579,8 @@ class OffloadEngine:
         dtype = dtype or TORCH_DTYPES[self.settings.compute_dtype]
         return export.export_weights(self.units, self.module, save_dir, dtype, filename=filename,
                                      max_shard_bytes=max_shard_bytes, exclude_frozen=exclude_frozen,
-                                     before=self._quiesce, progress=progress)  # fmt: skip
+                                     before=self._quiesce, progress=progress,
+                                     write=self.dp is None or self.dp.rank == 0)  # fmt: skip
 
     def disk_bytes(self) -> int:
         """Bytes the swap files occupy."""

@@ -56,8 +56,11 @@ def export_weights(
     exclude_frozen: bool = False,
     before: Optional[Callable[[], None]] = None,
     progress: bool = False,
+    write: bool = True,
 ) -> list[str]:
-    """Writes the weights to save_dir (see the module Note); returns the files written."""
+    """Writes the weights to save_dir (see the module Note); returns the files written.
+    write=False: over several ranks, a rank other than the writer's, which takes part in
+    gathering each unit's master (in the writer's order) and writes nothing."""
     if before is not None:
         before()  # the optimizer quiet: the masters are final
     owner = {}
@@ -76,6 +79,12 @@ def export_weights(
         by_unit[u.name].append((name, u, s))
     for u in units:
         entries.extend(by_unit[u.name])
+    if not write:
+        for u in units:
+            if by_unit[u.name]:
+                u.export_master()
+                u.end_export()
+        return []
     buffers = _persistent_buffers(model)
     sizes = [s.numel * dtype.itemsize for _, _, s in entries] + [
         b.numel() * b.element_size() for _, b in buffers

@@ -4,6 +4,10 @@ DeepSpeed's own `DeepSpeedConfig` parses what DeepSpeed defines (batch sizes, op
 scheduler, clipping, precision), so those keys keep DeepSpeed's semantics exactly; the `offloadpp`
 block (already validated) supplies the rest. Budgets and the plan come from the one resolve
 stage (offloadpp/assemble.py -> planner/resolve.py), as for `offloadpp plan`.
+
+Under a launcher (`deepspeed`, torchrun) the ranks start torch.distributed through DeepSpeed's
+own init_distributed (so DeepSpeed's config sees the world size), NCCL on CUDA and gloo on the
+CPU, each on the device LOCAL_RANK names, and train data-parallel (runtime/distributed.py).
 """
 
 from __future__ import annotations
@@ -83,13 +87,13 @@ def _scheduler(ds_config, optimizer, lr_scheduler):
     return getattr(lr_schedules, name)(optimizer, **(ds_config.scheduler_params or {}))
 
 
-def _dataloader(ds_config, training_data, collate_fn):
+def _dataloader(ds_config, training_data, collate_fn, rank: int = 0, world: int = 1):
     if training_data is None:
         return None
     from torch.utils.data import DataLoader, DistributedSampler
 
-    # The sampler DeepSpeed uses for one data-parallel rank (shuffled, seed 0), so the order matches.
-    sampler = DistributedSampler(training_data, num_replicas=1, rank=0)
+    # The sampler DeepSpeed uses for each data-parallel rank (shuffled, seed 0), so the order matches.
+    sampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
     return DataLoader(
         training_data,
         batch_size=ds_config.train_micro_batch_size_per_gpu,
@@ -168,27 +172,57 @@ def runtime_config_from(ds_config, block: OffloadppBlock, device: Optional[str])
     )
 
 
+def start_distributed(*, dist_init_required: Optional[bool] = None, distributed_port: Optional[int] = None):
+    """torch.distributed through DeepSpeed's init_distributed when the launcher's environment
+    says so (or the caller started it); on CUDA the rank's device becomes cuda:LOCAL_RANK.
+    Returns (the device spec, the LaunchEnv or None for a single process)."""
+    import torch
+    import torch.distributed as dist
+
+    from offloadpp.runtime.device import device_kind
+    from offloadpp.runtime.distributed import backend_for, device_for, launch_env
+
+    env = launch_env()
+    kind = device_kind(None)
+    if env is None and not (dist.is_available() and dist.is_initialized()):
+        return None, None
+    if kind == "cuda" and env is not None:
+        torch.cuda.set_device(env.local_rank)
+    import deepspeed.comm as ds_comm
+
+    kw = {"distributed_port": distributed_port} if distributed_port is not None else {}
+    ds_comm.init_distributed(dist_backend=backend_for(kind), auto_mpi_discovery=False, verbose=False,
+                             dist_init_required=dist_init_required, **kw)  # fmt: skip
+    return (device_for(kind, env) if kind == "cuda" else None), env
+
+
 def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, model_parameters, training_data,
-                 lr_scheduler, collate_fn):  # fmt: skip
+                 lr_scheduler, collate_fn, dist_init_required: Optional[bool] = None,
+                 distributed_port: Optional[int] = None):  # fmt: skip
+    import torch.distributed as dist
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from offloadpp.assemble import assemble_engine
     from offloadpp.integrations.deepspeed.engine import OffloadppEngine
     from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
 
+    device, _env = start_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
     ds_config = DeepSpeedConfig(ds_dict)
-    if ds_config.world_size != 1:
+    if ds_config.world_size != world:
         raise OffloadppConfigError(
-            f"offloadpp trains on one device; the launcher started {ds_config.world_size}"
+            f"the config's data-parallel world size is {ds_config.world_size} but the launcher started {world} "
+            "ranks (sequence or model parallel sizes): offloadpp trains data-parallel over every rank only"
         )
     hyper = adam_hyper_from_ds(ds_config.optimizer_name, ds_config.optimizer_params)
-    rcfg = runtime_config_from(ds_config, block, device=None)
+    rcfg = runtime_config_from(ds_config, block, device=device)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     optimizer = OffloadppOptimizer(params, hyper)
     runtime = assemble_engine(model, rcfg, hyper=hyper)
     remap_param_groups(optimizer, runtime.replaced_params)  # a model built under offloadpp.Init
     scheduler = _scheduler(ds_config, optimizer, lr_scheduler)
-    loader = _dataloader(ds_config, training_data, collate_fn)
+    loader = _dataloader(ds_config, training_data, collate_fn, rank=rank, world=world)
     engine = OffloadppEngine(runtime, ds_config, optimizer, scheduler, loader)
     logger.info("offloadpp: engine ready\n%s", runtime.plan.describe())
     return engine, optimizer, loader, scheduler

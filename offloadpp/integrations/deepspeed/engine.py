@@ -73,7 +73,7 @@ class OffloadppEngine:
         boundary = self.is_gradient_accumulation_boundary()
         report = self.runtime.step()
         self.micro_steps += 1
-        self.global_samples += self.train_micro_batch_size_per_gpu()
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.data_parallel_world()
         if not boundary:
             return
         self.global_steps += 1
@@ -117,6 +117,10 @@ class OffloadppEngine:
 
     def wall_clock_breakdown(self) -> bool:
         return self._config.wall_clock_breakdown
+
+    def data_parallel_world(self) -> int:
+        """Ranks training together (1: a single process)."""
+        return self.runtime.dp.world if self.runtime.dp is not None else 1
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

@@ -58,8 +58,13 @@ def initialize(
             "initialize: offloadpp runs its own fused CPU Adam during backward; describe the optimizer in "
             "the config's 'optimizer' block (Adam/AdamW) instead of passing optimizer="
         )
-    if mpu is not None:
-        raise OffloadppConfigError("initialize: model parallelism (mpu=) is not supported by offloadpp")
+    if mpu is not None or mesh_param is not None:
+        what = "mpu=" if mpu is not None else "mesh_param="
+        raise OffloadppConfigError(
+            f"initialize: model, pipeline or sequence parallelism ({what}) is not supported by offloadpp: it "
+            "partitions the optimizer state over data-parallel ranks only (every rank holds the whole model's "
+            "compute and a shard of its state)"
+        )
     from offloadpp.integrations.deepspeed.build import build_engine
 
     return build_engine(
@@ -70,4 +75,6 @@ def initialize(
         training_data=training_data,
         lr_scheduler=lr_scheduler,
         collate_fn=collate_fn,
+        dist_init_required=dist_init_required,
+        distributed_port=distributed_port,
     )
