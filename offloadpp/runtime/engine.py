@@ -103,7 +103,7 @@ class OffloadEngine:
             config = config.model_copy(update={"nvme_paths": rank_dirs(config.nvme_paths, dp.rank)})
         self.config = config
         self.settings = s = config.settings
-        self.hyper = hyper if hyper is not None else AdamHyper()
+        self.hypers: tuple[AdamHyper, ...] = (hyper if hyper is not None else AdamHyper(),)
         self.module = model
         self.device = Device(config.device)
         if plan.budgets is None:
@@ -207,7 +207,7 @@ class OffloadEngine:
             update_order=[by_name[n] for n in self.schedule.update_order],
             optim_window=self.schedule.optim_window,
             next_keep=self.schedule.next_keep,
-            hyper=self.hyper,
+            hypers=self.hypers,
             store=self.store,
             host_pool=self.host_pool,
             device=dev,
@@ -244,6 +244,7 @@ class OffloadEngine:
                 window=ls.loss_scale_window,
                 hysteresis=ls.hysteresis,
                 min_scale=ls.min_loss_scale,
+                consecutive=ls.consecutive_hysteresis,
             )
         if c.ssd_read_gbps and c.ssd_write_gbps:
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps, c.ssd_write_gbps
@@ -252,6 +253,8 @@ class OffloadEngine:
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps or r, c.ssd_write_gbps or w
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps do not count)
         self.micro_in_window = 0
+        self._boundary_override: Optional[bool] = None  # set_boundary, for the current micro-batch
+        self._micro: Optional[str] = None  # how far the current micro-batch got: "forward", "backward"
         self._failed: Optional[BaseException] = None  # a step that could not complete nor roll back
         self._aborted = False  # a step was interrupted (its errors were raised then)
         self._window_steps: list[list[int]] = [list(u.steps) for u in self.units]
@@ -261,7 +264,34 @@ class OffloadEngine:
 
     # ---- training ---------------------------------------------------------------------------
     def _boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return self.micro_in_window + 1 >= self.settings.gradient_accumulation_steps
+
+    def set_boundary(self, boundary: Optional[bool]) -> None:
+        """Whether the current micro-batch ends the accumulation window, decided by the caller
+        rather than by counting `gradient_accumulation_steps` micro-batches (None: count). Holds
+        until the next step(); call it before backward.
+
+        Note: why it exists. Trainer and Accelerate end a window where they decide, e.g. a
+        shorter last window at the end of an epoch (DeepSpeed's set_gradient_accumulation_boundary).
+        The forward of the micro-batch already started reading optimizer state for the boundary
+        it expected; the pipeline adjusts (optimizer.set_boundary).
+        """
+        if boundary is not None and not isinstance(boundary, bool):
+            raise TypeError(f"set_boundary: expected True, False or None, got {boundary!r}")
+        self._check_open()
+        if boundary is False and not self.plan.persistent_grads:
+            raise ValueError(
+                "set_boundary(False): this run keeps no gradients between micro-batches "
+                "(gradient_accumulation_steps is 1); set gradient_accumulation_steps to the micro-batches "
+                "of one step"
+            )
+        if self._micro == "backward":
+            raise RuntimeError("set_boundary: call it before backward (this micro-batch's backward has run)")
+        self._boundary_override = boundary
+        if self._micro == "forward":
+            self.optimizer.set_boundary(self._boundary())
 
     def __call__(self, *args, **kwargs):
         self._check_open()
@@ -274,6 +304,7 @@ class OffloadEngine:
                 if first:
                     self._begin_window()
                 self.optimizer.begin_micro(first=first, boundary=self._boundary())
+                self._micro = "forward"
             self.executor.start_forward()
             with record_function("offloadpp::forward"), self.activations.forward():  # saved-tensor hooks
                 out = self.module(*args, **kwargs)
@@ -285,14 +316,16 @@ class OffloadEngine:
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (scaled by 1/gradient_accumulation_steps, and by the fp16 loss
-        scale); units are handed to the optimizer as their gradients complete."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of `loss` (scaled by 1/gradient_accumulation_steps unless scale_wrt_gas is
+        False, and by the fp16 loss scale); units are handed to the optimizer as their gradients
+        complete."""
         self._check_open()
         t0 = time.perf_counter()
-        scale = 1.0 / self.settings.gradient_accumulation_steps
+        scale = 1.0 / self.settings.gradient_accumulation_steps if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
+        self._micro = "backward"
         try:
             self.executor.start_backward()
             self.activations.start_backward()
@@ -317,6 +350,8 @@ class OffloadEngine:
         self._check_open()
         t0 = time.perf_counter()
         boundary = self._boundary()
+        self._boundary_override = None
+        self._micro = None
         if not boundary:
             try:
                 self.optimizer.finish()
@@ -410,6 +445,8 @@ class OffloadEngine:
         self.activations.end_backward()
         self.txn.active = False
         self.micro_in_window = 0
+        self._boundary_override = None
+        self._micro = None
         self._aborted = True
         self._reset_step_counters()
         if torn:
@@ -499,12 +536,51 @@ class OffloadEngine:
         return report
 
     # ---- the rest of the API ----------------------------------------------------------------
+    @property
+    def hyper(self) -> AdamHyper:
+        """The first param group's hyper-parameters (the only ones without set_hypers)."""
+        return self.hypers[0]
+
+    def set_hypers(self, hypers, groups: Optional[dict] = None) -> None:
+        """Adam's hyper-parameters per param group, used from the next update on (an update in
+        flight keeps the ones it started with). `groups` maps parameter names (any of a tied
+        parameter's names) to an index into `hypers`; given, it must place every trainable
+        parameter, and it replaces the previous assignment. Without it, the assignment stays
+        (at first: every parameter in group 0)."""
+        hypers = tuple(hypers)
+        if not hypers or not all(isinstance(h, AdamHyper) for h in hypers):
+            raise TypeError(f"set_hypers: expected a non-empty sequence of AdamHyper, got {hypers!r}")
+        if groups is not None:
+            new = []
+            for u in self.units:
+                idx = []
+                for p, s in u.params:
+                    g = next((groups[n] for n in s.names if n in groups), None)
+                    if g is None and p.requires_grad:
+                        raise ValueError(
+                            f"set_hypers: parameter {s.name!r} requires grad but is in no param group; "
+                            "every trainable parameter is updated (set requires_grad=False to freeze it)"
+                        )
+                    g = 0 if g is None else g
+                    if not isinstance(g, int) or not 0 <= g < len(hypers):
+                        raise ValueError(
+                            f"set_hypers: parameter {s.name!r}: group {g!r} is not in 0..{len(hypers) - 1}"
+                        )
+                    idx.append(g)
+                new.append(idx)
+            for u, idx in zip(self.units, new):
+                u.groups = idx
+        elif any(g >= len(hypers) for u in self.units for g in u.groups):
+            raise ValueError(f"set_hypers: {len(hypers)} groups given, but parameters are assigned to more")
+        self.hypers = hypers
+        self.optimizer.hypers = hypers
+
     def set_lr(self, lr: float) -> None:
-        self.hyper = AdamHyper(**{**self.hyper.model_dump(), "lr": float(lr)})  # validated
-        self.optimizer.hyper = self.hyper
+        """Sets the learning rate of every param group."""
+        self.set_hypers([h.model_copy(update={"lr": AdamHyper(lr=lr).lr}) for h in self.hypers])
 
     def get_lr(self) -> float:
-        return self.hyper.lr
+        return self.hypers[0].lr
 
     def _quiesce(self) -> None:
         """Between steps only: the optimizer has nothing in flight, its writes are started."""
@@ -525,7 +601,7 @@ class OffloadEngine:
         self.store.check_writes()
         runtime = {
             "global_step": self.global_step,
-            "hyper": self.hyper.model_dump(),
+            "hypers": [h.model_dump() for h in self.hypers],  # one per param group
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
         meta = {"runtime": runtime, **(meta or {})}
@@ -563,8 +639,9 @@ class OffloadEngine:
             self.global_step = int(rt["global_step"])
             if self.loss_scaler is not None and rt.get("loss_scaler"):
                 self.loss_scaler.load_state_dict(rt["loss_scaler"])
-            self.hyper = AdamHyper(**rt["hyper"])
-            self.optimizer.hyper = self.hyper
+            hypers = rt["hypers"] if "hypers" in rt else [rt["hyper"]]
+            if len(hypers) == len(self.hypers) or all(g == 0 for u in self.units for g in u.groups):
+                self.set_hypers([AdamHyper(**h) for h in hypers])
         self.micro_in_window = 0
         for u in self.units:
             u.start_window()

@@ -60,8 +60,9 @@ class _Job:
     need_norm: bool = False
     gbuf: Optional[torch.Tensor] = None
     update: bool = False
-    segments: list = field(default_factory=list)  # [(start, end, step, update)] over gbuf
-    direct: Optional[list] = None  # [(start, end, step, grad or None)]: grads used where they are
+    segments: list = field(default_factory=list)  # [(start, end, step, update, group)] over gbuf
+    direct: Optional[list] = None  # [(start, end, step, grad or None, group)]: grads used where they are
+    hypers: tuple = ()  # each param group's AdamHyper, as they were when the update was submitted
     step_args: dict = field(default_factory=dict)
     master: Optional[torch.Tensor] = None
     exp_avg: Optional[torch.Tensor] = None
@@ -136,7 +137,7 @@ def _work(job: _Job, store) -> _Done:
     t1 = time.perf_counter()
     if job.update:
         with record_function("offloadpp::adam"):
-            for a, b, step, g in job.direct or ():
+            for a, b, step, g, grp in job.direct or ():
                 if g is not None:
                     adam_step_flat(
                         job.master[a:b],
@@ -144,13 +145,14 @@ def _work(job: _Job, store) -> _Done:
                         job.exp_avg[a:b],
                         job.exp_avg_sq[a:b],
                         step=step + 1,
+                        hyper=job.hypers[grp],
                         half_out=job.half[a:b] if job.half is not None else None,
                         num_threads=job.threads,
                         **job.step_args,
                     )
                 elif job.half is not None:
                     convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
-            for a, b, step, upd in job.segments if job.direct is None else ():
+            for a, b, step, upd, grp in job.segments if job.direct is None else ():
                 half = job.half[a:b] if job.half is not None else None
                 if upd:
                     adam_step_flat(
@@ -159,6 +161,7 @@ def _work(job: _Job, store) -> _Done:
                         job.exp_avg[a:b],
                         job.exp_avg_sq[a:b],
                         step=step + 1,
+                        hyper=job.hypers[grp],
                         half_out=half,
                         num_threads=job.threads,
                         **job.step_args,
@@ -187,7 +190,7 @@ class OptimizerPipeline:
         update_order: Optional[list[Unit]] = None,
         optim_window: int,
         next_keep: frozenset,
-        hyper: AdamHyper,
+        hypers: tuple[AdamHyper, ...],
         store,
         host_pool: BufferPool,
         device: Device,
@@ -199,7 +202,7 @@ class OptimizerPipeline:
         self.update_order = update_order if update_order is not None else order
         self.q = optim_window
         self.next_keep = next_keep
-        self.hyper = hyper
+        self.hypers = hypers  # one per param group; Unit.groups says which each parameter takes
         self.store = store
         self.host_pool = host_pool
         self.device = device
@@ -235,6 +238,23 @@ class OptimizerPipeline:
         self._advance_absorb(self.q + 1)
         if boundary and not self.deferred:
             self._advance_update(self.q + 1)
+
+    def set_boundary(self, boundary: bool) -> None:
+        """The micro-batch whose forward began as (not) the end of the window turns out otherwise
+        (before its backward): start reading the state its updates need, or drop what was read
+        for updates that will not run now."""
+        if boundary == self.boundary:
+            return
+        self.boundary = boundary
+        if self.deferred:
+            return  # a deferred update's state is read from begin_backward on
+        if boundary:
+            self._advance_update(self.q + 1)
+            return
+        for u in self.update_order[: self._update_cursor]:
+            for s in (u.master, u.exp_avg, u.exp_avg_sq):
+                s.release(Hold.OPTIM)
+        self._update_cursor = 0
 
     def begin_backward(self) -> None:
         """At the start of backward: a deferred update's window is read now, not at forward.
@@ -335,14 +355,15 @@ class OptimizerPipeline:
     ) -> None:
         job.update = True
         u.phase = UnitPhase.UPDATING
-        job.step_args = dict(hyper=self.hyper, clip_coef=clip_coef, grad_scale=grad_scale)
+        job.hypers = self.hypers
+        job.step_args = dict(clip_coef=clip_coef, grad_scale=grad_scale)
         if direct is not None:
             by_index = {i: g for i, _, g in direct}
             job.direct = [
-                (s.offset, s.offset + s.numel, u.steps[i], by_index.get(i))
+                (s.offset, s.offset + s.numel, u.steps[i], by_index.get(i), u.groups[i])
                 for i, (_, s) in enumerate(u.params)
             ]
-            job.segments = [(a, b, step, g is not None) for a, b, step, g in job.direct]
+            job.segments = [(a, b, step, g is not None, grp) for a, b, step, g, grp in job.direct]
         else:
             job.segments = u.segments()
             job.gbuf = u.grads.buffer if job.gbuf is None else job.gbuf
@@ -356,7 +377,7 @@ class OptimizerPipeline:
             u.compute.acquire(Hold.OPTIM, overwrite=True)
             self._add_before(job, u.compute)
             job.half = u.compute.buffer
-        if not any(upd for _, _, _, upd in job.segments):
+        if not any(upd for _, _, _, upd, _ in job.segments):
             return  # no parameter of the unit got a gradient: nothing changed, nothing to write
         for s in (u.master, u.exp_avg, u.exp_avg_sq) + ((u.compute,) if self.separate else ()):
             if s.stored:  # (a compute copy resident on the device has no home: it is copied up only)
@@ -438,7 +459,9 @@ class OptimizerPipeline:
         # critical path (after backward, before step() returns), and on the worker it would
         # delay the deferred updates queued behind it. A thread of its own drops them, beside
         # the updates.
-        grads = [g for _, _, g in job.grads or ()] + [g for *_, g in job.direct or () if g is not None]
+        grads = [g for _, _, g in job.grads or ()] + [
+            g for _, _, _, g, _ in job.direct or () if g is not None
+        ]
         job.grads = job.direct = None
         if grads:
             self._freer.submit(grads.clear)
@@ -456,7 +479,7 @@ class OptimizerPipeline:
         if done.sq_norm is not None:
             u.sq_norm = done.sq_norm
         if job.update:
-            for a, b, step, upd in job.segments:
+            for a, b, step, upd, _ in job.segments:
                 if upd:
                     for k, (_, s) in enumerate(u.params):
                         if a <= s.offset < b:

@@ -204,19 +204,25 @@ class ShardedUnit(Unit):
         """Elements of this rank's shard that hold parameters (the rest is padding)."""
         return max(0, min(self.hi, self.numel) - self.lo)
 
-    def shard_segments(self, got: list[bool]) -> list[tuple[int, int, int, bool]]:
-        """Unit.segments() cut to this rank's shard, relative to it: (start, end, step, update),
-        with `got` the parameters that received a gradient on any rank."""
-        runs: list[tuple[int, int, int, bool]] = []
+    def shard_segments(self, got: list[bool]) -> list[tuple[int, int, int, bool, int]]:
+        """Unit.segments() cut to this rank's shard, relative to it: (start, end, step, update,
+        group), with `got` the parameters that received a gradient on any rank."""
+        runs: list[tuple[int, int, int, bool, int]] = []
         for i, (_, s) in enumerate(self.params):
             a, b = max(s.offset, self.lo), min(s.offset + s.numel, self.hi)
             if a >= b:
                 continue
-            a, b, upd, step = a - self.lo, b - self.lo, got[i], self.steps[i]
-            if runs and runs[-1][1] == a and runs[-1][3] == upd and (not upd or runs[-1][2] == step):
-                runs[-1] = (runs[-1][0], b, step, upd)
+            a, b, upd, step, grp = a - self.lo, b - self.lo, got[i], self.steps[i], self.groups[i]
+            last = runs[-1] if runs else None
+            if (
+                last is not None
+                and last[1] == a
+                and last[3] == upd
+                and (not upd or (last[2], last[4]) == (step, grp))
+            ):
+                runs[-1] = (last[0], b, step, upd, grp)
             else:
-                runs.append((a, b, step, upd))
+                runs.append((a, b, step, upd, grp))
         return runs
 
     # ---- the whole master, for exports (a collective: every rank calls it, unit by unit) --------

@@ -111,7 +111,8 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
                      direct: Optional[list] = None) -> None:  # fmt: skip
         job.update = True
         u.phase = UnitPhase.UPDATING
-        job.step_args = dict(hyper=self.hyper, clip_coef=clip_coef, grad_scale=grad_scale)
+        job.hypers = self.hypers
+        job.step_args = dict(clip_coef=clip_coef, grad_scale=grad_scale)
         if job.prepare is None:  # a deferred update: the ranks agreed in backward (_complete)
             job.segments = u.shard_segments(u.got_grad)
             job.gbuf = u.grads.buffer
