@@ -49,6 +49,7 @@ from .model_profile import ModelProfile, ModelProfileError, analytic_profile
 from .peaks import peak_bytes
 from .plan import Plan, PlanError, UnitSpec, fmt_bytes, shard_units
 from .planfile import load_plan
+from .ranks import RankLink
 from .schedule import build_schedule
 from .search import Request, _raise_infeasible, act_planner, search
 from .spec import PLAN_AUTO, Budgets, Settings
@@ -74,6 +75,7 @@ class Machine:
     local_ranks: of them, how many run on this node and share its host memory, SSDs and cores
         (and, on the CPU acting as the device, its compute). Host memory, SSD space and cores
         above are the node's; resolve plans each rank for its share (`rank_share`).
+    collective_gbps: the ranks' collectives' bus bandwidth, measured over them all (None: not).
     """
 
     device: str
@@ -83,6 +85,7 @@ class Machine:
     cores: int = 1
     ranks: int = 1
     local_ranks: int = 1
+    collective_gbps: Optional[float] = None  # the ranks' all-gather bus bandwidth, measured at start
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -179,7 +182,7 @@ def resolve(
             missing = "a hardware profile" if hardware is None else "a model profile"
             raise PlanError(f"plan 'auto' needs {missing}")
         _check_profiles(hardware, model, units, machine.device)
-        req = _request(settings, budgets, machine)
+        req = _request(settings, budgets, machine, hardware)
         result = search(hardware, model, req)
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
@@ -192,7 +195,8 @@ def resolve(
         _check_profiles(hardware, model, units, machine.device)
         est = estimate(plan, hardware, model, adam_threads=settings.adam_threads,
                        micro_batches=settings.gradient_accumulation_steps,
-                       act_prefetch_units=settings.activations.prefetch_units)  # fmt: skip
+                       act_prefetch_units=settings.activations.prefetch_units,
+                       link=rank_link(settings, machine, hardware))  # fmt: skip
     return Resolved(settings, plan, est, candidates)
 
 
@@ -214,10 +218,26 @@ def settings_notes(settings: Settings) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _request(settings: Settings, budgets: Budgets, machine: Machine) -> Request:
+def _request(settings: Settings, budgets: Budgets, machine: Machine, hardware=None) -> Request:
+    link = rank_link(settings, machine, hardware) if hardware is not None else None
     return Request(budgets, settings, adam_threads=settings.adam_threads, ssd_free_bytes=machine.ssd_free_bytes,
                    count_activations=True, act_host_bytes=_act_host_bytes(settings, budgets, machine),
-                   ranks=machine.ranks)  # fmt: skip
+                   ranks=machine.ranks, link=link)  # fmt: skip
+
+
+def rank_link(settings: Settings, machine: Machine, hardware: HardwareProfile) -> Optional[RankLink]:
+    """The ranks as the estimate sees them (planner/ranks.py; None for one): the collectives'
+    bandwidth configured, else measured over the ranks at start (which includes the network
+    between nodes), else the hardware profile's."""
+    if machine.ranks == 1:
+        return None
+    measured = machine.collective_gbps
+    intra = settings.collective_gbps or measured or hardware.collective_gbps
+    net = (
+        settings.network_gbps or (measured if not settings.collective_gbps else None) or hardware.network_gbps
+    )
+    return RankLink(local=machine.local_ranks, nodes=machine.nodes, collective_gbps=intra or 0.0,
+                    network_gbps=net or 0.0)  # fmt: skip
 
 
 def _act_host_bytes(settings: Settings, budgets: Budgets, m: Machine) -> int:
