@@ -72,21 +72,22 @@ def probe_machine(
     # Cores: a launcher pins each rank to its share (or not): the node's are what the rank sees
     # times the ranks pinned beside it; unpinned, every rank sees them all.
     cores = m.cores * dp.local_world if m.cores * dp.local_world <= (os.cpu_count() or m.cores) else m.cores
-    m = replace(m, cores=cores, ranks=dp.world, local_ranks=dp.local_world)
+    m = replace(m, cores=cores, ranks=dp.world, local_ranks=dp.local_world, collective_gbps=dp.measure_gbps())
     return agreed_machine(m, dp)
 
 
 def agreed_machine(m: Machine, dp: DataParallel) -> Machine:
     """The least of each rank's numbers, the same on every rank (see the module Note)."""
-    seen = dp.all_gather_object((m.host_available_bytes, m.device_free_bytes, m.ssd_free_bytes, m.cores))
+    seen = dp.all_gather_object(
+        (m.host_available_bytes, m.device_free_bytes, m.ssd_free_bytes, m.cores, m.collective_gbps)
+    )
 
     def least(i):
         vals = [v[i] for v in seen if v[i] is not None]
         return min(vals) if vals else None
 
-    return replace(
-        m, host_available_bytes=least(0), device_free_bytes=least(1), ssd_free_bytes=least(2), cores=least(3)
-    )
+    return replace(m, host_available_bytes=least(0), device_free_bytes=least(1), ssd_free_bytes=least(2),
+                   cores=least(3), collective_gbps=least(4))  # fmt: skip
 
 
 def data_parallel(device: Optional[str]) -> Optional[DataParallel]:
@@ -143,12 +144,18 @@ def assemble_engine(
     ranks, data parallel (dp: the ranks, default data_parallel(config.device))."""
     dp = dp if dp is not None else data_parallel(config.device)
     try:
+        if dp is not None and machine is None:
+            machine = probe_machine(config.device, config.nvme_paths, dp)
         r = resolve_for_model(
             model, config.settings, device=config.device, nvme_paths=config.nvme_paths, machine=machine, dp=dp
         )
+        settings = r.settings
         if dp is not None:
             dp.check_same("the plan", plan_digest(r.plan))
-        config = config.model_copy(update={"settings": r.settings})
+            if settings.collective_gbps is None and machine.collective_gbps:
+                # measured over the ranks just now: the engine's floor uses it too
+                settings = settings.model_copy(update={"collective_gbps": machine.collective_gbps})
+        config = config.model_copy(update={"settings": settings})
         return OffloadEngine(
             model,
             config,

@@ -152,7 +152,8 @@ class DataParallel:
         except BaseException:
             self.close()
             raise
-        # Collective bytes and seconds by who issued them (read between steps for the reports).
+        # Bytes through this rank's link ((N-1)/N of each collective's buffer: a ring's) and the
+        # seconds the collectives took, by who issued them (read between steps for the reports).
         self.gather_bytes = 0
         self.gather_s = 0.0
         self.reduce_bytes = 0
@@ -169,7 +170,7 @@ class DataParallel:
                 _all_gather(full, full[lo:hi], group=group)
         else:
             _all_gather(full, full[lo:hi], group=group)
-        n = full.numel() * full.element_size()
+        n = self.ring_bytes(full.numel() * full.element_size())
         if group is self.grads_group:
             self.reduce_bytes += n
             self.reduce_s += time.perf_counter() - t0
@@ -190,8 +191,16 @@ class DataParallel:
         t0 = time.perf_counter()
         _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=self.grads_group)
         shard.mul_(1.0 / self.world)
-        self.reduce_bytes += full.numel() * full.element_size()
+        self.reduce_bytes += self.ring_bytes(full.numel() * full.element_size())
         self.reduce_s += time.perf_counter() - t0
+
+    def ring_bytes(self, nbytes: int) -> int:
+        return nbytes * (self.world - 1) // self.world
+
+    @property
+    def comm(self) -> tuple[int, float]:
+        """(bytes, seconds) of every collective so far (ring bytes through this rank's link)."""
+        return self.gather_bytes + self.reduce_bytes, self.gather_s + self.reduce_s
 
     def agree_flags(self, index: int, flags: list[bool]) -> list[bool]:
         """On the optimizer's worker, before unit `index`'s gradients are reduced: each flag

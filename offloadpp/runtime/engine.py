@@ -251,6 +251,8 @@ class OffloadEngine:
         else:
             r, w = measure_ssd(self.store)
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps or r, c.ssd_write_gbps or w
+        # the ranks' link, for the floor: as configured, else measured now (every rank at once)
+        self.link_gbps = (s.collective_gbps or self.dp.measure_gbps()) if self.dp is not None else None
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps do not count)
         self.micro_in_window = 0
         self._boundary_override: Optional[bool] = None  # set_boundary, for the current micro-batch
@@ -494,6 +496,7 @@ class OffloadEngine:
         self._adam0 = self.optimizer.adam_s
         self._misses0 = self.executor.misses
         self._h2d0, self._d2h0 = self.device.h2d_bytes, self.device.d2h_bytes
+        self._comm0 = self.dp.comm if self.dp is not None else (0, 0.0)
 
     def _waits(self) -> float:
         act = self.activations.swapper
@@ -508,6 +511,9 @@ class OffloadEngine:
         compute = max(0.0, self._fwd_s + self._bwd_s - wait)
         adam = self.optimizer.adam_s - self._adam0
         ssd = io.bytes_read / (self.ssd_read_gbps * 1e9) + io.bytes_written / (self.ssd_write_gbps * 1e9)
+        comm = self.dp.comm if self.dp is not None else (0, 0.0)
+        comm_bytes, comm_s = comm[0] - self._comm0[0], comm[1] - self._comm0[1]
+        comm_floor = comm_bytes / (self.link_gbps * 1e9) if self.link_gbps else 0.0
         now = time.perf_counter()
         report = StepReport(
             step=self.global_step,
@@ -519,7 +525,7 @@ class OffloadEngine:
             compute_s=compute,
             adam_s=adam,
             ssd_s=ssd,
-            floor_s=max(compute, ssd, adam),
+            floor_s=max(compute, ssd, adam, comm_floor),
             ssd_read_bytes=io.bytes_read,
             ssd_write_bytes=io.bytes_written,
             host_to_device_bytes=self.device.h2d_bytes - self._h2d0,
@@ -531,6 +537,10 @@ class OffloadEngine:
             predicted_s=self.predicted.step_s if self.predicted is not None else None,
             budgets=self.budget_report(),
             recompute_s=self.activations.recompute_s,
+            ranks=self.dp.world if self.dp is not None else 1,
+            comm_bytes=comm_bytes,
+            comm_s=comm_s,
+            comm_floor_s=comm_floor,
         )
         self._reset_step_counters()
         return report
