@@ -70,7 +70,7 @@ def weights(out) -> dict:
     return torch.load(os.path.join(out, "weights.pt"))
 
 
-def test_two_ranks_train_like_one_process_under_torchrun(tmp_path):
+def test_two_ranks_train_like_one_process_and_keep_half_the_state_each(tmp_path):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     out = tmp_path / "out"
@@ -85,44 +85,28 @@ def test_two_ranks_train_like_one_process_under_torchrun(tmp_path):
     for i in range(4):  # one global norm, every rank the same, clipping active
         norms = {d["reports"][i]["grad_norm"] for d in info}
         assert len(norms) == 1 and norms.pop() > 1.0
+        assert all(d["reports"][i]["comm_bytes"] > 0 and d["reports"][i]["ranks"] == 2 for d in info)
     # each rank's swap files are its own
     assert sorted(os.listdir(nvme)) == ["rank0", "rank1"]
 
-
-def test_ranks_together_keep_what_one_process_keeps(tmp_path):
-    """Partitioning: the two ranks' swap files add up to one process's, not twice it."""
-    from dp_common import tiny_gpt2
-
-    from offloadpp.assemble import assemble_engine
-    from offloadpp.planner import Settings
-    from offloadpp.runtime import RuntimeConfig
-
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    out = tmp_path / "out"
-    torchrun([str(out), "--nvme", str(nvme), "--steps", "2", "--clip", "0"])
-    per_rank = [d["disk_bytes"] for d in ranks(out)]
+    # Partitioning: the two ranks' swap files add up to one process's, not twice it.
     one = tmp_path / "one"
     one.mkdir()
-    cfg = RuntimeConfig(nvme_paths=[str(one)], settings=Settings(), device="cpu", ssd_read_gbps=2.0,
-                        ssd_write_gbps=2.0, log_every=0)  # fmt: skip
-    eng = assemble_engine(tiny_gpt2(), cfg)
+    eng = _single_engine(one, accum=1)
     try:
-        x = torch.zeros(2, 16, dtype=torch.long)
-        for _ in range(2):
-            eng.backward(eng(input_ids=x, labels=x).loss)
-            eng.step()
-        single = eng.disk_bytes()
+        _train_single(eng, 0, 2, parts=1)  # (the first step's deferred writes land in the second)
+        single, single_plan = eng.disk_bytes(), eng.plan.ssd_bytes()
     finally:
         eng.close()
+    per_rank = [d["disk_bytes"] for d in info]
     # Each rank keeps half, up to padding: every shard of every array is padded to a 4 KiB
     # block and has a header block of its own, which on this 0.1M-parameter model (a head unit
     # of 128 parameters) is 13% of the total; N copies would be 100% more.
     assert per_rank[0] == per_rank[1], per_rank
     assert single <= sum(per_rank) <= 1.15 * single, (per_rank, single)
     # and so do the plans: each rank's SSD bytes are its shards' (UnitSpec.shards)
-    for d in ranks(out):
-        assert 0.5 * eng.plan.ssd_bytes() <= d["plan_ssd_bytes"] <= 0.6 * eng.plan.ssd_bytes()
+    for d in info:
+        assert 0.5 * single_plan <= d["plan_ssd_bytes"] <= 0.6 * single_plan
 
 
 def test_deepspeed_launcher_two_cpu_ranks(tmp_path):
@@ -140,7 +124,7 @@ def test_deepspeed_launcher_two_cpu_ranks(tmp_path):
     assert sorted(os.listdir(nvme / "offloadpp")) == ["rank0", "rank1"]
 
 
-def _single_engine(nvme):
+def _single_engine(nvme, accum: int = 2):
     from dp_common import tiny_gpt2
 
     from offloadpp.assemble import assemble_engine
@@ -148,17 +132,19 @@ def _single_engine(nvme):
     from offloadpp.planner import Settings
     from offloadpp.runtime import RuntimeConfig
 
-    cfg = RuntimeConfig(nvme_paths=[str(nvme)], settings=Settings(gradient_clipping=1.0, gradient_accumulation_steps=2),
-                        device="cpu", ssd_read_gbps=2.0, ssd_write_gbps=2.0, log_every=0)  # fmt: skip
+    settings = Settings(gradient_clipping=1.0, gradient_accumulation_steps=accum)
+    cfg = RuntimeConfig(nvme_paths=[str(nvme)], settings=settings, device="cpu", ssd_read_gbps=2.0,
+                        ssd_write_gbps=2.0, log_every=0)  # fmt: skip
     return assemble_engine(tiny_gpt2(), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
 
 
-def _train_single(eng, start: int, steps: int) -> None:
-    """One process on the global batches start..start+steps, each as the ranks' two halves."""
+def _train_single(eng, start: int, steps: int, parts: int = 2) -> None:
+    """One process on the global batches start..start+steps, each as the ranks' two halves
+    accumulated (parts=1: as one micro-batch)."""
     from dp_common import global_batches
 
     for x in global_batches(start + steps)[start:]:
-        for part in x.chunk(2):
+        for part in x.chunk(parts):
             eng.backward(eng(input_ids=part, labels=part).loss)
             eng.step()
 
@@ -221,15 +207,34 @@ def test_checkpoint_resumes_at_the_same_and_at_other_world_sizes(tmp_path):
     assert compare_weights(weights(tmp_path / "e"), want, lr=LR, steps=4) < 1e-5
 
 
-def test_a_damaged_rank_shard_is_refused(tmp_path):
-    """The global manifest carries each rank's manifest's CRC: a rank folder changed after the
-    save is refused by name, before any state is read."""
-    ck = tmp_path / "ck"
-    torchrun([str(tmp_path / "a"), "--nvme", str(tmp_path / "nv"), "--steps", "1", "--save", str(ck)])
-    m = ck / "rank00001" / "manifest.json"
-    text = m.read_text()
-    m.write_text(text.replace('"format": 2', '"format":  2'))
-    from offloadpp.runtime.checkpoint import CheckpointError, read_manifest
+def test_what_cannot_run_together_is_refused(tmp_path):
+    """Ranks whose plans differ (another config on one rank) and nodes that run different
+    numbers of ranks are refused at the start with the reason, on every rank; model or
+    sequence parallelism (mpu=, mesh_param=) is refused by initialize."""
+    script = os.path.join(HERE, "dp_refusals.py")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()), script, "plans",
+           str(nvme)]  # fmt: skip
+    r = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("REFUSED: the ranks disagree on the plan") == 2, r.stdout
+    port = str(_port())
+    procs = []
+    for rank, local in ((0, 1), (1, 2)):  # rank 0 says its node runs 1 rank, rank 1 says 2
+        env = dict(_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(local),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, script, "nodes"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "different numbers of ranks" in out, (out, err[-3000:])
 
-    with pytest.raises(CheckpointError, match="rank00001"):
-        read_manifest(str(ck))
+    import offloadpp
+    from offloadpp.integrations.deepspeed import OffloadppConfigError
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "offloadpp": {"enabled": True, "nvme_paths": [str(nvme)]}}  # fmt: skip
+    for kw in ({"mpu": object()}, {"mesh_param": (1, 2)}):
+        with pytest.raises(OffloadppConfigError, match="data-parallel ranks only"):
+            offloadpp.initialize(model=torch.nn.Linear(2, 2), config=cfg, **kw)
