@@ -151,22 +151,34 @@ def _summary(infos: list[dict], samples: int) -> dict:
 
 
 def paper_estimates(args: argparse.Namespace) -> list[dict]:
-    """The cost model's 13B step on 1, 2 and 4 GPUs of the paper's machine (offloadpp plan --ranks)."""
-    from offloadpp.cli.plan import add_arguments as plan_args
-    from offloadpp.cli.plan import plan_for_config
-    from offloadpp.integrations.deepspeed.config import load_ds_config
+    """The cost model's 13B step on 1, 2 and 4 GPUs of the paper's machine: what `offloadpp plan
+    --config docs/paper/ds_config.json --model docs/paper/gpt3-13b.config.json --hardware
+    docs/paper/rtx4090-12ssd.hardware.json --machine-from-hardware --micro-batch M --ranks N
+    --collective-gbps G` prints, through the same resolve stage."""
+    from dataclasses import replace
 
-    p = argparse.ArgumentParser()
-    plan_args(p)
+    from offloadpp.assemble import resolve_for_model
+    from offloadpp.integrations.deepspeed.build import parse_ds_config, settings_from
+    from offloadpp.integrations.deepspeed.config import load_ds_config, parse_block
+    from offloadpp.planner.resolve import load_hardware, machine_for
+    from offloadpp.presets import hf_config_dict, meta_model
+
+    ds = load_ds_config(os.path.join(PAPER, "ds_config.json"))
+    hw_path = os.path.join(PAPER, "rtx4090-12ssd.hardware.json")
+    settings = settings_from(parse_ds_config(ds), parse_block(ds)).model_copy(
+        update={
+            "micro_batch": args.paper_micro_batch,
+            "hardware_profile": hw_path,
+            "collective_gbps": args.paper_collective_gbps,
+        }  # fmt: skip
+    )
+    hw = load_hardware(hw_path)
+    cfg, _ = hf_config_dict(os.path.join(PAPER, "gpt3-13b.config.json"))
+    model = meta_model(cfg)
     out = []
     for n in (1, 2, 4):
-        a = p.parse_args(["--config", os.path.join(PAPER, "ds_config.json"), "--model",
-                          os.path.join(PAPER, "gpt3-13b.config.json"), "--hardware",
-                          os.path.join(PAPER, "rtx4090-12ssd.hardware.json"), "--machine-from-hardware",
-                          "--micro-batch", str(args.paper_micro_batch), "--ranks", str(n),
-                          "--collective-gbps", str(args.paper_collective_gbps)])  # fmt: skip
-        r, _hw, _took = plan_for_config(load_ds_config(a.config), a)
-        e = r.estimate
+        machine = replace(machine_for(hw), ranks=n, local_ranks=n)
+        e = resolve_for_model(model, settings, device="cuda", machine=machine).estimate
         out.append({"gpus": n, "step_s": e.step_s, "samples_per_s": n * args.paper_micro_batch / e.step_s,
                     "bound": e.bound, "ssd_s": e.ssd_s, "comm_s": e.comm_s, "compute_s": e.compute_s,
                     "ssd_bytes_per_rank": e.ssd_read_bytes + e.ssd_write_bytes, "comm_bytes_per_rank": e.comm_bytes})  # fmt: skip

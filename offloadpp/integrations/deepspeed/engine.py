@@ -179,8 +179,8 @@ class OffloadppEngine(DeepSpeedEngine):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """One process: no gradients are exchanged, so there is nothing to hold back; the
-        window is gradient_accumulation_steps (or set_gradient_accumulation_boundary)."""
+        """Nothing to hold back: gradients are reduced over the ranks only at the end of the
+        window anyway, which is gradient_accumulation_steps (or set_gradient_accumulation_boundary)."""
         yield
 
     coalesce_grad_reduction = no_sync
