@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--budgets", default="")  # "DEVICE,HOST" bytes: room to keep units resident
     ap.add_argument("--save", default="")  # checkpoint folder: save after the steps
     ap.add_argument("--load", default="")  # checkpoint folder: load before the steps
     ap.add_argument("--from-step", type=int, default=0)  # the global step the batches start at
@@ -62,8 +63,9 @@ def main() -> None:
         from offloadpp.planner import Settings
         from offloadpp.runtime import RuntimeConfig
 
+        budgets = dict(zip(("device_budget_bytes", "host_budget_bytes"), map(int, args.budgets.split(","))))
         settings = Settings(gradient_clipping=args.clip, gradient_accumulation_steps=args.accum,
-                            compute_dtype=args.dtype)  # fmt: skip
+                            compute_dtype=args.dtype, **(budgets if args.budgets else {}))  # fmt: skip
         cfg = RuntimeConfig(nvme_paths=[args.nvme], settings=settings, device="cpu", ssd_read_gbps=2.0,
                             ssd_write_gbps=2.0, log_every=0)  # fmt: skip
         engine = runtime = assemble_engine(model, cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
@@ -88,7 +90,8 @@ def main() -> None:
             runtime.save_state(args.save)
     sd = runtime.module.state_dict()  # a collective: every rank gathers every unit
     info = {"rank": rank, "world": world, "disk_bytes": runtime.disk_bytes(), "plan_ssd_bytes": runtime.plan.ssd_bytes(),
-            "reports": reports, "global_step": runtime.global_step}  # fmt: skip
+            "reports": reports, "global_step": runtime.global_step,
+            "resident": [p.weights.value for p in runtime.plan.placements]}  # fmt: skip
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(info, f)
     if rank == 0:

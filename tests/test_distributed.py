@@ -238,3 +238,42 @@ def test_what_cannot_run_together_is_refused(tmp_path):
     for kw in ({"mpu": object()}, {"mesh_param": (1, 2)}):
         with pytest.raises(OffloadppConfigError, match="data-parallel ranks only"):
             offloadpp.initialize(model=torch.nn.Linear(2, 2), config=cfg, **kw)
+
+
+def test_16bit_compute_over_two_ranks(tmp_path):
+    """bf16 compute (a compute copy per shard beside the fp32 master, gathered in 16 bits), with
+    budgets that keep every unit's weights resident on the device (gathered again by the worker
+    after each update): two ranks agree with one process taking the same global batch as two
+    micro-batches: the same global norms, and weights as close as bf16's rounding of the
+    gradients lets them be."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "out"
+    torchrun([str(out), "--nvme", str(nvme), "--steps", "3", "--clip", "1.0", "--dtype", "bf16", "--budgets",
+              f"{64 << 20},{64 << 20}"])  # fmt: skip
+    assert all(t == "device" for t in ranks(out)[0]["resident"])
+    from dp_common import global_batches, tiny_gpt2
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+
+    (tmp_path / "one").mkdir()
+    settings = Settings(gradient_clipping=1.0, gradient_accumulation_steps=2, compute_dtype="bf16")
+    cfg = RuntimeConfig(nvme_paths=[str(tmp_path / "one")], settings=settings, device="cpu", ssd_read_gbps=2.0,
+                        ssd_write_gbps=2.0, log_every=0)  # fmt: skip
+    eng = assemble_engine(tiny_gpt2(), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+    norms = []
+    try:
+        for x in global_batches(3):
+            for part in x.chunk(2):
+                eng.backward(eng(input_ids=part, labels=part).loss)
+                r = eng.step()
+            norms.append(r.grad_norm)
+        want = eng.module.state_dict()
+    finally:
+        eng.close()
+    for d in ranks(out):
+        assert [x["grad_norm"] for x in d["reports"]] == pytest.approx(norms, rel=1e-3)
+    assert compare_weights(weights(out), want, lr=LR, steps=3) < 0.1

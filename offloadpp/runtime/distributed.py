@@ -15,6 +15,12 @@ main thread submitted them, so a gather can wait for its shard's read off the ma
 `grads` is used by the worker directly. Every wait is on a collective the ranks submitted
 earlier in one common order, so no rank can wait on one another has not reached.
 
+Note: host and device tensors. NCCL moves device tensors only, so on CUDA each issuer has a
+second group, gloo, for what lives in host memory: the gradients (accumulated there, and reduced
+there: reducing them on the GPUs before the copy down would move less over PCIe, and is not
+done), the norm, the first weights' broadcast, the exports' gathers of fp32 masters, the small
+objects the ranks compare. On the CPU every group is gloo.
+
 Note: averages. Each rank back-propagates the mean loss of its own micro-batch; the gradients
 are summed over the ranks and divided by their number, which is the gradient of the mean over
 the global batch (equal micro-batches), as DeepSpeed and torch DDP average.
@@ -110,12 +116,21 @@ def init_from_env(device_kind: str, timeout: Optional[timedelta] = None) -> Opti
     return env
 
 
-class Channel:
-    """A process group and the one thread that issues its collectives, in submission order."""
+def _bind_device(index: Optional[int]) -> None:
+    if index is not None:
+        torch.cuda.set_device(index)  # (a new thread's current device is 0)
 
-    def __init__(self, name: str, group):
+
+class Channel:
+    """A process group (and its gloo twin for host tensors) and the one thread that issues
+    their collectives, in submission order."""
+
+    def __init__(self, name: str, group, host_group, cuda_index: Optional[int] = None):
         self.group = group
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"offloadpp-{name}")
+        self.host_group = host_group
+        self._thread = ThreadPoolExecutor(
+            1, thread_name_prefix=f"offloadpp-{name}", initializer=_bind_device, initargs=(cuda_index,)
+        )
 
     def submit(self, fn: Callable, *args) -> Future:
         return self._thread.submit(fn, *args)
@@ -140,8 +155,14 @@ class DataParallel:
         env = launch_env()
         self.local_world = local_world_size or (env.local_world_size if env is not None else self.world)
         self.backend = dist.get_backend()
-        self.fetch = Channel("gather", dist.new_group(backend=self.backend))
-        self.grads_group = dist.new_group(backend=self.backend)
+        nccl = self.backend == "nccl"
+        self.cuda_index = torch.cuda.current_device() if nccl else None
+        # (every rank creates the groups in this order: new_group is itself a collective)
+        fetch = dist.new_group(backend=self.backend)
+        fetch_host = dist.new_group(backend="gloo")
+        self.fetch = Channel("gather", fetch, fetch_host, self.cuda_index)
+        self.grads_group = dist.new_group(backend="gloo")  # the worker's host tensors
+        self.worker_device_group = dist.new_group(backend=self.backend) if nccl else self.grads_group
         try:
             locals_ = self.all_gather_object(self.local_world)
             if len(set(locals_)) > 1:
@@ -171,7 +192,7 @@ class DataParallel:
         else:
             _all_gather(full, full[lo:hi], group=group)
         n = self.ring_bytes(full.numel() * full.element_size())
-        if group is self.grads_group:
+        if group is self.grads_group or group is self.worker_device_group:
             self.reduce_bytes += n
             self.reduce_s += time.perf_counter() - t0
         else:
@@ -184,7 +205,11 @@ class DataParallel:
         """Every rank's part [r*S, (r+1)*S) of `full` from its owner (the caller's own part,
         [lo, hi), already in place). On the calling thread: the fetch channel's, or with
         worker=True the optimizer's."""
-        self._gather(full, lo, hi, self.grads_group if worker else self.fetch.group, stream)
+        if worker:
+            group = self.worker_device_group if full.is_cuda else self.grads_group
+        else:
+            group = self.fetch.group if full.is_cuda else self.fetch.host_group
+        self._gather(full, lo, hi, group, stream)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """On the optimizer's worker: this rank's shard of the mean of `full` over the ranks."""
@@ -222,24 +247,25 @@ class DataParallel:
 
         def run() -> float:
             t = torch.tensor([x], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.fetch.group)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.fetch.host_group)
             return float(t.item())
 
         return self.fetch.run(run)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.fetch.run(lambda: dist.broadcast(tensor, src=src, group=self.fetch.group))
+        group = self.fetch.group if tensor.is_cuda else self.fetch.host_group
+        self.fetch.run(lambda: dist.broadcast(tensor, src=src, group=group))
 
     def all_gather_object(self, obj) -> list:
         def run() -> list:
             out: list = [None] * self.world
-            dist.all_gather_object(out, obj, group=self.fetch.group)
+            dist.all_gather_object(out, obj, group=self.fetch.host_group)
             return out
 
         return self.fetch.run(run)
 
     def barrier(self) -> None:
-        self.fetch.run(lambda: dist.barrier(group=self.fetch.group))
+        self.fetch.run(lambda: dist.barrier(group=self.fetch.host_group))
 
     def check_same(self, what: str, value) -> None:
         """Refuses to go on unless every rank has the same `value` (a rank that differs would

@@ -156,11 +156,13 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
     def _regather(self, job: _ShardJob) -> None:
         """A unit resident on the device: every rank's new shard into its whole weights."""
         u = job.unit
-        if job.compute_done is not None:
-            self.device.h2d.wait_event(job.compute_done)
         src = job.half if job.half is not None else job.master
-        ev = place_and_gather(u, src, u.weights.tensor, self.dp, self.device, worker=True)
-        u.weights._event = ev
+        if not self.device.is_cuda:
+            place_and_gather(u, src, u.weights.tensor, self.dp, self.device, worker=True)
+            return
+        with torch.cuda.device(self.device.torch_device):  # (the worker's thread)
+            self.device.h2d.wait_event(job.compute_done)
+            u.weights._event = place_and_gather(u, src, u.weights.tensor, self.dp, self.device, worker=True)
 
     # ---- completion (main thread) -----------------------------------------------------------
     def _complete(self, job: _Job, done) -> None:
