@@ -63,9 +63,13 @@ def main() -> None:
         from offloadpp.planner import Settings
         from offloadpp.runtime import RuntimeConfig
 
-        budgets = dict(zip(("device_budget_bytes", "host_budget_bytes"), map(int, args.budgets.split(","))))
+        budgets = {}
+        if args.budgets:
+            budgets = dict(
+                zip(("device_budget_bytes", "host_budget_bytes"), map(int, args.budgets.split(",")))
+            )
         settings = Settings(gradient_clipping=args.clip, gradient_accumulation_steps=args.accum,
-                            compute_dtype=args.dtype, **(budgets if args.budgets else {}))  # fmt: skip
+                            compute_dtype=args.dtype, **budgets)  # fmt: skip
         cfg = RuntimeConfig(nvme_paths=[args.nvme], settings=settings, device="cpu", ssd_read_gbps=2.0,
                             ssd_write_gbps=2.0, log_every=0)  # fmt: skip
         engine = runtime = assemble_engine(model, cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))

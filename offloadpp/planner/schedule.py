@@ -83,7 +83,7 @@ def build_schedule(plan: Plan) -> Schedule:
     if plan.fill_gaps:
         sched = Schedule(**{**sched.__dict__, "alive": _fill_gaps(plan, sched)})
     sched = Schedule(**{**sched.__dict__, "next_keep_until": _first_alive(sched, sched.next_keep)})
-    if plan.fill_gaps and _alias(plan):
+    if plan.fill_gaps and (_alias(plan) or plan.ranks > 1):
         sched = _keep_across(plan, sched)
     dev, host = _peaks(plan, sched)
     return Schedule(**{**sched.__dict__, "peak_device_bytes": dev, "peak_host_bytes": host})
@@ -148,28 +148,38 @@ def _first_alive(sched: Schedule, names) -> dict[str, int]:
 def _keep_across(plan: Plan, sched: Schedule) -> Schedule:
     """`next_keep` with every further unit whose weights can stay from its update to the next
     forward's first hold of them without raising the device peak (see the module Note), largest
-    first."""
-    devs, _, helds = _walk(plan, sched)
-    peak = max(devs)
+    first. Over several ranks what stays is the rank's updated shard, in host memory: the host
+    peak must not rise (and the shard is counted from its own backward visit on, as holds()
+    counts it, deferred or not)."""
+    devs, hosts, helds = _walk(plan, sched)
+    dp = plan.ranks > 1
+    mem = hosts if dp else devs
+    peak = max(mem)
     specs = {u.name: u for u in plan.units}
     place = {p.unit: p for p in plan.placements}
     keep = set(sched.next_keep)
     for name in sorted(specs, key=lambda n: (-specs[n].master_bytes, n)):
         if name in keep or place[name].weights is Tier.DEVICE:
             continue
-        w = specs[name].weights_bytes(plan.compute_dtype)
+        if dp:
+            w = kept_host_bytes(plan, specs[name], place[name])
+            if not w:
+                continue  # (its shard is resident anyway)
+        else:
+            w = specs[name].weights_bytes(plan.compute_dtype)
         until = _first_alive(sched, (name,))[name]
         # held from its update: the backward visits after its own (a deferred update: none), and
         # the next forward's visits before the first that holds it
         span = list(range(until))
-        if not plan.deferred_update:
+        if dp or not plan.deferred_update:
             span += list(range(sched.backward_index[name] + 1, len(sched.visits)))
-        span = [i for i in span if name not in helds[i]]
-        if all(devs[i] + w <= peak for i in span):
+        span = [i for i in span if dp or name not in helds[i]]
+        if all(mem[i] + w <= peak for i in span):
             keep.add(name)
             for i in span:
-                devs[i] += w
-                helds[i].add(name)
+                mem[i] += w
+                if not dp:
+                    helds[i].add(name)
     keep_f = frozenset(keep)
     return Schedule(**{**sched.__dict__, "next_keep": keep_f, "next_keep_until": _first_alive(sched, keep_f)})
 
