@@ -306,7 +306,16 @@ class DataParallel:
         )
 
     def close(self) -> None:
+        """Stops the fetch channel's thread and lets the groups go (the default one stays: it is
+        the launcher's)."""
         self.fetch.close()
+        groups = {id(g): g for g in (self.fetch.group, self.fetch.host_group, self.grads_group,
+                                     self.worker_device_group)}  # fmt: skip
+        for g in groups.values():
+            try:
+                dist.destroy_process_group(g)
+            except (RuntimeError, ValueError):  # already gone with the default group
+                pass
 
 
 def rank_dirs(paths, rank: int) -> tuple[str, ...]:
