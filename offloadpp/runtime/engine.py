@@ -115,9 +115,8 @@ class OffloadEngine:
         meta = bool(self.replaced_params)
         check_buffers(model, self.device.torch_device)
         layouts = layout_units(model, find_units(model, s.units))
-        check_plan(
-            plan, shard_units([lay.spec() for lay in layouts], dp.world if dp else 1), self.device.kind, s
-        )
+        specs = shard_units([lay.spec() for lay in layouts], dp.world if dp else 1)  # one rank's
+        check_plan(plan, specs, self.device.kind, s)
         self.plan = plan
         self.predicted = predicted
         self.schedule = build_schedule(self.plan)
@@ -189,13 +188,9 @@ class OffloadEngine:
         prefix = getattr(model, "base_model_prefix", "")
         with torch.no_grad():
             if self.dp is not None:
-                missing = initialize_sharded_units(
-                    self.units, modules, init_fn, meta, source, prefix, self.dp
-                )
+                missing = initialize_sharded_units(self.units, modules, init_fn, meta, source, prefix, self.dp)  # fmt: skip
             else:
-                missing = initialize_units(
-                    self.units, modules, init_fn, meta, progress, source, prefix=prefix
-                )
+                missing = initialize_units(self.units, modules, init_fn, meta, progress, source, prefix=prefix)  # fmt: skip
         if missing:
             log.warning("offloadpp: %d parameters were not in %s and were initialised: %s", len(missing),
                         source.folder, ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))  # fmt: skip
@@ -618,9 +613,8 @@ class OffloadEngine:
         if self.dp is not None:
             return save_sharded(self.units, path, dp=self.dp, io=self.store.config, meta=meta, files=files,
                                 rank_files=rank_files, progress=progress)  # fmt: skip
-        return ckpt.save_state(
-            self.units, path, io=self.store.config, meta=meta, files=files, progress=progress
-        )
+        return ckpt.save_state(self.units, path, io=self.store.config, meta=meta, files=files,
+                               progress=progress)  # fmt: skip
 
     def rank_dir(self, path: str) -> str:
         """Where this rank's part of a checkpoint at `path` goes (path itself for one process)."""
@@ -634,9 +628,7 @@ class OffloadEngine:
         manifest = ckpt.read_manifest(path)
         self._quiesce()
         self.store.wait_all()
-        if (
-            self.dp is not None or "world_size" in manifest
-        ):  # saved or loaded over ranks: resharded if need be
+        if self.dp is not None or "world_size" in manifest:  # (over ranks: resharded if need be)
             load_sharded(self.units, path, manifest, dp=self.dp, io=self.store.config,
                          optimizer_states=optimizer_states, progress=progress)  # fmt: skip
         else:
