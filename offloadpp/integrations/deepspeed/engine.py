@@ -259,7 +259,10 @@ class OffloadppEngine(DeepSpeedEngine):
                      collate_fn=None, num_local_io_workers=None):  # fmt: skip
         from torch.utils.data import DataLoader, DistributedSampler
 
-        sampler = data_sampler or DistributedSampler(dataset, num_replicas=1, rank=0)
+        # each rank its part of the data, as DeepSpeed's own deepspeed_io
+        sampler = data_sampler or DistributedSampler(
+            dataset, num_replicas=self.world_size, rank=self.global_rank
+        )
         return DataLoader(
             dataset,
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
