@@ -5,7 +5,8 @@ step, in a save) so that the test can land its kill -9 inside one or the other.
 They are forked by a zygote (`python crash_worker.py zygote`): a process that imported torch,
 transformers, DeepSpeed and offloadpp and ran a training step once, so a trial costs a fork
 instead of an interpreter's start. The zygote runs torch on one thread only, so its children
-inherit no thread pool (a fork must not copy one)."""
+inherit no thread pool (a fork must not copy one), and without tqdm's monitor thread (a fork
+must not copy a lock some thread holds)."""
 
 from __future__ import annotations
 
@@ -152,8 +153,12 @@ def zygote() -> None:
     import tempfile
 
     import torch
+    import tqdm
 
     torch.set_num_threads(1)
+    # no tqdm monitor thread: it takes tqdm's lock every few seconds, and a child forked while
+    # it holds it waits on that lock forever at its first progress bar (seen: a hung trial)
+    tqdm.tqdm.monitor_interval = 0
     warm_up()
     with tempfile.TemporaryDirectory() as d:  # one full run: every lazy initialisation paid here
         train(d, 1.0)

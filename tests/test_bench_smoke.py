@@ -42,6 +42,7 @@ def test_bench_capacity_smoke(tmp_path, capsys):
     assert (
         set(o["phase_peak_rss"]) >= {"steps", "save", "load", "export"} and o["accounted_peaks"]["device"] > 0
     )
+    assert o["peak_rss_bytes"] >= max(o["phase_peak_rss"].values())  # the phases' resets do not hide a peak
     assert "peak RSS by phase" in capsys.readouterr().out
 
 

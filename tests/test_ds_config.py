@@ -123,6 +123,7 @@ def test_every_setting_is_reachable_from_the_block(tmp_path):
         "device_budget_bytes": "1GiB", "host_budget_bytes": 3 << 30, "prefetch_depth": 1, "optim_prefetch_depth": 3,
         "fill_gaps": False, "adam_threads": 1, "units": [["transformer.wte", "transformer.wpe"], ["lm_head"]],
         "plan": "auto", "hardware_profile": "/hw.json", "model_profile": "/m.json", "seq_len": 77,
+        "collective_gbps": 12.5, "network_gbps": 3.0,
         "activations": {"policy": "ssd", "overrides": {"embed": "keep"}, "budget_bytes": "64MiB",
                         "host_budget_bytes": "1GB", "prefetch_units": 1, "min_swap_bytes": "4KiB"},
     }  # fmt: skip

@@ -225,17 +225,18 @@ def test_peak_bytes_equal_the_built_schedules_over_random_placements():
 
     from offloadpp.planner import Placement, PlanError, Tier, streaming_plan
     from offloadpp.planner.peaks import peak_bytes
+    from offloadpp.planner.plan import shard_units
 
     units = (UnitSpec("embed", 50_000, backward_needs_weights=False), *(UnitSpec(f"h.{i}", 20_000) for i in range(5)),
              UnitSpec("head", 1024, borrows=("embed",)))  # fmt: skip
     rng = random.Random(0)
     tiers = (Tier.DEVICE, Tier.HOST, Tier.SSD)
     checked = 0
-    for device, dtype, k, q, accum, deferred in itertools.product(
-        ("cpu", "cuda"), ("fp32", "bf16"), (0, 1, 3), (0, 2, 6), (False, True), (False, True)
+    for device, dtype, k, q, accum, deferred, ranks in itertools.product(
+        ("cpu", "cuda"), ("fp32", "bf16"), (0, 1, 3), (0, 2, 6), (False, True), (False, True), (1, 3)
     ):
-        base = streaming_plan(units, device=device, compute_dtype=dtype, prefetch_depth=k, optim_prefetch_depth=q,
-                              accumulate_grads=accum, deferred_update=deferred)  # fmt: skip
+        base = streaming_plan(shard_units(units, ranks), device=device, compute_dtype=dtype, prefetch_depth=k,
+                              optim_prefetch_depth=q, accumulate_grads=accum, deferred_update=deferred)  # fmt: skip
         for _ in range(8):
             placements = tuple(Placement(u.name, rng.choice(tiers), rng.choice(tiers[1:]), rng.choice(tiers[1:]),
                                          rng.choice(tiers[1:])) for u in units)  # fmt: skip
@@ -251,6 +252,7 @@ def test_peak_bytes_equal_the_built_schedules_over_random_placements():
                 q,
                 accum,
                 deferred,
+                ranks,
             )
             checked += 1
-    assert checked > 300
+    assert checked > 600

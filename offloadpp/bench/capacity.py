@@ -295,6 +295,9 @@ def run(args: argparse.Namespace) -> int:
         if rc != 0 or not ours:
             _log(f"the offloadpp run failed (exit {rc})")
             return 1
+        # resetting VmHWM between phases also resets what ru_maxrss reports at exit (the kernel
+        # keeps one high-water mark): the run's peak is the largest of the phases' and the last's
+        rss = max(rss, *ours.get("phase_peak_rss", {}).values())
         report["offloadpp"] = {**ours, "peak_rss_bytes": rss, "wall_s": time.perf_counter() - t0}
         if not args.keep:
             shutil.rmtree(os.path.join(args.dir, "offloadpp"), ignore_errors=True)

@@ -31,6 +31,7 @@ BENCHES = {
         "step time with activations kept, on host, on SSD, recomputed",
     ),
     "ab": ("offloadpp.bench.ab", "the same model under ZeRO-Infinity and offloadpp, side by side"),
+    "dp": ("offloadpp.bench.dp", "one rank against several (data parallel): step time and bytes per rank"),
     "planner-accuracy": (
         "offloadpp.bench.planner_accuracy",
         "the cost model's predicted step against measured steps, several configurations",

@@ -13,6 +13,9 @@ hardware profile: --hardware, else the cache `offloadpp profile` writes when the
 --json saves the plan (budgets inside) for `"plan": "PATH"` in the config's offloadpp block.
 --machine-from-hardware plans for the machine the hardware profile describes (its memory, cores
 and SSD space) instead of this one: what a hand-written profile of another machine is for.
+--ranks N plans one of N data-parallel ranks (--ranks-per-node of them share each node's memory,
+SSDs and cores; default all on one), its collectives at --collective-gbps (and --network-gbps
+between nodes), else the block's or the hardware profile's (docs/distributed.md).
 A configuration that cannot fit is refused (exit 1) with the largest micro-batch that would, or
 the budget it needs.
 """
@@ -60,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--adam-threads", type=int, default=None, help="the runtime's Adam threads (default: every core)"
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: as initialize picks)")
+    p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks in all (default 1)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="of them, on each node (default: all)")
+    p.add_argument("--collective-gbps", type=float, default=None, help="the ranks' all-gather bus GB/s")
+    p.add_argument("--network-gbps", type=float, default=None, help="each node's network GB/s between nodes")
     p.add_argument(
         "--top", type=int, default=5, help="with plan 'auto', also list this many runner-up candidates"
     )
@@ -82,6 +89,10 @@ def _estimate_table(e) -> str:
         (
             "  host<->device",
             f"{e.link_s:.3f} s ({e.h2d_bytes / 1e9:.3f} GB h2d, {e.d2h_bytes / 1e9:.3f} GB d2h)",
+        ),
+        (
+            "  collectives",
+            f"{e.comm_s:.3f} s ({e.comm_bytes / 1e9:.3f} GB through each rank's link)",
         ),
         (
             "peak buffers",
@@ -121,6 +132,9 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
         update["activations"] = settings.activations.model_copy(update=act)
     if args.adam_threads is not None:
         update["adam_threads"] = args.adam_threads
+    for k in ("collective_gbps", "network_gbps"):
+        if getattr(args, k) is not None:
+            update[k] = getattr(args, k)
     hw_path = args.hardware or settings.hardware_profile
     if hw_path is None and os.path.isfile(default_profile_path()):
         hw_path = default_profile_path()
@@ -138,6 +152,11 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
         paths: tuple = ()
     else:
         paths = swap_dirs(block.nvme_paths, create=False) if block.nvme_paths else ()
+    if args.ranks > 1:
+        from dataclasses import replace
+
+        machine = machine or probe_machine(args.device, paths)
+        machine = replace(machine, ranks=args.ranks, local_ranks=args.ranks_per_node or args.ranks)
     if args.model:
         from offloadpp.presets import hf_config_dict, meta_model
 

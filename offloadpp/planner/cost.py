@@ -11,7 +11,10 @@ Note: the equations (docs/planner.md has them with the measured accuracy).
   adam_s    = params / Adam params/s at the runtime's Adam threads
   ssd_s     = read bytes / read GB/s + write bytes / write GB/s   [bytes as the replay moves them]
   link_s    = max(h2d bytes / h2d GB/s, d2h bytes / d2h GB/s)     [CUDA only]
-  floor_s   = max(compute_s, ssd_s, adam_s, link_s); `bound` names the largest.
+  comm_s    = collective bytes / the ranks' bus GB/s               [several ranks: ranks.py]
+  floor_s   = max(compute_s, ssd_s, adam_s, link_s, comm_s); `bound` names the largest.
+Over several ranks the plan is one rank's (its shards) and the hardware the node's: the replay
+runs on the rank's share of it (ranks.rank_share) with the collectives on a link of their own.
   step_s    = the replay's time from the first forward to step() returning, steady state, and
               at least ssd_s and link_s (a step can leave writes queued that no later read waits
               for, but not forever).
@@ -30,6 +33,7 @@ from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
 from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes
+from .ranks import RankLink, rank_share
 from .schedule import build_schedule
 from .simulate import Costs, Sim
 
@@ -47,7 +51,7 @@ class StepEstimate:
     ssd_s: float
     link_s: float
     floor_s: float
-    bound: str  # "compute" | "ssd" | "adam" | "link"
+    bound: str  # "compute" | "ssd" | "adam" | "link" | "comm"
     ssd_read_bytes: int
     ssd_write_bytes: int
     h2d_bytes: int
@@ -56,6 +60,8 @@ class StepEstimate:
     peak_device_bytes: int  # the schedule's runtime buffers (activations not included)
     peak_host_bytes: int
     peak_activation_bytes: int = 0  # the saved activations on the device, as the replay counts them
+    comm_s: float = 0.0  # over several ranks: the step's gathers and reductions at the bus bandwidth
+    comm_bytes: int = 0  # the bytes through this rank's link for them
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +70,9 @@ class StepEstimate:
         return (
             f"estimate {self.step_s:.3f}s (fwd {self.forward_s:.3f} bwd {self.backward_s:.3f} "
             f"opt-wait {self.optimizer_wait_s:.3f}) floor {self.floor_s:.3f}s bound by {self.bound} "
-            f"[compute {self.compute_s:.3f} ssd {self.ssd_s:.3f} adam {self.adam_s:.3f} link {self.link_s:.3f}] "
+            f"[compute {self.compute_s:.3f} ssd {self.ssd_s:.3f} adam {self.adam_s:.3f} link {self.link_s:.3f}"
+            + (f" comm {self.comm_s:.3f}" if self.comm_bytes else "")
+            + "] "
             f"ssd r {fmt_bytes(self.ssd_read_bytes)} w {fmt_bytes(self.ssd_write_bytes)}"
         )
 
@@ -108,12 +116,14 @@ def estimate(
     micro_batches: int = 1,
     activations: Optional[Mapping[str, str]] = None,
     act_prefetch_units: int = 2,
+    link: Optional[RankLink] = None,
 ) -> StepEstimate:
     """The step time `plan` takes on `hardware` for `model` (one optimizer step of
     `micro_batches` micro-batches), and the phase that bounds it. `activations`: per unit
-    "keep" | "host" | "ssd" | "recompute" (default: the plan's, else keep everything)."""
+    "keep" | "host" | "ssd" | "recompute" (default: the plan's, else keep everything). A plan
+    over several ranks needs `link`: the ranks per node and the collectives' bandwidth."""
     return replay(plan, hardware, model, adam_threads=adam_threads, micro_batches=micro_batches,
-                  activations=activations, act_prefetch_units=act_prefetch_units)[0]  # fmt: skip
+                  activations=activations, act_prefetch_units=act_prefetch_units, link=link)[0]  # fmt: skip
 
 
 def replay(
@@ -125,8 +135,10 @@ def replay(
     micro_batches: int = 1,
     activations: Optional[Mapping[str, str]] = None,
     act_prefetch_units: int = 2,
+    link: Optional[RankLink] = None,
 ) -> tuple[StepEstimate, dict]:
     """estimate(), plus the SSD bytes the steady step moves per key ("<unit>.<array>")."""
+    hardware, link = _for_rank(plan, hardware, link)
     if plan.device != hardware.device:
         raise PlanError(
             f"the plan is for device {plan.device!r}, the hardware profile for {hardware.device!r}"
@@ -167,6 +179,7 @@ def replay(
         act_bytes={u.name: u.activation_bytes for u in model.units},
         act_prefetch_units=act_prefetch_units,
         act_inputs={a.name: a.inputs for a in act_units(model)},
+        link=link,
     )
     run(
         sim,
@@ -180,14 +193,15 @@ def replay(
     sched = build_schedule(plan)
     recompute = sum(fwd[n] for n in fwd if policies.get(n) == "recompute")
     compute = micro_batches * (sum(fwd[n] + bwd[n] for n in fwd) + recompute)
-    adam = sum(u.numel for u in plan.units) / costs.adam_rate
+    adam = sum(u.numel for u in plan.units) / plan.ranks / costs.adam_rate
     ssd_s = m["ssd_r"] / ssd.read_bps + m["ssd_w"] / ssd.write_bps
-    link = max(m["h2d"] / h2d.read_bps, m["d2h"] / d2h.read_bps) if cuda else 0.0
-    parts = {"compute": compute, "ssd": ssd_s, "adam": adam, "link": link}
+    link_s = max(m["h2d"] / h2d.read_bps, m["d2h"] / d2h.read_bps) if cuda else 0.0
+    comm = m["net"] / sim.net.read_bps if sim.net is not None else 0.0
+    parts = {"compute": compute, "ssd": ssd_s, "adam": adam, "link": link_s, "comm": comm}
     bound = max(parts, key=parts.get)
     # A replayed step can end with writes still queued (activations no later step reads back
-    # first); in the long run no step is shorter than what the SSD or the link must do in one.
-    step = max(m["end"] - m["start"], ssd_s, link)
+    # first); in the long run no step is shorter than what the SSD or a link must do in one.
+    step = max(m["end"] - m["start"], ssd_s, link_s, comm)
     fwd_end = m["forward_end"][-1]
     bwd_end = m["backward_end"][-1]
     est = StepEstimate(
@@ -198,7 +212,7 @@ def replay(
         compute_s=compute,
         adam_s=adam,
         ssd_s=ssd_s,
-        link_s=link,
+        link_s=link_s,
         floor_s=parts[bound],
         bound=bound,
         ssd_read_bytes=int(m["ssd_r"]),
@@ -209,8 +223,26 @@ def replay(
         peak_device_bytes=sched.peak_device_bytes,
         peak_host_bytes=sched.peak_host_bytes,
         peak_activation_bytes=sim.act.peak_bytes,
+        comm_s=comm,
+        comm_bytes=int(m["net"]),
     )
     return est, m["by_key"]
+
+
+def _for_rank(plan: Plan, hardware: HardwareProfile, link: Optional[RankLink]):
+    """The hardware one rank runs on, and its link (ranks.py); one rank: as given."""
+    if plan.ranks == 1:
+        return hardware, None
+    if link is None:
+        raise PlanError(
+            f"the plan is for {plan.ranks} ranks: the estimate needs their link (ranks per node and the "
+            "collectives' bandwidth: planner.ranks.RankLink)"
+        )
+    if link.ranks != plan.ranks:
+        raise PlanError(
+            f"the link describes {link.ranks} ranks ({link.nodes} x {link.local}), the plan {plan.ranks}"
+        )
+    return rank_share(hardware, link.local), link
 
 
 def lower_bound(
@@ -221,6 +253,7 @@ def lower_bound(
     adam_threads: int = 1,
     micro_batches: int = 1,
     activations: Optional[Mapping[str, str]] = None,
+    link: Optional[RankLink] = None,
 ) -> float:
     """A step time no replay of `plan` can beat, from totals alone (no replay): the planner
     replays only candidates whose bound is near the best estimate so far.
@@ -233,7 +266,10 @@ def lower_bound(
     resident on the device crosses the link at least once per forward, every resident one once
     after its update, and every gradient leaves once per micro-batch. step_s is at least the
     replay's time, its SSD time and its link time. Activation traffic is left out (a swap-out
-    not started when backward wants the unit is cancelled, so none of it is certain)."""
+    not started when backward wants the unit is cancelled, so none of it is certain). Over
+    several ranks each rank's link carries, per step, every unit's gradients reduced once and
+    its weights gathered at least once (forward, or after the update where resident)."""
+    hardware, link = _for_rank(plan, hardware, link)
     fwd, bwd = compute_times(plan, hardware, model)
     policies = activations if activations is not None else activation_policies(plan)
     n = len(fwd)
@@ -242,13 +278,14 @@ def lower_bound(
     )
     visits = n * (hardware.runtime_forward_visit_s + hardware.runtime_backward_visit_s)
     compute = micro_batches * (sum(fwd.values()) + sum(bwd.values()) + visits + recompute)
-    numel = sum(u.numel for u in plan.units)
+    numel = sum(u.numel for u in plan.units) / plan.ranks
     adam = numel / max(
         hardware.adam_rate(adam_threads), hardware.adam_rate(max(adam_threads, hardware.cpu_cores))
     )
     # the worker absorbs gradients (and takes their norm for a deferred update) unit by unit
     # where they are not used in place (CUDA, or persistent), then runs Adam
-    absorbed = sum(u.numel for u in plan.units) if plan.device == "cuda" or plan.persistent_grads else 0
+    dp = plan.ranks > 1
+    absorbed = sum(u.numel for u in plan.units) if plan.device == "cuda" or plan.persistent_grads or dp else 0
     memcpy = hardware.memcpy_gbps * 1e9
     absorb = absorbed * (micro_batches * 8 + (4 if plan.deferred_update else 0)) / memcpy
     worker = absorb + adam
@@ -258,6 +295,7 @@ def lower_bound(
     cdt = plan.compute_dtype
     read = write = 0
     h2d = d2h = 0
+    comm = 0.0
     for u, p in plan:
         if p.moments is Tier.SSD:
             read += u.moments_bytes
@@ -267,21 +305,24 @@ def lower_bound(
             if plan.separate_weights:
                 read += u.master_bytes
         if plan.separate_weights and p.weights is Tier.SSD:
-            write += u.weights_bytes(cdt)
+            write += u.weights_home_bytes(cdt)
             if u.name not in sched_keep:
-                read += u.weights_bytes(cdt)  # fetched at least once for the next forward
+                read += u.weights_home_bytes(cdt)  # fetched at least once for the next forward
+        if dp:
+            comm += link.ring_bytes(u.grad_bytes) + link.ring_bytes(u.weights_bytes(cdt))
         if plan.device == "cuda":
-            w = u.weights_bytes(cdt)
+            w = u.weights_home_bytes(cdt)  # (over several ranks the rest comes by the gather)
             h2d += w if p.weights is Tier.DEVICE else micro_batches * w
             d2h += micro_batches * u.numel * DTYPE_BYTES[cdt]
     rb, wb = hardware.ssd_rates()
     ssd = read / (rb * 1e9) + write / (wb * 1e9)
-    link = (
+    link_s = (
         max(h2d / (hardware.h2d_gbps * 1e9), d2h / (hardware.d2h_gbps * 1e9))
         if plan.device == "cuda"
         else 0.0
     )
-    return max(compute, worker, serial, ssd, link)
+    comm_s = comm / (link.bus_gbps() * 1e9) if dp else 0.0
+    return max(compute, worker, serial, ssd, link_s, comm_s)
 
 
 def _next_keep(plan: Plan) -> frozenset:

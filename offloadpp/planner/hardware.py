@@ -40,6 +40,11 @@ Note: what each number means, as the cost model uses it.
   compute_slowdown_under_io        on the CPU as the device, how much longer compute takes while
                                    the SSD streams reads and writes (the I/O thread and the
                                    kernel's block layer run on the same cores; 1 on a GPU).
+  collective_gbps                  the bus bandwidth of all-gathers among the node's devices
+                                   (`offloadpp bench dp` measures it), for plans over several
+                                   data-parallel ranks (planner/ranks.py); 0: not known.
+  network_gbps                     each node's network bandwidth, for ranks on several nodes; 0:
+                                   not known.
 """
 
 from __future__ import annotations
@@ -143,6 +148,8 @@ class HardwareProfile:
     compute_slowdown_under_adam: float = 1.0
     adam_slowdown_under_compute: float = 1.0
     compute_slowdown_under_io: float = 1.0
+    collective_gbps: float = 0.0
+    network_gbps: float = 0.0
     torch_threads: int = 1  # intra-op threads compute was measured with
     measured_at: str = ""
     measure_s: float = 0.0
@@ -166,6 +173,8 @@ class HardwareProfile:
             "runtime_forward_visit_s",
             "runtime_backward_visit_s",
             "io_issue_s",
+            "collective_gbps",
+            "network_gbps",
         ):
             _positive("HardwareProfile", name, getattr(self, name), allow_zero=True)
         for name in ("host_memory_bytes", "device_memory_bytes"):

@@ -26,7 +26,9 @@ from .schedule import (
     build_schedule,
     drain_device_bytes,
     drain_host_bytes,
+    fetch_host_bytes,
     holds,
+    kept_host_bytes,
     optim_host_bytes,
     structure,
 )
@@ -62,7 +64,13 @@ def clear_cache() -> None:
 
 def peak_bytes(plan: Plan) -> tuple[int, int]:
     """(device, host) peak bytes of the runtime's buffers: build_schedule(plan)'s peaks."""
-    if plan.deferred_update and plan.fill_gaps and plan.device == "cpu" and not plan.separate_weights:
+    if (
+        plan.deferred_update
+        and plan.fill_gaps
+        and plan.device == "cpu"
+        and not plan.separate_weights
+        and plan.ranks == 1
+    ):
         s = build_schedule(plan)
         return s.peak_device_bytes, s.peak_host_bytes
     hs = _holds_for(plan)
@@ -70,11 +78,12 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     device_w = {}
     ssd_w = {}
     ob = {}
+    kb = {}
     for u, p in plan:
-        w = u.weights_bytes(cdt)
-        device_w[u.name] = 0 if p.weights is Tier.DEVICE else w
-        ssd_w[u.name] = w if p.weights is Tier.SSD else 0
+        device_w[u.name] = 0 if p.weights is Tier.DEVICE else u.weights_bytes(cdt)
+        ssd_w[u.name] = fetch_host_bytes(plan, u, p)
         ob[u.name] = optim_host_bytes(plan, u, p)
+        kb[u.name] = kept_host_bytes(plan, u, p)
     dev = host = 0
     for h in hs:
         d = h.grads
@@ -85,6 +94,8 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
             x += ob[n]
         for n in h.fetching:
             x += ssd_w[n]
+        for n in h.kept:
+            x += kb[n]
         dev = d if d > dev else dev
         host = x if x > host else host
     return dev + drain_device_bytes(plan), host + drain_host_bytes(plan)

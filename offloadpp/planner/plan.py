@@ -24,7 +24,7 @@ memory too, so they require master HOST.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
 from typing import Iterator, Optional, Sequence
@@ -68,6 +68,13 @@ def flat_numel(numel: int) -> int:
     return -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
 
 
+def shard_numel(numel: int, shards: int) -> int:
+    """Elements of one rank's shard of a unit's flat buffer over `shards` data-parallel ranks:
+    an equal part, padded to ALIGN_NUMEL so every shard starts on a direct-I/O block (one rank:
+    the flat buffer)."""
+    return flat_numel(-(-numel // shards))
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -86,25 +93,55 @@ class UnitSpec:
     # False for units whose backward reads none of their weights (embedding lookups): their
     # weights are then not fetched for backward.
     backward_needs_weights: bool = True
+    # Data-parallel ranks the unit's state is partitioned over (ZeRO-style, see the Note on
+    # shards below); the sizes are one rank's.
+    shards: int = 1
+
+    # Note: shards. With N data-parallel ranks each rank owns one N-th of the unit's flat buffer
+    # (`shard_numel` elements): its fp32 master, its Adam moments and, at home, its part of the
+    # compute weights. The device computes with the whole unit, gathered from every rank's
+    # shard (`padded_numel` = N * shard_numel elements); gradients are complete flat buffers
+    # (reduced over the ranks into each rank's shard at the accumulation boundary). One rank:
+    # every size is the unit's.
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise PlanError(f"unit {self.name!r}: shards must be an int >= 1, got {self.shards!r}")
 
     @cached_property  # (the planner asks millions of times; the dataclass is frozen)
+    def shard_numel(self) -> int:
+        return shard_numel(self.numel, self.shards)
+
+    @cached_property
     def padded_numel(self) -> int:
-        return flat_numel(self.numel)
+        """Elements of the whole unit's flat buffer (the gathered weights, the gradients)."""
+        return self.shard_numel * self.shards
 
     def weights_bytes(self, compute_dtype: str) -> int:
+        """The whole unit's compute weights (on the device)."""
         return self.padded_numel * DTYPE_BYTES[compute_dtype]
+
+    def weights_home_bytes(self, compute_dtype: str) -> int:
+        """This rank's part of the compute weights at their home (HOST or SSD)."""
+        return self.shard_numel * DTYPE_BYTES[compute_dtype]
 
     @property
     def master_bytes(self) -> int:
-        return self.padded_numel * 4
+        return self.shard_numel * 4
 
     @property
     def moments_bytes(self) -> int:
-        return self.padded_numel * 8
+        return self.shard_numel * 8
 
     @property
     def grad_bytes(self) -> int:
+        """The whole unit's fp32 gradients (accumulated over micro-batches)."""
         return self.padded_numel * 4
+
+    @property
+    def shard_grad_bytes(self) -> int:
+        """This rank's shard of the gradients, summed over the ranks."""
+        return self.shard_numel * 4
 
 
 @dataclass(frozen=True)
@@ -163,6 +200,10 @@ class Plan:
             raise PlanError(f"unit names must be unique, got {names}")
         if [p.unit for p in self.placements] != names:
             raise PlanError("placements must list the units in the same order as units")
+        if len({u.shards for u in self.units}) > 1:
+            raise PlanError(
+                f"every unit must have the same shards, got {sorted({u.shards for u in self.units})}"
+            )
         known = set(names)
         for u in self.units:
             for b in u.borrows:
@@ -232,6 +273,11 @@ class Plan:
         """Gradients outlive one unit's backward: kept across micro-batches or for a deferred update."""
         return self.accumulate_grads or self.deferred_update
 
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks the optimizer state is partitioned over (UnitSpec.shards)."""
+        return self.units[0].shards if self.units else 1
+
     # ---- homes and byte totals ----------------------------------------------------------
     def homes(self, u: UnitSpec, p: Placement) -> dict[str, Optional[Tier]]:
         """Where each array of unit `u` lives between uses, the one accounting the plan, the
@@ -239,18 +285,29 @@ class Plan:
         and, with 16-bit compute, "weights" (with fp32 the weights are the master). DEVICE or
         HOST: resident; SSD: a key in the store, read and written; None: no home, a buffer
         filled and used within a step (transient gradients; on CUDA the host copy of 16-bit
-        weights resident on the device, which only carries each update's new copy up)."""
+        weights resident on the device, which only carries each update's new copy up).
+
+        Over several ranks (`ranks`) every array but the gradients is this rank's shard;
+        "grads" is then the whole unit's gradients accumulated over micro-batches (a home only
+        with accumulation: they are reduced over the ranks at the boundary), and "grad_shard"
+        this rank's reduced shard, kept until a deferred update (a home only then)."""
         h: dict[str, Optional[Tier]] = {"master": p.master, "exp_avg": p.moments, "exp_avg_sq": p.moments}
         if self.separate_weights:
             h["weights"] = None if (p.weights is Tier.DEVICE and self.device == "cuda") else p.weights
-        h["grads"] = p.grads if self.persistent_grads else None
+        if self.ranks > 1:
+            h["grads"] = p.grads if self.accumulate_grads else None
+            h["grad_shard"] = p.grads if self.deferred_update else None
+        else:
+            h["grads"] = p.grads if self.persistent_grads else None
         return h
 
     def array_bytes(self, u: UnitSpec, array: str) -> int:
         if array == "weights":
-            return u.weights_bytes(self.compute_dtype)
+            return u.weights_home_bytes(self.compute_dtype)
         if array in ("exp_avg", "exp_avg_sq"):
             return u.moments_bytes // 2
+        if array == "grad_shard":
+            return u.shard_grad_bytes
         return u.master_bytes if array == "master" else u.grad_bytes
 
     def ssd_bytes(self) -> int:
@@ -263,17 +320,22 @@ class Plan:
         return sum(u.weights_bytes(self.compute_dtype) for u, p in self if p.weights is Tier.DEVICE)
 
     def resident_host_bytes(self) -> int:
+        """Host memory of the arrays whose home is HOST (`homes`), less the masters counted with
+        the device (device_is_master)."""
         total = 0
         for u, p in self:
-            if p.master is Tier.HOST and not (self.device == "cpu" and p.weights is Tier.DEVICE):
-                total += u.master_bytes
-            if p.moments is Tier.HOST:
-                total += u.moments_bytes
-            if self.separate_weights and p.weights is Tier.HOST:
-                total += u.weights_bytes(self.compute_dtype)
-            if self.persistent_grads and p.grads is Tier.HOST:
-                total += u.grad_bytes
+            for array, tier in self.homes(u, p).items():
+                if tier is not Tier.HOST:
+                    continue
+                if array == "master" and self.device_is_master(p):
+                    continue
+                total += self.array_bytes(u, array)
         return total
+
+    def device_is_master(self, p: Placement) -> bool:
+        """The master of a unit whose weights are resident on the CPU device is counted with the
+        device (one rank; over several, the device holds the gathered weights, the host the shard)."""
+        return self.device == "cpu" and self.ranks == 1 and p.weights is Tier.DEVICE
 
     def describe_budgets(self) -> str:
         b = self.budgets
@@ -289,7 +351,8 @@ class Plan:
         lines = [
             f"plan: device={self.device} compute={self.compute_dtype} prefetch_depth={self.prefetch_depth} "
             f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
-            f"deferred_update={self.deferred_update} fill_gaps={self.fill_gaps}",
+            f"deferred_update={self.deferred_update} fill_gaps={self.fill_gaps}"
+            + (f" ranks={self.ranks} (each keeps 1/{self.ranks} of the state)" if self.ranks > 1 else ""),
             f"  budgets: {self.describe_budgets()}; resident: device {fmt_bytes(self.resident_device_bytes())}, "
             f"host {fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",
             f"  {'unit':<28} {'params':>12} {'weights':>8} {'master':>8} {'moments':>8} {'grads':>8}",
@@ -309,6 +372,11 @@ class Plan:
             )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def shard_units(units: Sequence[UnitSpec], ranks: int) -> tuple[UnitSpec, ...]:
+    """The units as one of `ranks` data-parallel ranks holds them (UnitSpec.shards)."""
+    return tuple(replace(u, shards=ranks) for u in units)
 
 
 def all_on_ssd(units: Sequence[UnitSpec]) -> tuple[Placement, ...]:

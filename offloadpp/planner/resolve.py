@@ -48,8 +48,9 @@ from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, pla
 from .hardware import HardwareProfile, ProfileError, default_profile_path
 from .model_profile import ModelProfile, ModelProfileError, analytic_profile
 from .peaks import peak_bytes
-from .plan import Plan, PlanError, UnitSpec, fmt_bytes
+from .plan import Plan, PlanError, UnitSpec, fmt_bytes, shard_units
 from .planfile import load_plan
+from .ranks import RankLink
 from .schedule import build_schedule
 from .search import Request, _raise_infeasible, act_planner, search
 from .spec import PLAN_AUTO, Budgets, Settings
@@ -71,6 +72,11 @@ class Machine:
     device_free_bytes: free device memory (CUDA only).
     ssd_free_bytes: free space on the swap directories' filesystems (None: not known).
     cores: cores this process may run on (the Adam threads' default).
+    ranks: data-parallel ranks of the run (each keeps 1/ranks of the optimizer state);
+    local_ranks: of them, how many run on this node and share its host memory, SSDs and cores
+        (and, on the CPU acting as the device, its compute). Host memory, SSD space and cores
+        above are the node's; resolve plans each rank for its share (`rank_share`).
+    collective_gbps: the ranks' collectives' bus bandwidth, measured over them all (None: not).
     """
 
     device: str
@@ -78,6 +84,9 @@ class Machine:
     device_free_bytes: Optional[int] = None
     ssd_free_bytes: Optional[int] = None
     cores: int = 1
+    ranks: int = 1
+    local_ranks: int = 1
+    collective_gbps: Optional[float] = None  # the ranks' all-gather bus bandwidth, measured at start
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -86,6 +95,27 @@ class Machine:
             raise PlanError(f"Machine.host_available_bytes must be > 0, got {self.host_available_bytes!r}")
         if self.device == "cuda" and not self.device_free_bytes:
             raise PlanError("Machine.device_free_bytes is needed for device 'cuda'")
+        if not 1 <= self.local_ranks <= self.ranks:
+            raise PlanError(
+                f"Machine: need 1 <= local_ranks <= ranks, got {self.local_ranks} and {self.ranks}"
+            )
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.ranks // self.local_ranks)
+
+    def rank_share(self) -> Machine:
+        """What one of the node's `local_ranks` ranks may plan with: an equal share of its host
+        memory, SSD space and cores (each GPU is a rank's own: its free memory is not shared)."""
+        n = self.local_ranks
+        if n == 1:
+            return self
+        return replace(
+            self,
+            host_available_bytes=self.host_available_bytes // n,
+            ssd_free_bytes=self.ssd_free_bytes // n if self.ssd_free_bytes is not None else None,
+            cores=max(1, self.cores // n),
+        )
 
 
 def machine_for(hw: HardwareProfile) -> Machine:
@@ -131,9 +161,10 @@ def resolve(
     the module Note). saved: the plan file `settings.plan` names, already read (load_saved_plan).
     Raises PlanError naming the budget, the unit and the bytes when nothing fits (an
     InfeasibleError with the largest micro-batch that fits where the activations do not)."""
-    units = tuple(units)
+    units = shard_units(units, machine.ranks)
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
+    machine = machine.rank_share()
     settings = settings.model_copy(update={"adam_threads": settings.adam_threads or machine.cores})
     if model is not None:
         _check_units(model, units)
@@ -152,7 +183,7 @@ def resolve(
             missing = "a hardware profile" if hardware is None else "a model profile"
             raise PlanError(f"plan 'auto' needs {missing}")
         _check_profiles(hardware, model, units, machine.device)
-        req = _request(settings, budgets, machine)
+        req = _request(settings, budgets, machine, hardware)
         result = search(hardware, model, req)
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
@@ -165,7 +196,8 @@ def resolve(
         _check_profiles(hardware, model, units, machine.device)
         est = estimate(plan, hardware, model, adam_threads=settings.adam_threads,
                        micro_batches=settings.gradient_accumulation_steps,
-                       act_prefetch_units=settings.activations.prefetch_units)  # fmt: skip
+                       act_prefetch_units=settings.activations.prefetch_units,
+                       link=rank_link(settings, machine, hardware))  # fmt: skip
     return Resolved(settings, plan, est, candidates)
 
 
@@ -187,9 +219,26 @@ def settings_notes(settings: Settings) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _request(settings: Settings, budgets: Budgets, machine: Machine) -> Request:
+def _request(settings: Settings, budgets: Budgets, machine: Machine, hardware=None) -> Request:
+    link = rank_link(settings, machine, hardware) if hardware is not None else None
     return Request(budgets, settings, adam_threads=settings.adam_threads, ssd_free_bytes=machine.ssd_free_bytes,
-                   count_activations=True, act_host_bytes=_act_host_bytes(settings, budgets, machine))  # fmt: skip
+                   count_activations=True, act_host_bytes=_act_host_bytes(settings, budgets, machine),
+                   ranks=machine.ranks, link=link)  # fmt: skip
+
+
+def rank_link(settings: Settings, machine: Machine, hardware: HardwareProfile) -> Optional[RankLink]:
+    """The ranks as the estimate sees them (planner/ranks.py; None for one): the collectives'
+    bandwidth configured, else measured over the ranks at start (which includes the network
+    between nodes), else the hardware profile's."""
+    if machine.ranks == 1:
+        return None
+    measured = machine.collective_gbps
+    intra = settings.collective_gbps or measured or hardware.collective_gbps
+    net = (
+        settings.network_gbps or (measured if not settings.collective_gbps else None) or hardware.network_gbps
+    )
+    return RankLink(local=machine.local_ranks, nodes=machine.nodes, collective_gbps=intra or 0.0,
+                    network_gbps=net or 0.0)  # fmt: skip
 
 
 def _act_host_bytes(settings: Settings, budgets: Budgets, m: Machine) -> int:
@@ -417,8 +466,12 @@ def model_profile_for(
     return prof
 
 
+def _unsharded(units) -> list:
+    return [replace(u, shards=1) for u in units]
+
+
 def _check_units(model: ModelProfile, units) -> None:
-    if list(model.unit_specs()) != list(units):
+    if list(model.unit_specs()) != _unsharded(units):
         raise PlanError("the model profile's units do not match the model's")
 
 
@@ -428,7 +481,7 @@ def _check_profiles(hw: HardwareProfile, model: ModelProfile, units, device: str
             f"the hardware profile was measured for device {hw.device!r}, the run is on {device!r}: "
             "re-run `offloadpp profile` on this machine"
         )
-    if list(model.unit_specs()) != list(units):
+    if list(model.unit_specs()) != _unsharded(units):
         raise PlanError("the model profile's units do not match the model's")
 
 

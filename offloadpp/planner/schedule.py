@@ -83,7 +83,7 @@ def build_schedule(plan: Plan) -> Schedule:
     if plan.fill_gaps:
         sched = Schedule(**{**sched.__dict__, "alive": _fill_gaps(plan, sched)})
     sched = Schedule(**{**sched.__dict__, "next_keep_until": _first_alive(sched, sched.next_keep)})
-    if plan.fill_gaps and _alias(plan):
+    if plan.fill_gaps and (_alias(plan) or plan.ranks > 1):
         sched = _keep_across(plan, sched)
     dev, host = _peaks(plan, sched)
     return Schedule(**{**sched.__dict__, "peak_device_bytes": dev, "peak_host_bytes": host})
@@ -148,35 +148,53 @@ def _first_alive(sched: Schedule, names) -> dict[str, int]:
 def _keep_across(plan: Plan, sched: Schedule) -> Schedule:
     """`next_keep` with every further unit whose weights can stay from its update to the next
     forward's first hold of them without raising the device peak (see the module Note), largest
-    first."""
-    devs, _, helds = _walk(plan, sched)
-    peak = max(devs)
+    first. Over several ranks what stays is the rank's updated shard, in host memory: the host
+    peak must not rise (and the shard is counted from its own backward visit on, as holds()
+    counts it, deferred or not)."""
+    devs, hosts, helds = _walk(plan, sched)
+    dp = plan.ranks > 1
+    mem = hosts if dp else devs
+    peak = max(mem)
     specs = {u.name: u for u in plan.units}
     place = {p.unit: p for p in plan.placements}
     keep = set(sched.next_keep)
     for name in sorted(specs, key=lambda n: (-specs[n].master_bytes, n)):
         if name in keep or place[name].weights is Tier.DEVICE:
             continue
-        w = specs[name].weights_bytes(plan.compute_dtype)
+        if dp:
+            w = kept_host_bytes(plan, specs[name], place[name])
+            if not w:
+                continue  # (its shard is resident anyway)
+        else:
+            w = specs[name].weights_bytes(plan.compute_dtype)
         until = _first_alive(sched, (name,))[name]
         # held from its update: the backward visits after its own (a deferred update: none), and
         # the next forward's visits before the first that holds it
         span = list(range(until))
-        if not plan.deferred_update:
+        if dp or not plan.deferred_update:
             span += list(range(sched.backward_index[name] + 1, len(sched.visits)))
-        span = [i for i in span if name not in helds[i]]
-        if all(devs[i] + w <= peak for i in span):
+        span = [i for i in span if dp or name not in helds[i]]
+        if all(mem[i] + w <= peak for i in span):
             keep.add(name)
             for i in span:
-                devs[i] += w
-                helds[i].add(name)
+                mem[i] += w
+                if not dp:
+                    helds[i].add(name)
     keep_f = frozenset(keep)
     return Schedule(**{**sched.__dict__, "next_keep": keep_f, "next_keep_until": _first_alive(sched, keep_f)})
 
 
 def _alias(plan: Plan) -> bool:
-    """On the CPU device with fp32 compute a unit's device weights are its host master buffer."""
-    return plan.device == "cpu" and not plan.separate_weights
+    """On the CPU device with fp32 compute a unit's device weights are its host master buffer
+    (one rank: over several, the device buffer is gathered from every rank's master shard)."""
+    return plan.device == "cpu" and not plan.separate_weights and plan.ranks == 1
+
+
+def staged_fetch(plan: Plan) -> bool:
+    """A fetch reads the weights' home into a host buffer of its own before they reach the
+    device: on CUDA (the pinned copy), and over several ranks (this rank's shard, which the
+    gather then spreads into the whole unit's device buffer)."""
+    return plan.device != "cpu" or plan.ranks > 1
 
 
 def _peaks(plan: Plan, sched: Schedule) -> tuple[int, int]:
@@ -209,7 +227,17 @@ def optim_host_bytes(plan: Plan, u, p) -> int:
     if p.master is Tier.SSD and not _alias(plan):
         b += u.master_bytes
     if plan.separate_weights and p.weights is not Tier.HOST:
-        b += u.weights_bytes(cdt)  # the new compute copy the update writes
+        b += u.weights_home_bytes(cdt)  # the new compute copy the update writes
+    if plan.ranks > 1:
+        # the whole unit's fp32 gradients the ranks reduce (persistent with accumulation) and
+        # this rank's reduced shard (kept for a deferred update); CUDA: the pinned staging too
+        if not (plan.accumulate_grads and p.grads is Tier.HOST):
+            b += u.grad_bytes
+        if not (plan.deferred_update and p.grads is Tier.HOST):
+            b += u.shard_grad_bytes
+        if plan.device != "cpu":
+            b += u.padded_numel * DTYPE_BYTES[cdt]
+        return b
     if plan.persistent_grads:
         if p.grads is Tier.SSD:
             b += u.grad_bytes
@@ -230,6 +258,7 @@ class Holds:
     window: tuple[str, ...]
     fetching: frozenset[str]
     grads: int
+    kept: frozenset[str] = frozenset()  # over several ranks: updated shards kept for the next forward
 
 
 def holds(plan: Plan, sched: Schedule) -> list[Holds]:
@@ -252,20 +281,41 @@ def holds(plan: Plan, sched: Schedule) -> list[Holds]:
         # (a deferred update's window is read from the start of backward: optimizer.begin_backward)
         window = sched.window_at(seen) if v.backward or not plan.deferred_update else ()
         updated = {w.unit for w in sched.visits[first_backward : v.index]} if v.backward else set()
-        held = set(sched.alive[v.index]) | (sched.next_keep & updated)
+        kept = sched.next_keep & updated
         if not v.backward:
             # kept from the previous step's updates until first held, beyond the first two
             # visits (_keep_across). (A unit of alive[1] is held at visit 0 too, and not counted
             # here: as before _keep_across, one unit at most, rarely the peak.)
-            held |= {n for n, t in sched.next_keep_until.items() if 2 <= t and v.index < t}
+            kept |= {n for n, t in sched.next_keep_until.items() if 2 <= t and v.index < t}
+        held = set(sched.alive[v.index])
+        if plan.ranks == 1:
+            held |= kept  # the compute copy kept is the device's (over several ranks: the host shard)
         if alias:
             held |= set(window)
             if v.backward:
                 held |= {n for n in sched.keep_until_update if n not in updated}
         grads = specs[v.unit].padded_numel * DTYPE_BYTES[cdt] if v.backward else 0
-        fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()
-        out.append(Holds(frozenset(held), tuple(window), fetching, grads))
+        fetching = sched.alive[v.index] if staged_fetch(plan) else frozenset()
+        out.append(
+            Holds(
+                frozenset(held),
+                tuple(window),
+                fetching,
+                grads,
+                frozenset(kept) if plan.ranks > 1 else frozenset(),
+            )
+        )
     return out
+
+
+def fetch_host_bytes(plan: Plan, u, p) -> int:
+    """Host bytes of a unit's weights being fetched (staged_fetch): its home, read from SSD."""
+    return u.weights_home_bytes(plan.compute_dtype) if staged_fetch(plan) and p.weights is Tier.SSD else 0
+
+
+def kept_host_bytes(plan: Plan, u, p) -> int:
+    """Over several ranks, host bytes of a unit's updated shard kept for the next forward."""
+    return u.weights_home_bytes(plan.compute_dtype) if plan.ranks > 1 and p.weights is not Tier.HOST else 0
 
 
 def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]:
@@ -275,12 +325,14 @@ def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]
     place = {p.unit: p for p in plan.placements}
     wb = {u.name: u.weights_bytes(cdt) for u in plan.units}
     ob = {u.name: optim_host_bytes(plan, u, place[u.name]) for u in plan.units}
+    fb = {u.name: fetch_host_bytes(plan, u, place[u.name]) for u in plan.units}
+    kb = {u.name: kept_host_bytes(plan, u, place[u.name]) for u in plan.units}
     devs, hosts, helds = [], [], []
     for h in holds(plan, sched):
         held = {n for n in h.device if place[n].weights is not Tier.DEVICE}
         devs.append(sum(wb[n] for n in held) + h.grads)
         hosts.append(
-            sum(ob[n] for n in h.window) + sum(wb[n] for n in h.fetching if place[n].weights is Tier.SSD)
+            sum(ob[n] for n in h.window) + sum(fb[n] for n in h.fetching) + sum(kb[n] for n in h.kept)
         )
         helds.append(held)
     return devs, hosts, helds
@@ -309,7 +361,7 @@ def _fill_gaps(plan: Plan, sched: Schedule) -> tuple[frozenset[str], ...]:
         if place[name].weights is Tier.DEVICE:
             continue
         w = specs[name].weights_bytes(cdt)
-        w_host = w if plan.device != "cpu" and place[name].weights is Tier.SSD else 0
+        w_host = fetch_host_bytes(plan, specs[name], place[name])
         for a, b in zip(uses[name], uses[name][1:]):
             gap = [i for i in range(a + 1, b) if name not in helds[i]]
             if gap and all(devs[i] + w <= peak_dev and hosts[i] + w_host <= peak_host for i in gap):

@@ -45,7 +45,8 @@ from .fills import _placements
 from .hardware import HardwareProfile, IOPoint
 from .model_profile import ModelProfile
 from .peaks import peak_bytes
-from .plan import InfeasibleError, Plan, PlanError, Tier, fmt_bytes
+from .plan import InfeasibleError, Plan, PlanError, Tier, fmt_bytes, shard_units
+from .ranks import RankLink
 from .schedule import build_schedule
 from .spec import Budgets, Settings
 
@@ -78,6 +79,8 @@ class Request:
     ssd_free_bytes: Optional[int] = None  # plans keeping more on SSD are not candidates (None: not checked)
     count_activations: bool = False
     act_host_bytes: Optional[int] = None
+    ranks: int = 1  # data-parallel ranks the optimizer state is partitioned over (UnitSpec.shards)
+    link: Optional[RankLink] = None  # with several ranks: per node, and the collectives' bandwidth
 
     @property
     def micro_batches(self) -> int:
@@ -126,7 +129,7 @@ def _score(
     plan: Plan, hw: HardwareProfile, model: ModelProfile, req: Request, acts: Optional[dict] = None
 ) -> tuple[StepEstimate, dict]:
     return replay(plan, hw, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
-                  activations=acts or {}, act_prefetch_units=req.act_prefetch_units)  # fmt: skip
+                  activations=acts or {}, act_prefetch_units=req.act_prefetch_units, link=req.link)  # fmt: skip
 
 
 def act_planner(model: ModelProfile, req: Request, device: str) -> ActPlanner:
@@ -151,7 +154,7 @@ def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:
 
 
 def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> SearchResult:
-    units = model.unit_specs()
+    units = shard_units(model.unit_specs(), req.ranks)
     b = req.budgets
     common = dict(device=hardware.device, budgets=b, **plan_shape(req.settings))
     acts = act_planner(model, req, hardware.device)
@@ -252,7 +255,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
 
 def _bound(plan: Plan, c: ActChoice, hw: HardwareProfile, model: ModelProfile, req: Request) -> float:
     return lower_bound(plan, hw, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
-                       activations=c.as_dict())  # fmt: skip
+                       activations=c.as_dict(), link=req.link)  # fmt: skip
 
 
 def _candidate(label: str, plan: Plan, c: ActChoice, counted: bool, hw, model, req: Request) -> Candidate:
@@ -320,7 +323,7 @@ def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfil
         acts = dict(c.activations)
         # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
         floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads,
-                            micro_batches=req.micro_batches, activations=acts)  # fmt: skip
+                            micro_batches=req.micro_batches, activations=acts, link=req.link)  # fmt: skip
         # (a slower SSD never makes a step shorter)
         if (c.estimate.step_s + max(floor, c.estimate.step_s)) / 2 > top * (1 + TIE_FRAC):
             continue

@@ -33,8 +33,10 @@ from typing import Iterator, Mapping, Optional
 
 from .desim import Done, Fifo, Pool, Ssd, When, done_by
 from .plan import DTYPE_BYTES, Plan, Tier
+from .ranks import RankLink
 from .schedule import Schedule, build_schedule, flush_rank
 from .simulate_act import ActReplay
+from .simulate_dp import dp_grads, dp_unit
 
 EMPTY, LOADING, READY = 0, 1, 2
 COMPUTE, OPTIM, NEXT, WRITE = "compute", "optim", "next", "write"
@@ -160,19 +162,10 @@ class Unit:
         master_pool = sim.device_pool if (not cuda and alias) else sim.host_pool
 
         homes = plan.homes(spec, placement)  # the accounting the plan and the runtime share
-
-        def slot(array: str, nbytes: int, pool: Pool) -> Slot:
-            home = homes[array]
-            resident = home is Tier.HOST or home is Tier.DEVICE
-            # master and compute copies are on SSD from the start (written at initialisation)
-            s = Slot(f"{spec.name}.{array}", nbytes, pool, resident,
-                     on_disk=home is Tier.SSD and array in ("master", "weights"), stored=home is Tier.SSD)  # fmt: skip
-            if resident:
-                pool.allocated += nbytes
-                pool.peak = max(pool.peak, pool.allocated)
-                s.state = READY
-            return s
-
+        slot = self.slot_for(sim, spec, homes)
+        self.adam_numel = spec.numel
+        self.accum = None  # (over several ranks: simulate_dp)
+        self.reduce_bytes = 0.0
         self.master = slot("master", n * 4, master_pool)
         if alias:
             self.compute = self.master
@@ -191,10 +184,28 @@ class Unit:
         self.bound = False
         self.phase = "idle"
 
+    @staticmethod
+    def slot_for(sim: Sim, spec, homes):
+        def slot(array: str, nbytes: int, pool: Pool) -> Slot:
+            home = homes[array]
+            resident = home is Tier.HOST or home is Tier.DEVICE
+            # master and compute copies are on SSD from the start (written at initialisation)
+            s = Slot(f"{spec.name}.{array}", nbytes, pool, resident,
+                     on_disk=home is Tier.SSD and array in ("master", "weights"), stored=home is Tier.SSD)  # fmt: skip
+            if resident:
+                pool.allocated += nbytes
+                pool.peak = max(pool.peak, pool.allocated)
+                s.state = READY
+            return s
+
+        return slot
+
     @property
     def slots(self) -> tuple[Slot, ...]:
         out: list[Slot] = []
-        for s in (self.master, self.compute, self.exp_avg, self.exp_avg_sq, self.grads):
+        for s in (self.master, self.compute, self.exp_avg, self.exp_avg_sq, self.grads, self.accum):
+            if s is None:
+                continue
             if all(s is not x for x in out):
                 out.append(s)
         return tuple(out)
@@ -214,6 +225,8 @@ class Job:
     defer_writes: bool = False  # the step's last update: its writes start with the next fetches
     defer_moments: bool = False  # deferred updates, window over every unit: moments wait too
     keep_grads: bool = False  # deferred: gradients stay held for an update among the first
+    comm_bytes: float = 0.0  # over several ranks: the gradients reduce-scattered before Adam
+    regather_bytes: float = 0.0  # and a resident unit's weights gathered after it
 
 
 def _late(job: Job, s: Slot) -> bool:
@@ -240,9 +253,14 @@ class Costs:
 class Sim:
     def __init__(self, plan: Plan, costs: Costs, ssd: Ssd, h2d: Fifo, d2h: Fifo, *, micro_batches: int,
                  act_policies: Optional[Mapping[str, str]] = None, act_bytes: Optional[Mapping[str, int]] = None,
-                 act_prefetch_units: int = 2, act_inputs: Optional[Mapping[str, int]] = None):  # fmt: skip
+                 act_prefetch_units: int = 2, act_inputs: Optional[Mapping[str, int]] = None,
+                 link: Optional[RankLink] = None):  # fmt: skip
         self.plan, self.costs = plan, costs
         self.ssd, self.h2d, self.d2h = ssd, h2d, d2h
+        self.dp = plan.ranks > 1
+        self.link = link if link is not None else RankLink()
+        # over several ranks: the collectives' link (ranks.py), one FIFO for the gathers and reductions
+        self.net = Fifo(self.link.bus_gbps() * 1e9, self.link.bus_gbps() * 1e9) if self.dp else None
         self.t = 0.0
         self.cuda = plan.device == "cuda"
         budgets = plan.budgets
@@ -251,7 +269,7 @@ class Sim:
         self.resident_device_bytes = 0
         self.pool_wait_s = 0.0
         self.sched: Schedule = build_schedule(plan)
-        self.units = [Unit(self, u, p, plan) for u, p in plan]
+        self.units = [dp_unit(Unit, self, u, p, plan) if self.dp else Unit(self, u, p, plan) for u, p in plan]
         self.by_name = {u.name: u for u in self.units}
         self.order = [self.by_name[n] for n in self.sched.absorb_order]  # as gradients complete
         self.update_order = [self.by_name[n] for n in self.sched.update_order]
@@ -294,6 +312,7 @@ class Sim:
         for _ in range(steps):
             m = {"start": self.t, "ssd_r0": self.ssd.read_bytes, "ssd_w0": self.ssd.write_bytes,
                  "h2d0": self.h2d.read_bytes, "d2h0": self.d2h.read_bytes, "adam0": self.adam_busy_s,
+                 "net0": self.net.read_bytes if self.net is not None else 0,
                  "pool_wait0": self.pool_wait_s, "by_key0": dict(self.ssd.by_key)}  # fmt: skip
             for micro in range(self.micro_batches):
                 first, boundary = micro == 0, micro == self.micro_batches - 1
@@ -336,6 +355,7 @@ class Sim:
                 u.phase = "idle"
             m.update(end=self.t, ssd_r=self.ssd.read_bytes - m["ssd_r0"], ssd_w=self.ssd.write_bytes - m["ssd_w0"],
                      h2d=self.h2d.read_bytes - m["h2d0"], d2h=self.d2h.read_bytes - m["d2h0"],
+                     net=(self.net.read_bytes if self.net is not None else 0) - m["net0"],
                      adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"],
                      by_key={k: v - m["by_key0"].get(k, 0) for k, v in self.ssd.by_key.items()})  # fmt: skip
             self.marks.append(m)
@@ -351,7 +371,9 @@ class Sim:
     def advance_absorb(self, upto: int) -> Iterator:
         while self.absorb_cursor < min(upto, len(self.order)):
             u = self.order[self.absorb_cursor]
-            if u.grads_persist:
+            if self.dp and u.accum_persist:
+                yield from u.accum.acquire(self, OPTIM, overwrite=self.first_micro)
+            elif not self.dp and u.grads_persist:
                 yield from u.grads.acquire(self, OPTIM, overwrite=self.first_micro)
             self.absorb_cursor += 1
 
@@ -412,12 +434,15 @@ class Sim:
         last = idx == len(self.order) - 1
         job = Job(u, defer_writes=last)
         rate = self.costs.adam_tail_rate if last else self.costs.adam_rate
-        if not self.cuda and not u.grads_persist and self.boundary:
+        if not self.cuda and not u.grads_persist and self.boundary and not self.dp:
             yield from self.advance_update(idx + 1)
             yield from self.fill_update(job, u, rate)
             self.submitted += 1
             yield from self.advance_update(self.submitted + self.q + 1)
             self.submit(job)
+            return
+        if self.dp:
+            yield from dp_grads(self, job, u, idx, rate)
             return
         yield from u.grads.acquire(self, OPTIM, overwrite=self.first_micro or not u.grads_persist)
         if self.cuda:
@@ -445,9 +470,11 @@ class Sim:
 
     def fill_update(self, job: Job, u: Unit, rate: float) -> Iterator:
         job.update = True
-        job.adam_s = u.numel / rate
+        job.adam_s = u.adam_numel / rate
         self.add_before(job, u.master, u.exp_avg, u.exp_avg_sq)
-        if u.grads_persist or self.cuda:
+        if self.dp and u.weights.resident:
+            job.regather_bytes = u.weights.gather_bytes
+        if u.grads_persist or self.cuda or self.dp:
             self.add_before(job, u.grads)
         slots = [u.master, u.exp_avg, u.exp_avg_sq]
         if self.plan.separate_weights:
@@ -501,6 +528,8 @@ class Sim:
             u.phase = "updated"
         elif not job.keep_grads:
             u.grads.release(self, OPTIM)
+        if u.accum is not None:
+            u.accum.release(self, OPTIM)
 
     def flush_writes(self) -> None:
         """The step's last update's writes, started once the next forward's first fetches are."""
@@ -533,10 +562,14 @@ class Sim:
                 yield ("wait", tuple(job.before))
             if job.absorb_s:
                 yield ("cpu", job.absorb_s)
+            if job.comm_bytes:  # the ranks' reduction of the unit's gradients (runtime/sharded_optimizer.py)
+                yield ("until", self.net.submit(self.t, job.comm_bytes, write=False))
             if job.adam_s:
                 t0 = self.t
                 yield ("cpu", job.adam_s)
                 self.adam_busy_s += self.t - t0
+            if job.regather_bytes:
+                yield ("until", self.net.submit(self.t, job.regather_bytes, write=False))
             if not job.defer_writes:
                 now = [s for s in job.writes if not _late(job, s)]
                 if now and self.costs.io_issue_s:

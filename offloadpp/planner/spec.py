@@ -118,6 +118,11 @@ class Settings(_Frozen):
         model's Hugging Face config).
     micro_batch / seq_len: the shape of one micro-batch, for the analytic model profile (None:
         the DeepSpeed config's micro-batch, else 1; the model's context length).
+    collective_gbps: over several data-parallel ranks, the bus bandwidth of their collectives
+        (GB/s, an all-gather's (N-1)/N of the bytes over its time) for the estimate (None: measured
+        over the ranks when the run starts, else the hardware profile's).
+    network_gbps: between nodes, each node's network bandwidth for the estimate of a plan for
+        ranks on several nodes (None: the hardware profile's).
     """
 
     offload_params: bool = True
@@ -139,6 +144,8 @@ class Settings(_Frozen):
     model_profile: Optional[str] = None
     micro_batch: Optional[int] = Field(None, ge=1)
     seq_len: Optional[int] = Field(None, ge=1)
+    collective_gbps: Optional[float] = Field(None, gt=0.0)
+    network_gbps: Optional[float] = Field(None, gt=0.0)
 
     @field_validator("units")
     @classmethod

@@ -90,7 +90,11 @@ class StepReport:
     compute_s: forward_s + backward_s - fetch_wait_s, the device's share.
     adam_s: time the CPU Adam kernel ran (on its worker, mostly overlapped with backward).
     ssd_s: ssd_read_bytes / read bandwidth + ssd_write_bytes / write bandwidth, as measured when
-    the engine started. floor_s = max(compute_s, ssd_s, adam_s): what the step cannot beat.
+    the engine started. floor_s = max(compute_s, ssd_s, adam_s, comm_floor_s): what the step
+    cannot beat.
+    Over several data-parallel ranks: comm_bytes through this rank's link for the step's
+    gathers and reductions, comm_s the time they took (on their own threads, overlapped with the
+    rest), comm_floor_s = comm_bytes / the link's bandwidth as measured when the engine started.
     """
 
     step: int
@@ -114,6 +118,10 @@ class StepReport:
     predicted_s: Optional[float] = None  # the planner's estimate of step_s, when it made the plan
     budgets: tuple[BudgetUse, ...] = ()  # each budget's peak in this step (budgets are promises)
     recompute_s: float = 0.0  # of backward_s, re-running the forward of recompute units
+    ranks: int = 1
+    comm_bytes: int = 0
+    comm_s: float = 0.0
+    comm_floor_s: float = 0.0
 
     def budget(self, name: str) -> BudgetUse:
         for b in self.budgets:
@@ -134,6 +142,8 @@ class StepReport:
             extra += " mem " + ", ".join(b.summary() for b in self.budgets)
         if self.recompute_s:
             extra += f" recompute {self.recompute_s:.3f}s"
+        if self.ranks > 1:
+            extra += f" ranks {self.ranks}: comm {fmt_bytes(self.comm_bytes)} in {self.comm_s:.3f}s (floor {self.comm_floor_s:.3f}s)"
         if self.grad_norm is not None:
             extra += f" grad_norm={self.grad_norm:.4g}"
         if self.loss_scale is not None:

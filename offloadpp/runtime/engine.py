@@ -19,6 +19,7 @@ those an in-memory AdamW step gives. The engine's buffer pools hold to the plan'
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ from offloadpp.io import SwapDirLock, TensorStore, aligned_empty, measure_ssd, r
 from offloadpp.optim import AdamHyper, default_num_threads
 from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes
 from offloadpp.planner.cost import StepEstimate
+from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
 
 from . import checkpoint as ckpt
@@ -43,12 +45,16 @@ from . import export, host_heap
 from .activations.manager import ActivationManager
 from .config import BudgetUse, RuntimeConfig, StepReport
 from .device import Device
+from .distributed import DataParallel, rank_dirs
 from .executor import Executor, ParamRef
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
 from .partition import find_units, layout_units
 from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
+from .sharded import ShardedUnit, initialize_sharded_units
+from .sharded_checkpoint import load_sharded, rank_dir, save_sharded
+from .sharded_optimizer import ShardedOptimizerPipeline
 from .slots import Hold, Txn
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
 from .unit import TORCH_DTYPES, Unit, UnitPhase
@@ -84,11 +90,17 @@ class OffloadEngine:
         init_fn: Optional[Callable[[nn.Module], None]] = None,
         progress: bool = False,
         predicted: Optional[StepEstimate] = None,
+        dp: Optional[DataParallel] = None,
     ):
         """plan: the finished plan for this model and config (offloadpp.assemble.resolve_for_model
         or planner.resolve); predicted: its estimated step, for the reports. A model on the meta
         device (built under offloadpp.Init) gets its weights unit by unit: from the safetensors
-        its from_pretrained named, else from init_fn (default: the model's own init)."""
+        its from_pretrained named, else from init_fn (default: the model's own init). dp: the
+        data-parallel ranks (runtime/distributed.py), each holding its shard of the state in a
+        folder of its own under each nvme path (runtime/sharded.py); the engine closes it."""
+        self.dp = dp
+        if dp is not None:
+            config = config.model_copy(update={"nvme_paths": rank_dirs(config.nvme_paths, dp.rank)})
         self.config = config
         self.settings = s = config.settings
         self.hypers: tuple[AdamHyper, ...] = (hyper if hyper is not None else AdamHyper(),)
@@ -105,7 +117,8 @@ class OffloadEngine:
         meta = bool(self.replaced_params)
         check_buffers(model, self.device.torch_device)
         layouts = layout_units(model, find_units(model, s.units))
-        check_plan(plan, [lay.spec() for lay in layouts], self.device.kind, s)
+        specs = shard_units([lay.spec() for lay in layouts], dp.world if dp else 1)  # one rank's
+        check_plan(plan, specs, self.device.kind, s)
         self.plan = plan
         self.predicted = predicted
         self.schedule = build_schedule(self.plan)
@@ -134,7 +147,7 @@ class OffloadEngine:
         # weakly where torch keeps them out of the collector's sight: executor._param_hook).
         self._finalizer = weakref.finalize(
             self, _release, self.optimizer, self.activations.swapper, self.store,
-            (self.device_pool, self.host_pool), self._lock,
+            (self.device_pool, self.host_pool), self._lock, self.dp,
         )  # fmt: skip
 
     def _io_config(self):
@@ -156,8 +169,9 @@ class OffloadEngine:
         if dev.is_cuda:
             dev.budget_bytes = budgets.buffer_bytes
         self.txn = Txn()  # open while a step's updates may run during backward (slots.py, generations)
+        unit_cls = functools.partial(ShardedUnit, dp=self.dp) if self.dp is not None else Unit
         self.units = [
-            Unit(
+            unit_cls(
                 lay,
                 p,
                 self.plan,
@@ -173,15 +187,19 @@ class OffloadEngine:
         source = getattr(model, "_offloadpp_source", None)
         if meta and init_fn is None:
             init_fn = default_init_fn(model)
+        prefix = getattr(model, "base_model_prefix", "")
         with torch.no_grad():
-            missing = initialize_units(self.units, modules, init_fn, meta, progress, source,
-                                       prefix=getattr(model, "base_model_prefix", ""))  # fmt: skip
+            if self.dp is not None:
+                missing = initialize_sharded_units(self.units, modules, init_fn, meta, source, prefix, self.dp)  # fmt: skip
+            else:
+                missing = initialize_units(self.units, modules, init_fn, meta, progress, source, prefix=prefix)  # fmt: skip
         if missing:
             log.warning("offloadpp: %d parameters were not in %s and were initialised: %s", len(missing),
                         source.folder, ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))  # fmt: skip
         self.store.wait_all()
         by_name = {u.name: u for u in self.units}
-        self.optimizer = OptimizerPipeline(
+        pipeline = functools.partial(ShardedOptimizerPipeline, dp=self.dp) if self.dp else OptimizerPipeline
+        self.optimizer = pipeline(
             [by_name[n] for n in self.schedule.absorb_order],
             update_order=[by_name[n] for n in self.schedule.update_order],
             optim_window=self.schedule.optim_window,
@@ -230,6 +248,8 @@ class OffloadEngine:
         else:
             r, w = measure_ssd(self.store)
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps or r, c.ssd_write_gbps or w
+        # the ranks' link, for the floor: as configured, else measured now (every rank at once)
+        self.link_gbps = (s.collective_gbps or self.dp.measure_gbps()) if self.dp is not None else None
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps do not count)
         self.micro_in_window = 0
         self._boundary_override: Optional[bool] = None  # set_boundary, for the current micro-batch
@@ -412,8 +432,12 @@ class OffloadEngine:
             u.steps = list(steps)
             u.phase = UnitPhase.IDLE
             u.start_window()
-            if updated and u.device.is_cuda and u.weights.resident:
+            if updated and (u.device.is_cuda or self.dp is not None) and u.weights.resident:
                 refresh.append(u)
+        if refresh and self.dp is not None:  # (gathering it again would need every rank here)
+            self._fail(RuntimeError(f"the step was interrupted after unit {refresh[0].name!r}, resident on the device, "
+                                    "was updated: over several ranks its weights cannot be rolled back"))  # fmt: skip
+            refresh = []
         for u in refresh:  # a resident device copy took the forgotten update: the committed one back
             u.compute.acquire(Hold.EXPORT)
             u.weights.refresh()
@@ -441,6 +465,8 @@ class OffloadEngine:
         """Clipping / fp16 overflow: every norm is known now; then the updates run."""
         self.optimizer.wait_absorbed()
         sq = sum(u.sq_norm for u in self.optimizer.order if u.sq_norm is not None)
+        if self.dp is not None:
+            sq = self.dp.sum(sq)  # each rank's shards' part (runtime/sharded_optimizer.py)
         finite = math.isfinite(sq)
         grad_norm = math.sqrt(sq) / scale if finite else float("inf")
         if self.loss_scaler is not None:
@@ -469,6 +495,7 @@ class OffloadEngine:
         self._adam0 = self.optimizer.adam_s
         self._misses0 = self.executor.misses
         self._h2d0, self._d2h0 = self.device.h2d_bytes, self.device.d2h_bytes
+        self._comm0 = self.dp.comm if self.dp is not None else (0, 0.0)
 
     def _waits(self) -> float:
         act = self.activations.swapper
@@ -483,6 +510,9 @@ class OffloadEngine:
         compute = max(0.0, self._fwd_s + self._bwd_s - wait)
         adam = self.optimizer.adam_s - self._adam0
         ssd = io.bytes_read / (self.ssd_read_gbps * 1e9) + io.bytes_written / (self.ssd_write_gbps * 1e9)
+        comm = self.dp.comm if self.dp is not None else (0, 0.0)
+        comm_bytes, comm_s = comm[0] - self._comm0[0], comm[1] - self._comm0[1]
+        comm_floor = comm_bytes / (self.link_gbps * 1e9) if self.link_gbps else 0.0
         now = time.perf_counter()
         report = StepReport(
             step=self.global_step,
@@ -494,7 +524,7 @@ class OffloadEngine:
             compute_s=compute,
             adam_s=adam,
             ssd_s=ssd,
-            floor_s=max(compute, ssd, adam),
+            floor_s=max(compute, ssd, adam, comm_floor),
             ssd_read_bytes=io.bytes_read,
             ssd_write_bytes=io.bytes_written,
             host_to_device_bytes=self.device.h2d_bytes - self._h2d0,
@@ -506,6 +536,10 @@ class OffloadEngine:
             predicted_s=self.predicted.step_s if self.predicted is not None else None,
             budgets=self.budget_report(),
             recompute_s=self.activations.recompute_s,
+            ranks=self.dp.world if self.dp is not None else 1,
+            comm_bytes=comm_bytes,
+            comm_s=comm_s,
+            comm_floor_s=comm_floor,
         )
         self._reset_step_counters()
         return report
@@ -563,11 +597,13 @@ class OffloadEngine:
         self.optimizer.flush_writes()
 
     def save_state(self, path: str, *, meta: Optional[dict] = None, files: tuple[str, ...] = (),
-                   progress: bool = False) -> dict:  # fmt: skip
+                   rank_files: tuple[str, ...] = (), progress: bool = False) -> dict:  # fmt: skip
         """Streams the training state (fp32 master weights, Adam moments, step counts, the
         hyper-parameters, the loss scaler) into the empty folder `path`, unit by unit, durably;
         `meta` and the small `files` the caller wrote there go into its manifest
-        (runtime/checkpoint.py). Between steps. Returns the manifest."""
+        (runtime/checkpoint.py). Between steps. Returns the manifest. Over several ranks a
+        collective: each rank's shards go to rank_dir(path) with the `rank_files` the caller
+        wrote there, the manifest and `files` are rank 0's (runtime/sharded_checkpoint.py)."""
         self._check_open()
         self._quiesce()
         self.store.wait_all()
@@ -577,8 +613,16 @@ class OffloadEngine:
             "hypers": [h.model_dump() for h in self.hypers],  # one per param group
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
-        return ckpt.save_state(self.units, path, io=self.store.config, meta={"runtime": runtime, **(meta or {})},
-                               files=files, progress=progress)  # fmt: skip
+        meta = {"runtime": runtime, **(meta or {})}
+        if self.dp is not None:
+            return save_sharded(self.units, path, dp=self.dp, io=self.store.config, meta=meta, files=files,
+                                rank_files=rank_files, progress=progress)  # fmt: skip
+        return ckpt.save_state(self.units, path, io=self.store.config, meta=meta, files=files,
+                               progress=progress)  # fmt: skip
+
+    def rank_dir(self, path: str) -> str:
+        """Where this rank's part of a checkpoint at `path` goes (path itself for one process)."""
+        return rank_dir(path, self.dp.rank) if self.dp is not None else path
 
     def load_state(self, path: str, *, optimizer_states: bool = True, progress: bool = False) -> dict:
         """Reads a checkpoint save_state wrote into the engine (the weights only with
@@ -588,8 +632,12 @@ class OffloadEngine:
         manifest = ckpt.read_manifest(path)
         self._quiesce()
         self.store.wait_all()
-        ckpt.load_state(self.units, path, manifest, io=self.store.config, optimizer_states=optimizer_states,
-                        progress=progress)  # fmt: skip
+        if self.dp is not None or "world_size" in manifest:  # (over ranks: resharded if need be)
+            load_sharded(self.units, path, manifest, dp=self.dp, io=self.store.config,
+                         optimizer_states=optimizer_states, progress=progress)  # fmt: skip
+        else:
+            ckpt.load_state(self.units, path, manifest, io=self.store.config, optimizer_states=optimizer_states,
+                            progress=progress)  # fmt: skip
         self.store.wait_all()
         self.store.check_writes()
         rt = manifest["runtime"]
@@ -614,7 +662,8 @@ class OffloadEngine:
         dtype = dtype or TORCH_DTYPES[self.settings.compute_dtype]
         return export.export_weights(self.units, self.module, save_dir, dtype, filename=filename,
                                      max_shard_bytes=max_shard_bytes, exclude_frozen=exclude_frozen,
-                                     before=self._quiesce, progress=progress)  # fmt: skip
+                                     before=self._quiesce, progress=progress,
+                                     write=self.dp is None or self.dp.rank == 0)  # fmt: skip
 
     def disk_bytes(self) -> int:
         """Bytes the swap files occupy."""
@@ -688,12 +737,13 @@ class OffloadEngine:
         self.close()
 
 
-def _release(optimizer, swapper, store, pools, lock) -> None:
+def _release(optimizer, swapper, store, pools, lock, dp=None) -> None:
     """Everything an engine holds outside Python's reach: worker threads, queued writes, open
     swap files and the I/O engine's threads, buffers, the lock. Each part is released even if
     another fails; the first error is raised after."""
     first: Optional[BaseException] = None
-    for step in (optimizer.close, swapper.close, store.close, *(p.clear for p in pools), lock.release):
+    closers = (optimizer.close, swapper.close, store.close, *(p.clear for p in pools), lock.release)
+    for step in closers + ((dp.close,) if dp is not None else ()):
         try:
             step()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest is released

@@ -23,7 +23,6 @@ from tqdm import tqdm
 from offloadpp.io.durable import fsync_dir, write_atomic
 from offloadpp.io.safetensors_stream import SafetensorsWriter
 
-from .slots import Hold
 from .unit import Unit
 
 DEFAULT_SHARD_BYTES = 5 * 10**9
@@ -57,8 +56,11 @@ def export_weights(
     exclude_frozen: bool = False,
     before: Optional[Callable[[], None]] = None,
     progress: bool = False,
+    write: bool = True,
 ) -> list[str]:
-    """Writes the weights to save_dir (see the module Note); returns the files written."""
+    """Writes the weights to save_dir (see the module Note); returns the files written.
+    write=False: over several ranks, a rank other than the writer's, which takes part in
+    gathering each unit's master (in the writer's order) and writes nothing."""
     if before is not None:
         before()  # the optimizer quiet: the masters are final
     owner = {}
@@ -77,6 +79,12 @@ def export_weights(
         by_unit[u.name].append((name, u, s))
     for u in units:
         entries.extend(by_unit[u.name])
+    if not write:
+        for u in units:
+            if by_unit[u.name]:
+                u.export_master()
+                u.end_export()
+        return []
     buffers = _persistent_buffers(model)
     sizes = [s.numel * dtype.itemsize for _, _, s in entries] + [
         b.numel() * b.element_size() for _, b in buffers
@@ -94,14 +102,16 @@ def export_weights(
     written, weight_map = [], {}
     held: Optional[Unit] = None
 
+    master: Optional[torch.Tensor] = None
+
     def master_of(u: Unit) -> torch.Tensor:
-        nonlocal held
+        nonlocal held, master
         if held is not u:
             if held is not None:
-                held.master.release(Hold.EXPORT)
-            u.master.acquire(Hold.EXPORT)
+                held.end_export()
+            master = u.export_master()
             held = u
-        return u.master.wait()
+        return master
 
     try:
         bar = tqdm(total=len(units), desc="offloadpp: exporting", disable=not progress, leave=False)
@@ -137,7 +147,7 @@ def export_weights(
         bar.close()
     finally:
         if held is not None:
-            held.master.release(Hold.EXPORT)
+            held.end_export()
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         path = os.path.join(save_dir, filename + INDEX_SUFFIX)

@@ -35,7 +35,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.autograd.profiler import record_function
@@ -73,6 +73,11 @@ class _Job:
     defer_moments: bool = False  # only the moments' puts (see run_deferred)
     keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
     threads: int = 1
+    # Data parallel (runtime/sharded_optimizer.py): run on the worker after the absorb, before
+    # Adam (the gradients reduced over the ranks; returns this rank's squared norm or None), and
+    # after Adam, before the writes (a resident unit's weights gathered again).
+    prepare: Optional[Callable[[_Job], Optional[float]]] = None
+    after_update: Optional[Callable[[_Job], None]] = None
 
 
 # Note: the optimizer's priority on the CPU-as-device. There torch's threads fill every core, and
@@ -127,6 +132,8 @@ def _work(job: _Job, store) -> _Done:
                         gb[s.offset : s.offset + s.numel].zero_()
             if job.need_norm:
                 sq = squared_norm(gb[: job.unit.numel], num_threads=job.threads)
+    if job.prepare is not None:
+        sq = job.prepare(job)
     t1 = time.perf_counter()
     if job.update:
         with record_function("offloadpp::adam"):
@@ -161,6 +168,8 @@ def _work(job: _Job, store) -> _Done:
                     )
                 elif half is not None:
                     convert_(half, job.master[a:b], num_threads=job.threads)
+        if job.after_update is not None:
+            job.after_update(job)
     t2 = time.perf_counter()
     futs = []
     if not job.defer_writes:

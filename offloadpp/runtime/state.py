@@ -21,7 +21,7 @@ from tqdm import tqdm
 from offloadpp.optim import convert_
 
 from .partition import ParamSlot
-from .slots import Hold, Slot
+from .slots import Hold
 from .unit import Unit
 
 
@@ -82,25 +82,7 @@ def initialize_units(
             master.acquire(Hold.EXPORT, overwrite=True)
         buf = master.buffer
         buf[u.numel :].zero_()
-        if meta and source is not None:
-            loaded = [(s, source.tensor(s.names, prefix)) for _, s in u.params]
-            if any(t is None for _, t in loaded):
-                missing.extend(s.name for s, t in loaded if t is None)
-                _run_init(u, buf, modules, init_fn)
-            for s, t in loaded:
-                if t is not None:
-                    if tuple(t.shape) != tuple(s.shape):
-                        raise ValueError(
-                            f"{s.name!r}: the checkpoint's tensor has shape {tuple(t.shape)}, the model's {tuple(s.shape)}"
-                        )
-                    buf[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
-        elif meta:
-            _run_init(u, buf, modules, init_fn)
-        else:
-            for p, s in u.params:
-                buf[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
-        for p, s in u.params:
-            p.data = u.device.placeholder(s.shape, u.compute_dtype)
+        missing += fill_unit(u, buf, modules, init_fn, meta, source, prefix)
         if not master.resident:
             g = master.write_generation()
             master.wrote(master.store.put(master.key_of(g), buf), g)
@@ -112,6 +94,34 @@ def initialize_units(
         if u.device.is_cuda and u.weights.resident and u.compute is master:
             to_device(u)
         master.release(Hold.EXPORT)
+    return missing
+
+
+def fill_unit(u: Unit, buf: torch.Tensor, modules: dict, init_fn: Optional[Callable], meta: bool, source=None,
+              prefix: str = "") -> list[str]:  # fmt: skip
+    """Writes the unit's first fp32 weights into `buf` (its flat layout), from the model as it
+    is, or (on the meta device) from `source` and, for what the source lacks, the module's own
+    init; points the parameters at placeholders after. Returns the parameters the source lacked."""
+    missing: list[str] = []
+    if meta and source is not None:
+        loaded = [(s, source.tensor(s.names, prefix)) for _, s in u.params]
+        if any(t is None for _, t in loaded):
+            missing.extend(s.name for s, t in loaded if t is None)
+            _run_init(u, buf, modules, init_fn)
+        for s, t in loaded:
+            if t is not None:
+                if tuple(t.shape) != tuple(s.shape):
+                    raise ValueError(
+                        f"{s.name!r}: the checkpoint's tensor has shape {tuple(t.shape)}, the model's {tuple(s.shape)}"
+                    )
+                buf[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
+    elif meta:
+        _run_init(u, buf, modules, init_fn)
+    else:
+        for p, s in u.params:
+            buf[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
+    for p, s in u.params:
+        p.data = u.device.placeholder(s.shape, u.compute_dtype)
     return missing
 
 
@@ -190,7 +200,7 @@ class Exporter:
         self.units = units
         self._before = before  # waits for the optimizer: values are only final between steps
         self._session = False
-        self._held: Optional[Slot] = None
+        self._held: Optional[Unit] = None
         self._values: dict[str, torch.Tensor] = {}  # within one state_dict() call, by param name
         self._handles = []
 
@@ -225,7 +235,7 @@ class Exporter:
 
     def _let_go(self) -> None:
         if self._held is not None:
-            self._held.release(Hold.EXPORT)
+            self._held.end_export()
             self._held = None
 
     def _fill(self, entries, module, state_dict, prefix, local_metadata) -> None:
@@ -250,8 +260,8 @@ class Exporter:
 
     def master(self, u: Unit) -> torch.Tensor:
         """u's fp32 master weights (held for export until another unit is asked for)."""
-        if self._held is not u.master:
+        if self._held is not u:
             self._let_go()
-            u.master.acquire(Hold.EXPORT)
-            self._held = u.master
-        return u.master.wait()
+            self._master = u.export_master()
+            self._held = u
+        return self._master

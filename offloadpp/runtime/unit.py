@@ -18,7 +18,7 @@ from offloadpp.planner import Placement, Plan, Tier, flat_numel
 from .device import CpuWeights, CudaWeights, Device
 from .memory import BufferPool
 from .partition import ParamSlot, UnitLayout
-from .slots import Slot, Txn
+from .slots import Hold, Slot, Txn
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,15 +49,8 @@ class Unit:
         host_pool: BufferPool,
         txn: Optional[Txn] = None,
     ):
-        self.name = layout.unit.name
-        self.layout = layout
-        self.placement = placement
-        self.device = device
-        self.params: list[tuple[nn.Parameter, ParamSlot]] = layout.params
-        self.numel = layout.numel
+        self._init_common(layout, placement, plan, device)
         self.padded_numel = flat_numel(self.numel)
-        self.compute_dtype = TORCH_DTYPES[plan.compute_dtype]
-        self.phase = UnitPhase.IDLE
         cpu = not device.is_cuda
         alias = not plan.separate_weights
         n = self.padded_numel
@@ -94,6 +87,17 @@ class Unit:
             self.weights = CudaWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)
         else:
             self.weights = CpuWeights(self.compute, device)
+
+    def _init_common(self, layout: UnitLayout, placement: Placement, plan: Plan, device: Device) -> None:
+        """What every unit has, however its arrays are laid out (runtime/sharded.py: over ranks)."""
+        self.name = layout.unit.name
+        self.layout = layout
+        self.placement = placement
+        self.device = device
+        self.params: list[tuple[nn.Parameter, ParamSlot]] = layout.params
+        self.numel = layout.numel
+        self.compute_dtype = TORCH_DTYPES[plan.compute_dtype]
+        self.phase = UnitPhase.IDLE
         self.steps = [0] * len(self.params)  # Adam step count per parameter (torch.optim semantics)
         self.groups = [0] * len(self.params)  # each parameter's optimizer param group (its hyper-parameters)
         self.got_grad = [False] * len(self.params)  # in the current accumulation window
@@ -113,6 +117,15 @@ class Unit:
             if all(s is not u for u in uniq):
                 uniq.append(s)
         return tuple(uniq)
+
+    # ---- the whole fp32 master, for exports (runtime/sharded.py gathers it over ranks) ---------
+    def export_master(self) -> torch.Tensor:
+        """The unit's fp32 master weights, held until end_export()."""
+        self.master.acquire(Hold.EXPORT)
+        return self.master.wait()
+
+    def end_export(self) -> None:
+        self.master.release(Hold.EXPORT)
 
     # ---- binding parameters to device weights -------------------------------------------------
     def bind(self) -> None:

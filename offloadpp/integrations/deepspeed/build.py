@@ -4,6 +4,10 @@ DeepSpeed's own `DeepSpeedConfig` parses what DeepSpeed defines (batch sizes, op
 scheduler, clipping, precision), so those keys keep DeepSpeed's semantics exactly; the `offloadpp`
 block (already validated) supplies the rest. Budgets and the plan come from the one resolve
 stage (offloadpp/assemble.py -> planner/resolve.py), as for `offloadpp plan`.
+
+Under a launcher (`deepspeed`, torchrun) the ranks start torch.distributed through DeepSpeed's
+own init_distributed (so DeepSpeed's config sees the world size), NCCL on CUDA and gloo on the
+CPU, each on the device LOCAL_RANK names, and train data-parallel (runtime/distributed.py).
 """
 
 from __future__ import annotations
@@ -64,13 +68,13 @@ def _scheduler(ds_config, optimizer, lr_scheduler):
         raise OffloadppConfigError(f"scheduler.params: DeepSpeed's {name} refuses them: {e}") from None
 
 
-def _dataloader(ds_config, training_data, collate_fn):
+def _dataloader(ds_config, training_data, collate_fn, rank: int = 0, world: int = 1):
     if training_data is None:
         return None
     from torch.utils.data import DataLoader, DistributedSampler
 
-    # The sampler DeepSpeed uses for one data-parallel rank (shuffled, seed 0), so the order matches.
-    sampler = DistributedSampler(training_data, num_replicas=1, rank=0)
+    # The sampler DeepSpeed uses for each data-parallel rank (shuffled, seed 0), so the order matches.
+    sampler = DistributedSampler(training_data, num_replicas=world, rank=rank)
     return DataLoader(
         training_data,
         batch_size=ds_config.train_micro_batch_size_per_gpu,
@@ -206,8 +210,14 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
             for k, v in single.items():
                 os.environ.setdefault(k, v)
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
-        deepspeed.init_distributed(dist_init_required=dist_init_required, verbose=False)
+        from offloadpp.runtime.distributed import backend_for
+
+        backend = backend_for(
+            "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
+        )  # NCCL, else gloo
+        deepspeed.init_distributed(dist_backend=backend, dist_init_required=dist_init_required, verbose=False)
     return tdist.get_world_size() if tdist.is_initialized() else 1
 
 
@@ -269,9 +279,13 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, optimizer=None,
     from offloadpp.integrations.deepspeed.engine import OffloadppEngine
 
     world = ensure_process_group(dist_init_required, distributed_port)
-    if world != 1:
-        raise OffloadppConfigError(f"offloadpp trains in one process; the launcher started {world}")
+    rank = torch.distributed.get_rank() if world > 1 else 0
     ds_config = parse_ds_config(ds_dict)
+    if ds_config.world_size != world:
+        raise OffloadppConfigError(
+            f"the config's data-parallel world size is {ds_config.world_size} but the launcher started {world} "
+            "ranks (sequence or model parallel sizes): offloadpp trains data-parallel over every rank only"
+        )
     _check_model(model)
     opt, client = _optimizer_for(ds_config, model, optimizer, model_parameters)
     groups = opt.groups_by_name(model)
@@ -287,7 +301,7 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, optimizer=None,
     remap_param_groups(opt, runtime.replaced_params)  # a model built under offloadpp.Init
     try:
         scheduler = _scheduler(ds_config, opt, lr_scheduler)
-        loader = _dataloader(ds_config, training_data, collate_fn)
+        loader = _dataloader(ds_config, training_data, collate_fn, rank=rank, world=world)
         engine = OffloadppEngine(runtime, ds_dict, ds_config, opt, groups=groups, lr_scheduler=scheduler,
                                  training_dataloader=loader, collate_fn=collate_fn, client_optimizer=client)  # fmt: skip
     except BaseException:

@@ -6,6 +6,10 @@
         rng.pt               the random number generators' states (torch, CUDA, random, numpy)
         client_state.pt      the caller's client_state
 
+Over several ranks (runtime/sharded_checkpoint.py) each rank writes its shards and its own
+rng.pt into TAG/rankNNNNN/; engine.pt, client_state.pt and the global manifest are rank 0's, and
+rank 0 alone renames the folder and writes `latest`, after every rank's part is durable.
+
 Note: what a crash leaves. A checkpoint is written under `.TAG.partial`, every file fdatasync'ed,
 the folder fsync'ed, the manifest last; only then does it take the name TAG (replacing an older
 TAG atomically: the old one stays valid until the new one is in place), and only then does
@@ -77,34 +81,48 @@ _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
     _check_tag(tag)
-    os.makedirs(save_dir, exist_ok=True)
+    dp = engine.runtime.dp
+    lead = dp is None or dp.rank == 0
     final = os.path.join(save_dir, tag)
-    recover_aside(final)
-    _remove_dead_partials(save_dir)
     tmp = os.path.join(save_dir, f".{tag}{PARTIAL}")
-    os.makedirs(tmp)
-    sched = engine.lr_scheduler
-    torch.save(
-        {
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "global_samples": engine.global_samples,
-            "lr_scheduler": sched.state_dict() if sched is not None else None,
-            "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
-            "param_groups_hyper": [
-                {k: g[k] for k in _GROUP_KEYS if k in g} for g in engine.optimizer.param_groups
-            ],
-        },
-        os.path.join(tmp, ENGINE_FILE),
-    )
-    torch.save(rng_states(), os.path.join(tmp, RNG_FILE))
-    torch.save(client_state, os.path.join(tmp, CLIENT_FILE))
-    engine.runtime.save_state(
-        tmp, meta={"tag": tag, "saved_at": time.time()}, files=(ENGINE_FILE, RNG_FILE, CLIENT_FILE)
-    )
-    swap_into_place(tmp, final)
-    if save_latest:
-        write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+    if lead:
+        os.makedirs(save_dir, exist_ok=True)
+        recover_aside(final)
+        _remove_dead_partials(save_dir)
+        os.makedirs(tmp)
+    if dp is not None:
+        dp.barrier()  # the folder exists for every rank
+    files: tuple[str, ...] = ()
+    if lead:
+        sched = engine.lr_scheduler
+        torch.save(
+            {
+                "global_steps": engine.global_steps,
+                "micro_steps": engine.micro_steps,
+                "global_samples": engine.global_samples,
+                "lr_scheduler": sched.state_dict() if sched is not None else None,
+                "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
+                "param_groups_hyper": [
+                    {k: g[k] for k in _GROUP_KEYS if k in g} for g in engine.optimizer.param_groups
+                ],
+            },
+            os.path.join(tmp, ENGINE_FILE),
+        )
+        torch.save(client_state, os.path.join(tmp, CLIENT_FILE))
+        files = (ENGINE_FILE, CLIENT_FILE)
+    own = engine.runtime.rank_dir(tmp)  # (tmp itself for one process)
+    os.makedirs(own, exist_ok=True)
+    torch.save(rng_states(), os.path.join(own, RNG_FILE))
+    if dp is None:
+        files += (RNG_FILE,)
+    engine.runtime.save_state(tmp, meta={"tag": tag, "saved_at": time.time()}, files=files,
+                              rank_files=(RNG_FILE,) if dp is not None else ())  # fmt: skip
+    if lead:
+        swap_into_place(tmp, final)
+        if save_latest:
+            write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+    if dp is not None:
+        dp.barrier()  # in place, and `latest` names it, for every rank
     return final
 
 
@@ -125,7 +143,11 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)
-    recover_aside(path)
+    dp = engine.runtime.dp
+    if dp is None or dp.rank == 0:
+        recover_aside(path)
+    if dp is not None:
+        dp.barrier()
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     engine.runtime.load_state(path, optimizer_states=load_optimizer_states)
@@ -142,6 +164,12 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         g.update(hyper)
     engine._push_lr()
     if load_optimizer_states:
-        set_rng_states(torch.load(os.path.join(path, RNG_FILE), weights_only=False))
+        rng = os.path.join(engine.runtime.rank_dir(path), RNG_FILE)
+        if not os.path.isfile(rng):  # saved at another world size: no state of this rank's
+            rng = os.path.join(path, RNG_FILE)
+        if os.path.isfile(rng):
+            set_rng_states(torch.load(rng, weights_only=False))
+        else:
+            log.warning("offloadpp: checkpoint %s has no random number generator state for this rank", path)
     client_state = torch.load(os.path.join(path, CLIENT_FILE), weights_only=False)
     return path, client_state

@@ -76,8 +76,17 @@ class OffloadppEngine(DeepSpeedEngine):
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", 0))
 
-    global_rank = 0
-    world_size = dp_world_size = mp_world_size = seq_dp_world_size = 1
+    @property
+    def global_rank(self) -> int:
+        return self.runtime.dp.rank if self.runtime.dp is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """Ranks training together, every one data-parallel (no model or sequence parallelism)."""
+        return self.runtime.dp.world if self.runtime.dp is not None else 1
+
+    dp_world_size = seq_dp_world_size = world_size
+    mp_world_size = 1
 
     @property
     def is_compiled(self) -> bool:
@@ -170,8 +179,8 @@ class OffloadppEngine(DeepSpeedEngine):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """One process: no gradients are exchanged, so there is nothing to hold back; the
-        window is gradient_accumulation_steps (or set_gradient_accumulation_boundary)."""
+        """Nothing to hold back: gradients are reduced over the ranks only at the end of the
+        window anyway, which is gradient_accumulation_steps (or set_gradient_accumulation_boundary)."""
         yield
 
     coalesce_grad_reduction = no_sync
@@ -229,9 +238,12 @@ class OffloadppEngine(DeepSpeedEngine):
         return _DTYPES[self.runtime.settings.compute_dtype], torch.float32
 
     def get_data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    def get_model_parallel_rank(self) -> int:
         return 0
 
-    get_model_parallel_rank = get_tensor_parallel_rank = get_data_parallel_rank
+    get_tensor_parallel_rank = get_model_parallel_rank
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return True  # the weights are always exportable, unit by unit
@@ -247,7 +259,10 @@ class OffloadppEngine(DeepSpeedEngine):
                      collate_fn=None, num_local_io_workers=None):  # fmt: skip
         from torch.utils.data import DataLoader, DistributedSampler
 
-        sampler = data_sampler or DistributedSampler(dataset, num_replicas=1, rank=0)
+        # each rank its part of the data, as DeepSpeed's own deepspeed_io
+        sampler = data_sampler or DistributedSampler(
+            dataset, num_replicas=self.world_size, rank=self.global_rank
+        )
         return DataLoader(
             dataset,
             batch_size=batch_size or self.train_micro_batch_size_per_gpu(),

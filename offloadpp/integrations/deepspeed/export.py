@@ -17,6 +17,9 @@ def save_pretrained(engine, save_dir: str) -> list[str]:
     """A Hugging Face model folder: the weights (sharded with an index when large), config.json
     and generation_config.json when the model has them."""
     files = save_weights(engine, save_dir, "model.safetensors", exclude_frozen_parameters=False)
+    dp = engine.runtime.dp
+    if dp is not None and dp.rank != 0:
+        return files  # (over several ranks rank 0 writes the folder; the others took part in gathering)
     module = engine.module
     cfg = getattr(module, "config", None)
     if cfg is not None and hasattr(cfg, "save_pretrained"):

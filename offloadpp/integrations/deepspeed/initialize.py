@@ -75,10 +75,13 @@ def initialize(
         optimizer = optimizer.optimizer
     if model is None:
         raise OffloadppConfigError("initialize: model is required")
-    if mpu is not None:
-        raise OffloadppConfigError("initialize: model parallelism (mpu=) is not supported by offloadpp")
-    if mesh_param is not None:
-        raise OffloadppConfigError("initialize: a device mesh (mesh_param=) is not supported by offloadpp")
+    if mpu is not None or mesh_param is not None:
+        what = "mpu=" if mpu is not None else "mesh_param="
+        raise OffloadppConfigError(
+            f"initialize: model, pipeline or sequence parallelism ({what}) is not supported by offloadpp: it "
+            "partitions the optimizer state over data-parallel ranks only (every rank holds the whole model's "
+            "compute and a shard of its state)"
+        )
     from offloadpp.integrations.deepspeed.build import build_engine
 
     return build_engine(

@@ -3,7 +3,7 @@
     honoured   offloadpp does what DeepSpeed does with it (most are parsed by DeepSpeed's own
                DeepSpeedConfig, so they keep DeepSpeed's meaning exactly)
     ignored    on purpose: ZeRO-3's buffer and bucket knobs (offloadpp sizes its own buffers),
-               collective-communication knobs (one process), diagnostics offloadpp reports its
+               collective-communication knobs (offloadpp issues its own), diagnostics offloadpp reports its
                own way, and the sub-keys of a feature that is refused or off
     refused    initialize raises, naming the key and the way to get what it asks for, unless the
                value is one of `allowed` (DeepSpeed's default, i.e. the feature is off)
@@ -41,7 +41,7 @@ def _r(note: str, *allowed: Any) -> Key:
     return Key(REFUSED, note, allowed if allowed else None)
 
 
-_ONE = "one process: there is no collective communication to tune"
+_ONE = "offloadpp issues its own collectives (a gather per fetched unit, a reduce-scatter per unit and step: docs/distributed.md)"
 _BUF = "ZeRO-3's buffer/bucket sizing; offloadpp sizes its buffers from the plan's budgets"
 _OFF = "only read when the feature above is on"
 _REMOVED = "DeepSpeed 0.19.8 itself refuses this removed feature"
@@ -191,7 +191,9 @@ KEYS: dict[str, Key] = {
     "zero_optimization.load_from_fp32_weights": _i(
         "offloadpp's checkpoints hold the fp32 master weights; they are loaded"
     ),
-    "zero_optimization.elastic_checkpoint": _i("one process: a checkpoint is never resharded"),
+    "zero_optimization.elastic_checkpoint": _i(
+        "a checkpoint reshards to any world size when loaded (docs/distributed.md)"
+    ),
     "zero_optimization.ignore_unused_parameters": _i(
         "a parameter without a gradient is skipped, as torch.optim does"
     ),
@@ -220,9 +222,9 @@ KEYS: dict[str, Key] = {
         "GPUDirect Storage is not supported; offloadpp reads through pinned host buffers", False
     ),
     "checkpoint": _h("the block"),
-    "checkpoint.tag_validation": _i("one process: a tag cannot differ between ranks"),
+    "checkpoint.tag_validation": _i("rank 0 names the checkpoint folder; every rank writes under it"),
     "checkpoint.use_node_local_storage": _i("one node"),
-    "checkpoint.parallel_write": _i("one process writes the checkpoint"),
+    "checkpoint.parallel_write": _i("every rank writes its own shards, rank 0 the rest"),
     "checkpoint.checkpoint_serialization": _i(
         "offloadpp writes its own checkpoint format (runtime/checkpoint.py)"
     ),

@@ -46,7 +46,7 @@ INHERITED = (
     "is_first_weights_partition_group",
 )  # fmt: skip
 
-_ONE = "offloadpp trains in one process: there is no gradient communication"
+_ONE = "offloadpp reduces the gradients itself, unit by unit during backward (docs/distributed.md)"
 _REPORT = "the StepReport of each step (engine.last_report, engine.reports) carries the times and bytes"
 _COMPILE = (
     "DeepCompile and engine.compile are not supported (offloadpp's hooks run between the model's blocks)"

@@ -1,0 +1,215 @@
+"""Checkpoints over data-parallel ranks: one shard per rank and a global manifest, and loading
+at the same world size or another one.
+
+    CKPT/manifest.json     written last, by rank 0, once every rank's folder is durable: the
+                           model's layout, the world size and each unit's shard size, each rank
+                           folder's manifest with its size and CRC-32C, the step counts, the
+                           runtime's state, and the small files the caller wrote (as
+                           runtime/checkpoint.py's manifest, which it is a superset of)
+    CKPT/rank00000/        rank 0's shards: a runtime checkpoint of its own (runtime/checkpoint.py:
+                           state/*.oswp and its manifest) and the rank's own small files (its RNG)
+    CKPT/rank00001/        ...
+
+Note: crash consistency. Every rank makes its folder durable (fsync, its manifest last), the
+ranks meet, and only then does rank 0 write the global manifest (temporary name, fsync, rename):
+without it the folder is not a checkpoint, and with it every rank's part is there and verified
+by CRC. Naming the folder and `latest` stays the caller's, as for one process.
+
+Note: resharding. A checkpoint's shards are ranges of each unit's flat layout, which does not
+depend on the world size (only the padding after the last parameter does). Loaded at another
+world size (one process included, and a one-process checkpoint into several ranks), each rank
+reads, unit by unit, the parts of the saved ranks' shards that overlap its own range, one saved
+shard in memory at a time; every rank's folder must then be readable from every rank (one
+node, or a shared filesystem), else the load is refused naming the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+from offloadpp.io import IOConfig, TensorStore, crc32c
+from offloadpp.io.durable import fsync_dir, fsync_file, write_atomic
+
+from . import checkpoint as ckpt
+from .checkpoint import ARRAYS, MANIFEST, STATE_DIR, CheckpointError
+from .distributed import DataParallel
+from .slots import Hold
+from .state import init_compute_copy, to_device
+from .unit import Unit
+
+RANK_DIR = "rank{:05d}"
+
+
+def rank_dir(path: str, rank: int) -> str:
+    return os.path.join(path, RANK_DIR.format(rank))
+
+
+def _range(u: Unit) -> tuple[int, int]:
+    """This rank's range of the unit's flat layout (one process: all of it)."""
+    return getattr(u, "lo", 0), getattr(u, "hi", u.padded_numel)
+
+
+def save_sharded(units: list[Unit], path: str, *, dp: DataParallel, io: IOConfig, meta: dict,
+                 files: tuple[str, ...] = (), rank_files: tuple[str, ...] = (), progress: bool = False) -> dict:  # fmt: skip
+    """Every rank writes its shards into rank_dir(path, rank) (with `rank_files`, written there
+    by the caller); then rank 0 the global manifest with `meta` and the small `files` it wrote
+    into `path`. A collective. Returns the global manifest."""
+    rd = rank_dir(path, dp.rank)
+    os.makedirs(rd, exist_ok=True)
+    shard = {"rank": dp.rank, "world_size": dp.world, "ranges": {u.name: list(_range(u)) for u in units}}
+    ckpt.save_state(units, rd, io=io, meta={"shard": shard}, files=rank_files, progress=progress)
+    dp.barrier()  # every rank's folder is durable
+    if dp.rank == 0:
+        records = []
+        for name in files:
+            fsync_file(os.path.join(path, name))
+            records.append(ckpt._file_record(os.path.join(path, name), path))
+        for r in range(dp.world):  # each rank's manifest, whose own records cover its files
+            records.append(ckpt._file_record(os.path.join(rank_dir(path, r), MANIFEST), path))
+        manifest = {
+            "format": ckpt.FORMAT,
+            "world_size": dp.world,
+            "shard_numel": {u.name: u.shard_numel for u in units},
+            "layout": ckpt.model_layout(units),
+            "arrays": {},
+            "state_files": {},
+            "files": records,
+            "param_steps": {s.name: step for u in units for (_, s), step in zip(u.params, u.steps)},
+            **meta,
+        }
+        fsync_dir(path)
+        write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+    dp.barrier()  # the checkpoint exists for every rank once this returns
+    return ckpt.read_manifest(path) if dp.rank != 0 else manifest
+
+
+class _Saved:
+    """The saved ranks' shards of one checkpoint, opened as they are needed."""
+
+    def __init__(self, path: str, manifest: dict, io: IOConfig):
+        self.path = path
+        self.world = int(manifest.get("world_size", 1))
+        self.sharded = "world_size" in manifest  # else a one-process checkpoint: its own folder
+        self.shard_numel = manifest.get("shard_numel") or {
+            d["unit"]: d["padded_numel"] for d in manifest["layout"]
+        }
+        self.cfg = io.model_copy(update={"checksum": True})
+        self._stores: dict[int, tuple[TensorStore, dict]] = {}
+        self._single = manifest
+
+    def folder(self, k: int) -> str:
+        return rank_dir(self.path, k) if self.sharded else self.path
+
+    def store(self, k: int) -> tuple[TensorStore, dict]:
+        if k not in self._stores:
+            folder = self.folder(k)
+            if not os.path.isdir(folder):
+                raise CheckpointError(
+                    f"checkpoint {self.path!r} was saved by {self.world} ranks; loading it at another world size "
+                    f"reads every rank's folder, and {folder!r} is not here: put every rank folder under the "
+                    f"checkpoint folder (a shared filesystem), or resume with {self.world} ranks"
+                )
+            m = ckpt.read_manifest(folder) if self.sharded else self._single
+            self._stores[k] = (
+                TensorStore([os.path.join(folder, STATE_DIR)], config=self.cfg, create=False),
+                m,
+            )
+        return self._stores[k]
+
+    def close(self) -> None:
+        for st, _ in self._stores.values():
+            st.close()
+        self._stores.clear()
+
+
+def load_sharded(units: list[Unit], path: str, manifest: dict, *, dp: Optional[DataParallel], io: IOConfig,
+                 optimizer_states: bool = True, progress: bool = False) -> None:  # fmt: skip
+    """Reads a checkpoint (save_sharded's, or a one-process one) into this rank's units: its own
+    folder where the world sizes agree, else its range from the saved shards (module Note)."""
+    ckpt.check_layout(manifest["layout"], units)
+    world, rank = (dp.world, dp.rank) if dp is not None else (1, 0)
+    if int(manifest.get("world_size", 1)) == world and "world_size" in manifest:
+        rd = rank_dir(path, rank)
+        own = ckpt.read_manifest(rd)
+        saved_range = own.get("shard", {}).get("ranges", {})
+        for u in units:
+            if saved_range.get(u.name) != list(_range(u)):
+                raise CheckpointError(
+                    f"checkpoint {rd!r}: unit {u.name!r} was saved as another range of its layout"
+                )
+        ckpt.load_state(units, rd, own, io=io, optimizer_states=optimizer_states, progress=progress)
+    else:
+        _reshard(units, path, manifest, io=io, optimizer_states=optimizer_states)
+    if optimizer_states:
+        for u in units:
+            u.steps = [int(manifest["param_steps"][s.name]) for _, s in u.params]
+    if dp is not None:
+        _regather_resident(units, dp)
+
+
+def _reshard(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, optimizer_states: bool) -> None:
+    saved = _Saved(path, manifest, io)
+    try:
+        for u in units:
+            so = int(saved.shard_numel[u.name])
+            lo, hi = _range(u)
+            end = min(hi, u.numel)  # (past the parameters: padding, zeros)
+            for array, slot in zip(ARRAYS, (u.master, u.exp_avg, u.exp_avg_sq)):
+                if array != "master" and not optimizer_states:
+                    continue
+                slot.acquire(Hold.EXPORT, overwrite=True)
+                buf = slot.wait()
+                buf.zero_()
+                for k in range(lo // so if so else 0, -(-end // so) if so else 0):
+                    a, b = max(lo, k * so), min(end, (k + 1) * so)
+                    if a >= b:
+                        continue
+                    st, m = saved.store(k)
+                    key = f"{u.name}.{array}"
+                    rec = m["arrays"].get(key)
+                    if rec is None or key not in st:
+                        raise CheckpointError(
+                            f"checkpoint {saved.folder(k)!r} has no {array} for unit {u.name!r}"
+                        )
+                    part = slot.pool.get(so, torch.float32)
+                    try:
+                        st.get(key, out=part).wait()
+                        if crc32c(part.data_ptr(), rec["nbytes"]) != rec["crc32c"]:
+                            raise CheckpointError(
+                                f"checkpoint {saved.folder(k)!r}: {key} does not match its CRC-32C"
+                            )
+                        buf[a - lo : b - lo].copy_(part[a - k * so : b - k * so])
+                    finally:
+                        slot.pool.put(part)
+                if slot.stored:
+                    g = slot.write_generation()
+                    slot.wrote(slot.store.put(slot.key_of(g), buf), g)
+                if slot is u.master and u.compute is not u.master:
+                    init_compute_copy(u)
+                elif slot is u.master and u.device.is_cuda and u.weights.resident:
+                    to_device(u)
+                slot.release(Hold.EXPORT)
+    finally:
+        saved.close()
+
+
+def _regather_resident(units: list[Unit], dp: DataParallel) -> None:
+    """Units resident on the device take every rank's loaded shard (in unit order, every rank)."""
+    from .sharded import place_and_gather
+
+    for u in units:
+        if not u.weights.resident:
+            continue
+        u.compute.acquire(Hold.EXPORT)
+        shard, full = u.compute.wait(), u.weights.tensor
+        ev = dp.fetch.run(lambda: place_and_gather(u, shard, full, dp, u.device, worker=False))  # noqa: B023
+        if ev is not None:
+            ev.synchronize()  # (the shard's buffer is read by the copy up)
+        u.compute.release(Hold.EXPORT)
+
+
+__all__ = ["RANK_DIR", "load_sharded", "rank_dir", "save_sharded"]

@@ -1,0 +1,40 @@
+"""The model, data and hyper-parameters the data-parallel tests share with their rank workers."""
+
+from __future__ import annotations
+
+import torch
+
+LR, WD = 1e-3, 0.01
+VOCAB = 128
+GLOBAL_BATCH = 4  # sequences per optimizer step, over every rank and micro-batch
+SEQ = 16
+
+
+def tiny_gpt2(seed: int = 0):
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def global_batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(n)]
+
+
+def reference(steps: int, *, clip: float, parts: int = 1) -> dict:
+    """One process, torch AdamW stepping on each global batch's mean loss, clipped by global
+    norm; parts > 1: the batch's gradient accumulated over that many equal parts, as the ranks
+    sum theirs (the same gradient, summed in the ranks' order)."""
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for x in global_batches(steps):
+        for part in x.chunk(parts):
+            (model(input_ids=part, labels=part).loss / parts).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()

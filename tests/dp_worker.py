@@ -1,0 +1,107 @@
+"""One rank of a data-parallel run, started by tests/test_distributed.py under torchrun or the
+deepspeed launcher. Trains a tiny GPT-2 on this rank's part of each global batch and writes what
+the test compares into OUT: the weights (rank 0), and per rank its swap files' bytes and reports.
+
+    torchrun --nproc_per_node 2 tests/dp_worker.py OUT --nvme DIR [--api runtime|deepspeed] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dp_common import GLOBAL_BATCH, LR, WD, global_batches, tiny_gpt2  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--nvme", required=True)
+    ap.add_argument("--api", choices=("runtime", "deepspeed"), default="runtime")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--budgets", default="")  # "DEVICE,HOST" bytes: room to keep units resident
+    ap.add_argument("--save", default="")  # checkpoint folder: save after the steps
+    ap.add_argument("--load", default="")  # checkpoint folder: load before the steps
+    ap.add_argument("--from-step", type=int, default=0)  # the global step the batches start at
+    ap.add_argument("--local_rank", type=int, default=None)  # (the deepspeed launcher passes it)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    model = tiny_gpt2()
+    if args.api == "deepspeed":
+        import offloadpp
+
+        micro = GLOBAL_BATCH // world // args.accum
+        cfg = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": args.accum,
+            "gradient_clipping": args.clip,
+            "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": args.nvme},
+                "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme},
+            },
+            "offloadpp": {"enabled": True, "ssd_read_gbps": 2.0, "ssd_write_gbps": 2.0},
+        }
+        if args.dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        engine, *_ = offloadpp.initialize(model=model, config=cfg)
+        runtime = engine.runtime
+    else:
+        from offloadpp.assemble import assemble_engine
+        from offloadpp.optim import AdamHyper
+        from offloadpp.planner import Settings
+        from offloadpp.runtime import RuntimeConfig
+
+        budgets = {}
+        if args.budgets:
+            budgets = dict(
+                zip(("device_budget_bytes", "host_budget_bytes"), map(int, args.budgets.split(",")))
+            )
+        settings = Settings(gradient_clipping=args.clip, gradient_accumulation_steps=args.accum,
+                            compute_dtype=args.dtype, **budgets)  # fmt: skip
+        cfg = RuntimeConfig(nvme_paths=[args.nvme], settings=settings, device="cpu", ssd_read_gbps=2.0,
+                            ssd_write_gbps=2.0, log_every=0)  # fmt: skip
+        engine = runtime = assemble_engine(model, cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+    assert runtime.dp is not None and runtime.dp.world == world, (runtime.dp, world)
+    if args.load:
+        (engine.load_checkpoint(args.load) if args.api == "deepspeed" else runtime.load_state(args.load))
+    reports = []
+    for batch in global_batches(args.from_step + args.steps)[args.from_step :]:
+        mine = batch.chunk(world)[rank]  # this rank's part of the global batch
+        for x in mine.chunk(args.accum):
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            r = engine.step()
+        reports.append(r.as_dict() if args.api == "runtime" else engine.last_report.as_dict())
+    if args.save:
+        if args.api == "deepspeed":
+            engine.save_checkpoint(args.save, tag="t")
+        else:
+            if rank == 0:
+                os.makedirs(args.save)
+            runtime.dp.barrier()
+            runtime.save_state(args.save)
+    sd = runtime.module.state_dict()  # a collective: every rank gathers every unit
+    info = {"rank": rank, "world": world, "disk_bytes": runtime.disk_bytes(), "plan_ssd_bytes": runtime.plan.ssd_bytes(),
+            "reports": reports, "global_step": runtime.global_step,
+            "resident": [p.weights.value for p in runtime.plan.placements]}  # fmt: skip
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(info, f)
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in sd.items()}, os.path.join(args.out, "weights.pt"))
+    (engine.close() if args.api == "deepspeed" else runtime.close())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Data parallel: two CPU ranks (gloo) under torchrun and under the deepspeed launcher train a
+tiny GPT-2 (every array on SSD, clipping 1.0, weight decay) to the weights of one process of
+torch AdamW on the global batch, each rank keeping its shard of the state.
+
+Note: the reference. The ranks sum their gradients, which is the global batch's gradient summed
+in another order than one backward over the whole batch. Where a gradient is at the level of
+rounding noise (here an element of GPT-2's attention weights whose first gradient is 1e-8
+against a median of 6e-5), Adam's first step normalises that noise into an update of order lr,
+so torch itself, run once over the whole batch and once over its two halves accumulated, ends
+5e-5 apart (relative) on such elements: the same effect numerics.py describes for the key
+bias. The bar (1e-5) is therefore against one process of torch AdamW on the global batch with
+the gradient accumulated over the ranks' parts; against one backward over the whole batch the
+ranks must be as close as torch's two orders are to each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dp_common import LR, WD, reference
+from numerics import compare_weights
+
+pytest.importorskip("transformers")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BIN = os.path.dirname(sys.executable)
+WORKER = os.path.join(HERE, "dp_worker.py")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")  # this checkout's offloadpp
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 300) -> None:
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
+           WORKER, *args]  # fmt: skip
+    _run(cmd, timeout)
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], timeout: float) -> None:
+    r = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
+        )
+
+
+def ranks(out, n=2) -> list[dict]:
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(n)]
+
+
+def weights(out) -> dict:
+    return torch.load(os.path.join(out, "weights.pt"))
+
+
+def test_two_ranks_train_like_one_process_and_keep_half_the_state_each(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "out"
+    torchrun([str(out), "--nvme", str(nvme), "--steps", "4", "--clip", "1.0"])
+    got = weights(out)
+    assert compare_weights(got, reference(4, clip=1.0, parts=2), lr=LR, steps=4) < 1e-5
+    # against one backward over the whole batch: no further than torch's two orders are apart
+    whole = reference(4, clip=1.0)
+    torch_gap = compare_weights(reference(4, clip=1.0, parts=2), whole, lr=LR, steps=4)
+    assert compare_weights(got, whole, lr=LR, steps=4) <= torch_gap + 1e-5
+    info = ranks(out)
+    for i in range(4):  # one global norm, every rank the same, clipping active
+        norms = {d["reports"][i]["grad_norm"] for d in info}
+        assert len(norms) == 1 and norms.pop() > 1.0
+        assert all(d["reports"][i]["comm_bytes"] > 0 and d["reports"][i]["ranks"] == 2 for d in info)
+    # each rank's swap files are its own
+    assert sorted(os.listdir(nvme)) == ["rank0", "rank1"]
+
+    # Partitioning: the two ranks' swap files add up to one process's, not twice it.
+    one = tmp_path / "one"
+    one.mkdir()
+    eng = _single_engine(one, accum=1)
+    try:
+        _train_single(eng, 0, 2, parts=1)  # (the first step's deferred writes land in the second)
+        single, single_plan = eng.disk_bytes(), eng.plan.ssd_bytes()
+    finally:
+        eng.close()
+    per_rank = [d["disk_bytes"] for d in info]
+    # Each rank keeps half, up to padding: every shard of every array is padded to a 4 KiB
+    # block and has a header block of its own, which on this 0.1M-parameter model (a head unit
+    # of 128 parameters) is 13% of the total; N copies would be 100% more.
+    assert per_rank[0] == per_rank[1], per_rank
+    assert single <= sum(per_rank) <= 1.15 * single, (per_rank, single)
+    # and so do the plans: each rank's SSD bytes are its shards' (UnitSpec.shards)
+    for d in info:
+        assert 0.5 * single_plan <= d["plan_ssd_bytes"] <= 0.6 * single_plan
+
+
+def test_deepspeed_launcher_two_cpu_ranks(tmp_path):
+    """The same run started by the `deepspeed` launcher (two CPU ranks, gloo), with gradient
+    accumulation: offloadpp.initialize starts torch.distributed through DeepSpeed's own
+    init_distributed, so DeepSpeed's config counts both ranks."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "out"
+    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()), WORKER, str(out),
+           "--nvme", str(nvme), "--api", "deepspeed", "--steps", "3", "--accum", "2", "--clip", "1.0"]  # fmt: skip
+    _run(cmd, 600)
+    # each rank's micro-batches are a quarter of the global batch: accumulated over four parts
+    assert compare_weights(weights(out), reference(3, clip=1.0, parts=4), lr=LR, steps=3) < 1e-5
+    assert sorted(os.listdir(nvme / "offloadpp")) == ["rank0", "rank1"]
+
+
+def _single_engine(nvme, accum: int = 2):
+    from dp_common import tiny_gpt2
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+
+    settings = Settings(gradient_clipping=1.0, gradient_accumulation_steps=accum)
+    cfg = RuntimeConfig(nvme_paths=[str(nvme)], settings=settings, device="cpu", ssd_read_gbps=2.0,
+                        ssd_write_gbps=2.0, log_every=0)  # fmt: skip
+    return assemble_engine(tiny_gpt2(), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+
+
+def _train_single(eng, start: int, steps: int, parts: int = 2) -> None:
+    """One process on the global batches start..start+steps, each as the ranks' two halves
+    accumulated (parts=1: as one micro-batch)."""
+    from dp_common import global_batches
+
+    for x in global_batches(start + steps)[start:]:
+        for part in x.chunk(parts):
+            eng.backward(eng(input_ids=part, labels=part).loss)
+            eng.step()
+
+
+def test_checkpoint_resumes_at_the_same_and_at_other_world_sizes(tmp_path):
+    """2 ranks save after 2 steps; 2 ranks, and 1 process (resharded), resume and end where 4
+    uninterrupted steps end; a one-process checkpoint resumes on 2 ranks too."""
+    want = reference(4, clip=1.0, parts=2)
+    ck2 = tmp_path / "ck2"
+    torchrun([str(tmp_path / "a"), "--nvme", str(tmp_path / "nv_a"), "--steps", "2", "--save", str(ck2)])
+    man = json.load(open(ck2 / "manifest.json"))
+    assert man["world_size"] == 2 and sorted(os.listdir(ck2)) == ["manifest.json", "rank00000", "rank00001"]
+    # same world size
+    torchrun(
+        [
+            str(tmp_path / "b"),
+            "--nvme",
+            str(tmp_path / "nv_b"),
+            "--steps",
+            "2",
+            "--from-step",
+            "2",
+            "--load",
+            str(ck2),
+        ]
+    )
+    assert compare_weights(weights(tmp_path / "b"), want, lr=LR, steps=4) < 1e-5
+    assert all(d["global_step"] == 4 for d in ranks(tmp_path / "b"))
+    # one process, resharded from two
+    (tmp_path / "nv_c").mkdir()
+    eng = _single_engine(tmp_path / "nv_c")
+    try:
+        eng.load_state(str(ck2))
+        assert eng.global_step == 2
+        _train_single(eng, 2, 2)
+        assert compare_weights(eng.module.state_dict(), want, lr=LR, steps=4) < 1e-5
+        # and a one-process checkpoint of 2 steps, resumed by two ranks
+        (tmp_path / "nv_d").mkdir()
+        eng.close()
+        eng = _single_engine(tmp_path / "nv_d")
+        _train_single(eng, 0, 2)
+        ck1 = tmp_path / "ck1"
+        ck1.mkdir()
+        eng.save_state(str(ck1))
+    finally:
+        eng.close()
+    torchrun(
+        [
+            str(tmp_path / "e"),
+            "--nvme",
+            str(tmp_path / "nv_e"),
+            "--steps",
+            "2",
+            "--from-step",
+            "2",
+            "--load",
+            str(ck1),
+        ]
+    )
+    assert compare_weights(weights(tmp_path / "e"), want, lr=LR, steps=4) < 1e-5
+
+
+def test_what_cannot_run_together_is_refused(tmp_path):
+    """Ranks whose plans differ (another config on one rank) and nodes that run different
+    numbers of ranks are refused at the start with the reason, on every rank; model or
+    sequence parallelism (mpu=, mesh_param=) is refused by initialize."""
+    script = os.path.join(HERE, "dp_refusals.py")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()), script, "plans",
+           str(nvme)]  # fmt: skip
+    r = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("REFUSED: the ranks disagree on the plan") == 2, r.stdout
+    port = str(_port())
+    procs = []
+    for rank, local in ((0, 1), (1, 2)):  # rank 0 says its node runs 1 rank, rank 1 says 2
+        env = dict(_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(local),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, script, "nodes"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "different numbers of ranks" in out, (out, err[-3000:])
+
+    import offloadpp
+    from offloadpp.integrations.deepspeed import OffloadppConfigError
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "offloadpp": {"enabled": True, "nvme_paths": [str(nvme)]}}  # fmt: skip
+    for kw in ({"mpu": object()}, {"mesh_param": (1, 2)}):
+        with pytest.raises(OffloadppConfigError, match="data-parallel ranks only"):
+            offloadpp.initialize(model=torch.nn.Linear(2, 2), config=cfg, **kw)
+
+
+def test_16bit_compute_over_two_ranks(tmp_path):
+    """bf16 compute (a compute copy per shard beside the fp32 master, gathered in 16 bits), with
+    budgets that keep every unit's weights resident on the device (gathered again by the worker
+    after each update): two ranks agree with one process taking the same global batch as two
+    micro-batches: the same global norms, and weights as close as bf16's rounding of the
+    gradients lets them be."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "out"
+    torchrun([str(out), "--nvme", str(nvme), "--steps", "3", "--clip", "1.0", "--dtype", "bf16", "--budgets",
+              f"{64 << 20},{64 << 20}"])  # fmt: skip
+    assert all(t == "device" for t in ranks(out)[0]["resident"])
+    from dp_common import global_batches, tiny_gpt2
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+
+    (tmp_path / "one").mkdir()
+    settings = Settings(gradient_clipping=1.0, gradient_accumulation_steps=2, compute_dtype="bf16")
+    cfg = RuntimeConfig(nvme_paths=[str(tmp_path / "one")], settings=settings, device="cpu", ssd_read_gbps=2.0,
+                        ssd_write_gbps=2.0, log_every=0)  # fmt: skip
+    eng = assemble_engine(tiny_gpt2(), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
+    norms = []
+    try:
+        for x in global_batches(3):
+            for part in x.chunk(2):
+                eng.backward(eng(input_ids=part, labels=part).loss)
+                r = eng.step()
+            norms.append(r.grad_norm)
+        want = eng.module.state_dict()
+    finally:
+        eng.close()
+    for d in ranks(out):
+        assert [x["grad_norm"] for x in d["reports"]] == pytest.approx(norms, rel=1e-3)
+    assert compare_weights(weights(out), want, lr=LR, steps=3) < 0.1
