@@ -423,13 +423,26 @@ def test_auto_device_budget_streams_and_keeps_the_activations():
     assert bare.budgets.activation_bytes is None and bare.budgets.device_bytes == peak_bytes(stream)[0]
 
 
-def test_fp16_says_its_updates_are_deferred():
+def test_fp16_says_whether_its_updates_are_deferred_or_speculative():
     from offloadpp.planner import resolve
 
     m = gpt2_profile(compute_dtype="fp16")
-    r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), _cuda_machine(8))
-    assert r.plan.deferred_update and any("fp16: updates are deferred" in n for n in r.plan.notes)
+    r = resolve(Settings(compute_dtype="fp16", speculate="off"), m.unit_specs(), _cuda_machine(8))
+    assert r.plan.deferred_update and not r.plan.speculative
+    assert any("fp16: updates are deferred" in n for n in r.plan.notes)
     assert "deferred" in r.plan.describe()
+    r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), _cuda_machine(8))
+    assert r.plan.deferred_update and r.plan.speculative and "(speculative)" in r.plan.describe()
+    assert any("speculatively" in n and "overflow check" in n for n in r.plan.notes)
+    # speculation keeps a second generation of the state on SSD: where it lacks the room, "auto"
+    # defers and says so, "on" refuses
+    need = r.plan.ssd_footprint_bytes()
+    assert need == 2 * r.plan.ssd_bytes() - sum(u.grad_bytes for u, p in r.plan if p.grads is Tier.SSD)
+    short = replace(_cuda_machine(8), ssd_free_bytes=need // 2 + r.plan.ssd_bytes() // 2)
+    r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), short)
+    assert not r.plan.speculative and any("second generation" in n for n in r.plan.notes)
+    with pytest.raises(PlanError, match="second generation"):
+        resolve(Settings(compute_dtype="fp16", speculate="on"), m.unit_specs(), short)
 
 
 def test_several_ssds_are_charged_at_most_the_drives_sum_and_striped_by_their_rates():

@@ -47,7 +47,7 @@ from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, pla
 from .hardware import HardwareProfile, ProfileError, default_profile_path
 from .model_profile import ModelProfile, ModelProfileError, analytic_profile
 from .peaks import peak_bytes
-from .plan import Plan, PlanError, UnitSpec, fmt_bytes
+from .plan import SSD_SPACE_MARGIN, SSD_SPACE_MARGIN_BYTES, Plan, PlanError, UnitSpec, fmt_bytes
 from .planfile import load_plan
 from .schedule import build_schedule
 from .search import Request, _raise_infeasible, act_planner, search
@@ -157,7 +157,10 @@ def resolve(
     else:
         plan = _default(settings, units, machine, budgets, model)
     plan = with_activation_policies(plan, settings)
-    plan = replace(plan, notes=plan.notes + settings_notes(settings))
+    speculative = with_speculation(plan, settings, machine)
+    if speculative.speculative != plan.speculative:
+        est = None  # estimated as it was made: estimated again below, as it runs
+    plan = replace(speculative, notes=speculative.notes + settings_notes(settings, speculative))
     if hardware is not None and not plan.ssd_stripe:
         plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
     if est is None and hardware is not None and model is not None:
@@ -168,9 +171,44 @@ def resolve(
     return Resolved(settings, plan, est, candidates)
 
 
-def settings_notes(settings: Settings) -> tuple[str, ...]:
+def with_speculation(plan: Plan, settings: Settings, machine: Machine) -> Plan:
+    """The plan with `speculative` set: its updates are deferred (clipping, fp16) and the
+    settings let them run speculatively during backward (Settings.speculate), where the SSDs
+    have room for the second generation of state that needs; "auto" defers where they do not."""
+    if not plan.deferred_update or settings.speculate == "off":
+        return replace(plan, speculative=False)
+    spec = replace(plan, speculative=True)
+    free = machine.ssd_free_bytes
+    need = spec.ssd_footprint_bytes() * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES
+    if free is None or need <= free:
+        return spec
+    msg = (
+        f"speculative updates keep a second generation of the optimizer state on SSD: {fmt_bytes(need)} "
+        f"where {fmt_bytes(free)} is free"
+    )
+    if settings.speculate == "on":
+        raise PlanError(f'{msg}; free {fmt_bytes(need - free)} or set speculate "auto" or "off"')
+    return replace(plan, speculative=False, notes=plan.notes + (f"{msg}: updates are deferred",))
+
+
+def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
     """What the settings imply that the plan's table does not show."""
     out = []
+    if plan.speculative:
+        why = []
+        if settings.compute_dtype == "fp16":
+            why.append("the loss scaler's overflow check")
+        if settings.gradient_clipping > 0:
+            why.append(f"the global norm (gradient clipping {settings.gradient_clipping:g})")
+        fallback = (
+            "; while clipping keeps triggering, updates are deferred" if settings.speculate == "auto" else ""
+        )
+        out.append(
+            "updates run during backward speculatively with the raw gradients and are validated at its end by "
+            f"{' and '.join(why)}: a step that clips is redone exactly from the previous generation of the "
+            f"state, an overflowing one skipped{fallback}"
+        )
+        return tuple(out)
     if settings.compute_dtype == "fp16":
         out.append(
             "fp16: updates are deferred to the end of backward (the loss scaler's overflow check needs "
@@ -442,4 +480,5 @@ __all__ = [
     "model_profile_for",
     "resolve",
     "with_activation_policies",
+    "with_speculation",
 ]
