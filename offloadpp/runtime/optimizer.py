@@ -30,144 +30,21 @@ instead of during it (docs/runtime.md has the numbers).
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch.autograd.profiler import record_function
 
-from offloadpp.optim import AdamHyper, adam_step_flat, convert_, squared_norm
+from offloadpp.optim import AdamHyper
 from offloadpp.planner.schedule import flush_rank
 
 from .device import CudaEventWaitable, Device
+from .jobs import _Done, _Job, _late, _work, _yield_to_compute
 from .memory import BufferPool
 from .slots import Hold, Slot
 from .unit import Unit, UnitPhase
-
-
-@dataclass
-class _Job:
-    unit: Unit
-    before: list  # reads and writes to wait for before touching the buffers
-    grads: Optional[list] = None  # [(index, ParamSlot, tensor)] to add into gbuf
-    grads_event: Optional[CudaEventWaitable] = None
-    staging: Optional[torch.Tensor] = None  # CUDA: pinned buffer the grads arrived in
-    first_micro: bool = True
-    need_norm: bool = False
-    gbuf: Optional[torch.Tensor] = None
-    update: bool = False
-    segments: list = field(default_factory=list)  # [(start, end, step, update)] over gbuf
-    direct: Optional[list] = None  # [(start, end, step, grad or None)]: grads used where they are
-    step_args: dict = field(default_factory=dict)
-    master: Optional[torch.Tensor] = None
-    exp_avg: Optional[torch.Tensor] = None
-    exp_avg_sq: Optional[torch.Tensor] = None
-    half: Optional[torch.Tensor] = None
-    writes: list = field(default_factory=list)  # [(Slot, buffer, generation)] to put after the job's work
-    defer_writes: bool = False  # leave the puts to the main thread's flush_writes()
-    defer_moments: bool = False  # only the moments' puts (see run_deferred)
-    keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
-    threads: int = 1
-
-
-# Note: the optimizer's priority on the CPU-as-device. There torch's threads fill every core, and
-# an Adam thread at the same priority takes a core from one of them mid-GEMM; the others then wait
-# at the parallel region's barrier, so a millisecond of Adam costs more than a millisecond of
-# step. At nice 10 the worker (and the kernel's pool helpers, which take their caller's nice
-# value) mostly runs where compute leaves the cores idle, and at the end of backward, when the
-# main thread waits for it. On CUDA the cores are otherwise idle and the worker keeps its priority.
-ADAM_NICE = 10
-
-
-def _yield_to_compute() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ADAM_NICE)
-    except (OSError, AttributeError):
-        pass  # not permitted, or not Linux: run at normal priority
-
-
-def _late(job: _Job, slot: Slot) -> bool:
-    return job.defer_moments and (slot is job.unit.exp_avg or slot is job.unit.exp_avg_sq)
-
-
-@dataclass
-class _Done:
-    writes: list  # [(Slot, future, generation)]
-    sq_norm: Optional[float]
-    adam_s: float
-    absorb_s: float
-
-
-def _work(job: _Job, store) -> _Done:
-    for w in job.before:
-        w.wait()
-    sq = None
-    t0 = time.perf_counter()
-    if job.grads is not None:
-        with record_function("offloadpp::grads_to_host"):
-            if job.grads_event is not None:
-                job.grads_event.wait()
-            gb = job.gbuf
-            for _, s, g in job.grads:
-                dst = gb[s.offset : s.offset + s.numel]
-                src = g.reshape(-1)
-                if job.first_micro:
-                    dst.copy_(src)
-                else:
-                    dst.add_(src)
-            if job.first_micro:
-                have = {i for i, _, _ in job.grads}
-                for i, (_, s) in enumerate(job.unit.params):
-                    if i not in have:
-                        gb[s.offset : s.offset + s.numel].zero_()
-            if job.need_norm:
-                sq = squared_norm(gb[: job.unit.numel], num_threads=job.threads)
-    t1 = time.perf_counter()
-    if job.update:
-        with record_function("offloadpp::adam"):
-            for a, b, step, g in job.direct or ():
-                if g is not None:
-                    adam_step_flat(
-                        job.master[a:b],
-                        g.reshape(-1),
-                        job.exp_avg[a:b],
-                        job.exp_avg_sq[a:b],
-                        step=step + 1,
-                        half_out=job.half[a:b] if job.half is not None else None,
-                        num_threads=job.threads,
-                        **job.step_args,
-                    )
-                elif job.half is not None:
-                    convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
-            for a, b, step, upd in job.segments if job.direct is None else ():
-                half = job.half[a:b] if job.half is not None else None
-                if upd:
-                    adam_step_flat(
-                        job.master[a:b],
-                        job.gbuf[a:b],
-                        job.exp_avg[a:b],
-                        job.exp_avg_sq[a:b],
-                        step=step + 1,
-                        half_out=half,
-                        num_threads=job.threads,
-                        **job.step_args,
-                    )
-                elif half is not None:
-                    convert_(half, job.master[a:b], num_threads=job.threads)
-    t2 = time.perf_counter()
-    futs = []
-    if not job.defer_writes:
-        with record_function("offloadpp::write_state"):
-            futs = [
-                (slot, store.put(slot.key_of(g), buf), g)
-                for slot, buf, g in job.writes
-                if not _late(job, slot)
-            ]
-    return _Done(futs, sq, t2 - t1, t1 - t0)
 
 
 class OptimizerPipeline:
