@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import signal
 import threading
@@ -41,7 +40,7 @@ from offloadpp.planner.resolve import check_plan
 from . import checkpoint as ckpt
 from . import export
 from .activations.manager import ActivationManager
-from .config import BudgetUse, RuntimeConfig, StepReport
+from .config import RuntimeConfig, StepReport
 from .device import Device
 from .executor import Executor, ParamRef
 from .memory import BufferPool
@@ -49,7 +48,9 @@ from .optimizer import OptimizerPipeline
 from .partition import find_units, layout_units
 from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
-from .slots import Hold, Txn
+from .reports import StepAccounting
+from .slots import Txn
+from .speculation import SpeculationPolicy, finish_updates
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
 from .unit import TORCH_DTYPES, Unit, UnitPhase
 
@@ -73,7 +74,7 @@ def stripe_weights(paths, stripe) -> Optional[list[float]]:
     return out
 
 
-class OffloadEngine:
+class OffloadEngine(StepAccounting):
     def __init__(
         self,
         model: nn.Module,
@@ -232,6 +233,7 @@ class OffloadEngine:
         self._failed: Optional[BaseException] = None  # a step that could not complete nor roll back
         self._aborted = False  # a step was interrupted (its errors were raised then)
         self._window_steps: list[list[int]] = [list(u.steps) for u in self.units]
+        self.speculation = SpeculationPolicy(s.speculate, self.plan.speculative)
         self._reset_step_counters()
         self._closed = False
         log.info("%s", self.plan.describe())
@@ -250,7 +252,8 @@ class OffloadEngine:
                 first = self.micro_in_window == 0
                 if first:
                     self._begin_window()
-                self.optimizer.begin_micro(first=first, boundary=self._boundary())
+                self.optimizer.begin_micro(first=first, boundary=self._boundary(), speculate=self.txn.active,
+                                           grad_scale=self._loss_scale())  # fmt: skip
             self.executor.start_forward()
             with record_function("offloadpp::forward"), self.activations.forward():  # saved-tensor hooks
                 out = self.module(*args, **kwargs)
@@ -267,9 +270,7 @@ class OffloadEngine:
         scale); units are handed to the optimizer as their gradients complete."""
         self._check_open()
         t0 = time.perf_counter()
-        scale = 1.0 / self.settings.gradient_accumulation_steps
-        if self.loss_scaler is not None:
-            scale *= self.loss_scaler.scale
+        scale = self._loss_scale() / self.settings.gradient_accumulation_steps
         try:
             self.executor.start_backward()
             self.activations.start_backward()
@@ -303,15 +304,19 @@ class OffloadEngine:
             self.micro_in_window += 1
             self._opt_s += time.perf_counter() - t0
             return None
-        grad_norm, skipped = None, False
+        outcome = None
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
-        # Note: the end of a step is not interruptible. A Ctrl-C while the deferred updates run
-        # would leave some units updated: it is held until the step is complete, then raised.
+        # Note: the end of a step is not interruptible where its updates write in place (deferred
+        # updates): a Ctrl-C while they run would leave some units updated. It is held until the
+        # step is complete, then raised. (A speculating step is a transaction to its end.)
         try:
             with _holding_interrupts(), record_function("offloadpp::optimizer_wait"):
                 if self.settings.deferred_update:
-                    grad_norm, skipped = self._deferred_update(scale or 1.0)
+                    steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
+                    outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
+                                             max_norm=self.settings.gradient_clipping, steps=steps)  # fmt: skip
                 self.optimizer.finish()
+                self.optimizer.release_grads()
                 self.store.check_writes()  # a write that failed reports its own cause, here
                 check_nvme_paths(self.config.nvme_paths, probe=False)  # still there (not removed)
                 self._commit()
@@ -322,20 +327,27 @@ class OffloadEngine:
                 self._fail(e)  # deferred updates half written: the engine cannot go on
             raise
         self.micro_in_window = 0
-        if not skipped:
+        if outcome is None or not outcome.skipped:
             self.global_step += 1
-        self._opt_s += time.perf_counter() - t0
-        report = self._report(grad_norm, skipped, scale)
+        if outcome is not None and not outcome.skipped:
+            self.speculation.record(self.global_step, outcome.clipped)
+        exposed = time.perf_counter() - t0
+        self._opt_s += exposed
+        report = self._report(outcome, scale, exposed)
         if self.config.log_every and report.step % self.config.log_every == 0:
             log.info("%s", report.summary())
         return report
 
     # ---- a step as a transaction ---------------------------------------------------------------
     def _begin_window(self) -> None:
-        """A new accumulation window: its updates may run during backward (not deferred), so the
-        slots' writes go to a new generation until the step commits (slots.py)."""
-        self.txn.active = not self.settings.deferred_update
+        """A new accumulation window: its updates may run during backward (not deferred, or
+        speculative), so the slots' writes go to a new generation until the step commits
+        (slots.py)."""
+        self.txn.active = not self.settings.deferred_update or self.speculation.speculating
         self._window_steps = [list(u.steps) for u in self.units]
+
+    def _loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def _commit(self) -> None:
         for u in self.units:
@@ -376,9 +388,7 @@ class OffloadEngine:
             if updated and u.device.is_cuda and u.weights.resident:
                 refresh.append(u)
         for u in refresh:  # a resident device copy took the forgotten update: the committed one back
-            u.compute.acquire(Hold.EXPORT)
-            u.weights.refresh()
-            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
+            u.refresh_resident()
         self.executor.end_backward()
         self.activations.end_backward()
         self.txn.active = False
@@ -395,79 +405,6 @@ class OffloadEngine:
         if self._failed is None:
             self._failed = cause
             log.error("offloadpp: the engine cannot go on: %s", cause)
-
-    def _deferred_update(self, scale: float) -> tuple[float, bool]:
-        """Clipping / fp16 overflow: every norm is known now; then the updates run."""
-        self.optimizer.wait_absorbed()
-        sq = sum(u.sq_norm for u in self.optimizer.order if u.sq_norm is not None)
-        finite = math.isfinite(sq)
-        grad_norm = math.sqrt(sq) / scale if finite else float("inf")
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=not finite)
-            if not finite:
-                self.optimizer.skip_update()
-                return grad_norm, True
-        elif not finite:
-            raise FloatingPointError(f"the global gradient norm is {sq} (inf or nan): the loss diverged")
-        clip = 1.0
-        if self.settings.gradient_clipping > 0:
-            clip = min(1.0, self.settings.gradient_clipping / (grad_norm + 1e-6))
-        self.optimizer.run_deferred(clip_coef=clip, grad_scale=scale)
-        return grad_norm, False
-
-    # ---- reports ----------------------------------------------------------------------------
-    def _reset_step_counters(self) -> None:
-        self.activations.reset_stats()
-        self.device_pool.reset_step_peak()
-        self.host_pool.reset_step_peak()
-        self.device.step_peak_bytes = self.device.bytes_in_use
-        self._step_t0: Optional[float] = None
-        self._fwd_s = self._bwd_s = self._opt_s = 0.0
-        self._io0 = self.store.stats
-        self._wait0 = self._waits()
-        self._adam0 = self.optimizer.adam_s
-        self._misses0 = self.executor.misses
-        self._h2d0, self._d2h0 = self.device.h2d_bytes, self.device.d2h_bytes
-
-    def _waits(self) -> float:
-        act = self.activations.swapper
-        return (
-            self.executor.wait_s + self.device_pool.wait_s + self.host_pool.wait_s
-            + act.swap_out_wait_s + act.swap_in_wait_s
-        )  # fmt: skip
-
-    def _report(self, grad_norm, skipped: bool, scale) -> StepReport:
-        io = self.store.stats - self._io0
-        wait = self._waits() - self._wait0
-        compute = max(0.0, self._fwd_s + self._bwd_s - wait)
-        adam = self.optimizer.adam_s - self._adam0
-        ssd = io.bytes_read / (self.ssd_read_gbps * 1e9) + io.bytes_written / (self.ssd_write_gbps * 1e9)
-        now = time.perf_counter()
-        report = StepReport(
-            step=self.global_step,
-            step_s=now - (self._step_t0 if self._step_t0 is not None else now),
-            forward_s=self._fwd_s,
-            backward_s=self._bwd_s,
-            optimizer_wait_s=self._opt_s,
-            fetch_wait_s=wait,
-            compute_s=compute,
-            adam_s=adam,
-            ssd_s=ssd,
-            floor_s=max(compute, ssd, adam),
-            ssd_read_bytes=io.bytes_read,
-            ssd_write_bytes=io.bytes_written,
-            host_to_device_bytes=self.device.h2d_bytes - self._h2d0,
-            device_to_host_bytes=self.device.d2h_bytes - self._d2h0,
-            fetch_misses=self.executor.misses - self._misses0,
-            grad_norm=grad_norm,
-            skipped=skipped,
-            loss_scale=scale,
-            predicted_s=self.predicted.step_s if self.predicted is not None else None,
-            budgets=self.budget_report(),
-            recompute_s=self.activations.recompute_s,
-        )
-        self._reset_step_counters()
-        return report
 
     # ---- the rest of the API ----------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -538,35 +475,6 @@ class OffloadEngine:
     def disk_bytes(self) -> int:
         """Bytes the swap files occupy."""
         return self.store.disk_bytes()
-
-    def budget_report(self) -> tuple[BudgetUse, ...]:
-        """Each budget with the most the engine held against it in the current step and since it
-        started, by its own accounting: the device buffers (on CUDA the device copies, on the CPU
-        device its pool) against the device budget less the activations' part, the host buffers
-        (optimizer state, gradients, staging), the saved activations on the device against their
-        part, and the host buffers of swapped activations (not limited)."""
-        b = self.plan.budgets
-        if self.device.is_cuda:
-            dev_step, dev_run = self.device.step_peak_bytes, self.device.peak_bytes
-        else:
-            dev_step, dev_run = self.device_pool.step_peak_bytes, self.device_pool.peak_bytes
-        act = self.activations.stats()
-        self._act_run_peak = max(getattr(self, "_act_run_peak", 0), act.peak_device_bytes)
-        self._act_host_run_peak = max(getattr(self, "_act_host_run_peak", 0), act.peak_host_bytes)
-        return (
-            BudgetUse("device", b.buffer_bytes, dev_step, dev_run),
-            BudgetUse("host", b.host_bytes, self.host_pool.step_peak_bytes, self.host_pool.peak_bytes),
-            BudgetUse("activations", b.activation_bytes, act.peak_device_bytes, self._act_run_peak),
-            BudgetUse("activation staging", None, act.peak_host_bytes, self._act_host_run_peak),
-        )
-
-    def peak_device_bytes(self) -> int:
-        """Peak bytes of the runtime's own device buffers so far (activations not counted)."""
-        return self.budget_report()[0].run_peak_bytes
-
-    def peak_host_bytes(self) -> int:
-        """Peak bytes of the runtime's host buffers so far (optimizer state, gradients, staging)."""
-        return self.host_pool.peak_bytes
 
     def _check_open(self) -> None:
         if self._closed:

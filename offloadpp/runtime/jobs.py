@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.autograd.profiler import record_function
 
-from offloadpp.optim import adam_step_flat, convert_, squared_norm
+from offloadpp.optim import adam_step_flat, adam_step_pieces, convert_, squared_norm
 
 from .device import CudaEventWaitable
 from .slots import Slot
@@ -33,7 +33,13 @@ class _Job:
     grads_event: Optional[CudaEventWaitable] = None
     staging: Optional[torch.Tensor] = None  # CUDA: pinned buffer the grads arrived in
     first_micro: bool = True
-    need_norm: bool = False
+    # The tensors whose squared norm the job takes (clipping, fp16): one per parameter that has a
+    # gradient, in order (views of gbuf, or the gradients themselves), so that the norm is the
+    # same whichever way the unit is updated (see Unit.norm_pieces).
+    norm: Optional[list] = None
+    # (pieces [(start, end, grad)], step): one fused Adam call over the pieces that takes their
+    # squared norm in the same pass (the pieces' grads are `norm`), instead of a pass of its own.
+    fused: Optional[tuple] = None
     gbuf: Optional[torch.Tensor] = None
     update: bool = False
     segments: list = field(default_factory=list)  # [(start, end, step, update)] over gbuf
@@ -100,10 +106,18 @@ def _work(job: _Job, store) -> _Done:
                 for i, (_, s) in enumerate(job.unit.params):
                     if i not in have:
                         gb[s.offset : s.offset + s.numel].zero_()
-            if job.need_norm:
-                sq = squared_norm(gb[: job.unit.numel], num_threads=job.threads)
+    if job.norm is not None and job.fused is None:
+        sq = squared_norm(job.norm, num_threads=job.threads)
     t1 = time.perf_counter()
-    if job.update:
+    if job.update and job.fused is not None:
+        with record_function("offloadpp::adam"):
+            pieces, step = job.fused
+            sq = adam_step_pieces(job.master, job.exp_avg, job.exp_avg_sq, pieces, step=step + 1,
+                                  half_out=job.half, num_threads=job.threads, **job.step_args)  # fmt: skip
+            for a, b, _, upd in job.segments if job.half is not None else ():
+                if not upd:
+                    convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
+    elif job.update:
         with record_function("offloadpp::adam"):
             for a, b, step, g in job.direct or ():
                 if g is not None:

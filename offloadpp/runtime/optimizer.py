@@ -25,6 +25,12 @@ their state read during backward (begin_backward) and their gradients kept in me
 gradients are written to SSD (where they live there) and read back with their state, q ahead.
 Exact torch semantics, at the cost of running Adam and part of the state traffic after backward
 instead of during it (docs/runtime.md has the numbers).
+
+Note: speculative updates (runtime/speculation.py). A speculating window reads the same window
+at the start of backward, but each unit in it is updated as its gradients complete, with the raw
+gradients, its norm taken in the Adam pass, its writes going to the new generation, its gradients
+kept held until the step is validated. What the window does not cover, and a redo, run after
+backward as deferred updates do (run_deferred).
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ class OptimizerPipeline:
         self._queued_writes: list[tuple[Slot, torch.Tensor, int]] = []  # see flush_writes
         self.boundary = False
         self.first_micro = True
+        self.speculating = False  # this window's deferred updates run speculatively (speculation.py)
+        self.grad_scale = 1.0  # fp16: the loss scale the speculative updates divide by
         self._absorb_cursor = 0
         self._update_cursor = 0
         self._absorbed = 0
@@ -93,9 +101,14 @@ class OptimizerPipeline:
         self.absorb_s = 0.0
 
     # ---- the window ----------------------------------------------------------------------
-    def begin_micro(self, *, first: bool, boundary: bool) -> None:
-        """At the first forward visit of a micro-batch: start reading what its backward needs."""
+    def begin_micro(
+        self, *, first: bool, boundary: bool, speculate: bool = False, grad_scale: float = 1.0
+    ) -> None:
+        """At the first forward visit of a micro-batch: start reading what its backward needs.
+        speculate: (deferred updates, on the boundary) update during backward with the raw
+        gradients divided by grad_scale, to be validated after it (speculation.py)."""
         self.first_micro, self.boundary = first, boundary
+        self.speculating, self.grad_scale = speculate and boundary and self.deferred, grad_scale
         self._absorb_cursor = self._update_cursor = self._absorbed = self._submitted = 0
         if first:
             for u in self.order:
@@ -122,16 +135,17 @@ class OptimizerPipeline:
                 u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro)
             self._absorb_cursor += 1
 
-    def _advance_update(self, upto: int, *, with_grads: bool = False) -> None:
+    def _advance_update(self, upto: int, *, with_grads: bool = False, order: Optional[list] = None) -> None:
         """Reads the state (and, for a deferred update, the gradients kept so far) of the
-        units up to `upto` in update order."""
-        while self._update_cursor < min(upto, len(self.update_order)):
-            u = self.update_order[self._update_cursor]
+        units up to `upto` in `order` (update order)."""
+        order = self.update_order if order is None else order
+        while self._update_cursor < min(upto, len(order)):
+            u = order[self._update_cursor]
             with record_function("offloadpp::read_state"):
                 u.master.acquire(Hold.OPTIM)
                 u.exp_avg.acquire(Hold.OPTIM)
                 u.exp_avg_sq.acquire(Hold.OPTIM)
-                if with_grads:
+                if with_grads and u.held_grads is None:
                     u.grads.acquire(Hold.OPTIM)
             self._update_cursor += 1
 
@@ -157,27 +171,64 @@ class OptimizerPipeline:
             self._advance_update(self._submitted + self.q + 1)
             self._submit(job)
             return
+        speculate = self._may_speculate(u)
+        if speculate and last and self.first_micro and not self.device.is_cuda:
+            # Note: the last unit, speculated. Its gradients complete as backward ends, so its
+            # update is the optimizer time left after backward, as without clipping. Adam reads
+            # them where autograd left them and takes their norm in the same pass; they are kept
+            # as they are until the step is validated (a redo needs them), not copied.
+            if u.grads_persist:
+                u.grads.release(Hold.OPTIM)  # (_advance_absorb took the buffer; unused)
+            u.held_grads = grads
+            self._speculate(job, u, direct=grads)
+            self._submit(job)
+            return
         u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro or not u.grads_persist)
         if self.device.is_cuda and grads:
             job.staging, job.grads_event, grads = self._grads_to_host(grads)
         job.grads = grads
         job.gbuf = u.grads.buffer
-        job.need_norm = self.deferred and self.boundary
         if self.boundary and not self.deferred:
             self._advance_update(idx + 1)
             self._fill_update(job, u, clip_coef=1.0, grad_scale=1.0)
             self._submitted += 1
             self._advance_update(self._submitted + self.q + 1)
-        elif (
-            self.deferred and self.boundary and any(u is w for w in self.update_order[: self._update_cursor])
-        ):
-            job.keep_grads = True  # its update is among the first after backward: no round trip
+        elif speculate:
+            self._speculate(job, u)
+        elif self.deferred and self.boundary:
+            job.norm = u.norm_pieces(job.gbuf)
+            if any(u is w for w in self.update_order[: self._update_cursor]):
+                job.keep_grads = True  # its update is among the first after backward: no round trip
+            elif u.grads.stored:
+                job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         elif u.grads_persist and u.grads.stored:
             job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         self._add_before(job, u.grads)
         self._submit(job)
         self._absorbed += 1
         self._advance_absorb(self._absorbed + self.q + 1)
+
+    def _may_speculate(self, u: Unit) -> bool:
+        """A speculating window updates a unit in backward where its state was read for that
+        (the deferred window, begin_backward) and all lives on SSD (Unit.can_speculate).
+
+        Note: why only within the deferred window. Speculation then holds nothing the deferred
+        schedule does not (the window's state and gradients are held through backward there
+        too), so the plan's budgets hold either way; the updates after backward (of the other
+        units, or the redo) are the deferred ones. With the read-ahead over every unit (the
+        "auto" budgets' choice where it fits) every unit is speculated."""
+        return (
+            self.speculating
+            and u.can_speculate
+            and any(u is w for w in self.update_order[: self._update_cursor])
+        )
+
+    def _speculate(self, job: _Job, u: Unit, direct: Optional[list] = None) -> None:
+        """The unit's update with the raw gradients, its norm taken in the same pass; its writes
+        go to the new generation (the step's transaction is open) and its gradients stay held."""
+        job.keep_grads = True
+        self._fill_update(job, u, clip_coef=1.0, grad_scale=self.grad_scale, direct=direct, norm=True)
+        u.speculated = True
 
     def _grads_to_host(self, grads):
         dev = self.device
@@ -199,8 +250,17 @@ class OptimizerPipeline:
         return staging, CudaEventWaitable(ev), out
 
     def _fill_update(
-        self, job: _Job, u: Unit, *, clip_coef: float, grad_scale: float, direct: Optional[list] = None
+        self,
+        job: _Job,
+        u: Unit,
+        *,
+        clip_coef: float,
+        grad_scale: float,
+        direct: Optional[list] = None,
+        norm: bool = False,
     ) -> None:
+        """An update job; norm: it also takes the gradients' norm (fused into Adam where every
+        updated parameter is at the same step, else a pass of its own first)."""
         job.update = True
         u.phase = UnitPhase.UPDATING
         job.step_args = dict(hyper=self.hyper, clip_coef=clip_coef, grad_scale=grad_scale)
@@ -224,6 +284,15 @@ class OptimizerPipeline:
             u.compute.acquire(Hold.OPTIM, overwrite=True)
             self._add_before(job, u.compute)
             job.half = u.compute.buffer
+        if norm:
+            job.norm = u.norm_pieces(job.gbuf, direct)
+            ranges = [
+                (s.offset, s.offset + s.numel, u.steps[i])
+                for i, (_, s) in enumerate(u.params)
+                if u.got_grad[i]
+            ]
+            if ranges and len({t for _, _, t in ranges}) == 1:
+                job.fused = ([(a, b, g) for (a, b, _), g in zip(ranges, job.norm)], ranges[0][2])
         if not any(upd for _, _, _, upd in job.segments):
             return  # no parameter of the unit got a gradient: nothing changed, nothing to write
         for s in (u.master, u.exp_avg, u.exp_avg_sq) + ((u.compute,) if self.separate else ()):
@@ -241,18 +310,23 @@ class OptimizerPipeline:
         self._jobs.append((job, self._worker.submit(_work, job, self.store)))
 
     def run_deferred(self, *, clip_coef: float, grad_scale: float) -> None:
-        """After backward, in deferred mode: the updates, in order, state read ahead."""
+        """After backward, in deferred mode: the updates of the units not updated yet (all, but
+        for those a validated speculation updated), in update order, state read ahead."""
+        todo = [u for u in self.update_order if not u.speculated]
         self._update_cursor = 0  # state of the first units is held already; now their grads too
-        for i, u in enumerate(self.update_order):
-            self._advance_update(i + self.q + 1, with_grads=True)
+        for i, u in enumerate(todo):
+            self._advance_update(i + self.q + 1, with_grads=True, order=todo)
             job = _Job(u, before=[], threads=self.tail_threads)
-            job.defer_writes = i == len(self.update_order) - 1
+            job.defer_writes = i == len(todo) - 1
             # Note: with every unit's state in the window (q covers them all) the moments stay
             # held anyway until the last update; their writes then wait for flush_writes, so
             # the masters, which the next forward reads back, are not queued behind them.
             job.defer_moments = self.q + 1 >= len(self.update_order)
-            job.gbuf = u.grads.buffer
-            self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale)
+            if u.held_grads is not None:  # kept where autograd left them (a redo of the last unit)
+                self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale, direct=u.held_grads)
+            else:
+                job.gbuf = u.grads.buffer
+                self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale)
             self._submit(job)
             self._submitted += 1
             self.reap()
@@ -264,6 +338,31 @@ class OptimizerPipeline:
             for s in u.slots:
                 s.release(Hold.OPTIM)
             u.phase = UnitPhase.IDLE
+        self.release_grads()
+
+    # ---- speculation (speculation.py) ------------------------------------------------------
+    def speculated(self) -> list[Unit]:
+        return [u for u in self.order if u.speculated]
+
+    def forget(self, units: list[Unit], steps: dict) -> None:
+        """The speculative updates of `units` are forgotten (a redo or a skip follows): their
+        queued writes are dropped, their slots go back to the committed generation, their step
+        counts to `steps[name]`. Their gradients stay held."""
+        self.finish()
+        self.drop_uncommitted_writes()
+        for u in units:
+            u.forget_update(steps[u.name])
+            u.phase = UnitPhase.GRADS_READY
+
+    def release_grads(self) -> None:
+        """The step is over: the gradients kept for a redo are let go (autograd's, on the thread
+        that frees gradients)."""
+        for u in self.order:
+            if u.speculated:
+                u.grads.release(Hold.OPTIM)
+            if u.held_grads is not None:
+                self._freer.submit(u.held_grads.clear)
+                u.held_grads = None
 
     # ---- completion ----------------------------------------------------------------------
     def reap(self, block: bool = False) -> None:
@@ -335,7 +434,7 @@ class OptimizerPipeline:
                 after = (u.weights.last_copy,)
             if u.name in self.next_keep:
                 u.compute.acquire(Hold.NEXT)
-            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
+            for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):
                 s.release(Hold.OPTIM)
             u.compute.release(Hold.OPTIM, after=after)
             u.phase = UnitPhase.UPDATED
