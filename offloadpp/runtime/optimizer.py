@@ -93,6 +93,7 @@ class OptimizerPipeline:
         self.first_micro = True
         self.speculating = False  # this window's deferred updates run speculatively (speculation.py)
         self.grad_scale = 1.0  # fp16: the loss scale the speculative updates divide by
+        self._speculative: list[Unit] = []  # the units whose state was read for speculation
         self._absorb_cursor = 0
         self._update_cursor = 0
         self._absorbed = 0
@@ -125,7 +126,13 @@ class OptimizerPipeline:
         those writes still drain (a read waits for the write of its file). Started here, the
         reads find the writes done and still have all of backward to complete in.
         """
-        if self.boundary and self.deferred:
+        if self.boundary and self.deferred and self.speculating:
+            # the same window, read in the order its units' gradients complete: the first
+            # speculative update waits for its own state only (the disk serves reads in order)
+            window = self.update_order[: self.q + 1]
+            self._advance_update(len(window), order=[u for u in self.order if any(u is w for w in window)])
+            self._speculative = window
+        elif self.boundary and self.deferred:
             self._advance_update(self.q + 1)
 
     def _advance_absorb(self, upto: int) -> None:
@@ -172,11 +179,14 @@ class OptimizerPipeline:
             self._submit(job)
             return
         speculate = self._may_speculate(u)
-        if speculate and last and self.first_micro and not self.device.is_cuda:
-            # Note: the last unit, speculated. Its gradients complete as backward ends, so its
-            # update is the optimizer time left after backward, as without clipping. Adam reads
-            # them where autograd left them and takes their norm in the same pass; they are kept
-            # as they are until the step is validated (a redo needs them), not copied.
+        if speculate and self.first_micro and not self.device.is_cuda and (last or not u.grads.resident):
+            # Note: speculated gradients on the CPU device. They already are in host memory, and
+            # without accumulation they are the unit's whole gradient: Adam reads them where
+            # autograd left them and takes their norm in the same pass, and they are kept as they
+            # are until the step is validated (a redo needs them) instead of copied into the
+            # gradient buffer that would keep them otherwise (given back: the same bytes, held
+            # as long). The last unit's are kept so even where the buffer is resident: its update
+            # is the optimizer's time after backward, which without clipping has no copy either.
             if u.grads_persist:
                 u.grads.release(Hold.OPTIM)  # (_advance_absorb took the buffer; unused)
             u.held_grads = grads
@@ -217,11 +227,7 @@ class OptimizerPipeline:
         too), so the plan's budgets hold either way; the updates after backward (of the other
         units, or the redo) are the deferred ones. With the read-ahead over every unit (the
         "auto" budgets' choice where it fits) every unit is speculated."""
-        return (
-            self.speculating
-            and u.can_speculate
-            and any(u is w for w in self.update_order[: self._update_cursor])
-        )
+        return self.speculating and u.can_speculate and any(u is w for w in self._speculative)
 
     def _speculate(self, job: _Job, u: Unit, direct: Optional[list] = None) -> None:
         """The unit's update with the raw gradients, its norm taken in the same pass; its writes
