@@ -231,11 +231,18 @@ def test_peak_bytes_equal_the_built_schedules_over_random_placements():
     rng = random.Random(0)
     tiers = (Tier.DEVICE, Tier.HOST, Tier.SSD)
     checked = 0
-    for device, dtype, k, q, accum, deferred in itertools.product(
-        ("cpu", "cuda"), ("fp32", "bf16"), (0, 1, 3), (0, 2, 6), (False, True), (False, True)
+    for device, dtype, k, q, accum, mode in itertools.product(
+        ("cpu", "cuda"),
+        ("fp32", "bf16"),
+        (0, 1, 3),
+        (0, 2, 6),
+        (False, True),
+        ("in-backward", "deferred", "speculative"),
     ):
+        deferred = mode != "in-backward"
         base = streaming_plan(units, device=device, compute_dtype=dtype, prefetch_depth=k, optim_prefetch_depth=q,
-                              accumulate_grads=accum, deferred_update=deferred)  # fmt: skip
+                              accumulate_grads=accum, deferred_update=deferred,
+                              speculative=mode == "speculative")  # fmt: skip
         for _ in range(8):
             placements = tuple(Placement(u.name, rng.choice(tiers), rng.choice(tiers[1:]), rng.choice(tiers[1:]),
                                          rng.choice(tiers[1:])) for u in units)  # fmt: skip
@@ -250,7 +257,7 @@ def test_peak_bytes_equal_the_built_schedules_over_random_placements():
                 k,
                 q,
                 accum,
-                deferred,
+                mode,
             )
             checked += 1
-    assert checked > 300
+    assert checked > 450

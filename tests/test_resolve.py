@@ -154,8 +154,10 @@ def _gpt2(n_layer=6, seed=0):
         {"compute_dtype": "bf16"},
         {"prefetch_depth": 0, "optim_prefetch_depth": 0},
         {"activations": {"policy": "ssd", "budget_bytes": 6 << 20, "min_swap_bytes": 0}},
+        {"gradient_clipping": 1e3, "speculate": "on", "optim_prefetch_depth": 1},
+        {"gradient_clipping": 1e-3, "speculate": "on", "optim_prefetch_depth": 1},
     ],
-    ids=["plain", "clip-accum", "bf16", "k0q0", "act-ssd"],
+    ids=["plain", "clip-accum", "bf16", "k0q0", "act-ssd", "speculate-q1", "speculate-q1-redo"],
 )  # act-ssd: 6 MiB holds the units backward works on (the swapped activations' working set), a
 # quarter of the 23 MiB keeping every activation takes here
 def test_streaming_minimum_holds_every_budget(tmp_path, settings, caplog):
@@ -178,6 +180,10 @@ def test_streaming_minimum_holds_every_budget(tmp_path, settings, caplog):
                 if r is not None:
                     reports.append(r)
             final = eng.budget_report()
+    if settings.get("speculate") == "on":  # a window sliding over a read-ahead short of every unit
+        assert eng.plan.speculative and eng.plan.optim_prefetch_depth == 1
+        assert all(r.speculated_units == len(eng.units) for r in reports)
+        assert all((r.redone_units > 0) == (settings["gradient_clipping"] < 1) for r in reports)
     for r in reports:
         names = [b.name for b in r.budgets]
         assert names == ["device", "host", "activations", "activation staging"]

@@ -46,18 +46,21 @@ def run(eng, data, accum: int = 1) -> list:
     return reports
 
 
+# q: the optimizer's read-ahead. None: "auto", over every unit here (the state of all is read as
+# backward starts and every gradient stays in memory); 1: the window slides, the gradients of
+# the units past the deferred window go to SSD and a redo reads them back.
+@pytest.mark.parametrize("q", [None, 1], ids=["window-all", "window-1"])
 @pytest.mark.parametrize("accum", [1, 2], ids=["one-micro-batch", "accumulation"])
 @pytest.mark.parametrize("max_norm", [1e3, 0.05], ids=["within-the-norm", "clipping"])
-def test_speculative_updates_equal_deferred_ones_bit_for_bit_and_torch(tmp_path, max_norm, accum):
+def test_speculative_updates_equal_deferred_ones_bit_for_bit_and_torch(tmp_path, max_norm, accum, q):
     ref = tiny_gpt2()
     data = batches(6 * accum)
-    spec = engine(
-        tmp_path / "spec", ref, gradient_clipping=max_norm, gradient_accumulation_steps=accum, speculate="on"
-    )
-    defer = engine(tmp_path / "defer", ref, gradient_clipping=max_norm, gradient_accumulation_steps=accum,
-                   speculate="off")  # fmt: skip
+    kw = dict(gradient_clipping=max_norm, gradient_accumulation_steps=accum, optim_prefetch_depth=q)
+    spec = engine(tmp_path / "spec", ref, speculate="on", **kw)
+    defer = engine(tmp_path / "defer", ref, speculate="off", **kw)
     try:
         assert spec.plan.speculative and not defer.plan.speculative
+        assert spec.plan.optim_prefetch_depth == (q if q is not None else len(spec.units) - 1)
         n = len(spec.units)
         reports = train_pair(ref, spec, data, accum=accum, clip=max_norm)
         assert compare(spec.module.state_dict(), ref.state_dict(), len(reports)) < 1e-5

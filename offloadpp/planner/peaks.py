@@ -27,6 +27,7 @@ from .schedule import (
     drain_device_bytes,
     drain_host_bytes,
     holds,
+    kept_grad_bytes,
     optim_host_bytes,
     structure,
 )
@@ -34,7 +35,7 @@ from .schedule import (
 
 def _shape_key(plan: Plan) -> tuple:
     return (plan.units, plan.device, plan.compute_dtype, plan.prefetch_depth, plan.optim_prefetch_depth,
-            plan.accumulate_grads, plan.deferred_update)  # fmt: skip
+            plan.accumulate_grads, plan.deferred_update, plan.speculative)  # fmt: skip
 
 
 _HOLDS: dict[tuple, tuple] = {}
@@ -70,11 +71,13 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     device_w = {}
     ssd_w = {}
     ob = {}
+    kb = {}
     for u, p in plan:
         w = u.weights_bytes(cdt)
         device_w[u.name] = 0 if p.weights is Tier.DEVICE else w
         ssd_w[u.name] = w if p.weights is Tier.SSD else 0
         ob[u.name] = optim_host_bytes(plan, u, p)
+        kb[u.name] = kept_grad_bytes(plan, u, p)
     dev = host = 0
     for h in hs:
         d = h.grads
@@ -85,6 +88,8 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
             x += ob[n]
         for n in h.fetching:
             x += ssd_w[n]
+        for n in h.kept:
+            x += kb[n]
         dev = d if d > dev else dev
         host = x if x > host else host
     return dev + drain_device_bytes(plan), host + drain_host_bytes(plan)

@@ -167,6 +167,10 @@ class Plan:
                 f"optim_prefetch_depth={self.optim_prefetch_depth}"
             )
         self._check_activations()
+        if self.speculative and not self.deferred_update:
+            raise PlanError(
+                "speculative updates are deferred updates run during backward: speculative needs deferred_update"
+            )
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise PlanError(f"unit names must be unique, got {names}")

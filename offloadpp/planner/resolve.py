@@ -107,6 +107,9 @@ class Resolved:
     plan: Plan
     estimate: Optional[StepEstimate] = None
     candidates: tuple = ()  # plan "auto": every plan the search scored, least estimate first
+    # a speculative plan: the estimate of a step that runs its updates deferred (one that clips,
+    # or every step with speculation off); `estimate` is that of a step that validates
+    deferred_estimate: Optional[StepEstimate] = None
 
     @property
     def budgets(self) -> Budgets:
@@ -137,6 +140,38 @@ def resolve(
     if model is not None:
         _check_units(model, units)
     budgets, settings = _budgets(settings, units, machine, model)
+    try:
+        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved)
+    except PlanError:
+        if settings.plan_path is not None or not settings.deferred_update or settings.speculate != "auto":
+            raise
+        # the budgets were set for deferred updates: what speculation holds more does not fit
+        plan, est, candidates = _make_plan(settings.model_copy(update={"speculate": "off"}), units, machine,
+                                           budgets, hardware, model, saved)  # fmt: skip
+        plan = replace(plan, notes=plan.notes + (
+            "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
+    plan = with_activation_policies(plan, settings)
+    speculative = with_speculation(plan, settings, machine)
+    if speculative.speculative != plan.speculative:
+        est = None  # estimated as it was made: estimated again below, as it runs
+    plan = replace(speculative, notes=speculative.notes + settings_notes(settings, speculative))
+    if hardware is not None and not plan.ssd_stripe:
+        plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
+    deferred_est = None
+    if hardware is not None and model is not None:
+        _check_profiles(hardware, model, units, machine.device)
+        kw = dict(adam_threads=settings.adam_threads, micro_batches=settings.gradient_accumulation_steps,
+                  act_prefetch_units=settings.activations.prefetch_units)  # fmt: skip
+        if est is None:
+            est = estimate(plan, hardware, model, **kw)
+        if plan.speculative:  # what a step that clips costs: deferred updates
+            deferred_est = estimate(replace(plan, speculative=False), hardware, model, **kw)
+    return Resolved(settings, plan, est, candidates, deferred_est)
+
+
+def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved):
+    """(plan, estimate or None, candidates) for the settings: the plan file's, the search's or
+    the default plan."""
     est: Optional[StepEstimate] = None
     candidates: tuple = ()
     if settings.plan_path is not None:
@@ -156,32 +191,26 @@ def resolve(
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
         plan = _default(settings, units, machine, budgets, model)
-    plan = with_activation_policies(plan, settings)
-    speculative = with_speculation(plan, settings, machine)
-    if speculative.speculative != plan.speculative:
-        est = None  # estimated as it was made: estimated again below, as it runs
-    plan = replace(speculative, notes=speculative.notes + settings_notes(settings, speculative))
-    if hardware is not None and not plan.ssd_stripe:
-        plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
-    if est is None and hardware is not None and model is not None:
-        _check_profiles(hardware, model, units, machine.device)
-        est = estimate(plan, hardware, model, adam_threads=settings.adam_threads,
-                       micro_batches=settings.gradient_accumulation_steps,
-                       act_prefetch_units=settings.activations.prefetch_units)  # fmt: skip
-    return Resolved(settings, plan, est, candidates)
+    return plan, est, candidates
 
 
 def with_speculation(plan: Plan, settings: Settings, machine: Machine) -> Plan:
-    """The plan with `speculative` set: its updates are deferred (clipping, fp16) and the
-    settings let them run speculatively during backward (Settings.speculate), where the SSDs
-    have room for the second generation of state that needs; "auto" defers where they do not."""
+    """The plan, speculative where its updates are deferred (clipping, fp16), the settings let
+    them run speculatively during backward (Settings.speculate; the planner sized the plan for it,
+    plan_shape) and the SSDs have room for the second generation of state that needs: "auto"
+    defers where they do not, "on" is refused."""
     if not plan.deferred_update or settings.speculate == "off":
         return replace(plan, speculative=False)
-    spec = replace(plan, speculative=True)
+    if not plan.speculative:  # a plan file made without it, or budgets that do not hold it
+        if settings.plan_path is None:
+            return plan
+        return replace(
+            plan, notes=plan.notes + ("the plan file was made for deferred updates: not speculating",)
+        )
     free = machine.ssd_free_bytes
-    need = spec.ssd_footprint_bytes() * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES
+    need = plan.ssd_footprint_bytes() * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES
     if free is None or need <= free:
-        return spec
+        return plan
     msg = (
         f"speculative updates keep a second generation of the optimizer state on SSD: {fmt_bytes(need)} "
         f"where {fmt_bytes(free)} is free"
@@ -195,18 +224,18 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
     """What the settings imply that the plan's table does not show."""
     out = []
     if plan.speculative:
-        why = []
-        if settings.compute_dtype == "fp16":
-            why.append("the loss scaler's overflow check")
-        if settings.gradient_clipping > 0:
-            why.append(f"the global norm (gradient clipping {settings.gradient_clipping:g})")
-        fallback = (
-            "; while clipping keeps triggering, updates are deferred" if settings.speculate == "auto" else ""
+        clip = settings.gradient_clipping > 0
+        why = (["the loss scaler's overflow check"] if settings.compute_dtype == "fp16" else []) + (
+            [f"the global norm (gradient clipping {settings.gradient_clipping:g})"] if clip else []
         )
+        then = ["an overflowing step is skipped"] if settings.compute_dtype == "fp16" else []
+        if clip:
+            then.insert(0, "a step that clips is redone exactly from the previous generation of the state")
+        if clip and settings.speculate == "auto":
+            then.append("while clipping keeps triggering, updates are deferred")
         out.append(
             "updates run during backward speculatively with the raw gradients and are validated at its end by "
-            f"{' and '.join(why)}: a step that clips is redone exactly from the previous generation of the "
-            f"state, an overflowing one skipped{fallback}"
+            f"{' and '.join(why)}: {'; '.join(then)}"
         )
         return tuple(out)
     if settings.compute_dtype == "fp16":

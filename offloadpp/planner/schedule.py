@@ -162,7 +162,7 @@ def _keep_across(plan: Plan, sched: Schedule) -> Schedule:
         # held from its update: the backward visits after its own (a deferred update: none), and
         # the next forward's visits before the first that holds it
         span = list(range(until))
-        if not plan.deferred_update:
+        if not plan.deferred_update or plan.speculative:
             span += list(range(sched.backward_index[name] + 1, len(sched.visits)))
         span = [i for i in span if name not in helds[i]]
         if all(devs[i] + w <= peak for i in span):
@@ -224,12 +224,16 @@ class Holds:
     """Per visit, the units whose buffers are held (names; the placements decide the bytes):
     `device`: weights in device memory (before dropping those resident on the device anyway),
     `window`: the optimizer's read-ahead window, `fetching`: weights being fetched (CUDA: a pinned
-    host copy each, where they come from SSD), `grads`: the bytes of the visit's own gradients."""
+    host copy each, where they come from SSD), `grads`: the bytes of the visit's own gradients,
+    `kept`: units whose gradient buffers are kept past their update (speculation), `visit`: the
+    visit (a speculative plan has two walks of its backward visits: see holds)."""
 
     device: frozenset[str]
     window: tuple[str, ...]
     fetching: frozenset[str]
     grads: int
+    kept: tuple[str, ...] = ()
+    visit: int = 0
 
 
 def holds(plan: Plan, sched: Schedule) -> list[Holds]:
@@ -264,26 +268,68 @@ def holds(plan: Plan, sched: Schedule) -> list[Holds]:
                 held |= {n for n in sched.keep_until_update if n not in updated}
         grads = specs[v.unit].padded_numel * DTYPE_BYTES[cdt] if v.backward else 0
         fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()
-        out.append(Holds(frozenset(held), tuple(window), fetching, grads))
+        out.append(Holds(frozenset(held), tuple(window), fetching, grads, visit=v.index))
+    if plan.speculative:
+        out += _speculative_holds(plan, sched)
     return out
+
+
+def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
+    """A speculative plan's backward visits in a step that speculates (holds walks the same visits
+    deferring; a step does either, so each visit's peak is the larger of the two).
+
+    Note: what a speculating step holds (runtime/optimizer.py). The state window slides over the
+    order gradients complete in from the start of backward, as where updates are not deferred
+    (q+2 units' state at a time); the gradients of the units the deferred window covers
+    (update_order[:q+1]) stay held from their update until the step is validated, as deferring
+    keeps them, and the others' go to their home. After backward, a redo or the updates of the
+    units not speculated are the deferred ones, whose holds the deferred walk counts."""
+    alias = _alias(plan)
+    specs = {u.name: u for u in plan.units}
+    first_backward = len(sched.forward_index)
+    absorb, q = sched.absorb_order, sched.optim_window
+    keep = set(sched.update_order[: q + 1])
+    out = []
+    for v in sched.visits[first_backward:]:
+        seen = v.index - first_backward + 1
+        window = absorb[max(0, seen - 1) : min(len(absorb), seen + q + 1)]
+        updated = {w.unit for w in sched.visits[first_backward : v.index]}
+        held = set(sched.alive[v.index]) | (sched.next_keep & updated)
+        if alias:
+            held |= set(window)
+        kept = tuple(n for n in absorb if n in updated and n in keep and n not in window)
+        grads = specs[v.unit].padded_numel * DTYPE_BYTES[plan.compute_dtype]
+        fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()
+        out.append(Holds(frozenset(held), tuple(window), fetching, grads, kept, v.index))
+    return out
+
+
+def kept_grad_bytes(plan: Plan, u, p) -> int:
+    """Host bytes of a unit's gradient buffer kept past its update (Holds.kept): where its home
+    is SSD (a resident one is counted with the resident arrays)."""
+    return u.grad_bytes if plan.persistent_grads and p.grads is Tier.SSD else 0
 
 
 def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]:
     """Per visit: device bytes, host bytes, and the units whose weights are in device memory
-    (the buffers of `holds`, with this plan's placements)."""
+    (the buffers of `holds`, with this plan's placements; where a visit has two walks, the larger
+    bytes and the units both hold)."""
     cdt = plan.compute_dtype
     place = {p.unit: p for p in plan.placements}
     wb = {u.name: u.weights_bytes(cdt) for u in plan.units}
     ob = {u.name: optim_host_bytes(plan, u, place[u.name]) for u in plan.units}
-    devs, hosts, helds = [], [], []
+    kb = {u.name: kept_grad_bytes(plan, u, place[u.name]) for u in plan.units}
+    n = len(sched.visits)
+    devs, hosts, helds = [0] * n, [0] * n, [None] * n
     for h in holds(plan, sched):
-        held = {n for n in h.device if place[n].weights is not Tier.DEVICE}
-        devs.append(sum(wb[n] for n in held) + h.grads)
-        hosts.append(
-            sum(ob[n] for n in h.window) + sum(wb[n] for n in h.fetching if place[n].weights is Tier.SSD)
-        )
-        helds.append(held)
-    return devs, hosts, helds
+        held = {x for x in h.device if place[x].weights is not Tier.DEVICE}
+        i = h.visit
+        devs[i] = max(devs[i], sum(wb[x] for x in held) + h.grads)
+        host = sum(ob[x] for x in h.window) + sum(kb[x] for x in h.kept)
+        host += sum(wb[x] for x in h.fetching if place[x].weights is Tier.SSD)
+        hosts[i] = max(hosts[i], host)
+        helds[i] = held if helds[i] is None else helds[i] & held
+    return devs, hosts, [h if h is not None else set() for h in helds]
 
 
 def _fill_gaps(plan: Plan, sched: Schedule) -> tuple[frozenset[str], ...]:

@@ -26,11 +26,13 @@ gradients are written to SSD (where they live there) and read back with their st
 Exact torch semantics, at the cost of running Adam and part of the state traffic after backward
 instead of during it (docs/runtime.md has the numbers).
 
-Note: speculative updates (runtime/speculation.py). A speculating window reads the same window
-at the start of backward, but each unit in it is updated as its gradients complete, with the raw
-gradients, its norm taken in the Adam pass, its writes going to the new generation, its gradients
-kept held until the step is validated. What the window does not cover, and a redo, run after
-backward as deferred updates do (run_deferred).
+Note: speculative updates (runtime/speculation.py). A speculating step reads state as updates
+that are not deferred do, q units ahead in the order gradients complete (from the start of
+backward), and updates each unit as its gradients complete, with the raw gradients, its norm
+taken in the Adam pass, its writes going to the new generation. Its gradients stay until the
+step is validated: in memory for the deferred window's units (update_order[:q+1], as deferring
+keeps them), at their home for the others. Units whose state lives in memory, and a redo, are
+updated after backward as deferred updates are (run_deferred).
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ class OptimizerPipeline:
         self.first_micro = True
         self.speculating = False  # this window's deferred updates run speculatively (speculation.py)
         self.grad_scale = 1.0  # fp16: the loss scale the speculative updates divide by
-        self._speculative: list[Unit] = []  # the units whose state was read for speculation
+        # deferred windows: the units whose state is read during backward and whose gradients stay
+        # in memory until their update (update_order[:q+1]); a speculating step keeps theirs too
+        self._kept: frozenset = frozenset()
         self._absorb_cursor = 0
         self._update_cursor = 0
         self._absorbed = 0
@@ -126,12 +130,11 @@ class OptimizerPipeline:
         those writes still drain (a read waits for the write of its file). Started here, the
         reads find the writes done and still have all of backward to complete in.
         """
-        if self.boundary and self.deferred and self.speculating:
-            # the same window, read in the order its units' gradients complete: the first
-            # speculative update waits for its own state only (the disk serves reads in order)
-            window = self.update_order[: self.q + 1]
-            self._advance_update(len(window), order=[u for u in self.order if any(u is w for w in window)])
-            self._speculative = window
+        self._kept = frozenset(u.name for u in self.update_order[: self.q + 1])
+        if self.boundary and self.speculating:
+            # the window slides over the order gradients complete in, as where updates are not
+            # deferred (schedule._speculative_holds)
+            self._advance_update(self.q + 1, order=self.order, sliding=True)
         elif self.boundary and self.deferred:
             self._advance_update(self.q + 1)
 
@@ -142,12 +145,18 @@ class OptimizerPipeline:
                 u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro)
             self._absorb_cursor += 1
 
-    def _advance_update(self, upto: int, *, with_grads: bool = False, order: Optional[list] = None) -> None:
+    def _advance_update(
+        self, upto: int, *, with_grads: bool = False, order: Optional[list] = None, sliding: bool = False
+    ) -> None:
         """Reads the state (and, for a deferred update, the gradients kept so far) of the
-        units up to `upto` in `order` (update order)."""
+        units up to `upto` in `order` (update order); sliding: the window of a speculating step,
+        over the order gradients complete in."""
         order = self.update_order if order is None else order
         while self._update_cursor < min(upto, len(order)):
             u = order[self._update_cursor]
+            if sliding and not u.can_speculate:
+                self._update_cursor += 1  # updated after backward: its state is read then
+                continue
             with record_function("offloadpp::read_state"):
                 u.master.acquire(Hold.OPTIM)
                 u.exp_avg.acquire(Hold.OPTIM)
@@ -178,8 +187,16 @@ class OptimizerPipeline:
             self._advance_update(self._submitted + self.q + 1)
             self._submit(job)
             return
-        speculate = self._may_speculate(u)
-        if speculate and self.first_micro and not self.device.is_cuda and (last or not u.grads.resident):
+        speculate = self.speculating and u.can_speculate
+        kept = u.name in self._kept
+        if self.speculating:
+            self._advance_update(idx + 1, order=self.order, sliding=True)
+        if (
+            speculate
+            and self.first_micro
+            and not self.device.is_cuda
+            and (last or (kept and not u.grads.resident))
+        ):
             # Note: speculated gradients on the CPU device. They already are in host memory, and
             # without accumulation they are the unit's whole gradient: Adam reads them where
             # autograd left them and takes their norm in the same pass, and they are kept as they
@@ -190,8 +207,9 @@ class OptimizerPipeline:
             if u.grads_persist:
                 u.grads.release(Hold.OPTIM)  # (_advance_absorb took the buffer; unused)
             u.held_grads = grads
-            self._speculate(job, u, direct=grads)
+            self._speculate(job, u, kept=True, direct=grads)
             self._submit(job)
+            self._slide()
             return
         u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro or not u.grads_persist)
         if self.device.is_cuda and grads:
@@ -204,10 +222,10 @@ class OptimizerPipeline:
             self._submitted += 1
             self._advance_update(self._submitted + self.q + 1)
         elif speculate:
-            self._speculate(job, u)
+            self._speculate(job, u, kept=kept)
         elif self.deferred and self.boundary:
             job.norm = u.norm_pieces(job.gbuf)
-            if any(u is w for w in self.update_order[: self._update_cursor]):
+            if kept:
                 job.keep_grads = True  # its update is among the first after backward: no round trip
             elif u.grads.stored:
                 job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
@@ -217,22 +235,22 @@ class OptimizerPipeline:
         self._submit(job)
         self._absorbed += 1
         self._advance_absorb(self._absorbed + self.q + 1)
+        if self.speculating:
+            self._slide()
 
-    def _may_speculate(self, u: Unit) -> bool:
-        """A speculating window updates a unit in backward where its state was read for that
-        (the deferred window, begin_backward) and all lives on SSD (Unit.can_speculate).
+    def _slide(self) -> None:
+        """A speculating window: one more unit handed out, the state window moves on."""
+        self._submitted += 1
+        self._advance_update(self._submitted + self.q + 1, order=self.order, sliding=True)
 
-        Note: why only within the deferred window. Speculation then holds nothing the deferred
-        schedule does not (the window's state and gradients are held through backward there
-        too), so the plan's budgets hold either way; the updates after backward (of the other
-        units, or the redo) are the deferred ones. With the read-ahead over every unit (the
-        "auto" budgets' choice where it fits) every unit is speculated."""
-        return self.speculating and u.can_speculate and any(u is w for w in self._speculative)
-
-    def _speculate(self, job: _Job, u: Unit, direct: Optional[list] = None) -> None:
+    def _speculate(self, job: _Job, u: Unit, *, kept: bool, direct: Optional[list] = None) -> None:
         """The unit's update with the raw gradients, its norm taken in the same pass; its writes
-        go to the new generation (the step's transaction is open) and its gradients stay held."""
-        job.keep_grads = True
+        go to the new generation (the step's transaction is open). Its gradients stay until the
+        step is validated: held where `kept` (the deferred window's units: deferring holds them
+        too), else written to their home, to be read back by a redo."""
+        job.keep_grads = kept
+        if not kept and direct is None and u.grads.stored:
+            job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         self._fill_update(job, u, clip_coef=1.0, grad_scale=self.grad_scale, direct=direct, norm=True)
         u.speculated = True
 
