@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test lint format demo doctor bench-io bench-adam bench-step bench-ab clean
+.PHONY: setup build test lint format demo doctor bench-io bench-adam bench-step bench-ab gpu-check clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -27,6 +27,10 @@ format: setup
 # The main job: fine-tune with all training state on disk, then a short A/B against ZeRO-Infinity.
 demo: setup
 	@bash scripts/demo.sh
+
+# On a CUDA machine: build, the runtime's correctness on the GPU, the A/B against ZeRO-Infinity (TFLOPS).
+gpu-check:
+	@bash scripts/gpu_check.sh
 
 doctor: setup
 	$(PY) -m offloadpp doctor --dir runs/nvme

@@ -64,8 +64,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy", "pydantic>=2", "psutil", "tqdm"],
     extras_require={
-        "deepspeed": ["deepspeed"],
-        "hf": ["transformers", "safetensors"],
+        "deepspeed": ["deepspeed", "hjson"],
+        "hf": ["transformers", "safetensors", "accelerate"],
         "dev": ["pytest", "ruff"],
     },
     entry_points={"console_scripts": ["offloadpp=offloadpp.cli.main:main"]},

@@ -102,6 +102,10 @@ def main(argv=None) -> int:
         total = 0.0
         for _ in range(gas):
             ids, labels = next(batches)
+            ids, labels = (
+                ids.to(engine.device),
+                labels.to(engine.device),
+            )  # the engine's device (LOCAL_RANK's)
             loss = engine(input_ids=ids, labels=labels).loss
             engine.backward(loss)
             engine.step()

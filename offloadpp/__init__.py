@@ -22,3 +22,19 @@ def initialize(*args, **kwargs):
     from offloadpp.integrations.deepspeed import initialize as _initialize
 
     return _initialize(*args, **kwargs)
+
+
+def patch_deepspeed() -> None:
+    """Afterwards `deepspeed.initialize`, from any caller (Hugging Face Trainer and Accelerate
+    included), returns offloadpp's engine for a config whose `offloadpp` block is enabled and
+    DeepSpeed's otherwise (see offloadpp.integrations.deepspeed.patch)."""
+    from offloadpp.integrations.deepspeed import patch_deepspeed as _patch
+
+    _patch()
+
+
+def unpatch_deepspeed() -> None:
+    """Undoes patch_deepspeed()."""
+    from offloadpp.integrations.deepspeed import unpatch_deepspeed as _unpatch
+
+    _unpatch()

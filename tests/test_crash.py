@@ -25,9 +25,15 @@ TRIALS = 20  # kills that land inside the phase, per kind
 class Zygote:
     def __init__(self):
         here = os.path.dirname(os.path.abspath(__file__))
+        # its own one-process group: not this process's (whose port is taken: initialize set it up)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        }
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(here, "crash_worker.py"), "zygote"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=here,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=here, env=env,
         )  # fmt: skip
         line = self._answer()
         if line != "ready":

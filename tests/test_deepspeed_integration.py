@@ -86,6 +86,7 @@ def reference(model, cfg, data):
 def train(engine, data):
     losses = []
     for ids in data:
+        ids = ids.to(engine.device)  # CUDA (LOCAL_RANK's) where present, else the CPU as the device
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
@@ -223,5 +224,82 @@ def test_without_the_block_it_is_deepspeed(tmp_path, monkeypatch):
     import deepspeed
 
     engine, *_ = offloadpp.initialize(model=tiny_gpt2(), config=cfg)
-    assert isinstance(engine, deepspeed.DeepSpeedEngine)
+    assert type(engine) is deepspeed.DeepSpeedEngine  # DeepSpeed's own, not offloadpp's subclass
     train(engine, batches(1))
+
+
+@pytest.mark.parametrize("as_callable", [False, True])
+def test_client_optimizer_groups_and_scheduler(tmp_path, as_callable):
+    """optimizer= a torch AdamW with two param groups (or a callable making it) and lr_scheduler=
+    a torch scheduler built on it: each group keeps its own hyper-parameters as the schedule
+    changes them, as torch trains the same model."""
+    cfg = ds_config(tmp_path / "nvme", gradient_clipping=1.0)
+    del cfg["optimizer"], cfg["scheduler"]
+    data = batches(5)
+
+    def make_opt(params_of):
+        decay = [p for n, p in params_of if p.ndim >= 2]
+        rest = [p for n, p in params_of if p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0,
+                                  "betas": (0.8, 0.95)}], lr=2e-3)  # fmt: skip
+
+    def warmup(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+    ref = tiny_gpt2()
+    opt_ref = make_opt(list(ref.named_parameters()))
+    sched_ref = warmup(opt_ref)
+    for ids in data:
+        ref(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        sched_ref.step()
+
+    model = tiny_gpt2()
+    named = list(model.named_parameters())
+    if as_callable:
+        client = lambda params: make_opt(named)  # noqa: E731  DeepSpeed calls it with the parameters
+        engine, opt, _, sched = offloadpp.initialize(
+            model=model, optimizer=client, lr_scheduler=warmup, config=cfg
+        )
+    else:
+        client = make_opt(named)
+        engine, opt, _, sched = offloadpp.initialize(model=model, optimizer=client, lr_scheduler=warmup(client),
+                                                     config=cfg)  # fmt: skip
+        assert opt.param_groups is client.param_groups  # one set of group dicts: either object drives it
+    assert len(opt.param_groups) == 2 and engine.optimizer_name() == "AdamW"
+    train(engine, data)
+    assert compare_weights(engine.module.state_dict(), ref.state_dict(), lr=2e-3, steps=5) < 1e-5
+    engine.close()
+
+
+def test_checkpoint_with_frozen_parameters(tmp_path):
+    """A model with a frozen parameter (not given to the optimizer): the checkpoint holds it (its
+    arrays are whole units, exclude_frozen_parameters or not), and loading gives back every value."""
+
+    def frozen_model(seed):
+        m = tiny_gpt2(seed)
+        m.transformer.wpe.weight.requires_grad_(False)
+        return m
+
+    def trainable(m):
+        return [p for p in m.parameters() if p.requires_grad]
+
+    model = frozen_model(0)
+    engine, *_ = offloadpp.initialize(
+        model=model, model_parameters=trainable(model), config=ds_config(tmp_path / "nvme")
+    )
+    train(engine, batches(2))
+    engine.save_checkpoint(str(tmp_path / "ckpt"), exclude_frozen_parameters=True)
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.close()
+
+    other = frozen_model(7)
+    resumed, *_ = offloadpp.initialize(
+        model=other, model_parameters=trainable(other), config=ds_config(tmp_path / "nvme2")
+    )
+    resumed.load_checkpoint(str(tmp_path / "ckpt"), load_module_strict=False)
+    got = resumed.module.state_dict()
+    assert all(torch.equal(got[k], saved[k]) for k in saved)
+    resumed.close()

@@ -197,9 +197,26 @@ def test_load_from_path_and_args(tmp_path):
         load_ds_config(str(tmp_path / "missing.json"))
 
 
+def _as_trainer_fills_it(cfg: dict) -> dict:
+    filled = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "enabled": False}  # fmt: skip
+
+    def fill(node):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                fill(v)
+            elif v == "auto":
+                node[k] = filled[k]
+        return node
+
+    return fill(cfg)
+
+
 def test_shipped_configs_are_valid_pairs():
     import glob
     import os
+
+    from offloadpp.integrations.deepspeed.build import parse_ds_config
 
     root = os.path.join(os.path.dirname(__file__), "..", "ds_configs")
     pairs = sorted(glob.glob(os.path.join(root, "*.offloadpp.json")))
@@ -212,6 +229,8 @@ def test_shipped_configs_are_valid_pairs():
         a.pop("offloadpp")
         assert a == b, f"{ours} and {theirs} differ beyond the offloadpp block"
         parse_block(json.load(open(ours)))
+        # every DeepSpeed key in it honoured or ignored, once Trainer has filled in its "auto"s
+        parse_ds_config(_as_trainer_fills_it(json.load(open(ours))))
 
 
 def test_every_block_key_is_documented():

@@ -43,6 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--turn-steps", type=int, default=2, help="steps each side runs per turn when interleaving"
     )
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        help="cap each side's CUDA memory (torch.cuda.set_per_process_memory_fraction), e.g. 24 for a 24 GiB card "
+        "on a larger GPU; no effect without CUDA",
+    )
 
 
 def free_port() -> int:
@@ -83,6 +91,10 @@ class _Side:
             "--model", args.model, "--init", init_path, "--steps", str(args.steps), "--seed", str(args.seed),
             "--nvme-dir", self.nvme, "--out", self.result_path,
         ] + (["--turns"] if turns else [])  # fmt: skip
+        if args.seq_len:
+            cmd += ["--seq-len", str(args.seq_len)]
+        if args.device_memory_gib:
+            cmd += ["--device-memory-gib", str(args.device_memory_gib)]
         print(f"== {side}: {' '.join(cmd)}", flush=True)
         pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) if turns else {}
         self.proc = subprocess.Popen(cmd, env=env, **pipes)
@@ -154,6 +166,10 @@ def summarize(r: dict) -> dict:
         "ssd_read_gib": r["ssd_read_bytes"] / 2**30,
         "ssd_write_gib": r["ssd_write_bytes"] / 2**30,
         "final_loss": r["steps"][-1]["loss"],
+        "device": r.get("device"),
+        "device_memory_cap_gib": None
+        if not r.get("device_memory_cap_bytes")
+        else r["device_memory_cap_bytes"] / 2**30,
     }
 
 
@@ -215,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
         results = run_sides(sides, args, init_path, args.out)
     summ = {s: summarize(r) for s, r in results.items()}
     table = format_table(summ)
+    for s in sides:
+        cap = summ[s]["device_memory_cap_gib"]
+        print(f"{s}: device {summ[s]['device']}" + (f", memory capped to {cap:.1f} GiB" if cap else ""))
     print(table)
     if len(sides) == 2:
         diffs = [

@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nvme-dir", required=True, help="fresh directory for this side's swap files")
     p.add_argument("--out", required=True)
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--device-memory-gib", type=float, default=None, help="cap on this process's CUDA memory")
     p.add_argument(
         "--turns",
         action="store_true",
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from offloadpp.bench.data import byte_batches, stdlib_docstrings
 
     torch.manual_seed(args.seed)
+    cap = _cap_device_memory(args.device_memory_gib)
     cfg = _load_config(args.config, args.side)
     zero = cfg.setdefault("zero_optimization", {})
     for key in ("offload_param", "offload_optimizer"):
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     micro = cfg.get("train_micro_batch_size_per_gpu", preset.micro_batch)
     gas = cfg.get("gradient_accumulation_steps", 1)
-    batches = byte_batches(stdlib_docstrings(), micro, preset.seq_len, seed=args.seed)
+    seq_len = args.seq_len or preset.seq_len
+    batches = byte_batches(stdlib_docstrings(), micro, seq_len, seed=args.seed)
     io0 = _proc_io()
     steps = []
     for step in _step_turns(args.steps, args.turns):
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         losses = []
         for _ in range(gas):
             ids, labels = next(batches)
+            ids, labels = ids.to(engine.device), labels.to(engine.device)  # both engines: LOCAL_RANK's device
             loss = engine(input_ids=ids, labels=labels).loss
             engine.backward(loss)
             engine.step()
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     io1 = _proc_io()
 
-    tokens_per_step = micro * gas * preset.seq_len
+    tokens_per_step = micro * gas * seq_len
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     result = {
         "side": args.side,
@@ -142,10 +147,26 @@ def main(argv: list[str] | None = None) -> int:
         "ssd_read_bytes": io1["read_bytes"] - io0["read_bytes"],
         "ssd_write_bytes": io1["write_bytes"] - io0["write_bytes"],
         "peak_device_bytes": _peak_device_bytes(engine),
+        "device": str(engine.device),
+        "device_memory_cap_bytes": cap,
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     return 0
+
+
+def _cap_device_memory(gib) -> int | None:
+    """Caps this process's CUDA memory to `gib` GiB (a smaller card's, on a larger GPU); the bytes,
+    or None when there is no cap (or no CUDA)."""
+    import torch
+
+    if not gib or not torch.cuda.is_available():
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    total = torch.cuda.get_device_properties(local).total_memory
+    cap = int(gib * 2**30)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), local)
+    return min(cap, total)
 
 
 def _step_turns(total: int, turns: bool):

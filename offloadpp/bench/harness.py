@@ -96,6 +96,7 @@ def make_engines(model, contenders: Sequence[Contender], root: str, *, ssd_gbps:
 
 def _engine_step(c: Contender, batch: dict, timed: bool) -> None:
     e = c.engine
+    batch = {k: v.to(e.device.torch_device) for k, v in batch.items()}  # the plan's device (CUDA or CPU)
     t0 = time.perf_counter()
     e.backward(e(**batch).loss)
     r = e.step()

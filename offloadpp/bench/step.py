@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -78,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="offloadpp's speculative updates with --clip (Settings.speculate)",
+    )
+    p.add_argument(
+        "--checksum-cost",
+        action="store_true",
+        help="also run offloadpp with payload checksums off, alternating with the others: the cost of CRC-32C",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON to PATH")
@@ -177,8 +183,17 @@ def run(args: argparse.Namespace) -> int:
             ssd_write_gbps=write_gbps,
             log_every=0,
         )
+        nocrc_model = copy.deepcopy(model) if args.checksum_cost else None
         engine = assemble_engine(model, cfg, hyper=AdamHyper(lr=lr))
         _log(engine.plan.describe())
+        engines = {"offloadpp": engine}
+        if args.checksum_cost:  # the same run, payload checksums off: what CRC-32C costs a step
+            d2 = os.path.join(args.dir, "nocrc")
+            os.makedirs(d2)
+            cfg2 = cfg.model_copy(
+                update={"nvme_paths": (d2,), "io": cfg.io.model_copy(update={"checksum": False})}
+            )
+            engines["offloadpp, no checksum"] = assemble_engine(nocrc_model, cfg2, hyper=AdamHyper(lr=lr))
         g = torch.Generator().manual_seed(args.seed + 1)
         data = [
             torch.randint(0, preset.vocab_size, (preset.micro_batch, preset.seq_len), generator=g)
@@ -188,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             "fused": torch.optim.AdamW(ref.parameters(), lr=lr, fused=True),
             "foreach": torch.optim.AdamW(ref.parameters(), lr=lr, foreach=True),
         }
-        rows = {"torch": [], "offloadpp": []}
+        rows = {"torch": [], **{name: [] for name in engines}}
         state = {"i": 0, "opt": "fused", "torch_fb": [], "reports": [], "opt_times": {k: [] for k in opts}}
 
         def torch_step(timed: bool) -> None:
@@ -209,16 +224,18 @@ def run(args: argparse.Namespace) -> int:
             else:
                 state["opt_times"][state["opt"]].append(t2 - t1)
 
-        def engine_step(timed: bool) -> None:
+        def engine_step(timed: bool, name: str = "offloadpp") -> None:
+            e = engines[name]
             x = data[state["i"] % len(data)]
             state["i"] += 1
             t0 = time.perf_counter()
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            r = engine.step()
+            e.backward(e(input_ids=x, labels=x).loss)
+            r = e.step()
             t1 = time.perf_counter()
             if timed:
-                rows["offloadpp"].append(t1 - t0)
-                state["reports"].append(r)
+                rows[name].append(t1 - t0)
+                if name == "offloadpp":
+                    state["reports"].append(r)
 
         for name in ("fused", "foreach"):  # warm-up: both torch optimizers, keep the faster
             state["opt"] = name
@@ -234,15 +251,18 @@ def run(args: argparse.Namespace) -> int:
         for o in opts.values():
             o.zero_grad(set_to_none=True)
         state["opt"] = min(opts, key=lambda k: min(state["opt_times"][k]))
-        for _ in range(args.warmup):
-            engine_step(False)
-        with tqdm(total=2 * args.steps, desc="bench step", file=sys.stderr) as bar:
-            while len(rows["torch"]) < args.steps or len(rows["offloadpp"]) < args.steps:
-                for name, fn in (("torch", torch_step), ("offloadpp", engine_step)):
+        for name in engines:
+            for _ in range(args.warmup):
+                engine_step(False, name)
+        contenders = [("torch", torch_step)] + [(n, functools.partial(engine_step, name=n)) for n in engines]
+        with tqdm(total=len(contenders) * args.steps, desc="bench step", file=sys.stderr) as bar:
+            while any(len(rows[n]) < args.steps for n, _ in contenders):
+                for name, fn in contenders:
                     for _ in range(min(args.block, args.steps - len(rows[name]))):
                         fn(True)
                         bar.update(1)
-        engine.close()
+        for e in engines.values():
+            e.close()
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     report = _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_s, engine)
@@ -321,6 +341,10 @@ def _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_
         "paired_ratio_vs_torch": med(o / t for o, t in zip(rows["offloadpp"], rows["torch"])),
         "ratio_vs_floor": ours / floor,
     }
+    if "offloadpp, no checksum" in rows:
+        nocrc = med(rows["offloadpp, no checksum"])
+        report["no_checksum_step_s"] = nocrc
+        report["checksum_cost"] = ours / nocrc - 1.0
     report["pass"] = report["ratio_vs_torch"] <= BAR_VS_TORCH and report["ratio_vs_floor"] <= BAR_VS_FLOOR
     return report
 
@@ -363,6 +387,9 @@ def _print_table(r: dict) -> None:
         )
     else:
         print(f"optimizer exposed after backward {o['optimizer_exposed_s']:.4f} s")
+    if "checksum_cost" in r:
+        print(f"payload CRC-32C (io.checksum, the default): {r['checksum_cost']:+.1%} on the step "
+              f"({o['step_s']:.3f} s with, {r['no_checksum_step_s']:.3f} s without, alternating blocks)")  # fmt: skip
     print(f"bars: <= {BAR_VS_TORCH}x torch, <= {BAR_VS_FLOOR}x floor: {'PASS' if r['pass'] else 'FAIL'}")
 
 

@@ -1,4 +1,4 @@
-"""The `offloadpp` command: doctor, profile, plan, and the benchmarks (bench ...).
+"""The `offloadpp` command: doctor, profile, plan, run, and the benchmarks (bench ...).
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Only the module of the command being run is imported: `--help` stays fast, and one broken
@@ -19,6 +19,7 @@ COMMANDS = {
         "measure SSD, copy, GEMM and CPU Adam speeds for the planner",
     ),
     "plan": ("offloadpp.cli.plan", "print the plan and its step-time estimate for a config and model"),
+    "run": ("offloadpp.cli.run", "run an unchanged DeepSpeed / Trainer / Accelerate script on offloadpp"),
 }
 BENCHES = {
     "io": ("offloadpp.bench.io", "SSD read/write GB/s: offloadpp vs fio vs DeepSpeed aio"),
@@ -69,7 +70,15 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # `deepspeed --module offloadpp run train.py` starts `python -m offloadpp --local_rank=N run
+    # train.py`: the launcher's argument belongs to the script, where it would have gone.
+    launcher = [a for a in argv if a.startswith(("--local_rank", "--local-rank"))]
+    if launcher and "run" in argv and argv.index(launcher[-1]) < argv.index("run"):
+        argv = [a for a in argv if a not in launcher]
+    else:
+        launcher = []
     args = build_parser(argv).parse_args(argv)
+    args.launcher_args = launcher
     return int(args._run(args) or 0)
 
 

@@ -101,16 +101,14 @@ def _estimate_table(e) -> str:
 def plan_for_config(ds: dict, args: argparse.Namespace):
     """(Resolved, hardware profile or None, model profile or None) for the config and model of
     `args`, through the resolve stage `offloadpp.initialize` uses."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
     from offloadpp.assemble import probe_machine, resolve_for_model
-    from offloadpp.integrations.deepspeed.build import settings_from, swap_dirs
+    from offloadpp.integrations.deepspeed.build import parse_ds_config, settings_from, swap_dirs
     from offloadpp.integrations.deepspeed.config import parse_block, parse_bytes
     from offloadpp.planner import ModelProfile, PlanError, Settings, default_profile_path, resolve
     from offloadpp.planner.resolve import load_hardware, load_saved_plan, machine_for
 
     block = parse_block(ds)
-    settings = settings_from(DeepSpeedConfig(ds), block)
+    settings = settings_from(parse_ds_config(ds), block)
     update = {}
     if args.device_budget is not None:
         update["device_budget_bytes"] = parse_bytes(args.device_budget)

@@ -38,8 +38,10 @@ class LossScaling(_Frozen):
     """fp16 loss scaling, with DeepSpeed's meaning of each key (its `fp16` block fills them).
 
     loss_scale: 0 means dynamic: start at 2**initial_scale_power, halve after `hysteresis`
-        overflows in a row (never below min_loss_scale), double after loss_scale_window clean
-        steps; otherwise a static scale. Overflowing steps are skipped.
+        overflows (never below min_loss_scale), double after loss_scale_window clean steps;
+        otherwise a static scale. Overflowing steps are skipped.
+    consecutive_hysteresis: a clean step restores the full hysteresis, so only overflows in a
+        row count against it (otherwise only a growth of the scale restores it).
     """
 
     loss_scale: float = Field(0.0, ge=0.0)
@@ -47,6 +49,7 @@ class LossScaling(_Frozen):
     loss_scale_window: int = Field(1000, ge=1)
     hysteresis: int = Field(2, ge=1)
     min_loss_scale: float = Field(1.0, gt=0.0)
+    consecutive_hysteresis: bool = False
 
 
 class ActivationSettings(_Frozen):

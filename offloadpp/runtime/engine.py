@@ -18,11 +18,8 @@ those an in-memory AdamW step gives. The engine's buffer pools hold to the plan'
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
-import threading
 import time
 import weakref
 from typing import Callable, Optional
@@ -52,6 +49,7 @@ from .reports import StepAccounting
 from .slots import Txn
 from .speculation import SpeculationPolicy, finish_updates
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
+from .transaction import StepTransaction, holding_interrupts
 from .unit import TORCH_DTYPES, Unit, UnitPhase
 
 log = logging.getLogger("offloadpp.runtime")
@@ -74,7 +72,7 @@ def stripe_weights(paths, stripe) -> Optional[list[float]]:
     return out
 
 
-class OffloadEngine(StepAccounting):
+class OffloadEngine(StepTransaction, StepAccounting):
     def __init__(
         self,
         model: nn.Module,
@@ -92,7 +90,7 @@ class OffloadEngine(StepAccounting):
         its from_pretrained named, else from init_fn (default: the model's own init)."""
         self.config = config
         self.settings = s = config.settings
-        self.hyper = hyper if hyper is not None else AdamHyper()
+        self.hypers: tuple[AdamHyper, ...] = (hyper if hyper is not None else AdamHyper(),)
         self.module = model
         self.device = Device(config.device)
         if plan.budgets is None:
@@ -185,7 +183,7 @@ class OffloadEngine(StepAccounting):
             update_order=[by_name[n] for n in self.schedule.update_order],
             optim_window=self.schedule.optim_window,
             next_keep=self.schedule.next_keep,
-            hyper=self.hyper,
+            hypers=self.hypers,
             store=self.store,
             host_pool=self.host_pool,
             device=dev,
@@ -222,6 +220,7 @@ class OffloadEngine(StepAccounting):
                 window=ls.loss_scale_window,
                 hysteresis=ls.hysteresis,
                 min_scale=ls.min_loss_scale,
+                consecutive=ls.consecutive_hysteresis,
             )
         if c.ssd_read_gbps and c.ssd_write_gbps:
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps, c.ssd_write_gbps
@@ -230,6 +229,8 @@ class OffloadEngine(StepAccounting):
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps or r, c.ssd_write_gbps or w
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps do not count)
         self.micro_in_window = 0
+        self._boundary_override: Optional[bool] = None  # set_boundary, for the current micro-batch
+        self._micro: Optional[str] = None  # how far the current micro-batch got: "forward", "backward"
         self._failed: Optional[BaseException] = None  # a step that could not complete nor roll back
         self._aborted = False  # a step was interrupted (its errors were raised then)
         self._window_steps: list[list[int]] = [list(u.steps) for u in self.units]
@@ -240,7 +241,34 @@ class OffloadEngine(StepAccounting):
 
     # ---- training ---------------------------------------------------------------------------
     def _boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return self.micro_in_window + 1 >= self.settings.gradient_accumulation_steps
+
+    def set_boundary(self, boundary: Optional[bool]) -> None:
+        """Whether the current micro-batch ends the accumulation window, decided by the caller
+        rather than by counting `gradient_accumulation_steps` micro-batches (None: count). Holds
+        until the next step(); call it before backward.
+
+        Note: why it exists. Trainer and Accelerate end a window where they decide, e.g. a
+        shorter last window at the end of an epoch (DeepSpeed's set_gradient_accumulation_boundary).
+        The forward of the micro-batch already started reading optimizer state for the boundary
+        it expected; the pipeline adjusts (optimizer.set_boundary).
+        """
+        if boundary is not None and not isinstance(boundary, bool):
+            raise TypeError(f"set_boundary: expected True, False or None, got {boundary!r}")
+        self._check_open()
+        if boundary is False and not self.plan.persistent_grads:
+            raise ValueError(
+                "set_boundary(False): this run keeps no gradients between micro-batches "
+                "(gradient_accumulation_steps is 1); set gradient_accumulation_steps to the micro-batches "
+                "of one step"
+            )
+        if self._micro == "backward":
+            raise RuntimeError("set_boundary: call it before backward (this micro-batch's backward has run)")
+        self._boundary_override = boundary
+        if self._micro == "forward":
+            self.optimizer.set_boundary(self._boundary())
 
     def __call__(self, *args, **kwargs):
         self._check_open()
@@ -254,6 +282,7 @@ class OffloadEngine(StepAccounting):
                     self._begin_window()
                 self.optimizer.begin_micro(first=first, boundary=self._boundary(), speculate=self.txn.active,
                                            grad_scale=self._loss_scale())  # fmt: skip
+                self._micro = "forward"
             self.executor.start_forward()
             with record_function("offloadpp::forward"), self.activations.forward():  # saved-tensor hooks
                 out = self.module(*args, **kwargs)
@@ -265,12 +294,16 @@ class OffloadEngine(StepAccounting):
 
     forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (scaled by 1/gradient_accumulation_steps, and by the fp16 loss
-        scale); units are handed to the optimizer as their gradients complete."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of `loss` (scaled by 1/gradient_accumulation_steps unless scale_wrt_gas is
+        False, and by the fp16 loss scale); units are handed to the optimizer as their gradients
+        complete."""
         self._check_open()
         t0 = time.perf_counter()
-        scale = self._loss_scale() / self.settings.gradient_accumulation_steps
+        scale = (
+            1.0 / self.settings.gradient_accumulation_steps if scale_wrt_gas else 1.0
+        ) * self._loss_scale()
+        self._micro = "backward"
         try:
             self.executor.start_backward()
             self.activations.start_backward()
@@ -295,6 +328,8 @@ class OffloadEngine(StepAccounting):
         self._check_open()
         t0 = time.perf_counter()
         boundary = self._boundary()
+        self._boundary_override = None
+        self._micro = None
         if not boundary:
             try:
                 self.optimizer.finish()
@@ -310,7 +345,7 @@ class OffloadEngine(StepAccounting):
         # updates): a Ctrl-C while they run would leave some units updated. It is held until the
         # step is complete, then raised. (A speculating step is a transaction to its end.)
         try:
-            with _holding_interrupts(), record_function("offloadpp::optimizer_wait"):
+            with holding_interrupts(), record_function("offloadpp::optimizer_wait"):
                 if self.settings.deferred_update:
                     steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
                     outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
@@ -338,81 +373,52 @@ class OffloadEngine(StepAccounting):
             log.info("%s", report.summary())
         return report
 
-    # ---- a step as a transaction ---------------------------------------------------------------
-    def _begin_window(self) -> None:
-        """A new accumulation window: its updates may run during backward (not deferred, or
-        speculative), so the slots' writes go to a new generation until the step commits
-        (slots.py)."""
-        self.txn.active = not self.settings.deferred_update or self.speculation.speculating
-        self._window_steps = [list(u.steps) for u in self.units]
-
-    def _loss_scale(self) -> float:
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    def _commit(self) -> None:
-        for u in self.units:
-            for s in u.slots:
-                s.commit()
-            u.phase = UnitPhase.IDLE
-        self.txn.active = False
-
-    def _abort_step(self) -> None:
-        """A step interrupted before it completed (an exception, Ctrl-C in forward or backward):
-        every unit back to the state of the last completed step, bit for bit (tests/test_faults.py).
-
-        Note: updates already made during backward went to the open generation of their slots,
-        which is forgotten; the Adam step counts return to the window's start; gradients
-        accumulated in the window are dropped. State the plan keeps in memory (a HOST tier) is
-        updated in place and cannot go back: if any was, the engine refuses to go on and names
-        the unit (load the last checkpoint)."""
-        errors = self.optimizer.finish_all()  # jobs in flight complete (they cannot be stopped half way)
-        errors += self.store.forget_failures()  # reported by the interruption, or moot after the rollback
-        for e in errors:
-            log.warning("offloadpp: an I/O operation of the interrupted step failed too: %s", e)
-        torn = [
-            u.name for u in self.units if self.txn.active and u.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
-            and any(s.resident and s.txn is not None for s in u.slots)
-        ]  # fmt: skip
-        try:
-            self.optimizer.drop_uncommitted_writes()
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e)
-        refresh = []
-        for u, steps in zip(self.units, self._window_steps):
-            updated = u.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
-            for s in u.slots:
-                s.rollback()
-            u.steps = list(steps)
-            u.phase = UnitPhase.IDLE
-            u.start_window()
-            if updated and u.device.is_cuda and u.weights.resident:
-                refresh.append(u)
-        for u in refresh:  # a resident device copy took the forgotten update: the committed one back
-            u.refresh_resident()
-        self.executor.end_backward()
-        self.activations.end_backward()
-        self.txn.active = False
-        self.micro_in_window = 0
-        self._aborted = True
-        self._reset_step_counters()
-        if torn:
-            self._fail(RuntimeError(
-                f"the step was interrupted after unit {torn[0]!r} was updated, and that unit's optimizer state "
-                "lives in memory, where the update cannot be undone"
-            ))  # fmt: skip
-
-    def _fail(self, cause: BaseException) -> None:
-        if self._failed is None:
-            self._failed = cause
-            log.error("offloadpp: the engine cannot go on: %s", cause)
-
     # ---- the rest of the API ----------------------------------------------------------------
+    @property
+    def hyper(self) -> AdamHyper:
+        """The first param group's hyper-parameters (the only ones without set_hypers)."""
+        return self.hypers[0]
+
+    def set_hypers(self, hypers, groups: Optional[dict] = None) -> None:
+        """Adam's hyper-parameters per param group, used from the next update on (an update in
+        flight keeps the ones it started with). `groups` maps parameter names (any of a tied
+        parameter's names) to an index into `hypers`; given, it must place every trainable
+        parameter, and it replaces the previous assignment. Without it, the assignment stays
+        (at first: every parameter in group 0)."""
+        hypers = tuple(hypers)
+        if not hypers or not all(isinstance(h, AdamHyper) for h in hypers):
+            raise TypeError(f"set_hypers: expected a non-empty sequence of AdamHyper, got {hypers!r}")
+        if groups is not None:
+            new = []
+            for u in self.units:
+                idx = []
+                for p, s in u.params:
+                    g = next((groups[n] for n in s.names if n in groups), None)
+                    if g is None and p.requires_grad:
+                        raise ValueError(
+                            f"set_hypers: parameter {s.name!r} requires grad but is in no param group; "
+                            "every trainable parameter is updated (set requires_grad=False to freeze it)"
+                        )
+                    g = 0 if g is None else g
+                    if not isinstance(g, int) or not 0 <= g < len(hypers):
+                        raise ValueError(
+                            f"set_hypers: parameter {s.name!r}: group {g!r} is not in 0..{len(hypers) - 1}"
+                        )
+                    idx.append(g)
+                new.append(idx)
+            for u, idx in zip(self.units, new):
+                u.groups = idx
+        elif any(g >= len(hypers) for u in self.units for g in u.groups):
+            raise ValueError(f"set_hypers: {len(hypers)} groups given, but parameters are assigned to more")
+        self.hypers = hypers
+        self.optimizer.hypers = hypers
+
     def set_lr(self, lr: float) -> None:
-        self.hyper = AdamHyper(**{**self.hyper.model_dump(), "lr": float(lr)})  # validated
-        self.optimizer.hyper = self.hyper
+        """Sets the learning rate of every param group."""
+        self.set_hypers([h.model_copy(update={"lr": AdamHyper(lr=lr).lr}) for h in self.hypers])
 
     def get_lr(self) -> float:
-        return self.hyper.lr
+        return self.hypers[0].lr
 
     def _quiesce(self) -> None:
         """Between steps only: the optimizer has nothing in flight, its writes are started."""
@@ -431,7 +437,7 @@ class OffloadEngine(StepAccounting):
         self.store.check_writes()
         runtime = {
             "global_step": self.global_step,
-            "hyper": self.hyper.model_dump(),
+            "hypers": [h.model_dump() for h in self.hypers],  # one per param group
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
         return ckpt.save_state(self.units, path, io=self.store.config, meta={"runtime": runtime, **(meta or {})},
@@ -454,8 +460,9 @@ class OffloadEngine(StepAccounting):
             self.global_step = int(rt["global_step"])
             if self.loss_scaler is not None and rt.get("loss_scaler"):
                 self.loss_scaler.load_state_dict(rt["loss_scaler"])
-            self.hyper = AdamHyper(**rt["hyper"])
-            self.optimizer.hyper = self.hyper
+            hypers = rt["hypers"] if "hypers" in rt else [rt["hyper"]]
+            if len(hypers) == len(self.hypers) or all(g == 0 for u in self.units for g in u.groups):
+                self.set_hypers([AdamHyper(**h) for h in hypers])
         self.micro_in_window = 0
         for u in self.units:
             u.start_window()
@@ -527,23 +534,3 @@ def _release(optimizer, swapper, store, pools, lock) -> None:
             first = first or e
     if first is not None:
         raise first
-
-
-@contextlib.contextmanager
-def _holding_interrupts():
-    """Ctrl-C (SIGINT) held until the block is done, then raised; elsewhere than the main
-    thread, or where another handler was installed, nothing changes."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    got = []
-    old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-    if got:
-        raise KeyboardInterrupt

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from offloadpp.planner import Schedule
 
 from .slots import Hold
-from .unit import Unit, UnitPhase
+from .unit import Unit, UnitPhase, UnitStateError
 
 log = logging.getLogger("offloadpp.runtime")
 
@@ -77,6 +77,7 @@ class Executor:
         self.wait_s = 0.0
         self.misses = 0
         self._warned_order = False
+        self._in_root_forward = False  # inside a forward of the whole model (root module hooks)
         self.before_visit = None  # callback: the optimizer reaps finished jobs
         self.updates_pending = lambda: False  # callback: this backward ends in an update
         self.after_first_fetches = None  # callback: the optimizer starts its queued writes
@@ -93,6 +94,9 @@ class Executor:
 
     # ---- installing the hooks -----------------------------------------------------------------
     def install(self, modules: dict) -> None:
+        root = modules[""]
+        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward))
+        self._handles.append(root.register_forward_hook(self._root_post_forward))
         for u in self.units:
             for q in u.layout.unit.modules:
                 m = modules[q]
@@ -200,9 +204,29 @@ class Executor:
         return u.flat
 
     # ---- hooks ---------------------------------------------------------------------------
+    def _root_pre_forward(self, module, args):
+        self.start_forward()
+        self._in_root_forward = True
+        return None
+
+    def _root_post_forward(self, module, args, output):
+        self._in_root_forward = False
+        return None
+
     def _pre_forward(self, u: Unit, module, args):
+        if self.in_backward:
+            self._recompute(u)
+            return None
         pos = self.schedule.forward_index[u.name]
-        if self.in_backward or pos < self.cursor:
+        if pos < self.cursor and self._in_root_forward:
+            self._in_root_forward = False
+            raise UnitStateError(
+                f"unit {u.name!r} (module {type(module).__name__}) ran a second time in one forward pass, after "
+                f"{self.schedule.visits[self.cursor].needs[0]!r}; offloadpp's schedule visits each unit once per "
+                "forward. A module called from two places (e.g. an encoder-decoder's shared embedding) must be "
+                "inside one unit with everything between its calls (Settings.units)"
+            )
+        if pos < self.cursor:  # a forward of part of the model, called directly: a new walk
             self.start_forward()
         if pos > self.cursor:
             if pos != self.cursor + 1 and self.cursor >= 0 and not self._warned_order:
@@ -216,6 +240,22 @@ class Executor:
             for name in self.schedule.visits[pos].needs:
                 self.ensure_forward(self._by_name[name])
         return None
+
+    def _recompute(self, u: Unit) -> None:
+        """The model runs unit u's forward again during backward (its own activation
+        checkpointing, e.g. Hugging Face gradient checkpointing): u's backward starts now, so
+        its backward visit is entered (fetching ahead as the schedule says) if it was not yet.
+        With reentrant checkpointing the first forward ran without autograd, so the unit expects
+        its gradients only from here."""
+        pos = self.schedule.backward_index[u.name]
+        if pos > self.cursor:
+            self.enter(pos)
+        else:
+            for name in self.schedule.visits[pos].needs:
+                self.ensure_forward(self._by_name[name])
+        if torch.is_grad_enabled() and u.grads_pending == 0 and u.phase is UnitPhase.FORWARD:
+            u.start_backward()
+        u.phase = UnitPhase.BACKWARD
 
     def ensure_forward(self, u: Unit) -> None:
         if not u.bound:

@@ -37,13 +37,14 @@ class _Job:
     # gradient, in order (views of gbuf, or the gradients themselves), so that the norm is the
     # same whichever way the unit is updated (see Unit.norm_pieces).
     norm: Optional[list] = None
-    # (pieces [(start, end, grad)], step): one fused Adam call over the pieces that takes their
-    # squared norm in the same pass (the pieces' grads are `norm`), instead of a pass of its own.
+    # (pieces [(start, end, grad)], step, group): one fused Adam call over the pieces that takes
+    # their squared norm in the same pass (the pieces' grads are `norm`), instead of a pass of its own.
     fused: Optional[tuple] = None
     gbuf: Optional[torch.Tensor] = None
     update: bool = False
-    segments: list = field(default_factory=list)  # [(start, end, step, update)] over gbuf
-    direct: Optional[list] = None  # [(start, end, step, grad or None)]: grads used where they are
+    segments: list = field(default_factory=list)  # [(start, end, step, update, group)] over gbuf
+    direct: Optional[list] = None  # [(start, end, step, grad or None, group)]: grads used where they are
+    hypers: tuple = ()  # each param group's AdamHyper, as they were when the update was submitted
     step_args: dict = field(default_factory=dict)
     master: Optional[torch.Tensor] = None
     exp_avg: Optional[torch.Tensor] = None
@@ -111,15 +112,15 @@ def _work(job: _Job, store) -> _Done:
     t1 = time.perf_counter()
     if job.update and job.fused is not None:
         with record_function("offloadpp::adam"):
-            pieces, step = job.fused
-            sq = adam_step_pieces(job.master, job.exp_avg, job.exp_avg_sq, pieces, step=step + 1,
+            pieces, step, grp = job.fused
+            sq = adam_step_pieces(job.master, job.exp_avg, job.exp_avg_sq, pieces, step=step + 1, hyper=job.hypers[grp],
                                   half_out=job.half, num_threads=job.threads, **job.step_args)  # fmt: skip
-            for a, b, _, upd in job.segments if job.half is not None else ():
+            for a, b, _, upd, _ in job.segments if job.half is not None else ():
                 if not upd:
                     convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
     elif job.update:
         with record_function("offloadpp::adam"):
-            for a, b, step, g in job.direct or ():
+            for a, b, step, g, grp in job.direct or ():
                 if g is not None:
                     adam_step_flat(
                         job.master[a:b],
@@ -127,13 +128,14 @@ def _work(job: _Job, store) -> _Done:
                         job.exp_avg[a:b],
                         job.exp_avg_sq[a:b],
                         step=step + 1,
+                        hyper=job.hypers[grp],
                         half_out=job.half[a:b] if job.half is not None else None,
                         num_threads=job.threads,
                         **job.step_args,
                     )
                 elif job.half is not None:
                     convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
-            for a, b, step, upd in job.segments if job.direct is None else ():
+            for a, b, step, upd, grp in job.segments if job.direct is None else ():
                 half = job.half[a:b] if job.half is not None else None
                 if upd:
                     adam_step_flat(
@@ -142,6 +144,7 @@ def _work(job: _Job, store) -> _Done:
                         job.exp_avg[a:b],
                         job.exp_avg_sq[a:b],
                         step=step + 1,
+                        hyper=job.hypers[grp],
                         half_out=half,
                         num_threads=job.threads,
                         **job.step_args,

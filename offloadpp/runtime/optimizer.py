@@ -63,7 +63,7 @@ class OptimizerPipeline:
         update_order: Optional[list[Unit]] = None,
         optim_window: int,
         next_keep: frozenset,
-        hyper: AdamHyper,
+        hypers: tuple[AdamHyper, ...],
         store,
         host_pool: BufferPool,
         device: Device,
@@ -75,7 +75,7 @@ class OptimizerPipeline:
         self.update_order = update_order if update_order is not None else order
         self.q = optim_window
         self.next_keep = next_keep
-        self.hyper = hyper
+        self.hypers = hypers  # one per param group; Unit.groups says which each parameter takes
         self.store = store
         self.host_pool = host_pool
         self.device = device
@@ -94,6 +94,7 @@ class OptimizerPipeline:
         self.boundary = False
         self.first_micro = True
         self.speculating = False  # this window's deferred updates run speculatively (speculation.py)
+        self._spec_asked = False  # (asked for the window; speculating: on its boundary)
         self.grad_scale = 1.0  # fp16: the loss scale the speculative updates divide by
         # deferred windows: the units whose state is read during backward and whose gradients stay
         # in memory until their update (update_order[:q+1]); a speculating step keeps theirs too
@@ -113,7 +114,8 @@ class OptimizerPipeline:
         speculate: (deferred updates, on the boundary) update during backward with the raw
         gradients divided by grad_scale, to be validated after it (speculation.py)."""
         self.first_micro, self.boundary = first, boundary
-        self.speculating, self.grad_scale = speculate and boundary and self.deferred, grad_scale
+        self._spec_asked, self.grad_scale = speculate, grad_scale
+        self.speculating = speculate and boundary and self.deferred
         self._absorb_cursor = self._update_cursor = self._absorbed = self._submitted = 0
         if first:
             for u in self.order:
@@ -121,6 +123,24 @@ class OptimizerPipeline:
         self._advance_absorb(self.q + 1)
         if boundary and not self.deferred:
             self._advance_update(self.q + 1)
+
+    def set_boundary(self, boundary: bool) -> None:
+        """The micro-batch whose forward began as (not) the end of the window turns out otherwise
+        (before its backward): start reading the state its updates need, or drop what was read
+        for updates that will not run now."""
+        if boundary == self.boundary:
+            return
+        self.boundary = boundary
+        self.speculating = self._spec_asked and boundary and self.deferred
+        if self.deferred:
+            return  # a deferred update's state is read from begin_backward on
+        if boundary:
+            self._advance_update(self.q + 1)
+            return
+        for u in self.update_order[: self._update_cursor]:
+            for s in (u.master, u.exp_avg, u.exp_avg_sq):
+                s.release(Hold.OPTIM)
+        self._update_cursor = 0
 
     def begin_backward(self) -> None:
         """At the start of backward: a deferred update's window is read now, not at forward.
@@ -287,14 +307,15 @@ class OptimizerPipeline:
         updated parameter is at the same step, else a pass of its own first)."""
         job.update = True
         u.phase = UnitPhase.UPDATING
-        job.step_args = dict(hyper=self.hyper, clip_coef=clip_coef, grad_scale=grad_scale)
+        job.hypers = self.hypers
+        job.step_args = dict(clip_coef=clip_coef, grad_scale=grad_scale)
         if direct is not None:
             by_index = {i: g for i, _, g in direct}
             job.direct = [
-                (s.offset, s.offset + s.numel, u.steps[i], by_index.get(i))
+                (s.offset, s.offset + s.numel, u.steps[i], by_index.get(i), u.groups[i])
                 for i, (_, s) in enumerate(u.params)
             ]
-            job.segments = [(a, b, step, g is not None) for a, b, step, g in job.direct]
+            job.segments = [(a, b, step, g is not None, grp) for a, b, step, g, grp in job.direct]
         else:
             job.segments = u.segments()
             job.gbuf = u.grads.buffer if job.gbuf is None else job.gbuf
@@ -311,13 +332,17 @@ class OptimizerPipeline:
         if norm:
             job.norm = u.norm_pieces(job.gbuf, direct)
             ranges = [
-                (s.offset, s.offset + s.numel, u.steps[i])
+                (s.offset, s.offset + s.numel, u.steps[i], u.groups[i])
                 for i, (_, s) in enumerate(u.params)
                 if u.got_grad[i]
             ]
-            if ranges and len({t for _, _, t in ranges}) == 1:
-                job.fused = ([(a, b, g) for (a, b, _), g in zip(ranges, job.norm)], ranges[0][2])
-        if not any(upd for _, _, _, upd in job.segments):
+            if ranges and len({(t, g) for _, _, t, g in ranges}) == 1:  # one Adam call: one step, one group
+                job.fused = (
+                    [(a, b, g) for (a, b, _, _), g in zip(ranges, job.norm)],
+                    ranges[0][2],
+                    ranges[0][3],
+                )
+        if not any(upd for _, _, _, upd, _ in job.segments):
             return  # no parameter of the unit got a gradient: nothing changed, nothing to write
         for s in (u.master, u.exp_avg, u.exp_avg_sq) + ((u.compute,) if self.separate else ()):
             if s.stored:  # (a compute copy resident on the device has no home: it is copied up only)
@@ -429,7 +454,9 @@ class OptimizerPipeline:
         # critical path (after backward, before step() returns), and on the worker it would
         # delay the deferred updates queued behind it. A thread of its own drops them, beside
         # the updates.
-        grads = [g for _, _, g in job.grads or ()] + [g for *_, g in job.direct or () if g is not None]
+        grads = [g for _, _, g in job.grads or ()] + [
+            g for _, _, _, g, _ in job.direct or () if g is not None
+        ]
         job.grads = job.direct = None
         if grads:
             self._freer.submit(grads.clear)
@@ -447,7 +474,7 @@ class OptimizerPipeline:
         if done.sq_norm is not None:
             u.sq_norm = done.sq_norm
         if job.update:
-            for a, b, step, upd in job.segments:
+            for a, b, step, upd, _ in job.segments:
                 if upd:
                     for k, (_, s) in enumerate(u.params):
                         if a <= s.offset < b:

@@ -17,6 +17,7 @@ unit *borrows* it: its weights are fetched with it, and its gradient reaches the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +79,12 @@ def _has_params(m: nn.Module) -> bool:
     return next(m.parameters(), None) is not None
 
 
-def _find_blocks(model: nn.Module) -> str:
+def _block_lists(model: nn.Module) -> list[tuple[str, int]]:
+    """(name, parameter count) of every nn.ModuleList of same-class children (for a known
+    Hugging Face model type, only those with the type's attribute name), largest first."""
     config = getattr(model, "config", None)
     known = KNOWN_BLOCKS.get(getattr(config, "model_type", None))
-    best, best_numel = None, -1
+    found = []
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) < 1:
             continue
@@ -89,9 +92,26 @@ def _find_blocks(model: nn.Module) -> str:
             continue
         if len({type(c) for c in mod}) != 1:
             continue
-        numel = sum(p.numel() for p in mod.parameters())
-        if numel > best_numel:
-            best, best_numel = name, numel
+        found.append((name, sum(p.numel() for p in mod.parameters())))
+    return sorted(found, key=lambda nn_: -nn_[1])
+
+
+def _other_stack(model: nn.Module, best: str) -> str | None:
+    """A second stack of blocks beside `best` (an encoder beside a decoder), if the model has one."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        lists = _block_lists(model)
+        return next((n for n, _ in lists if n != best and not n.startswith(best + ".")), "its encoder")
+    total = sum(p.numel() for p in model.parameters())
+    for name, numel in _block_lists(model):
+        nested = name.startswith(best + ".") or best.startswith(name + ".")
+        if name != best and not nested and len(model.get_submodule(name)) >= 2 and numel >= 0.2 * total:
+            return name
+    return None
+
+
+def _find_blocks(model: nn.Module) -> str:
+    lists = _block_lists(model)
+    best, best_numel = lists[0] if lists else (None, -1)
     if best is None or best_numel <= 0:
         raise UnitDiscoveryError(
             f"no nn.ModuleList of blocks found in {type(model).__name__}; pass the unit split explicitly "
@@ -115,6 +135,21 @@ def find_units(model: nn.Module, override: tuple[tuple[str, ...], ...] | None = 
             units.append(UnitDef("+".join(group), tuple(group)))
         return units
     blocks = _find_blocks(model)
+    units = _split_at(model, blocks)
+    other = _other_stack(model, blocks)
+    if other is not None:
+        split = [list(u.modules) for u in units]
+        raise UnitDiscoveryError(
+            f"{type(model).__name__} has two stacks of blocks ({other!r} besides {blocks!r}): offloadpp splits one "
+            f"stack into units, so {other!r} would silently become part of a single unit with the embeddings. "
+            "Encoder-decoder models get no automatic split; to train with that split anyway, pass it as "
+            f'Settings.units (the DeepSpeed block\'s "units"): {json.dumps(split)}'
+        )
+    return units
+
+
+def _split_at(model: nn.Module, blocks: str) -> list[UnitDef]:
+    """embed (what comes before the blocks), one unit per block, head (what comes after)."""
     path = blocks.split(".")
     pre: list[str] = []
     post_by_level: list[list[str]] = []

@@ -1,8 +1,11 @@
-"""fp16 loss scaling with DeepSpeed's semantics (DynamicLossScaler, consecutive_hysteresis off).
+"""fp16 loss scaling with DeepSpeed's semantics (its DynamicLossScaler).
 
 On overflow the step is skipped; the scale is halved once `hysteresis` overflows were seen since
-the last growth, never below min_scale; after `window` steps without overflow it doubles.
-A static scale (loss_scale > 0) never changes.
+the hysteresis was last restored, never below min_scale; after `window` steps without overflow it
+doubles (the window counts the clean steps before the current one, as DeepSpeed 0.19.8
+does). The hysteresis is restored when the scale grows, or, with `consecutive`, after every
+clean step. An overflow at the minimum scale is an error, as in DeepSpeed. A static scale
+(loss_scale > 0) never changes.
 """
 
 from __future__ import annotations
@@ -10,13 +13,21 @@ from __future__ import annotations
 
 class LossScaler:
     def __init__(
-        self, *, static_scale: float, initial_power: int, window: int, hysteresis: int, min_scale: float
+        self,
+        *,
+        static_scale: float,
+        initial_power: int,
+        window: int,
+        hysteresis: int,
+        min_scale: float,
+        consecutive: bool = False,
     ):
         self.dynamic = static_scale == 0
         self.scale = float(2**initial_power) if self.dynamic else float(static_scale)
         self.window = window
         self.hysteresis = hysteresis
         self.min_scale = min_scale
+        self.consecutive = consecutive
         self._cur_hysteresis = hysteresis
         self._iter = 0
         self._last_overflow = -1
@@ -26,13 +37,23 @@ class LossScaler:
             return
         if overflow:
             if self.hysteresis == 1 or self._cur_hysteresis == 1:
+                if self.scale == self.min_scale:
+                    raise FloatingPointError(
+                        f"fp16: the gradients overflow at the minimum loss scale {self.min_scale} "
+                        "(fp16.min_loss_scale); the loss diverged (DeepSpeed stops here too)"
+                    )
                 self.scale = max(self.scale / 2.0, self.min_scale)
             else:
                 self._cur_hysteresis -= 1
             self._last_overflow = self._iter
-        elif (self._iter - self._last_overflow) % self.window == 0:
-            self._cur_hysteresis = self.hysteresis
-            self.scale *= 2.0
+        else:
+            if self.consecutive:
+                self._cur_hysteresis = self.hysteresis
+            clean = self._iter - self._last_overflow - 1  # clean steps before this one
+            if clean > 0 and clean % self.window == 0:
+                if not self.consecutive:
+                    self._cur_hysteresis = self.hysteresis
+                self.scale *= 2.0
         self._iter += 1
 
     def state_dict(self) -> dict:

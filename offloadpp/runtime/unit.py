@@ -95,6 +95,7 @@ class Unit:
         else:
             self.weights = CpuWeights(self.compute, device)
         self.steps = [0] * len(self.params)  # Adam step count per parameter (torch.optim semantics)
+        self.groups = [0] * len(self.params)  # each parameter's optimizer param group (its hyper-parameters)
         self.got_grad = [False] * len(self.params)  # in the current accumulation window
         self.trainable = sum(1 for p, _ in self.params if p.requires_grad)
         self.grads_pending = 0  # params still to receive a gradient in this backward
@@ -220,16 +221,22 @@ class Unit:
             out.append((i, s, g))
         return out
 
-    def segments(self) -> list[tuple[int, int, int, bool]]:
-        """Runs of consecutive parameters as (start, end, step, update): parameters that received a
-        gradient in this window with equal step counts form one run and are updated together;
-        the others are left alone, as torch.optim leaves parameters whose grad is None."""
-        runs: list[tuple[int, int, int, bool]] = []
+    def segments(self) -> list[tuple[int, int, int, bool, int]]:
+        """Runs of consecutive parameters as (start, end, step, update, group): parameters of one
+        param group that received a gradient in this window with equal step counts form one run
+        and are updated together with that group's hyper-parameters; the others are left alone,
+        as torch.optim leaves parameters whose grad is None."""
+        runs: list[tuple[int, int, int, bool, int]] = []
         for i, (_, s) in enumerate(self.params):
-            upd = self.got_grad[i]
-            step = self.steps[i]
-            if runs and runs[-1][1] == s.offset and runs[-1][3] == upd and (not upd or runs[-1][2] == step):
-                runs[-1] = (runs[-1][0], s.offset + s.numel, step, upd)
+            upd, step, grp = self.got_grad[i], self.steps[i], self.groups[i]
+            last = runs[-1] if runs else None
+            if (
+                last is not None
+                and last[1] == s.offset
+                and last[3] == upd
+                and (not upd or (last[2] == step and last[4] == grp))
+            ):
+                runs[-1] = (last[0], s.offset + s.numel, step, upd, grp)
             else:
-                runs.append((s.offset, s.offset + s.numel, step, upd))
+                runs.append((s.offset, s.offset + s.numel, step, upd, grp))
         return runs

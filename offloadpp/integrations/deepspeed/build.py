@@ -9,15 +9,27 @@ stage (offloadpp/assemble.py -> planner/resolve.py), as for `offloadpp plan`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any, Optional
+
+import torch
+from pydantic import ValidationError
 
 from offloadpp.integrations.deepspeed.config import (
     OffloadppBlock,
     OffloadppConfigError,
     validate_settings,
+    validation_error,
 )
-from offloadpp.optim import AdamHyper
+from offloadpp.integrations.deepspeed.keys import check_keys
+from offloadpp.integrations.deepspeed.optimizer import (
+    OffloadppOptimizer,
+    OptimizerError,
+    adam_hyper_from_ds,
+    client_adamw_mode,
+    hyper_from,
+)
 from offloadpp.planner import Settings
 from offloadpp.runtime import RuntimeConfig
 from offloadpp.runtime.state import remap_param_groups
@@ -25,43 +37,6 @@ from offloadpp.runtime.state import remap_param_groups
 logger = logging.getLogger("offloadpp")
 
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
-# Keys of DeepSpeed's Adam block that select an implementation, not a hyper-parameter.
-_IMPL_KEYS = ("torch_adam", "fp32_optimizer_states", "adam_w_mode")
-
-
-def adam_hyper_from_ds(name: Optional[str], params: Optional[dict]) -> AdamHyper:
-    """DeepSpeed's optimizer block -> AdamHyper, with DeepSpeed's semantics: type "Adam" is AdamW
-    unless `adam_w_mode` is false; "AdamW" is always AdamW."""
-    if name is None:
-        raise OffloadppConfigError(
-            "optimizer: offloadpp needs an 'optimizer' block of type Adam or AdamW in the DeepSpeed config"
-        )
-    lowered = name.lower()
-    if lowered not in ("adam", "adamw"):
-        raise OffloadppConfigError(f"optimizer.type: offloadpp supports Adam and AdamW, got {name!r}")
-    params = dict(params or {})
-    adam_w_mode = bool(params.get("adam_w_mode", True))
-    if params.get("amsgrad"):
-        raise OffloadppConfigError("optimizer.params.amsgrad: not supported (as in DeepSpeedCPUAdam)")
-    for key in _IMPL_KEYS + ("amsgrad",):
-        params.pop(key, None)
-    betas = params.pop("betas", (0.9, 0.999))
-    known = {"lr", "eps", "weight_decay", "bias_correction"}
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise OffloadppConfigError(f"optimizer.params: unsupported key(s) {unknown} for offloadpp's Adam")
-    try:
-        return AdamHyper(
-            lr=params.get("lr", 1e-3),
-            beta1=betas[0],
-            beta2=betas[1],
-            eps=params.get("eps", 1e-8),
-            weight_decay=params.get("weight_decay", 0.0),
-            bias_correction=params.get("bias_correction", True),
-            adamw_mode=lowered == "adamw" or adam_w_mode,
-        )
-    except ValueError as e:
-        raise OffloadppConfigError(f"optimizer.params: {e}") from None
 
 
 def _scheduler(ds_config, optimizer, lr_scheduler):
@@ -80,7 +55,13 @@ def _scheduler(ds_config, optimizer, lr_scheduler):
         )
     from deepspeed.runtime import lr_schedules
 
-    return getattr(lr_schedules, name)(optimizer, **(ds_config.scheduler_params or {}))
+    params = ds_config.scheduler_params or {}
+    if not isinstance(params, dict):
+        raise OffloadppConfigError(f"scheduler.params: expected an object, got {params!r}")
+    try:
+        return getattr(lr_schedules, name)(optimizer, **params)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise OffloadppConfigError(f"scheduler.params: DeepSpeed's {name} refuses them: {e}") from None
 
 
 def _dataloader(ds_config, training_data, collate_fn):
@@ -148,6 +129,7 @@ def settings_from(ds_config, block: OffloadppBlock) -> Settings:
             loss_scale_window=int(fp16.loss_scale_window),
             hysteresis=int(fp16.hysteresis),
             min_loss_scale=float(fp16.min_loss_scale),
+            consecutive_hysteresis=bool(fp16.consecutive_hysteresis),
         )
     return validate_settings({**ds, **block.settings})
 
@@ -155,40 +137,161 @@ def settings_from(ds_config, block: OffloadppBlock) -> Settings:
 def runtime_config_from(ds_config, block: OffloadppBlock, device: Optional[str]) -> RuntimeConfig:
     """RuntimeConfig for this DeepSpeed config (a DeepSpeedConfig) and offloadpp block."""
     spp = ds_config.steps_per_print
-    extra: dict[str, Any] = {"log_every": int(spp)} if spp is not None else {}  # None: our default
+    extra: dict[str, Any] = {}
+    if spp is not None:  # None: our default. Trainer sets inf to silence DeepSpeed: never log
+        extra["log_every"] = int(spp) if math.isfinite(spp) and spp > 0 else 0
     for k in ("ssd_read_gbps", "ssd_write_gbps"):
         if getattr(block, k) is not None:
             extra[k] = getattr(block, k)
-    return RuntimeConfig(
-        nvme_paths=swap_dirs(block.nvme_paths),
-        settings=settings_from(ds_config, block),
-        io=block.io,
-        device=device,
-        **extra,
-    )
+    settings = settings_from(ds_config, block)
+    try:
+        return RuntimeConfig(nvme_paths=swap_dirs(block.nvme_paths), settings=settings, io=block.io, device=device,
+                             **extra)  # fmt: skip
+    except ValidationError as e:
+        raise validation_error("offloadpp.", e) from None
 
 
-def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, model_parameters, training_data,
-                 lr_scheduler, collate_fn):  # fmt: skip
+def _positive_int(ds: dict, key: str) -> None:
+    v = ds.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise OffloadppConfigError(f"{key}: expected a whole number >= 1, got {v!r}")
+
+
+def parse_ds_config(ds_dict: dict):
+    """DeepSpeed's own DeepSpeedConfig of a config with the block enabled, after the key table
+    (keys.py) refused what offloadpp cannot run and dropped what it ignores. DeepSpeed's own
+    errors (its assertions included) come back as OffloadppConfigError."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    checked = check_keys(ds_dict, OffloadppConfigError)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        _positive_int(checked, key)
+    for key in ("gradient_clipping", "steps_per_print"):  # DeepSpeed compares them with numbers
+        v = checked.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise OffloadppConfigError(f"{key}: expected a number >= 0, got {v!r}")
+    for key in ("optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "aio"):
+        if key in checked and not isinstance(checked[key], dict):
+            raise OffloadppConfigError(f"{key}: expected an object of keys, got {checked[key]!r}")
+    if not any(k in checked for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
+        raise OffloadppConfigError(
+            "train_micro_batch_size_per_gpu: the config sets no batch size; set it (or train_batch_size)"
+        )
+    try:
+        return DeepSpeedConfig(checked)
+    except Exception as e:  # DeepSpeed raises AssertionError, ValueError, TypeError, its own errors
+        raise OffloadppConfigError(f"DeepSpeed's config check: {type(e).__name__}: {e}") from None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group(dist_init_required: Optional[bool], distributed_port: Optional[int]) -> int:
+    """What DeepSpeedEngine does at start: a torch.distributed process group through
+    deepspeed.init_distributed (Trainer and Accelerate gather through it). Under a launcher
+    (torchrun, deepspeed) its environment says where; started with plain python, this process is
+    rank 0 of 1 on a free local port (DeepSpeed would ask for MPI or those variables). Returns
+    the world size."""
+    import torch.distributed as tdist
+
+    if dist_init_required is not False and not tdist.is_initialized():
+        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+            single = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            single["MASTER_PORT"] = str(distributed_port or _free_port())
+            for k, v in single.items():
+                os.environ.setdefault(k, v)
+        import deepspeed
+
+        deepspeed.init_distributed(dist_init_required=dist_init_required, verbose=False)
+    return tdist.get_world_size() if tdist.is_initialized() else 1
+
+
+def device_for_rank() -> str:
+    """The device of this process, as DeepSpeed picks it: its accelerator (CUDA, or the CPU
+    acting as the device) and the launcher's LOCAL_RANK."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    name = acc.device_name()
+    if name == "cpu":
+        return "cpu"
+    if name != "cuda":
+        raise OffloadppConfigError(
+            f"DeepSpeed's accelerator is {name!r}; offloadpp's runtime runs on CUDA or on the CPU as the device"
+        )
+    acc.set_device(local_rank)
+    return f"cuda:{local_rank}"
+
+
+def _check_model(model) -> None:
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise OffloadppConfigError(
+            "model: a PipelineModule (pipeline parallelism) is not supported by offloadpp"
+        )
+
+
+def _optimizer_for(ds_config, model, optimizer, model_parameters) -> tuple[OffloadppOptimizer, Any]:
+    """The engine's optimizer object: around the optimizer passed to initialize (DeepSpeed uses
+    it over the config's block), else from the config's block over model_parameters."""
+    try:
+        if optimizer is not None:
+            client = optimizer
+            if not isinstance(client, torch.optim.Optimizer) and callable(client):
+                params = model_parameters if model_parameters is not None else model.parameters()
+                client = client(params)  # DeepSpeed's callable optimizer: built over the parameters
+            if not isinstance(client, torch.optim.Optimizer):
+                raise OptimizerError(
+                    f"optimizer=: expected a torch.optim.Optimizer or a callable, got {client!r}"
+                )
+            adamw = client_adamw_mode(client)
+            g0 = client.param_groups[0] if client.param_groups else {}
+            defaults = hyper_from(dict(g0, params=None), adamw=adamw, where="optimizer param group 0: ")
+            return OffloadppOptimizer(None, defaults, client=client), client
+        hyper = adam_hyper_from_ds(ds_config.optimizer_name, ds_config.optimizer_params)
+        params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        return OffloadppOptimizer(params, hyper), None
+    except OptimizerError as e:
+        raise OffloadppConfigError(str(e)) from None
+
+
+def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, optimizer=None, model_parameters=None,
+                 training_data=None, lr_scheduler=None, collate_fn=None, dist_init_required=None,
+                 distributed_port=None):  # fmt: skip
     from offloadpp.assemble import assemble_engine
     from offloadpp.integrations.deepspeed.engine import OffloadppEngine
-    from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
 
-    ds_config = DeepSpeedConfig(ds_dict)
-    if ds_config.world_size != 1:
-        raise OffloadppConfigError(
-            f"offloadpp trains on one device; the launcher started {ds_config.world_size}"
-        )
-    hyper = adam_hyper_from_ds(ds_config.optimizer_name, ds_config.optimizer_params)
-    rcfg = runtime_config_from(ds_config, block, device=None)
-    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    optimizer = OffloadppOptimizer(params, hyper)
-    runtime = assemble_engine(model, rcfg, hyper=hyper)
-    remap_param_groups(optimizer, runtime.replaced_params)  # a model built under offloadpp.Init
-    scheduler = _scheduler(ds_config, optimizer, lr_scheduler)
-    loader = _dataloader(ds_config, training_data, collate_fn)
-    engine = OffloadppEngine(runtime, ds_config, optimizer, scheduler, loader)
-    logger.info("offloadpp: engine ready\n%s", runtime.plan.describe())
-    return engine, optimizer, loader, scheduler
+    world = ensure_process_group(dist_init_required, distributed_port)
+    if world != 1:
+        raise OffloadppConfigError(f"offloadpp trains in one process; the launcher started {world}")
+    ds_config = parse_ds_config(ds_dict)
+    _check_model(model)
+    opt, client = _optimizer_for(ds_config, model, optimizer, model_parameters)
+    groups = opt.groups_by_name(model)
+    for name, p in model.named_parameters():
+        if p.requires_grad and name not in groups:
+            raise OffloadppConfigError(
+                f"model_parameters: parameter {name!r} requires grad but is not among the optimizer's parameters; "
+                "offloadpp updates every trainable parameter: set requires_grad=False on the ones to freeze"
+            )
+    hypers = opt.hypers()
+    rcfg = runtime_config_from(ds_config, block, device=device_for_rank())
+    runtime = assemble_engine(model, rcfg, hyper=hypers[0])
+    remap_param_groups(opt, runtime.replaced_params)  # a model built under offloadpp.Init
+    try:
+        scheduler = _scheduler(ds_config, opt, lr_scheduler)
+        loader = _dataloader(ds_config, training_data, collate_fn)
+        engine = OffloadppEngine(runtime, ds_dict, ds_config, opt, groups=groups, lr_scheduler=scheduler,
+                                 training_dataloader=loader, collate_fn=collate_fn, client_optimizer=client)  # fmt: skip
+    except BaseException:
+        runtime.close()
+        raise
+    logger.info("offloadpp: engine ready on %s\n%s", engine.device, runtime.plan.describe())
+    return engine, opt, loader, scheduler

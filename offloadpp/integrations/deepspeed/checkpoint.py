@@ -71,6 +71,10 @@ def _remove_dead_partials(save_dir: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+# What a scheduler may change in a param group (OneCycle cycles betas), restored on load.
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
 def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
     _check_tag(tag)
     os.makedirs(save_dir, exist_ok=True)
@@ -87,6 +91,9 @@ def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, 
             "global_samples": engine.global_samples,
             "lr_scheduler": sched.state_dict() if sched is not None else None,
             "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
+            "param_groups_hyper": [
+                {k: g[k] for k in _GROUP_KEYS if k in g} for g in engine.optimizer.param_groups
+            ],
         },
         os.path.join(tmp, ENGINE_FILE),
     )
@@ -122,6 +129,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     engine.runtime.load_state(path, optimizer_states=load_optimizer_states)
+    engine._pending = None  # a half-done accumulation window is dropped with the runtime's
     meta = torch.load(os.path.join(path, ENGINE_FILE), weights_only=False)
     engine.global_steps = meta["global_steps"]
     engine.micro_steps = meta["micro_steps"]
@@ -130,6 +138,8 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     for g, lr in zip(engine.optimizer.param_groups, meta["param_groups_lr"]):
         g["lr"] = lr
+    for g, hyper in zip(engine.optimizer.param_groups, meta.get("param_groups_hyper", ())):
+        g.update(hyper)
     engine._push_lr()
     if load_optimizer_states:
         set_rng_states(torch.load(os.path.join(path, RNG_FILE), weights_only=False))

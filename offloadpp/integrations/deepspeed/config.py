@@ -19,6 +19,7 @@ refused with the DeepSpeed key to use instead.
 
 from __future__ import annotations
 
+import base64
 import difflib
 import json
 import os
@@ -99,23 +100,91 @@ class OffloadppBlock:
 
 
 def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None) -> dict:
-    """The DeepSpeed config as a dict, from a dict, a path, or `args.deepspeed_config` (as DeepSpeed does)."""
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepspeed", None)
-        if isinstance(config, bool):
-            config = None
+    """The DeepSpeed config as a dict, from what deepspeed.initialize accepts: a dict, the path of
+    a JSON file (read as hjson, as DeepSpeed does: comments and trailing commas are fine, a
+    duplicate key is not), a base64-encoded JSON string, or `args.deepspeed_config` (or the old
+    `args.deepscale_config`). Errors name the file and what is wrong."""
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise OffloadppConfigError(
+            "two DeepSpeed configs: args.deepspeed_config and config=...; pass one (DeepSpeed refuses this too)"
+        )
+    config = config if config is not None else from_args
     if config is None:
         raise OffloadppConfigError("no DeepSpeed config: pass config=... or args.deepspeed_config")
     if isinstance(config, dict):
         return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise OffloadppConfigError(
+            f"DeepSpeed config: expected a dict, a file path or base64 JSON, got a {type(config).__name__}"
+        )
     path = os.fspath(config)
-    if not os.path.isfile(path):
-        raise OffloadppConfigError(f"DeepSpeed config file {path!r} does not exist")
-    with open(path) as f:
+    if os.path.exists(path):
+        where = f"DeepSpeed config file {path!r}"
         try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise OffloadppConfigError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise OffloadppConfigError(f"{where}: cannot read it: {e.strerror}") from None
+    else:
+        try:
+            text = base64.urlsafe_b64decode(path).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            raise OffloadppConfigError(
+                f"DeepSpeed config file {path!r} does not exist (nor is it base64-encoded JSON)"
+            ) from None
+        where = "DeepSpeed config (base64)"
+    return _parse_text(text, where)
+
+
+def _no_duplicates(pairs):
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise OffloadppConfigError(f"key {k!r} appears twice")
+        seen[k] = v
+    return seen
+
+
+def _parse_text(text: str, where: str) -> dict:
+    import hjson
+
+    try:
+        value = hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except OffloadppConfigError as e:
+        raise OffloadppConfigError(f"{where}: {e}") from None
+    except hjson.HjsonDecodeError as e:
+        raise OffloadppConfigError(
+            f"{where} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+        ) from None
+    if not isinstance(value, dict):
+        raise OffloadppConfigError(f"{where}: expected a JSON object of keys, got a {type(value).__name__}")
+    return value
+
+
+def check_block_name(ds_config: dict) -> None:
+    """A key close to "offloadpp" at the top level, without an "offloadpp" key, is a misspelt
+    block: DeepSpeed ignores unknown top-level keys and would train with ZeRO-Infinity."""
+    from offloadpp.integrations.deepspeed.keys import top_level_keys
+
+    if "offloadpp" in ds_config:
+        return
+    known = top_level_keys()
+    for key in ds_config:
+        k = str(key)
+        if k in known:
+            continue
+        squashed = re.sub(r"[^a-z]", "", k.lower())
+        if (
+            squashed.startswith("offloadpp")
+            or difflib.SequenceMatcher(None, squashed, "offloadpp").ratio() >= 0.8
+        ):
+            raise OffloadppConfigError(
+                f"{k!r}: not a DeepSpeed key, but close to 'offloadpp'; DeepSpeed would ignore it and train "
+                "with ZeRO-Infinity. Name the block 'offloadpp' (or remove it)"
+            )
 
 
 def offloadpp_enabled(ds_config: dict) -> bool:
@@ -177,7 +246,7 @@ def _clean(where: str, raw: dict, model) -> dict:
     return out
 
 
-def _validation_error(prefix: str, e: ValidationError) -> OffloadppConfigError:
+def validation_error(prefix: str, e: ValidationError) -> OffloadppConfigError:
     return OffloadppConfigError(
         "; ".join(
             f"{prefix}{'.'.join(str(x) for x in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
@@ -191,14 +260,14 @@ def validate_settings(values: dict, where: str = "offloadpp.") -> Settings:
     try:
         return Settings.model_validate_json(json.dumps(values), strict=True)
     except ValidationError as e:
-        raise _validation_error(where, e) from None
+        raise validation_error(where, e) from None
 
 
 def validate_io(values: dict, where: str = "offloadpp.io.") -> IOConfig:
     try:
         return IOConfig.model_validate_json(json.dumps(values), strict=True)
     except ValidationError as e:
-        raise _validation_error(where, e) from None
+        raise validation_error(where, e) from None
 
 
 def parse_block(ds_config: dict) -> OffloadppBlock:

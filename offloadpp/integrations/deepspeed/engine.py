@@ -1,138 +1,315 @@
-"""OffloadppEngine: DeepSpeedEngine's training API over offloadpp's runtime.
+"""OffloadppEngine: DeepSpeedEngine's surface over offloadpp's runtime.
 
-User code written for DeepSpeed keeps working: `engine(batch)`, `engine.backward(loss)`,
-`engine.step()` after every micro-batch, `train_batch_size()`, `gradient_accumulation_steps()`,
-`get_lr()`, `save_checkpoint`/`load_checkpoint`, `save_16bit_model`. The update itself is the
-runtime's (fused CPU Adam during backward); the LR schedule is DeepSpeed's own scheduler classes
-acting on `OffloadppOptimizer.param_groups`, read back before each optimizer step.
+It is a DeepSpeedEngine (a subclass, so `isinstance` checks in Accelerate, Trainer and user code
+hold, and `accelerator.unwrap_model` finds the model) and an nn.Module holding the model as
+`module` (so `parameters()`, `state_dict()`, `train()`/`eval()` and attribute pass-through to the
+model behave as DeepSpeed's). DeepSpeed's own `__init__` never runs: every public method of
+DeepSpeedEngine is either written here, inherited because it only reads the parsed config
+(`surface.INHERITED`), or replaced by one that raises naming what to use instead
+(`surface.UNSUPPORTED`); tests/test_ds_engine_surface.py checks that split covers all of them.
+
+The update itself is the runtime's (fused CPU Adam during backward). Each param group's
+hyper-parameters are read from `optimizer.param_groups` before every backward, so any scheduler
+(DeepSpeed's, Trainer's, one passed as lr_scheduler) takes effect at the next step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import time
 from typing import Any, Optional
 
 import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
 
+from offloadpp.integrations.deepspeed import surface
 from offloadpp.integrations.deepspeed.checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
 
 logger = logging.getLogger("offloadpp")
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-class OffloadppEngine:
-    def __init__(
-        self,
-        runtime,
-        ds_config,
-        optimizer: OffloadppOptimizer,
-        lr_scheduler=None,
-        training_dataloader=None,
-    ):
+
+class OffloadppEngine(DeepSpeedEngine):
+    def __init__(self, runtime, config: dict, ds_config, optimizer: OffloadppOptimizer, *,
+                 groups: dict, lr_scheduler=None, training_dataloader=None, collate_fn=None,
+                 client_optimizer=None):  # fmt: skip
+        torch.nn.Module.__init__(self)
+        self._modules["module"] = runtime.module  # nn.Module's methods see the model as a child
+        self.__dict__["module"] = runtime.module
         self.runtime = runtime
-        self._config = ds_config  # deepspeed.runtime.config.DeepSpeedConfig
-        self.optimizer = optimizer
+        self.config = config  # the config dict, as DeepSpeedEngine.config (Trainer reads it)
+        self._config = ds_config  # DeepSpeed's parsed DeepSpeedConfig: the inherited getters read it
+        self.optimizer = self.basic_optimizer = optimizer
+        self.client_optimizer = client_optimizer
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
+        self.collate_fn = collate_fn
+        self._groups = groups  # parameter name -> param group index, fixed at initialize
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
+        self.skipped_steps = 0
         self.last_report = None
         self.reports: list = []  # StepReports of this process, newest last
-        self._push_lr()
+        self._step_applied = False
+        self._boundary_flag: Optional[bool] = None  # set_gradient_accumulation_boundary
+        self._micro_in_window = 0
+        self._pending: Optional[bool] = None  # a backward without its step(): was it a boundary?
+        self._gc_generation = None
+        if ds_config.disable_python_gc:
+            from deepspeed.runtime.python_gc import python_gc_manager
+
+            self._gc_generation = python_gc_manager.acquire()
+        self._push_hypers()
+
+    # ---- where it runs -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device.torch_device
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    global_rank = 0
+    world_size = dp_world_size = mp_world_size = seq_dp_world_size = 1
+
+    @property
+    def is_compiled(self) -> bool:
+        return False
 
     # ---- DeepSpeedEngine's training API -------------------------------------------------
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.runtime.module
-
-    def __call__(self, *args, **kwargs):
-        return self.runtime(*args, **kwargs)
-
-    forward = __call__
+    def forward(self, *inputs, **kwargs):
+        self._finish_micro()
+        if self._config.float16_config.enabled and self._config.float16_config.auto_cast:
+            inputs, kwargs = _cast_floats((inputs, kwargs), torch.float16)
+        return self.runtime(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of one micro-batch. Like DeepSpeed, the loss is divided by the gradient
-        accumulation steps (the runtime does it); returns the loss that was back-propagated."""
+        accumulation steps unless scale_wrt_gas is False (Trainer scales it itself); returns
+        the loss that was passed."""
         if retain_graph:
             raise NotImplementedError(
-                "offloadpp releases unit weights after backward; retain_graph is not supported"
+                "retain_graph: offloadpp releases each unit's weights after its backward; run a new forward instead"
             )
-        if not scale_wrt_gas:
-            raise NotImplementedError("scale_wrt_gas=False is not supported by offloadpp")
-        return self.runtime.backward(loss)
+        self._finish_micro()
+        self._push_hypers()
+        boundary = self.is_gradient_accumulation_boundary()
+        self.runtime.set_boundary(boundary)
+        self.runtime.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        self._pending = boundary
+        return loss
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """The next backward ends the accumulation window (True) or not (False), whatever the
+        count says; Accelerate calls this before each backward."""
+        self._boundary_flag = is_boundary
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        if self._boundary_flag is not None:
+            return bool(self._boundary_flag)
+        return self._micro_in_window + 1 >= self.gradient_accumulation_steps()
 
     def step(self, lr_kwargs: Optional[dict] = None):
-        """Call after every micro-batch; on an accumulation boundary this completes the optimizer
-        step (which ran during backward), advances the LR schedule and the step counters."""
-        boundary = self.is_gradient_accumulation_boundary()
-        report = self.runtime.step()
-        self.micro_steps += 1
-        self.global_samples += self.train_micro_batch_size_per_gpu()
+        """Completes the micro-batch whose backward ran. On an accumulation boundary: waits for
+        the optimizer (whose updates ran during backward), steps the LR scheduler unless fp16
+        skipped the step, advances the counters. Call it after every backward, as with DeepSpeed
+        (Accelerate calls it only on boundaries: the other micro-batches complete by themselves)."""
+        if self._pending is None:
+            return
+        boundary = self._pending
+        report = self._complete_micro()
         if not boundary:
             return
         self.global_steps += 1
+        self.global_samples += self.train_batch_size()
         self.last_report = report
-        if report is not None:
-            self.reports.append(report)
-        skipped = report is not None and getattr(report, "skipped", False)
+        self.reports.append(report)
+        skipped = bool(report.skipped)
+        self.optimizer.overflow = skipped
+        self._step_applied = not skipped
+        self.skipped_steps += int(skipped)
         if self.lr_scheduler is not None and not skipped:
+            # The update ran inside the engine, not through optimizer.step(): tell torch's
+            # schedulers it happened (their order check looks for this mark).
+            for opt in (self.optimizer, self.client_optimizer, getattr(self.lr_scheduler, "optimizer", None)):
+                if opt is not None:
+                    opt._opt_called = True
             self.lr_scheduler.step(**(lr_kwargs or {}))
-        self._push_lr()
         spp = self.steps_per_print()
-        if spp and self.global_steps % spp == 0:
-            logger.info("offloadpp step %d lr=%s %s", self.global_steps, self.get_lr(),
-                        report.summary() if report is not None else "")  # fmt: skip
+        if spp and math.isfinite(spp) and self.global_steps % spp == 0:
+            logger.info("offloadpp step %d lr=%s %s", self.global_steps, self.get_lr(), report.summary())
 
-    def zero_grad(self):
-        return None
+    def _complete_micro(self):
+        report = self.runtime.step()
+        self._pending = None
+        self.micro_steps += 1
+        self._micro_in_window = 0 if report is not None else self._micro_in_window + 1
+        return report
+
+    def _finish_micro(self) -> None:
+        """Before a new forward or backward: a micro-batch whose backward ran without step() is
+        completed here if it did not end the window (Accelerate's way); a boundary must be."""
+        if self._pending is None:
+            return
+        if self._pending:
+            raise RuntimeError(
+                "engine.step() was not called after the backward that ended the accumulation window; call "
+                "engine.step() after every engine.backward(loss)"
+            )
+        self._complete_micro()
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """One process: no gradients are exchanged, so there is nothing to hold back; the
+        window is gradient_accumulation_steps (or set_gradient_accumulation_boundary)."""
+        yield
+
+    coalesce_grad_reduction = no_sync
+
+    def zero_grad(self, set_to_none: bool = True):
+        return None  # gradients leave the parameters as backward produces them
 
     def train(self, mode: bool = True):
+        self.training = mode
         self.module.train(mode)
         return self
 
     def eval(self):
         return self.train(False)
 
-    # ---- config getters -----------------------------------------------------------------
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
+    def to(self, *args, **kwargs):
+        """No move: the engine places the weights itself. Accepted when it names the engine's
+        device and no dtype (a no-op, returning the engine); refused otherwise."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None or (device is not None and torch.device(device) != self.device):
+            raise NotImplementedError(
+                f"engine.to({args}, {kwargs}): offloadpp places the weights on {self.device} itself and computes in "
+                f"{self.runtime.settings.compute_dtype}; set the dtype with the config's fp16/bf16 blocks"
+            )
+        return self
 
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
+    # ---- config getters and state the scripts read -----------------------------------------
+    def _push_hypers(self) -> None:
+        self.runtime.set_hypers(self.optimizer.hypers(), self._groups)
+        self._groups = None  # assigned once; later calls only change the values
 
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
+    def optimizer_name(self) -> Optional[str]:
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
+        return self._config.optimizer_name
 
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
+    def _optimizer_param(self, key: str) -> list:
+        return [g.get(key, 0.0) for g in self.optimizer.param_groups]
 
-    def steps_per_print(self) -> int:
-        return self._config.steps_per_print
+    def get_lr(self) -> list:
+        return self._optimizer_param("lr")
 
-    def wall_clock_breakdown(self) -> bool:
-        return self._config.wall_clock_breakdown
+    def get_type(self) -> list:
+        return self._optimizer_param("type")
 
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+    def get_mom(self) -> list:
+        return self._optimizer_param("betas")
 
     def get_global_grad_norm(self) -> Optional[float]:
+        """The gradient norm of the last step, before clipping (computed when clipping or fp16
+        needs it; None otherwise)."""
         return None if self.last_report is None else self.last_report.grad_norm
+
+    def get_data_types(self):
+        return _DTYPES[self.runtime.settings.compute_dtype], torch.float32
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    get_model_parallel_rank = get_tensor_parallel_rank = get_data_parallel_rank
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return True  # the weights are always exportable, unit by unit
+
+    def zero_nvme_offload_optimizer(self) -> bool:
+        return self.runtime.settings.offload_optimizer
+
+    def empty_partition_cache(self) -> None:
+        """Nothing to empty: between steps the engine holds only what its plan's budgets allow."""
+        return None
+
+    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None):  # fmt: skip
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sampler = data_sampler or DistributedSampler(dataset, num_replicas=1, rank=0)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            sampler=sampler,
+            collate_fn=collate_fn or self.collate_fn,
+            pin_memory=pin_memory and self.device.type == "cuda",
+            num_workers=num_local_io_workers or 0,
+            drop_last=self.dataloader_drop_last(),
+        )
+
+    def collect_python_gc(self):
+        """Runs Python's cyclic GC now (with disable_python_gc, at a point the script picks)."""
+        from deepspeed.runtime.python_gc import python_gc_manager
+
+        return python_gc_manager.collect()
 
     def peak_device_bytes(self) -> int:
         return self.runtime.peak_device_bytes()
 
-    def _push_lr(self):
-        self.runtime.set_lr(self.optimizer.param_groups[0]["lr"])
+    # ---- weights, checkpoints and export ----------------------------------------------------
+    def module_state_dict(
+        self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False
+    ):
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters(prefix=prefix.rstrip(".")):
+                if not p.requires_grad:
+                    sd.pop(name, None)
+        return sd
 
-    # ---- checkpoints and export ----------------------------------------------------------
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole model's weights in the compute precision (fp32 when training in fp32) on
+        the CPU, as Trainer's save_model asks for them; fetched unit by unit."""
+        dtype = _DTYPES[self.runtime.settings.compute_dtype]
+        sd = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype) for k, v in sd.items()}
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
+        """The current weights in the compute precision, as `from_pretrained` loads them: as
+        safetensors when the name ends in .safetensors (tied weights stored once), else with
+        torch.save like DeepSpeed."""
+        if save_filename.endswith(".safetensors"):
+            from offloadpp.integrations.deepspeed.export import save_weights
+
+            save_weights(self, save_dir, save_filename, exclude_frozen_parameters)
+            return True
+        sd = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        torch.save(sd, path + ".partial")
+        os.replace(path + ".partial", path)
+        return True
+
+    save_fp16_model = save_16bit_model
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
+        """A crash-consistent checkpoint (checkpoint.py). Its arrays are whole units, so frozen
+        parameters are in it even with exclude_frozen_parameters (they do not change in training;
+        loading restores them)."""
+        self._finish_micro()
         tag = tag or f"global_step{self.global_steps}"
         t0 = time.perf_counter()
         save_engine_checkpoint(self, save_dir, str(tag), client_state or {}, save_latest)
@@ -142,21 +319,39 @@ class OffloadppEngine:
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[Optional[str], Any]:  # fmt: skip
-        return load_engine_checkpoint(
+                        load_module_only: bool = False, custom_load_fn=None) -> tuple[Optional[str], Any]:  # fmt: skip
+        """Loads a checkpoint save_checkpoint wrote (the weights only with load_module_only or
+        load_optimizer_states=False). It must be this model's: load_module_strict=False does not
+        relax the check of its units and parameters (a mismatch is named)."""
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...): offloadpp loads its own checkpoint format"
+            )
+        self._finish_micro()
+        path, client = load_engine_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
         )  # fmt: skip
+        self._push_hypers()
+        return path, client
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
-        """Current weights in the compute precision (bf16/fp16; fp32 when training in fp32, as
-        DeepSpeed does), as safetensors that `from_pretrained` loads, streamed unit by unit
-        (sharded with an index when large); tied weights are stored once."""
-        from offloadpp.integrations.deepspeed.export import save_weights
+    def _push_lr(self) -> None:  # checkpoint.py restores the groups' values, then asks for this
+        self._push_hypers()
 
-        save_weights(self, save_dir, save_filename, exclude_frozen_parameters)
-        return True
+    def destroy(self) -> None:
+        """Gives the model its weights back as ordinary tensors (the current ones), then closes
+        the runtime; the model can then be trained again, e.g. by a new engine (Accelerate's
+        free_memory calls this)."""
+        if self.runtime._closed:
+            return
+        self._finish_micro()
+        values = self.module.state_dict()
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        self.close()
+        with torch.no_grad():
+            for name, p in params.items():
+                if name in values:
+                    p.data = values[name]
 
     def save_pretrained(self, save_dir: str) -> bool:
         """A Hugging Face model folder (weights, config.json) from_pretrained loads, streamed."""
@@ -165,5 +360,51 @@ class OffloadppEngine:
         save_pretrained(self, save_dir)
         return True
 
-    def close(self):
+    def close(self) -> None:
+        """Waits for the I/O and frees the runtime's buffers; the model's parameters are left as
+        placeholders (destroy() gives them their values back)."""
+        if self._gc_generation is not None:
+            from deepspeed.runtime.python_gc import python_gc_manager
+
+            python_gc_manager.release(self._gc_generation)
+            self._gc_generation = None
         self.runtime.close()
+
+    def __del__(self):
+        """Dropped while its model lives on (a Trainer going out of scope): the model gets its
+        weights back, as destroy() does, where they fit in half the available memory; a model
+        larger than that keeps placeholders (save_16bit_model first), and a warning says so."""
+        try:
+            if "runtime" not in self.__dict__ or self.runtime._closed:
+                return
+            import psutil
+
+            seen, nbytes = set(), 0
+            for p in self.module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    nbytes += p.numel() * p.element_size()
+            if nbytes < psutil.virtual_memory().available // 2:
+                self.destroy()
+            else:
+                logger.warning(
+                    "offloadpp: the engine was dropped; the model's %.1f GB of weights do not fit in memory, so its "
+                    "parameters stay empty placeholders (export with save_16bit_model before dropping the engine)",
+                    nbytes / 1e9,
+                )
+                self.close()
+        except Exception:  # interpreter shutdown: the runtime's own cleanup may be gone already
+            pass
+
+
+def _cast_floats(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+surface.complete(OffloadppEngine)

@@ -1,7 +1,9 @@
 """`offloadpp.initialize`: `deepspeed.initialize`'s signature and return value.
 
 With `"offloadpp": {"enabled": true}` in the config it returns an OffloadppEngine on offloadpp's
-runtime; without it, it is exactly `deepspeed.initialize` (every argument passed through).
+runtime; without it, it is `deepspeed.initialize` (every argument passed through), after one
+check DeepSpeed does not make: a top-level key close to "offloadpp" (a misspelt block, which
+DeepSpeed would ignore) is an error rather than a silent ZeRO-Infinity run.
 """
 
 from __future__ import annotations
@@ -13,12 +15,23 @@ import torch
 
 from offloadpp.integrations.deepspeed.config import (
     OffloadppConfigError,
+    check_block_name,
     load_ds_config,
     offloadpp_enabled,
     parse_block,
 )
 
 logger = logging.getLogger("offloadpp")
+
+
+class ClientOptimizer:
+    """A torch optimizer on its way to initialize whose conversion to DeepSpeedCPUAdam
+    (Accelerate's, for an offloaded optimizer) waits until the config is known: offloadpp reads
+    the torch optimizer itself; DeepSpeed gets the conversion (patch.py)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, convert: Callable):
+        self.optimizer = optimizer
+        self.convert = convert
 
 
 def initialize(
@@ -35,39 +48,48 @@ def initialize(
     config: Any = None,
     mesh_param: Any = None,
     config_params: Any = None,
+    *,
+    _deepspeed_initialize: Optional[Callable] = None,
 ):
     """Returns (engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize."""
     if config is None and config_params is not None:
         config = config_params
-    ds_dict = load_ds_config(config, args) if (config is not None or args is not None) else None
-    if ds_dict is None or not offloadpp_enabled(ds_dict):
-        import deepspeed
+    ds_dict = load_ds_config(config, args)
+    check_block_name(ds_dict)
+    if not offloadpp_enabled(ds_dict):
+        if _deepspeed_initialize is None:
+            import deepspeed
 
+            _deepspeed_initialize = deepspeed.initialize
+        if isinstance(optimizer, ClientOptimizer):
+            optimizer = optimizer.convert(optimizer.optimizer)
         kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                       training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                       dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                       mesh_param=mesh_param, config_params=config_params)  # fmt: skip
         if distributed_port is not None:
             kwargs["distributed_port"] = distributed_port
-        return deepspeed.initialize(**kwargs)
+        return _deepspeed_initialize(**kwargs)
 
+    if isinstance(optimizer, ClientOptimizer):
+        optimizer = optimizer.optimizer
     if model is None:
         raise OffloadppConfigError("initialize: model is required")
-    if optimizer is not None:
-        raise OffloadppConfigError(
-            "initialize: offloadpp runs its own fused CPU Adam during backward; describe the optimizer in "
-            "the config's 'optimizer' block (Adam/AdamW) instead of passing optimizer="
-        )
     if mpu is not None:
         raise OffloadppConfigError("initialize: model parallelism (mpu=) is not supported by offloadpp")
+    if mesh_param is not None:
+        raise OffloadppConfigError("initialize: a device mesh (mesh_param=) is not supported by offloadpp")
     from offloadpp.integrations.deepspeed.build import build_engine
 
     return build_engine(
         ds_dict,
         parse_block(ds_dict),
         model=model,
+        optimizer=optimizer,
         model_parameters=model_parameters,
         training_data=training_data,
         lr_scheduler=lr_scheduler,
         collate_fn=collate_fn,
+        dist_init_required=dist_init_required,
+        distributed_port=distributed_port,
     )

@@ -1,0 +1,124 @@
+"""Hugging Face Trainer and Accelerate, unchanged, on offloadpp's engine through
+`offloadpp.patch_deepspeed()` and a ZeRO-Infinity config with the `offloadpp` block.
+
+Each run is the same training with and without DeepSpeed: Trainer's own AdamW with its two param
+groups (weight decay on matrices only), a linear warm-up schedule, max_grad_norm 1.0, gradient
+accumulation 2 over an epoch of 7 micro-batches (so the last window is 1 micro-batch, ended by
+Trainer rather than by the count). The weights must end within 1e-5 of the run without
+DeepSpeed, with the training state on disk. Each run is a process of its own
+(tests/hf_trainer_run.py: Trainer and Accelerate keep process-wide state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from numerics import compare_weights
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("deepspeed")
+
+HERE = Path(__file__).resolve().parent
+LR = 3e-3
+
+
+def zero_infinity(nvme: Path) -> dict:
+    nvme.mkdir(parents=True, exist_ok=True)
+    off = {"device": "nvme", "nvme_path": str(nvme), "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": dict(off, buffer_count=5, buffer_size=1e8),
+            "offload_optimizer": dict(off),
+            "stage3_max_reuse_distance": 0,
+            "reduce_bucket_size": "auto",
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8},
+        "offloadpp": {"enabled": True},
+    }
+
+
+def run(tmp: Path, name: str, **spec) -> tuple[dict, dict]:
+    spec = {"out": str(tmp / name), "steps": 4, "gas": 2, "samples": 14, "deepspeed": None,
+            "weights": str(tmp / f"{name}.pt"), **spec}  # fmt: skip
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(k, None)  # plain `python train.py`, as a user starts it
+    p = subprocess.run(
+        [sys.executable, str(HERE / "hf_trainer_run.py"), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads((tmp / f"{name}.out").read_text()), torch.load(spec["weights"])
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_trainer_on_offloadpp_ends_with_the_weights_of_plain_trainer(tmp_path, model):
+    plain, want = run(tmp_path, "plain", model=model)
+    ours, got = run(tmp_path, "ours", model=model, deepspeed=zero_infinity(tmp_path / "nvme"))
+    assert plain["engine"] != "OffloadppEngine" and ours["engine"] == "OffloadppEngine"
+    assert ours["groups"] == 2 and ours["state_on_ssd"] and ours["disk_bytes"] > 0
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-4)
+    assert compare_weights(got, want, lr=LR, steps=4) < 1e-5
+
+
+def test_trainer_checkpoint_resume_and_save_model(tmp_path):
+    ds = zero_infinity(tmp_path / "nvme")
+    straight, want = run(tmp_path, "straight", model="gpt2", deepspeed=ds, save_steps=2,
+                         save_model=str(tmp_path / "final"))  # fmt: skip
+    ckpt = tmp_path / "straight" / "checkpoint-2"
+    assert (ckpt / "latest").read_text() == "global_step2"
+    ds2 = zero_infinity(tmp_path / "nvme2")  # a fresh swap directory: everything comes from the checkpoint
+    _, got = run(tmp_path, "resumed", model="gpt2", deepspeed=ds2, resume=str(ckpt))
+    assert max(((got[k] - want[k]).abs().max()).item() for k in want) == 0.0
+
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"), local_files_only=True)
+    assert compare_weights(loaded.state_dict(), want, lr=LR, steps=4) == 0.0
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+def test_accelerate_loop_on_offloadpp_matches_plain_accelerate(tmp_path):
+    plain, want = run(tmp_path, "plain", model="llama", loop="accelerate")
+    ours, got = run(
+        tmp_path, "ours", model="llama", loop="accelerate", deepspeed=zero_infinity(tmp_path / "nvme")
+    )
+    assert ours["engine"] == "OffloadppEngine"
+    assert compare_weights(got, want, lr=LR, steps=4) < 1e-5
+
+
+def test_trainer_with_the_configs_optimizer_and_scheduler_blocks(tmp_path):
+    """The other way Trainer configs are written: optimizer and scheduler blocks with "auto"
+    values, which Trainer fills; DeepSpeed's WarmupDecayLR then drives the engine's optimizer."""
+    ds = zero_infinity(tmp_path / "nvme")
+    ds["optimizer"] = {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    }
+    ds["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                       "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_type": "linear"}}  # fmt: skip
+    ours, _ = run(tmp_path, "ours", model="llama", deepspeed=ds)
+    assert (
+        ours["engine"] == "OffloadppEngine" and ours["scheduler"] == "WarmupDecayLR" and ours["groups"] == 1
+    )
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR)
+    sched = WarmupDecayLR(opt, total_num_steps=4, warmup_min_lr=0, warmup_max_lr=LR, warmup_num_steps=2,
+                          warmup_type="linear")  # fmt: skip
+    want = []
+    for _ in range(4):  # the engine steps it with each optimizer step, before Trainer reads the lr
+        sched.step()
+        want.append(sched.get_last_lr()[0])
+    assert ours["lrs"] == pytest.approx(want)

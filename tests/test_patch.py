@@ -1,0 +1,50 @@
+"""offloadpp.patch_deepspeed(): what it changes in DeepSpeed, Accelerate and transformers, and that
+unpatch_deepspeed() puts everything back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+deepspeed = pytest.importorskip("deepspeed")
+acc_accelerator = pytest.importorskip("accelerate.accelerator")
+transformers_ds = pytest.importorskip("transformers.integrations.deepspeed")
+
+import offloadpp  # noqa: E402
+from offloadpp.integrations.deepspeed import is_patched  # noqa: E402
+from offloadpp.integrations.deepspeed.initialize import ClientOptimizer  # noqa: E402
+
+
+@pytest.fixture
+def patched():
+    before = (deepspeed.initialize, acc_accelerator.map_pytorch_optim_to_deepspeed)
+    offloadpp.patch_deepspeed()
+    offloadpp.patch_deepspeed()  # idempotent
+    yield before
+    offloadpp.unpatch_deepspeed()
+    assert (deepspeed.initialize, acc_accelerator.map_pytorch_optim_to_deepspeed) == before
+    assert not is_patched()
+
+
+def test_initialize_is_routed_and_restored(patched):
+    assert is_patched() and deepspeed.initialize is not patched[0]
+    assert deepspeed.initialize.__wrapped__ is patched[0]
+
+
+def test_accelerates_cpu_adam_conversion_waits_for_the_config(patched):
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    deferred = acc_accelerator.map_pytorch_optim_to_deepspeed(opt)
+    assert isinstance(deferred, ClientOptimizer) and deferred.optimizer is opt
+    assert deferred.convert is patched[1]  # what DeepSpeed gets when the block is off
+
+
+def test_transformers_does_not_build_a_zero3_model_for_offloadpp(patched):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    plain = transformers_ds.HfDeepSpeedConfig(dict(cfg))
+    assert plain.is_zero3() and transformers_ds.is_deepspeed_zero3_enabled()
+    ours = transformers_ds.HfDeepSpeedConfig(dict(cfg, offloadpp={"enabled": True}))
+    assert (
+        not ours.is_zero3() and not transformers_ds.is_deepspeed_zero3_enabled()
+    )  # from_pretrained: no zero.Init
+    del plain, ours
+    transformers_ds.unset_hf_deepspeed_config()
