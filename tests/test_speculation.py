@@ -200,3 +200,24 @@ def test_units_whose_state_lives_in_memory_are_not_speculated(tmp_path):
         assert all(r.updates == "speculative" and r.speculated_units == 0 for r in reports)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("max_norm", [1e3, 0.05], ids=["within-the-norm", "clipping"])
+def test_param_groups_with_their_own_hyper_parameters(tmp_path, max_norm):
+    """Biases in a group of their own (no weight decay, another lr): a unit's parameters then take
+    two groups, so its speculative update is not one fused call; still bit for bit deferred's."""
+    ref = tiny_gpt2()
+    data = batches(4)
+    hypers = (AdamHyper(lr=LR, weight_decay=WD), AdamHyper(lr=2 * LR, weight_decay=0.0))
+    groups = {n: int(n.endswith("bias")) for n, _ in ref.named_parameters()}
+    out = []
+    for mode in ("on", "off"):
+        eng = engine(tmp_path / mode, ref, gradient_clipping=max_norm, speculate=mode)
+        try:
+            eng.set_hypers(hypers, groups)
+            reports = run(eng, data)
+            assert all(r.updates == ("speculative" if mode == "on" else "deferred") for r in reports)
+            out.append(fingerprint(eng, tmp_path / f"{mode}-fp"))
+        finally:
+            eng.close()
+    assert out[0] == out[1]
