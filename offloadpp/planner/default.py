@@ -37,6 +37,7 @@ def streaming_plan(
     accumulate_grads: bool = False,
     deferred_update: bool = False,
     speculative: bool = False,
+    clipping: bool = False,
     fill_gaps: bool = True,
     budgets: Optional[Budgets] = None,
 ) -> Plan:
@@ -51,6 +52,7 @@ def streaming_plan(
         accumulate_grads=accumulate_grads,
         deferred_update=deferred_update,
         speculative=speculative,
+        clipping=clipping,
         fill_gaps=fill_gaps,
         budgets=budgets,
     )
@@ -63,6 +65,7 @@ def plan_shape(settings: Settings) -> dict:
         accumulate_grads=settings.accumulate_grads,
         deferred_update=settings.deferred_update,
         speculative=settings.deferred_update and settings.speculate != "off",
+        clipping=settings.gradient_clipping > 0,
         fill_gaps=settings.fill_gaps,
     )
 

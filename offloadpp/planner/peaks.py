@@ -35,7 +35,7 @@ from .schedule import (
 
 def _shape_key(plan: Plan) -> tuple:
     return (plan.units, plan.device, plan.compute_dtype, plan.prefetch_depth, plan.optim_prefetch_depth,
-            plan.accumulate_grads, plan.deferred_update, plan.speculative)  # fmt: skip
+            plan.accumulate_grads, plan.deferred_update, plan.speculative, plan.clipping)  # fmt: skip
 
 
 _HOLDS: dict[tuple, tuple] = {}

@@ -137,6 +137,9 @@ class Plan:
     # Deferred updates may run during backward speculatively, validated at its end (the
     # runtime's speculation, docs/runtime.md): the state keeps a second generation on SSD.
     speculative: bool = False
+    # Gradient clipping: a speculative step that clips is redone, so it keeps its gradients until
+    # validated (without clipping, fp16's overflow skips the step: nothing to redo).
+    clipping: bool = False
     # Keep a unit's weights between two uses in a step where that raises neither peak
     # (schedule.py, _fill_gaps); False: drop after every use and read again (strict streaming).
     fill_gaps: bool = True

@@ -180,6 +180,7 @@ def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, ha
         plan, est = saved
         check_plan(plan, units, machine.device, settings)
         plan = replace(plan, budgets=plan.budgets or budgets)  # a plan keeps the budgets it was made for
+        plan = replace(plan, clipping=settings.gradient_clipping > 0)  # (what a speculative step keeps)
         check_fits(plan)
     elif settings.plan == PLAN_AUTO:
         if hardware is None or model is None:

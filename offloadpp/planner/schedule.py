@@ -280,15 +280,16 @@ def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
 
     Note: what a speculating step holds (runtime/optimizer.py). The state window slides over the
     order gradients complete in from the start of backward, as where updates are not deferred
-    (q+2 units' state at a time); the gradients of the units the deferred window covers
-    (update_order[:q+1]) stay held from their update until the step is validated, as deferring
-    keeps them, and the others' go to their home. After backward, a redo or the updates of the
+    (q+2 units' state at a time); with clipping (a step may be redone) the gradients of the
+    units the deferred window covers (update_order[:q+1]) stay held from their update until the
+    step is validated, as deferring keeps them, and the others' go to their home. After backward,
+    a redo or the updates of the
     units not speculated are the deferred ones, whose holds the deferred walk counts."""
     alias = _alias(plan)
     specs = {u.name: u for u in plan.units}
     first_backward = len(sched.forward_index)
     absorb, q = sched.absorb_order, sched.optim_window
-    keep = set(sched.update_order[: q + 1])
+    keep = set(sched.update_order[: q + 1]) if plan.clipping else set()  # (no clipping: no redo)
     out = []
     for v in sched.visits[first_backward:]:
         seen = v.index - first_backward + 1

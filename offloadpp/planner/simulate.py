@@ -443,9 +443,15 @@ class Sim:
         sliding = self.speculating and self.boundary
         spec = sliding and u.can_speculate
         kept = self.update_index[u.name] < self.q + 1  # the deferred window's: gradients held
+        redo = self.plan.clipping  # a speculative step may be redone: its gradients are kept
         if sliding:
             yield from self.advance_update(idx + 1, order=self.order, sliding=True)
-        if spec and self.first_micro and not self.cuda and (last or (kept and not u.grads.resident)):
+        if (
+            spec
+            and self.first_micro
+            and not self.cuda
+            and (not redo or last or (kept and not u.grads.resident))
+        ):
             # optimizer.on_grads: speculated where autograd left them, the norm in the Adam pass
             if u.grads_persist:
                 u.grads.release(self, OPTIM)
@@ -471,8 +477,8 @@ class Sim:
             yield from self.advance_update(self.submitted + self.q + 1)
         elif spec:
             yield from self.fill_update(job, u, rate)
-            job.keep_grads = kept
-            if not kept and u.grads.stored:
+            job.keep_grads = kept and redo
+            if redo and not kept and u.grads.stored:
                 job.writes.append(u.grads)
             u.speculated = True
         elif self.deferred and self.boundary and kept:

@@ -190,6 +190,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
             deferred=s.deferred_update,
             separate_weights=self.plan.separate_weights,
             threads=s.adam_threads or default_num_threads(),
+            redo=s.gradient_clipping > 0,
         )
         self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
         self.executor = Executor(self.schedule, self.units, self._grads_complete)

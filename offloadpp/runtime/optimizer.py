@@ -29,10 +29,10 @@ instead of during it (docs/runtime.md has the numbers).
 Note: speculative updates (runtime/speculation.py). A speculating step reads state as updates
 that are not deferred do, q units ahead in the order gradients complete (from the start of
 backward), and updates each unit as its gradients complete, with the raw gradients, its norm
-taken in the Adam pass, its writes going to the new generation. Its gradients stay until the
-step is validated: in memory for the deferred window's units (update_order[:q+1], as deferring
-keeps them), at their home for the others. Units whose state lives in memory, and a redo, are
-updated after backward as deferred updates are (run_deferred).
+taken in the Adam pass, its writes going to the new generation. With clipping (a step may be
+redone) its gradients stay until the step is validated: in memory for the deferred window's units
+(update_order[:q+1], as deferring keeps them), at their home for the others. Units whose state
+lives in memory, and a redo, are updated after backward as deferred updates are (run_deferred).
 """
 
 from __future__ import annotations
@@ -70,7 +70,10 @@ class OptimizerPipeline:
         deferred: bool,
         separate_weights: bool,
         threads: int,
+        redo: bool = False,
     ):
+        """redo: a speculative step may be redone (gradient clipping): it keeps its gradients until
+        validated."""
         self.order = order  # the order gradients complete in (backward)
         self.update_order = update_order if update_order is not None else order
         self.q = optim_window
@@ -81,6 +84,7 @@ class OptimizerPipeline:
         self.device = device
         self.deferred = deferred
         self.separate = separate_weights
+        self.redo = redo
         self.threads = threads
         self.tail_threads = max(threads, len(os.sched_getaffinity(0)))
         self._worker = ThreadPoolExecutor(
@@ -215,7 +219,7 @@ class OptimizerPipeline:
             speculate
             and self.first_micro
             and not self.device.is_cuda
-            and (last or (kept and not u.grads.resident))
+            and (not self.redo or last or (kept and not u.grads.resident))
         ):
             # Note: speculated gradients on the CPU device. They already are in host memory, and
             # without accumulation they are the unit's whole gradient: Adam reads them where
@@ -226,7 +230,7 @@ class OptimizerPipeline:
             # is the optimizer's time after backward, which without clipping has no copy either.
             if u.grads_persist:
                 u.grads.release(Hold.OPTIM)  # (_advance_absorb took the buffer; unused)
-            u.held_grads = grads
+            u.held_grads = grads if self.redo else None
             self._speculate(job, u, kept=True, direct=grads)
             self._submit(job)
             self._slide()
@@ -265,11 +269,12 @@ class OptimizerPipeline:
 
     def _speculate(self, job: _Job, u: Unit, *, kept: bool, direct: Optional[list] = None) -> None:
         """The unit's update with the raw gradients, its norm taken in the same pass; its writes
-        go to the new generation (the step's transaction is open). Its gradients stay until the
-        step is validated: held where `kept` (the deferred window's units: deferring holds them
-        too), else written to their home, to be read back by a redo."""
-        job.keep_grads = kept
-        if not kept and direct is None and u.grads.stored:
+        go to the new generation (the step's transaction is open). With clipping (a redo may
+        follow) its gradients stay until the step is validated: held where `kept` (the deferred
+        window's units: deferring holds them too), else written to their home, to be read back by
+        a redo. Without (fp16 alone: an overflow skips the step) they are let go after it."""
+        job.keep_grads = kept and self.redo
+        if self.redo and not kept and direct is None and u.grads.stored:
             job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         self._fill_update(job, u, clip_coef=1.0, grad_scale=self.grad_scale, direct=direct, norm=True)
         u.speculated = True
