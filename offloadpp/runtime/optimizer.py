@@ -223,11 +223,12 @@ class OptimizerPipeline:
         ):
             # Note: speculated gradients on the CPU device. They already are in host memory, and
             # without accumulation they are the unit's whole gradient: Adam reads them where
-            # autograd left them and takes their norm in the same pass, and they are kept as they
-            # are until the step is validated (a redo needs them) instead of copied into the
-            # gradient buffer that would keep them otherwise (given back: the same bytes, held
-            # as long). The last unit's are kept so even where the buffer is resident: its update
-            # is the optimizer's time after backward, which without clipping has no copy either.
+            # autograd left them and takes their norm in the same pass. With clipping (a redo may
+            # need them) they are kept as they are until the step is validated instead of copied
+            # into the gradient buffer that would keep them otherwise (given back: the same
+            # bytes, held as long). The last unit's are kept so even where the buffer is
+            # resident: its update is the optimizer's time after backward, which without clipping
+            # has no copy either.
             if u.grads_persist:
                 u.grads.release(Hold.OPTIM)  # (_advance_absorb took the buffer; unused)
             u.held_grads = grads if self.redo else None
