@@ -47,7 +47,10 @@ def test_bench_capacity_smoke(tmp_path, capsys):
     o = report["offloadpp"]
     assert rc == 0 and report["pass"] and len(o["step_s"]) == 2 and o["peak_rss_bytes"] > 0
     assert o["checkpoint"]["bit_identical"] and o["checkpoint"]["save_s"] > 0
-    assert "peak RSS" in capsys.readouterr().out
+    assert (
+        set(o["phase_peak_rss"]) >= {"steps", "save", "load", "export"} and o["accounted_peaks"]["device"] > 0
+    )
+    assert "peak RSS by phase" in capsys.readouterr().out
 
 
 def test_bench_planner_scale_smoke(tmp_path, capsys):

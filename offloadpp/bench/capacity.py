@@ -12,7 +12,11 @@ needs for a model this size: an offload buffer larger than the largest parameter
 sub-group), for the step-time ratio.
 
 Each run is a child process; the parent reads the child's peak resident set from the kernel
-(wait4's ru_maxrss), so the number covers every allocation of the run.
+(wait4's ru_maxrss), so the number covers every allocation of the run. The child also reads its
+peak of each phase (VmHWM, reset between phases) and the engine's own accounting (the run peaks
+of its budgets, activations included), so a peak can be told apart: the process before the
+engine, what the engine accounts for, and the rest (allocator slack, the model code's own
+temporaries).
 """
 
 from __future__ import annotations
@@ -101,6 +105,27 @@ def _batches(args, n: int):
     return [torch.randint(0, 50257, (args.batch, args.seq), generator=g) for _ in range(n)]
 
 
+def _phase_peak() -> int:
+    """This process's peak RSS since the last call (VmHWM), then the peak is reset to the current
+    RSS (Linux's clear_refs 5), so each phase of a run gets its own peak; 0 where unreadable."""
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return hwm
+    except (OSError, StopIteration):
+        return 0
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def _train_step(engine, x) -> float:
     loss = engine(input_ids=x, labels=x).loss
     engine.backward(loss)
@@ -123,8 +148,11 @@ def _offloadpp_child(args, work: str) -> dict:
     with Init(config=cfg):
         model = GPT2LMHeadModel(_gpt2_config(args))
     n = sum(p.numel() for p in model.parameters())
+    peaks = {"build under Init": _phase_peak()}
+    before_engine = _rss()
     engine, *_ = initialize(model=model, config=cfg)
     init_s = time.perf_counter() - t0
+    peaks["initialize"] = _phase_peak()
     rt = engine.runtime
     _log(rt.plan.describe())
     data = _batches(args, args.steps + 1)
@@ -141,9 +169,12 @@ def _offloadpp_child(args, work: str) -> dict:
         steps.append(time.perf_counter() - t)
         reports.append(engine.last_report)
         _log(engine.last_report.summary())
+    peaks["steps"] = _phase_peak()
+    accounted = {b.name: b.run_peak_bytes for b in rt.budget_report()}
     out.update(
-        step_s=steps, losses=losses, reports=[r.as_dict() for r in reports], disk_bytes=rt.disk_bytes()
-    )
+        step_s=steps, losses=losses, reports=[r.as_dict() for r in reports], disk_bytes=rt.disk_bytes(),
+        rss_before_engine=before_engine, accounted_peaks=accounted,
+    )  # fmt: skip
     if args.checkpoint:
         state_bytes = 12 * sum(u.padded_numel for u in rt.units)  # fp32 master + two moments
         rd, wr = rt.ssd_read_gbps * 1e9, rt.ssd_write_gbps * 1e9
@@ -151,15 +182,20 @@ def _offloadpp_child(args, work: str) -> dict:
         t = time.perf_counter()
         engine.save_checkpoint(ckpt, tag="a")
         save_s = time.perf_counter() - t
+        peaks["save"] = _phase_peak()
         x = data[args.steps]
         loss_a = _train_step(engine, x)
+        peaks["step after save"] = _phase_peak()
         t = time.perf_counter()
         engine.load_checkpoint(ckpt, tag="a")
         load_s = time.perf_counter() - t
+        peaks["load"] = _phase_peak()
         loss_b = _train_step(engine, x)
+        peaks["step after load"] = _phase_peak()
         t = time.perf_counter()
         engine.save_pretrained(os.path.join(work, "export"))
         export_s = time.perf_counter() - t
+        peaks["export"] = _phase_peak()
         export_bytes = sum(
             os.path.getsize(os.path.join(work, "export", f)) for f in os.listdir(os.path.join(work, "export"))
         )
@@ -176,6 +212,7 @@ def _offloadpp_child(args, work: str) -> dict:
             f"checkpoint: save {save_s:.1f}s, load {load_s:.1f}s, export {export_s:.1f}s; loss {loss_a} / {loss_b}"
         )
     engine.close()
+    out["phase_peak_rss"] = peaks
     del torch
     return out
 
@@ -323,6 +360,17 @@ def _print(r: dict) -> None:
             print(
                 f"| ZeRO-Infinity | {z['peak_rss_bytes'] / GIB:.2f} GiB | failed (exit {z['exit_status']}) | | | |"
             )
+    if o.get("phase_peak_rss"):
+        print(
+            "\npeak RSS by phase: "
+            + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in o["phase_peak_rss"].items())
+        )
+        acc = o["accounted_peaks"]
+        print(f"of the steps' peak: {o['rss_before_engine'] / GIB:.2f} GiB the process before the engine, "
+              f"{sum(acc.values()) / GIB:.2f} GiB the engine's accounted peaks ("
+              + ", ".join(f"{k} {v / GIB:.2f}" for k, v in acc.items())
+              + f"), {(o['phase_peak_rss']['steps'] - o['rss_before_engine'] - sum(acc.values())) / GIB:+.2f} GiB "
+              "the rest (allocator slack, the model code's temporaries)")  # fmt: skip
     if "checkpoint" in o:
         c = o["checkpoint"]
         print(f"\ncheckpoint of {c['state_bytes'] / 1e9:.1f} GB of state ({c['checkpoint_bytes'] / 1e9:.1f} GB on disk), "

@@ -35,7 +35,7 @@ from offloadpp.planner.cost import StepEstimate
 from offloadpp.planner.resolve import check_plan
 
 from . import checkpoint as ckpt
-from . import export
+from . import export, host_heap
 from .activations.manager import ActivationManager
 from .config import RuntimeConfig, StepReport
 from .device import Device
@@ -93,6 +93,8 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.hypers: tuple[AdamHyper, ...] = (hyper if hyper is not None else AdamHyper(),)
         self.module = model
         self.device = Device(config.device)
+        if not self.device.is_cuda:
+            host_heap.return_freed_memory()  # the step's freed memory is the device's (host_heap's Note)
         if plan.budgets is None:
             raise PlanError(
                 "the plan has no budgets: make it with offloadpp.assemble.resolve_for_model or planner.resolve"
@@ -367,8 +369,10 @@ class OffloadEngine(StepTransaction, StepAccounting):
             self.global_step += 1
         if outcome is not None and not outcome.skipped:
             self.speculation.record(self.global_step, outcome.clipped)
-        exposed = time.perf_counter() - t0
-        self._opt_s += exposed
+        exposed = time.perf_counter() - t0  # the updates are done (the heap's trim is not theirs)
+        if not self.device.is_cuda:
+            host_heap.trim()
+        self._opt_s += time.perf_counter() - t0
         report = self._report(outcome, scale, exposed)
         if self.config.log_every and report.step % self.config.log_every == 0:
             log.info("%s", report.summary())
