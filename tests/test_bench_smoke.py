@@ -23,7 +23,8 @@ def test_bench_step_smoke(tmp_path, capsys, clip):
     from offloadpp.bench import step
 
     out = tmp_path / "step.json"
-    _run(step, ["--model", "gpt2-tiny", "--steps", "2", "--warmup", "1", "--block", "1", "--threads", "1",
+    # (2 warm-up steps: with clipping, "auto" speculates once two steps stayed within the limit)
+    _run(step, ["--model", "gpt2-tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--threads", "1",
                 "--dir", str(tmp_path / "swap"), "--json", str(out), "--clip", clip, "--vs-unclipped"])  # fmt: skip
     report = json.loads(out.read_text())
     o = report["offloadpp"]

@@ -10,6 +10,7 @@ import copy
 import json
 
 import pytest
+import torch
 from test_runtime import LR, WD, batches, compare, streaming_config, tiny_gpt2, train_pair
 
 from offloadpp.assemble import assemble_engine
@@ -79,45 +80,52 @@ def test_speculative_updates_equal_deferred_ones_bit_for_bit_and_torch(tmp_path,
         defer.close()
 
 
-def test_auto_defers_while_clipping_triggers_and_speculates_again_after(tmp_path):
+def test_auto_speculates_while_steps_validate_and_defers_after_one_clips(tmp_path):
+    """With clipping, "auto" begins deferred, speculates once SPECULATE_AFTER steps in a row
+    stayed within the limit, and defers again after a step that clips (here one whose loss is
+    scaled up: its gradients too), which it redoes exactly."""
     ref = tiny_gpt2()
-    data = batches(14)
+    data = batches(9)
+    spike = {SPECULATE_AFTER + 2: 50.0}  # step -> loss multiplier: the third speculative step
     probe = engine(tmp_path / "probe", ref, gradient_clipping=1e3, speculate="off")
     try:
         norms = [r.grad_norm for r in run(probe, data)]
     finally:
         probe.close()
-    # a limit the early steps' norms pass and the later ones stay within (the norm falls as the
-    # loss does): clipping triggers, then stops
-    limit = (norms[2] + max(norms[5:])) / 2
-    assert all(x > limit for x in norms[:3]) and all(x < limit for x in norms[5:])
-    auto = engine(tmp_path / "auto", ref, gradient_clipping=limit)
-    defer = engine(tmp_path / "defer", ref, gradient_clipping=limit, speculate="off")
+    limit = 2 * max(norms)  # the plain steps stay within it; the scaled one does not
+    engines = {k: engine(tmp_path / k, ref, gradient_clipping=limit, speculate=k) for k in ("auto", "off")}
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    reports = {k: [] for k in engines}
     try:
-        assert auto.settings.speculate == "auto"
-        reports = train_pair(ref, auto, data, clip=limit)
+        for i, x in enumerate(data):
+            m = spike.get(i, 1.0)
+            (ref(input_ids=x, labels=x).loss * m).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), limit)
+            opt.step()
+            opt.zero_grad()
+            for k, eng in engines.items():
+                eng.backward(eng(input_ids=x, labels=x).loss * m)
+                reports[k].append(eng.step())
+        auto = engines["auto"]
         assert compare(auto.module.state_dict(), ref.state_dict(), len(data)) < 1e-5
-        run(defer, data)
-        assert fingerprint(auto, tmp_path / "a") == fingerprint(defer, tmp_path / "b")
-        modes = [r.updates for r in reports]
-        clipped = [r.grad_norm > limit for r in reports]
-        assert modes[0] == "speculative" and reports[0].redone_units == len(auto.units)  # starts speculating
-        for i in range(1, len(reports)):
-            if modes[i - 1] == "speculative":  # speculates on until a step clips
-                assert modes[i] == ("deferred" if clipped[i - 1] else "speculative")
-            else:  # defers until SPECULATE_AFTER steps in a row stayed within the limit
-                within = 0
-                for j in range(i - 1, -1, -1):
-                    if clipped[j] or modes[j] == "speculative":
-                        break
-                    within += 1
-                assert modes[i] == ("speculative" if within >= SPECULATE_AFTER else "deferred"), (i, modes)
-        assert "deferred" in modes and modes[-1] == "speculative" and reports[-1].committed_units > 0
-        assert reports[-1].mode_switches == 2
-        assert "updates speculative (speculated" in reports[-1].summary()
+        assert fingerprint(auto, tmp_path / "a") == fingerprint(engines["off"], tmp_path / "b")
+        rs = reports["auto"]
+        modes = [r.updates for r in rs]
+        want = ["deferred"] * SPECULATE_AFTER + ["speculative"] * 3  # the third speculative one clips
+        want += ["deferred"] * SPECULATE_AFTER + ["speculative"] * (len(data) - len(want) - SPECULATE_AFTER)
+        assert modes == want
+        assert [r.grad_norm > limit for r in rs] == [i in spike for i in range(len(data))]
+        assert (rs[4].speculated_units, rs[4].redone_units, rs[4].committed_units) == (
+            len(auto.units),
+        ) * 2 + (0,)
+        assert all(
+            r.committed_units == len(auto.units) for r in rs if r.updates == "speculative" and r.step != 5
+        )
+        assert [r.mode_switches for r in rs] == [0, 1, 1, 1, 2, 2, 3, 3, 3]
+        assert "updates speculative (speculated" in rs[-1].summary()
     finally:
-        auto.close()
-        defer.close()
+        for eng in engines.values():
+            eng.close()
 
 
 def test_an_overflow_in_a_speculative_fp16_step_skips_it_exactly(tmp_path):

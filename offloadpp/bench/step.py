@@ -18,8 +18,9 @@ the table shows medians. Bars: offloadpp <= 1.25x torch, <= 1.15x its floor.
 
 Clipping (--clip): both contenders clip. offloadpp's updates run speculatively during backward
 and are validated after it (docs/runtime.md); the model's gradient norms here start near 30 and
-fall, so --clip 1.0 clips every step and the updates fall back to deferred ones, while a limit
-above the norms (--clip 1000) never clips: every step speculates and validates. --vs-unclipped
+fall, so --clip 1.0 clips every step and the updates stay deferred, while a limit above the
+norms (--clip 1000) never clips: every step after the first two (the warm-up) speculates and
+validates. --vs-unclipped
 adds offloadpp without clipping to the same run, for what clipping costs a step and the
 optimizer's time after backward.
 """

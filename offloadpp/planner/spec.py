@@ -100,8 +100,8 @@ class Settings(_Frozen):
         backward, commits if the clip coefficient is exactly 1 and nothing overflowed, else
         restores the state and redoes the updates with the clipped gradients (or skips the step
         on overflow), exactly; "off" defers every update to the end of backward; "auto"
-        speculates while recent steps validated and defers while clipping keeps triggering
-        (docs/runtime.md). Speculation keeps a second generation of the optimizer state on SSD;
+        speculates while recent steps validated (with clipping: from the third step in a row
+        within the limit) and defers while clipping keeps triggering (docs/runtime.md). Speculation keeps a second generation of the optimizer state on SSD;
         "auto" defers where the SSDs lack the room, "on" is then an error.
     prefetch_depth: weights of the unit k visits ahead are fetched while one computes (None: the
         plan picks the deepest that fits, up to 2 for the default plan).

@@ -237,7 +237,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self._failed: Optional[BaseException] = None  # a step that could not complete nor roll back
         self._aborted = False  # a step was interrupted (its errors were raised then)
         self._window_steps: list[list[int]] = [list(u.steps) for u in self.units]
-        self.speculation = SpeculationPolicy(s.speculate, self.plan.speculative)
+        self.speculation = SpeculationPolicy(s.speculate, self.plan.speculative, s.gradient_clipping > 0)
         self._reset_step_counters()
         self._closed = False
         log.info("%s", self.plan.describe())

@@ -30,11 +30,14 @@ optim.adam_step_pieces takes it in the Adam pass bit for bit as squared_norm doe
 
 Note: when to speculate (Settings.speculate "auto"). A validated speculative step costs what an
 unclipped one does; a redo costs the wasted speculative pass (on the worker, overlapped with
-backward) and the state read again after it. An overflow costs nothing more than deferring would
-(the step is skipped either way), so only clipping counts. After a step that clipped, steps
-defer until SPECULATE_AFTER steps in a row have norms within the limit (a deferred step knows its
-norm too), then speculate again; clipping typically triggers early in training and then for good
-or not at all. Every switch is counted and logged.
+backward), the state read again after it, and the memory a speculating step holds beyond a
+deferred one. An overflow costs nothing more than deferring would (the step is skipped either
+way), so only clipping counts. Steps speculate while the recent ones validated: with clipping a
+run begins deferred (a deferred step knows its norm too), speculates once SPECULATE_AFTER steps
+in a row had norms within the limit, and defers again after a step that clipped; clipping
+typically triggers early in training and then for good or not at all, so a run that always clips
+(a fresh model) never pays for a redo. Without clipping (fp16 alone) nothing but an overflow can
+fail: it speculates from the start. Every switch is counted and logged.
 """
 
 from __future__ import annotations
@@ -52,10 +55,11 @@ class SpeculationPolicy:
     """Whether the next step speculates: mode "on", "off" or "auto" (Settings.speculate), on a
     plan that allows it (Plan.speculative)."""
 
-    def __init__(self, mode: str, allowed: bool):
+    def __init__(self, mode: str, allowed: bool, clipping: bool):
         self.mode = mode
         self.allowed = allowed and mode != "off"
-        self.speculating = self.allowed  # "auto" starts speculating
+        # "on" always; "auto" once recent steps validated (with clipping: none yet, module Note)
+        self.speculating = self.allowed and (mode == "on" or not clipping)
         self.within = 0  # steps in a row whose norm stayed within the clip norm, while deferring
         self.switches = 0
 
