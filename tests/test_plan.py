@@ -112,6 +112,24 @@ def test_updated_weights_are_kept_for_the_next_forward_without_raising_the_peak(
     assert build_schedule(bf16).next_keep == {"embed", "h.0", "h.1", "h.2"}
 
 
+@pytest.mark.parametrize("q", [8, 1])
+def test_a_speculative_plan_keeps_for_each_way_of_running_a_step(q):
+    """A speculative plan's deferred steps keep at least what a deferred plan's do (speculation
+    costs them no reads); its speculating steps keep a set of their own, checked on their walk."""
+    kw = dict(
+        device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=q, deferred_update=True
+    )
+    deferred = build_schedule(streaming_plan(UNITS, **kw))
+    spec = build_schedule(streaming_plan(UNITS, speculative=True, clipping=True, **kw))
+    assert deferred.spec_next_keep == frozenset() and spec.next_keep >= deferred.next_keep
+    assert {"embed", "h.0", "h.1", "h.2"} <= spec.spec_next_keep
+    assert set(spec.next_keep_until) == spec.next_keep | spec.spec_next_keep
+    assert (
+        spec.peak_device_bytes >= deferred.peak_device_bytes
+        and spec.peak_host_bytes >= deferred.peak_host_bytes
+    )
+
+
 def test_min_budgets_grow_with_prefetch_depth():
     kw = dict(device="cpu", compute_dtype="fp32")
     d0, h0 = min_budgets(UNITS, prefetch_depth=0, optim_prefetch_depth=0, **kw)

@@ -28,7 +28,7 @@ at the visit that first holds it (`next_keep_until`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 from .plan import DTYPE_BYTES, Plan, Tier
 
@@ -53,6 +53,9 @@ class Schedule:
     peak_device_bytes: int  # runtime buffers on the device (weights, one unit's grads)
     peak_host_bytes: int  # runtime buffers in host memory, resident arrays included
     absorb_order: tuple[str, ...] = ()  # units in the order their gradients complete (backward)
+    # a speculative plan: the units next_keep names for a step that speculates (its updates run in
+    # backward, so a kept unit is held through the rest of it; next_keep is the deferred step's)
+    spec_next_keep: frozenset[str] = frozenset()
     forward_index: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
     backward_index: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
     next_keep_until: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
@@ -82,7 +85,9 @@ def build_schedule(plan: Plan) -> Schedule:
     sched = structure(plan)
     if plan.fill_gaps:
         sched = Schedule(**{**sched.__dict__, "alive": _fill_gaps(plan, sched)})
-    sched = Schedule(**{**sched.__dict__, "next_keep_until": _first_alive(sched, sched.next_keep)})
+    sched = Schedule(
+        **{**sched.__dict__, "next_keep_until": _first_alive(sched, sched.next_keep | sched.spec_next_keep)}
+    )
     if plan.fill_gaps and _alias(plan):
         sched = _keep_across(plan, sched)
     dev, host = _peaks(plan, sched)
@@ -132,6 +137,7 @@ def structure(plan: Plan) -> Schedule:
         absorb_order=absorb_order,
         prefetch_depth=k,
         next_keep=alive[0] | (alive[1] if n > 1 else frozenset()),
+        spec_next_keep=(alive[0] | (alive[1] if n > 1 else frozenset())) if plan.speculative else frozenset(),
         keep_until_update=keep_until_update,
         optim_window=plan.optim_prefetch_depth,
         peak_device_bytes=0,
@@ -148,30 +154,51 @@ def _first_alive(sched: Schedule, names) -> dict[str, int]:
 def _keep_across(plan: Plan, sched: Schedule) -> Schedule:
     """`next_keep` with every further unit whose weights can stay from its update to the next
     forward's first hold of them without raising the device peak (see the module Note), largest
-    first."""
-    devs, _, helds = _walk(plan, sched)
-    peak = max(devs)
+    first; for a speculative plan also `spec_next_keep`, the same for a step that speculates
+    (its updates run in backward, so a kept unit is held through the rest of backward too: it
+    keeps fewer, and the deferred step keeps what it can on its own walk)."""
+    base, spec = _walk(plan, sched, "base"), _walk(plan, sched, "speculative")
+    peak = max(max(base[0]), max(spec[0], default=0))
+    keep = _keep_set(plan, sched, sched.next_keep, peak, base, backward=not plan.deferred_update)
+    spec_keep = frozenset()
+    if plan.speculative:
+        # the next forward's visits are the base walk's (with the deferred step's kept units in
+        # them now); a unit the deferred step keeps is counted there already
+        spec_keep = _keep_set(plan, sched, sched.spec_next_keep, peak, spec, backward=True,
+                              forward=(base[0], base[2]), skip=keep)  # fmt: skip
+    both = keep | spec_keep
+    return Schedule(**{**sched.__dict__, "next_keep": keep, "spec_next_keep": spec_keep,
+                       "next_keep_until": _first_alive(sched, both)})  # fmt: skip
+
+
+def _keep_set(plan: Plan, sched: Schedule, start: frozenset, peak: int, walk, *, backward: bool,
+              forward=None, skip: frozenset = frozenset()) -> frozenset:  # fmt: skip
+    """The units kept across on one walk (devs, _, helds): held from the update (backward: the
+    backward visits after the unit's own; a deferred update: none) to the next forward's first
+    hold. `forward`: the (devs, helds) the forward visits are counted on, where not the walk's
+    own; `skip`: units whose forward span that counts already."""
+    devs, _, helds = walk
+    fdevs, fhelds = forward if forward is not None else (devs, helds)
     specs = {u.name: u for u in plan.units}
     place = {p.unit: p for p in plan.placements}
-    keep = set(sched.next_keep)
+    keep = set(start)
     for name in sorted(specs, key=lambda n: (-specs[n].master_bytes, n)):
         if name in keep or place[name].weights is Tier.DEVICE:
             continue
         w = specs[name].weights_bytes(plan.compute_dtype)
         until = _first_alive(sched, (name,))[name]
-        # held from its update: the backward visits after its own (a deferred update: none), and
-        # the next forward's visits before the first that holds it
-        span = list(range(until))
-        if not plan.deferred_update or plan.speculative:
-            span += list(range(sched.backward_index[name] + 1, len(sched.visits)))
-        span = [i for i in span if name not in helds[i]]
-        if all(devs[i] + w <= peak for i in span):
+        fwd = [] if name in skip else [i for i in range(until) if name not in fhelds[i]]
+        bwd = range(sched.backward_index[name] + 1, len(sched.visits)) if backward else ()
+        bwd = [i for i in bwd if name not in helds[i]]
+        if all(fdevs[i] + w <= peak for i in fwd) and all(devs[i] + w <= peak for i in bwd):
             keep.add(name)
-            for i in span:
+            for i in fwd:
+                fdevs[i] += w
+                fhelds[i].add(name)
+            for i in bwd:
                 devs[i] += w
                 helds[i].add(name)
-    keep_f = frozenset(keep)
-    return Schedule(**{**sched.__dict__, "next_keep": keep_f, "next_keep_until": _first_alive(sched, keep_f)})
+    return frozenset(keep)
 
 
 def _alias(plan: Plan) -> bool:
@@ -234,6 +261,7 @@ class Holds:
     grads: int
     kept: tuple[str, ...] = ()
     visit: int = 0
+    speculative: bool = False  # of a speculative plan's walk of a step that speculates
 
 
 def holds(plan: Plan, sched: Schedule) -> list[Holds]:
@@ -295,13 +323,13 @@ def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
         seen = v.index - first_backward + 1
         window = absorb[max(0, seen - 1) : min(len(absorb), seen + q + 1)]
         updated = {w.unit for w in sched.visits[first_backward : v.index]}
-        held = set(sched.alive[v.index]) | (sched.next_keep & updated)
+        held = set(sched.alive[v.index]) | (sched.spec_next_keep & updated)
         if alias:
             held |= set(window)
         kept = tuple(n for n in absorb if n in updated and n in keep and n not in window)
         grads = specs[v.unit].padded_numel * DTYPE_BYTES[plan.compute_dtype]
         fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()
-        out.append(Holds(frozenset(held), tuple(window), fetching, grads, kept, v.index))
+        out.append(Holds(frozenset(held), tuple(window), fetching, grads, kept, v.index, speculative=True))
     return out
 
 
@@ -311,10 +339,11 @@ def kept_grad_bytes(plan: Plan, u, p) -> int:
     return u.grad_bytes if plan.persistent_grads and p.grads is Tier.SSD else 0
 
 
-def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]:
+def _walk(plan: Plan, sched: Schedule, which: Optional[str] = None) -> tuple[list[int], list[int], list[set]]:
     """Per visit: device bytes, host bytes, and the units whose weights are in device memory
     (the buffers of `holds`, with this plan's placements; where a visit has two walks, the larger
-    bytes and the units both hold)."""
+    bytes and the units both hold). which: "base" or "speculative", that walk only (visits it
+    does not walk: nothing)."""
     cdt = plan.compute_dtype
     place = {p.unit: p for p in plan.placements}
     wb = {u.name: u.weights_bytes(cdt) for u in plan.units}
@@ -323,6 +352,8 @@ def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]
     n = len(sched.visits)
     devs, hosts, helds = [0] * n, [0] * n, [None] * n
     for h in holds(plan, sched):
+        if which is not None and h.speculative != (which == "speculative"):
+            continue
         held = {x for x in h.device if place[x].weights is not Tier.DEVICE}
         i = h.visit
         devs[i] = max(devs[i], sum(wb[x] for x in held) + h.grads)

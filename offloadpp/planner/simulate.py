@@ -194,14 +194,6 @@ class Unit:
         self.can_speculate = all(x.stored for x in (self.master, self.compute, self.exp_avg, self.exp_avg_sq))
         self.speculated = False
 
-    @property
-    def slots(self) -> tuple[Slot, ...]:
-        out: list[Slot] = []
-        for s in (self.master, self.compute, self.exp_avg, self.exp_avg_sq, self.grads):
-            if all(s is not x for x in out):
-                out.append(s)
-        return tuple(out)
-
 
 @dataclass(eq=False)
 class Job:
@@ -217,6 +209,7 @@ class Job:
     defer_writes: bool = False  # the step's last update: its writes start with the next fetches
     defer_moments: bool = False  # deferred updates, window over every unit: moments wait too
     keep_grads: bool = False  # deferred: gradients stay held for an update among the first
+    speculative: bool = False  # an update during backward (its kept units: spec_next_keep)
 
 
 def _late(job: Job, s: Slot) -> bool:
@@ -265,8 +258,8 @@ class Sim:
         # a speculative plan's steps validate: the replay is of a step whose speculation commits
         self.speculating = plan.deferred_update and plan.speculative
         self.q = self.sched.optim_window
-        self.next_keep = getattr(self.sched, "next_keep", self.sched.alive[0])
-        self.keep_until_update = getattr(self.sched, "keep_until_update", frozenset())
+        self.next_keep, self.spec_next_keep = self.sched.next_keep, self.sched.spec_next_keep
+        self.keep_until_update = self.sched.keep_until_update
         self.in_backward = False
         self.boundary = True
         self.jobs: deque[Job] = deque()  # submitted, not reaped
@@ -456,7 +449,7 @@ class Sim:
             if u.grads_persist:
                 u.grads.release(self, OPTIM)
             yield from self.fill_update(job, u, rate, direct=True)
-            u.speculated = True
+            job.speculative = u.speculated = True
             self.submit(job)
             yield from self.slide()
             return
@@ -477,6 +470,7 @@ class Sim:
             yield from self.advance_update(self.submitted + self.q + 1)
         elif spec:
             yield from self.fill_update(job, u, rate)
+            job.speculative = True
             job.keep_grads = kept and redo
             if redo and not kept and u.grads.stored:
                 job.writes.append(u.grads)
@@ -547,7 +541,7 @@ class Sim:
             if self.cuda and isinstance(u.weights, CudaWeights) and u.weights.resident:
                 u.weights.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
                 after = u.weights.copy_done
-            if u.name in self.next_keep:
+            if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.holds.add(NEXT)
             for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):
                 s.release(self, OPTIM)

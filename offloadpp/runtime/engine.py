@@ -185,6 +185,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
             update_order=[by_name[n] for n in self.schedule.update_order],
             optim_window=self.schedule.optim_window,
             next_keep=self.schedule.next_keep,
+            spec_next_keep=self.schedule.spec_next_keep,
             hypers=self.hypers,
             store=self.store,
             host_pool=self.host_pool,

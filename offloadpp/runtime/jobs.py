@@ -54,6 +54,7 @@ class _Job:
     defer_writes: bool = False  # leave the puts to the main thread's flush_writes()
     defer_moments: bool = False  # only the moments' puts (see run_deferred)
     keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
+    speculative: bool = False  # an update during backward, to be validated (speculation.py)
     threads: int = 1
 
 

@@ -63,6 +63,7 @@ class OptimizerPipeline:
         update_order: Optional[list[Unit]] = None,
         optim_window: int,
         next_keep: frozenset,
+        spec_next_keep: frozenset = frozenset(),
         hypers: tuple[AdamHyper, ...],
         store,
         host_pool: BufferPool,
@@ -78,6 +79,7 @@ class OptimizerPipeline:
         self.update_order = update_order if update_order is not None else order
         self.q = optim_window
         self.next_keep = next_keep
+        self.spec_next_keep = spec_next_keep  # what a speculative update keeps (schedule.spec_next_keep)
         self.hypers = hypers  # one per param group; Unit.groups says which each parameter takes
         self.store = store
         self.host_pool = host_pool
@@ -275,6 +277,7 @@ class OptimizerPipeline:
         window's units: deferring holds them too), else written to their home, to be read back by
         a redo. Without (fp16 alone: an overflow skips the step) they are let go after it."""
         job.keep_grads = kept and self.redo
+        job.speculative = True
         if self.redo and not kept and direct is None and u.grads.stored:
             job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         self._fill_update(job, u, clip_coef=1.0, grad_scale=self.grad_scale, direct=direct, norm=True)
@@ -489,7 +492,7 @@ class OptimizerPipeline:
             if self.device.is_cuda and u.weights.resident:
                 u.weights.refresh()
                 after = (u.weights.last_copy,)
-            if u.name in self.next_keep:
+            if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.acquire(Hold.NEXT)
             for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):
                 s.release(Hold.OPTIM)
