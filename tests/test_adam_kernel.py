@@ -18,6 +18,7 @@ from offloadpp import _C
 from offloadpp.optim import (
     AdamHyper,
     adam_step_flat,
+    adam_step_pieces,
     all_finite,
     bandwidth_floor,
     convert_,
@@ -295,6 +296,41 @@ def test_squared_norm_many_and_nonfinite(simd):
     assert math.isnan(squared_norm(z))
     assert all_finite(xs) and all_finite(xs[0], mult=1e-3)
     assert squared_norm(torch.empty(0)) == 0.0
+
+
+@pytest.mark.parametrize("gdt", ALL, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("half", [None, torch.bfloat16], ids=["fp32", "half_out"])
+def test_adam_step_pieces_takes_the_norm_as_squared_norm_does(simd, gdt, half):
+    """The fused norm is bit for bit squared_norm of the same pieces (not just close: the runtime
+    takes a unit's norm one way when it speculates and the other when it defers, and the clip
+    coefficient must not differ), and the update is bit for bit adam_step_flat's."""
+    gen = torch.Generator().manual_seed(11)
+    n = 300_007
+    cuts = [(0, 70_001), (70_001, 70_004), (90_000, 250_000), (250_000, n)]  # a gap: not updated
+    p0, m0, v0 = (
+        torch.randn(n, generator=gen),
+        torch.randn(n, generator=gen) * 0.1,
+        torch.rand(n, generator=gen),
+    )
+    grads = [(torch.randn(b - a, generator=gen) * 3).to(gdt) for a, b in cuts]
+    h = AdamHyper(lr=1e-2, weight_decay=0.1)
+    p, m, v = p0.clone(), m0.clone(), v0.clone()
+    out = torch.zeros(n, dtype=half) if half is not None else None
+    sq = adam_step_pieces(p, m, v, [(a, b, g) for (a, b), g in zip(cuts, grads)], step=4, hyper=h,
+                          clip_coef=0.5, grad_scale=2.0, half_out=out, num_threads=2)  # fmt: skip
+    assert sq == squared_norm(grads) and sq == squared_norm(grads, num_threads=1)
+    want_p, want_m, want_v = p0.clone(), m0.clone(), v0.clone()
+    want_out = torch.zeros(n, dtype=half) if half is not None else None
+    for (a, b), g in zip(cuts, grads):
+        adam_step_flat(want_p[a:b], g, want_m[a:b], want_v[a:b], step=4, hyper=h, clip_coef=0.5, grad_scale=2.0,
+                       half_out=want_out[a:b] if half is not None else None, num_threads=1)  # fmt: skip
+    assert torch.equal(p, want_p) and torch.equal(m, want_m) and torch.equal(v, want_v)
+    assert torch.equal(p[70_004:90_000], p0[70_004:90_000])  # the gap is left alone
+    if half is not None:
+        assert torch.equal(out, want_out)
+    assert adam_step_pieces(p, m, v, [], step=5, hyper=h) == 0.0
+    with pytest.raises(ValueError, match="pieces\\[0\\]"):
+        adam_step_pieces(p, m, v, [(0, 10, grads[0])], step=5, hyper=h)
 
 
 def _f32_patterns() -> torch.Tensor:

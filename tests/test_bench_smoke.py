@@ -18,14 +18,23 @@ def _run(module, argv: list[str]) -> int:
     return module.run(p.parse_args(argv))
 
 
-def test_bench_step_smoke(tmp_path, capsys):
+@pytest.mark.parametrize("clip", ["0", "1000"])
+def test_bench_step_smoke(tmp_path, capsys, clip):
     from offloadpp.bench import step
 
     out = tmp_path / "step.json"
-    _run(step, ["--model", "gpt2-tiny", "--steps", "2", "--warmup", "1", "--block", "1", "--threads", "1",
-                "--dir", str(tmp_path / "swap"), "--json", str(out)])  # fmt: skip
+    # (2 warm-up steps: with clipping, "auto" speculates once two steps stayed within the limit)
+    _run(step, ["--model", "gpt2-tiny", "--steps", "2", "--warmup", "2", "--block", "1", "--threads", "1",
+                "--dir", str(tmp_path / "swap"), "--json", str(out), "--clip", clip, "--vs-unclipped"])  # fmt: skip
     report = json.loads(out.read_text())
-    assert report["offloadpp"]["ssd_read_bytes"] > 0 and report["ratio_vs_torch"] > 0
+    o = report["offloadpp"]
+    assert o["ssd_read_bytes"] > 0 and report["ratio_vs_torch"] > 0 and o["optimizer_exposed_s"] > 0
+    if clip == "0":
+        assert o["updates"] == {"in-backward": 2} and "unclipped" not in report
+    else:  # a limit the norms stay within: every update speculative and validated
+        assert o["updates"] == {"speculative": 2} and o["redone_steps"] == 0 and o["grad_norm_max"] < 1000
+        u = report["unclipped"]  # (--vs-unclipped: the same run without clipping, side by side)
+        assert len(u["steps"]) == 2 and u["step_ratio"] > 0 and u["exposed_ratio"] > 0
     assert "| offloadpp (all state on SSD) |" in capsys.readouterr().out
 
 

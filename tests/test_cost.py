@@ -132,6 +132,28 @@ def test_deferred_update_runs_adam_after_backward():
     assert e.optimizer_wait_s >= 0.95 * sum(u.numel for u in m.units) / 0.2e9
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_speculative_plan_replays_its_updates_during_backward(device):
+    """Clipping with speculation is replayed as a step that validates: the optimizer's time after
+    backward is what it is without clipping, not the deferred updates'; the lower bound holds."""
+    from offloadpp.planner.cost import lower_bound
+
+    cdt = "bf16" if device == "cuda" else "fp32"
+    m = analytic_profile(GPT2, micro_batch=1, seq_len=64, compute_dtype=cdt)
+    h = hw(device=device, device_flops_per_s={cdt: 10e9},  # compute-bound: Adam can hide behind backward
+           adam_params_per_s={1: 0.2e9, 2: 0.2e9})  # fmt: skip
+    q = len(m.units) - 1  # the read-ahead "auto" budgets give deferred updates where it fits
+    deferred = stream(m, q=q, device=device, compute_dtype=cdt, deferred_update=True)
+    spec = replace(deferred, speculative=True)
+    plain = stream(m, device=device, compute_dtype=cdt)
+    d, s_, p = (estimate(x, h, m) for x in (deferred, spec, plain))
+    adam = sum(u.numel for u in m.units) / 0.2e9
+    assert d.optimizer_wait_s >= 0.95 * adam  # every update after backward
+    assert s_.optimizer_wait_s < 0.6 * d.optimizer_wait_s and s_.step_s < d.step_s
+    assert s_.optimizer_wait_s <= 1.1 * p.optimizer_wait_s + 1e-3
+    assert lower_bound(spec, h, m) <= s_.step_s and lower_bound(deferred, h, m) <= d.step_s
+
+
 def test_accumulation_counts_micro_batches():
     m = model()
     one = estimate(in_memory(stream(m)), hw(), m)

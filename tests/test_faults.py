@@ -57,7 +57,11 @@ class Boom(Exception):
     pass
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["updates-in-backward", "deferred-updates"])
+# clip 1.0 clips every step here, so after the first (speculated, redone) updates are deferred;
+# 1e3 never clips: every step's updates run speculatively during backward
+@pytest.mark.parametrize(
+    "clip", [0.0, 1.0, 1e3], ids=["updates-in-backward", "deferred-updates", "speculative-updates"]
+)
 @pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
 def test_interrupted_step_leaves_the_last_completed_state(tmp_path, clip, exc):
     ref = engine(tmp_path / "ref", clip)
@@ -72,6 +76,7 @@ def test_interrupted_step_leaves_the_last_completed_state(tmp_path, clip, exc):
         with pytest.raises(exc):
             step(eng, 2)
         handle.remove()
+        assert eng.speculation.speculating == (clip > 1)
         assert fingerprint(eng, tmp_path / "a") == fingerprint(ref, tmp_path / "b")  # bit for bit
         for i in (2, 3):  # and it trains on exactly as if nothing had happened
             step(ref, i)

@@ -112,6 +112,24 @@ def test_updated_weights_are_kept_for_the_next_forward_without_raising_the_peak(
     assert build_schedule(bf16).next_keep == {"embed", "h.0", "h.1", "h.2"}
 
 
+@pytest.mark.parametrize("q", [8, 1])
+def test_a_speculative_plan_keeps_for_each_way_of_running_a_step(q):
+    """A speculative plan's deferred steps keep at least what a deferred plan's do (speculation
+    costs them no reads); its speculating steps keep a set of their own, checked on their walk."""
+    kw = dict(
+        device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=q, deferred_update=True
+    )
+    deferred = build_schedule(streaming_plan(UNITS, **kw))
+    spec = build_schedule(streaming_plan(UNITS, speculative=True, clipping=True, **kw))
+    assert deferred.spec_next_keep == frozenset() and spec.next_keep >= deferred.next_keep
+    assert {"embed", "h.0", "h.1", "h.2"} <= spec.spec_next_keep
+    assert set(spec.next_keep_until) == spec.next_keep | spec.spec_next_keep
+    assert (
+        spec.peak_device_bytes >= deferred.peak_device_bytes
+        and spec.peak_host_bytes >= deferred.peak_host_bytes
+    )
+
+
 def test_min_budgets_grow_with_prefetch_depth():
     kw = dict(device="cpu", compute_dtype="fp32")
     d0, h0 = min_budgets(UNITS, prefetch_depth=0, optim_prefetch_depth=0, **kw)
@@ -232,11 +250,21 @@ def test_peak_bytes_equal_the_built_schedules_over_random_placements():
     rng = random.Random(0)
     tiers = (Tier.DEVICE, Tier.HOST, Tier.SSD)
     checked = 0
-    for device, dtype, k, q, accum, deferred, ranks in itertools.product(
-        ("cpu", "cuda"), ("fp32", "bf16"), (0, 1, 3), (0, 2, 6), (False, True), (False, True), (1, 3)
+    for device, dtype, k, q, accum, mode, ranks in itertools.product(
+        ("cpu", "cuda"),
+        ("fp32", "bf16"),
+        (0, 1, 3),
+        (0, 2, 6),
+        (False, True),
+        ("in-backward", "deferred", "speculative", "speculative-clipping"),
+        (1, 3),
     ):
+        if ranks > 1 and mode.startswith("speculative"):
+            continue  # several ranks never speculate (planner/resolve.py)
+        deferred = mode != "in-backward"
         base = streaming_plan(shard_units(units, ranks), device=device, compute_dtype=dtype, prefetch_depth=k,
-                              optim_prefetch_depth=q, accumulate_grads=accum, deferred_update=deferred)  # fmt: skip
+                              optim_prefetch_depth=q, accumulate_grads=accum, deferred_update=deferred,
+                              speculative=mode.startswith("speculative"), clipping=mode.endswith("clipping"))  # fmt: skip
         for _ in range(8):
             placements = tuple(Placement(u.name, rng.choice(tiers), rng.choice(tiers[1:]), rng.choice(tiers[1:]),
                                          rng.choice(tiers[1:])) for u in units)  # fmt: skip
@@ -251,7 +279,7 @@ def test_peak_bytes_equal_the_built_schedules_over_random_placements():
                 k,
                 q,
                 accum,
-                deferred,
+                mode,
                 ranks,
             )
             checked += 1

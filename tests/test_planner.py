@@ -250,10 +250,33 @@ def test_deferred_and_accumulating_plans_place_gradients():
     r = search(hw, m, request(1 << 30, host_bytes=1 << 30, deferred_update=True, micro_batches=2))
     assert r.plan.deferred_update and r.plan.accumulate_grads
     assert all(p.grads is Tier.HOST for p in r.plan.placements)
-    dev, host = _stream_needs(hw, m, deferred_update=True)
+    dev, host = _stream_needs(hw, m, deferred_update=True, speculative=True)
     b = request(dev + (8 << 20), host_bytes=host + (8 << 20), deferred_update=True)
     tight = search(hw, m, b)
-    assert _fits(tight.plan, b) and tight.plan.ssd_bytes() > 0
+    assert _fits(tight.plan, b) and tight.plan.ssd_bytes() > 0 and tight.plan.speculative
+
+
+def test_budgets_that_hold_deferred_updates_but_not_speculative_ones_defer():
+    """Speculating holds a sliding window of state through backward (and, with a read-ahead short
+    of every unit, more than the deferred window): explicit budgets sized for deferred updates
+    still plan, deferred, and say so; "on" refuses them."""
+    from offloadpp.planner import Machine, resolve
+
+    m = gpt2_profile()
+    dev, host = _stream_needs(cpu_hw(), m, deferred_update=True)
+    spec = _stream_needs(cpu_hw(), m, deferred_update=True, speculative=True)
+    assert spec[1] > host  # (the sliding window holds two units' state, the deferred one one)
+    machine = Machine("cpu", host_available_bytes=1 << 34, cores=2)
+    settings = Settings(gradient_clipping=1.0, device_budget_bytes=dev, host_budget_bytes=host,
+                        prefetch_depth=0, optim_prefetch_depth=0)  # fmt: skip
+    r = resolve(settings, m.unit_specs(), machine)
+    assert r.plan.deferred_update and not r.plan.speculative
+    assert any("do not hold what speculative updates hold" in n for n in r.plan.notes)
+    with pytest.raises(PlanError):
+        resolve(settings.model_copy(update={"speculate": "on"}), m.unit_specs(), machine)
+    r = resolve(settings.model_copy(update={"host_budget_bytes": spec[1], "device_budget_bytes": max(dev, spec[0])}),
+                m.unit_specs(), machine)  # fmt: skip
+    assert r.plan.speculative
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -423,13 +446,26 @@ def test_auto_device_budget_streams_and_keeps_the_activations():
     assert bare.budgets.activation_bytes is None and bare.budgets.device_bytes == peak_bytes(stream)[0]
 
 
-def test_fp16_says_its_updates_are_deferred():
+def test_fp16_says_whether_its_updates_are_deferred_or_speculative():
     from offloadpp.planner import resolve
 
     m = gpt2_profile(compute_dtype="fp16")
-    r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), _cuda_machine(8))
-    assert r.plan.deferred_update and any("fp16: updates are deferred" in n for n in r.plan.notes)
+    r = resolve(Settings(compute_dtype="fp16", speculate="off"), m.unit_specs(), _cuda_machine(8))
+    assert r.plan.deferred_update and not r.plan.speculative
+    assert any("fp16: updates are deferred" in n for n in r.plan.notes)
     assert "deferred" in r.plan.describe()
+    r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), _cuda_machine(8))
+    assert r.plan.deferred_update and r.plan.speculative and "(speculative)" in r.plan.describe()
+    assert any("speculatively" in n and "overflow check" in n for n in r.plan.notes)
+    # speculation keeps a second generation of the state on SSD: where it lacks the room, "auto"
+    # defers and says so, "on" refuses
+    need = r.plan.ssd_footprint_bytes()
+    assert need == 2 * r.plan.ssd_bytes() - sum(u.grad_bytes for u, p in r.plan if p.grads is Tier.SSD)
+    short = replace(_cuda_machine(8), ssd_free_bytes=need // 2 + r.plan.ssd_bytes() // 2)
+    r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), short)
+    assert not r.plan.speculative and any("second generation" in n for n in r.plan.notes)
+    with pytest.raises(PlanError, match="second generation"):
+        resolve(Settings(compute_dtype="fp16", speculate="on"), m.unit_specs(), short)
 
 
 def test_several_ssds_are_charged_at_most_the_drives_sum_and_striped_by_their_rates():

@@ -154,8 +154,10 @@ def _gpt2(n_layer=6, seed=0):
         {"compute_dtype": "bf16"},
         {"prefetch_depth": 0, "optim_prefetch_depth": 0},
         {"activations": {"policy": "ssd", "budget_bytes": 6 << 20, "min_swap_bytes": 0}},
+        {"gradient_clipping": 1e3, "speculate": "on", "optim_prefetch_depth": 1},
+        {"gradient_clipping": 1e-3, "speculate": "on", "optim_prefetch_depth": 1},
     ],
-    ids=["plain", "clip-accum", "bf16", "k0q0", "act-ssd"],
+    ids=["plain", "clip-accum", "bf16", "k0q0", "act-ssd", "speculate-q1", "speculate-q1-redo"],
 )  # act-ssd: 6 MiB holds the units backward works on (the swapped activations' working set), a
 # quarter of the 23 MiB keeping every activation takes here
 def test_streaming_minimum_holds_every_budget(tmp_path, settings, caplog):
@@ -178,6 +180,10 @@ def test_streaming_minimum_holds_every_budget(tmp_path, settings, caplog):
                 if r is not None:
                     reports.append(r)
             final = eng.budget_report()
+    if settings.get("speculate") == "on":  # a window sliding over a read-ahead short of every unit
+        assert eng.plan.speculative and eng.plan.optim_prefetch_depth == 1
+        assert all(r.speculated_units == len(eng.units) for r in reports)
+        assert all((r.redone_units > 0) == (settings["gradient_clipping"] < 1) for r in reports)
     for r in reports:
         names = [b.name for b in r.budgets]
         assert names == ["device", "host", "activations", "activation staging"]
@@ -337,3 +343,42 @@ def test_plan_cli_refuses_what_cannot_fit_with_the_largest_batch(tmp_path, capsy
     assert run(largest) == 0
     out = capsys.readouterr().out
     assert "activations (budget" in out and "planned in" in out
+
+
+def test_plan_cli_estimates_a_speculative_step_and_its_deferred_one(tmp_path, capsys):
+    """With clipping, `offloadpp plan` estimates the step whose speculative updates validate and
+    prints the deferred step's estimate beside it; --speculate off plans the deferred one."""
+    import re
+
+    from offloadpp.cli import plan as plan_cli
+    from offloadpp.planner import HardwareProfile
+
+    # compute-bound (a slow device, fast SSDs): the updates' overlap with backward is what counts
+    hw = HardwareProfile(device="cuda", device_name="test gpu", cpu_cores=16, ssd_read_gbps=40.0, ssd_write_gbps=40.0,
+                         h2d_gbps=25.0, d2h_gbps=25.0, memcpy_gbps=20.0, device_flops_per_s={"bf16": 2e12},
+                         adam_params_per_s={16: 1e9}, host_memory_bytes=256 << 30, device_memory_bytes=8 << 30)  # fmt: skip
+    hw.to_json(str(tmp_path / "hw.json"))
+    model = {"model_type": "gpt2", "n_layer": 4, "n_embd": 1024, "n_head": 16, "vocab_size": 8192,
+             "n_positions": 1024}  # fmt: skip
+    (tmp_path / "model.json").write_text(json.dumps(model))
+    cfg = _ds_config(str(tmp_path / "nvme"), bf16={"enabled": True}, gradient_clipping=1.0)
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    p = argparse.ArgumentParser()
+    plan_cli.add_arguments(p)
+
+    def run(*extra: str) -> str:
+        args = ["--config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "model.json"), "--hardware",
+                str(tmp_path / "hw.json"), "--machine-from-hardware", "--micro-batch", "2", "--seq-len", "256"]  # fmt: skip
+        assert plan_cli.run(p.parse_args(args + list(extra))) == 0
+        return capsys.readouterr().out
+
+    def step_s(out: str) -> float:
+        return float(re.search(r"step \(estimate\)\s+([0-9.]+) s", out).group(1))
+
+    spec = run()
+    assert "(speculative)" in spec
+    deferred = float(re.search(r"runs them deferred: ([0-9.]+) s", spec).group(1))
+    assert step_s(spec) < deferred
+    off = run("--speculate", "off")
+    assert "(speculative)" not in off and "runs them deferred" not in off
+    assert step_s(off) > step_s(spec)

@@ -75,6 +75,24 @@ void register_adam(py::module_& m) {
       "(addresses; dtype codes 0=f32 1=bf16 2=f16 3=none). Returns False (nothing written) if "
       "check_finite and any grad * grad_mult is inf/nan.");
   m.def(
+      "adam_step_norm",
+      [](const std::vector<uint64_t>& segments, int param_dtype, int grad_dtype, int state_dtype, int out_dtype,
+         double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+         bool bias_correction, int64_t step, double grad_mult, int num_threads, int stream_out) {
+        const std::vector<Segment> segs = to_segments(segments);
+        const adam::Types types{to_dtype(param_dtype, false, "param_dtype"), to_dtype(grad_dtype, false, "grad_dtype"),
+                                to_dtype(state_dtype, false, "state_dtype"), to_dtype(out_dtype, true, "out_dtype")};
+        const adam::Hyper hyper{lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction};
+        py::gil_scoped_release release;
+        return adam::adam_step_norm(segs, types, hyper, step, grad_mult, adam::RunOptions{num_threads, stream_out});
+      },
+      py::arg("segments"), py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("state_dtype"),
+      py::arg("out_dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"), py::arg("step"),
+      py::arg("grad_mult") = 1.0, py::arg("num_threads") = 0, py::arg("stream_out") = -1,
+      "adam_step (no finite check) returning the sum of squares of the raw grads, exactly as "
+      "adam_squared_norm over the segments' grads gives it.");
+  m.def(
       "adam_all_finite",
       [](const std::vector<uint64_t>& buffers, double mult, int num_threads) {
         const std::vector<Buffer> bufs = to_buffers(buffers);

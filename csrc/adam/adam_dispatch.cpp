@@ -141,8 +141,10 @@ int default_threads() {
 
 const char* active_isa_name() { return active_table().name; }
 
-bool adam_step(const std::vector<Segment>& segments, const Types& types, const Hyper& h, int64_t step,
-               double grad_mult, bool check_finite, const RunOptions& run) {
+namespace {
+// adam_step and adam_step_norm: grad_sq non-null takes the grads' squared norm chunk by chunk.
+bool run_adam(const std::vector<Segment>& segments, const Types& types, const Hyper& h, int64_t step,
+              double grad_mult, bool check_finite, const RunOptions& run, double* grad_sq) {
   check_hyper(h, step, grad_mult);
   const IsaTable& isa = active_table();
   const AdamRangeFn kernel = isa.adam(types);
@@ -195,11 +197,42 @@ bool adam_step(const std::vector<Segment>& segments, const Types& types, const H
   // the end, so a shard whose grads fit in the last-level cache reads them from DRAM only once.
   const Layout layout(sizes);
   const size_t chunks = layout.chunks();
+  if (grad_sq != nullptr) {
+    const SqNormRangeFn sq = isa.sqnorm(types.grad);
+    if (sq == nullptr) bad("unsupported dtype for squared_norm: " + std::string(dtype_name(types.grad)));
+    // One partial sum per chunk, added in chunk order, as squared_norm does.
+    std::vector<double> partial(chunks, 0.0);
+    run_chunks(chunks, threads_of(run.num_threads), [&](size_t chunk) {
+      double sum = 0.0;
+      layout.for_chunk(chunk, [&](size_t s, size_t b, size_t e) {
+        sum += sq(segments[s].grad, b, e);
+        kernel(segments[s], b, e, c);
+      });
+      partial[chunk] = sum;
+    });
+    double total = 0.0;
+    for (double x : partial) total += x;
+    *grad_sq = total;
+    return true;
+  }
   run_chunks(chunks, threads_of(run.num_threads), [&](size_t chunk) {
     layout.for_chunk(check_finite ? chunks - 1 - chunk : chunk,
                      [&](size_t s, size_t b, size_t e) { kernel(segments[s], b, e, c); });
   });
   return true;
+}
+}  // namespace
+
+bool adam_step(const std::vector<Segment>& segments, const Types& types, const Hyper& h, int64_t step,
+               double grad_mult, bool check_finite, const RunOptions& run) {
+  return run_adam(segments, types, h, step, grad_mult, check_finite, run, nullptr);
+}
+
+double adam_step_norm(const std::vector<Segment>& segments, const Types& types, const Hyper& h, int64_t step,
+                      double grad_mult, const RunOptions& run) {
+  double sq = 0.0;
+  run_adam(segments, types, h, step, grad_mult, false, run, &sq);
+  return sq;
 }
 
 bool all_finite(const std::vector<Buffer>& buffers, double mult, int num_threads) {

@@ -34,6 +34,13 @@ struct RunOptions {
 bool adam_step(const std::vector<Segment>& segments, const Types& types, const Hyper& hyper, int64_t step,
                double grad_mult, bool check_finite, const RunOptions& run);
 
+// adam_step without the finite check, returning the sum of squares of the raw grads (before
+// grad_mult) in the same pass: each chunk's grads are summed just before the chunk is updated
+// (the second read comes from cache). The sum is exactly squared_norm over buffers of the
+// segments' grads with the same sizes (same chunks, same per-chunk partial sums, same order).
+double adam_step_norm(const std::vector<Segment>& segments, const Types& types, const Hyper& hyper, int64_t step,
+                      double grad_mult, const RunOptions& run);
+
 // True if every element of every buffer times mult is finite.
 struct Buffer {
   const void* data = nullptr;

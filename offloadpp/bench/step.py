@@ -15,6 +15,14 @@ written (from the store's counters) over the store's read and write bandwidth (m
 on 256 MiB before training), Adam is one fused CPU Adam call over all parameters at the
 runtime's Adam thread count (measured here, without contention). Warm-up steps are excluded;
 the table shows medians. Bars: offloadpp <= 1.25x torch, <= 1.15x its floor.
+
+Clipping (--clip): both contenders clip. offloadpp's updates run speculatively during backward
+and are validated after it (docs/runtime.md); the model's gradient norms here start near 30 and
+fall, so --clip 1.0 clips every step and the updates stay deferred, while a limit above the
+norms (--clip 1000) never clips: every step after the first two (the warm-up) speculates and
+validates. --vs-unclipped
+adds offloadpp without clipping to the same run, for what clipping costs a step and the
+optimizer's time after backward.
 """
 
 from __future__ import annotations
@@ -68,7 +76,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--io-threads", type=int, default=1, help="I/O engine threads per swap directory")
     p.add_argument(
-        "--clip", type=float, default=0.0, help="gradient clipping by global norm (both contenders)"
+        "--clip",
+        type=float,
+        default=0.0,
+        help="gradient clipping by global norm (both contenders); the model's norms here start near 30 and fall: "
+        "a value above them (e.g. 1000) never clips, so offloadpp's updates run speculatively and validate",
+    )
+    p.add_argument(
+        "--speculate",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="offloadpp's speculative updates with --clip (Settings.speculate)",
+    )
+    p.add_argument(
+        "--vs-unclipped",
+        action="store_true",
+        help="with --clip: also run offloadpp without clipping, alternating with the others: the step and the "
+        "optimizer time after backward that clipping costs, in one run",
     )
     p.add_argument(
         "--checksum-cost",
@@ -160,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             optim_prefetch_depth=args.optim_prefetch_depth,
             adam_threads=args.adam_threads,
             gradient_clipping=args.clip,
+            speculate=args.speculate,
             fill_gaps=not args.strict,  # strict: drop every unit's weights after each use
             **budgets,
         )
@@ -173,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
             log_every=0,
         )
         nocrc_model = copy.deepcopy(model) if args.checksum_cost else None
+        unclipped_model = copy.deepcopy(model) if args.vs_unclipped and args.clip else None
         engine = assemble_engine(model, cfg, hyper=AdamHyper(lr=lr))
         _log(engine.plan.describe())
         engines = {"offloadpp": engine}
@@ -183,6 +209,16 @@ def run(args: argparse.Namespace) -> int:
                 update={"nvme_paths": (d2,), "io": cfg.io.model_copy(update={"checksum": False})}
             )
             engines["offloadpp, no checksum"] = assemble_engine(nocrc_model, cfg2, hyper=AdamHyper(lr=lr))
+        if unclipped_model is not None:  # the same run without clipping: what clipping costs a step
+            d3 = os.path.join(args.dir, "noclip")
+            os.makedirs(d3)
+            cfg3 = cfg.model_copy(
+                update={
+                    "nvme_paths": (d3,),
+                    "settings": settings.model_copy(update={"gradient_clipping": 0.0}),
+                }
+            )
+            engines["offloadpp, no clipping"] = assemble_engine(unclipped_model, cfg3, hyper=AdamHyper(lr=lr))
         g = torch.Generator().manual_seed(args.seed + 1)
         data = [
             torch.randint(0, preset.vocab_size, (preset.micro_batch, preset.seq_len), generator=g)
@@ -193,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
             "foreach": torch.optim.AdamW(ref.parameters(), lr=lr, foreach=True),
         }
         rows = {"torch": [], **{name: [] for name in engines}}
-        state = {"i": 0, "opt": "fused", "torch_fb": [], "reports": [], "opt_times": {k: [] for k in opts}}
+        state = {"i": 0, "opt": "fused", "torch_fb": [], "reports": [], "opt_times": {k: [] for k in opts},
+                 "unclipped": []}  # fmt: skip
 
         def torch_step(timed: bool) -> None:
             x = data[state["i"] % len(data)]
@@ -225,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
                 rows[name].append(t1 - t0)
                 if name == "offloadpp":
                     state["reports"].append(r)
+                elif name == "offloadpp, no clipping":
+                    state["unclipped"].append(r)
 
         for name in ("fused", "foreach"):  # warm-up: both torch optimizers, keep the faster
             state["opt"] = name
@@ -289,6 +328,7 @@ def _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_
             "block": args.block,
             "budget": args.budget,
             "clip": args.clip,
+            "speculate": args.speculate,
             "io_threads": args.io_threads,
             "strict": args.strict,
             "plan": engine.plan.describe(),
@@ -307,6 +347,10 @@ def _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_
             "optimizer_wait_s": med(r.optimizer_wait_s for r in reps),
             "fetch_wait_s": med(r.fetch_wait_s for r in reps),
             "adam_s_in_run": med(r.adam_s for r in reps),
+            "optimizer_exposed_s": med(r.optimizer_exposed_s for r in reps),
+            "updates": {m: sum(r.updates == m for r in reps) for m in sorted({r.updates for r in reps})},
+            "redone_steps": sum(r.redone_units > 0 for r in reps),
+            "grad_norm_max": max((r.grad_norm for r in reps if r.grad_norm is not None), default=None),
             "ssd_read_bytes": ssd_read,
             "ssd_write_bytes": ssd_write,
             "steps": rows["offloadpp"],
@@ -329,6 +373,16 @@ def _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_
         nocrc = med(rows["offloadpp, no checksum"])
         report["no_checksum_step_s"] = nocrc
         report["checksum_cost"] = ours / nocrc - 1.0
+    if state["unclipped"]:
+        un = state["unclipped"]
+        exposed = med(r.optimizer_exposed_s for r in un)
+        report["unclipped"] = {
+            "step_s": med(rows["offloadpp, no clipping"]),
+            "optimizer_exposed_s": exposed,
+            "steps": rows["offloadpp, no clipping"],
+            "step_ratio": ours / med(rows["offloadpp, no clipping"]),
+            "exposed_ratio": report["offloadpp"]["optimizer_exposed_s"] / exposed,
+        }
     report["pass"] = report["ratio_vs_torch"] <= BAR_VS_TORCH and report["ratio_vs_floor"] <= BAR_VS_FLOOR
     return report
 
@@ -363,6 +417,19 @@ def _print_table(r: dict) -> None:
         f"Adam {f['adam_s']:.3f} s)"
     )
     print(f"paired (step by step) ratio vs torch: {r['paired_ratio_vs_torch']:.2f}")
+    if c["clip"]:
+        ups = ", ".join(f"{n} {m}" for m, n in o["updates"].items())
+        print(
+            f"clip {c['clip']:g} (speculate {c['speculate']}): timed steps' updates {ups}, {o['redone_steps']} redone; "
+            f"largest grad norm {o['grad_norm_max']:.4g}; optimizer exposed after backward {o['optimizer_exposed_s']:.4f} s"
+        )
+    else:
+        print(f"optimizer exposed after backward {o['optimizer_exposed_s']:.4f} s")
+    if "unclipped" in r:
+        u = r["unclipped"]
+        print(f"the same run without clipping: step {u['step_s']:.3f} s, optimizer exposed after backward "
+              f"{u['optimizer_exposed_s']:.4f} s; with clip {c['clip']:g}: step x{u['step_ratio']:.3f}, "
+              f"optimizer exposed x{u['exposed_ratio']:.2f}")  # fmt: skip
     if "checksum_cost" in r:
         print(f"payload CRC-32C (io.checksum, the default): {r['checksum_cost']:+.1%} on the step "
               f"({o['step_s']:.3f} s with, {r['no_checksum_step_s']:.3f} s without, alternating blocks)")  # fmt: skip

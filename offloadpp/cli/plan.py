@@ -70,6 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--top", type=int, default=5, help="with plan 'auto', also list this many runner-up candidates"
     )
+    p.add_argument(
+        "--speculate",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="override the block's speculate (clipping, fp16: updates during backward, validated after it)",
+    )
     p.add_argument("--json", metavar="PATH", help="save the plan and its estimate here")
 
 
@@ -135,6 +141,8 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
     for k in ("collective_gbps", "network_gbps"):
         if getattr(args, k) is not None:
             update[k] = getattr(args, k)
+    if args.speculate is not None:
+        update["speculate"] = args.speculate
     hw_path = args.hardware or settings.hardware_profile
     if hw_path is None and os.path.isfile(default_profile_path()):
         hw_path = default_profile_path()
@@ -202,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
               f"(measured {io.read_gbps:.2f} GB/s read, {io.write_gbps:.2f} GB/s write)")  # fmt: skip
     if r.estimate is not None:
         print(_estimate_table(r.estimate))
+        if r.deferred_estimate is not None:
+            d = r.deferred_estimate
+            print(f"  (a step whose updates validate; one that clips, or with speculate off, runs them deferred: "
+                  f"{d.step_s:.3f} s, optimizer wait {d.optimizer_wait_s:.3f} s)")  # fmt: skip
     else:
         print("  (no hardware profile: run `offloadpp profile` for a step-time estimate)")
     print(f"  planned in {took:.2f} s (the resolve stage)")

@@ -5,6 +5,7 @@ from offloadpp.optim.cpu_adam import AMSGradNotSupportedError, CPUAdam
 from offloadpp.optim.hyper import AdamHyper
 from offloadpp.optim.kernels import (
     adam_step_flat,
+    adam_step_pieces,
     all_finite,
     bandwidth_floor,
     convert_,
@@ -19,6 +20,7 @@ __all__ = [
     "AMSGradNotSupportedError",
     "AdamHyper",
     "adam_step_flat",
+    "adam_step_pieces",
     "squared_norm",
     "all_finite",
     "convert_",

@@ -24,6 +24,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 __all__ = [
     "adam_step_flat",
+    "adam_step_pieces",
     "squared_norm",
     "all_finite",
     "convert_",
@@ -149,6 +150,82 @@ def adam_step_flat(
             step,
             clip_coef / grad_scale,
             bool(check_finite),
+            threads,
+            -1,
+        )
+    )
+
+
+def adam_step_pieces(
+    params: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    pieces: Sequence[tuple[int, int, torch.Tensor]],
+    *,
+    step: int,
+    hyper: AdamHyper,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    half_out: Optional[torch.Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> float:
+    """One fused Adam step over the pieces ``(start, end, grad)`` of flat fp32 params and moments
+    (``grad`` holds ``end - start`` elements, fp32/bf16/fp16, all of one dtype; the pieces need not
+    touch), returning the sum of squares of the raw grads taken in the same pass.
+
+    The sum is bit for bit ``squared_norm([g for _, _, g in pieces])`` (the same chunks and
+    partial sums), and each updated element is bit for bit what ``adam_step_flat`` gives: a
+    caller may take a norm one way and update the other. Grads are used as ``grad * clip_coef /
+    grad_scale``; ``half_out`` (bf16/fp16, as long as params) receives the updated values."""
+    if not isinstance(hyper, AdamHyper):
+        raise ValueError(f"hyper must be an AdamHyper, got {type(hyper).__name__}")
+    step = _step(step)
+    grad_scale = _scalar(grad_scale, "grad_scale", positive=True)
+    clip_coef = _scalar(clip_coef, "clip_coef")
+    threads = _threads(num_threads)
+    check_tensor(params, "params", (torch.float32,))
+    n = params.numel()
+    check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
+    check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
+    out_code = NO_DTYPE
+    if half_out is not None:
+        check_tensor(half_out, "half_out", HALF_DTYPES, n)
+        out_code = DTYPE_CODES[half_out.dtype]
+    if not pieces:
+        return 0.0
+    gdt = pieces[0][2].dtype
+    seg: list = []
+    sizes = (params.element_size(), half_out.element_size() if half_out is not None else 0)
+    for i, (a, b, g) in enumerate(pieces):
+        if not (0 <= a <= b <= n):
+            raise ValueError(f"pieces[{i}] = ({a}, {b}) is not within the {n} params")
+        check_tensor(g, f"pieces[{i}] grad", (gdt,), b - a)
+        out = half_out.data_ptr() + a * sizes[1] if half_out is not None else 0
+        off = a * sizes[0]
+        seg += [
+            params.data_ptr() + off,
+            g.data_ptr(),
+            exp_avg.data_ptr() + off,
+            exp_avg_sq.data_ptr() + off,
+            out,
+            b - a,
+        ]
+    return float(
+        _C.adam_step_norm(
+            seg,
+            DTYPE_CODES[torch.float32],
+            DTYPE_CODES[gdt],
+            DTYPE_CODES[torch.float32],
+            out_code,
+            hyper.lr,
+            hyper.beta1,
+            hyper.beta2,
+            hyper.eps,
+            hyper.weight_decay,
+            hyper.adamw_mode,
+            hyper.bias_correction,
+            step,
+            clip_coef / grad_scale,
             threads,
             -1,
         )

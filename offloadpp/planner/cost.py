@@ -20,7 +20,8 @@ runs on the rank's share of it (ranks.rank_share) with the collectives on a link
               for, but not forever).
 The replay is what makes step_s differ from floor_s: weights that arrive late (the SSD queue
 holds the previous step's writes), Adam slowed by compute on shared cores, the last units'
-updates after backward, deferred updates run after backward.
+updates after backward, deferred updates run after backward. A speculative plan (clipping or fp16
+with Plan.speculative) is replayed as a step that validates: its updates run during backward.
 """
 
 from __future__ import annotations
@@ -286,11 +287,15 @@ def lower_bound(
     # where they are not used in place (CUDA, or persistent), then runs Adam
     dp = plan.ranks > 1
     absorbed = sum(u.numel for u in plan.units) if plan.device == "cuda" or plan.persistent_grads or dp else 0
+    if plan.speculative and plan.device == "cpu" and micro_batches == 1 and not dp:
+        absorbed = 0  # speculated gradients are used where autograd left them
     memcpy = hardware.memcpy_gbps * 1e9
-    absorb = absorbed * (micro_batches * 8 + (4 if plan.deferred_update else 0)) / memcpy
+    norm = plan.deferred_update and not plan.speculative  # (speculating: taken in the Adam pass)
+    absorb = absorbed * (micro_batches * 8 + (4 if norm else 0)) / memcpy
     worker = absorb + adam
-    # a deferred update starts once backward is over
-    serial = compute + adam if plan.deferred_update else 0.0
+    # a deferred update starts once backward is over (a speculative one, in a step that
+    # validates, as it would without clipping)
+    serial = compute + adam if plan.deferred_update and not plan.speculative else 0.0
     sched_keep = _next_keep(plan)
     cdt = plan.compute_dtype
     read = write = 0

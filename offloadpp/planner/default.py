@@ -36,6 +36,8 @@ def streaming_plan(
     optim_prefetch_depth: int = DEFAULT_OPTIM_PREFETCH,
     accumulate_grads: bool = False,
     deferred_update: bool = False,
+    speculative: bool = False,
+    clipping: bool = False,
     fill_gaps: bool = True,
     budgets: Optional[Budgets] = None,
 ) -> Plan:
@@ -49,6 +51,8 @@ def streaming_plan(
         optim_prefetch_depth=min(optim_prefetch_depth, max(0, len(units) - 1)),
         accumulate_grads=accumulate_grads,
         deferred_update=deferred_update,
+        speculative=speculative,
+        clipping=clipping,
         fill_gaps=fill_gaps,
         budgets=budgets,
     )
@@ -60,6 +64,8 @@ def plan_shape(settings: Settings) -> dict:
         compute_dtype=settings.compute_dtype,
         accumulate_grads=settings.accumulate_grads,
         deferred_update=settings.deferred_update,
+        speculative=settings.deferred_update and settings.speculate != "off",
+        clipping=settings.gradient_clipping > 0,
         fill_gaps=settings.fill_gaps,
     )
 

@@ -28,6 +28,7 @@ from .schedule import (
     drain_host_bytes,
     fetch_host_bytes,
     holds,
+    kept_grad_bytes,
     kept_host_bytes,
     optim_host_bytes,
     structure,
@@ -36,7 +37,7 @@ from .schedule import (
 
 def _shape_key(plan: Plan) -> tuple:
     return (plan.units, plan.device, plan.compute_dtype, plan.prefetch_depth, plan.optim_prefetch_depth,
-            plan.accumulate_grads, plan.deferred_update)  # fmt: skip
+            plan.accumulate_grads, plan.deferred_update, plan.speculative, plan.clipping, plan.ranks)  # fmt: skip
 
 
 _HOLDS: dict[tuple, tuple] = {}
@@ -79,11 +80,13 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     ssd_w = {}
     ob = {}
     kb = {}
+    sb = {}
     for u, p in plan:
         device_w[u.name] = 0 if p.weights is Tier.DEVICE else u.weights_bytes(cdt)
         ssd_w[u.name] = fetch_host_bytes(plan, u, p)
         ob[u.name] = optim_host_bytes(plan, u, p)
-        kb[u.name] = kept_host_bytes(plan, u, p)
+        kb[u.name] = kept_grad_bytes(plan, u, p)
+        sb[u.name] = kept_host_bytes(plan, u, p)
     dev = host = 0
     for h in hs:
         d = h.grads
@@ -96,6 +99,8 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
             x += ssd_w[n]
         for n in h.kept:
             x += kb[n]
+        for n in h.kept_shards:
+            x += sb[n]
         dev = d if d > dev else dev
         host = x if x > host else host
     return dev + drain_device_bytes(plan), host + drain_host_bytes(plan)

@@ -75,6 +75,12 @@ def shard_numel(numel: int, shards: int) -> int:
     return flat_numel(-(-numel // shards))
 
 
+# Room left on SSD beyond the footprint: swap files carry a header block per key and round
+# payloads up to 4096 bytes.
+SSD_SPACE_MARGIN = 1.02
+SSD_SPACE_MARGIN_BYTES = 64 << 20
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -165,6 +171,12 @@ class Plan:
     optim_prefetch_depth: int  # optimizer state is read this many visits before its grads exist
     accumulate_grads: bool = False  # gradient accumulation over micro-batches
     deferred_update: bool = False  # updates wait for a global quantity (clip norm, overflow)
+    # Deferred updates may run during backward speculatively, validated at its end (the
+    # runtime's speculation, docs/runtime.md): the state keeps a second generation on SSD.
+    speculative: bool = False
+    # Gradient clipping: a speculative step that clips is redone, so it keeps its gradients until
+    # validated (without clipping, fp16's overflow skips the step: nothing to redo).
+    clipping: bool = False
     # Keep a unit's weights between two uses in a step where that raises neither peak
     # (schedule.py, _fill_gaps); False: drop after every use and read again (strict streaming).
     fill_gaps: bool = True
@@ -195,6 +207,10 @@ class Plan:
                 f"optim_prefetch_depth={self.optim_prefetch_depth}"
             )
         self._check_activations()
+        if self.speculative and not self.deferred_update:
+            raise PlanError(
+                "speculative updates are deferred updates run during backward: speculative needs deferred_update"
+            )
         names = [u.name for u in self.units]
         if len(set(names)) != len(names):
             raise PlanError(f"unit names must be unique, got {names}")
@@ -316,6 +332,16 @@ class Plan:
             self.array_bytes(u, a) for u, p in self for a, t in self.homes(u, p).items() if t is Tier.SSD
         )
 
+    def ssd_footprint_bytes(self) -> int:
+        """Bytes the run keeps on SSD: the plan's arrays and, where updates may run during
+        backward (not deferred, or speculative), a second generation of every transactional one
+        (master, moments, compute copy: runtime/slots.py), which a step writes before it commits."""
+        total = self.ssd_bytes()
+        if not self.deferred_update or self.speculative:
+            grads = sum(u.grad_bytes for u, p in self if self.persistent_grads and p.grads is Tier.SSD)
+            total = 2 * total - grads
+        return total
+
     def resident_device_bytes(self) -> int:
         return sum(u.weights_bytes(self.compute_dtype) for u, p in self if p.weights is Tier.DEVICE)
 
@@ -351,7 +377,8 @@ class Plan:
         lines = [
             f"plan: device={self.device} compute={self.compute_dtype} prefetch_depth={self.prefetch_depth} "
             f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
-            f"deferred_update={self.deferred_update} fill_gaps={self.fill_gaps}"
+            f"deferred_update={self.deferred_update}{' (speculative)' if self.speculative else ''} "
+            f"fill_gaps={self.fill_gaps}"
             + (f" ranks={self.ranks} (each keeps 1/{self.ranks} of the state)" if self.ranks > 1 else ""),
             f"  budgets: {self.describe_budgets()}; resident: device {fmt_bytes(self.resident_device_bytes())}, "
             f"host {fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",

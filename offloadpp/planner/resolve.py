@@ -48,7 +48,7 @@ from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, pla
 from .hardware import HardwareProfile, ProfileError, default_profile_path
 from .model_profile import ModelProfile, ModelProfileError, analytic_profile
 from .peaks import peak_bytes
-from .plan import Plan, PlanError, UnitSpec, fmt_bytes, shard_units
+from .plan import SSD_SPACE_MARGIN, SSD_SPACE_MARGIN_BYTES, Plan, PlanError, UnitSpec, fmt_bytes, shard_units
 from .planfile import load_plan
 from .ranks import RankLink
 from .schedule import build_schedule
@@ -138,6 +138,9 @@ class Resolved:
     plan: Plan
     estimate: Optional[StepEstimate] = None
     candidates: tuple = ()  # plan "auto": every plan the search scored, least estimate first
+    # a speculative plan: the estimate of a step that runs its updates deferred (one that clips,
+    # or every step with speculation off); `estimate` is that of a step that validates
+    deferred_estimate: Optional[StepEstimate] = None
 
     @property
     def budgets(self) -> Budgets:
@@ -161,6 +164,14 @@ def resolve(
     the module Note). saved: the plan file `settings.plan` names, already read (load_saved_plan).
     Raises PlanError naming the budget, the unit and the bytes when nothing fits (an
     InfeasibleError with the largest micro-batch that fits where the activations do not)."""
+    if machine.ranks > 1 and settings.deferred_update and settings.speculate != "off":
+        # speculative updates are one process's: over several ranks updates are deferred
+        if settings.speculate == "on":
+            raise PlanError(
+                f'speculate "on": speculative updates run in one process, this run has {machine.ranks} ranks; '
+                'set speculate "auto" or "off"'
+            )
+        settings = settings.model_copy(update={"speculate": "off"})
     units = shard_units(units, machine.ranks)
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
@@ -169,6 +180,39 @@ def resolve(
     if model is not None:
         _check_units(model, units)
     budgets, settings = _budgets(settings, units, machine, model)
+    try:
+        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved)
+    except PlanError:
+        if settings.plan_path is not None or not settings.deferred_update or settings.speculate != "auto":
+            raise
+        # the budgets were set for deferred updates: what speculation holds more does not fit
+        plan, est, candidates = _make_plan(settings.model_copy(update={"speculate": "off"}), units, machine,
+                                           budgets, hardware, model, saved)  # fmt: skip
+        plan = replace(plan, notes=plan.notes + (
+            "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
+    plan = with_activation_policies(plan, settings)
+    speculative = with_speculation(plan, settings, machine)
+    if speculative.speculative != plan.speculative:
+        est = None  # estimated as it was made: estimated again below, as it runs
+    plan = replace(speculative, notes=speculative.notes + settings_notes(settings, speculative))
+    if hardware is not None and not plan.ssd_stripe:
+        plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
+    deferred_est = None
+    if hardware is not None and model is not None:
+        _check_profiles(hardware, model, units, machine.device)
+        kw = dict(adam_threads=settings.adam_threads, micro_batches=settings.gradient_accumulation_steps,
+                  act_prefetch_units=settings.activations.prefetch_units,
+                  link=rank_link(settings, machine, hardware))  # fmt: skip
+        if est is None:
+            est = estimate(plan, hardware, model, **kw)
+        if plan.speculative:  # what a step that clips costs: deferred updates
+            deferred_est = estimate(replace(plan, speculative=False), hardware, model, **kw)
+    return Resolved(settings, plan, est, candidates, deferred_est)
+
+
+def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved):
+    """(plan, estimate or None, candidates) for the settings: the plan file's, the search's or
+    the default plan."""
     est: Optional[StepEstimate] = None
     candidates: tuple = ()
     if settings.plan_path is not None:
@@ -177,6 +221,7 @@ def resolve(
         plan, est = saved
         check_plan(plan, units, machine.device, settings)
         plan = replace(plan, budgets=plan.budgets or budgets)  # a plan keeps the budgets it was made for
+        plan = replace(plan, clipping=settings.gradient_clipping > 0)  # (what a speculative step keeps)
         check_fits(plan)
     elif settings.plan == PLAN_AUTO:
         if hardware is None or model is None:
@@ -188,22 +233,53 @@ def resolve(
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
         plan = _default(settings, units, machine, budgets, model)
-    plan = with_activation_policies(plan, settings)
-    plan = replace(plan, notes=plan.notes + settings_notes(settings))
-    if hardware is not None and not plan.ssd_stripe:
-        plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
-    if est is None and hardware is not None and model is not None:
-        _check_profiles(hardware, model, units, machine.device)
-        est = estimate(plan, hardware, model, adam_threads=settings.adam_threads,
-                       micro_batches=settings.gradient_accumulation_steps,
-                       act_prefetch_units=settings.activations.prefetch_units,
-                       link=rank_link(settings, machine, hardware))  # fmt: skip
-    return Resolved(settings, plan, est, candidates)
+    return plan, est, candidates
 
 
-def settings_notes(settings: Settings) -> tuple[str, ...]:
+def with_speculation(plan: Plan, settings: Settings, machine: Machine) -> Plan:
+    """The plan, speculative where its updates are deferred (clipping, fp16), the settings let
+    them run speculatively during backward (Settings.speculate; the planner sized the plan for it,
+    plan_shape) and the SSDs have room for the second generation of state that needs: "auto"
+    defers where they do not, "on" is refused."""
+    if not plan.deferred_update or settings.speculate == "off":
+        return replace(plan, speculative=False)
+    if not plan.speculative:  # a plan file made without it, or budgets that do not hold it
+        if settings.plan_path is None:
+            return plan
+        return replace(
+            plan, notes=plan.notes + ("the plan file was made for deferred updates: not speculating",)
+        )
+    free = machine.ssd_free_bytes
+    need = plan.ssd_footprint_bytes() * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES
+    if free is None or need <= free:
+        return plan
+    msg = (
+        f"speculative updates keep a second generation of the optimizer state on SSD: {fmt_bytes(need)} "
+        f"where {fmt_bytes(free)} is free"
+    )
+    if settings.speculate == "on":
+        raise PlanError(f'{msg}; free {fmt_bytes(need - free)} or set speculate "auto" or "off"')
+    return replace(plan, speculative=False, notes=plan.notes + (f"{msg}: updates are deferred",))
+
+
+def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
     """What the settings imply that the plan's table does not show."""
     out = []
+    if plan.speculative:
+        clip = settings.gradient_clipping > 0
+        why = (["the loss scaler's overflow check"] if settings.compute_dtype == "fp16" else []) + (
+            [f"the global norm (gradient clipping {settings.gradient_clipping:g})"] if clip else []
+        )
+        then = ["an overflowing step is skipped"] if settings.compute_dtype == "fp16" else []
+        if clip:
+            then.insert(0, "a step that clips is redone exactly from the previous generation of the state")
+        if clip and settings.speculate == "auto":
+            then.append("while clipping keeps triggering, updates are deferred")
+        out.append(
+            "updates run during backward speculatively with the raw gradients and are validated at its end by "
+            f"{' and '.join(why)}: {'; '.join(then)}"
+        )
+        return tuple(out)
     if settings.compute_dtype == "fp16":
         out.append(
             "fp16: updates are deferred to the end of backward (the loss scaler's overflow check needs "
@@ -496,4 +572,5 @@ __all__ = [
     "model_profile_for",
     "resolve",
     "with_activation_policies",
+    "with_speculation",
 ]

@@ -28,7 +28,7 @@ at the visit that first holds it (`next_keep_until`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 from .plan import DTYPE_BYTES, Plan, Tier
 
@@ -53,6 +53,9 @@ class Schedule:
     peak_device_bytes: int  # runtime buffers on the device (weights, one unit's grads)
     peak_host_bytes: int  # runtime buffers in host memory, resident arrays included
     absorb_order: tuple[str, ...] = ()  # units in the order their gradients complete (backward)
+    # a speculative plan: the units next_keep names for a step that speculates (its updates run in
+    # backward, so a kept unit is held through the rest of it; next_keep is the deferred step's)
+    spec_next_keep: frozenset[str] = frozenset()
     forward_index: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
     backward_index: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
     next_keep_until: Mapping[str, int] = field(compare=False, repr=False, default_factory=dict)
@@ -82,7 +85,9 @@ def build_schedule(plan: Plan) -> Schedule:
     sched = structure(plan)
     if plan.fill_gaps:
         sched = Schedule(**{**sched.__dict__, "alive": _fill_gaps(plan, sched)})
-    sched = Schedule(**{**sched.__dict__, "next_keep_until": _first_alive(sched, sched.next_keep)})
+    sched = Schedule(
+        **{**sched.__dict__, "next_keep_until": _first_alive(sched, sched.next_keep | sched.spec_next_keep)}
+    )
     if plan.fill_gaps and (_alias(plan) or plan.ranks > 1):
         sched = _keep_across(plan, sched)
     dev, host = _peaks(plan, sched)
@@ -132,6 +137,7 @@ def structure(plan: Plan) -> Schedule:
         absorb_order=absorb_order,
         prefetch_depth=k,
         next_keep=alive[0] | (alive[1] if n > 1 else frozenset()),
+        spec_next_keep=(alive[0] | (alive[1] if n > 1 else frozenset())) if plan.speculative else frozenset(),
         keep_until_update=keep_until_update,
         optim_window=plan.optim_prefetch_depth,
         peak_device_bytes=0,
@@ -148,38 +154,78 @@ def _first_alive(sched: Schedule, names) -> dict[str, int]:
 def _keep_across(plan: Plan, sched: Schedule) -> Schedule:
     """`next_keep` with every further unit whose weights can stay from its update to the next
     forward's first hold of them without raising the device peak (see the module Note), largest
-    first. Over several ranks what stays is the rank's updated shard, in host memory: the host
-    peak must not rise (and the shard is counted from its own backward visit on, as holds()
-    counts it, deferred or not)."""
-    devs, hosts, helds = _walk(plan, sched)
-    dp = plan.ranks > 1
-    mem = hosts if dp else devs
-    peak = max(mem)
+    first; for a speculative plan also `spec_next_keep`, the same for a step that speculates
+    (its updates run in backward, so a kept unit is held through the rest of backward too: it
+    keeps fewer, and the deferred step keeps what it can on its own walk). Over several ranks:
+    _keep_shards."""
+    if plan.ranks > 1:
+        return _keep_shards(plan, sched)
+    base, spec = _walk(plan, sched, "base"), _walk(plan, sched, "speculative")
+    peak = max(max(base[0]), max(spec[0], default=0))
+    keep = _keep_set(plan, sched, sched.next_keep, peak, base, backward=not plan.deferred_update)
+    spec_keep = frozenset()
+    if plan.speculative:
+        # the next forward's visits are the base walk's (with the deferred step's kept units in
+        # them now); a unit the deferred step keeps is counted there already
+        spec_keep = _keep_set(plan, sched, sched.spec_next_keep, peak, spec, backward=True,
+                              forward=(base[0], base[2]), skip=keep)  # fmt: skip
+    both = keep | spec_keep
+    return Schedule(**{**sched.__dict__, "next_keep": keep, "spec_next_keep": spec_keep,
+                       "next_keep_until": _first_alive(sched, both)})  # fmt: skip
+
+
+def _keep_set(plan: Plan, sched: Schedule, start: frozenset, peak: int, walk, *, backward: bool,
+              forward=None, skip: frozenset = frozenset()) -> frozenset:  # fmt: skip
+    """The units kept across on one walk (devs, _, helds): held from the update (backward: the
+    backward visits after the unit's own; a deferred update: none) to the next forward's first
+    hold. `forward`: the (devs, helds) the forward visits are counted on, where not the walk's
+    own; `skip`: units whose forward span that counts already."""
+    devs, _, helds = walk
+    fdevs, fhelds = forward if forward is not None else (devs, helds)
+    specs = {u.name: u for u in plan.units}
+    place = {p.unit: p for p in plan.placements}
+    keep = set(start)
+    for name in sorted(specs, key=lambda n: (-specs[n].master_bytes, n)):
+        if name in keep or place[name].weights is Tier.DEVICE:
+            continue
+        w = specs[name].weights_bytes(plan.compute_dtype)
+        until = _first_alive(sched, (name,))[name]
+        fwd = [] if name in skip else [i for i in range(until) if name not in fhelds[i]]
+        bwd = range(sched.backward_index[name] + 1, len(sched.visits)) if backward else ()
+        bwd = [i for i in bwd if name not in helds[i]]
+        if all(fdevs[i] + w <= peak for i in fwd) and all(devs[i] + w <= peak for i in bwd):
+            keep.add(name)
+            for i in fwd:
+                fdevs[i] += w
+                fhelds[i].add(name)
+            for i in bwd:
+                devs[i] += w
+                helds[i].add(name)
+    return frozenset(keep)
+
+
+def _keep_shards(plan: Plan, sched: Schedule) -> Schedule:
+    """Over several ranks what stays across the step boundary is the rank's updated shard, in
+    host memory: `next_keep` with every further unit whose shard fits without raising the host
+    peak, largest first (the shard is counted from its own backward visit on, as holds() counts
+    it, deferred or not). Several ranks never speculate (planner/resolve.py)."""
+    _, hosts, _ = _walk(plan, sched)
+    peak = max(hosts)
     specs = {u.name: u for u in plan.units}
     place = {p.unit: p for p in plan.placements}
     keep = set(sched.next_keep)
     for name in sorted(specs, key=lambda n: (-specs[n].master_bytes, n)):
         if name in keep or place[name].weights is Tier.DEVICE:
             continue
-        if dp:
-            w = kept_host_bytes(plan, specs[name], place[name])
-            if not w:
-                continue  # (its shard is resident anyway)
-        else:
-            w = specs[name].weights_bytes(plan.compute_dtype)
+        w = kept_host_bytes(plan, specs[name], place[name])
+        if not w:
+            continue  # (its shard is resident anyway)
         until = _first_alive(sched, (name,))[name]
-        # held from its update: the backward visits after its own (a deferred update: none), and
-        # the next forward's visits before the first that holds it
-        span = list(range(until))
-        if dp or not plan.deferred_update:
-            span += list(range(sched.backward_index[name] + 1, len(sched.visits)))
-        span = [i for i in span if dp or name not in helds[i]]
-        if all(mem[i] + w <= peak for i in span):
+        span = list(range(until)) + list(range(sched.backward_index[name] + 1, len(sched.visits)))
+        if all(hosts[i] + w <= peak for i in span):
             keep.add(name)
             for i in span:
-                mem[i] += w
-                if not dp:
-                    helds[i].add(name)
+                hosts[i] += w
     keep_f = frozenset(keep)
     return Schedule(**{**sched.__dict__, "next_keep": keep_f, "next_keep_until": _first_alive(sched, keep_f)})
 
@@ -252,13 +298,18 @@ class Holds:
     """Per visit, the units whose buffers are held (names; the placements decide the bytes):
     `device`: weights in device memory (before dropping those resident on the device anyway),
     `window`: the optimizer's read-ahead window, `fetching`: weights being fetched (CUDA: a pinned
-    host copy each, where they come from SSD), `grads`: the bytes of the visit's own gradients."""
+    host copy each, where they come from SSD), `grads`: the bytes of the visit's own gradients,
+    `kept`: units whose gradient buffers are kept past their update (speculation), `visit`: the
+    visit (a speculative plan has two walks of its backward visits: see holds)."""
 
     device: frozenset[str]
     window: tuple[str, ...]
     fetching: frozenset[str]
     grads: int
-    kept: frozenset[str] = frozenset()  # over several ranks: updated shards kept for the next forward
+    kept: tuple[str, ...] = ()
+    visit: int = 0
+    speculative: bool = False  # of a speculative plan's walk of a step that speculates
+    kept_shards: frozenset[str] = frozenset()  # over several ranks: updated shards kept for the next forward
 
 
 def holds(plan: Plan, sched: Schedule) -> list[Holds]:
@@ -296,16 +347,48 @@ def holds(plan: Plan, sched: Schedule) -> list[Holds]:
                 held |= {n for n in sched.keep_until_update if n not in updated}
         grads = specs[v.unit].padded_numel * DTYPE_BYTES[cdt] if v.backward else 0
         fetching = sched.alive[v.index] if staged_fetch(plan) else frozenset()
-        out.append(
-            Holds(
-                frozenset(held),
-                tuple(window),
-                fetching,
-                grads,
-                frozenset(kept) if plan.ranks > 1 else frozenset(),
-            )
-        )
+        shards = frozenset(kept) if plan.ranks > 1 else frozenset()
+        out.append(Holds(frozenset(held), tuple(window), fetching, grads, visit=v.index, kept_shards=shards))
+    if plan.speculative:
+        out += _speculative_holds(plan, sched)
     return out
+
+
+def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
+    """A speculative plan's backward visits in a step that speculates (holds walks the same visits
+    deferring; a step does either, so each visit's peak is the larger of the two).
+
+    Note: what a speculating step holds (runtime/optimizer.py). The state window slides over the
+    order gradients complete in from the start of backward, as where updates are not deferred
+    (q+2 units' state at a time); with clipping (a step may be redone) the gradients of the
+    units the deferred window covers (update_order[:q+1]) stay held from their update until the
+    step is validated, as deferring keeps them, and the others' go to their home. After backward,
+    a redo or the updates of the
+    units not speculated are the deferred ones, whose holds the deferred walk counts."""
+    alias = _alias(plan)
+    specs = {u.name: u for u in plan.units}
+    first_backward = len(sched.forward_index)
+    absorb, q = sched.absorb_order, sched.optim_window
+    keep = set(sched.update_order[: q + 1]) if plan.clipping else set()  # (no clipping: no redo)
+    out = []
+    for v in sched.visits[first_backward:]:
+        seen = v.index - first_backward + 1
+        window = absorb[max(0, seen - 1) : min(len(absorb), seen + q + 1)]
+        updated = {w.unit for w in sched.visits[first_backward : v.index]}
+        held = set(sched.alive[v.index]) | (sched.spec_next_keep & updated)
+        if alias:
+            held |= set(window)
+        kept = tuple(n for n in absorb if n in updated and n in keep and n not in window)
+        grads = specs[v.unit].padded_numel * DTYPE_BYTES[plan.compute_dtype]
+        fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()
+        out.append(Holds(frozenset(held), tuple(window), fetching, grads, kept, v.index, speculative=True))
+    return out
+
+
+def kept_grad_bytes(plan: Plan, u, p) -> int:
+    """Host bytes of a unit's gradient buffer kept past its update (Holds.kept): where its home
+    is SSD (a resident one is counted with the resident arrays)."""
+    return u.grad_bytes if plan.persistent_grads and p.grads is Tier.SSD else 0
 
 
 def fetch_host_bytes(plan: Plan, u, p) -> int:
@@ -318,24 +401,31 @@ def kept_host_bytes(plan: Plan, u, p) -> int:
     return u.weights_home_bytes(plan.compute_dtype) if plan.ranks > 1 and p.weights is not Tier.HOST else 0
 
 
-def _walk(plan: Plan, sched: Schedule) -> tuple[list[int], list[int], list[set]]:
+def _walk(plan: Plan, sched: Schedule, which: Optional[str] = None) -> tuple[list[int], list[int], list[set]]:
     """Per visit: device bytes, host bytes, and the units whose weights are in device memory
-    (the buffers of `holds`, with this plan's placements)."""
+    (the buffers of `holds`, with this plan's placements; where a visit has two walks, the larger
+    bytes and the units both hold). which: "base" or "speculative", that walk only (visits it
+    does not walk: nothing)."""
     cdt = plan.compute_dtype
     place = {p.unit: p for p in plan.placements}
     wb = {u.name: u.weights_bytes(cdt) for u in plan.units}
     ob = {u.name: optim_host_bytes(plan, u, place[u.name]) for u in plan.units}
     fb = {u.name: fetch_host_bytes(plan, u, place[u.name]) for u in plan.units}
-    kb = {u.name: kept_host_bytes(plan, u, place[u.name]) for u in plan.units}
-    devs, hosts, helds = [], [], []
+    kb = {u.name: kept_grad_bytes(plan, u, place[u.name]) for u in plan.units}
+    sb = {u.name: kept_host_bytes(plan, u, place[u.name]) for u in plan.units}
+    n = len(sched.visits)
+    devs, hosts, helds = [0] * n, [0] * n, [None] * n
     for h in holds(plan, sched):
-        held = {n for n in h.device if place[n].weights is not Tier.DEVICE}
-        devs.append(sum(wb[n] for n in held) + h.grads)
-        hosts.append(
-            sum(ob[n] for n in h.window) + sum(fb[n] for n in h.fetching) + sum(kb[n] for n in h.kept)
-        )
-        helds.append(held)
-    return devs, hosts, helds
+        if which is not None and h.speculative != (which == "speculative"):
+            continue
+        held = {x for x in h.device if place[x].weights is not Tier.DEVICE}
+        i = h.visit
+        devs[i] = max(devs[i], sum(wb[x] for x in held) + h.grads)
+        host = sum(ob[x] for x in h.window) + sum(kb[x] for x in h.kept) + sum(sb[x] for x in h.kept_shards)
+        host += sum(fb[x] for x in h.fetching)
+        hosts[i] = max(hosts[i], host)
+        helds[i] = held if helds[i] is None else helds[i] & held
+    return devs, hosts, [h if h is not None else set() for h in helds]
 
 
 def _fill_gaps(plan: Plan, sched: Schedule) -> tuple[frozenset[str], ...]:

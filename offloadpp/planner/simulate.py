@@ -183,6 +183,9 @@ class Unit:
             self.weights = CpuWeights(self.compute)
         self.bound = False
         self.phase = "idle"
+        # updated speculatively only where its state all lives on SSD (runtime Unit.can_speculate)
+        self.can_speculate = all(x.stored for x in (self.master, self.compute, self.exp_avg, self.exp_avg_sq))
+        self.speculated = False
 
     @staticmethod
     def slot_for(sim: Sim, spec, homes):
@@ -227,6 +230,7 @@ class Job:
     keep_grads: bool = False  # deferred: gradients stay held for an update among the first
     comm_bytes: float = 0.0  # over several ranks: the gradients reduce-scattered before Adam
     regather_bytes: float = 0.0  # and a resident unit's weights gathered after it
+    speculative: bool = False  # an update during backward (its kept units: spec_next_keep)
 
 
 def _late(job: Job, s: Slot) -> bool:
@@ -277,9 +281,11 @@ class Sim:
         self.update_index = {u.name: i for i, u in enumerate(self.update_order)}
         self.micro_batches = micro_batches
         self.deferred = plan.deferred_update
+        # a speculative plan's steps validate: the replay is of a step whose speculation commits
+        self.speculating = plan.deferred_update and plan.speculative
         self.q = self.sched.optim_window
-        self.next_keep = getattr(self.sched, "next_keep", self.sched.alive[0])
-        self.keep_until_update = getattr(self.sched, "keep_until_update", frozenset())
+        self.next_keep, self.spec_next_keep = self.sched.next_keep, self.sched.spec_next_keep
+        self.keep_until_update = self.sched.keep_until_update
         self.in_backward = False
         self.boundary = True
         self.jobs: deque[Job] = deque()  # submitted, not reaped
@@ -329,7 +335,7 @@ class Sim:
                     u.grads_pending = True
                 self.in_backward = True
                 if self.deferred and self.boundary:
-                    yield from self.advance_update(self.q + 1)  # optimizer.begin_backward
+                    yield from self.begin_backward()
                 for v in self.sched.visits[nf:]:
                     yield from self.enter(v.index)
                     yield from self.act.before_backward(v.unit)
@@ -353,6 +359,9 @@ class Sim:
             yield from self.finish()
             for u in self.units:
                 u.phase = "idle"
+                if u.speculated:  # the step validated: the gradients kept for a redo go
+                    u.grads.release(self, OPTIM)
+                    u.speculated = False
             m.update(end=self.t, ssd_r=self.ssd.read_bytes - m["ssd_r0"], ssd_w=self.ssd.write_bytes - m["ssd_w0"],
                      h2d=self.h2d.read_bytes - m["h2d0"], d2h=self.d2h.read_bytes - m["d2h0"],
                      net=(self.net.read_bytes if self.net is not None else 0) - m["net0"],
@@ -377,13 +386,26 @@ class Sim:
                 yield from u.grads.acquire(self, OPTIM, overwrite=self.first_micro)
             self.absorb_cursor += 1
 
-    def advance_update(self, upto: int, with_grads: bool = False) -> Iterator:
-        while self.update_cursor < min(upto, len(self.update_order)):
-            u = self.update_order[self.update_cursor]
+    def begin_backward(self) -> Iterator:
+        """optimizer.begin_backward: the deferred window is read as backward starts (speculating:
+        a window sliding over the order gradients complete in)."""
+        if self.speculating:
+            yield from self.advance_update(self.q + 1, order=self.order, sliding=True)
+        else:
+            yield from self.advance_update(self.q + 1)
+
+    def advance_update(self, upto: int, with_grads: bool = False, order: Optional[list] = None,
+                       sliding: bool = False) -> Iterator:  # fmt: skip
+        order = self.update_order if order is None else order
+        while self.update_cursor < min(upto, len(order)):
+            u = order[self.update_cursor]
+            if sliding and not u.can_speculate:
+                self.update_cursor += 1
+                continue
             yield from u.master.acquire(self, OPTIM)
             yield from u.exp_avg.acquire(self, OPTIM)
             yield from u.exp_avg_sq.acquire(self, OPTIM)
-            if with_grads:
+            if with_grads and not u.speculated:
                 yield from u.grads.acquire(self, OPTIM)
             self.update_cursor += 1
 
@@ -444,6 +466,26 @@ class Sim:
         if self.dp:
             yield from dp_grads(self, job, u, idx, rate)
             return
+        sliding = self.speculating and self.boundary
+        spec = sliding and u.can_speculate
+        kept = self.update_index[u.name] < self.q + 1  # the deferred window's: gradients held
+        redo = self.plan.clipping  # a speculative step may be redone: its gradients are kept
+        if sliding:
+            yield from self.advance_update(idx + 1, order=self.order, sliding=True)
+        if (
+            spec
+            and self.first_micro
+            and not self.cuda
+            and (not redo or last or (kept and not u.grads.resident))
+        ):
+            # optimizer.on_grads: speculated where autograd left them, the norm in the Adam pass
+            if u.grads_persist:
+                u.grads.release(self, OPTIM)
+            yield from self.fill_update(job, u, rate, direct=True)
+            job.speculative = u.speculated = True
+            self.submit(job)
+            yield from self.slide()
+            return
         yield from u.grads.acquire(self, OPTIM, overwrite=self.first_micro or not u.grads_persist)
         if self.cuda:
             grad_bytes = u.numel * DTYPE_BYTES[self.plan.compute_dtype]
@@ -452,14 +494,21 @@ class Sim:
             self.host_pool.put(grad_bytes, job.grads_ready)  # back once the job used it: close enough
         job.before.append(job.grads_ready)
         job.absorb_s = 2 * u.numel * 4 / self.costs.memcpy_bps
-        if self.deferred and self.boundary:
-            job.absorb_s += u.numel * 4 / self.costs.memcpy_bps  # the squared norm
+        if self.deferred and self.boundary and not spec:
+            job.absorb_s += u.numel * 4 / self.costs.memcpy_bps  # the squared norm (speculating: in Adam)
         if self.boundary and not self.deferred:
             yield from self.advance_update(idx + 1)
             yield from self.fill_update(job, u, rate)
             self.submitted += 1
             yield from self.advance_update(self.submitted + self.q + 1)
-        elif self.deferred and self.boundary and self.update_index[u.name] < self.update_cursor:
+        elif spec:
+            yield from self.fill_update(job, u, rate)
+            job.speculative = True
+            job.keep_grads = kept and redo
+            if redo and not kept and u.grads.stored:
+                job.writes.append(u.grads)
+            u.speculated = True
+        elif self.deferred and self.boundary and kept:
             job.keep_grads = True
         elif u.grads_persist and u.grads.stored:
             job.writes.append(u.grads)
@@ -467,14 +516,21 @@ class Sim:
         self.submit(job)
         self.absorbed += 1
         yield from self.advance_absorb(self.absorbed + self.q + 1)
+        if sliding:
+            yield from self.slide()
 
-    def fill_update(self, job: Job, u: Unit, rate: float) -> Iterator:
+    def slide(self) -> Iterator:
+        """optimizer._slide: a speculating window moves on as a unit is handed out."""
+        self.submitted += 1
+        yield from self.advance_update(self.submitted + self.q + 1, order=self.order, sliding=True)
+
+    def fill_update(self, job: Job, u: Unit, rate: float, direct: bool = False) -> Iterator:
         job.update = True
         job.adam_s = u.adam_numel / rate
         self.add_before(job, u.master, u.exp_avg, u.exp_avg_sq)
         if self.dp and u.weights.resident:
             job.regather_bytes = u.weights.gather_bytes
-        if u.grads_persist or self.cuda or self.dp:
+        if (u.grads_persist or self.cuda or self.dp) and not direct:
             self.add_before(job, u.grads)
         slots = [u.master, u.exp_avg, u.exp_avg_sq]
         if self.plan.separate_weights:
@@ -520,9 +576,9 @@ class Sim:
             if self.cuda and isinstance(u.weights, CudaWeights) and u.weights.resident:
                 u.weights.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
                 after = u.weights.copy_done
-            if u.name in self.next_keep:
+            if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.holds.add(NEXT)
-            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
+            for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):
                 s.release(self, OPTIM)
             u.compute.release(self, OPTIM, after=after)
             u.phase = "updated"
@@ -540,10 +596,11 @@ class Sim:
             s.release(self, WRITE)
 
     def run_deferred(self) -> Iterator:
+        todo = [u for u in self.update_order if not u.speculated]
         self.update_cursor = 0
-        for i, u in enumerate(self.update_order):
-            yield from self.advance_update(i + self.q + 1, with_grads=True)
-            job = Job(u, defer_writes=i == len(self.update_order) - 1)
+        for i, u in enumerate(todo):
+            yield from self.advance_update(i + self.q + 1, with_grads=True, order=todo)
+            job = Job(u, defer_writes=i == len(todo) - 1)
             job.defer_moments = self.q + 1 >= len(self.update_order)
             yield from self.fill_update(job, u, self.costs.adam_tail_rate)
             self.submit(job)

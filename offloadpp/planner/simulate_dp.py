@@ -97,6 +97,7 @@ def dp_unit(unit_cls, sim, spec, placement, plan: Plan):
     u.reduce_bytes = sim.link.ring_bytes(f_n * 4)
     u.bound = False
     u.phase = "idle"
+    u.can_speculate = u.speculated = False  # several ranks never speculate (planner/resolve.py)
     return u
 
 

@@ -95,6 +95,14 @@ class Settings(_Frozen):
         1/gradient_accumulation_steps, as DeepSpeed does.
     gradient_clipping: clip gradients to this global L2 norm before the update (0: off); exact, as
         torch.nn.utils.clip_grad_norm_.
+    speculate: with clipping or fp16, whose updates need the global norm or the overflow check
+        first: "on" updates each unit during backward with its raw gradients and, at the end of
+        backward, commits if the clip coefficient is exactly 1 and nothing overflowed, else
+        restores the state and redoes the updates with the clipped gradients (or skips the step
+        on overflow), exactly; "off" defers every update to the end of backward; "auto"
+        speculates while recent steps validated (with clipping: from the third step in a row
+        within the limit) and defers while clipping keeps triggering (docs/runtime.md). Speculation keeps a second generation of the optimizer state on SSD;
+        "auto" defers where the SSDs lack the room, "on" is then an error.
     prefetch_depth: weights of the unit k visits ahead are fetched while one computes (None: the
         plan picks the deepest that fits, up to 2 for the default plan).
     optim_prefetch_depth: optimizer state is read this many units ahead of the one updating (None:
@@ -133,6 +141,7 @@ class Settings(_Frozen):
     loss_scaling: LossScaling = LossScaling()
     gradient_accumulation_steps: int = Field(1, ge=1)
     gradient_clipping: float = Field(0.0, ge=0.0)
+    speculate: Literal["auto", "on", "off"] = "auto"
     prefetch_depth: Optional[int] = Field(None, ge=0)
     optim_prefetch_depth: Optional[int] = Field(None, ge=0)
     fill_gaps: bool = True

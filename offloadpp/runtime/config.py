@@ -122,6 +122,14 @@ class StepReport:
     comm_bytes: int = 0
     comm_s: float = 0.0
     comm_floor_s: float = 0.0
+    # How the updates ran (runtime/speculation.py): "in-backward" (nothing global needed),
+    # "speculative" (during backward, then validated) or "deferred" (after backward).
+    updates: str = "in-backward"
+    speculated_units: int = 0  # units updated during backward with the raw gradients
+    committed_units: int = 0  # of them, validated and kept
+    redone_units: int = 0  # of them, forgotten and updated again with the clipped gradients
+    optimizer_exposed_s: float = 0.0  # the optimizer's time after the step's last backward
+    mode_switches: int = 0  # switches between speculative and deferred updates so far
 
     def budget(self, name: str) -> BudgetUse:
         for b in self.budgets:
@@ -146,6 +154,11 @@ class StepReport:
             extra += f" ranks {self.ranks}: comm {fmt_bytes(self.comm_bytes)} in {self.comm_s:.3f}s (floor {self.comm_floor_s:.3f}s)"
         if self.grad_norm is not None:
             extra += f" grad_norm={self.grad_norm:.4g}"
+        if self.updates != "in-backward":
+            extra += f" updates {self.updates}"
+            if self.speculated_units:
+                extra += f" (speculated {self.speculated_units}, committed {self.committed_units}, redone {self.redone_units})"
+            extra += f" opt-exposed {self.optimizer_exposed_s:.3f}s switches {self.mode_switches}"
         if self.loss_scale is not None:
             extra += f" loss_scale={self.loss_scale:g}{' SKIPPED' if self.skipped else ''}"
         return (

@@ -18,13 +18,9 @@ those an in-memory AdamW step gives. The engine's buffer pools hold to the plan'
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import math
 import os
-import signal
-import threading
 import time
 import weakref
 from typing import Callable, Optional
@@ -43,7 +39,7 @@ from offloadpp.planner.resolve import check_plan
 from . import checkpoint as ckpt
 from . import export, host_heap
 from .activations.manager import ActivationManager
-from .config import BudgetUse, RuntimeConfig, StepReport
+from .config import RuntimeConfig, StepReport
 from .device import Device
 from .distributed import DataParallel, rank_dirs
 from .executor import Executor, ParamRef
@@ -52,11 +48,14 @@ from .optimizer import OptimizerPipeline
 from .partition import find_units, layout_units
 from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
+from .reports import StepAccounting
 from .sharded import ShardedUnit, initialize_sharded_units
 from .sharded_checkpoint import load_sharded, rank_dir, save_sharded
 from .sharded_optimizer import ShardedOptimizerPipeline
-from .slots import Hold, Txn
+from .slots import Txn
+from .speculation import SpeculationPolicy, finish_updates
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
+from .transaction import StepTransaction, holding_interrupts
 from .unit import TORCH_DTYPES, Unit, UnitPhase
 
 log = logging.getLogger("offloadpp.runtime")
@@ -79,7 +78,7 @@ def stripe_weights(paths, stripe) -> Optional[list[float]]:
     return out
 
 
-class OffloadEngine:
+class OffloadEngine(StepTransaction, StepAccounting):
     def __init__(
         self,
         model: nn.Module,
@@ -204,6 +203,7 @@ class OffloadEngine:
             update_order=[by_name[n] for n in self.schedule.update_order],
             optim_window=self.schedule.optim_window,
             next_keep=self.schedule.next_keep,
+            spec_next_keep=self.schedule.spec_next_keep,
             hypers=self.hypers,
             store=self.store,
             host_pool=self.host_pool,
@@ -211,6 +211,7 @@ class OffloadEngine:
             deferred=s.deferred_update,
             separate_weights=self.plan.separate_weights,
             threads=s.adam_threads or default_num_threads(),
+            redo=s.gradient_clipping > 0,
         )
         self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
         self.executor = Executor(self.schedule, self.units, self._grads_complete)
@@ -257,6 +258,7 @@ class OffloadEngine:
         self._failed: Optional[BaseException] = None  # a step that could not complete nor roll back
         self._aborted = False  # a step was interrupted (its errors were raised then)
         self._window_steps: list[list[int]] = [list(u.steps) for u in self.units]
+        self.speculation = SpeculationPolicy(s.speculate, self.plan.speculative, s.gradient_clipping > 0)
         self._reset_step_counters()
         self._closed = False
         log.info("%s", self.plan.describe())
@@ -302,7 +304,8 @@ class OffloadEngine:
                 first = self.micro_in_window == 0
                 if first:
                     self._begin_window()
-                self.optimizer.begin_micro(first=first, boundary=self._boundary())
+                self.optimizer.begin_micro(first=first, boundary=self._boundary(), speculate=self.txn.active,
+                                           grad_scale=self._loss_scale())  # fmt: skip
                 self._micro = "forward"
             self.executor.start_forward()
             with record_function("offloadpp::forward"), self.activations.forward():  # saved-tensor hooks
@@ -321,9 +324,9 @@ class OffloadEngine:
         complete."""
         self._check_open()
         t0 = time.perf_counter()
-        scale = 1.0 / self.settings.gradient_accumulation_steps if scale_wrt_gas else 1.0
-        if self.loss_scaler is not None:
-            scale *= self.loss_scaler.scale
+        scale = (
+            1.0 / self.settings.gradient_accumulation_steps if scale_wrt_gas else 1.0
+        ) * self._loss_scale()
         self._micro = "backward"
         try:
             self.executor.start_backward()
@@ -360,15 +363,20 @@ class OffloadEngine:
             self.micro_in_window += 1
             self._opt_s += time.perf_counter() - t0
             return None
-        grad_norm, skipped = None, False
+        outcome = None
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
-        # Note: the end of a step is not interruptible. A Ctrl-C while the deferred updates run
-        # would leave some units updated: it is held until the step is complete, then raised.
+        # Note: the end of a step is not interruptible where its updates write in place (deferred
+        # updates): a Ctrl-C while they run would leave some units updated. It is held until the
+        # step is complete, then raised. (A speculating step is a transaction to its end.)
         try:
-            with _holding_interrupts(), record_function("offloadpp::optimizer_wait"):
+            with holding_interrupts(), record_function("offloadpp::optimizer_wait"):
                 if self.settings.deferred_update:
-                    grad_norm, skipped = self._deferred_update(scale or 1.0)
+                    steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
+                    outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
+                                             max_norm=self.settings.gradient_clipping, steps=steps,
+                                             dp=self.dp)  # fmt: skip
                 self.optimizer.finish()
+                self.optimizer.release_grads()
                 self.store.check_writes()  # a write that failed reports its own cause, here
                 check_nvme_paths(self.config.nvme_paths, probe=False)  # still there (not removed)
                 self._commit()
@@ -379,169 +387,17 @@ class OffloadEngine:
                 self._fail(e)  # deferred updates half written: the engine cannot go on
             raise
         self.micro_in_window = 0
-        if not skipped:
+        if outcome is None or not outcome.skipped:
             self.global_step += 1
+        if outcome is not None and not outcome.skipped:
+            self.speculation.record(self.global_step, outcome.clipped)
+        exposed = time.perf_counter() - t0  # the updates are done (the heap's trim is not theirs)
         if not self.device.is_cuda:
             host_heap.trim()
         self._opt_s += time.perf_counter() - t0
-        report = self._report(grad_norm, skipped, scale)
+        report = self._report(outcome, scale, exposed)
         if self.config.log_every and report.step % self.config.log_every == 0:
             log.info("%s", report.summary())
-        return report
-
-    # ---- a step as a transaction ---------------------------------------------------------------
-    def _begin_window(self) -> None:
-        """A new accumulation window: its updates may run during backward (not deferred), so the
-        slots' writes go to a new generation until the step commits (slots.py)."""
-        self.txn.active = not self.settings.deferred_update
-        self._window_steps = [list(u.steps) for u in self.units]
-
-    def _commit(self) -> None:
-        for u in self.units:
-            for s in u.slots:
-                s.commit()
-            u.phase = UnitPhase.IDLE
-        self.txn.active = False
-
-    def _abort_step(self) -> None:
-        """A step interrupted before it completed (an exception, Ctrl-C in forward or backward):
-        every unit back to the state of the last completed step, bit for bit (tests/test_faults.py).
-
-        Note: updates already made during backward went to the open generation of their slots,
-        which is forgotten; the Adam step counts return to the window's start; gradients
-        accumulated in the window are dropped. State the plan keeps in memory (a HOST tier) is
-        updated in place and cannot go back: if any was, the engine refuses to go on and names
-        the unit (load the last checkpoint)."""
-        errors = self.optimizer.finish_all()  # jobs in flight complete (they cannot be stopped half way)
-        errors += self.store.forget_failures()  # reported by the interruption, or moot after the rollback
-        for e in errors:
-            log.warning("offloadpp: an I/O operation of the interrupted step failed too: %s", e)
-        torn = [
-            u.name for u in self.units if self.txn.active and u.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
-            and any(s.resident and s.txn is not None for s in u.slots)
-        ]  # fmt: skip
-        try:
-            self.optimizer.drop_uncommitted_writes()
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e)
-        refresh = []
-        for u, steps in zip(self.units, self._window_steps):
-            updated = u.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
-            for s in u.slots:
-                s.rollback()
-            u.steps = list(steps)
-            u.phase = UnitPhase.IDLE
-            u.start_window()
-            if updated and (u.device.is_cuda or self.dp is not None) and u.weights.resident:
-                refresh.append(u)
-        if refresh and self.dp is not None:  # (gathering it again would need every rank here)
-            self._fail(RuntimeError(f"the step was interrupted after unit {refresh[0].name!r}, resident on the device, "
-                                    "was updated: over several ranks its weights cannot be rolled back"))  # fmt: skip
-            refresh = []
-        for u in refresh:  # a resident device copy took the forgotten update: the committed one back
-            u.compute.acquire(Hold.EXPORT)
-            u.weights.refresh()
-            u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
-        self.executor.end_backward()
-        self.activations.end_backward()
-        self.txn.active = False
-        self.micro_in_window = 0
-        self._boundary_override = None
-        self._micro = None
-        self._aborted = True
-        self._reset_step_counters()
-        if torn:
-            self._fail(RuntimeError(
-                f"the step was interrupted after unit {torn[0]!r} was updated, and that unit's optimizer state "
-                "lives in memory, where the update cannot be undone"
-            ))  # fmt: skip
-
-    def _fail(self, cause: BaseException) -> None:
-        if self._failed is None:
-            self._failed = cause
-            log.error("offloadpp: the engine cannot go on: %s", cause)
-
-    def _deferred_update(self, scale: float) -> tuple[float, bool]:
-        """Clipping / fp16 overflow: every norm is known now; then the updates run."""
-        self.optimizer.wait_absorbed()
-        sq = sum(u.sq_norm for u in self.optimizer.order if u.sq_norm is not None)
-        if self.dp is not None:
-            sq = self.dp.sum(sq)  # each rank's shards' part (runtime/sharded_optimizer.py)
-        finite = math.isfinite(sq)
-        grad_norm = math.sqrt(sq) / scale if finite else float("inf")
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=not finite)
-            if not finite:
-                self.optimizer.skip_update()
-                return grad_norm, True
-        elif not finite:
-            raise FloatingPointError(f"the global gradient norm is {sq} (inf or nan): the loss diverged")
-        clip = 1.0
-        if self.settings.gradient_clipping > 0:
-            clip = min(1.0, self.settings.gradient_clipping / (grad_norm + 1e-6))
-        self.optimizer.run_deferred(clip_coef=clip, grad_scale=scale)
-        return grad_norm, False
-
-    # ---- reports ----------------------------------------------------------------------------
-    def _reset_step_counters(self) -> None:
-        self.activations.reset_stats()
-        self.device_pool.reset_step_peak()
-        self.host_pool.reset_step_peak()
-        self.device.step_peak_bytes = self.device.bytes_in_use
-        self._step_t0: Optional[float] = None
-        self._fwd_s = self._bwd_s = self._opt_s = 0.0
-        self._io0 = self.store.stats
-        self._wait0 = self._waits()
-        self._adam0 = self.optimizer.adam_s
-        self._misses0 = self.executor.misses
-        self._h2d0, self._d2h0 = self.device.h2d_bytes, self.device.d2h_bytes
-        self._comm0 = self.dp.comm if self.dp is not None else (0, 0.0)
-
-    def _waits(self) -> float:
-        act = self.activations.swapper
-        return (
-            self.executor.wait_s + self.device_pool.wait_s + self.host_pool.wait_s
-            + act.swap_out_wait_s + act.swap_in_wait_s
-        )  # fmt: skip
-
-    def _report(self, grad_norm, skipped: bool, scale) -> StepReport:
-        io = self.store.stats - self._io0
-        wait = self._waits() - self._wait0
-        compute = max(0.0, self._fwd_s + self._bwd_s - wait)
-        adam = self.optimizer.adam_s - self._adam0
-        ssd = io.bytes_read / (self.ssd_read_gbps * 1e9) + io.bytes_written / (self.ssd_write_gbps * 1e9)
-        comm = self.dp.comm if self.dp is not None else (0, 0.0)
-        comm_bytes, comm_s = comm[0] - self._comm0[0], comm[1] - self._comm0[1]
-        comm_floor = comm_bytes / (self.link_gbps * 1e9) if self.link_gbps else 0.0
-        now = time.perf_counter()
-        report = StepReport(
-            step=self.global_step,
-            step_s=now - (self._step_t0 if self._step_t0 is not None else now),
-            forward_s=self._fwd_s,
-            backward_s=self._bwd_s,
-            optimizer_wait_s=self._opt_s,
-            fetch_wait_s=wait,
-            compute_s=compute,
-            adam_s=adam,
-            ssd_s=ssd,
-            floor_s=max(compute, ssd, adam, comm_floor),
-            ssd_read_bytes=io.bytes_read,
-            ssd_write_bytes=io.bytes_written,
-            host_to_device_bytes=self.device.h2d_bytes - self._h2d0,
-            device_to_host_bytes=self.device.d2h_bytes - self._d2h0,
-            fetch_misses=self.executor.misses - self._misses0,
-            grad_norm=grad_norm,
-            skipped=skipped,
-            loss_scale=scale,
-            predicted_s=self.predicted.step_s if self.predicted is not None else None,
-            budgets=self.budget_report(),
-            recompute_s=self.activations.recompute_s,
-            ranks=self.dp.world if self.dp is not None else 1,
-            comm_bytes=comm_bytes,
-            comm_s=comm_s,
-            comm_floor_s=comm_floor,
-        )
-        self._reset_step_counters()
         return report
 
     # ---- the rest of the API ----------------------------------------------------------------
@@ -669,35 +525,6 @@ class OffloadEngine:
         """Bytes the swap files occupy."""
         return self.store.disk_bytes()
 
-    def budget_report(self) -> tuple[BudgetUse, ...]:
-        """Each budget with the most the engine held against it in the current step and since it
-        started, by its own accounting: the device buffers (on CUDA the device copies, on the CPU
-        device its pool) against the device budget less the activations' part, the host buffers
-        (optimizer state, gradients, staging), the saved activations on the device against their
-        part, and the host buffers of swapped activations (not limited)."""
-        b = self.plan.budgets
-        if self.device.is_cuda:
-            dev_step, dev_run = self.device.step_peak_bytes, self.device.peak_bytes
-        else:
-            dev_step, dev_run = self.device_pool.step_peak_bytes, self.device_pool.peak_bytes
-        act = self.activations.stats()
-        self._act_run_peak = max(getattr(self, "_act_run_peak", 0), act.peak_device_bytes)
-        self._act_host_run_peak = max(getattr(self, "_act_host_run_peak", 0), act.peak_host_bytes)
-        return (
-            BudgetUse("device", b.buffer_bytes, dev_step, dev_run),
-            BudgetUse("host", b.host_bytes, self.host_pool.step_peak_bytes, self.host_pool.peak_bytes),
-            BudgetUse("activations", b.activation_bytes, act.peak_device_bytes, self._act_run_peak),
-            BudgetUse("activation staging", None, act.peak_host_bytes, self._act_host_run_peak),
-        )
-
-    def peak_device_bytes(self) -> int:
-        """Peak bytes of the runtime's own device buffers so far (activations not counted)."""
-        return self.budget_report()[0].run_peak_bytes
-
-    def peak_host_bytes(self) -> int:
-        """Peak bytes of the runtime's host buffers so far (optimizer state, gradients, staging)."""
-        return self.host_pool.peak_bytes
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the OffloadEngine was closed")
@@ -750,23 +577,3 @@ def _release(optimizer, swapper, store, pools, lock, dp=None) -> None:
             first = first or e
     if first is not None:
         raise first
-
-
-@contextlib.contextmanager
-def _holding_interrupts():
-    """Ctrl-C (SIGINT) held until the block is done, then raised; elsewhere than the main
-    thread, or where another handler was installed, nothing changes."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    got = []
-    old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-    if got:
-        raise KeyboardInterrupt

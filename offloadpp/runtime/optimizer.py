@@ -25,161 +25,34 @@ their state read during backward (begin_backward) and their gradients kept in me
 gradients are written to SSD (where they live there) and read back with their state, q ahead.
 Exact torch semantics, at the cost of running Adam and part of the state traffic after backward
 instead of during it (docs/runtime.md has the numbers).
+
+Note: speculative updates (runtime/speculation.py). A speculating step reads state as updates
+that are not deferred do, q units ahead in the order gradients complete (from the start of
+backward), and updates each unit as its gradients complete, with the raw gradients, its norm
+taken in the Adam pass, its writes going to the new generation. With clipping (a step may be
+redone) its gradients stay until the step is validated: in memory for the deferred window's units
+(update_order[:q+1], as deferring keeps them), at their home for the others. Units whose state
+lives in memory, and a redo, are updated after backward as deferred updates are (run_deferred).
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch.autograd.profiler import record_function
 
-from offloadpp.optim import AdamHyper, adam_step_flat, convert_, squared_norm
+from offloadpp.optim import AdamHyper
 from offloadpp.planner.schedule import flush_rank
 
 from .device import CudaEventWaitable, Device
+from .jobs import _Done, _Job, _late, _work, _yield_to_compute
 from .memory import BufferPool
 from .slots import Hold, Slot
 from .unit import Unit, UnitPhase
-
-
-@dataclass
-class _Job:
-    unit: Unit
-    before: list  # reads and writes to wait for before touching the buffers
-    grads: Optional[list] = None  # [(index, ParamSlot, tensor)] to add into gbuf
-    grads_event: Optional[CudaEventWaitable] = None
-    staging: Optional[torch.Tensor] = None  # CUDA: pinned buffer the grads arrived in
-    first_micro: bool = True
-    need_norm: bool = False
-    gbuf: Optional[torch.Tensor] = None
-    update: bool = False
-    segments: list = field(default_factory=list)  # [(start, end, step, update, group)] over gbuf
-    direct: Optional[list] = None  # [(start, end, step, grad or None, group)]: grads used where they are
-    hypers: tuple = ()  # each param group's AdamHyper, as they were when the update was submitted
-    step_args: dict = field(default_factory=dict)
-    master: Optional[torch.Tensor] = None
-    exp_avg: Optional[torch.Tensor] = None
-    exp_avg_sq: Optional[torch.Tensor] = None
-    half: Optional[torch.Tensor] = None
-    writes: list = field(default_factory=list)  # [(Slot, buffer, generation)] to put after the job's work
-    defer_writes: bool = False  # leave the puts to the main thread's flush_writes()
-    defer_moments: bool = False  # only the moments' puts (see run_deferred)
-    keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
-    threads: int = 1
-    # Data parallel (runtime/sharded_optimizer.py): run on the worker after the absorb, before
-    # Adam (the gradients reduced over the ranks; returns this rank's squared norm or None), and
-    # after Adam, before the writes (a resident unit's weights gathered again).
-    prepare: Optional[Callable[[_Job], Optional[float]]] = None
-    after_update: Optional[Callable[[_Job], None]] = None
-
-
-# Note: the optimizer's priority on the CPU-as-device. There torch's threads fill every core, and
-# an Adam thread at the same priority takes a core from one of them mid-GEMM; the others then wait
-# at the parallel region's barrier, so a millisecond of Adam costs more than a millisecond of
-# step. At nice 10 the worker (and the kernel's pool helpers, which take their caller's nice
-# value) mostly runs where compute leaves the cores idle, and at the end of backward, when the
-# main thread waits for it. On CUDA the cores are otherwise idle and the worker keeps its priority.
-ADAM_NICE = 10
-
-
-def _yield_to_compute() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ADAM_NICE)
-    except (OSError, AttributeError):
-        pass  # not permitted, or not Linux: run at normal priority
-
-
-def _late(job: _Job, slot: Slot) -> bool:
-    return job.defer_moments and (slot is job.unit.exp_avg or slot is job.unit.exp_avg_sq)
-
-
-@dataclass
-class _Done:
-    writes: list  # [(Slot, future, generation)]
-    sq_norm: Optional[float]
-    adam_s: float
-    absorb_s: float
-
-
-def _work(job: _Job, store) -> _Done:
-    for w in job.before:
-        w.wait()
-    sq = None
-    t0 = time.perf_counter()
-    if job.grads is not None:
-        with record_function("offloadpp::grads_to_host"):
-            if job.grads_event is not None:
-                job.grads_event.wait()
-            gb = job.gbuf
-            for _, s, g in job.grads:
-                dst = gb[s.offset : s.offset + s.numel]
-                src = g.reshape(-1)
-                if job.first_micro:
-                    dst.copy_(src)
-                else:
-                    dst.add_(src)
-            if job.first_micro:
-                have = {i for i, _, _ in job.grads}
-                for i, (_, s) in enumerate(job.unit.params):
-                    if i not in have:
-                        gb[s.offset : s.offset + s.numel].zero_()
-            if job.need_norm:
-                sq = squared_norm(gb[: job.unit.numel], num_threads=job.threads)
-    if job.prepare is not None:
-        sq = job.prepare(job)
-    t1 = time.perf_counter()
-    if job.update:
-        with record_function("offloadpp::adam"):
-            for a, b, step, g, grp in job.direct or ():
-                if g is not None:
-                    adam_step_flat(
-                        job.master[a:b],
-                        g.reshape(-1),
-                        job.exp_avg[a:b],
-                        job.exp_avg_sq[a:b],
-                        step=step + 1,
-                        hyper=job.hypers[grp],
-                        half_out=job.half[a:b] if job.half is not None else None,
-                        num_threads=job.threads,
-                        **job.step_args,
-                    )
-                elif job.half is not None:
-                    convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
-            for a, b, step, upd, grp in job.segments if job.direct is None else ():
-                half = job.half[a:b] if job.half is not None else None
-                if upd:
-                    adam_step_flat(
-                        job.master[a:b],
-                        job.gbuf[a:b],
-                        job.exp_avg[a:b],
-                        job.exp_avg_sq[a:b],
-                        step=step + 1,
-                        hyper=job.hypers[grp],
-                        half_out=half,
-                        num_threads=job.threads,
-                        **job.step_args,
-                    )
-                elif half is not None:
-                    convert_(half, job.master[a:b], num_threads=job.threads)
-        if job.after_update is not None:
-            job.after_update(job)
-    t2 = time.perf_counter()
-    futs = []
-    if not job.defer_writes:
-        with record_function("offloadpp::write_state"):
-            futs = [
-                (slot, store.put(slot.key_of(g), buf), g)
-                for slot, buf, g in job.writes
-                if not _late(job, slot)
-            ]
-    return _Done(futs, sq, t2 - t1, t1 - t0)
 
 
 class OptimizerPipeline:
@@ -190,6 +63,7 @@ class OptimizerPipeline:
         update_order: Optional[list[Unit]] = None,
         optim_window: int,
         next_keep: frozenset,
+        spec_next_keep: frozenset = frozenset(),
         hypers: tuple[AdamHyper, ...],
         store,
         host_pool: BufferPool,
@@ -197,17 +71,22 @@ class OptimizerPipeline:
         deferred: bool,
         separate_weights: bool,
         threads: int,
+        redo: bool = False,
     ):
+        """redo: a speculative step may be redone (gradient clipping): it keeps its gradients until
+        validated."""
         self.order = order  # the order gradients complete in (backward)
         self.update_order = update_order if update_order is not None else order
         self.q = optim_window
         self.next_keep = next_keep
+        self.spec_next_keep = spec_next_keep  # what a speculative update keeps (schedule.spec_next_keep)
         self.hypers = hypers  # one per param group; Unit.groups says which each parameter takes
         self.store = store
         self.host_pool = host_pool
         self.device = device
         self.deferred = deferred
         self.separate = separate_weights
+        self.redo = redo
         self.threads = threads
         self.tail_threads = max(threads, len(os.sched_getaffinity(0)))
         self._worker = ThreadPoolExecutor(
@@ -220,6 +99,12 @@ class OptimizerPipeline:
         self._queued_writes: list[tuple[Slot, torch.Tensor, int]] = []  # see flush_writes
         self.boundary = False
         self.first_micro = True
+        self.speculating = False  # this window's deferred updates run speculatively (speculation.py)
+        self._spec_asked = False  # (asked for the window; speculating: on its boundary)
+        self.grad_scale = 1.0  # fp16: the loss scale the speculative updates divide by
+        # deferred windows: the units whose state is read during backward and whose gradients stay
+        # in memory until their update (update_order[:q+1]); a speculating step keeps theirs too
+        self._kept: frozenset = frozenset()
         self._absorb_cursor = 0
         self._update_cursor = 0
         self._absorbed = 0
@@ -228,9 +113,15 @@ class OptimizerPipeline:
         self.absorb_s = 0.0
 
     # ---- the window ----------------------------------------------------------------------
-    def begin_micro(self, *, first: bool, boundary: bool) -> None:
-        """At the first forward visit of a micro-batch: start reading what its backward needs."""
+    def begin_micro(
+        self, *, first: bool, boundary: bool, speculate: bool = False, grad_scale: float = 1.0
+    ) -> None:
+        """At the first forward visit of a micro-batch: start reading what its backward needs.
+        speculate: (deferred updates, on the boundary) update during backward with the raw
+        gradients divided by grad_scale, to be validated after it (speculation.py)."""
         self.first_micro, self.boundary = first, boundary
+        self._spec_asked, self.grad_scale = speculate, grad_scale
+        self.speculating = speculate and boundary and self.deferred
         self._absorb_cursor = self._update_cursor = self._absorbed = self._submitted = 0
         if first:
             for u in self.order:
@@ -246,6 +137,7 @@ class OptimizerPipeline:
         if boundary == self.boundary:
             return
         self.boundary = boundary
+        self.speculating = self._spec_asked and boundary and self.deferred
         if self.deferred:
             return  # a deferred update's state is read from begin_backward on
         if boundary:
@@ -264,7 +156,12 @@ class OptimizerPipeline:
         those writes still drain (a read waits for the write of its file). Started here, the
         reads find the writes done and still have all of backward to complete in.
         """
-        if self.boundary and self.deferred:
+        self._kept = frozenset(u.name for u in self.update_order[: self.q + 1])
+        if self.boundary and self.speculating:
+            # the window slides over the order gradients complete in, as where updates are not
+            # deferred (schedule._speculative_holds)
+            self._advance_update(self.q + 1, order=self.order, sliding=True)
+        elif self.boundary and self.deferred:
             self._advance_update(self.q + 1)
 
     def _advance_absorb(self, upto: int) -> None:
@@ -274,16 +171,23 @@ class OptimizerPipeline:
                 u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro)
             self._absorb_cursor += 1
 
-    def _advance_update(self, upto: int, *, with_grads: bool = False) -> None:
+    def _advance_update(
+        self, upto: int, *, with_grads: bool = False, order: Optional[list] = None, sliding: bool = False
+    ) -> None:
         """Reads the state (and, for a deferred update, the gradients kept so far) of the
-        units up to `upto` in update order."""
-        while self._update_cursor < min(upto, len(self.update_order)):
-            u = self.update_order[self._update_cursor]
+        units up to `upto` in `order` (update order); sliding: the window of a speculating step,
+        over the order gradients complete in."""
+        order = self.update_order if order is None else order
+        while self._update_cursor < min(upto, len(order)):
+            u = order[self._update_cursor]
+            if sliding and not u.can_speculate:
+                self._update_cursor += 1  # updated after backward: its state is read then
+                continue
             with record_function("offloadpp::read_state"):
                 u.master.acquire(Hold.OPTIM)
                 u.exp_avg.acquire(Hold.OPTIM)
                 u.exp_avg_sq.acquire(Hold.OPTIM)
-                if with_grads:
+                if with_grads and u.held_grads is None:
                     u.grads.acquire(Hold.OPTIM)
             self._update_cursor += 1
 
@@ -309,27 +213,75 @@ class OptimizerPipeline:
             self._advance_update(self._submitted + self.q + 1)
             self._submit(job)
             return
+        speculate = self.speculating and u.can_speculate
+        kept = u.name in self._kept
+        if self.speculating:
+            self._advance_update(idx + 1, order=self.order, sliding=True)
+        if (
+            speculate
+            and self.first_micro
+            and not self.device.is_cuda
+            and (not self.redo or last or (kept and not u.grads.resident))
+        ):
+            # Note: speculated gradients on the CPU device. They already are in host memory, and
+            # without accumulation they are the unit's whole gradient: Adam reads them where
+            # autograd left them and takes their norm in the same pass. With clipping (a redo may
+            # need them) they are kept as they are until the step is validated instead of copied
+            # into the gradient buffer that would keep them otherwise (given back: the same
+            # bytes, held as long). The last unit's are kept so even where the buffer is
+            # resident: its update is the optimizer's time after backward, which without clipping
+            # has no copy either.
+            if u.grads_persist:
+                u.grads.release(Hold.OPTIM)  # (_advance_absorb took the buffer; unused)
+            u.held_grads = grads if self.redo else None
+            self._speculate(job, u, kept=True, direct=grads)
+            self._submit(job)
+            self._slide()
+            return
         u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro or not u.grads_persist)
         if self.device.is_cuda and grads:
             job.staging, job.grads_event, grads = self._grads_to_host(grads)
         job.grads = grads
         job.gbuf = u.grads.buffer
-        job.need_norm = self.deferred and self.boundary
         if self.boundary and not self.deferred:
             self._advance_update(idx + 1)
             self._fill_update(job, u, clip_coef=1.0, grad_scale=1.0)
             self._submitted += 1
             self._advance_update(self._submitted + self.q + 1)
-        elif (
-            self.deferred and self.boundary and any(u is w for w in self.update_order[: self._update_cursor])
-        ):
-            job.keep_grads = True  # its update is among the first after backward: no round trip
+        elif speculate:
+            self._speculate(job, u, kept=kept)
+        elif self.deferred and self.boundary:
+            job.norm = u.norm_pieces(job.gbuf)
+            if kept:
+                job.keep_grads = True  # its update is among the first after backward: no round trip
+            elif u.grads.stored:
+                job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         elif u.grads_persist and u.grads.stored:
             job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
         self._add_before(job, u.grads)
         self._submit(job)
         self._absorbed += 1
         self._advance_absorb(self._absorbed + self.q + 1)
+        if self.speculating:
+            self._slide()
+
+    def _slide(self) -> None:
+        """A speculating window: one more unit handed out, the state window moves on."""
+        self._submitted += 1
+        self._advance_update(self._submitted + self.q + 1, order=self.order, sliding=True)
+
+    def _speculate(self, job: _Job, u: Unit, *, kept: bool, direct: Optional[list] = None) -> None:
+        """The unit's update with the raw gradients, its norm taken in the same pass; its writes
+        go to the new generation (the step's transaction is open). With clipping (a redo may
+        follow) its gradients stay until the step is validated: held where `kept` (the deferred
+        window's units: deferring holds them too), else written to their home, to be read back by
+        a redo. Without (fp16 alone: an overflow skips the step) they are let go after it."""
+        job.keep_grads = kept and self.redo
+        job.speculative = True
+        if self.redo and not kept and direct is None and u.grads.stored:
+            job.writes.append((u.grads, u.grads.buffer, u.grads.write_generation()))
+        self._fill_update(job, u, clip_coef=1.0, grad_scale=self.grad_scale, direct=direct, norm=True)
+        u.speculated = True
 
     def _grads_to_host(self, grads):
         dev = self.device
@@ -351,8 +303,17 @@ class OptimizerPipeline:
         return staging, CudaEventWaitable(ev), out
 
     def _fill_update(
-        self, job: _Job, u: Unit, *, clip_coef: float, grad_scale: float, direct: Optional[list] = None
+        self,
+        job: _Job,
+        u: Unit,
+        *,
+        clip_coef: float,
+        grad_scale: float,
+        direct: Optional[list] = None,
+        norm: bool = False,
     ) -> None:
+        """An update job; norm: it also takes the gradients' norm (fused into Adam where every
+        updated parameter is at the same step, else a pass of its own first)."""
         job.update = True
         u.phase = UnitPhase.UPDATING
         job.hypers = self.hypers
@@ -377,6 +338,19 @@ class OptimizerPipeline:
             u.compute.acquire(Hold.OPTIM, overwrite=True)
             self._add_before(job, u.compute)
             job.half = u.compute.buffer
+        if norm:
+            job.norm = u.norm_pieces(job.gbuf, direct)
+            ranges = [
+                (s.offset, s.offset + s.numel, u.steps[i], u.groups[i])
+                for i, (_, s) in enumerate(u.params)
+                if u.got_grad[i]
+            ]
+            if ranges and len({(t, g) for _, _, t, g in ranges}) == 1:  # one Adam call: one step, one group
+                job.fused = (
+                    [(a, b, g) for (a, b, _, _), g in zip(ranges, job.norm)],
+                    ranges[0][2],
+                    ranges[0][3],
+                )
         if not any(upd for _, _, _, upd, _ in job.segments):
             return  # no parameter of the unit got a gradient: nothing changed, nothing to write
         for s in (u.master, u.exp_avg, u.exp_avg_sq) + ((u.compute,) if self.separate else ()):
@@ -394,18 +368,23 @@ class OptimizerPipeline:
         self._jobs.append((job, self._worker.submit(_work, job, self.store)))
 
     def run_deferred(self, *, clip_coef: float, grad_scale: float) -> None:
-        """After backward, in deferred mode: the updates, in order, state read ahead."""
+        """After backward, in deferred mode: the updates of the units not updated yet (all, but
+        for those a validated speculation updated), in update order, state read ahead."""
+        todo = [u for u in self.update_order if not u.speculated]
         self._update_cursor = 0  # state of the first units is held already; now their grads too
-        for i, u in enumerate(self.update_order):
-            self._advance_update(i + self.q + 1, with_grads=True)
+        for i, u in enumerate(todo):
+            self._advance_update(i + self.q + 1, with_grads=True, order=todo)
             job = _Job(u, before=[], threads=self.tail_threads)
-            job.defer_writes = i == len(self.update_order) - 1
+            job.defer_writes = i == len(todo) - 1
             # Note: with every unit's state in the window (q covers them all) the moments stay
             # held anyway until the last update; their writes then wait for flush_writes, so
             # the masters, which the next forward reads back, are not queued behind them.
             job.defer_moments = self.q + 1 >= len(self.update_order)
-            job.gbuf = u.grads.buffer
-            self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale)
+            if u.held_grads is not None:  # kept where autograd left them (a redo of the last unit)
+                self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale, direct=u.held_grads)
+            else:
+                job.gbuf = u.grads.buffer
+                self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale)
             self._submit(job)
             self._submitted += 1
             self.reap()
@@ -417,6 +396,31 @@ class OptimizerPipeline:
             for s in u.slots:
                 s.release(Hold.OPTIM)
             u.phase = UnitPhase.IDLE
+        self.release_grads()
+
+    # ---- speculation (speculation.py) ------------------------------------------------------
+    def speculated(self) -> list[Unit]:
+        return [u for u in self.order if u.speculated]
+
+    def forget(self, units: list[Unit], steps: dict) -> None:
+        """The speculative updates of `units` are forgotten (a redo or a skip follows): their
+        queued writes are dropped, their slots go back to the committed generation, their step
+        counts to `steps[name]`. Their gradients stay held."""
+        self.finish()
+        self.drop_uncommitted_writes()
+        for u in units:
+            u.forget_update(steps[u.name])
+            u.phase = UnitPhase.GRADS_READY
+
+    def release_grads(self) -> None:
+        """The step is over: the gradients kept for a redo are let go (autograd's, on the thread
+        that frees gradients)."""
+        for u in self.order:
+            if u.speculated:
+                u.grads.release(Hold.OPTIM)
+            if u.held_grads is not None:
+                self._freer.submit(u.held_grads.clear)
+                u.held_grads = None
 
     # ---- completion ----------------------------------------------------------------------
     def reap(self, block: bool = False) -> None:
@@ -488,9 +492,9 @@ class OptimizerPipeline:
             if self.device.is_cuda and u.weights.resident:
                 u.weights.refresh()
                 after = (u.weights.last_copy,)
-            if u.name in self.next_keep:
+            if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.acquire(Hold.NEXT)
-            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
+            for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):
                 s.release(Hold.OPTIM)
             u.compute.release(Hold.OPTIM, after=after)
             u.phase = UnitPhase.UPDATED

@@ -11,11 +11,9 @@ import shutil
 import uuid
 from typing import Sequence
 
-from offloadpp.planner import Plan, Tier, fmt_bytes
-
-# Swap files carry a header block per key and round payloads up to 4096 bytes: leave headroom.
-SPACE_MARGIN = 1.02
-SPACE_MARGIN_BYTES = 64 << 20
+from offloadpp.planner import Plan, fmt_bytes
+from offloadpp.planner.plan import SSD_SPACE_MARGIN as SPACE_MARGIN
+from offloadpp.planner.plan import SSD_SPACE_MARGIN_BYTES as SPACE_MARGIN_BYTES
 
 
 class PreflightError(RuntimeError):
@@ -47,15 +45,8 @@ def check_nvme_paths(paths: Sequence[str], probe: bool = True) -> None:
 
 
 def ssd_footprint_bytes(plan: Plan) -> int:
-    """Bytes the run keeps on SSD: the plan's arrays, and where updates run during backward
-    (not deferred) a second generation of every transactional one (master, moments, compute
-    copy: runtime/slots.py), which a step writes before it commits."""
-    total = plan.ssd_bytes()
-    if not plan.deferred_update:
-        total = 2 * total - sum(
-            u.grad_bytes for u, p in plan if plan.persistent_grads and p.grads is Tier.SSD
-        )
-    return total
+    """Bytes the run keeps on SSD (Plan.ssd_footprint_bytes)."""
+    return plan.ssd_footprint_bytes()
 
 
 def check_free_space(paths: Sequence[str], plan: Plan, existing_bytes: int = 0) -> None:

@@ -191,6 +191,7 @@ class ShardedUnit(Unit):
         self.grads_persist = plan.persistent_grads
         self.weights = GatheredWeights(self, self.compute, device, device_pool, dp,
                                        resident=placement.weights is Tier.DEVICE)  # fmt: skip
+        self.can_speculate = False  # several ranks never speculate (planner/resolve.py)
 
     def __repr__(self) -> str:
         return f"ShardedUnit({self.name!r}, [{self.lo}, {self.hi}), {self.phase.value}, bound={self.bound})"

@@ -27,7 +27,8 @@ import torch
 from offloadpp.optim import squared_norm
 
 from .distributed import DataParallel
-from .optimizer import OptimizerPipeline, _Job
+from .jobs import _Job
+from .optimizer import OptimizerPipeline
 from .sharded import ShardedUnit, place_and_gather
 from .slots import Hold
 from .unit import UnitPhase
@@ -53,8 +54,11 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
                 u.accum.acquire(Hold.OPTIM, overwrite=self.first_micro)
             self._absorb_cursor += 1
 
-    def begin_micro(self, *, first: bool, boundary: bool) -> None:
-        super().begin_micro(first=first, boundary=boundary)
+    def begin_micro(
+        self, *, first: bool, boundary: bool, speculate: bool = False, grad_scale: float = 1.0
+    ) -> None:
+        # (several ranks never speculate: planner/resolve.py turns it off)
+        super().begin_micro(first=first, boundary=boundary, speculate=False, grad_scale=grad_scale)
         self._ready: set[str] = set()
         self._next = 0
 
@@ -108,7 +112,7 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
         self._advance_absorb(self._absorbed + self.q + 1)
 
     def _fill_update(self, job: _Job, u: ShardedUnit, *, clip_coef: float, grad_scale: float,
-                     direct: Optional[list] = None) -> None:  # fmt: skip
+                     direct: Optional[list] = None, norm: bool = False) -> None:  # fmt: skip
         job.update = True
         u.phase = UnitPhase.UPDATING
         job.hypers = self.hypers

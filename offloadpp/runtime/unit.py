@@ -87,6 +87,10 @@ class Unit:
             self.weights = CudaWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)
         else:
             self.weights = CpuWeights(self.compute, device)
+        # Only a unit whose optimizer state all lives on SSD can be updated speculatively: the
+        # previous generation there is what a redo starts from (an array resident in memory is
+        # updated in place, and so is a compute copy with no home).
+        self.can_speculate = all(s.stored for s in self.slots if s.txn is not None)
 
     def _init_common(self, layout: UnitLayout, placement: Placement, plan: Plan, device: Device) -> None:
         """What every unit has, however its arrays are laid out (runtime/sharded.py: over ranks)."""
@@ -104,6 +108,8 @@ class Unit:
         self.trainable = sum(1 for p, _ in self.params if p.requires_grad)
         self.grads_pending = 0  # params still to receive a gradient in this backward
         self.sq_norm: Optional[float] = None  # of the accumulated gradients, when needed
+        self.speculated = False  # updated during this step's backward before its validation
+        self.held_grads: Optional[list] = None  # autograd's gradients, kept for a redo (direct path)
         self.bound = False
         self._flat: Optional[torch.Tensor] = None  # device weights the params view, when bound
 
@@ -174,6 +180,43 @@ class Unit:
         """A new accumulation window begins (the first micro-batch after a step)."""
         self.got_grad = [False] * len(self.params)
         self.sq_norm = None
+        self.speculated = False
+        self.held_grads = None
+
+    def forget_update(self, steps: list[int]) -> None:
+        """Back to the state of the last completed step: the update this step made (written to the
+        new generation of the transactional slots, runtime/slots.py) is forgotten, the Adam step
+        counts are `steps` again. The gradients are kept (a redo needs them)."""
+        updated = self.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
+        for s in self.slots:
+            if s.txn is not None:
+                s.rollback()
+        self.steps = list(steps)
+        self.speculated = False
+        if updated and self.device.is_cuda and self.weights.resident:
+            self.refresh_resident()
+
+    def refresh_resident(self) -> None:
+        """The device-resident weights took an update that was forgotten: the committed ones back."""
+        self.compute.acquire(Hold.EXPORT)
+        self.weights.refresh()
+        self.compute.release(Hold.EXPORT, after=(self.weights.last_copy,))
+
+    def norm_pieces(self, gbuf: Optional[torch.Tensor] = None, direct: Optional[list] = None) -> list:
+        """The gradients whose squared norm is the unit's: one tensor per parameter that got a
+        gradient in this window, in order, as views of `gbuf` or from `direct` ([(index, slot,
+        grad)] where autograd left them).
+
+        Note: why per parameter. The kernel sums squares per chunk of the tensors laid end to end,
+        and a different split gives a different last bit. A unit updated speculatively takes its
+        norm from autograd's gradients (its last unit) or in the fused Adam pass; one updated
+        after backward takes it from its gradient buffer. With the same pieces both give the same
+        norm bit for bit, so a redo clips by exactly the coefficient deferred updates use."""
+        if direct is not None:
+            return [g.reshape(-1) for _, _, g in direct]
+        return [
+            gbuf[s.offset : s.offset + s.numel] for i, (_, s) in enumerate(self.params) if self.got_grad[i]
+        ]
 
     def take_grads(self) -> list[tuple[int, ParamSlot, torch.Tensor]]:
         """Removes the gradients autograd left on the parameters: [(index, slot, grad)]."""

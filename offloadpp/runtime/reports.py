@@ -1,0 +1,110 @@
+"""What a step did: the engine's counters, its StepReport and its budgets' peaks. The reporting
+part of OffloadEngine (runtime/engine.py): a mixin that reads the engine's parts."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from .config import BudgetUse, StepReport
+from .speculation import Outcome
+
+
+class StepAccounting:
+    """The reporting half of OffloadEngine (a mixin: it reads the engine's parts)."""
+
+    def _reset_step_counters(self) -> None:
+        self.activations.reset_stats()
+        self.device_pool.reset_step_peak()
+        self.host_pool.reset_step_peak()
+        self.device.step_peak_bytes = self.device.bytes_in_use
+        self._step_t0: Optional[float] = None
+        self._fwd_s = self._bwd_s = self._opt_s = 0.0
+        self._io0 = self.store.stats
+        self._wait0 = self._waits()
+        self._adam0 = self.optimizer.adam_s
+        self._misses0 = self.executor.misses
+        self._h2d0, self._d2h0 = self.device.h2d_bytes, self.device.d2h_bytes
+        self._comm0 = self.dp.comm if self.dp is not None else (0, 0.0)
+
+    def _waits(self) -> float:
+        act = self.activations.swapper
+        return (
+            self.executor.wait_s + self.device_pool.wait_s + self.host_pool.wait_s
+            + act.swap_out_wait_s + act.swap_in_wait_s
+        )  # fmt: skip
+
+    def _report(self, outcome: Optional[Outcome], scale, exposed: float) -> StepReport:
+        io = self.store.stats - self._io0
+        wait = self._waits() - self._wait0
+        compute = max(0.0, self._fwd_s + self._bwd_s - wait)
+        adam = self.optimizer.adam_s - self._adam0
+        ssd = io.bytes_read / (self.ssd_read_gbps * 1e9) + io.bytes_written / (self.ssd_write_gbps * 1e9)
+        comm = self.dp.comm if self.dp is not None else (0, 0.0)
+        comm_bytes, comm_s = comm[0] - self._comm0[0], comm[1] - self._comm0[1]
+        comm_floor = comm_bytes / (self.link_gbps * 1e9) if self.link_gbps else 0.0
+        now = time.perf_counter()
+        report = StepReport(
+            step=self.global_step,
+            step_s=now - (self._step_t0 if self._step_t0 is not None else now),
+            forward_s=self._fwd_s,
+            backward_s=self._bwd_s,
+            optimizer_wait_s=self._opt_s,
+            fetch_wait_s=wait,
+            compute_s=compute,
+            adam_s=adam,
+            ssd_s=ssd,
+            floor_s=max(compute, ssd, adam, comm_floor),
+            ssd_read_bytes=io.bytes_read,
+            ssd_write_bytes=io.bytes_written,
+            host_to_device_bytes=self.device.h2d_bytes - self._h2d0,
+            device_to_host_bytes=self.device.d2h_bytes - self._d2h0,
+            fetch_misses=self.executor.misses - self._misses0,
+            grad_norm=outcome.grad_norm if outcome is not None else None,
+            skipped=outcome is not None and outcome.skipped,
+            loss_scale=scale,
+            updates=outcome.mode if outcome is not None else "in-backward",
+            speculated_units=outcome.speculated if outcome is not None else 0,
+            committed_units=outcome.committed if outcome is not None else 0,
+            redone_units=outcome.redone if outcome is not None else 0,
+            optimizer_exposed_s=exposed,
+            mode_switches=self.speculation.switches,
+            predicted_s=self.predicted.step_s if self.predicted is not None else None,
+            budgets=self.budget_report(),
+            recompute_s=self.activations.recompute_s,
+            ranks=self.dp.world if self.dp is not None else 1,
+            comm_bytes=comm_bytes,
+            comm_s=comm_s,
+            comm_floor_s=comm_floor,
+        )
+        self._reset_step_counters()
+        return report
+
+    def budget_report(self) -> tuple[BudgetUse, ...]:
+        """Each budget with the most the engine held against it in the current step and since it
+        started, by its own accounting: the device buffers (on CUDA the device copies, on the CPU
+        device its pool) against the device budget less the activations' part, the host buffers
+        (optimizer state, gradients, staging), the saved activations on the device against their
+        part, and the host buffers of swapped activations (not limited)."""
+        b = self.plan.budgets
+        if self.device.is_cuda:
+            dev_step, dev_run = self.device.step_peak_bytes, self.device.peak_bytes
+        else:
+            dev_step, dev_run = self.device_pool.step_peak_bytes, self.device_pool.peak_bytes
+        act = self.activations.stats()
+        self._act_run_peak = max(getattr(self, "_act_run_peak", 0), act.peak_device_bytes)
+        self._act_host_run_peak = max(getattr(self, "_act_host_run_peak", 0), act.peak_host_bytes)
+        return (
+            BudgetUse("device", b.buffer_bytes, dev_step, dev_run),
+            BudgetUse("host", b.host_bytes, self.host_pool.step_peak_bytes, self.host_pool.peak_bytes),
+            BudgetUse("activations", b.activation_bytes, act.peak_device_bytes, self._act_run_peak),
+            BudgetUse("activation staging", None, act.peak_host_bytes, self._act_host_run_peak),
+        )
+
+    def peak_device_bytes(self) -> int:
+        """Peak bytes of the runtime's own device buffers so far (activations not counted)."""
+        return self.budget_report()[0].run_peak_bytes
+
+    def peak_host_bytes(self) -> int:
+        """Peak bytes of the runtime's host buffers so far (optimizer state, gradients, staging)."""
+        return self.host_pool.peak_bytes
