@@ -156,3 +156,16 @@ def test_plan_auto_over_ranks_on_the_paper_machine():
     r = resolve(s, prof.unit_specs(), m, hardware=hw, model=prof)
     assert r.plan.ranks == 2 and r.estimate is not None and r.estimate.comm_bytes > 0
     assert r.plan.budgets.host_bytes <= hw.host_memory_bytes // 2
+
+
+def test_several_ranks_defer_instead_of_speculating():
+    """Speculative updates are one process's: over ranks "auto" defers and "on" is refused."""
+    prof = _profile()
+    units = prof.unit_specs()
+    node = Machine(device="cuda", host_available_bytes=64 << 30, device_free_bytes=16 << 30, cores=16)
+    two = Machine(**{**node.__dict__, "ranks": 2, "local_ranks": 2})
+    clip = Settings(compute_dtype="bf16", gradient_clipping=1.0)
+    assert resolve(clip, units, node).plan.speculative  # one process: speculates
+    assert not resolve(clip, units, two).plan.speculative
+    with pytest.raises(PlanError, match="one process"):
+        resolve(clip.model_copy(update={"speculate": "on"}), units, two)
