@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test lint format demo doctor bench-io bench-adam bench-step bench-ab gpu-check clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-capacity bench-capacity-2b gpu-check clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -35,19 +35,27 @@ gpu-check:
 doctor: setup
 	$(PY) -m offloadpp doctor --dir runs/nvme
 
+# The benchmarks behind docs/performance.md (each prints its table; JSON with --json PATH).
 bench: bench-io bench-adam bench-step bench-ab
 
 bench-io: setup
-	$(PY) -m offloadpp io --dir runs/nvme --size-mb 1024
+	$(PY) -m offloadpp bench io --dir runs/nvme --size-mb 1024
 
 bench-adam: setup
-	$(PY) -m offloadpp adam --params 100M
+	$(PY) -m offloadpp bench adam --params 100M
 
 bench-step: setup
-	$(PY) -m offloadpp step
+	$(PY) -m offloadpp bench step
 
 bench-ab: setup
-	$(PY) -m offloadpp ab --config ds_configs/gpt2_45m.offloadpp.json --steps 10 --out runs/ab
+	$(PY) -m offloadpp bench ab --config ds_configs/gpt2_45m.offloadpp.json --steps 10 --out runs/ab
+
+# Larger than memory through the user's path (about 15 and 60 minutes, 25 and 75 GB of disk).
+bench-capacity: setup
+	$(PY) -m offloadpp bench capacity --zero
+
+bench-capacity-2b: setup
+	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --checkpoint --zero
 
 clean:
 	rm -rf build *.egg-info offloadpp/_C*.so runs
