@@ -53,6 +53,21 @@ def test_crc32c_known_value():
     assert _C.crc32c(b.ptr + 4, 5, _C.crc32c(b.ptr, 4)) == 0xE3069283
 
 
+@pytest.mark.parametrize("n", [3 * 4096, 3 * 4096 + 5, 1 << 20, (1 << 20) + 4093])
+def test_crc32c_of_a_large_buffer_equals_its_pieces_chained(n):
+    """A large buffer's CRC runs as three interleaved streams joined after (aligned_buffer.cpp);
+    it must equal the CRC of the same bytes fed in pieces below that size, one stream each."""
+    b = _C.AlignedBuffer(n)
+    np.frombuffer(b, dtype=np.uint8)[:n] = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    crc, off = 0, 0
+    while off < n:
+        piece = min(4093, n - off)  # odd sizes: every tail path too
+        crc = _C.crc32c(b.ptr + off, piece, crc)
+        off += piece
+    assert _C.crc32c(b.ptr, n) == crc
+    assert _C.crc32c(b.ptr + 1, n - 1) == _C.crc32c(b.ptr + 1 + 4096, n - 1 - 4096, _C.crc32c(b.ptr + 1, 4096))
+
+
 def test_probe_backends(tmp_path):
     probes = probe_backends(str(tmp_path))
     assert [p.name for p in probes] == ["libaio", "io_uring", "threadpool"]

@@ -1,5 +1,6 @@
 #include "io/aligned_buffer.h"
 
+#include <array>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -74,11 +75,70 @@ uint32_t crc32c_sw(const unsigned char* p, uint64_t n, uint32_t crc) {
   return crc;
 }
 
+// GF(2) arithmetic modulo the CRC-32C polynomial, bit-reflected as the register is (bit 31 is
+// x^0): what joins the CRCs of consecutive pieces computed apart (zlib's crc32_combine, for
+// CRC-32C and on raw registers: R(A|B, c) = R(A, c) * x^(8|B|) + R(B, 0)).
+constexpr uint32_t kPolyReflected = 0x82F63B78u;
+
+uint32_t mul_mod_p(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ kPolyReflected : b >> 1;
+  }
+  return p;
+}
+
+// x^(8n) mod P: multiplying a register by it appends n zero bytes.
+uint32_t x_8n_mod_p(uint64_t n) {
+  static const std::array<uint32_t, 64> pow2 = [] {  // x^(2^k) mod P
+    std::array<uint32_t, 64> t{};
+    uint32_t v = 1u << 30;  // x^1
+    for (auto& e : t) {
+      e = v;
+      v = mul_mod_p(v, v);
+    }
+    return t;
+  }();
+  uint32_t r = 1u << 31;  // x^0
+  for (unsigned k = 3; n; n >>= 1, ++k)  // 8n = n * 2^3
+    if (n & 1) r = mul_mod_p(pow2[k], r);
+  return r;
+}
+
 #if defined(__x86_64__)
 __attribute__((target("sse4.2"))) uint32_t crc32c_hw(const unsigned char* p, uint64_t n, uint32_t crc) {
   uint64_t c = crc;
-  // One dependent stream of crc32q: 8 bytes per ~3 cycles, several GB/s, enough for an
-  // optional check (interleaved streams would be faster but need a CRC combine step).
+  // Note: three streams. crc32q has a latency of 3 cycles and a throughput of 1: one dependent
+  // stream runs at a third of what the unit can do. A large buffer is cut in three pieces whose
+  // CRCs run interleaved, then joined (mul_mod_p); about 3x the bytes per cycle, which is what
+  // makes payload checksums (on by default) cheap beside the I/O they guard.
+  constexpr uint64_t kInterleaveMin = 3 * 4096;
+  if (n >= kInterleaveMin) {
+    const uint64_t third = (n / 3) & ~uint64_t(7);
+    const unsigned char* a = p;
+    const unsigned char* b = p + third;
+    const unsigned char* d = p + 2 * third;
+    uint64_t ca = c, cb = 0, cd = 0;
+    for (uint64_t i = 0; i < third; i += 8) {
+      uint64_t va, vb, vd;
+      std::memcpy(&va, a + i, 8);
+      std::memcpy(&vb, b + i, 8);
+      std::memcpy(&vd, d + i, 8);
+      ca = __builtin_ia32_crc32di(ca, va);
+      cb = __builtin_ia32_crc32di(cb, vb);
+      cd = __builtin_ia32_crc32di(cd, vd);
+    }
+    const uint32_t shift = x_8n_mod_p(third);
+    uint32_t r = mul_mod_p(shift, static_cast<uint32_t>(ca)) ^ static_cast<uint32_t>(cb);
+    c = mul_mod_p(shift, r) ^ static_cast<uint32_t>(cd);
+    p += 3 * third;
+    n -= 3 * third;
+  }
   while (n >= 8) {
     uint64_t v;
     std::memcpy(&v, p, 8);
