@@ -65,7 +65,9 @@ def test_crc32c_of_a_large_buffer_equals_its_pieces_chained(n):
         crc = _C.crc32c(b.ptr + off, piece, crc)
         off += piece
     assert _C.crc32c(b.ptr, n) == crc
-    assert _C.crc32c(b.ptr + 1, n - 1) == _C.crc32c(b.ptr + 1 + 4096, n - 1 - 4096, _C.crc32c(b.ptr + 1, 4096))
+    assert _C.crc32c(b.ptr + 1, n - 1) == _C.crc32c(
+        b.ptr + 1 + 4096, n - 1 - 4096, _C.crc32c(b.ptr + 1, 4096)
+    )
 
 
 def test_probe_backends(tmp_path):
