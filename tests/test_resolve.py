@@ -220,6 +220,37 @@ def test_pool_never_passes_its_budget():
     pool.put(c)
 
 
+def test_pool_paced_below_its_budget_waits_for_work_under_way_but_never_refuses_for_the_pace():
+    from offloadpp.runtime.memory import BufferPool
+
+    class Write:  # a write still draining a returned buffer
+        def __init__(self):
+            self.waited = False
+
+        def done(self) -> bool:
+            return self.waited
+
+        def wait(self) -> None:
+            self.waited = True
+
+    pool = BufferPool("host", 4096 * 4, lambda n, dt: torch.empty(n, dtype=dt))
+    pool.release_wait_s = 0.05
+    pool.pace_bytes = 4096 * 2
+    a = pool.get(1024, torch.float32)
+    w = Write()
+    pool.put(a, after=[w])
+    b = pool.get(2048, torch.float32)  # past the pace: the draining write is waited for first
+    assert w.waited and pool.allocated_bytes == 4096 * 2  # a's buffer freed to make room for b
+    c = pool.get(1024, torch.float32)  # nothing under way: past the pace, within the budget
+    assert pool.allocated_bytes == 4096 * 3 <= pool.budget_bytes
+    pool.pace_bytes = None
+    w2 = Write()
+    pool.put(c, after=[w2])
+    pool.get(512, torch.float32)  # unpaced: the budget has room, nothing is waited for
+    assert not w2.waited
+    pool.put(b)
+
+
 # ---- the smallest config DeepSpeed documents ----------------------------------------------------
 def test_smallest_zero_infinity_config_trains(tmp_path):
     """Only a batch size, an optimizer and ZeRO-Infinity's NVMe offload, plus the block: DeepSpeed

@@ -404,3 +404,50 @@ def test_swap_directories_take_the_plans_stripe_weights(tmp_path):
     assert stripe_weights([f"{b}/offloadpp", f"{a}/offloadpp"], stripe) == [0.25, 0.75]
     assert stripe_weights([a, str(tmp_path / "c")], stripe) is None  # one not profiled: evenly
     assert stripe_weights([a, b], ()) is None
+
+
+def test_placements_run_within_their_schedules_peaks(tmp_path, monkeypatch):
+    """Placements run two steps with budgets exactly their schedule's peaks: the runtime draws
+    each array from the pool the plan counts it in. The first: masters kept in host memory under
+    weights not on the device are host bytes (they were drawn from the device pool, which the
+    plan had not sized for them all at once: a budget error at initialization)."""
+    import random
+    from dataclasses import replace
+
+    import offloadpp.runtime.memory as memory
+    from offloadpp.assemble import unit_specs
+    from offloadpp.planner import Placement, streaming_plan, with_peak_budgets
+    from offloadpp.runtime import OffloadEngine
+
+    monkeypatch.setattr(memory, "RELEASE_WAIT_S", 2.0)  # a plan that does not fit fails fast
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    specs = unit_specs(model, None)
+    tiers = (Tier.DEVICE, Tier.HOST, Tier.SSD)
+    rng = random.Random(0)
+    cases = [(Tier.DEVICE, Tier.DEVICE, Tier.HOST, Tier.HOST, Tier.HOST, Tier.HOST)]
+    cases += [tuple(rng.choice(tiers) for _ in specs) for _ in range(3)]
+    data = batches(2)
+    for i, weights in enumerate(cases):
+        placements = tuple(
+            Placement(u.name, w, Tier.SSD if w is Tier.SSD else Tier.HOST, rng.choice(tiers[1:]))
+            for u, w in zip(specs, weights)
+        )
+        base = streaming_plan(
+            specs, device="cpu", compute_dtype="fp32", prefetch_depth=1, optim_prefetch_depth=0
+        )
+        plan = with_peak_budgets(replace(base, placements=placements))
+        d = tmp_path / str(i)
+        d.mkdir()
+        cfg = RuntimeConfig(nvme_paths=[str(d)], settings=Settings(), device="cpu", log_every=0,
+                            ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
+        eng = OffloadEngine(copy.deepcopy(model), cfg, plan, hyper=AdamHyper(lr=LR))
+        try:
+            for ids in data:
+                eng.backward(eng(input_ids=ids, labels=ids).loss)
+                eng.step()
+            assert eng.device_pool.peak_bytes <= plan.budgets.buffer_bytes
+            assert eng.host_pool.peak_bytes <= plan.budgets.host_bytes
+        finally:
+            eng.close()

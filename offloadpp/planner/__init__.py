@@ -15,7 +15,7 @@ from .plan import (
     flat_numel,
     fmt_bytes,
 )
-from .schedule import Schedule, Visit, build_schedule
+from .schedule import Schedule, Visit, build_schedule, walk_peaks
 from .spec import DTYPE_BYTES, PLAN_AUTO, PLAN_DEFAULT, ActivationSettings, Budgets, LossScaling, Settings
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "fmt_bytes",
     "min_budgets",
     "streaming_plan",
+    "walk_peaks",
     "with_peak_budgets",
 ]
 

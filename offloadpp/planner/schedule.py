@@ -246,7 +246,14 @@ def staged_fetch(plan: Plan) -> bool:
 def _peaks(plan: Plan, sched: Schedule) -> tuple[int, int]:
     """Peak device and host bytes of the runtime's buffers over one step (an accumulation
     boundary, the heavier case), by walking the visits as the runtime does (see _walk)."""
-    devs, hosts, _ = _walk(plan, sched)
+    return walk_peaks(plan, sched)
+
+
+def walk_peaks(plan: Plan, sched: Schedule, which: Optional[str] = None) -> tuple[int, int]:
+    """(device, host) peak bytes of one walk of the schedule (_walk's `which`; None: both), with
+    the buffers still draining. walk_peaks(plan, sched, "base") of a speculative plan is what a
+    step that defers its updates holds (the runtime paces its pools to it: runtime/memory.py)."""
+    devs, hosts, _ = _walk(plan, sched, which)
     return max(devs) + drain_device_bytes(plan), max(hosts) + drain_host_bytes(plan)
 
 

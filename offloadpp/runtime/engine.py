@@ -31,7 +31,7 @@ from torch.autograd.profiler import record_function
 
 from offloadpp.io import SwapDirLock, TensorStore, aligned_empty, measure_ssd, remove_swap_files
 from offloadpp.optim import AdamHyper, default_num_threads
-from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes
+from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes, walk_peaks
 from offloadpp.planner.cost import StepEstimate
 from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
@@ -167,6 +167,9 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
         if dev.is_cuda:
             dev.budget_bytes = budgets.buffer_bytes
+        # a speculative plan's budgets hold a speculating step; a step that defers (it clips)
+        # is paced to what the plan's deferred walk holds (runtime/memory.py, the pace Note)
+        self.deferred_pace = walk_peaks(self.plan, self.schedule, "base") if self.plan.speculative else None
         self.txn = Txn()  # open while a step's updates may run during backward (slots.py, generations)
         unit_cls = functools.partial(ShardedUnit, dp=self.dp) if self.dp is not None else Unit
         self.units = [

@@ -14,6 +14,14 @@ buffer back. The plan checked that the working set fits while the optimizer keep
 backward; where it falls behind, this is what keeps the promise, pacing backward to the worker
 and the disk. If nothing comes back within RELEASE_WAIT_S the plan was wrong for this run:
 BudgetExceededError names the pool, its budget, what it holds and the request.
+
+Note: a pace below the budget. A speculative plan's budgets hold what a step that speculates
+holds; a step of the same run that defers its updates (it clips) needs less. Where the pool is
+given a `pace_bytes` below its budget, work still under way (writes draining, the optimizer's
+oldest job) is waited for before the pool grows past the pace; where nothing is under way it
+grows up to the budget. So a run that always clips stays near a deferred plan's memory
+(a write queue never fills the room a speculating step would use), and a step's working set is
+never refused for the pace.
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ class BufferPool:
     def __init__(self, name: str, budget_bytes: int, alloc: Callable[[int, torch.dtype], torch.Tensor]):
         self.name = name
         self.budget_bytes = budget_bytes
+        self.pace_bytes: Optional[int] = None  # see the module Note; None: the budget
         self._alloc = alloc
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._pending: deque[_Pending] = deque()
@@ -96,8 +105,9 @@ class BufferPool:
                 self._reclaim_done()
                 if self._free.get(key):
                     return self._free[key].pop()
-                self._trim_free(need)
-                if self.allocated_bytes + need <= self.budget_bytes:
+                limit = self._limit()
+                self._trim_free(need, limit)
+                if self.allocated_bytes + need <= limit:
                     break
                 t0 = time.perf_counter()
                 if self._pending:  # work still using a returned buffer: wait for the oldest
@@ -110,6 +120,8 @@ class BufferPool:
                     self._add_free(p.buf)
                 elif self.reclaim is not None and threading.get_ident() == self.owner and self._reclaim():
                     pass
+                elif self.allocated_bytes + need <= self.budget_bytes:
+                    break  # nothing under way to pace on: the budget holds
                 elif not self._cv.wait(self.release_wait_s):  # a buffer handed out must come back
                     self.wait_s += time.perf_counter() - t0
                     raise BudgetExceededError(
@@ -171,11 +183,16 @@ class BufferPool:
         while self._pending and self._pending[0].done():
             self._add_free(self._pending.popleft().buf)
 
-    def _trim_free(self, need: int) -> None:
-        """Frees cached buffers (of any size) until `need` more bytes fit, or none are left."""
+    def _limit(self) -> int:
+        pace = self.pace_bytes
+        return self.budget_bytes if pace is None else min(pace, self.budget_bytes)
+
+    def _trim_free(self, need: int, limit: int) -> None:
+        """Frees cached buffers (of any size) until `need` more bytes fit under `limit`, or none
+        are left."""
         for key in list(self._free):
             bufs = self._free[key]
-            while bufs and self.allocated_bytes + need > self.budget_bytes:
+            while bufs and self.allocated_bytes + need > limit:
                 b = bufs.pop()
                 self.allocated_bytes -= self._nbytes(b.numel(), b.dtype)
             if not bufs:

@@ -22,6 +22,9 @@ class StepTransaction:
         speculative), so the slots' writes go to a new generation until the step commits
         (slots.py)."""
         self.txn.active = not self.settings.deferred_update or self.speculation.speculating
+        if self.deferred_pace is not None:
+            dev, host = (None, None) if self.txn.active else self.deferred_pace
+            self.device_pool.pace_bytes, self.host_pool.pace_bytes = dev, host
         self._window_steps = [list(u.steps) for u in self.units]
 
     def _loss_scale(self) -> float:

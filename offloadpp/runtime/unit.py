@@ -72,8 +72,12 @@ class Unit:
                 txn=t,
             )
 
-        # On the CPU device the compute copy is device memory; with fp32 it is the master itself.
-        master_pool = device_pool if (cpu and alias) else host_pool
+        # On the CPU device the compute copy is device memory; with fp32 it is the master itself,
+        # drawn from the device pool where the plan counts it there: a master on SSD (fetched as
+        # the weights) or one of weights resident on the device (Plan.device_is_master). A master
+        # kept in host memory under weights that are not on the device is the plan's host bytes.
+        on_device = placement.master is not Tier.HOST or plan.device_is_master(placement)
+        master_pool = device_pool if (cpu and alias and on_device) else host_pool
         self.master = slot("master", torch.float32, master_pool)
         if alias:
             self.compute = self.master
