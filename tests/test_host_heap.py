@@ -55,3 +55,9 @@ def test_freed_step_memory_leaves_the_process():
 
 def test_trim_is_safe_to_call_anywhere():
     host_heap.trim()
+
+
+def test_only_runs_whose_state_crowds_memory_return_the_heap():
+    gib = 1 << 30
+    assert not host_heap.needed(int(0.7 * gib), 20 * gib)  # GPT-2 45M: glibc's fast path stays
+    assert host_heap.needed(21 * gib, 22 * gib)  # GPT-2 1.31B on a 24 GiB machine

@@ -25,6 +25,7 @@ import time
 import weakref
 from typing import Callable, Optional
 
+import psutil
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
@@ -105,8 +106,14 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.hypers: tuple[AdamHyper, ...] = (hyper if hyper is not None else AdamHyper(),)
         self.module = model
         self.device = Device(config.device)
-        if not self.device.is_cuda:
-            host_heap.return_freed_memory()  # the step's freed memory is the device's (host_heap's Note)
+        # on the CPU device the step's freed memory is the device's: returned to the OS where
+        # memory is short (host_heap's Notes)
+        state = sum(u.numel for u in plan.units) * 16
+        self._return_heap = not self.device.is_cuda and host_heap.needed(
+            state, psutil.virtual_memory().available
+        )
+        if self._return_heap:
+            host_heap.return_freed_memory()
         if plan.budgets is None:
             raise PlanError(
                 "the plan has no budgets: make it with offloadpp.assemble.resolve_for_model or planner.resolve"
@@ -395,7 +402,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         if outcome is not None and not outcome.skipped:
             self.speculation.record(self.global_step, outcome.clipped)
         exposed = time.perf_counter() - t0  # the updates are done (the heap's trim is not theirs)
-        if not self.device.is_cuda:
+        if self._return_heap:
             host_heap.trim()
         self._opt_s += time.perf_counter() - t0
         report = self._report(outcome, scale, exposed)
