@@ -41,9 +41,17 @@ def _env() -> dict:
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 300) -> None:
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
-           WORKER, *args]  # fmt: skip
-    _run(cmd, timeout)
+    # The free port _port() found is released before torchrun binds it: another process may take
+    # it in between. That (and only that) is retried, on a new port.
+    for attempt in range(3):
+        cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port()),
+               WORKER, *args]  # fmt: skip
+        try:
+            _run(cmd, timeout)
+            return
+        except AssertionError as e:
+            if attempt == 2 or "address already in use" not in str(e).lower():
+                raise
 
 
 def _port() -> int:
