@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-capacity bench-capacity-2b gpu-check clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-capacity bench-capacity-2b bench-regress gpu-check clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -50,12 +50,16 @@ bench-step: setup
 bench-ab: setup
 	$(PY) -m offloadpp bench ab --config ds_configs/gpt2_45m.offloadpp.json --steps 10 --out runs/ab
 
-# Larger than memory through the user's path (about 15 and 60 minutes, 25 and 75 GB of disk).
+# Larger than memory through the user's path (about 5 minutes each here with ZeRO-Infinity's run; 25 and 75 GB of disk).
 bench-capacity: setup
 	$(PY) -m offloadpp bench capacity --zero
 
 bench-capacity-2b: setup
 	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --checkpoint --zero
+
+# bench step and bench ab of an older commit and of this tree, alternately: make bench-regress OLD=<commit>
+bench-regress: setup
+	scripts/bench_regress.sh $(OLD)
 
 clean:
 	rm -rf build *.egg-info offloadpp/_C*.so runs
