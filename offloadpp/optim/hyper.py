@@ -22,3 +22,16 @@ class AdamHyper(BaseModel):
     weight_decay: float = Field(0.0, ge=0.0)
     adamw_mode: bool = True
     bias_correction: bool = True
+
+    def kernel_args(self) -> tuple:
+        """The hyper-parameters in the order the native kernels take them (csrc/adam bindings:
+        lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction)."""
+        return (
+            self.lr,
+            self.beta1,
+            self.beta2,
+            self.eps,
+            self.weight_decay,
+            self.adamw_mode,
+            self.bias_correction,
+        )
