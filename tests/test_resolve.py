@@ -343,29 +343,38 @@ def unit_specs_of(model):
     return unit_specs(model)
 
 
+def _plan_cli(tmp_path, hw, cfg):
+    """`offloadpp plan` on a 4-layer GPT-2 (width 1024) for another machine: writes the hardware
+    profile, the model's config and the DeepSpeed config under tmp_path; returns a function that
+    runs the command with extra arguments and returns its exit code."""
+    from offloadpp.cli import plan as plan_cli
+
+    hw.to_json(str(tmp_path / "hw.json"))
+    model = {"model_type": "gpt2", "n_layer": 4, "n_embd": 1024, "n_head": 16, "vocab_size": 8192,
+             "n_positions": 1024}  # fmt: skip
+    (tmp_path / "model.json").write_text(json.dumps(model))
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    p = argparse.ArgumentParser()
+    plan_cli.add_arguments(p)
+    base = ["--config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "model.json"),
+            "--hardware", str(tmp_path / "hw.json"), "--machine-from-hardware"]  # fmt: skip
+    return lambda *extra: plan_cli.run(p.parse_args(base + list(extra)))
+
+
 def test_plan_cli_refuses_what_cannot_fit_with_the_largest_batch(tmp_path, capsys):
     """`offloadpp plan` for another machine (its hand-written profile): a micro-batch whose
     activations cannot fit is refused with the largest that can, which then plans."""
-    from offloadpp.cli import plan as plan_cli
     from offloadpp.planner import HardwareProfile
 
     hw = HardwareProfile(device="cuda", device_name="test gpu", cpu_cores=16, ssd_read_gbps=10.0, ssd_write_gbps=8.0,
                          h2d_gbps=25.0, d2h_gbps=25.0, memcpy_gbps=20.0, device_flops_per_s={"bf16": 150e12},
                          adam_params_per_s={16: 3e9}, host_memory_bytes=256 << 30, device_memory_bytes=4 << 30)  # fmt: skip
-    hw.to_json(str(tmp_path / "hw.json"))
-    model = {"model_type": "gpt2", "n_layer": 4, "n_embd": 1024, "n_head": 16, "vocab_size": 8192,
-             "n_positions": 1024}  # fmt: skip
-    (tmp_path / "model.json").write_text(json.dumps(model))
     cfg = _ds_config(str(tmp_path / "nvme"), bf16={"enabled": True}, gradient_clipping=0.0)
     cfg["offloadpp"]["plan"] = "auto"
-    (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    p = argparse.ArgumentParser()
-    plan_cli.add_arguments(p)
+    plan = _plan_cli(tmp_path, hw, cfg)
 
     def run(batch: int) -> int:
-        return plan_cli.run(p.parse_args(["--config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "model.json"),
-                                          "--hardware", str(tmp_path / "hw.json"), "--machine-from-hardware",
-                                          "--micro-batch", str(batch), "--seq-len", "1024"]))  # fmt: skip
+        return plan("--micro-batch", str(batch), "--seq-len", "1024")
 
     assert run(64) == 1
     err = capsys.readouterr().err
@@ -381,26 +390,18 @@ def test_plan_cli_estimates_a_speculative_step_and_its_deferred_one(tmp_path, ca
     prints the deferred step's estimate beside it; --speculate off plans the deferred one."""
     import re
 
-    from offloadpp.cli import plan as plan_cli
     from offloadpp.planner import HardwareProfile
 
     # compute-bound (a slow device, fast SSDs): the updates' overlap with backward is what counts
     hw = HardwareProfile(device="cuda", device_name="test gpu", cpu_cores=16, ssd_read_gbps=40.0, ssd_write_gbps=40.0,
                          h2d_gbps=25.0, d2h_gbps=25.0, memcpy_gbps=20.0, device_flops_per_s={"bf16": 2e12},
                          adam_params_per_s={16: 1e9}, host_memory_bytes=256 << 30, device_memory_bytes=8 << 30)  # fmt: skip
-    hw.to_json(str(tmp_path / "hw.json"))
-    model = {"model_type": "gpt2", "n_layer": 4, "n_embd": 1024, "n_head": 16, "vocab_size": 8192,
-             "n_positions": 1024}  # fmt: skip
-    (tmp_path / "model.json").write_text(json.dumps(model))
-    cfg = _ds_config(str(tmp_path / "nvme"), bf16={"enabled": True}, gradient_clipping=1.0)
-    (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    p = argparse.ArgumentParser()
-    plan_cli.add_arguments(p)
+    plan = _plan_cli(
+        tmp_path, hw, _ds_config(str(tmp_path / "nvme"), bf16={"enabled": True}, gradient_clipping=1.0)
+    )
 
     def run(*extra: str) -> str:
-        args = ["--config", str(tmp_path / "ds.json"), "--model", str(tmp_path / "model.json"), "--hardware",
-                str(tmp_path / "hw.json"), "--machine-from-hardware", "--micro-batch", "2", "--seq-len", "256"]  # fmt: skip
-        assert plan_cli.run(p.parse_args(args + list(extra))) == 0
+        assert plan("--micro-batch", "2", "--seq-len", "256", *extra) == 0
         return capsys.readouterr().out
 
     def step_s(out: str) -> float:
