@@ -24,15 +24,17 @@ def global_batches(n: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(n)]
 
 
-def reference(steps: int, *, clip: float, parts: int = 1) -> dict:
+def reference(steps: int, *, clip: float, parts=1) -> dict:
     """One process, torch AdamW stepping on each global batch's mean loss, clipped by global
     norm; parts > 1: the batch's gradient accumulated over that many equal parts, as the ranks
-    sum theirs (the same gradient, summed in the ranks' order)."""
+    sum theirs (the same gradient, summed in the ranks' order); a sequence: each step's parts (a
+    run resumed at other world sizes)."""
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    for x in global_batches(steps):
-        for part in x.chunk(parts):
-            (model(input_ids=part, labels=part).loss / parts).backward()
+    per_step = [parts] * steps if isinstance(parts, int) else list(parts)
+    for x, n in zip(global_batches(steps), per_step, strict=True):
+        for part in x.chunk(n):
+            (model(input_ids=part, labels=part).loss / n).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()

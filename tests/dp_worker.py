@@ -93,7 +93,10 @@ def main() -> None:
             runtime.dp.barrier()
             runtime.save_state(args.save)
     sd = runtime.module.state_dict()  # a collective: every rank gathers every unit
-    info = {"rank": rank, "world": world, "disk_bytes": runtime.disk_bytes(), "plan_ssd_bytes": runtime.plan.ssd_bytes(),
+    # where the launcher put this rank (scripts/multinode.sh names the simulated node)
+    node = {"node": os.environ.get("OFFLOADPP_SIM_NODE"), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "group_rank": os.environ.get("GROUP_RANK")}  # fmt: skip
+    info = {"rank": rank, "world": world, **node, "disk_bytes": runtime.disk_bytes(), "plan_ssd_bytes": runtime.plan.ssd_bytes(),
             "reports": reports, "global_step": runtime.global_step,
             "resident": [p.weights.value for p in runtime.plan.placements]}  # fmt: skip
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
