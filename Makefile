@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-capacity bench-capacity-2b bench-regress gpu-check clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-capacity bench-capacity-2b bench-regress elastic-trials gpu-check clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -60,6 +60,12 @@ bench-capacity-2b: setup
 # bench step and bench ab of an older commit and of this tree, alternately: make bench-regress OLD=<commit>
 bench-regress: setup
 	scripts/bench_regress.sh $(OLD)
+
+# Elastic restarts: 10 runs of examples/elastic_finetune.py under torchrun --max-restarts 1, a random rank
+# killed with SIGKILL at a random point in each; every run must end bit-identical to an uninterrupted one
+# (about 8 minutes here). NODES=2: the same over two simulated nodes (scripts/multinode.sh, root).
+elastic-trials: setup
+	$(PY) scripts/elastic_trials.py --trials $(or $(TRIALS),10) --nodes $(or $(NODES),1) --json runs/elastic/trials.json
 
 clean:
 	rm -rf build *.egg-info offloadpp/_C*.so runs

@@ -285,3 +285,17 @@ def test_16bit_compute_over_two_ranks(tmp_path):
     for d in ranks(out):
         assert [x["grad_norm"] for x in d["reports"]] == pytest.approx(norms, rel=1e-3)
     assert compare_weights(weights(out), want, lr=LR, steps=3) < 0.1
+
+
+def test_a_group_restarted_by_torchrun_starts_again(tmp_path):
+    """Under `torchrun --max-restarts 1` (c10d rendezvous) a rank killed with SIGKILL brings the
+    group down and back: the new group starts although one of its ranks comes seconds after the
+    other (each attempt's process group on keys of its own in the agent's store), and every rank
+    all-reduces in both attempts."""
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--max-restarts", "1", "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", f"127.0.0.1:{_port()}", os.path.join(HERE, "elastic_restart_worker.py")]  # fmt: skip
+    r = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    for attempt in (0, 1):
+        for rank in (0, 1):
+            assert f"attempt {attempt} rank {rank} sum 2" in r.stdout, r.stdout

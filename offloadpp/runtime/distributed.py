@@ -110,10 +110,48 @@ def init_from_env(device_kind: str, timeout: Optional[timedelta] = None) -> Opti
     if device_kind == "cuda":
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
-        kw = {"timeout": timeout} if timeout is not None else {}
-        dist.init_process_group(backend_for(device_kind), rank=env.rank, world_size=env.world_size, **kw)
+        start_process_group(backend_for(device_kind), env, timeout)
         log.info("offloadpp: rank %d of %d started (%s)", env.rank, env.world_size, backend_for(device_kind))
     return env
+
+
+def start_process_group(backend: str, env: LaunchEnv, timeout: Optional[timedelta] = None) -> None:
+    """dist.init_process_group from the launcher's environment, on a store of this attempt's
+    own when torchrun's agent has restarted the group (the Note in elastic_store)."""
+    kw = {"timeout": timeout} if timeout is not None else {}
+    store = elastic_store(env, timeout)
+    if store is not None:
+        kw["store"] = store
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kw)
+
+
+def elastic_store(env: LaunchEnv, timeout: Optional[timedelta] = None, environ=None):
+    """The store a rank restarted by torchrun's agent starts its process group on, or None to
+    let torch make it (not under an agent, or no agent store).
+
+    Note: restarts and the agent's store. Under torchrun the ranks' process groups meet in the
+    agent's TCPStore (TORCHELASTIC_USE_AGENT_STORE), which outlives a restart of the group, and
+    torch reuses it with no prefix per attempt: each rank of the new group finds the dead
+    group's gloo addresses still under the keys it reads, and a rank that reads them before its
+    peer has overwritten them connects to a closed port until the timeout ("Gloo connectFullMesh
+    failed ... Connection refused"; torch 2.13, reproduced with plain torch). A prefix naming
+    the attempt (TORCHELASTIC_RESTART_COUNT) gives every attempt keys of its own."""
+    e = os.environ if environ is None else environ
+    attempt = agent_attempt(e)
+    if attempt is None:
+        return None
+    kw = {"timeout": timeout} if timeout is not None else {}
+    base = dist.TCPStore(e["MASTER_ADDR"], int(e["MASTER_PORT"]), env.world_size, is_master=False, **kw)
+    return dist.PrefixStore(f"offloadpp/attempt_{attempt}", base)
+
+
+def agent_attempt(environ=None) -> Optional[int]:
+    """Which attempt of the group this rank is in, when torchrun's agent started it and its
+    ranks meet in the agent's store; else None."""
+    e = os.environ if environ is None else environ
+    if "TORCHELASTIC_RESTART_COUNT" not in e or e.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return int(e["TORCHELASTIC_RESTART_COUNT"])
 
 
 def _bind_device(index: Optional[int]) -> None:
@@ -332,11 +370,14 @@ def rank_dirs(paths, rank: int) -> tuple[str, ...]:
 __all__ = [
     "DataParallel",
     "DistributedError",
+    "agent_attempt",
     "ENV_KEYS",
     "LaunchEnv",
     "backend_for",
     "device_for",
+    "elastic_store",
     "init_from_env",
     "launch_env",
     "rank_dirs",
+    "start_process_group",
 ]

@@ -212,11 +212,18 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        from offloadpp.runtime.distributed import backend_for
+        from offloadpp.runtime.distributed import agent_attempt, backend_for, launch_env, start_process_group
 
         backend = backend_for(
             "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
         )  # NCCL, else gloo
+        env = launch_env()
+        if env is not None and agent_attempt() is not None:
+            # restarted by torchrun's agent: the group starts on a store of its attempt's own
+            # (runtime/distributed.py, elastic_store), and DeepSpeed adopts the started group
+            from deepspeed.constants import default_pg_timeout
+
+            start_process_group(backend, env, default_pg_timeout)
         deepspeed.init_distributed(dist_backend=backend, dist_init_required=dist_init_required, verbose=False)
     return tdist.get_world_size() if tdist.is_initialized() else 1
 
