@@ -7,7 +7,13 @@
 # mount would be. Needs root (unshare, mount --bind). The ranks get OFFLOADPP_SIM_NODE=i.
 #
 #   scripts/multinode.sh --nodes 2 --nproc-per-node 2 --root /tmp/nodes --bind /tmp/nvme \
-#       [--bind /tmp/local_ckpt] [--port 29600] [--max-restarts K] -- train.py ARGS...
+#       [--bind /tmp/local_ckpt] [--port 29600] [--max-restarts K] [--launcher torchrun|deepspeed] \
+#       -- train.py ARGS...
+#
+# --launcher deepspeed runs on each node what `deepspeed --hostfile` has pdsh run there over ssh
+# (python -m deepspeed.launcher.launch --world_info=... --node_rank=i ..., with the launcher's
+# exports; scripts/ds_node_cmd.py builds it with DeepSpeed's own PDSHRunner): the multi-node
+# environment each rank receives, without ssh. (No restarts there: DeepSpeed's launcher has none.)
 #
 # Exits with the first failing node's status (and stops the other nodes' agents then: a real
 # cluster's scheduler does the same); 0 when every node's agent succeeded.
@@ -18,6 +24,7 @@ NPROC=1
 ROOT=""
 PORT=""
 RESTARTS=0
+LAUNCHER=torchrun
 BINDS=()
 TORCHRUN=${TORCHRUN:-$(dirname "$(readlink -f .venv/bin/python)")/torchrun}
 [ -x "$TORCHRUN" ] || TORCHRUN=.venv/bin/torchrun
@@ -29,6 +36,7 @@ while [ $# -gt 0 ]; do
     --bind) BINDS+=("$2"); shift 2 ;;
     --port) PORT=$2; shift 2 ;;
     --max-restarts|--max_restarts) RESTARTS=$2; shift 2 ;;
+    --launcher) LAUNCHER=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "multinode.sh: unknown option $1 (the script and its arguments go after --)" >&2; exit 2 ;;
   esac
@@ -59,8 +67,15 @@ for ((i = 0; i < NODES; i++)); do
   cmd=("$TORCHRUN" --nnodes "$NODES" --node_rank "$i" --nproc_per_node "$NPROC" --rdzv_backend c10d
        --rdzv_endpoint "127.0.0.1:$PORT" --rdzv_id offloadpp-multinode --rdzv_conf "is_host=$host"
        --max_restarts "$RESTARTS" "$@")
-  OFFLOADPP_SIM_NODE=$i unshare --mount --propagation private -- \
-    bash -c "${mounts}exec $(printf '%q ' "${cmd[@]}")" &
+  if [ "$LAUNCHER" = deepspeed ]; then
+    line=$(.venv/bin/python scripts/ds_node_cmd.py --nodes "$NODES" --nproc-per-node "$NPROC" --node-rank "$i" \
+           --master-port "$PORT" -- "$@" | tail -n 1)
+  elif [ "$LAUNCHER" = torchrun ]; then
+    line="exec $(printf '%q ' "${cmd[@]}")"
+  else
+    echo "multinode.sh: --launcher is torchrun or deepspeed, not $LAUNCHER" >&2; exit 2
+  fi
+  OFFLOADPP_SIM_NODE=$i unshare --mount --propagation private -- bash -c "${mounts}${line}" &
   pids+=($!)
 done
 

@@ -95,7 +95,9 @@ def main() -> None:
     sd = runtime.module.state_dict()  # a collective: every rank gathers every unit
     # where the launcher put this rank (scripts/multinode.sh names the simulated node)
     node = {"node": os.environ.get("OFFLOADPP_SIM_NODE"), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-            "group_rank": os.environ.get("GROUP_RANK")}  # fmt: skip
+            "group_rank": os.environ.get("GROUP_RANK"),
+            # what the deepspeed launcher (launcher/launch.py) adds: this node's rank and ranks
+            "cross_rank": os.environ.get("CROSS_RANK"), "local_size": os.environ.get("LOCAL_SIZE")}  # fmt: skip
     info = {"rank": rank, "world": world, **node, "disk_bytes": runtime.disk_bytes(), "plan_ssd_bytes": runtime.plan.ssd_bytes(),
             "reports": reports, "global_step": runtime.global_step,
             "resident": [p.weights.value for p in runtime.plan.placements]}  # fmt: skip

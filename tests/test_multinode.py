@@ -2,8 +2,9 @@
 mount namespace of its own, its own folder bind-mounted at the config's nvme path, a c10d
 rendezvous on the loopback, gloo. The ranks train the tiny GPT-2 of tests/dp_common.py to the
 weights of one process on the global batch, each node's disk holding only its own ranks' shards;
-a run resumed from 2 ranks (2 nodes x 1) to 1 process to 4 ranks (2 nodes x 2) through shared
-checkpoints ends where one process ends.
+a run resumed from 2 ranks (2 nodes x 1, torchrun) to 1 process to 4 ranks (2 nodes x 2, started
+as the deepspeed launcher starts several nodes) through shared checkpoints ends where one
+process ends.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ def multinode(root, binds, args: list[str], *, nodes: int = 2, nproc: int = 1, t
     raise AssertionError("unreachable")
 
 
-def check_node_disks(root, out, nvme, world: int, nodes: int) -> None:
-    """Each node's own folder holds the swap folders of the ranks that ran on it and no other;
-    the nvme path seen from outside the nodes' namespaces holds nothing."""
+def check_node_disks(root, out, nvme, world: int, nodes: int, sub: str = "") -> None:
+    """Each node's own folder holds the swap folders of the ranks that ran on it and no other
+    (under `sub`: offloadpp/ on the DeepSpeed path); the nvme path seen from outside the nodes'
+    namespaces holds nothing."""
     info = ranks(out, world)
     per = world // nodes
     for i in range(nodes):
@@ -63,7 +65,7 @@ def check_node_disks(root, out, nvme, world: int, nodes: int) -> None:
         # torchrun gives each agent a contiguous block of global ranks (LOCAL_RANK within it)
         assert mine == [f"rank{r}" for r in range(i * per, (i + 1) * per)], (i, mine)
         assert sorted(d["local_rank"] for d in info if d["node"] == str(i)) == list(range(per))
-        folder = os.path.join(root, f"node{i}", "0")
+        folder = os.path.join(root, f"node{i}", "0", sub)
         assert sorted(os.listdir(folder)) == mine
         for name in mine:
             assert sum(len(fs) for _, _, fs in os.walk(os.path.join(folder, name))) > 0
@@ -96,10 +98,17 @@ def test_two_nodes_train_like_one_process_and_resume_across_world_sizes(tmp_path
     finally:
         eng.close()
 
+    # 2 nodes x 2 ranks, started as `deepspeed --hostfile` starts them: each node runs the command
+    # DeepSpeed's PDSHRunner has pdsh run there (scripts/ds_node_cmd.py), without ssh, and
+    # launcher/launch.py gives each rank its environment
     b = tmp_path / "b"
     multinode(tmp_path / "nodes_b", [nvme], [str(b), "--nvme", str(nvme), "--steps", "1", "--from-step", "3",
-                                              "--load", str(ck1)], nproc=2)  # fmt: skip
+                                              "--load", str(ck1)], nproc=2, extra=("--launcher", "deepspeed"))  # fmt: skip
     want = reference(4, clip=1.0, parts=(2, 2, 2, 4))
     assert compare_weights(weights(b), want, lr=LR, steps=4) < 1e-5
-    assert all(d["global_step"] == 4 for d in ranks(b, 4))
+    info = ranks(b, 4)
+    assert all(d["global_step"] == 4 for d in info)
+    for d in info:  # RANK by node order, LOCAL_RANK within it, CROSS_RANK the node, LOCAL_SIZE its ranks
+        assert d["cross_rank"] == d["node"] == str(d["rank"] // 2) and d["local_size"] == "2", d
+        assert d["local_rank"] == d["rank"] % 2 and d["group_rank"] is None  # (not torchrun's)
     check_node_disks(tmp_path / "nodes_b", b, nvme, world=4, nodes=2)
