@@ -219,7 +219,7 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
         )  # NCCL, else gloo
         env = launch_env()
         if env is not None and agent_attempt() is not None:
-            # restarted by torchrun's agent: the group starts on a store of its attempt's own
+            # under torchrun's agent: the group starts on a store of its attempt's own, as it restarts
             # (runtime/distributed.py, elastic_store), and DeepSpeed adopts the started group
             from deepspeed.constants import default_pg_timeout
 
