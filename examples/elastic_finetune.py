@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -79,6 +80,13 @@ def batch_of(step: int, args) -> torch.Tensor:
     return torch.randint(0, 128, (args.batch, args.seq_len), generator=g)
 
 
+def say(line: str) -> None:
+    """One write per line: the ranks share the launcher's stdout, and print's two writes (the
+    text, then the newline) of two ranks can interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -91,15 +99,15 @@ def main(argv=None) -> None:
 
     path, _ = engine.load_checkpoint(args.save)  # the one line elasticity needs
     start = engine.global_steps
-    print(f"elastic: rank {rank} attempt {attempt} pid {os.getpid()} at step {start} "
-          f"({'resumed from ' + path if path else 'fresh'}) t={time.time():.3f}", flush=True)  # fmt: skip
+    say(f"elastic: rank {rank} attempt {attempt} pid {os.getpid()} at step {start} "
+        f"({'resumed from ' + path if path else 'fresh'}) t={time.time():.3f}")  # fmt: skip
 
     for step in range(start, args.steps):
         x = batch_of(step, args).chunk(world)[rank]  # this rank's part of the global batch
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
-        print(f"elastic: rank {rank} attempt {attempt} done step {step + 1} t={time.time():.3f}", flush=True)
+        say(f"elastic: rank {rank} attempt {attempt} done step {step + 1} t={time.time():.3f}")
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             engine.save_checkpoint(args.save, tag=f"step{step + 1}")
 

@@ -32,7 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "elastic_finetune.py")
 LINE = re.compile(
-    r"elastic: rank (\d+) attempt (\d+) (?:pid (\d+) at step (\d+)|done step (\d+)).* t=([\d.]+)"
+    r"elastic: rank (\d+) attempt (\d+) (?:pid (\d+) at step (\d+)|done step (\d+)).*? t=(\d+\.\d{3})"
 )
 
 
@@ -77,17 +77,17 @@ class Run:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.log.write(line)
-            m = LINE.search(line)
-            if not m:
-                continue
-            rank, attempt, pid, start, done, t = m.groups()
-            with self.cond:
-                key = (int(attempt), int(rank))
-                if pid is not None:
-                    self.starts[key] = (int(pid), int(start), float(t))
-                else:
-                    self.done[key] = (int(done), float(t))
-                self.cond.notify_all()
+            for m in LINE.finditer(line):  # (two ranks' lines may share one)
+                self._note(*m.groups())
+
+    def _note(self, rank, attempt, pid, start, done, t) -> None:
+        with self.cond:
+            key = (int(attempt), int(rank))
+            if pid is not None:
+                self.starts[key] = (int(pid), int(start), float(t))
+            else:
+                self.done[key] = (int(done), float(t))
+            self.cond.notify_all()
 
     def wait_for(self, pred, timeout: float) -> bool:
         with self.cond:
