@@ -20,7 +20,8 @@ runs on the rank's share of it (ranks.rank_share) with the collectives on a link
               for, but not forever).
 The replay is what makes step_s differ from floor_s: weights that arrive late (the SSD queue
 holds the previous step's writes), Adam slowed by compute on shared cores, the last units'
-updates after backward, deferred updates run after backward. A speculative plan (clipping or fp16
+updates after backward, deferred updates run after backward (on the CPU device, one rank: at
+each unit's next visit, simulate_pending.py). A speculative plan (clipping or fp16
 with Plan.speculative) is replayed as a step that validates: its updates run during backward.
 """
 
@@ -37,6 +38,7 @@ from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes
 from .ranks import RankLink, rank_share
 from .schedule import build_schedule
 from .simulate import Costs, Sim
+from .simulate_pending import lazy_applies
 
 REPLAY_STEPS = 3  # the first steps fill the SSD queue and the moments; the last is steady
 
@@ -294,8 +296,10 @@ def lower_bound(
     absorb = absorbed * (micro_batches * 8 + (4 if norm else 0)) / memcpy
     worker = absorb + adam
     # a deferred update starts once backward is over (a speculative one, in a step that
-    # validates, as it would without clipping)
-    serial = compute + adam if plan.deferred_update and not plan.speculative else 0.0
+    # validates, as it would without clipping; one applied at the next visit, beside the forward)
+    serial = (
+        compute + adam if plan.deferred_update and not plan.speculative and not lazy_applies(plan) else 0.0
+    )
     sched_keep = _next_keep(plan)
     cdt = plan.compute_dtype
     read = write = 0

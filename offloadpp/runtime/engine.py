@@ -222,12 +222,20 @@ class OffloadEngine(StepTransaction, StepAccounting):
             separate_weights=self.plan.separate_weights,
             threads=s.adam_threads or default_num_threads(),
             redo=s.gradient_clipping > 0,
+            lazy_order=[
+                by_name[n] for n in sorted(self.schedule.forward_index, key=self.schedule.forward_index.get)
+            ],
+            lazy=not dev.is_cuda and self.dp is None,  # (runtime/pending.py: where it applies)
         )
         self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
         self.executor = Executor(self.schedule, self.units, self._grads_complete)
         self.executor.before_visit = self.optimizer.reap
         self.executor.updates_pending = lambda: self.optimizer.boundary
         self.executor.after_first_fetches = self.optimizer.flush_writes
+        self.executor.before_fetch = self.optimizer.apply_pending
+        self.executor.before_bind = self.optimizer.wait_pending
+        if self.optimizer.lazy and not self.plan.separate_weights:
+            self.executor.keep_across = self.schedule.next_keep
         self.executor.install(modules)
         self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
             [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],
@@ -384,7 +392,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
                     steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
                     outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
                                              max_norm=self.settings.gradient_clipping, steps=steps,
-                                             dp=self.dp)  # fmt: skip
+                                             dp=self.dp, lazy=self.optimizer.lazy)  # fmt: skip
                 self.optimizer.finish()
                 self.optimizer.release_grads()
                 self.store.check_writes()  # a write that failed reports its own cause, here
@@ -458,7 +466,9 @@ class OffloadEngine(StepTransaction, StepAccounting):
         return self.hypers[0].lr
 
     def _quiesce(self) -> None:
-        """Between steps only: the optimizer has nothing in flight, its writes are started."""
+        """Between steps only: the optimizer has nothing in flight (the last step's pending updates
+        applied), its writes are started."""
+        self.optimizer.complete_pending()
         self.optimizer.finish()
         self.optimizer.flush_writes()
 
@@ -551,7 +561,13 @@ class OffloadEngine(StepTransaction, StepAccounting):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        errors = self.optimizer.finish_all()
+        errors = []
+        if self._failed is None:
+            try:
+                self.optimizer.complete_pending()  # the last step's updates (runtime/pending.py)
+            except BaseException as e:  # noqa: BLE001 - raised below, after everything is released
+                errors.append(e)
+        errors += self.optimizer.finish_all()
         try:
             self.activations.close()
             self.executor.release_all()

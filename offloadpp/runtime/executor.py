@@ -81,6 +81,13 @@ class Executor:
         self.before_visit = None  # callback: the optimizer reaps finished jobs
         self.updates_pending = lambda: False  # callback: this backward ends in an update
         self.after_first_fetches = None  # callback: the optimizer starts its queued writes
+        # callbacks: the pending updates of units about to be fetched start (their names), and a
+        # unit's is done before its weights are bound (runtime/pending.py)
+        self.before_fetch = None
+        self.before_bind = None
+        # units whose weights (== master) backward leaves held for the next forward, where that
+        # forward applies their pending update (runtime/pending.py's Note on memory)
+        self.keep_across: frozenset = frozenset()
         # Per visit, the units `alive` holds, in the order they are needed (units the schedule
         # keeps between two uses last: they are held already).
         self._fetch_order = []
@@ -136,6 +143,8 @@ class Executor:
             self.before_visit()
         v = self.schedule.visits[i]
         want = self.schedule.alive[i]
+        if self.before_fetch is not None:
+            self.before_fetch(self._fetch_order[i])
         with record_function("offloadpp::fetch"):
             for u in list(self.held):
                 if u.name not in want:
@@ -165,6 +174,8 @@ class Executor:
 
     def _bind(self, u: Unit) -> None:
         if not u.bound:
+            if self.before_bind is not None:
+                self.before_bind(u)
             u.bind()
             start, end = u.flat_range()
             self.bound.append((start, end, u))
@@ -177,6 +188,8 @@ class Executor:
             and self.updates_pending()
         ):
             u.master.acquire(Hold.OPTIM)  # == its weights: its update needs them (schedule.py)
+        if self.in_backward and u.name in self.keep_across and self.updates_pending():
+            u.compute.acquire(Hold.NEXT)  # (released as the next forward first holds it)
         if u.bound:
             u.unbind()
             self.bound = [b for b in self.bound if b[2] is not u]
