@@ -11,10 +11,15 @@ from typing import Iterator
 OPTIM = "optim"
 
 
+def lazy_runtime(plan) -> bool:
+    """Where the runtime applies a deferred step's updates at the next visit
+    (OptimizerPipeline.lazy): one rank on the CPU device."""
+    return plan.deferred_update and plan.device == "cpu" and plan.ranks == 1
+
+
 def lazy_applies(plan) -> bool:
-    """Where the runtime applies deferred updates at the next visit (OptimizerPipeline.lazy):
-    one rank on the CPU device, a step that defers (a speculative plan's replay validates)."""
-    return plan.deferred_update and not plan.speculative and plan.device == "cpu" and plan.ranks == 1
+    """Where the replay does (a speculative plan's replay is of a step that validates)."""
+    return lazy_runtime(plan) and not plan.speculative
 
 
 def defer(sim) -> None:
