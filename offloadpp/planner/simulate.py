@@ -430,11 +430,11 @@ class Sim:
 
     def enter(self, i: int) -> Iterator:
         self.reap()
-        yield from pending.apply_pending(self, self.fetch_order[i])
         want = self.sched.alive[i]
         for u in list(self.held):
             if u.name not in want:
                 yield from self.drop(u)
+        yield from pending.apply_pending(self, self.fetch_order[i])
         for name in self.fetch_order[i]:
             u = self.by_name[name]
             if all(u is not h for h in self.held):

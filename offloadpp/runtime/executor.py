@@ -143,12 +143,12 @@ class Executor:
             self.before_visit()
         v = self.schedule.visits[i]
         want = self.schedule.alive[i]
-        if self.before_fetch is not None:
-            self.before_fetch(self._fetch_order[i])
         with record_function("offloadpp::fetch"):
             for u in list(self.held):
                 if u.name not in want:
                     self._drop(u)
+            if self.before_fetch is not None:  # (after the drops: its buffers are the fetch's)
+                self.before_fetch(self._fetch_order[i])
             for name in self._fetch_order[i]:
                 u = self._by_name[name]
                 if all(u is not h for h in self.held):
