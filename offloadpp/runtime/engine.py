@@ -236,6 +236,8 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.executor.before_bind = self.optimizer.wait_pending
         if self.optimizer.lazy and not self.plan.separate_weights:
             self.executor.keep_across = self.schedule.next_keep
+            # (a speculating step keeps spec_next_keep after its updates, as before)
+            self.executor.keeps_across = lambda: self.optimizer.boundary and not self.optimizer.speculating
         self.executor.install(modules)
         self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
             [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],

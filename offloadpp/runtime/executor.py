@@ -88,6 +88,7 @@ class Executor:
         # units whose weights (== master) backward leaves held for the next forward, where that
         # forward applies their pending update (runtime/pending.py's Note on memory)
         self.keep_across: frozenset = frozenset()
+        self.keeps_across = lambda: False  # callback: this backward's updates are left pending
         # Per visit, the units `alive` holds, in the order they are needed (units the schedule
         # keeps between two uses last: they are held already).
         self._fetch_order = []
@@ -188,7 +189,7 @@ class Executor:
             and self.updates_pending()
         ):
             u.master.acquire(Hold.OPTIM)  # == its weights: its update needs them (schedule.py)
-        if self.in_backward and u.name in self.keep_across and self.updates_pending():
+        if self.in_backward and u.name in self.keep_across and self.keeps_across():
             u.compute.acquire(Hold.NEXT)  # (released as the next forward first holds it)
         if u.bound:
             u.unbind()
