@@ -141,7 +141,9 @@ def _keep_what_fits(plan: Plan, spare_dev: int, spare_host: int) -> Plan:
             if specs[name].grad_bytes <= spare_host:
                 host_grads.add(name)
                 spare_host -= specs[name].grad_bytes
-        if len(host_grads) < len(specs):
+        if not host_grads:
+            notes.append(f"gradients ({fmt_bytes(total)}) do not fit the host budget's rest: kept on SSD")
+        elif len(host_grads) < len(specs):
             kept = sum(specs[n].grad_bytes for n in host_grads)
             notes.append(
                 f"gradients ({fmt_bytes(total)}) do not all fit the host budget's rest: {len(host_grads)} of "
