@@ -77,6 +77,8 @@ class Machine:
         (and, on the CPU acting as the device, its compute). Host memory, SSD space and cores
         above are the node's; resolve plans each rank for its share (`rank_share`).
     collective_gbps: the ranks' collectives' bus bandwidth, measured over them all (None: not).
+    host_total_bytes / device_total_bytes: the node's RAM and the device's memory in all (None:
+        not known); a budget asked above them is refused (check_asked_budgets).
     """
 
     device: str
@@ -87,6 +89,8 @@ class Machine:
     ranks: int = 1
     local_ranks: int = 1
     collective_gbps: Optional[float] = None  # the ranks' all-gather bus bandwidth, measured at start
+    host_total_bytes: Optional[int] = None
+    device_total_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -172,6 +176,7 @@ def resolve(
                 'set speculate "auto" or "off"'
             )
         settings = settings.model_copy(update={"speculate": "off"})
+    check_asked_budgets(settings, machine)
     units = shard_units(units, machine.ranks)
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
@@ -354,6 +359,31 @@ def _default(settings: Settings, units, machine: Machine, budgets: Budgets, mode
 
 
 # ---- budgets ------------------------------------------------------------------------------
+def check_asked_budgets(settings: Settings, m: Machine) -> None:
+    """A budget is a promise the engine keeps by waiting or raising rather than allocating past
+    it, so one above what the machine has in all (1e30, "999TiB") is no limit at all: the run
+    would page or be killed instead. Refused, naming the field, the value and the machine's
+    memory; a budget above what is free now but within the total is the user's call."""
+    host_total = m.host_total_bytes
+    dev_total = m.device_total_bytes if m.device == "cuda" else host_total
+    dev_what = "device memory" if m.device == "cuda" else "RAM (the CPU is the device)"
+    dev_free = m.device_free_bytes if m.device == "cuda" else m.host_available_bytes
+    asked = (
+        ("device_budget_bytes", settings.device_budget_bytes, dev_total, dev_what, dev_free),
+        ("host_budget_bytes", settings.host_budget_bytes, host_total, "RAM", m.host_available_bytes),
+        ("activations.budget_bytes", settings.activations.budget_bytes, dev_total, dev_what, dev_free),
+        ("activations.host_budget_bytes", settings.activations.host_budget_bytes, host_total, "RAM",
+         m.host_available_bytes),
+    )  # fmt: skip
+    for name, value, total, what, free in asked:
+        if value is not None and total is not None and value > total:
+            free_s = f", {fmt_bytes(free)} free now" if free is not None else ""
+            raise PlanError(
+                f"{name}: {value} bytes ({fmt_bytes(value)}) is more than this machine has: {fmt_bytes(total)} of "
+                f'{what}{free_s}; set it at most that, or "auto"'
+            )
+
+
 def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
              model: Optional[ModelProfile]) -> tuple[Budgets, Settings]:  # fmt: skip
     """The budgets for the settings' requests (the module Note), and the settings with the

@@ -177,6 +177,13 @@ def parse_ds_config(ds_dict: dict):
     for key in ("optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "aio"):
         if key in checked and not isinstance(checked[key], dict):
             raise OffloadppConfigError(f"{key}: expected an object of keys, got {checked[key]!r}")
+    sched = checked.get("scheduler")
+    if isinstance(sched, dict) and sched.get("type") is None:
+        # DeepSpeed reads a scheduler block without a type as no scheduler, its params unused
+        raise OffloadppConfigError(
+            f"scheduler.type: the scheduler block names no type, so no scheduler would run; set one of "
+            f"{list(_SCHEDULERS)} (or remove the block)"
+        )
     if not any(k in checked for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
         raise OffloadppConfigError(
             "train_micro_batch_size_per_gpu: the config sets no batch size; set it (or train_batch_size)"
