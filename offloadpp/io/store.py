@@ -32,7 +32,7 @@ from . import format as fmt
 from .buffers import ALIGNMENT, BounceCache, HeaderBuffers, align_up, aligned_empty, is_direct_capable
 from .config import IOConfig
 from .engine import make_engine
-from .errors import EINVAL, EIO, SwapIOError, swap_error
+from .errors import EINVAL, EIO, ESTALE, SwapIOError, swap_error
 from .future import IOFuture
 
 SUFFIX = ".oswp"
@@ -212,6 +212,9 @@ class TensorStore:
         self._since_prune = 0
         self._first_failed: Optional[tuple[str, BaseException]] = None
         self._closed = False
+        # files the scan could not index (foreign, corrupted, short, incomplete): path -> why, so
+        # that asking for a key one of them held names the file rather than "no such key"
+        self._unreadable: dict[str, SwapIOError] = {}
         self._gen = itertools.count(self._scan() + 1)
 
     # -- public API ---------------------------------------------------------------------------
@@ -295,6 +298,9 @@ class TensorStore:
         self._check_open()
         with self._lock:
             if key not in self._index:
+                why = self.why_missing(key)
+                if why is not None:
+                    raise why
                 raise KeyError(key)
         self._wait_key(key, writes_only=True)
         with self._lock:
@@ -424,6 +430,33 @@ class TensorStore:
                         getattr(cause, "filename", None))  # fmt: skip
         e.__cause__ = cause
         return e
+
+    def why_missing(self, key: str) -> Optional[SwapIOError]:
+        """Why `key` is not in the store, where a cause is on disk: a file of the key's name the
+        scan found unreadable (its header corrupted, say), or a swap directory removed while the
+        store used it. None: the key was simply never stored."""
+        stem = _file_stem(key) + "."
+        gone = self._removed_dir(os.path.join(self.dirs[0], f"{stem}0{SUFFIX}"))
+        if gone is not None:
+            return gone
+        for path, err in self._unreadable.items():
+            if os.path.basename(path).startswith(stem):
+                return err
+        return None
+
+    def _removed_dir(self, path: str) -> Optional[SwapIOError]:
+        """The error for `path`, a swap file, when one of the store's directories is gone."""
+        for d in self.dirs:
+            if not os.path.isdir(d):
+                e = SwapIOError(
+                    _errno.ENOENT,
+                    f"swap directory {d!r} was removed while this run used it (missing swap file {path!r}): the "
+                    "training state in it is lost; restart from a checkpoint (errno 2)",
+                    path,
+                )
+                e.op = "opening a swap file"
+                return e
+        return None
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -581,7 +614,13 @@ class TensorStore:
     def _file(self, p: _Part, create: bool) -> _C.File:
         f = p.file
         if f is None or f.closed:
-            f = _C.File(p.path, read=True, write=True, create=create, direct=self.config.o_direct)
+            try:
+                f = _C.File(p.path, read=True, write=True, create=create, direct=self.config.o_direct)
+            except OSError as e:
+                gone = self._removed_dir(p.path) if e.errno == _errno.ENOENT else None
+                if gone is not None:
+                    raise gone from None
+                raise
             p.file = f
         return f
 
@@ -646,10 +685,18 @@ class TensorStore:
                     f = _C.File(path, read=True, write=False, create=False, direct=self.config.o_direct)
                     f.pread_into(hb.ptr, H, 0)
                     h = fmt.unpack(memoryview(hb), path)
-                except SwapIOError:
-                    continue  # foreign, corrupted or short: not indexed, reported if ever asked for
+                except SwapIOError as e:
+                    self._unreadable[path] = e  # foreign, corrupted or short: reported if asked for
+                    continue
                 if h.complete:
                     found.setdefault(h.key, []).append((h, path, d_index))
+                else:
+                    self._unreadable[path] = swap_error(
+                        ESTALE,
+                        f"reading key {h.key!r} (incomplete file: a put failed or was interrupted)",
+                        path,
+                        0,
+                    )
         top = 0
         for key, items in found.items():
             h0 = items[0][0]
