@@ -330,3 +330,20 @@ def test_weighted_striping_gives_each_directory_its_share(tmp_path):
         assert [p.nbytes for p in s._index["even"].parts] == [2 << 20, 2 << 20]
     with pytest.raises(OSError, match="weights"):
         TensorStore(dirs, cfg, weights=[1.0])
+
+
+def test_close_closes_every_swap_file_while_the_store_is_still_referenced(tmp_path):
+    def open_swap_files():
+        fd_dir = "/proc/self/fd"
+        return [p for p in (os.path.realpath(os.path.join(fd_dir, f)) for f in os.listdir(fd_dir))
+                if p.startswith(str(tmp_path))]  # fmt: skip
+
+    s = TensorStore([str(tmp_path / "a")])
+    futures = []  # a caller's futures (the engine's slots keep theirs) reach the files they used
+    for k in ("x", "y"):
+        futures += [s.put(k, torch.arange(4096.0)), s.get(k)]
+        futures[-2].wait()
+        assert torch.equal(futures[-1].result(), torch.arange(4096.0))
+    assert len(open_swap_files()) == 2
+    s.close()
+    assert open_swap_files() == []

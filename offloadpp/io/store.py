@@ -528,8 +528,12 @@ class TensorStore:
             for e in self._engines:
                 e.close()
             with self._lock:
+                # closed here, not when the last reference goes (a future or a caller may keep
+                # one): close() must leave no descriptor open
                 for entry in self._index.values():
                     for p in entry.parts:
+                        if p.file is not None and not p.file.closed:
+                            p.file.close()
                         p.file = None
             self._bounce.clear()
 

@@ -49,7 +49,7 @@ DS_OWNED = {
     "offload_optimizer": '"zero_optimization": {"offload_optimizer": {"device": "nvme"}}',
 }
 # Keys of the block that are not Settings: the switch, and what only the runtime needs.
-RUNTIME_KEYS = ("enabled", "nvme_paths", "io", "ssd_read_gbps", "ssd_write_gbps")
+RUNTIME_KEYS = ("enabled", "nvme_paths", "io", "ssd_read_gbps", "ssd_write_gbps", "keep_swap")
 # io keys the `aio` block fills when the block leaves them "auto": ours <- DeepSpeed's.
 AIO_KEYS = {
     "block_size_bytes": "block_size",
@@ -103,6 +103,7 @@ class OffloadppBlock:
     settings: dict = field(default_factory=dict)  # Settings keys the block sets (JSON values)
     ssd_read_gbps: Optional[float] = None
     ssd_write_gbps: Optional[float] = None
+    keep_swap: bool = False  # leave the swap files on disk at close (RuntimeConfig.keep_swap)
 
 
 def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None) -> dict:
@@ -365,6 +366,9 @@ def parse_block(ds_config: dict) -> OffloadppBlock:
         if ours not in io and isinstance(aio, dict) and theirs in aio:
             io[ours] = aio[theirs]
     io_config = validate_io(io)
+    keep_swap = clean.pop("keep_swap", False)
+    if not isinstance(keep_swap, bool):
+        raise OffloadppConfigError(f"offloadpp.keep_swap: expected true or false, got {keep_swap!r}")
     rates = {k: clean.pop(k) for k in ("ssd_read_gbps", "ssd_write_gbps") if k in clean}
     for k, v in rates.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
@@ -375,5 +379,6 @@ def parse_block(ds_config: dict) -> OffloadppBlock:
         nvme_paths=tuple(paths) if paths else None,
         io=io_config,
         settings=clean,
+        keep_swap=keep_swap,
         **{k: float(v) for k, v in rates.items()},
     )
