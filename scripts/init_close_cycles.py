@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/init_close_cycles.py --cycles 20            # the bar of issue 25
     .venv/bin/python scripts/init_close_cycles.py --cycles 4 --dir /tmp/x
+    .venv/bin/deepspeed --num_gpus 1 scripts/init_close_cycles.py --cycles 3   # under the launcher
 
 Checked after every cycle against the state after the first (warm-up) cycle, when torch,
 DeepSpeed and the I/O engine have opened what they keep for the process: threads, open
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="training steps per cycle")
     ap.add_argument("--dir", default=None, help="the nvme path (default: a temporary folder)")
     ap.add_argument("--rss-tolerance", type=float, default=0.02)
+    ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = ap.parse_args(argv)
     os.environ.setdefault("LOCAL_SIZE", "1")  # as the deepspeed launcher sets it
     import transformers
