@@ -73,7 +73,9 @@ MIX = {
 }
 
 
-@pytest.mark.parametrize("policy", ["keep", "host", "ssd", "recompute", "auto", "mix"])
+@pytest.mark.parametrize(
+    "policy", ["keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "auto", "mix"]
+)
 def test_gradients_equal_the_run_without_swapping(policy, store, data):
     ref = tiny_gpt2()  # dropout on: recompute must replay the RNG
     _, want = run_step(ref, data)
@@ -96,6 +98,12 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data):
                 assert s.ssd_write_bytes > 0 and s.ssd_read_bytes > 0
             if policy == "recompute":
                 assert s.recompute_s > 0 and s.d2h_bytes == 0
+            if policy.startswith("recompute_"):
+                # only the checkpoints moved: the inputs of the 4 blocks, of ln_f and lm_head (the
+                # head unit's two roots), and the embedding's token ids (int64)
+                ckpt = 6 * data.numel() * 64 * 4 + data.numel() * 8 + data.shape[1] * 8
+                assert s.recompute_s > 0 and s.d2h_bytes == ckpt and s.h2d_bytes == ckpt
+                assert (s.ssd_write_bytes > 0) == (policy == "recompute_ssd")
             mgr.reset_stats()
         if policy == "auto":
             assert set(mgr.policies().values()) <= {"keep", "host"} and "host" in mgr.policies().values()
