@@ -273,6 +273,11 @@ class ActPlanner:
                     found.append(self._choice(f"recompute {frac:.0%}, swap to {to}",
                                               self._swap_to(self._keep_what_fits(mixed, room), to)))  # fmt: skip
                 # the paper's scheme: the recomputing units' checkpoints leave the device too
+                # (tried with the first tier only: to host on CUDA, which sends to SSD what host
+                # memory cannot take, and so is never slower than all to SSD; each candidate
+                # costs a replay, and 175B must plan within 2 s)
+                if to != swaps[0]:
+                    continue
                 ckpt = {**mixed, **{u.name: "recompute_ssd" for u in head}}
                 kept = self._keep_what_fits(ckpt, room)
                 found.append(self._choice(f"recompute {frac:.0%} with checkpoints to {to}, swap to {to}",
