@@ -402,7 +402,7 @@ def test_bench_activations_plan_contender(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("policy", ["host", "ssd", "recompute"])
+@pytest.mark.parametrize("policy", ["host", "ssd", "recompute", "recompute_host", "recompute_ssd"])
 def test_cuda_gradients_and_allocator_peak(policy, store, data):
     """On a GPU: side streams and pinned buffers give the same gradients, and the allocator's peak
     over the step stays below keeping everything."""
