@@ -250,6 +250,12 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
         "median": med,
         "samples": rows,
     }
+    if args.hardware:  # the cost model's terms beside each fixed contender's measured ones
+        out["modelled"] = {
+            p: {**_modelled(args, env, batch, budget, p), "measured_ssd_bytes": med[p]["ssd_write_bytes"]
+                + med[p]["ssd_read_bytes"], "measured_recompute_s": med[p]["recompute_s"]}
+            for p in policies if p in ("host", "ssd", "recompute", "recompute_ssd")
+        }  # fmt: skip
     if planned is not None:
         got = med["plan"]
         moved = got["ssd_write_bytes"] + got["ssd_read_bytes"]
@@ -267,14 +273,43 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
     return out
 
 
+def _modelled(args, env: SimpleNamespace, batch: int, budget, policy: str) -> dict:
+    """The cost model's activation terms for every unit under `policy` (units that cannot
+    recompute keep), for the fixed contenders: what it moves to and from SSD and recomputes."""
+    from offloadpp.planner import HardwareProfile, analytic_profile
+    from offloadpp.planner.cost import compute_times, estimate
+
+    hw = HardwareProfile.from_json(args.hardware)
+    prof = analytic_profile(env.gpt2, micro_batch=batch, seq_len=args.seq, compute_dtype="fp32")
+    plan = _memory_plan(prof, budget)
+    pol = {u.name: ("keep" if policy.startswith("recompute") and not u.backward_needs_weights else policy)
+           for u in prof.units}  # fmt: skip
+    est = estimate(plan, hw, prof, activations=pol, act_prefetch_units=args.prefetch_units)
+    fwd_s, _ = compute_times(plan, hw, prof)
+    again = [n for n, p in pol.items() if p.startswith("recompute")]
+    return {"ssd_write_bytes": est.ssd_write_bytes, "ssd_read_bytes": est.ssd_read_bytes,
+            "recompute_s": sum(fwd_s[n] + hw.runtime_forward_visit_s for n in again),
+            "peak_activation_bytes": est.peak_activation_bytes}  # fmt: skip
+
+
+def _memory_plan(prof, budget):
+    """A plan with the model and its optimizer in memory, so that the cost model's SSD bytes are
+    the activations' alone."""
+    from offloadpp.planner import Budgets
+    from offloadpp.planner.plan import Placement, Plan, Tier
+
+    big = 1 << 50
+    return Plan(prof.unit_specs(), tuple(Placement(u.name, Tier.DEVICE, Tier.HOST, Tier.HOST) for u in prof.units),
+                "cpu", "fp32", 0, 0, budgets=Budgets(big, big, activation_bytes=budget))  # fmt: skip
+
+
 def _plan(args, env: SimpleNamespace, batch: int, budget: int) -> dict:
     """The planner's activation policies for `budget` (planner/activations.py candidates, each
     replayed by the cost model on --hardware with the model and its optimizer in memory, the
     fastest kept), with what the cost model says they move and recompute."""
-    from offloadpp.planner import Budgets, HardwareProfile, analytic_profile
+    from offloadpp.planner import HardwareProfile, analytic_profile
     from offloadpp.planner.activations import ActPlanner, act_units
     from offloadpp.planner.cost import compute_times, estimate
-    from offloadpp.planner.plan import Placement, Plan, Tier
 
     hw = HardwareProfile.from_json(args.hardware)
     prof = analytic_profile(env.gpt2, micro_batch=batch, seq_len=args.seq, compute_dtype="fp32")
@@ -283,9 +318,7 @@ def _plan(args, env: SimpleNamespace, batch: int, budget: int) -> dict:
         raise SystemExit(
             f"the analytic profile's units {[u.name for u in prof.units]} are not the model's {names}"
         )
-    big = 1 << 50
-    plan = Plan(prof.unit_specs(), tuple(Placement(n, Tier.DEVICE, Tier.HOST, Tier.HOST) for n in names), "cpu",
-                "fp32", 0, 0, budgets=Budgets(big, big, activation_bytes=budget))  # fmt: skip
+    plan = _memory_plan(prof, budget)
     choices = ActPlanner(act_units(prof), {}, device="cpu").candidates(budget)
     if not choices:
         raise SystemExit(f"batch {batch}: no activation policy fits the budget of {budget} bytes")
@@ -371,6 +404,12 @@ def _print(report: dict) -> None:
             + (f"met at batch {report['pass_batches']}" if report["pass_batches"] else "NOT met")
         )
     for r in report["results"]:
+        for p, d in r.get("modelled", {}).items():
+            print(
+                f"batch {r['batch']} {p}: SSD bytes measured {d['measured_ssd_bytes'] * mb:.1f} MB vs cost model "
+                f"{(d['ssd_write_bytes'] + d['ssd_read_bytes']) * mb:.1f} MB; recompute measured "
+                f"{d['measured_recompute_s']:.3f} s vs cost model {d['recompute_s']:.3f} s"
+            )
         pl = r.get("plan")
         if pl is None:
             continue
