@@ -101,8 +101,10 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data):
             if policy.startswith("recompute_"):
                 # only the checkpoints moved: the inputs of the 4 blocks, of ln_f and lm_head (the
                 # head unit's two roots), and the embedding's token ids (int64)
+                # (a copy backward wants before the worker started it is cancelled, the bytes never
+                # left: on a loaded machine the last units' may be)
                 ckpt = 6 * data.numel() * 64 * 4 + data.numel() * 8 + data.shape[1] * 8
-                assert s.recompute_s > 0 and s.d2h_bytes == ckpt and s.h2d_bytes == ckpt
+                assert s.recompute_s > 0 and 0 < s.d2h_bytes <= ckpt and s.h2d_bytes == s.d2h_bytes
                 assert (s.ssd_write_bytes > 0) == (policy == "recompute_ssd")
             mgr.reset_stats()
         if policy == "auto":
