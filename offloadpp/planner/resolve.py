@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
+from .activations import act_units
 from .cost import StepEstimate, estimate
 from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, plan_shape, streaming_plan
 from .hardware import HardwareProfile, ProfileError, default_profile_path
@@ -196,6 +197,8 @@ def resolve(
         plan = replace(plan, notes=plan.notes + (
             "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
     plan = with_activation_policies(plan, settings)
+    if model is not None:
+        plan = with_activation_sizes(plan, model)
     speculative = with_speculation(plan, settings, machine)
     if speculative.speculative != plan.speculative:
         est = None  # estimated as it was made: estimated again below, as it runs
@@ -495,12 +498,18 @@ def load_saved_plan(settings: Settings) -> Optional[tuple[Plan, Optional[StepEst
     return load_plan(settings.plan_path) if settings.plan_path is not None else None
 
 
+def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
+    """The plan with each unit's saved and checkpoint bytes from the model profile (printout)."""
+    sizes = {a.name: (a.saved, a.inputs) for a in act_units(model)}
+    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0)) for u in plan.units))
+
+
 def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     """The plan with each unit's activation policy: the plan's own if it names them, else the
     settings' policy and per-unit overrides ("auto" is kept as it is for the runtime to resolve
     where a budget limits the activations, and is "keep" where none does). A unit whose backward
-    reads none of its weights (embedding lookups) cannot run its forward again: "recompute"
-    becomes "keep" there."""
+    reads none of its weights (embedding lookups) cannot run its forward again: "recompute" (and
+    its swapped-checkpoint forms) becomes "keep" there."""
     act = settings.activations
     names = [u.name for u in plan.units]
     unknown = sorted(set(act.overrides) - set(names))
@@ -514,7 +523,7 @@ def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     for u, p in zip(plan.units, chosen):
         if p == "auto" and unlimited:  # nothing to fit: keep (the runtime would profile first)
             p = "keep"
-        if p == "recompute" and not u.backward_needs_weights:
+        if p.startswith("recompute") and not u.backward_needs_weights:
             notes.append(
                 f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
             )
@@ -602,5 +611,6 @@ __all__ = [
     "model_profile_for",
     "resolve",
     "with_activation_policies",
+    "with_activation_sizes",
     "with_speculation",
 ]
