@@ -6,8 +6,14 @@ format is a zip archive: `data.pkl` (the pickled dict, each tensor a call of
 then one record `data/<key>` per storage. Every name, dtype and shape is known before any data,
 so the pickle is written first, from stand-ins that pickle exactly as torch pickles a tensor
 with a storage of its own, and each tensor's bytes follow as a record of their own as they come
-(torch's own zip writer: 64-byte aligned records with their CRC-32). Files written here load with
+(torch's own zip writer, 64-byte aligned records). Files written here load with
 `torch.load(..., weights_only=True)`, with or without mmap, and with `from_pretrained`.
+
+Note: no CRC-32. The records' checksum fields are left 0, as torch.save leaves them with
+`torch.serialization.config.save.compute_crc32 = False`; torch.load never checks them. Torch's
+writer computes them at about 0.15 GB/s on the development machine, 4-6x the time of writing
+the bytes (1 GiB: 7.1 s with, 1.2-1.7 s without, fsync included), which for a model larger than
+memory is minutes.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ class TorchSaveWriter:
         _Pickler(buf, protocol=_PROTOCOL).dump(obj)
         self.path = path
         self.data_bytes = sum(n for _, _, n in self._order)
-        self._zip = torch._C.PyTorchFileWriter(path)
+        self._zip = torch._C.PyTorchFileWriter(path, False)  # no CRC-32 (module Note)
         self._open = True
         pkl = buf.getvalue()
         self._zip.write_record("data.pkl", pkl, len(pkl))
