@@ -6,7 +6,8 @@ format is a zip archive: `data.pkl` (the pickled dict, each tensor a call of
 then one record `data/<key>` per storage. Every name, dtype and shape is known before any data,
 so the pickle is written first, from stand-ins that pickle exactly as torch pickles a tensor
 with a storage of its own, and each tensor's bytes follow as a record of their own as they come
-(torch's own zip writer, 64-byte aligned records). Files written here load with
+(torch's own zip writer, 64-byte aligned records, into a file written through O_DIRECT:
+direct_writer.py; direct=False: the page cache). Files written here load with
 `torch.load(..., weights_only=True)`, with or without mmap, and with `from_pretrained`.
 
 Note: no CRC-32. The records' checksum fields are left 0, as torch.save leaves them with
@@ -26,6 +27,8 @@ import sys
 from typing import Sequence
 
 import torch
+
+from .direct_writer import DirectFileWriter
 
 # the typed-storage class torch pickles for each dtype (TypedStorage._pickle_storage_type)
 _STORAGE_TYPES = {
@@ -68,7 +71,9 @@ class TorchSaveWriter:
     """entries: (name, dtype, shape) in the order write() will be called; the file holds the
     dict {name: tensor}, as torch.save would have written it."""
 
-    def __init__(self, path: str, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]):
+    def __init__(
+        self, path: str, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], *, direct: bool = True
+    ):
         self._order: list[tuple[str, str, int]] = []  # (name, record, bytes)
         obj = {}
         for i, (name, dtype, shape) in enumerate(entries):
@@ -85,7 +90,9 @@ class TorchSaveWriter:
         _Pickler(buf, protocol=_PROTOCOL).dump(obj)
         self.path = path
         self.data_bytes = sum(n for _, _, n in self._order)
-        self._zip = torch._C.PyTorchFileWriter(path, False)  # no CRC-32 (module Note)
+        self._file = DirectFileWriter(path) if direct else None
+        # no CRC-32 (module Note)
+        self._zip = torch._C.PyTorchFileWriter(self._file if direct else path, False)
         self._open = True
         pkl = buf.getvalue()
         self._zip.write_record("data.pkl", pkl, len(pkl))
@@ -121,7 +128,10 @@ class TorchSaveWriter:
                 f"{self.path}: {len(self._order) - self._next} declared tensors were not written"
             )
         self._zip.write_end_of_file()
-        del self._zip  # closes the file
+        del self._zip  # closes the file (or, writing through self._file, flushes it)
+        if self._file is not None:
+            self._file.close()  # durable when it returns
+            return
         fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -131,6 +141,8 @@ class TorchSaveWriter:
     def abort(self) -> None:
         self._open = False
         self.__dict__.pop("_zip", None)
+        if self._file is not None:
+            self._file.abort()
         try:
             os.unlink(self.path)
         except OSError:
