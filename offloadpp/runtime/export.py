@@ -49,10 +49,10 @@ def _shard_names(filename: str, n: int) -> list[str]:
     return [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
 
 
-def _writer(path: str, filename: str, decl: list):
+def _writer(path: str, filename: str, decl: list, direct: bool):
     if filename.endswith(".safetensors"):
-        return SafetensorsWriter(path, decl, {"format": "pt"})
-    return TorchSaveWriter(path, decl)
+        return SafetensorsWriter(path, decl, {"format": "pt"}, direct=direct)
+    return TorchSaveWriter(path, decl, direct=direct)
 
 
 def export_weights(
@@ -67,9 +67,11 @@ def export_weights(
     before: Optional[Callable[[], None]] = None,
     progress: bool = False,
     write: bool = True,
+    direct: bool = True,
 ) -> list[str]:
     """Writes the weights to save_dir (see the module Note); returns the files written.
-    write=False: over several ranks, a rank other than the writer's, which takes part in
+    direct=False: through the page cache rather than O_DIRECT (io/direct_writer.py; for the
+    benchmark's side-by-side). write=False: over several ranks, a rank other than the writer's, which takes part in
     gathering each unit's master (in the writer's order) and writes nothing."""
     if before is not None:
         before()  # the optimizer quiet: the masters are final
@@ -135,7 +137,7 @@ def export_weights(
                     name, b = buffers[i - len(entries)]
                     decl.append((name, b.dtype, tuple(b.shape)))
             tmp = os.path.join(save_dir, f".{fname}.tmp")
-            w = _writer(tmp, filename, decl)
+            w = _writer(tmp, filename, decl, direct)
             try:
                 for i in shard:
                     if i < len(entries):
