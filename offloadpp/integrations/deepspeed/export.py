@@ -4,7 +4,7 @@ The first two write the current weights as files from_pretrained loads, unit by 
 memory (runtime/export.py), whatever the file name: `pytorch_model.bin` (DeepSpeed's default)
 in torch.save's format, a `.safetensors` name as safetensors, sharded with an index when large.
 The third is the whole model as one dict in memory, which is what Accelerate's get_state_dict
-and the Trainer ask DeepSpeed for on save: it is built only when it fits (see `fits`), else it
+and the Trainer ask DeepSpeed for on save: it is built only when it fits (MEMORY_SHARE), else it
 refuses naming the streaming calls, rather than have the kernel kill the process half way.
 """
 
@@ -81,15 +81,14 @@ def weights_bytes(module: torch.nn.Module, dtype: torch.dtype, exclude_frozen: b
     return n
 
 
-def fits(nbytes: int) -> bool:
-    return nbytes <= memory_available() * MEMORY_SHARE
-
-
 def consolidated_state_dict(engine, dtype: torch.dtype, exclude_frozen_parameters: bool = False) -> dict:
     """The whole model's weights in `dtype` on the CPU, fetched unit by unit, when they fit
     (module Note); else WeightsDoNotFitError naming the streaming calls."""
     need = weights_bytes(engine.module, dtype, exclude_frozen_parameters)
     avail = memory_available()
+    dp = engine.runtime.dp
+    if dp is not None:  # every rank builds the dict (each unit is gathered): all build it or none does
+        avail = min(dp.all_gather_object(avail))
     if need > avail * MEMORY_SHARE:
         raise WeightsDoNotFitError(
             f"offloadpp: the whole model's weights as one state dict would take {need / 1e9:.2f} GB ({dtype}), "
