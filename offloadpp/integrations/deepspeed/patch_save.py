@@ -39,8 +39,9 @@ def _trainer_save_model(original: Callable) -> Callable:
         if self.args.should_save:
             from transformers.trainer import TRAINING_ARGS_NAME
 
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
+            processor = getattr(self, "processing_class", None) or getattr(self, "tokenizer", None)
+            if processor is not None:  # (`tokenizer` in transformers before 4.46)
+                processor.save_pretrained(output_dir)
             elif getattr(getattr(self, "data_collator", None), "tokenizer", None) is not None:
                 self.data_collator.tokenizer.save_pretrained(output_dir)
             import torch
