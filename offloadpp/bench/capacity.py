@@ -243,6 +243,9 @@ def _zero_child(args, work: str) -> dict:
     nvme = os.path.join(work, "nvme")
     os.makedirs(nvme, exist_ok=True)
     cfg = ds_config(args, nvme, "zero")
+    from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks
+
+    clear_stale_build_locks(report=_log)  # DeepSpeed JIT-builds its ops: an interrupted build's lock hangs it
     t0 = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
         model = GPT2LMHeadModel(_gpt2_config(args))

@@ -154,6 +154,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self._finalizer = weakref.finalize(
             self, _release, self.optimizer, self.activations.swapper, self.store,
             (self.device_pool, self.host_pool), self._lock, self.dp,
+            None if config.keep_swap else tuple(config.nvme_paths),
         )  # fmt: skip
 
     def _io_config(self):
@@ -576,12 +577,21 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.close()
 
 
-def _release(optimizer, swapper, store, pools, lock, dp=None) -> None:
+def _release(optimizer, swapper, store, pools, lock, dp=None, remove_swap=None) -> None:
     """Everything an engine holds outside Python's reach: worker threads, queued writes, open
-    swap files and the I/O engine's threads, buffers, the lock. Each part is released even if
-    another fails; the first error is raised after."""
+    swap files and the I/O engine's threads, buffers, the swap files themselves (unless
+    keep_swap: `remove_swap` None), the lock. Each part is released even if another fails; the
+    first error is raised after."""
     first: Optional[BaseException] = None
-    closers = (optimizer.close, swapper.close, store.close, *(p.clear for p in pools), lock.release)
+    removing = () if remove_swap is None else (lambda: remove_swap_files(remove_swap),)
+    closers = (
+        optimizer.close,
+        swapper.close,
+        store.close,
+        *(p.clear for p in pools),
+        *removing,
+        lock.release,
+    )
     for step in closers + ((dp.close,) if dp is not None else ()):
         try:
             step()
