@@ -533,14 +533,16 @@ class OffloadEngine(StepTransaction, StepAccounting):
         return manifest
 
     def export_weights(self, save_dir: str, *, dtype: Optional[torch.dtype] = None, filename: str = "model.safetensors",
-                       max_shard_bytes: int = export.DEFAULT_SHARD_BYTES, exclude_frozen: bool = False,
+                       max_shard_bytes: Optional[int] = None, exclude_frozen: bool = False,
                        progress: bool = False) -> list[str]:  # fmt: skip
-        """The current weights as safetensors from_pretrained loads, unit by unit at bounded
-        memory (runtime/export.py); dtype: the compute dtype unless given. Between steps."""
+        """The current weights as files from_pretrained loads (safetensors, or torch.save's format
+        for another name), unit by unit at bounded memory (runtime/export.py); dtype: the compute
+        dtype unless given; max_shard_bytes: export.DEFAULT_SHARD_BYTES unless given. Between steps."""
         self._check_open()
         dtype = dtype or TORCH_DTYPES[self.settings.compute_dtype]
         return export.export_weights(self.units, self.module, save_dir, dtype, filename=filename,
-                                     max_shard_bytes=max_shard_bytes, exclude_frozen=exclude_frozen,
+                                     max_shard_bytes=max_shard_bytes or export.DEFAULT_SHARD_BYTES,
+                                     exclude_frozen=exclude_frozen,
                                      before=self._quiesce, progress=progress,
                                      write=self.dp is None or self.dp.rank == 0)  # fmt: skip
 
