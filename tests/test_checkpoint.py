@@ -86,7 +86,7 @@ def test_checkpoint_folder_is_durable_and_verified(tmp_path):
     eng.save_checkpoint(str(tmp_path / "ckpt"), tag="t1")
     ckpt = tmp_path / "ckpt" / "t1"
     manifest = json.loads((ckpt / MANIFEST).read_text())
-    assert manifest["format"] == 2 and (tmp_path / "ckpt" / "latest").read_text() == "t1"
+    assert manifest["format"] == 3 and (tmp_path / "ckpt" / "latest").read_text() == "t1"
     assert {r["file"] for r in manifest["files"]} == {"engine.pt", "rng.pt", "client_state.pt"}
     assert all(a["crc32c"] for a in manifest["arrays"].values())
     assert not [p for p in os.listdir(tmp_path / "ckpt") if p.endswith(".partial")]

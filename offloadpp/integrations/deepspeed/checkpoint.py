@@ -150,9 +150,20 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         dp.barrier()
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
-    engine.runtime.load_state(path, optimizer_states=load_optimizer_states)
+    small: dict = {}
+
+    def read_small() -> None:  # after the runtime verified its part, before anything changes
+        small["meta"] = _load(path, ENGINE_FILE)
+        small["client"] = _load(path, CLIENT_FILE)
+        if load_optimizer_states:
+            rng = os.path.join(engine.runtime.rank_dir(path), RNG_FILE)
+            if not os.path.isfile(rng):  # saved at another world size: no state of this rank's
+                rng = os.path.join(path, RNG_FILE)
+            small["rng"] = _load(path, os.path.relpath(rng, path)) if os.path.isfile(rng) else None
+
+    engine.runtime.load_state(path, optimizer_states=load_optimizer_states, before_apply=read_small)
     engine._pending = None  # a half-done accumulation window is dropped with the runtime's
-    meta = torch.load(os.path.join(path, ENGINE_FILE), weights_only=False)
+    meta = small["meta"]
     engine.global_steps = meta["global_steps"]
     engine.micro_steps = meta["micro_steps"]
     engine.global_samples = meta["global_samples"]
@@ -164,12 +175,16 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         g.update(hyper)
     engine._push_lr()
     if load_optimizer_states:
-        rng = os.path.join(engine.runtime.rank_dir(path), RNG_FILE)
-        if not os.path.isfile(rng):  # saved at another world size: no state of this rank's
-            rng = os.path.join(path, RNG_FILE)
-        if os.path.isfile(rng):
-            set_rng_states(torch.load(rng, weights_only=False))
+        if small["rng"] is not None:
+            set_rng_states(small["rng"])
         else:
             log.warning("offloadpp: checkpoint %s has no random number generator state for this rank", path)
-    client_state = torch.load(os.path.join(path, CLIENT_FILE), weights_only=False)
-    return path, client_state
+    return path, small["client"]
+
+
+def _load(path: str, name: str):
+    """One of the checkpoint's small files (its CRC already checked by the manifest's reader)."""
+    try:
+        return torch.load(os.path.join(path, name), weights_only=False)
+    except Exception as e:  # torch.load raises pickle's, zipfile's and its own errors
+        raise CheckpointError(f"checkpoint file {os.path.join(path, name)!r} cannot be read: {e}") from e
