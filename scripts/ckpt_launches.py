@@ -142,18 +142,16 @@ def main() -> int:
     a = ap.parse_args()
     work = a.work or tempfile.mkdtemp(prefix="offloadpp-ckpt-launches-")
     launchers = ("torchrun", "deepspeed") if a.launcher == "both" else (a.launcher,)
-    counts = {}
+    counts = dict.fromkeys(launchers, 0)
     try:
-        for name in launchers:
-            good = 0
-            for i in range(a.launches):
+        for i in range(a.launches):  # the launchers alternate: a run cut short has counts of both
+            for name in launchers:
                 t0 = time.perf_counter()
                 ok, why = launch(name, os.path.join(work, f"{name}{i}"), a.timeout)
-                good += ok
+                counts[name] += ok
                 print(f"{name} launch {i + 1}/{a.launches}: {'ok' if ok else 'FAILED ' + why}"
                       f" ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
                 shutil.rmtree(os.path.join(work, f"{name}{i}"), ignore_errors=True)
-            counts[name] = good
     finally:
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)
