@@ -18,6 +18,7 @@ those an in-memory AdamW step gives. The engine's buffer pools hold to the plan'
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -155,6 +156,8 @@ class OffloadEngine(StepTransaction, StepAccounting):
             self, _release, self.optimizer, self.activations.swapper, self.store,
             (self.device_pool, self.host_pool), self._lock, self.dp,
         )  # fmt: skip
+        _open_engines.add(self)
+        _close_open_engines_at_exit()
 
     def _io_config(self):
         """The config's I/O settings, or the plan's where the config left `io` at its defaults."""
@@ -377,9 +380,9 @@ class OffloadEngine(StepTransaction, StepAccounting):
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         # Note: the end of a step is not interruptible where its updates write in place (deferred
         # updates): a Ctrl-C while they run would leave some units updated. It is held until the
-        # step is complete, then raised. (A speculating step is a transaction to its end.)
+        # step is complete and counted, then raised. (A speculating step is a transaction to its end.)
         try:
-            with holding_interrupts(), record_function("offloadpp::optimizer_wait"):
+            with holding_interrupts() as interrupted, record_function("offloadpp::optimizer_wait"):
                 if self.settings.deferred_update:
                     steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
                     outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
@@ -408,6 +411,10 @@ class OffloadEngine(StepTransaction, StepAccounting):
         report = self._report(outcome, scale, exposed)
         if self.config.log_every and report.step % self.config.log_every == 0:
             log.info("%s", report.summary())
+        if interrupted:
+            log.warning("offloadpp: interrupted (KeyboardInterrupt) at the end of step %d, which completed first; "
+                        "checkpoints on disk are not touched", self.global_step)  # fmt: skip
+            raise KeyboardInterrupt
         return report
 
     # ---- the rest of the API ----------------------------------------------------------------
@@ -587,6 +594,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        _open_engines.discard(self)
         errors = self.optimizer.finish_all()
         try:
             self.activations.close()
@@ -608,6 +616,31 @@ class OffloadEngine(StepTransaction, StepAccounting):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# Note: exit. An engine still open when the interpreter exits (a KeyboardInterrupt or any error
+# that ended the script: its traceback keeps the engine, the model and the interrupted step's
+# autograd graph alive) would be torn down by the collector, in the arbitrary order of
+# finalization: torch then aborts the process ("terminate called after throwing an instance of
+# 'c10::Error' ... python_variable.cpp", rc -6) instead of exiting with the Python error. Every
+# open engine is therefore closed at exit, before that (atexit runs callbacks last-registered
+# first: registered after the first engine's weakref.finalize, this runs before finalize's own
+# exit hook), so hooks are removed and I/O finished while torch is still whole.
+_open_engines: weakref.WeakSet = weakref.WeakSet()
+_exit_hook: list = []
+
+
+def _close_at_exit() -> None:
+    for engine in list(_open_engines):
+        try:
+            engine.close()
+        except BaseException as e:  # noqa: BLE001 - exiting anyway: say it, close the others
+            log.warning("offloadpp: closing an engine at exit: %s", e)
+
+
+def _close_open_engines_at_exit() -> None:
+    if not _exit_hook:
+        _exit_hook.append(atexit.register(_close_at_exit))
 
 
 def _release(optimizer, swapper, store, pools, lock, dp=None) -> None:

@@ -80,6 +80,19 @@ _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
+    try:
+        return _save(engine, save_dir, tag, client_state, save_latest)
+    except KeyboardInterrupt:
+        latest = _resolve_tag(save_dir, None) if os.path.isdir(save_dir) else None
+        log.warning(
+            "offloadpp: interrupted (KeyboardInterrupt) while saving checkpoint %r: %s; the next save removes "
+            "what this one left", tag,
+            f"`latest` still names {latest!r}, complete" if latest else "no checkpoint was complete yet",
+        )  # fmt: skip
+        raise
+
+
+def _save(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
     _check_tag(tag)
     dp = engine.runtime.dp
     lead = dp is None or dp.rank == 0
