@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from offloadpp.io import IOConfig, TensorStore, crc32c
 from offloadpp.io.durable import fsync_dir, fsync_file, write_atomic
+from offloadpp.optim import AdamHyper
 
 from .slots import Hold
 from .state import init_compute_copy, to_device
@@ -266,6 +267,18 @@ def check_steps(manifest: dict, units: list[Unit]) -> None:
             v = steps.get(s.name) if isinstance(steps, dict) else None
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise CheckpointError(f"the checkpoint's step count of parameter {s.name!r} is {v!r}")
+
+
+def runtime_state(path: str, manifest: dict) -> tuple[dict, list[AdamHyper]]:
+    """The engine's own entry of the manifest (its global step, loss scaler) and its param
+    groups' hyper-parameters, checked before a load changes anything."""
+    rt = manifest.get("runtime")
+    if not isinstance(rt, dict) or not isinstance(rt.get("global_step"), int):
+        raise CheckpointError(f"checkpoint {path!r}: its manifest has no runtime state (global step)")
+    try:
+        return rt, [AdamHyper(**h) for h in (rt["hypers"] if "hypers" in rt else [rt["hyper"]])]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: its hyper-parameters cannot be read: {e}") from None
 
 
 def verify_state(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, optimizer_states: bool = True,

@@ -18,7 +18,6 @@ those an in-memory AdamW step gives. The engine's buffer pools hold to the plan'
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
@@ -45,6 +44,7 @@ from .config import RuntimeConfig, StepReport
 from .device import Device
 from .distributed import DataParallel, rank_dirs
 from .executor import Executor, ParamRef
+from .lifetime import close_at_exit, closed
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
 from .partition import find_units, layout_units
@@ -156,8 +156,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
             self, _release, self.optimizer, self.activations.swapper, self.store,
             (self.device_pool, self.host_pool), self._lock, self.dp,
         )  # fmt: skip
-        _open_engines.add(self)
-        _close_open_engines_at_exit()
+        close_at_exit(self)
 
     def _io_config(self):
         """The config's I/O settings, or the plan's where the config left `io` at its defaults."""
@@ -508,17 +507,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         after that (a disk failing between the passes) leaves the engine failed."""
         self._check_open()
         manifest = ckpt.read_manifest(path)
-        rt = manifest.get("runtime")
-        if not isinstance(rt, dict) or not isinstance(rt.get("global_step"), int):
-            raise ckpt.CheckpointError(
-                f"checkpoint {path!r}: its manifest has no runtime state (global step)"
-            )
-        try:
-            hypers = [AdamHyper(**h) for h in (rt["hypers"] if "hypers" in rt else [rt["hyper"]])]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ckpt.CheckpointError(
-                f"checkpoint {path!r}: its hyper-parameters cannot be read: {e}"
-            ) from None
+        rt, hypers = ckpt.runtime_state(path, manifest)
         self._quiesce()
         self.store.wait_all()
         # The backend this engine already resolved: a probe would write into the checkpoint.
@@ -594,7 +583,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        _open_engines.discard(self)
+        closed(self)
         errors = self.optimizer.finish_all()
         try:
             self.activations.close()
@@ -616,31 +605,6 @@ class OffloadEngine(StepTransaction, StepAccounting):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# Note: exit. An engine still open when the interpreter exits (a KeyboardInterrupt or any error
-# that ended the script: its traceback keeps the engine, the model and the interrupted step's
-# autograd graph alive) would be torn down by the collector, in the arbitrary order of
-# finalization: torch then aborts the process ("terminate called after throwing an instance of
-# 'c10::Error' ... python_variable.cpp", rc -6) instead of exiting with the Python error. Every
-# open engine is therefore closed at exit, before that (atexit runs callbacks last-registered
-# first: registered after the first engine's weakref.finalize, this runs before finalize's own
-# exit hook), so hooks are removed and I/O finished while torch is still whole.
-_open_engines: weakref.WeakSet = weakref.WeakSet()
-_exit_hook: list = []
-
-
-def _close_at_exit() -> None:
-    for engine in list(_open_engines):
-        try:
-            engine.close()
-        except BaseException as e:  # noqa: BLE001 - exiting anyway: say it, close the others
-            log.warning("offloadpp: closing an engine at exit: %s", e)
-
-
-def _close_open_engines_at_exit() -> None:
-    if not _exit_hook:
-        _exit_hook.append(atexit.register(_close_at_exit))
 
 
 def _release(optimizer, swapper, store, pools, lock, dp=None) -> None:
