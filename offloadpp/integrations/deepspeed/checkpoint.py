@@ -32,6 +32,7 @@ import torch
 
 from offloadpp.io.durable import recover_aside, swap_into_place, write_atomic
 from offloadpp.runtime.checkpoint import CheckpointError
+from offloadpp.runtime.sharded_checkpoint import agreed
 
 log = logging.getLogger("offloadpp")
 
@@ -98,45 +99,58 @@ def _save(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool
     lead = dp is None or dp.rank == 0
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".{tag}{PARTIAL}")
-    if lead:
-        os.makedirs(save_dir, exist_ok=True)
-        recover_aside(final)
-        _remove_dead_partials(save_dir)
-        os.makedirs(tmp)
-    if dp is not None:
-        dp.barrier()  # the folder exists for every rank
-    files: tuple[str, ...] = ()
-    if lead:
-        sched = engine.lr_scheduler
-        torch.save(
-            {
-                "global_steps": engine.global_steps,
-                "micro_steps": engine.micro_steps,
-                "global_samples": engine.global_samples,
-                "lr_scheduler": sched.state_dict() if sched is not None else None,
-                "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
-                "param_groups_hyper": [
-                    {k: g[k] for k in _GROUP_KEYS if k in g} for g in engine.optimizer.param_groups
-                ],
-            },
-            os.path.join(tmp, ENGINE_FILE),
-        )
-        torch.save(client_state, os.path.join(tmp, CLIENT_FILE))
-        files = (ENGINE_FILE, CLIENT_FILE)
-    own = engine.runtime.rank_dir(tmp)  # (tmp itself for one process)
-    os.makedirs(own, exist_ok=True)
-    torch.save(rng_states(), os.path.join(own, RNG_FILE))
-    if dp is None:
-        files += (RNG_FILE,)
+
+    def prepare() -> None:
+        if lead:
+            os.makedirs(save_dir, exist_ok=True)
+            recover_aside(final)
+            _remove_dead_partials(save_dir)
+            os.makedirs(tmp)
+
+    _together(dp, "preparing the checkpoint folder", prepare)  # the folder exists for every rank
+
+    def small_files() -> tuple[str, ...]:
+        files: tuple[str, ...] = ()
+        if lead:
+            sched = engine.lr_scheduler
+            torch.save(
+                {
+                    "global_steps": engine.global_steps,
+                    "micro_steps": engine.micro_steps,
+                    "global_samples": engine.global_samples,
+                    "lr_scheduler": sched.state_dict() if sched is not None else None,
+                    "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
+                    "param_groups_hyper": [
+                        {k: g[k] for k in _GROUP_KEYS if k in g} for g in engine.optimizer.param_groups
+                    ],
+                },
+                os.path.join(tmp, ENGINE_FILE),
+            )
+            torch.save(client_state, os.path.join(tmp, CLIENT_FILE))
+            files = (ENGINE_FILE, CLIENT_FILE)
+        own = engine.runtime.rank_dir(tmp)  # (tmp itself for one process)
+        os.makedirs(own, exist_ok=True)
+        torch.save(rng_states(), os.path.join(own, RNG_FILE))
+        return files + ((RNG_FILE,) if dp is None else ())
+
+    files = _together(dp, "writing the checkpoint's small files", small_files)
     engine.runtime.save_state(tmp, meta={"tag": tag, "saved_at": time.time()}, files=files,
                               rank_files=(RNG_FILE,) if dp is not None else ())  # fmt: skip
-    if lead:
-        swap_into_place(tmp, final)
-        if save_latest:
-            write_atomic(os.path.join(save_dir, "latest"), tag.encode())
-    if dp is not None:
-        dp.barrier()  # in place, and `latest` names it, for every rank
+
+    def commit() -> None:  # every rank has verified the folder (runtime/sharded_checkpoint.py)
+        if lead:
+            swap_into_place(tmp, final)
+            if save_latest:
+                write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+
+    _together(dp, "putting the checkpoint in place", commit)  # in place, `latest` names it, for every rank
     return final
+
+
+def _together(dp, what: str, fn):
+    """fn() on every rank, then a failure on any rank raised on all (sharded_checkpoint.agreed),
+    so that no rank waits in a collective for one that failed; one process: fn()."""
+    return fn() if dp is None else agreed(dp, what, fn)
 
 
 def _resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
