@@ -133,6 +133,26 @@ def _train_step(engine, x) -> float:
     return loss.item()
 
 
+def model_bytes(rt, args) -> dict:
+    """The cost model's SSD bytes per step for the plan the engine runs (its deferred step where the
+    plan speculates: every step of this benchmark clips), replayed at the engine's measured SSD rates;
+    the bytes hardly depend on the other rates, set here to round values."""
+    from dataclasses import replace
+
+    from offloadpp.planner.cost import estimate
+    from offloadpp.planner.hardware import HardwareProfile
+    from offloadpp.planner.model_profile import analytic_profile
+
+    mem = _mem_total()
+    hw = HardwareProfile(device="cpu", device_name="this machine", cpu_cores=os.cpu_count() or 1,
+                         ssd_read_gbps=rt.ssd_read_gbps, ssd_write_gbps=rt.ssd_write_gbps, h2d_gbps=10.0, d2h_gbps=10.0,
+                         memcpy_gbps=10.0, device_flops_per_s={"fp32": 100e9}, adam_params_per_s={1: 1e9},
+                         host_memory_bytes=mem, device_memory_bytes=mem)  # fmt: skip
+    m = analytic_profile(_gpt2_config(args).to_dict(), micro_batch=args.batch, seq_len=args.seq)
+    e = estimate(replace(rt.plan, speculative=False), hw, m)
+    return {"ssd_read_bytes": e.ssd_read_bytes, "ssd_write_bytes": e.ssd_write_bytes}
+
+
 def _offloadpp_child(args, work: str) -> dict:
     import torch
     from tqdm import tqdm
@@ -161,7 +181,9 @@ def _offloadpp_child(args, work: str) -> dict:
         "init_s": init_s,
         "plan": rt.plan.describe(),
         "budgets": rt.plan.describe_budgets(),
+        "model_bytes": model_bytes(rt, args),
     }
+    _log(f"cost model, bytes per step: {out['model_bytes']}")
     steps, losses, reports = [], [], []
     for i in tqdm(range(args.steps), desc="offloadpp: steps", file=sys.stderr):
         t = time.perf_counter()
@@ -226,6 +248,9 @@ def _zero_child(args, work: str) -> dict:
     nvme = os.path.join(work, "nvme")
     os.makedirs(nvme, exist_ok=True)
     cfg = ds_config(args, nvme, "zero")
+    from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks
+
+    clear_stale_build_locks(report=_log)  # DeepSpeed JIT-builds its ops: an interrupted build's lock hangs it
     t0 = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
         model = GPT2LMHeadModel(_gpt2_config(args))

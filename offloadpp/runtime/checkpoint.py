@@ -250,7 +250,10 @@ def read_array(ck: TensorStore, key: str, out: torch.Tensor, rec: dict, where: s
 def _record(manifest: dict, ck: TensorStore, key: str, where: str) -> dict:
     rec = manifest["arrays"].get(key)
     if rec is None or key not in ck:
-        array, unit = key.rsplit(".", 1)[1], key.rsplit(".", 1)[0]
+        unit, array = key.rsplit(".", 1)
+        why = ck.why_missing(key) if rec is not None else None
+        if why is not None:  # a file of the key's name is there: say what is wrong with it
+            raise CheckpointError(f"checkpoint {where!r}: the {array} of unit {unit!r}: {why}")
         raise CheckpointError(f"checkpoint {where!r} has no {array} for unit {unit!r}")
     return rec
 

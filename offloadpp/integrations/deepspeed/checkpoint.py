@@ -84,7 +84,10 @@ def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, 
     try:
         return _save(engine, save_dir, tag, client_state, save_latest)
     except KeyboardInterrupt:
-        latest = _resolve_tag(save_dir, None) if os.path.isdir(save_dir) else None
+        try:
+            latest = _resolve_tag(save_dir, None) if os.path.isdir(save_dir) else None
+        except CheckpointError:  # (an empty `latest`)
+            latest = None
         log.warning(
             "offloadpp: interrupted (KeyboardInterrupt) while saving checkpoint %r: %s; the next save removes "
             "what this one left", tag,
@@ -160,7 +163,13 @@ def _resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
     if not os.path.isfile(latest):
         return None
     with open(latest) as f:
-        return f.read().strip()
+        tag = f.read().strip()
+    if not tag:  # else the load dir itself would be read as the checkpoint ("manifest.json is missing")
+        raise CheckpointError(
+            f"{latest!r} is empty: it names no checkpoint tag (a save interrupted outside offloadpp, or a file "
+            "written by hand); pass tag=... to load_checkpoint, or write the tag into it"
+        )
+    return tag
 
 
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_optimizer_states: bool,
