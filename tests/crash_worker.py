@@ -148,7 +148,8 @@ def resume(root: str, nvme: str, clip: float):
 
 def zygote() -> None:
     """Serves the test on stdin/stdout. `run ROOT CLIP MARKS` forks a child that trains (prints
-    its pid); `wait PID` reaps it (prints its exit status); `quit` ends."""
+    its pid); `runint ...` one whose errors end its interpreter as a script's do (its stderr in
+    ROOT/stderr); `wait PID` reaps it (prints its exit status); `quit` ends."""
     import sys
     import tempfile
 
@@ -162,6 +163,15 @@ def zygote() -> None:
     warm_up()
     with tempfile.TemporaryDirectory() as d:  # one full run: every lazy initialisation paid here
         train(d, 1.0)
+    # Each child starts its own one-process group: the zygote's (a TCP store and gloo's threads,
+    # which a fork does not copy) would be torn down at a child's exit joining threads it lacks
+    # (std::system_error, "Invalid argument").
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
     print("@@ ready", flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -179,6 +189,17 @@ def zygote() -> None:
 
                     traceback.print_exc()
                     os._exit(1)
+            print(f"@@ {pid}", flush=True)
+        elif cmd == "runint":  # the same, ending as a script does: an uncaught error exits Python
+            root, clip, marks = args[0], float(args[1]), args[2]
+            pid = os.fork()
+            if pid == 0:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                err = os.open(os.path.join(root, "stderr"), os.O_WRONLY | os.O_CREAT, 0o644)
+                os.dup2(err, 2)
+                train(root, clip, Marks(marks))  # Ctrl-C: the KeyboardInterrupt ends the interpreter
+                os._exit(0)
             print(f"@@ {pid}", flush=True)
         elif cmd == "wait":
             _, status = os.waitpid(int(args[0]), 0)

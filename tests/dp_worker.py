@@ -35,10 +35,24 @@ def main() -> None:
         "--export", default=""
     )  # (deepspeed api) save_16bit_model there, sharded; then the whole dict
     ap.add_argument("--local_rank", type=int, default=None)  # (the deepspeed launcher passes it)
+    # The script starts torch.distributed itself, before offloadpp.initialize (many do).
+    ap.add_argument("--own-group", action="store_true")
+    # Ranks other than 0 read checkpoint manifests 2 s late: a save whose commit does not wait
+    # for every rank's reads has rank 0 rename the folder under them (issue 25's race, made sure).
+    ap.add_argument("--slow-readers", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     model = tiny_gpt2()
+    if args.own_group:
+        torch.distributed.init_process_group("gloo")
+    if args.slow_readers and rank != 0:
+        import time
+
+        from offloadpp.runtime import checkpoint as ckpt
+
+        real = ckpt.read_manifest
+        ckpt.read_manifest = lambda path: (time.sleep(2), real(path))[1]
     if args.api == "deepspeed":
         import offloadpp
 

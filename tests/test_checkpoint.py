@@ -86,7 +86,7 @@ def test_checkpoint_folder_is_durable_and_verified(tmp_path):
     eng.save_checkpoint(str(tmp_path / "ckpt"), tag="t1")
     ckpt = tmp_path / "ckpt" / "t1"
     manifest = json.loads((ckpt / MANIFEST).read_text())
-    assert manifest["format"] == 2 and (tmp_path / "ckpt" / "latest").read_text() == "t1"
+    assert manifest["format"] == 3 and (tmp_path / "ckpt" / "latest").read_text() == "t1"
     assert {r["file"] for r in manifest["files"]} == {"engine.pt", "rng.pt", "client_state.pt"}
     assert all(a["crc32c"] for a in manifest["arrays"].values())
     assert not [p for p in os.listdir(tmp_path / "ckpt") if p.endswith(".partial")]
@@ -196,3 +196,181 @@ def test_a_corrupted_state_header_and_an_empty_latest_are_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"latest' is empty: it names no checkpoint tag"):
         eng.load_checkpoint(str(tmp_path / "ckpt"))
     eng.close()
+
+
+# ---- all or nothing, read-only and full filesystems, the manifest's own checksum (issue 25) ----
+
+
+def _state(engine, where) -> dict:
+    """What a load would change, as a checkpoint records it: every array's CRC-32C (weights and
+    moments, bit for bit), every parameter's step count, the engine's counters."""
+    engine.save_checkpoint(str(where), tag="s")
+    m = json.loads((where / "s" / MANIFEST).read_text())
+    return {"arrays": m["arrays"], "param_steps": m["param_steps"], "runtime": m["runtime"]["global_step"],
+            "counters": (engine.global_steps, engine.micro_steps, engine.global_samples)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A checkpoint (tag t) of another run than the engines that load it: 2 steps from seed 3."""
+    d = tmp_path_factory.mktemp("good")
+    a, *_ = offloadpp.initialize(model=gpt2(seed=3), config=config(d / "nvme"))
+    steps(a, 0, 2)
+    a.save_checkpoint(str(d / "ckpt"), tag="t")
+    a.close()
+    return d / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def never_tried(tmp_path_factory):
+    """3 steps, the state recorded, 2 more steps: (state, losses, weights) of a run that never
+    tries a load."""
+    d = tmp_path_factory.mktemp("ref")
+    r, *_ = offloadpp.initialize(model=gpt2(), config=config(d / "nvme"))
+    steps(r, 0, 3)
+    before = _state(r, d / "snap")
+    out = before, steps(r, 3, 2), weights(r)
+    r.close()
+    return out
+
+
+def _last_unit_file(ck, array: str) -> str:
+    import re
+
+    m = json.loads((ck / MANIFEST).read_text())
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", f"{m['layout'][-1]['unit']}.{array}")
+    return str(ck / next(p for p in m["state_files"] if os.path.basename(p).startswith(stem + ".")))
+
+
+def _damaged(kind, good, tmp_path):
+    import shutil
+
+    if kind == "wrong_model":
+        a, *_ = offloadpp.initialize(model=gpt2(width=64), config=config(tmp_path / "wm"))
+        a.save_checkpoint(str(tmp_path / "bad"), tag="t")
+        a.close()
+        return tmp_path / "bad", "the checkpoint has shape"
+    shutil.copytree(good, tmp_path / "bad")
+    ck = tmp_path / "bad" / "t"
+    if kind == "checksum":  # the last unit's: every other array of the checkpoint is good
+        with open(_last_unit_file(ck, "exp_avg_sq"), "r+b") as f:
+            f.seek(4096 + 100)
+            byte = f.read(1)
+            f.seek(4096 + 100)
+            f.write(bytes([byte[0] ^ 0x40]))
+        return tmp_path / "bad", "checksum|CRC"
+    if kind == "truncation":
+        with open(_last_unit_file(ck, "master"), "r+b") as f:
+            f.truncate(4096)
+        return tmp_path / "bad", "has 4096 bytes, the manifest says"
+    m = json.loads((ck / MANIFEST).read_text())  # one step count 2 -> 3: one bit of the file
+    name = list(m["param_steps"])[-1]
+    m["param_steps"][name] += 1
+    (ck / MANIFEST).write_text(json.dumps(m, indent=1))
+    return tmp_path / "bad", "does not match its own CRC-32C"
+
+
+@pytest.mark.parametrize("kind", ["checksum", "truncation", "wrong_model", "manifest_bit_flip"])
+def test_a_failed_load_leaves_the_engine_exactly_as_it_was(tmp_path, good, never_tried, kind):
+    """The load fails, and the engine's weights, moments and counters are bit for bit those of
+    before the call; training on equals a run that never tried (it was half loaded: 27 of 29
+    parameters from the checkpoint after a checksum error; a changed step count was taken)."""
+    before_ref, want_losses, want = never_tried
+    bad, match = _damaged(kind, good, tmp_path)
+    e, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / "nvme"))
+    steps(e, 0, 3)
+    before = _state(e, tmp_path / "snap1")
+    assert before == before_ref
+    with pytest.raises((CheckpointError, SwapIOError), match=match):
+        e.load_checkpoint(str(bad), tag="t")
+    assert _state(e, tmp_path / "snap2") == before
+    assert steps(e, 3, 2) == want_losses
+    got = weights(e)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    e.close()
+
+
+def test_an_older_manifest_without_its_own_checksum_still_loads(tmp_path, good, caplog):
+    import shutil
+
+    shutil.copytree(good, tmp_path / "old")
+    mpath = tmp_path / "old" / "t" / MANIFEST
+    m = json.loads(mpath.read_text())
+    del m["manifest_crc32c"]
+    m["format"] = 2  # as offloadpp wrote it before manifests had a checksum of their own
+    mpath.write_text(json.dumps(m, indent=1))
+    e, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / "nvme"))
+    e.load_checkpoint(str(tmp_path / "old"), tag="t")
+    assert e.global_steps == 2 and "has no checksum of its own" in caplog.text
+    m["format"] = 7
+    mpath.write_text(json.dumps(m, indent=1))
+    with pytest.raises(CheckpointError, match="has format 7; this offloadpp reads 2 and 3"):
+        e.load_checkpoint(str(tmp_path / "old"), tag="t")
+    e.close()
+
+
+def _mount(*args) -> None:
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    r = subprocess.run(["mount", *map(str, args)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount here: {r.stderr.strip()}")
+
+
+def _umount(path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _loads_like_the_original(good, where, tmp_path) -> None:
+    listing = sorted(os.listdir(where / "t" / "state"))
+    out = []
+    for src in (where, good):  # (one after the other: each load sets the RNGs dropout uses)
+        e, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / f"nv{len(out)}"))
+        e.load_checkpoint(str(src), tag="t")
+        out.append((e.global_steps, steps(e, 2, 1), weights(e)))
+        e.close()
+    assert out[0][:2] == out[1][:2] and out[0][0] == 2
+    assert all(torch.equal(out[0][2][k], out[1][2][k]) for k in out[1][2])
+    assert sorted(os.listdir(where / "t" / "state")) == listing  # no probe file, nothing written
+
+
+def test_a_checkpoint_loads_from_a_read_only_mount(tmp_path, good):
+    """A read-only bind mount of a good checkpoint loads (was: EROFS creating a probe file in
+    TAG/state)."""
+    import shutil
+
+    shutil.copytree(good, tmp_path / "src")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _mount("--bind", tmp_path / "src", ro)
+    try:
+        _mount("-o", "remount,ro,bind", ro)
+        with pytest.raises(OSError, match="Read-only"):
+            open(ro / "t" / "x", "w")
+        _loads_like_the_original(good, ro, tmp_path)
+    finally:
+        _umount(ro)
+
+
+def test_a_checkpoint_loads_from_a_full_filesystem(tmp_path, good):
+    """A checkpoint on a filesystem with no byte left loads (was: ENOSPC creating a probe file)."""
+    import shutil
+
+    size = sum(f.stat().st_size for f in good.rglob("*") if f.is_file())
+    full = tmp_path / "full"
+    full.mkdir()
+    _mount("-t", "tmpfs", "-o", f"size={size + (2 << 20)}", "tmpfs", full)
+    try:
+        shutil.copytree(good, full, dirs_exist_ok=True)
+        with open(full / "filler", "wb") as f:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    f.write(b"\0" * (1 << 16))
+                    f.flush()
+        _loads_like_the_original(good, full, tmp_path)
+    finally:
+        _umount(full)

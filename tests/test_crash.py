@@ -85,15 +85,16 @@ def reference(tmp_path_factory):
     return want, {p: sorted(v)[len(v) // 2] for p, v in spans.items()}
 
 
-def _kill_during(zygote: Zygote, root: str, target: int, nth: int, window_s: float) -> int:
-    """Starts a training child, kills it U(0, window_s) after it entered phase `target` for the
-    nth time; returns the phase it was in when killed (-1: it finished first)."""
+def _kill_during(zygote: Zygote, root: str, target: int, nth: int, window_s: float, sig=signal.SIGKILL,
+                 run: str = "run") -> tuple[int, int]:  # fmt: skip
+    """Starts a training child, sends it `sig` U(0, window_s) after it entered phase `target` for
+    the nth time; returns the phase it was in then (-1: it finished first) and its exit status."""
     os.makedirs(root)
     path = os.path.join(root, "marks")
     with open(path, "wb") as f:
         f.write(bytes(16))
     marks = W.Marks(path)
-    pid = int(zygote.ask(f"run {root} 1.0 {path}"))
+    pid = int(zygote.ask(f"{run} {root} 1.0 {path}"))
     seen, last, at = 0, 0, -1
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -105,13 +106,12 @@ def _kill_during(zygote: Zygote, root: str, target: int, nth: int, window_s: flo
                 if seen == nth:
                     time.sleep(random.uniform(0, window_s))
                     at = marks.get()[0]
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, sig)
                     break
         if phase == W.IDLE and count == 2 * (2 * W.STEPS + 1):  # every mark made: done
             break
         time.sleep(0.0002)
-    zygote.ask(f"wait {pid}")
-    return at
+    return at, int(zygote.ask(f"wait {pid}"))
 
 
 @pytest.mark.parametrize("target", [W.STEP, W.SAVE], ids=["in-step", "in-save"])
@@ -125,7 +125,7 @@ def test_kill_minus_nine_then_resume_is_bit_identical(zygote, reference, tmp_pat
             if hits >= TRIALS:
                 break
             root = str(tmp_path / f"t{trial}")
-            at = _kill_during(
+            at, _ = _kill_during(
                 zygote, root, target, nth=rng.randint(1, W.STEPS), window_s=0.9 * phase_s[target]
             )
             hits += at == target
@@ -143,3 +143,48 @@ def test_kill_minus_nine_then_resume_is_bit_identical(zygote, reference, tmp_pat
     finally:
         torch.set_num_threads(n)
     assert hits >= TRIALS, f"only {hits} kills landed inside the phase"
+
+
+INT_TRIALS = 10  # Ctrl-C that lands inside the phase, per kind
+
+
+@pytest.mark.parametrize("target", [W.STEP, W.SAVE], ids=["in-step", "in-save"])
+def test_ctrl_c_exits_with_a_keyboard_interrupt_and_resumes_bit_identically(
+    zygote, reference, tmp_path, target
+):
+    """SIGINT at random points inside a step and inside a save: the process ends with Python's
+    KeyboardInterrupt (killed by SIGINT after a clean shutdown: the open engine is closed at exit),
+    never torch's C++ abort (`terminate called ... c10::Error ... python_variable.cpp`, rc -6),
+    and the newest tag resumes bit for bit."""
+    want, phase_s = reference
+    rng = random.Random(10 + target)
+    hits = 0
+    n = torch.get_num_threads()
+    try:
+        for trial in range(3 * INT_TRIALS):
+            if hits >= INT_TRIALS:
+                break
+            root = str(tmp_path / f"t{trial}")
+            at, status = _kill_during(zygote, root, target, nth=rng.randint(1, W.STEPS),
+                                      window_s=0.9 * phase_s[target], sig=signal.SIGINT, run="runint")  # fmt: skip
+            if at != target:
+                shutil.rmtree(root, ignore_errors=True)
+                continue
+            hits += 1
+            err = open(os.path.join(root, "stderr")).read()
+            assert "terminate called" not in err and "c10::Error" not in err, err[-3000:]
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT, (status, err[-3000:])
+            assert "KeyboardInterrupt" in err and "offloadpp: interrupted (KeyboardInterrupt)" in err, err[
+                -3000:
+            ]
+            if not os.path.exists(os.path.join(root, "ckpt", "latest")):
+                continue  # interrupted in the first save: nothing to resume
+            start, got = W.resume(root, os.path.join(root, "nvme-resume"), clip=1.0)
+            bad = [k for k in want if not torch.equal(got[k], want[k])]
+            assert not bad, (
+                f"trial {trial} (interrupted in phase {at}, resumed from step {start}): {bad[:3]} differ"
+            )
+            shutil.rmtree(root, ignore_errors=True)
+    finally:
+        torch.set_num_threads(n)
+    assert hits >= INT_TRIALS, f"only {hits} interrupts landed inside the phase"

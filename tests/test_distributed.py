@@ -148,6 +148,51 @@ def test_deepspeed_launcher_two_cpu_ranks(tmp_path):
     assert sorted(os.listdir(nvme / "offloadpp")) == ["rank0", "rank1"]
 
 
+def test_a_process_group_the_script_made_is_used(tmp_path):
+    """A script that calls torch.distributed.init_process_group("gloo") itself under torchrun:
+    offloadpp.initialize trains over that group's two ranks (was refused: "the config's
+    data-parallel world size is 1 but the launcher started 2 ranks")."""
+    nvme, out = tmp_path / "nvme", tmp_path / "out"
+    nvme.mkdir()
+    torchrun(
+        [str(out), "--nvme", str(nvme), "--api", "deepspeed", "--own-group", "--steps", "2", "--clip", "1.0"]
+    )
+    assert compare_weights(weights(out), reference(2, clip=1.0, parts=2), lr=LR, steps=2) < 1e-5
+    assert all(d["world"] == 2 for d in ranks(out))
+
+
+def test_two_rank_save_checkpoint_commits_after_every_rank_read_it(tmp_path):
+    """engine.save_checkpoint over two ranks whose manifest reads are slow: rank 0 renames
+    `.t.partial` to `t` only once every rank has read and verified it, so the save succeeds
+    on both (it failed with "manifest.json is missing" on rank 1), and the folder resumes."""
+    nvme, ck = tmp_path / "nvme", tmp_path / "ck"
+    nvme.mkdir()
+    args = ["--api", "deepspeed", "--steps", "2", "--clip", "1.0", "--slow-readers"]
+    torchrun([str(tmp_path / "a"), "--nvme", str(nvme), "--save", str(ck), *args])
+    assert sorted(os.listdir(ck)) == ["latest", "t"]
+    assert sorted(os.listdir(ck / "t")) == [
+        "client_state.pt",
+        "engine.pt",
+        "manifest.json",
+        "rank00000",
+        "rank00001",
+    ]
+    (tmp_path / "nv_b").mkdir()
+    torchrun([str(tmp_path / "b"), "--nvme", str(tmp_path / "nv_b"), "--api", "deepspeed", "--steps", "2",
+              "--from-step", "2", "--clip", "1.0", "--load", str(ck), "--slow-readers"])  # fmt: skip
+    assert compare_weights(weights(tmp_path / "b"), reference(4, clip=1.0, parts=2), lr=LR, steps=4) < 1e-5
+
+
+def test_ckpt_launches_script_saves_and_resumes_exactly(tmp_path):
+    """scripts/ckpt_launches.py (the 30-launch bar of issue 25; docs/distributed.md) with one
+    launch under each launcher: save_checkpoint, train on, load, train again, bit for bit."""
+    script = os.path.join(REPO, "scripts", "ckpt_launches.py")
+    r = subprocess.run([sys.executable, script, "--launches", "1", "--work", str(tmp_path / "w")], env=_env(),
+                       cwd=REPO, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "torchrun 1/1 deepspeed 1/1 launches saved and resumed exactly" in r.stdout
+
+
 def _single_engine(nvme, accum: int = 2):
     from dp_common import tiny_gpt2
 

@@ -347,3 +347,20 @@ def test_close_closes_every_swap_file_while_the_store_is_still_referenced(tmp_pa
     assert len(open_swap_files()) == 2
     s.close()
     assert open_swap_files() == []
+
+
+def test_a_read_only_store_reads_and_never_writes(tmp_path):
+    """readonly=True: the keys are read, put and delete refuse with EROFS, and nothing is created
+    in the directory (no backend probe file: a read-only mount or a full disk opens)."""
+    t = _rand((3, 1000), torch.float32)
+    with TensorStore([tmp_path], config=IOConfig(checksum=True)) as st:
+        st.put("k", t).wait()
+    before = sorted(os.listdir(tmp_path))
+    with TensorStore([tmp_path], config=IOConfig(checksum=True), create=False, readonly=True) as ro:
+        assert torch.equal(ro.get("k").result(), t)
+        with pytest.raises(SwapIOError) as e:
+            ro.put("k2", t)
+        assert e.value.errno == errno.EROFS
+        with pytest.raises(SwapIOError):
+            ro.delete("k")
+    assert sorted(os.listdir(tmp_path)) == before

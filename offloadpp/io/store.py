@@ -10,6 +10,12 @@ failed put from ever reading as valid.
 Hot path: an aligned, contiguous CPU tensor goes to disk with no copy; only a tail shorter than
 4096 bytes passes through a one-block buffer. Anything else (unaligned, strided, on a GPU)
 passes through a reused aligned bounce buffer.
+
+Note: read-only. A checkpoint is read with TensorStore(dirs, create=False, readonly=True): its
+files are opened O_RDONLY, put and delete raise EROFS, and AUTO's backend probe (which writes a
+file) is not run: the thread pool reads, unless the caller names the backend it already
+resolved elsewhere. So a read-only mount or a full disk loads like any other; where the
+filesystem refuses O_DIRECT the files are read through the page cache.
 """
 
 from __future__ import annotations
@@ -110,9 +116,11 @@ class TensorStore:
         config: Optional[IOConfig] = None,
         create: bool = True,
         weights: Optional[Sequence[float]] = None,
+        readonly: bool = False,
     ):
         """weights: per directory, its share of each striped tensor (e.g. its measured GB/s, so
-        that every SSD finishes its part at once); None: equal parts."""
+        that every SSD finishes its part at once); None: equal parts. readonly: the existing
+        files are read and nothing is ever written or created in `dirs` (Note: read-only)."""
         if isinstance(dirs, (str, os.PathLike)):
             dirs = [dirs]
         self.dirs = [os.path.abspath(os.fspath(d)) for d in dirs]
@@ -123,8 +131,12 @@ class TensorStore:
                              "(need one weight > 0 per directory)")  # fmt: skip
         self.weights = None if weights is None else [float(w) for w in weights]
         self.config = config if config is not None else IOConfig()
+        self.readonly = readonly
+        engine_config = self.config
+        if readonly and engine_config.backend == "auto":  # AUTO's probe writes a file: not here
+            engine_config = engine_config.model_copy(update={"backend": "threadpool"})
         for d in self.dirs:
-            if create:
+            if create and not readonly:
                 try:
                     os.makedirs(d, exist_ok=True)
                 except OSError as e:
@@ -136,7 +148,7 @@ class TensorStore:
         self._engines: list[_C.Engine] = []
         try:
             for d in self.dirs:
-                self._engines.append(make_engine(self.config, d, self._clock))
+                self._engines.append(make_engine(engine_config, d, self._clock))
         except BaseException:
             for e in self._engines:
                 e.close()
@@ -161,6 +173,7 @@ class TensorStore:
         """Starts writing `tensor` under `key`; it must stay alive and unchanged until the future
         completes. A put to a key waits for that key's in-flight operations first."""
         self._check_open()
+        self._check_writable(f"put({key!r})")
         self._check_key(key)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({key!r}, ...) needs a torch.Tensor, got {type(tensor).__name__}")
@@ -417,6 +430,7 @@ class TensorStore:
     def delete(self, key: str) -> None:
         """Waits for the key's in-flight operations, then removes its files."""
         self._check_open()
+        self._check_writable(f"delete({key!r})")
         with self._lock:
             if key not in self._index:
                 raise KeyError(key)
@@ -557,7 +571,10 @@ class TensorStore:
         f = p.file
         if f is None or f.closed:
             try:
-                f = _C.File(p.path, read=True, write=True, create=create, direct=self.config.o_direct)
+                if self.readonly:
+                    f = self._open_read(p.path)
+                else:
+                    f = _C.File(p.path, read=True, write=True, create=create, direct=self.config.o_direct)
             except OSError as e:
                 gone = self._removed_dir(p.path) if e.errno == _errno.ENOENT else None
                 if gone is not None:
@@ -565,6 +582,20 @@ class TensorStore:
                 raise
             p.file = f
         return f
+
+    def _open_read(self, path: str) -> _C.File:
+        """A file opened for reading only; on a filesystem that refuses O_DIRECT (tmpfs, some
+        network mounts) a read-only store reads it through the page cache instead."""
+        try:
+            return _C.File(path, read=True, write=False, create=False, direct=self.config.o_direct)
+        except SwapIOError as e:
+            if not (self.readonly and self.config.o_direct and e.errno == EINVAL):
+                raise
+        return _C.File(path, read=True, write=False, create=False, direct=False)
+
+    def _check_writable(self, what: str) -> None:
+        if self.readonly:
+            raise swap_error(_errno.EROFS, f"{what} on a store opened read-only", self.dirs[0])
 
     def _header_req(self, header: fmt.Header, f: _C.File, held: list, write: bool) -> tuple:
         hb = self._headers.acquire()
@@ -624,7 +655,7 @@ class TensorStore:
                     continue
                 path = os.path.join(d, name)
                 try:
-                    f = _C.File(path, read=True, write=False, create=False, direct=self.config.o_direct)
+                    f = self._open_read(path)
                     f.pread_into(hb.ptr, H, 0)
                     h = fmt.unpack(memoryview(hb), path)
                 except SwapIOError as e:

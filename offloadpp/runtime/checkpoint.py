@@ -15,12 +15,23 @@ Note: durable and verified. Every file is fdatasync'ed and the folders fsync'ed 
 manifest is written (temporary name, fsync, rename); a checkpoint without a manifest is not one.
 Loading checks the manifest's layout against the model (names, shapes, dtypes: a mismatch is
 refused naming it) and every file's size before reading a byte, and each array's CRC-32C after.
+The manifest carries a CRC-32C of its own content (format 3), so a changed step count or
+layout entry is refused too; format 2 manifests (without it) still load, with a warning.
+
+Note: all or nothing. A load must leave the engine as it was when it fails, so it runs in two
+passes: verify_state reads every array it will take, one at a time into a buffer of the slot's
+own pool (bounded memory), and checks it, changing nothing; only then does load_state read them
+again into the engine. The checkpoint is read twice (a load costs two reads of the state, once
+per load: the price of never leaving a half-loaded engine after a checksum error). A failure in
+the second pass (the disk failing between the two) leaves the engine marked failed, so it is
+not trained on.
 Naming the folder (and `latest`) is the caller's: see integrations/deepspeed/checkpoint.py.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Callable, Optional
 
@@ -29,15 +40,19 @@ from tqdm import tqdm
 
 from offloadpp.io import IOConfig, TensorStore, crc32c
 from offloadpp.io.durable import fsync_dir, fsync_file, write_atomic
+from offloadpp.optim import AdamHyper
 
 from .slots import Hold
 from .state import init_compute_copy, to_device
 from .unit import Unit
 
-FORMAT = 2
+FORMAT = 3  # 3: the manifest carries its own CRC-32C (2: without, still read)
 MANIFEST = "manifest.json"
+MANIFEST_CRC = "manifest_crc32c"
 STATE_DIR = "state"
 ARRAYS = ("master", "exp_avg", "exp_avg_sq")
+
+log = logging.getLogger("offloadpp")
 
 
 class CheckpointError(RuntimeError):
@@ -100,12 +115,29 @@ def check_layout(saved: list[dict], units: list[Unit]) -> None:
         raise CheckpointError(f"the checkpoint has units the model lacks: {sorted(extra_units)}")
 
 
+def _crc(data: bytes) -> int:
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+    return crc32c(buf.data_ptr(), len(data)) if buf is not None else 0
+
+
 def _file_record(path: str, base: str) -> dict:
     with open(path, "rb") as f:
         data = f.read()
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-    crc = crc32c(buf.data_ptr(), len(data)) if buf is not None else 0
-    return {"file": os.path.relpath(path, base), "nbytes": len(data), "crc32c": crc}
+    return {"file": os.path.relpath(path, base), "nbytes": len(data), "crc32c": _crc(data)}
+
+
+def _manifest_crc(manifest: dict) -> int:
+    """The CRC-32C of the manifest's content (every key but the CRC itself), over a canonical
+    JSON text (sorted keys, no spaces): a changed value anywhere (a step count) changes it."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
+    return _crc(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def write_manifest(path: str, manifest: dict) -> None:
+    """manifest.json in the folder `path`, with its own CRC-32C, durably (temporary name, fsync,
+    rename): the last file of a checkpoint."""
+    sealed = {**manifest, MANIFEST_CRC: _manifest_crc(manifest)}
+    write_atomic(os.path.join(path, MANIFEST), json.dumps(sealed, indent=1).encode())
 
 
 def save_state(units: list[Unit], path: str, *, io: IOConfig, meta: dict, files: tuple[str, ...] = (),
@@ -143,7 +175,7 @@ def save_state(units: list[Unit], path: str, *, io: IOConfig, meta: dict, files:
         **meta,
     }
     fsync_dir(path)
-    write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+    write_manifest(path, manifest)
     return manifest
 
 
@@ -156,12 +188,25 @@ def read_manifest(path: str) -> dict:
     try:
         with open(mpath) as f:
             manifest = json.load(f)
-    except ValueError as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath!r} is not valid JSON: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"checkpoint {path!r} has format {manifest.get('format')!r}; this offloadpp reads {FORMAT}"
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{mpath!r} is not a checkpoint manifest (a JSON object)")
+    fmt = manifest.get("format")
+    if fmt == FORMAT:
+        want = manifest.get(MANIFEST_CRC)
+        if want != _manifest_crc(manifest):
+            raise CheckpointError(
+                f"{mpath!r} does not match its own CRC-32C ({MANIFEST_CRC} {want!r}): the manifest was changed or "
+                "damaged after it was written; load an older tag"
+            )
+    elif fmt == 2:  # written before manifests had their own checksum: its files' are still checked
+        log.warning(
+            "offloadpp: %s has no checksum of its own (format 2, an older offloadpp's); its files are checked",
+            mpath,
         )
+    else:
+        raise CheckpointError(f"checkpoint {path!r} has format {fmt!r}; this offloadpp reads 2 and {FORMAT}")
     for rel, n in manifest["state_files"].items():
         p = os.path.join(path, rel)
         if not os.path.isfile(p):
@@ -180,38 +225,108 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
+def reader(state_dir: str, io: IOConfig) -> TensorStore:
+    """A checkpoint's store, opened to read only (no probe file, nothing written: a read-only
+    mount or a full disk loads), every payload's checksum checked."""
+    return TensorStore(
+        [state_dir], config=io.model_copy(update={"checksum": True}), create=False, readonly=True
+    )
+
+
+def read_array(ck: TensorStore, key: str, out: torch.Tensor, rec: dict, where: str) -> None:
+    """Reads `key` into `out`, checked against the manifest's record (size and CRC-32C)."""
+    if rec["nbytes"] != out.numel() * out.element_size():
+        raise CheckpointError(
+            f"checkpoint {where!r}: {key} has {rec['nbytes']} bytes, this engine's array {out.numel() * out.element_size()}"
+        )
+    try:
+        ck.get(key, out=out).wait()  # the header's CRC checked by the store
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {where!r}: {key} cannot be read: {e}") from e
+    if crc32c(out.data_ptr(), rec["nbytes"]) != rec["crc32c"]:
+        raise CheckpointError(f"checkpoint {where!r}: {key} does not match its manifest's CRC-32C")
+
+
+def _record(manifest: dict, ck: TensorStore, key: str, where: str) -> dict:
+    rec = manifest["arrays"].get(key)
+    if rec is None or key not in ck:
+        unit, array = key.rsplit(".", 1)
+        why = ck.why_missing(key) if rec is not None else None
+        if why is not None:  # a file of the key's name is there: say what is wrong with it
+            raise CheckpointError(f"checkpoint {where!r}: the {array} of unit {unit!r}: {why}")
+        raise CheckpointError(f"checkpoint {where!r} has no {array} for unit {unit!r}")
+    return rec
+
+
+def _taken(u: Unit, optimizer_states: bool):
+    return [(a, s) for a, s in zip(ARRAYS, _slots(u)) if a == "master" or optimizer_states]
+
+
+def check_steps(manifest: dict, units: list[Unit]) -> None:
+    """Every parameter's step count is in the manifest, a whole number >= 0."""
+    steps = manifest.get("param_steps")
+    for u in units:
+        for _, s in u.params:
+            v = steps.get(s.name) if isinstance(steps, dict) else None
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CheckpointError(f"the checkpoint's step count of parameter {s.name!r} is {v!r}")
+
+
+def runtime_state(path: str, manifest: dict) -> tuple[dict, list[AdamHyper]]:
+    """The engine's own entry of the manifest (its global step, loss scaler) and its param
+    groups' hyper-parameters, checked before a load changes anything."""
+    rt = manifest.get("runtime")
+    if not isinstance(rt, dict) or not isinstance(rt.get("global_step"), int):
+        raise CheckpointError(f"checkpoint {path!r}: its manifest has no runtime state (global step)")
+    try:
+        return rt, [AdamHyper(**h) for h in (rt["hypers"] if "hypers" in rt else [rt["hyper"]])]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: its hyper-parameters cannot be read: {e}") from None
+
+
+def verify_state(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, optimizer_states: bool = True,
+                 progress: bool = False) -> None:  # fmt: skip
+    """Everything load_state will take from the checkpoint at `path` (its manifest already read),
+    checked and nothing changed: the layout, the step counts, every array read into a buffer of
+    its slot's pool and checked (size, CRC-32C), one at a time (Note: all or nothing)."""
+    check_layout(manifest["layout"], units)
+    check_steps(manifest, units)
+    with reader(os.path.join(path, STATE_DIR), io) as ck:
+        for u in tqdm(units, desc="offloadpp: verifying", disable=not progress, leave=False):
+            for array, slot in _taken(u, optimizer_states):
+                key = f"{u.name}.{array}"
+                rec = _record(manifest, ck, key, path)
+                part = slot.pool.get(slot.numel, slot.dtype)
+                try:
+                    read_array(ck, key, part, rec, path)
+                finally:
+                    slot.pool.put(part)
+
+
 def load_state(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, optimizer_states: bool = True,
                progress: bool = False, after_unit: Optional[Callable[[Unit], None]] = None) -> None:  # fmt: skip
-    """Reads the checkpoint at `path` (its manifest already read) into every unit's homes;
-    optimizer_states=False takes the weights only. Between steps, the optimizer quiet."""
+    """Reads the checkpoint at `path` (its manifest already read, and verify_state passed: this
+    changes the engine from its first array on) into every unit's homes; optimizer_states=False
+    takes the weights only. Between steps, the optimizer quiet."""
     check_layout(manifest["layout"], units)
-    cfg = io.model_copy(update={"checksum": True})
-    with TensorStore([os.path.join(path, STATE_DIR)], config=cfg, create=False) as ck:
+    with reader(os.path.join(path, STATE_DIR), io) as ck:
         for u in tqdm(units, desc="offloadpp: loading", disable=not progress, leave=False):
-            for array, slot in zip(ARRAYS, _slots(u)):
-                if array != "master" and not optimizer_states:
-                    continue
+            for array, slot in _taken(u, optimizer_states):
                 key = f"{u.name}.{array}"
-                rec = manifest["arrays"].get(key)
-                if rec is None or key not in ck:
-                    why = ck.why_missing(key) if rec is not None else None
-                    if why is not None:  # a file of the key's name is there: say what is wrong with it
-                        raise CheckpointError(f"checkpoint {path!r}: the {array} of unit {u.name!r}: {why}")
-                    raise CheckpointError(f"checkpoint {path!r} has no {array} for unit {u.name!r}")
+                rec = _record(manifest, ck, key, path)
                 slot.acquire(Hold.EXPORT, overwrite=True)
-                buf = slot.wait()
-                ck.get(key, out=buf).wait()  # the header's CRC checked by the store
-                if crc32c(buf.data_ptr(), rec["nbytes"]) != rec["crc32c"]:
+                try:
+                    buf = slot.wait()
+                    read_array(ck, key, buf, rec, path)
+                    if slot.stored:
+                        g = slot.write_generation()
+                        slot.wrote(slot.store.put(slot.key_of(g), buf), g)
+                    if slot is u.master and u.compute is not u.master:
+                        init_compute_copy(u)  # (and copied up where resident on the device)
+                    elif slot is u.master and u.device.is_cuda and u.weights.resident:
+                        to_device(u)
+                finally:
                     slot.release(Hold.EXPORT)
-                    raise CheckpointError(f"checkpoint {path!r}: {key} does not match its manifest's CRC-32C")
-                if slot.stored:
-                    g = slot.write_generation()
-                    slot.wrote(slot.store.put(slot.key_of(g), buf), g)
-                if slot is u.master and u.compute is not u.master:
-                    init_compute_copy(u)  # (and copied up where resident on the device)
-                elif slot is u.master and u.device.is_cuda and u.weights.resident:
-                    to_device(u)
-                slot.release(Hold.EXPORT)
             if optimizer_states:
                 u.steps = [int(manifest["param_steps"][s.name]) for _, s in u.params]
             if after_unit is not None:

@@ -44,6 +44,7 @@ from .config import RuntimeConfig, StepReport
 from .device import Device
 from .distributed import DataParallel, rank_dirs
 from .executor import Executor, ParamRef
+from .lifetime import close_at_exit, closed
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
 from .partition import find_units, layout_units
@@ -51,7 +52,7 @@ from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
 from .reports import StepAccounting
 from .sharded import ShardedUnit, initialize_sharded_units
-from .sharded_checkpoint import load_sharded, rank_dir, save_sharded
+from .sharded_checkpoint import agreed, load_sharded, rank_dir, save_sharded, verify_sharded
 from .sharded_optimizer import ShardedOptimizerPipeline
 from .slots import Txn
 from .speculation import SpeculationPolicy, finish_updates
@@ -156,6 +157,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
             (self.device_pool, self.host_pool), self._lock, self.dp,
             None if config.keep_swap else tuple(config.nvme_paths),
         )  # fmt: skip
+        close_at_exit(self)
 
     def _io_config(self):
         """The config's I/O settings, or the plan's where the config left `io` at its defaults."""
@@ -388,9 +390,9 @@ class OffloadEngine(StepTransaction, StepAccounting):
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         # Note: the end of a step is not interruptible where its updates write in place (deferred
         # updates): a Ctrl-C while they run would leave some units updated. It is held until the
-        # step is complete, then raised. (A speculating step is a transaction to its end.)
+        # step is complete and counted, then raised. (A speculating step is a transaction to its end.)
         try:
-            with holding_interrupts(), record_function("offloadpp::optimizer_wait"):
+            with holding_interrupts() as interrupted, record_function("offloadpp::optimizer_wait"):
                 if self.settings.deferred_update:
                     steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
                     outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
@@ -419,6 +421,10 @@ class OffloadEngine(StepTransaction, StepAccounting):
         report = self._report(outcome, scale, exposed)
         if self.config.log_every and report.step % self.config.log_every == 0:
             log.info("%s", report.summary())
+        if interrupted:
+            log.warning("offloadpp: interrupted (KeyboardInterrupt) at the end of step %d, which completed first; "
+                        "checkpoints on disk are not touched", self.global_step)  # fmt: skip
+            raise KeyboardInterrupt
         return report
 
     # ---- the rest of the API ----------------------------------------------------------------
@@ -503,30 +509,56 @@ class OffloadEngine(StepTransaction, StepAccounting):
         """Where this rank's part of a checkpoint at `path` goes (path itself for one process)."""
         return rank_dir(path, self.dp.rank) if self.dp is not None else path
 
-    def load_state(self, path: str, *, optimizer_states: bool = True, progress: bool = False) -> dict:
+    def load_state(self, path: str, *, optimizer_states: bool = True, progress: bool = False,
+                   before_apply: Optional[Callable[[], None]] = None) -> dict:  # fmt: skip
         """Reads a checkpoint save_state wrote into the engine (the weights only with
         optimizer_states=False), after checking it is this model's and intact. Returns its
-        manifest. Between steps; a half-done accumulation window is dropped."""
+        manifest. Between steps; a half-done accumulation window is dropped. All or nothing
+        (runtime/checkpoint.py's Note): everything is verified first, `before_apply` (the
+        caller's own checks and reads; over ranks, every rank's) runs next, and the engine is
+        changed only if all passed; if it raises the engine is as before the call. A failure
+        after that (a disk failing between the passes) leaves the engine failed."""
         self._check_open()
         manifest = ckpt.read_manifest(path)
+        rt, hypers = ckpt.runtime_state(path, manifest)
         self._quiesce()
         self.store.wait_all()
-        if self.dp is not None or "world_size" in manifest:  # (over ranks: resharded if need be)
-            load_sharded(self.units, path, manifest, dp=self.dp, io=self.store.config,
-                         optimizer_states=optimizer_states, progress=progress)  # fmt: skip
+        # The backend this engine already resolved: a probe would write into the checkpoint.
+        io = self.store.config.model_copy(update={"backend": self.store.backends[0]})
+        sharded = self.dp is not None or "world_size" in manifest  # (over ranks: resharded if need be)
+
+        def verify() -> None:
+            if sharded:
+                verify_sharded(self.units, path, manifest, dp=self.dp, io=io, optimizer_states=optimizer_states,
+                               progress=progress)  # fmt: skip
+            else:
+                ckpt.verify_state(self.units, path, manifest, io=io, optimizer_states=optimizer_states,
+                                  progress=progress)  # fmt: skip
+            if before_apply is not None:
+                before_apply()
+
+        if self.dp is not None:
+            agreed(self.dp, f"verifying checkpoint {path!r}", verify)
         else:
-            ckpt.load_state(self.units, path, manifest, io=self.store.config, optimizer_states=optimizer_states,
-                            progress=progress)  # fmt: skip
-        self.store.wait_all()
-        self.store.check_writes()
-        rt = manifest["runtime"]
+            verify()
+        try:
+            if sharded:
+                load_sharded(self.units, path, manifest, dp=self.dp, io=io, optimizer_states=optimizer_states,
+                             progress=progress, verified=True)  # fmt: skip
+            else:
+                ckpt.load_state(self.units, path, manifest, io=io, optimizer_states=optimizer_states,
+                                progress=progress)  # fmt: skip
+            self.store.wait_all()
+            self.store.check_writes()
+        except BaseException as e:
+            self._failed = e  # half loaded: not to be trained on
+            raise
         if optimizer_states:
             self.global_step = int(rt["global_step"])
             if self.loss_scaler is not None and rt.get("loss_scaler"):
                 self.loss_scaler.load_state_dict(rt["loss_scaler"])
-            hypers = rt["hypers"] if "hypers" in rt else [rt["hyper"]]
             if len(hypers) == len(self.hypers) or all(g == 0 for u in self.units for g in u.groups):
-                self.set_hypers([AdamHyper(**h) for h in hypers])
+                self.set_hypers(hypers)
         self.micro_in_window = 0
         for u in self.units:
             u.start_window()
@@ -566,6 +598,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        closed(self)
         errors = []
         if self._failed is None:
             try:

@@ -15,6 +15,14 @@ ranks meet, and only then does rank 0 write the global manifest (temporary name,
 without it the folder is not a checkpoint, and with it every rank's part is there and verified
 by CRC. Naming the folder and `latest` stays the caller's, as for one process.
 
+Note: the commit. The caller renames the folder (rank 0, after save_sharded returns), so every
+rank must be done with the folder's old name first: save_sharded returns only after every rank
+has read and verified the global manifest at `path` (three agreements, each an all-gather of
+every rank's error or none). Returning earlier (a barrier, then the other ranks reading the
+manifest) let rank 0 rename the folder under them: "manifest.json is missing" on rank 1 in most
+two-rank launches. A failure on any rank (a full disk, a bad CRC) is raised on every rank,
+naming the rank, instead of the others hanging in the next collective; rank 0 renames nothing.
+
 Note: resharding. A checkpoint's shards are ranges of each unit's flat layout, which does not
 depend on the world size (only the padding after the last parameter does). Loaded at another
 world size (one process included, and a one-process checkpoint into several ranks), each rank
@@ -25,17 +33,16 @@ node, or a shared filesystem), else the load is refused naming the folder.
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from offloadpp.io import IOConfig, TensorStore, crc32c
-from offloadpp.io.durable import fsync_dir, fsync_file, write_atomic
+from offloadpp.io import IOConfig, TensorStore
+from offloadpp.io.durable import fsync_dir, fsync_file
 
 from . import checkpoint as ckpt
-from .checkpoint import ARRAYS, MANIFEST, STATE_DIR, CheckpointError
+from .checkpoint import MANIFEST, STATE_DIR, CheckpointError
 from .distributed import DataParallel
 from .slots import Hold
 from .state import init_compute_copy, to_device
@@ -53,17 +60,45 @@ def _range(u: Unit) -> tuple[int, int]:
     return getattr(u, "lo", 0), getattr(u, "hi", u.padded_numel)
 
 
+def agreed(dp: DataParallel, what: str, fn: Callable[[], object]):
+    """Runs `fn` on every rank, then every rank learns whether all succeeded: if one failed,
+    every rank raises CheckpointError naming it (rather than the others waiting forever in the
+    next barrier for a rank that is gone). A collective; returns `fn`'s result."""
+    result, err = None, ""
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - told to every rank, re-raised below
+        err = f"{type(e).__name__}: {e}"
+        failure = e
+    errors = dp.all_gather_object(err)
+    bad = [(r, m) for r, m in enumerate(errors) if m]
+    if bad:
+        r, m = bad[0]
+        if err:
+            raise CheckpointError(f"{what} failed on rank {dp.rank}: {err}") from failure
+        raise CheckpointError(f"{what} failed on rank {r}: {m}")
+    return result
+
+
 def save_sharded(units: list[Unit], path: str, *, dp: DataParallel, io: IOConfig, meta: dict,
                  files: tuple[str, ...] = (), rank_files: tuple[str, ...] = (), progress: bool = False) -> dict:  # fmt: skip
     """Every rank writes its shards into rank_dir(path, rank) (with `rank_files`, written there
     by the caller); then rank 0 the global manifest with `meta` and the small `files` it wrote
-    into `path`. A collective. Returns the global manifest."""
+    into `path`; then every rank reads and verifies that manifest. A collective: when it returns
+    on any rank, every rank has verified the checkpoint at `path` and holds its manifest, so
+    rank 0 may rename the folder (module Note: the commit). Returns the global manifest."""
     rd = rank_dir(path, dp.rank)
-    os.makedirs(rd, exist_ok=True)
-    shard = {"rank": dp.rank, "world_size": dp.world, "ranges": {u.name: list(_range(u)) for u in units}}
-    ckpt.save_state(units, rd, io=io, meta={"shard": shard}, files=rank_files, progress=progress)
-    dp.barrier()  # every rank's folder is durable
-    if dp.rank == 0:
+
+    def own() -> None:
+        os.makedirs(rd, exist_ok=True)
+        shard = {"rank": dp.rank, "world_size": dp.world, "ranges": {u.name: list(_range(u)) for u in units}}
+        ckpt.save_state(units, rd, io=io, meta={"shard": shard}, files=rank_files, progress=progress)
+
+    agreed(dp, "saving this rank's shards", own)  # every rank's folder is durable
+
+    def glob() -> None:
+        if dp.rank != 0:
+            return
         records = []
         for name in files:
             fsync_file(os.path.join(path, name))
@@ -82,9 +117,11 @@ def save_sharded(units: list[Unit], path: str, *, dp: DataParallel, io: IOConfig
             **meta,
         }
         fsync_dir(path)
-        write_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
-    dp.barrier()  # the checkpoint exists for every rank once this returns
-    return ckpt.read_manifest(path) if dp.rank != 0 else manifest
+        ckpt.write_manifest(path, manifest)
+
+    agreed(dp, "writing the global manifest", glob)
+    # Every rank reads the global manifest here, at `path`, before any rank may rename it.
+    return agreed(dp, "verifying the saved checkpoint", lambda: ckpt.read_manifest(path))
 
 
 class _Saved:
@@ -97,7 +134,7 @@ class _Saved:
         self.shard_numel = manifest.get("shard_numel") or {
             d["unit"]: d["padded_numel"] for d in manifest["layout"]
         }
-        self.cfg = io.model_copy(update={"checksum": True})
+        self.io = io
         self._stores: dict[int, tuple[TensorStore, dict]] = {}
         self._single = manifest
 
@@ -115,7 +152,7 @@ class _Saved:
                 )
             m = ckpt.read_manifest(folder) if self.sharded else self._single
             self._stores[k] = (
-                TensorStore([os.path.join(folder, STATE_DIR)], config=self.cfg, create=False),
+                ckpt.reader(os.path.join(folder, STATE_DIR), self.io),
                 m,
             )
         return self._stores[k]
@@ -126,21 +163,74 @@ class _Saved:
         self._stores.clear()
 
 
-def load_sharded(units: list[Unit], path: str, manifest: dict, *, dp: Optional[DataParallel], io: IOConfig,
-                 optimizer_states: bool = True, progress: bool = False) -> None:  # fmt: skip
-    """Reads a checkpoint (save_sharded's, or a one-process one) into this rank's units: its own
-    folder where the world sizes agree, else its range from the saved shards (module Note)."""
+def _overlaps(u: Unit, so: int):
+    """The saved shards (of `so` elements each) holding part of this rank's range of `u`: (k, a,
+    b), [a, b) in the unit's flat layout."""
+    lo, hi = _range(u)
+    end = min(hi, u.numel)  # (past the parameters: padding, zeros)
+    for k in range(lo // so if so else 0, -(-end // so) if so else 0):
+        a, b = max(lo, k * so), min(end, (k + 1) * so)
+        if a < b:
+            yield k, a, b
+
+
+def _own(units: list[Unit], path: str, rank: int) -> tuple[str, dict]:
+    """This rank's folder and manifest where the world sizes agree, its ranges checked."""
+    rd = rank_dir(path, rank)
+    own = ckpt.read_manifest(rd)
+    saved_range = own.get("shard", {}).get("ranges", {})
+    for u in units:
+        if saved_range.get(u.name) != list(_range(u)):
+            raise CheckpointError(
+                f"checkpoint {rd!r}: unit {u.name!r} was saved as another range of its layout"
+            )
+    return rd, own
+
+
+def verify_sharded(units: list[Unit], path: str, manifest: dict, *, dp: Optional[DataParallel], io: IOConfig,
+                   optimizer_states: bool = True, progress: bool = False) -> None:  # fmt: skip
+    """Everything load_sharded will take on this rank, checked and nothing changed (checkpoint.py's
+    Note: all or nothing): its own folder where the world sizes agree, else every saved shard
+    part its range overlaps. Not a collective (load_sharded makes the ranks agree)."""
     ckpt.check_layout(manifest["layout"], units)
+    ckpt.check_steps(manifest, units)
     world, rank = (dp.world, dp.rank) if dp is not None else (1, 0)
     if int(manifest.get("world_size", 1)) == world and "world_size" in manifest:
-        rd = rank_dir(path, rank)
-        own = ckpt.read_manifest(rd)
-        saved_range = own.get("shard", {}).get("ranges", {})
+        rd, own = _own(units, path, rank)
+        ckpt.verify_state(units, rd, own, io=io, optimizer_states=optimizer_states, progress=progress)
+        return
+    saved = _Saved(path, manifest, io)
+    try:
         for u in units:
-            if saved_range.get(u.name) != list(_range(u)):
-                raise CheckpointError(
-                    f"checkpoint {rd!r}: unit {u.name!r} was saved as another range of its layout"
-                )
+            so = int(saved.shard_numel[u.name])
+            for array, slot in ckpt._taken(u, optimizer_states):
+                key = f"{u.name}.{array}"
+                for k, _, _ in _overlaps(u, so):
+                    st, m = saved.store(k)
+                    rec = ckpt._record(m, st, key, saved.folder(k))
+                    part = slot.pool.get(so, torch.float32)
+                    try:
+                        ckpt.read_array(st, key, part, rec, saved.folder(k))
+                    finally:
+                        slot.pool.put(part)
+    finally:
+        saved.close()
+
+
+def load_sharded(units: list[Unit], path: str, manifest: dict, *, dp: Optional[DataParallel], io: IOConfig,
+                 optimizer_states: bool = True, progress: bool = False, verified: bool = False) -> None:  # fmt: skip
+    """Reads a checkpoint (save_sharded's, or a one-process one) into this rank's units: its own
+    folder where the world sizes agree, else its range from the saved shards (module Note).
+    All or nothing, and over ranks: unless the caller did (verified=True), every rank verifies
+    what it will read, the ranks agree that all passed (a failure on one is raised on all), and
+    only then does any rank change its engine."""
+    if not verified:
+        verify = lambda: verify_sharded(units, path, manifest, dp=dp, io=io,  # noqa: E731
+                                        optimizer_states=optimizer_states, progress=progress)  # fmt: skip
+        agreed(dp, f"verifying checkpoint {path!r}", verify) if dp is not None else verify()
+    world, rank = (dp.world, dp.rank) if dp is not None else (1, 0)
+    if int(manifest.get("world_size", 1)) == world and "world_size" in manifest:
+        rd, own = _own(units, path, rank)
         ckpt.load_state(units, rd, own, io=io, optimizer_states=optimizer_states, progress=progress)
     else:
         _reshard(units, path, manifest, io=io, optimizer_states=optimizer_states)
@@ -156,46 +246,31 @@ def _reshard(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, opti
     try:
         for u in units:
             so = int(saved.shard_numel[u.name])
-            lo, hi = _range(u)
-            end = min(hi, u.numel)  # (past the parameters: padding, zeros)
-            for array, slot in zip(ARRAYS, (u.master, u.exp_avg, u.exp_avg_sq)):
-                if array != "master" and not optimizer_states:
-                    continue
+            lo, _ = _range(u)
+            for array, slot in ckpt._taken(u, optimizer_states):
                 slot.acquire(Hold.EXPORT, overwrite=True)
-                buf = slot.wait()
-                buf.zero_()
-                for k in range(lo // so if so else 0, -(-end // so) if so else 0):
-                    a, b = max(lo, k * so), min(end, (k + 1) * so)
-                    if a >= b:
-                        continue
-                    st, m = saved.store(k)
+                try:
+                    buf = slot.wait()
+                    buf.zero_()
                     key = f"{u.name}.{array}"
-                    rec = m["arrays"].get(key)
-                    if rec is None or key not in st:
-                        why = st.why_missing(key) if rec is not None else None
-                        raise CheckpointError(
-                            f"checkpoint {saved.folder(k)!r}: the {array} of unit {u.name!r}: {why}"
-                            if why is not None  # a file of the key's name is there: what is wrong with it
-                            else f"checkpoint {saved.folder(k)!r} has no {array} for unit {u.name!r}"
-                        )
-                    part = slot.pool.get(so, torch.float32)
-                    try:
-                        st.get(key, out=part).wait()
-                        if crc32c(part.data_ptr(), rec["nbytes"]) != rec["crc32c"]:
-                            raise CheckpointError(
-                                f"checkpoint {saved.folder(k)!r}: {key} does not match its CRC-32C"
-                            )
-                        buf[a - lo : b - lo].copy_(part[a - k * so : b - k * so])
-                    finally:
-                        slot.pool.put(part)
-                if slot.stored:
-                    g = slot.write_generation()
-                    slot.wrote(slot.store.put(slot.key_of(g), buf), g)
-                if slot is u.master and u.compute is not u.master:
-                    init_compute_copy(u)
-                elif slot is u.master and u.device.is_cuda and u.weights.resident:
-                    to_device(u)
-                slot.release(Hold.EXPORT)
+                    for k, a, b in _overlaps(u, so):
+                        st, m = saved.store(k)
+                        rec = ckpt._record(m, st, key, saved.folder(k))
+                        part = slot.pool.get(so, torch.float32)
+                        try:
+                            ckpt.read_array(st, key, part, rec, saved.folder(k))
+                            buf[a - lo : b - lo].copy_(part[a - k * so : b - k * so])
+                        finally:
+                            slot.pool.put(part)
+                    if slot.stored:
+                        g = slot.write_generation()
+                        slot.wrote(slot.store.put(slot.key_of(g), buf), g)
+                    if slot is u.master and u.compute is not u.master:
+                        init_compute_copy(u)
+                    elif slot is u.master and u.device.is_cuda and u.weights.resident:
+                        to_device(u)
+                finally:
+                    slot.release(Hold.EXPORT)
     finally:
         saved.close()
 
@@ -215,4 +290,4 @@ def _regather_resident(units: list[Unit], dp: DataParallel) -> None:
         u.compute.release(Hold.EXPORT)
 
 
-__all__ = ["RANK_DIR", "load_sharded", "rank_dir", "save_sharded"]
+__all__ = ["RANK_DIR", "agreed", "load_sharded", "rank_dir", "save_sharded", "verify_sharded"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 
 from .unit import UnitPhase
@@ -49,6 +50,9 @@ class StepTransaction:
         accumulated in the window are dropped. State the plan keeps in memory (a HOST tier) is
         updated in place and cannot go back: if any was, the engine refuses to go on and names
         the unit (load the last checkpoint)."""
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            log.warning("offloadpp: interrupted (KeyboardInterrupt) inside a step: the engine goes back to its last "
+                        "completed step (%d); checkpoints on disk are not touched", self.global_step)  # fmt: skip
         errors = self.optimizer.finish_all()  # jobs in flight complete (they cannot be stopped half way)
         try:
             self.optimizer.complete_pending()  # the last completed step's (runtime/pending.py)
@@ -104,19 +108,19 @@ class StepTransaction:
 
 @contextlib.contextmanager
 def holding_interrupts():
-    """Ctrl-C (SIGINT) held until the block is done, then raised; elsewhere than the main
-    thread, or where another handler was installed, nothing changes."""
+    """Ctrl-C (SIGINT) held while the block runs: yields a list that holds the signals that came
+    meanwhile, for the caller to raise KeyboardInterrupt once its work is complete (its
+    bookkeeping too, not only the block); elsewhere than the main thread, or where another
+    handler was installed, nothing changes (the list stays empty)."""
+    got: list = []
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):
-        yield
+        yield got
         return
-    got = []
     old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
     try:
-        yield
+        yield got
     finally:
         signal.signal(signal.SIGINT, old)
-    if got:
-        raise KeyboardInterrupt

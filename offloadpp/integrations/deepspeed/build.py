@@ -238,6 +238,16 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
             deepspeed.init_distributed(
                 dist_backend=backend, dist_init_required=dist_init_required, verbose=False
             )
+    elif tdist.is_initialized():
+        import deepspeed
+        import deepspeed.comm
+
+        # The script made the process group itself (torch.distributed.init_process_group):
+        # DeepSpeed's comm layer, which its config reads the world size from (1 until it is
+        # started), wraps that group, as DeepSpeedEngine's own init_distributed call does.
+        if not deepspeed.comm.is_initialized():
+            with _without_shm_comm():
+                deepspeed.init_distributed(dist_backend=tdist.get_backend(), verbose=False)
     return tdist.get_world_size() if tdist.is_initialized() else 1
 
 

@@ -32,6 +32,7 @@ import torch
 
 from offloadpp.io.durable import recover_aside, swap_into_place, write_atomic
 from offloadpp.runtime.checkpoint import CheckpointError
+from offloadpp.runtime.sharded_checkpoint import agreed
 
 log = logging.getLogger("offloadpp")
 
@@ -80,50 +81,79 @@ _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
+    try:
+        return _save(engine, save_dir, tag, client_state, save_latest)
+    except KeyboardInterrupt:
+        try:
+            latest = _resolve_tag(save_dir, None) if os.path.isdir(save_dir) else None
+        except CheckpointError:  # (an empty `latest`)
+            latest = None
+        log.warning(
+            "offloadpp: interrupted (KeyboardInterrupt) while saving checkpoint %r: %s; the next save removes "
+            "what this one left", tag,
+            f"`latest` still names {latest!r}, complete" if latest else "no checkpoint was complete yet",
+        )  # fmt: skip
+        raise
+
+
+def _save(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
     _check_tag(tag)
     dp = engine.runtime.dp
     lead = dp is None or dp.rank == 0
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".{tag}{PARTIAL}")
-    if lead:
-        os.makedirs(save_dir, exist_ok=True)
-        recover_aside(final)
-        _remove_dead_partials(save_dir)
-        os.makedirs(tmp)
-    if dp is not None:
-        dp.barrier()  # the folder exists for every rank
-    files: tuple[str, ...] = ()
-    if lead:
-        sched = engine.lr_scheduler
-        torch.save(
-            {
-                "global_steps": engine.global_steps,
-                "micro_steps": engine.micro_steps,
-                "global_samples": engine.global_samples,
-                "lr_scheduler": sched.state_dict() if sched is not None else None,
-                "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
-                "param_groups_hyper": [
-                    {k: g[k] for k in _GROUP_KEYS if k in g} for g in engine.optimizer.param_groups
-                ],
-            },
-            os.path.join(tmp, ENGINE_FILE),
-        )
-        torch.save(client_state, os.path.join(tmp, CLIENT_FILE))
-        files = (ENGINE_FILE, CLIENT_FILE)
-    own = engine.runtime.rank_dir(tmp)  # (tmp itself for one process)
-    os.makedirs(own, exist_ok=True)
-    torch.save(rng_states(), os.path.join(own, RNG_FILE))
-    if dp is None:
-        files += (RNG_FILE,)
+
+    def prepare() -> None:
+        if lead:
+            os.makedirs(save_dir, exist_ok=True)
+            recover_aside(final)
+            _remove_dead_partials(save_dir)
+            os.makedirs(tmp)
+
+    _together(dp, "preparing the checkpoint folder", prepare)  # the folder exists for every rank
+
+    def small_files() -> tuple[str, ...]:
+        files: tuple[str, ...] = ()
+        if lead:
+            sched = engine.lr_scheduler
+            torch.save(
+                {
+                    "global_steps": engine.global_steps,
+                    "micro_steps": engine.micro_steps,
+                    "global_samples": engine.global_samples,
+                    "lr_scheduler": sched.state_dict() if sched is not None else None,
+                    "param_groups_lr": [g["lr"] for g in engine.optimizer.param_groups],
+                    "param_groups_hyper": [
+                        {k: g[k] for k in _GROUP_KEYS if k in g} for g in engine.optimizer.param_groups
+                    ],
+                },
+                os.path.join(tmp, ENGINE_FILE),
+            )
+            torch.save(client_state, os.path.join(tmp, CLIENT_FILE))
+            files = (ENGINE_FILE, CLIENT_FILE)
+        own = engine.runtime.rank_dir(tmp)  # (tmp itself for one process)
+        os.makedirs(own, exist_ok=True)
+        torch.save(rng_states(), os.path.join(own, RNG_FILE))
+        return files + ((RNG_FILE,) if dp is None else ())
+
+    files = _together(dp, "writing the checkpoint's small files", small_files)
     engine.runtime.save_state(tmp, meta={"tag": tag, "saved_at": time.time()}, files=files,
                               rank_files=(RNG_FILE,) if dp is not None else ())  # fmt: skip
-    if lead:
-        swap_into_place(tmp, final)
-        if save_latest:
-            write_atomic(os.path.join(save_dir, "latest"), tag.encode())
-    if dp is not None:
-        dp.barrier()  # in place, and `latest` names it, for every rank
+
+    def commit() -> None:  # every rank has verified the folder (runtime/sharded_checkpoint.py)
+        if lead:
+            swap_into_place(tmp, final)
+            if save_latest:
+                write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+
+    _together(dp, "putting the checkpoint in place", commit)  # in place, `latest` names it, for every rank
     return final
+
+
+def _together(dp, what: str, fn):
+    """fn() on every rank, then a failure on any rank raised on all (sharded_checkpoint.agreed),
+    so that no rank waits in a collective for one that failed; one process: fn()."""
+    return fn() if dp is None else agreed(dp, what, fn)
 
 
 def _resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
@@ -156,9 +186,20 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         dp.barrier()
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
-    engine.runtime.load_state(path, optimizer_states=load_optimizer_states)
+    small: dict = {}
+
+    def read_small() -> None:  # after the runtime verified its part, before anything changes
+        small["meta"] = _load(path, ENGINE_FILE)
+        small["client"] = _load(path, CLIENT_FILE)
+        if load_optimizer_states:
+            rng = os.path.join(engine.runtime.rank_dir(path), RNG_FILE)
+            if not os.path.isfile(rng):  # saved at another world size: no state of this rank's
+                rng = os.path.join(path, RNG_FILE)
+            small["rng"] = _load(path, os.path.relpath(rng, path)) if os.path.isfile(rng) else None
+
+    engine.runtime.load_state(path, optimizer_states=load_optimizer_states, before_apply=read_small)
     engine._pending = None  # a half-done accumulation window is dropped with the runtime's
-    meta = torch.load(os.path.join(path, ENGINE_FILE), weights_only=False)
+    meta = small["meta"]
     engine.global_steps = meta["global_steps"]
     engine.micro_steps = meta["micro_steps"]
     engine.global_samples = meta["global_samples"]
@@ -170,12 +211,16 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         g.update(hyper)
     engine._push_lr()
     if load_optimizer_states:
-        rng = os.path.join(engine.runtime.rank_dir(path), RNG_FILE)
-        if not os.path.isfile(rng):  # saved at another world size: no state of this rank's
-            rng = os.path.join(path, RNG_FILE)
-        if os.path.isfile(rng):
-            set_rng_states(torch.load(rng, weights_only=False))
+        if small["rng"] is not None:
+            set_rng_states(small["rng"])
         else:
             log.warning("offloadpp: checkpoint %s has no random number generator state for this rank", path)
-    client_state = torch.load(os.path.join(path, CLIENT_FILE), weights_only=False)
-    return path, client_state
+    return path, small["client"]
+
+
+def _load(path: str, name: str):
+    """One of the checkpoint's small files (its CRC already checked by the manifest's reader)."""
+    try:
+        return torch.load(os.path.join(path, name), weights_only=False)
+    except Exception as e:  # torch.load raises pickle's, zipfile's and its own errors
+        raise CheckpointError(f"checkpoint file {os.path.join(path, name)!r} cannot be read: {e}") from e

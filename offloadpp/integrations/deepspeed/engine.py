@@ -28,6 +28,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from offloadpp.integrations.deepspeed import surface
 from offloadpp.integrations.deepspeed.checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
+from offloadpp.runtime.transaction import holding_interrupts
 
 logger = logging.getLogger("offloadpp")
 
@@ -129,7 +130,17 @@ class OffloadppEngine(DeepSpeedEngine):
         """Completes the micro-batch whose backward ran. On an accumulation boundary: waits for
         the optimizer (whose updates ran during backward), steps the LR scheduler unless fp16
         skipped the step, advances the counters. Call it after every backward, as with DeepSpeed
-        (Accelerate calls it only on boundaries: the other micro-batches complete by themselves)."""
+        (Accelerate calls it only on boundaries: the other micro-batches complete by themselves).
+        A Ctrl-C in the step's end is held until the counters and the scheduler have stepped too
+        (runtime/transaction.py's holding_interrupts), then raised."""
+        with holding_interrupts() as interrupted:
+            self._step(lr_kwargs)
+        if interrupted:
+            logger.warning("offloadpp: interrupted (KeyboardInterrupt) at the end of step %d, which completed first; "
+                           "checkpoints on disk are not touched", self.global_steps)  # fmt: skip
+            raise KeyboardInterrupt
+
+    def _step(self, lr_kwargs: Optional[dict]) -> None:
         if self._pending is None:
             return
         boundary = self._pending
