@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from offloadpp.io import IOConfig
 from offloadpp.planner import Settings, fmt_bytes
+from offloadpp.planner.io_settings import io_set_of
 
 
 class RuntimeConfig(BaseModel):
@@ -37,6 +38,11 @@ class RuntimeConfig(BaseModel):
     ssd_read_gbps: Optional[float] = Field(None, gt=0.0)
     ssd_write_gbps: Optional[float] = Field(None, gt=0.0)
     log_every: int = Field(1, ge=0)
+
+    def io_set(self) -> dict[str, int]:
+        """The I/O settings this config fixes itself (set on its IOConfig, not left to their
+        defaults), for the resolve stage, which lets them win over the hardware profile's."""
+        return io_set_of(self.io)
 
     @field_validator("nvme_paths")
     @classmethod
