@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_device_bytes": _peak_device_bytes(engine),
         "device": str(engine.device),
         "device_memory_cap_bytes": cap,
+        "config": cfg,  # the JSON this side ran: the harness checks both ran the same (ab.same_json)
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -66,8 +66,18 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# DeepSpeed's recommended aio block, which every ZeRO-Infinity config carries: both sides get it
+# (offloadpp reports it as not applied, planner/io_settings.py).
+AIO = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+       "overlap_events": True}  # fmt: skip
+
+
 def ds_config(args, nvme: str, side: str) -> dict:
+    """The one DeepSpeed JSON both sides run; ours adds only `"offloadpp": {"enabled": true}`.
+    It carries what ZeRO-Infinity needs to run this model at all on this machine (DESIGN.md),
+    which offloadpp ignores (docs/deepspeed.md's key table), and the aio block."""
     nvme_dev = {"device": "nvme", "nvme_path": nvme}
+    largest = 50257 * args.width
     cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -76,18 +86,15 @@ def ds_config(args, nvme: str, side: str) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": dict(nvme_dev),
+            "offload_param": {**nvme_dev, "buffer_size": int(largest * 1.05), "buffer_count": 5},
             "offload_optimizer": dict(nvme_dev),
+            "stage3_max_reuse_distance": 0,
+            "sub_group_size": int(1e8),
         },
+        "aio": dict(AIO),
     }
     if side == "offloadpp":
         cfg["offloadpp"] = {"enabled": True}
-    else:
-        # what ZeRO-Infinity needs to run this model at all on this machine (DESIGN.md)
-        largest = 50257 * args.width
-        cfg["zero_optimization"].update(stage3_max_reuse_distance=0, sub_group_size=int(1e8))
-        cfg["zero_optimization"]["offload_param"].update(buffer_size=int(largest * 1.05), buffer_count=5)
-        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
     return cfg
 
 
