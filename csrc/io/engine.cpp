@@ -1,5 +1,7 @@
 #include "io/engine.h"
 
+#include "io/aligned_buffer.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -94,6 +96,7 @@ Engine::Engine(BackendKind kind, uint64_t block_size, unsigned queue_depth, unsi
     Worker* wp = w.get();
     w->thread = std::thread([this, wp] { worker_main(*wp); });
   }
+  verifier_ = std::thread([this] { verifier_main(); });
 }
 
 Engine::~Engine() { close(); }
@@ -112,6 +115,13 @@ void Engine::close() {
   for (auto& w : workers_) {
     if (w->thread.joinable()) w->thread.join();
   }
+  // Every request has completed: what is left to verify is queued. The verifier drains it.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    verifier_stop_ = true;
+  }
+  verify_cv_.notify_all();
+  if (verifier_.joinable()) verifier_.join();
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = true;
 }
@@ -126,6 +136,10 @@ static void validate_spec(const RequestSpec& s) {
   if (s.len > 0 && s.buf == nullptr) throw IoError(EFAULT, std::string(op) + " (null buffer)", path, s.offset);
   if (!s.write && s.required > s.len) {
     throw IoError(EINVAL, std::string(op) + " (required bytes exceed the request length)", path, s.offset);
+  }
+  if (s.crc_len > 0 && (s.write || s.crc_len > s.len)) {
+    throw IoError(EINVAL, std::string(op) + " (a checksum is computed for reads, within the request)", path,
+                  s.offset);
   }
   if (s.file->direct()) {
     const auto addr = reinterpret_cast<uintptr_t>(s.buf);
@@ -160,6 +174,7 @@ std::shared_ptr<Handle> Engine::submit(std::vector<ChainSpec> chains, bool write
       for (auto& spec : stage_spec) {
         validate_spec(spec);
         if (spec.len == 0) continue;
+        if (spec.crc_len > 0) h->crc_jobs_.emplace_back(spec.buf, spec.crc_len);
         auto r = std::make_shared<Request>();
         r->spec = spec;
         r->chain = c.get();
@@ -422,6 +437,18 @@ void Engine::handle_finished_locked(Handle& h, std::vector<std::shared_ptr<Handl
     }
   }
   clock_->end(h.write_, now);
+  if (!h.failed_ && !h.crc_jobs_.empty()) {
+    auto it = live_.find(&h);
+    if (it != live_.end()) {  // stays live (wait_all waits for it) until verified
+      verify_.push_back(it->second);
+      verify_cv_.notify_one();
+      return;
+    }
+  }
+  complete_handle_locked(h, fin);
+}
+
+void Engine::complete_handle_locked(Handle& h, std::vector<std::shared_ptr<Handle>>& fin) {
   h.done_.store(true, std::memory_order_release);
   auto it = live_.find(&h);
   if (it != live_.end()) {
@@ -429,6 +456,30 @@ void Engine::handle_finished_locked(Handle& h, std::vector<std::shared_ptr<Handl
     live_.erase(it);
   }
   if (live_.empty()) idle_cv_.notify_all();
+}
+
+void Engine::verifier_main() {
+  std::vector<std::shared_ptr<Handle>> fin;
+  for (;;) {
+    std::shared_ptr<Handle> h;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      verify_cv_.wait(lock, [&] { return !verify_.empty() || verifier_stop_; });
+      if (verify_.empty()) return;
+      h = std::move(verify_.front());
+      verify_.pop_front();
+    }
+    // The handle is not done: nobody reads crcs_ yet, and the buffers are the caller's until it is.
+    std::vector<uint32_t> crcs;
+    crcs.reserve(h->crc_jobs_.size());
+    for (const auto& job : h->crc_jobs_) crcs.push_back(crc32c(job.first, job.second));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      h->crcs_ = std::move(crcs);
+      complete_handle_locked(*h, fin);
+    }
+    notify(fin);
+  }
 }
 
 void Engine::fail_everything_locked(Worker& w, int err, const std::string& what,

@@ -7,6 +7,13 @@
 // per file: [invalidate header] -> [payload, tail] -> [final header], so a header that reads as
 // valid is only ever written after its payload completed. A plain read or write is one chain
 // with one stage holding one request.
+//
+// Note: checksums on the I/O side. A read may ask for the CRC-32C of its first `crc_len` bytes.
+// When every request of a submission has completed, its handle goes to the engine's verifier
+// thread, which computes those CRCs (no lock, no GIL) and only then completes the handle: the
+// thread that waits for the read (the compute thread, for a fetch) finds them computed and only
+// compares. Why a thread of its own and not the worker: the worker keeps the disk's queue full
+// while a finished read of hundreds of MB is checksummed.
 #pragma once
 
 #include <atomic>
@@ -39,6 +46,9 @@ struct RequestSpec {
   // Reads only: bytes that must arrive. An end of file past `required` (a padded tail read
   // of an unpadded file) ends the request successfully; before it, it is an error.
   uint64_t required = 0;
+  // Reads only: the CRC-32C of buf[0, crc_len) is computed once the read completes, before its
+  // handle does (Handle::crcs, in submission order of the requests that ask).
+  uint64_t crc_len = 0;
 };
 
 using StageSpec = std::vector<RequestSpec>;
@@ -97,6 +107,9 @@ class Handle {
   uint64_t wait();
   bool failed() const;
   double elapsed_seconds() const;  // submit -> completion (so far, if not done)
+  // The CRC-32C of each read that asked (RequestSpec::crc_len), in submission order; complete
+  // once done() and not failed().
+  const std::vector<uint32_t>& crcs() const { return crcs_; }
 
  private:
   friend class Engine;
@@ -114,6 +127,8 @@ class Handle {
   std::vector<std::unique_ptr<Chain>> chains_;
   int64_t t_submit_ns_ = 0;
   std::atomic<int64_t> t_done_ns_{0};
+  std::vector<std::pair<const char*, uint64_t>> crc_jobs_;  // (buffer, bytes) to checksum
+  std::vector<uint32_t> crcs_;
 };
 
 class Engine {
@@ -164,6 +179,8 @@ class Engine {
   };
 
   void worker_main(Worker& w);
+  void verifier_main();
+  void complete_handle_locked(Handle& h, std::vector<std::shared_ptr<Handle>>& fin);
   void fill_locked(Worker& w, std::vector<BlockOp>& batch, std::vector<std::shared_ptr<Handle>>& fin);
   void complete_block_locked(Worker& w, const BlockCompletion& c, std::vector<std::shared_ptr<Handle>>& fin);
   void fail_request_locked(Request& r, int err, const std::string& op, int64_t offset);
@@ -181,6 +198,7 @@ class Engine {
   unsigned queue_depth_;
   unsigned num_threads_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  std::thread verifier_;
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // workers: new requests or stop
@@ -197,6 +215,10 @@ class Engine {
   std::unordered_map<Handle*, std::shared_ptr<Handle>> live_;
   bool stopping_ = false;
   bool closed_ = false;
+  // Handles whose I/O is complete and whose reads' CRCs are still to compute (still in live_).
+  std::deque<std::shared_ptr<Handle>> verify_;
+  std::condition_variable verify_cv_;
+  bool verifier_stop_ = false;
 
   EngineStats stats_;
   std::shared_ptr<BusyClock> clock_;
