@@ -267,6 +267,14 @@ def run(args: argparse.Namespace) -> int:
         ]
         print(f"max |loss difference| over {len(diffs)} steps: {max(diffs):.2e}")
         summ["max_loss_diff"] = max(diffs)
+    ours = results.get("offloadpp", {})
+    if ours.get("ssd_by_kind"):
+        from offloadpp.planner import traffic
+
+        print(
+            f"offloadpp: SSD bytes of a step by kind (medians), the cost model's from {ours['modelled_from']}:"
+        )
+        print(traffic.table(ours["ssd_by_kind"], ours["modelled_ssd_by_kind"]))
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump({"config": args.config, "model": args.model, "summary": summ, "runs": results}, f, indent=2)
     _plot(results, {s: summ[s] for s in sides}, os.path.join(args.out, "ab.png"))

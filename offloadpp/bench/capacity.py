@@ -146,7 +146,9 @@ def _offloadpp_child(args, work: str) -> dict:
     from transformers import GPT2LMHeadModel
 
     # offloadpp.Init and offloadpp.initialize, as a user script calls them (the package face re-exports these)
+    from offloadpp.bench.harness import modelled_ssd_by_kind
     from offloadpp.integrations.deepspeed import Init, initialize
+    from offloadpp.planner import traffic
 
     nvme = os.path.join(work, "nvme")
     os.makedirs(nvme, exist_ok=True)
@@ -181,7 +183,9 @@ def _offloadpp_child(args, work: str) -> dict:
     out.update(
         step_s=steps, losses=losses, reports=[r.as_dict() for r in reports], disk_bytes=rt.disk_bytes(),
         rss_before_engine=before_engine, accounted_peaks=accounted,
+        ssd_by_kind=traffic.median(r.ssd_by_kind for r in reports[1:] or reports),
     )  # fmt: skip
+    out["modelled_ssd_by_kind"], out["modelled_from"] = modelled_ssd_by_kind(rt, model.config.to_dict())
     if args.checkpoint:
         state_bytes = 12 * sum(u.padded_numel for u in rt.units)  # fp32 master + two moments
         rd, wr = rt.ssd_read_gbps * 1e9, rt.ssd_write_gbps * 1e9
@@ -381,6 +385,11 @@ def _print(r: dict) -> None:
               + ", ".join(f"{k} {v / GIB:.2f}" for k, v in acc.items())
               + f"), {(o['phase_peak_rss']['steps'] - o['rss_before_engine'] - sum(acc.values())) / GIB:+.2f} GiB "
               "the rest (allocator slack, the model code's temporaries)")  # fmt: skip
+    if o.get("ssd_by_kind"):
+        from offloadpp.planner import traffic
+
+        print(f"\nSSD bytes of a steady step by kind, the cost model's from {o['modelled_from']}:")
+        print(traffic.table(o["ssd_by_kind"], o["modelled_ssd_by_kind"]))
     if "checkpoint" in o:
         c = o["checkpoint"]
         print(f"\ncheckpoint of {c['state_bytes'] / 1e9:.1f} GB of state ({c['checkpoint_bytes'] / 1e9:.1f} GB on disk), "

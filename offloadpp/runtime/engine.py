@@ -228,7 +228,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
             [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],
             s.activations.model_copy(update={"budget_bytes": budgets.activation_bytes}),
-            store=self.store,
+            store=self.store.tagged("activations"),
             device=dev.torch_device,
             policies=self.plan.activations or ("keep",) * len(self.units),  # (): the plan keeps them all
             model=model,
