@@ -225,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  note: {not_applied}")
     if r.estimate is not None:
         print(_estimate_table(r.estimate))
+        if r.estimate.ssd_by_kind:
+            from offloadpp.planner import traffic
+
+            print("  the estimate's SSD bytes per step by kind:")
+            print("\n".join("  " + line for line in traffic.table(r.estimate.ssd_by_kind).splitlines()))
         if r.deferred_estimate is not None:
             d = r.deferred_estimate
             print(f"  (a step whose updates validate; one that clips, or with speculate off, runs them deferred: "
