@@ -549,8 +549,10 @@ class TensorStore:
                 pass
         return total
 
-    def tagged(self, kind: str) -> TaggedStore:
-        """This store, its puts and gets counted as `kind` (bytes_by_kind)."""
+    def tagged(self, kind: str):
+        """This store, its puts and gets counted as `kind` (bytes_by_kind): a TaggedStore."""
+        from .tagged import TaggedStore
+
         return TaggedStore(self, kind)
 
     def bytes_by_kind(self) -> dict[tuple[str, bool], int]:
@@ -711,23 +713,3 @@ class TensorStore:
             self._index[key] = _Entry(key, h0.dtype, h0.shape, h0.total_nbytes, h0.generation, parts)
             top = max(top, h0.generation)
         return top
-
-
-class TaggedStore:
-    """A TensorStore whose puts and gets count under one kind (TensorStore.bytes_by_kind):
-    handed to the runtime's arrays so the accounting is made at the I/O calls themselves."""
-
-    __slots__ = ("store", "kind")
-
-    def __init__(self, store: TensorStore, kind: str):
-        self.store = store
-        self.kind = kind
-
-    def put(self, key: str, tensor: torch.Tensor) -> IOFuture:
-        return self.store.put(key, tensor, kind=self.kind)
-
-    def get(self, key: str, out: Optional[torch.Tensor] = None) -> IOFuture:
-        return self.store.get(key, out, kind=self.kind)
-
-    def __getattr__(self, name: str):
-        return getattr(self.store, name)
