@@ -13,7 +13,9 @@
 // thread, which computes those CRCs (no lock, no GIL) and only then completes the handle: the
 // thread that waits for the read (the compute thread, for a fetch) finds them computed and only
 // compares. Why a thread of its own and not the worker: the worker keeps the disk's queue full
-// while a finished read of hundreds of MB is checksummed.
+// while a finished read of hundreds of MB is checksummed. Writes the same way: a put's final
+// header is sealed (its payload's CRC-32C and its own CRC-32 filled in, RequestSpec::seal_*) by
+// the verifier once the payload is written, so the thread that calls put does no pass either.
 #pragma once
 
 #include <atomic>
@@ -49,6 +51,13 @@ struct RequestSpec {
   // Reads only: the CRC-32C of buf[0, crc_len) is computed once the read completes, before its
   // handle does (Handle::crcs, in submission order of the requests that ask).
   uint64_t crc_len = 0;
+  // Writes only: a header to seal before it is written (TensorStore's final header, written
+  // after its payload): the engine stores the CRC-32C of seal_src[0, seal_len) as a
+  // little-endian u32 at buf + seal_at, then the CRC-32 (zlib's polynomial) of buf[0, len - 4)
+  // in its last 4 bytes, on the verifier thread, before the request's stage starts.
+  const char* seal_src = nullptr;
+  uint64_t seal_len = 0;
+  int64_t seal_at = -1;
 };
 
 using StageSpec = std::vector<RequestSpec>;
@@ -61,6 +70,7 @@ struct Request {
   uint32_t outstanding = 0;  // blocks handed out and not finished (in flight or awaiting retry)
   bool failed = false;
   bool finished = false;
+  bool sealed = false;
 };
 
 struct Chain {
@@ -181,6 +191,7 @@ class Engine {
   void worker_main(Worker& w);
   void verifier_main();
   void complete_handle_locked(Handle& h, std::vector<std::shared_ptr<Handle>>& fin);
+  void queue_stage_locked(Chain& c);
   void fill_locked(Worker& w, std::vector<BlockOp>& batch, std::vector<std::shared_ptr<Handle>>& fin);
   void complete_block_locked(Worker& w, const BlockCompletion& c, std::vector<std::shared_ptr<Handle>>& fin);
   void fail_request_locked(Request& r, int err, const std::string& op, int64_t offset);
@@ -215,8 +226,14 @@ class Engine {
   std::unordered_map<Handle*, std::shared_ptr<Handle>> live_;
   bool stopping_ = false;
   bool closed_ = false;
-  // Handles whose I/O is complete and whose reads' CRCs are still to compute (still in live_).
-  std::deque<std::shared_ptr<Handle>> verify_;
+  // The verifier's work: a handle whose I/O is complete and whose reads' CRCs are still to
+  // compute (still in live_), or a chain whose next stage holds a header to seal first.
+  struct VerifyWork {
+    std::shared_ptr<Handle> handle;
+    Chain* seal = nullptr;
+  };
+  std::deque<VerifyWork> verify_;
+  size_t sealing_ = 0;  // chains handed to the verifier to seal, not yet queued again
   std::condition_variable verify_cv_;
   bool verifier_stop_ = false;
 

@@ -45,9 +45,10 @@ void translate_io_error(const IoError& e) {
 
 RequestSpec spec_from_tuple(const py::handle& t) {
   auto tup = py::reinterpret_borrow<py::tuple>(t);
-  if (tup.size() != 6 && tup.size() != 7) {
-    throw py::value_error("request must be (write, file, ptr, nbytes, offset, required[, crc_len]), got " +
-                          std::to_string(tup.size()) + " fields");
+  if (tup.size() != 6 && tup.size() != 7 && tup.size() != 10) {
+    throw py::value_error(
+        "request must be (write, file, ptr, nbytes, offset, required[, crc_len[, seal_src, seal_len, seal_at]]), "
+        "got " + std::to_string(tup.size()) + " fields");
   }
   RequestSpec s;
   s.write = tup[0].cast<bool>();
@@ -56,7 +57,12 @@ RequestSpec spec_from_tuple(const py::handle& t) {
   s.len = tup[3].cast<uint64_t>();
   s.offset = tup[4].cast<int64_t>();
   s.required = tup[5].cast<uint64_t>();
-  if (tup.size() == 7) s.crc_len = tup[6].cast<uint64_t>();
+  if (tup.size() >= 7) s.crc_len = tup[6].cast<uint64_t>();
+  if (tup.size() == 10) {
+    s.seal_src = as_ptr(tup[7].cast<uint64_t>());
+    s.seal_len = tup[8].cast<uint64_t>();
+    s.seal_at = tup[9].cast<int64_t>();
+  }
   return s;
 }
 
@@ -85,7 +91,8 @@ void register_io(py::module_& m) {
         return py::dict("libaio"_a = io::backend_compiled(io::BackendKind::LIBAIO),
                         "io_uring"_a = io::backend_compiled(io::BackendKind::URING),
                         "threadpool"_a = io::backend_compiled(io::BackendKind::THREADPOOL),
-                        "alignment"_a = io::kAlignment, "crc32c_hardware"_a = io::crc32c_hardware());
+                        "alignment"_a = io::kAlignment, "crc32c_hardware"_a = io::crc32c_hardware(),
+                        "engine_checksums"_a = true);  // reads' crc_len, writes' seal_* (engine.h)
       },
       "Which I/O backends are compiled in.");
 

@@ -35,10 +35,10 @@ from .engine import make_engine
 from .errors import EINVAL, EIO, SwapIOError, swap_error
 from .future import IOFuture
 
-# An extension built before its engine checksummed reads (csrc/io/engine.h, the checksum Note)
-# takes only 6-field requests: there the waiting thread checksums, as it did then, rather than
-# every get failing until the extension is rebuilt.
-_ENGINE_CRC = hasattr(_C.IoHandle, "crcs")
+# An extension built before its engine checksummed reads and sealed headers (csrc/io/engine.h,
+# the checksum Note) takes only 6-field requests: there the calling threads checksum, as they did
+# then, rather than every put and get failing until the extension is rebuilt.
+_ENGINE_CRC = bool(_C.io_build_info().get("engine_checksums"))
 SUFFIX = ".oswp"
 H = fmt.HEADER_BYTES
 
@@ -258,7 +258,9 @@ class TensorStore:
                     f.allocate(need)  # ENOSPC here, before any byte of the old file is touched
                 elif size > need:
                     f.truncate(need)
-                checksum = _C.crc32c(src + p.offset, p.nbytes) if self.config.checksum else 0
+                # with the engine's verifier, it fills the CRC into the final header (engine.h)
+                seal = self.config.checksum and _ENGINE_CRC
+                checksum = _C.crc32c(src + p.offset, p.nbytes) if self.config.checksum and not seal else 0
                 stages = []
                 if size > 0:  # an old header may read as valid: mark it incomplete first
                     stages.append([self._header_req(entry.header(p, complete=False), f, held, write=True)])
@@ -278,7 +280,10 @@ class TensorStore:
                 if payload:
                     stages.append(payload)
                 final = entry.header(p, complete=True, checksum=checksum, has_checksum=self.config.checksum)
-                stages.append([self._header_req(final, f, held, write=True)])
+                req = self._header_req(final, f, held, write=True)
+                if seal:
+                    req += (0, src + p.offset, p.nbytes, fmt.CHECKSUM_AT)
+                stages.append([req])
                 chains.setdefault(p.dir_index, []).append((p.nbytes, stages))
             for d, cs in chains.items():
                 handles.append(self._engines[d].submit([s for _, s in cs], True, sum(n for n, _ in cs)))
