@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-capacity bench-capacity-2b bench-regress gpu-check clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-capacity bench-capacity-2b bench-capacity-2b-export bench-regress gpu-check clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -56,6 +56,10 @@ bench-capacity: setup
 
 bench-capacity-2b: setup
 	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --checkpoint --zero
+
+# The same model exported the two ways users export it, each loaded back with from_pretrained (about 56 GB of disk).
+bench-capacity-2b-export: setup
+	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --export
 
 # bench step and bench ab of an older commit and of this tree, alternately: make bench-regress OLD=<commit>
 bench-regress: setup

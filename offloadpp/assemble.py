@@ -57,13 +57,16 @@ def probe_machine(
     import torch
 
     kind = device_kind(device)
-    dev_free = None
+    dev_free = dev_total = None
     if kind == "cuda":
-        dev_free, _total = torch.cuda.mem_get_info(torch.device(device or "cuda"))
+        dev_free, dev_total = torch.cuda.mem_get_info(torch.device(device or "cuda"))
+    vm = psutil.virtual_memory()
     m = Machine(
         device=kind,
-        host_available_bytes=int(psutil.virtual_memory().available),
+        host_available_bytes=int(vm.available),
         device_free_bytes=dev_free,
+        host_total_bytes=int(vm.total),
+        device_total_bytes=dev_total,
         ssd_free_bytes=free_ssd_bytes(nvme_paths),
         cores=default_num_threads(),
     )

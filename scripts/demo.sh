@@ -33,6 +33,9 @@ PYCFG
   | grep --line-buffered -vE "^\[[0-9-]+ [0-9:,]+\] \[(INFO|WARNING)\]"
 
 echo "== 3/3 A/B against ZeRO-Infinity ($AB_STEPS steps each, same initial weights and data)"
+# ZeRO-Infinity's side JIT-builds DeepSpeed's ops on first use: a build an earlier, interrupted
+# demo left half done would otherwise hold its lock forever (op_locks.py)
+"$PY" -m offloadpp.integrations.deepspeed.op_locks
 "$PY" -m offloadpp bench ab --config ds_configs/gpt2_45m.offloadpp.json --model "$MODEL" \
   --steps "$AB_STEPS" --out "$OUT/ab" --nvme-dir "$OUT/ab-swap" 2>&1 \
   | grep --line-buffered -vE "^\[[0-9-]+ [0-9:,]+\] \[(INFO|WARNING)\]|FutureWarning|return func"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -14,22 +14,14 @@ import pytest
 # guarded by a `lock` file that a killed build leaves behind; the next build then waits on it
 # forever. ~/.cache is shared by every clone on a machine (CI's included), so one killed build
 # anywhere hung CI once. The suite builds into this clone's own .venv instead (the Makefile
-# exports the same path for the benchmarks), and clears locks no live build can still hold.
+# exports the same path for the benchmarks), and clears locks whose builder is gone
+# (offloadpp/integrations/deepspeed/op_locks.py, the one helper the demo and benches use too).
 _REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".venv" / "torch_extensions"))
-_STALE_LOCK_S = 30 * 60  # a DeepSpeed op builds in about 5 minutes on 2 cores
 
+from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks  # noqa: E402
 
-def _clear_stale_build_locks(root: str) -> None:
-    for lock in Path(root).rglob("lock"):  # <root>/<op>/lock (or <root>/py311_cpu/<op>/lock)
-        try:
-            if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-                lock.unlink()
-        except OSError:
-            pass
-
-
-_clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"])
+clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"], report=lambda msg: print(msg, file=sys.stderr))
 
 _PROBED: dict[str, tuple[bool, bool, str]] = {}
 

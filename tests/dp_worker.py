@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--save", default="")  # checkpoint folder: save after the steps
     ap.add_argument("--load", default="")  # checkpoint folder: load before the steps
     ap.add_argument("--from-step", type=int, default=0)  # the global step the batches start at
+    ap.add_argument(
+        "--export", default=""
+    )  # (deepspeed api) save_16bit_model there, sharded; then the whole dict
     ap.add_argument("--local_rank", type=int, default=None)  # (the deepspeed launcher passes it)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -92,9 +95,25 @@ def main() -> None:
                 os.makedirs(args.save)
             runtime.dp.barrier()
             runtime.save_state(args.save)
+    export = {}
+    if args.export:
+        from offloadpp.integrations.deepspeed import export as ds_export
+        from offloadpp.runtime import export as rt_export
+
+        rt_export.DEFAULT_SHARD_BYTES = 40_000  # more than one shard
+        engine.save_16bit_model(args.export)
+        if rank == 0:
+            model.config.save_pretrained(args.export)
+        if rank == 1:  # one rank short of memory: every rank must refuse (none may wait in a gather)
+            ds_export.memory_available = lambda: 1
+        try:
+            engine._zero3_consolidated_16bit_state_dict()
+            export["whole_dict"] = "built"
+        except ds_export.WeightsDoNotFitError:
+            export["whole_dict"] = "refused"
     sd = runtime.module.state_dict()  # a collective: every rank gathers every unit
     info = {"rank": rank, "world": world, "disk_bytes": runtime.disk_bytes(), "plan_ssd_bytes": runtime.plan.ssd_bytes(),
-            "reports": reports, "global_step": runtime.global_step,
+            "reports": reports, "global_step": runtime.global_step, **export,
             "resident": [p.weights.value for p in runtime.plan.placements]}  # fmt: skip
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(info, f)

@@ -6,7 +6,9 @@ JSON spec (argv[1]), writes a JSON result (argv[2]) and the final weights (spec[
 
 spec: model ("gpt2" | "llama"), out (Trainer's output_dir), steps, gas, deepspeed (a config dict
 or null), save_steps, resume (a checkpoint folder), save_model (a folder), loop ("trainer" |
-"accelerate"), samples.
+"accelerate"), samples, small_memory (the whole state dict would not fit: offloadpp's check is
+told so, and result["get_state_dict"] says what Accelerate's get_state_dict did).
+result["logits"]: the trained model's logits on LOGITS_INPUT, before the save.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import torch
 
 VOCAB = 96
+LOGITS_INPUT = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
 
 
 def build_model(kind: str):
@@ -80,8 +83,25 @@ def trainer_run(spec: dict, result: dict) -> torch.nn.Module:
             not s.resident for u in engine.runtime.units for s in (u.master, u.exp_avg, u.exp_avg_sq)
         )
     if spec.get("save_model"):
+        before_save(spec, result, engine, trainer.accelerator)
         trainer.save_model(spec["save_model"])
     return trainer.model
+
+
+def before_save(spec: dict, result: dict, model, accelerator) -> None:
+    model.eval()
+    with torch.no_grad():
+        result["logits"] = model(input_ids=LOGITS_INPUT.to(model.device)).logits.tolist()
+    model.train()
+    if spec.get("small_memory"):
+        from offloadpp.integrations.deepspeed import export
+
+        export.memory_available = lambda: 1
+        try:
+            accelerator.get_state_dict(model)
+            result["get_state_dict"] = "returned the whole state dict"
+        except MemoryError as e:
+            result["get_state_dict"] = f"{type(e).__name__}: {e}"
 
 
 def accelerate_run(spec: dict, result: dict) -> torch.nn.Module:
@@ -107,6 +127,10 @@ def accelerate_run(spec: dict, result: dict) -> torch.nn.Module:
             opt.step()
             sched.step()
             opt.zero_grad()
+    if spec.get("save_model"):
+        before_save(spec, result, model, acc)
+        acc.save_model(model, spec["save_model"], max_shard_size="20KB")  # sharded, with an index
+        acc.unwrap_model(model).config.save_pretrained(spec["save_model"])
     return acc.unwrap_model(model)
 
 

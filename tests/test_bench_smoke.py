@@ -55,6 +55,26 @@ def test_bench_capacity_smoke(tmp_path, capsys):
     assert "peak RSS by phase" in capsys.readouterr().out
 
 
+def test_bench_capacity_export_smoke(tmp_path, capsys):
+    """--export: save_16bit_model (default name) and a Trainer's save_model of the trained engine,
+    both loaded back with from_pretrained in a process of their own, their logits compared."""
+    from offloadpp.bench import capacity
+
+    out = tmp_path / "cap.json"
+    rc = _run(capacity, ["--layers", "2", "--width", "64", "--heads", "2", "--steps", "1", "--threads", "1",
+                         "--export", "--dir", str(tmp_path / "work"), "--json", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    e, v = report["offloadpp"]["export"], report["verify"]
+    assert rc == 0 and report["pass"]
+    assert (
+        "pytorch_model.bin" in e["save_16bit_model"]["files"]
+        and "config.json" in e["trainer_save_model"]["files"]
+    )
+    assert v["save_16bit_model"]["close"] and v["trainer_save_model"]["close"] and e["page_cache"]["s"] > 0
+    assert {"save_16bit_model", "trainer save_model"} <= set(report["offloadpp"]["phase_peak_rss"])
+    assert "give the engine's logits: PASS" in capsys.readouterr().out
+
+
 def test_bench_planner_scale_smoke(tmp_path, capsys):
     """The paper-scale planning benchmark: 175B plans at batch 8 and 16 and is refused at 32
     (its activations cannot fit one RTX 4090) with the largest micro-batch that would."""

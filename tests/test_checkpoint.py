@@ -173,3 +173,26 @@ def test_export_streams_shards_from_pretrained_loads(tmp_path, shard_bytes):
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # tied again
     eng.close()
+
+
+def test_a_corrupted_state_header_and_an_empty_latest_are_named(tmp_path):
+    eng, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / "nvme"))
+    steps(eng, 0, 1)
+    eng.save_checkpoint(str(tmp_path / "ckpt"), tag="t1")
+    ckpt = tmp_path / "ckpt" / "t1"
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    state_file = next(p for p in manifest["state_files"] if ".master" in p)
+    with open(ckpt / state_file, "r+b") as f:  # one bit of the header block (its key), not the payload
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    name = os.path.basename(state_file)
+    with pytest.raises(
+        CheckpointError, match=rf"the master of unit .*header checksum mismatch.* on .*{name} at offset 0"
+    ):
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / "latest").write_text("\n")
+    with pytest.raises(CheckpointError, match=r"latest' is empty: it names no checkpoint tag"):
+        eng.load_checkpoint(str(tmp_path / "ckpt"))
+    eng.close()

@@ -117,6 +117,22 @@ def test_two_ranks_train_like_one_process_and_keep_half_the_state_each(tmp_path)
         assert 0.5 * single_plan <= d["plan_ssd_bytes"] <= 0.6 * single_plan
 
 
+def test_save_16bit_model_over_two_ranks(tmp_path):
+    """Every rank takes part in gathering each unit, rank 0 writes the shards; the whole dict is
+    refused on every rank when one rank is short of memory (a rank building it alone would wait
+    forever in a gather)."""
+    import transformers
+
+    nvme, out, export = tmp_path / "nvme", tmp_path / "out", tmp_path / "export"
+    nvme.mkdir()
+    torchrun([str(out), "--nvme", str(nvme), "--steps", "2", "--api", "deepspeed", "--export", str(export)])
+    assert (export / "pytorch_model.bin.index.json").exists()
+    got = transformers.GPT2LMHeadModel.from_pretrained(str(export), local_files_only=True).state_dict()
+    want = weights(out)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert [d["whole_dict"] for d in ranks(out)] == ["refused", "refused"]
+
+
 def test_deepspeed_launcher_two_cpu_ranks(tmp_path):
     """The same run started by the `deepspeed` launcher (two CPU ranks, gloo), with gradient
     accumulation: offloadpp.initialize starts torch.distributed through DeepSpeed's own

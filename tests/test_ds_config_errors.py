@@ -65,6 +65,22 @@ BAD = [
     ("offloadpp.nvme_paths", ["/x", "/x"], r"offloadpp\.nvme_paths"),
     ("scheduler.params.warmup_num_stepz", 3, r"scheduler\.params: DeepSpeed's WarmupLR refuses them"),
     ("pipeline", {"stages": 2}, r"pipeline: .* pipeline parallelism is not supported"),
+    (
+        "scheduler.type",
+        _DELETE,
+        r"scheduler\.type: the scheduler block names no type, so no scheduler would run",
+    ),
+    (
+        "offloadpp.device_budget_bytes",
+        float("inf"),
+        r"offloadpp\.device_budget_bytes: expected a byte count, got inf",
+    ),
+    (
+        "offloadpp.host_budget_bytes",
+        "1e999",
+        r"offloadpp\.host_budget_bytes: expected a byte count, got '1e999'",
+    ),
+    ("offloadpp.ssd_read_gbps", float("inf"), r"offloadpp\.ssd_read_gbps: expected a number > 0"),
 ]
 
 
@@ -75,6 +91,69 @@ def test_bad_config_is_refused_naming_the_key(tmp_path, path, value, message):
         (tmp_path / "x").mkdir()
         cfg["offloadpp"]["nvme_paths"] = [str(tmp_path / "x")] * 2
     with pytest.raises(OffloadppConfigError, match=message):
+        offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+
+
+# Blocks refused before anything runs, offloadpp's engine or DeepSpeed's: a block that is there is
+# validated whole even when it is off (a typo in it must not be a silent DeepSpeed run).
+BAD_BLOCKS = [
+    ({"Enabled": True}, r"offloadpp\.Enabled: unknown key; did you mean 'enabled'\?"),
+    (None, r'offloadpp: null; write \{"enabled": true\} for offloadpp\'s engine'),
+    (
+        {"enabled": False, "device_budget_bytes": "junk"},
+        r"offloadpp\.device_budget_bytes: cannot read 'junk' as a size",
+    ),
+    (
+        {"enabled": False, "prefetch_depth": -1},
+        r"offloadpp\.prefetch_depth: Input should be greater than or equal to 0",
+    ),
+    (
+        {"enabled": False, "io": {"queue_dept": 8}},
+        r"offloadpp\.io\.queue_dept: unknown key; did you mean 'queue_depth'",
+    ),
+]
+
+
+@pytest.mark.parametrize("block, message", BAD_BLOCKS, ids=[repr(b) for b, _ in BAD_BLOCKS])
+def test_a_bad_block_is_refused_even_when_it_is_off(tmp_path, monkeypatch, block, message):
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: pytest.fail("ran DeepSpeed on a bad block"))
+    cfg = ds_config(tmp_path / "nvme")
+    cfg["offloadpp"] = block
+    with pytest.raises(OffloadppConfigError, match=message):
+        offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+
+
+def test_an_off_block_leaves_the_zero_infinity_settings_to_deepspeed(tmp_path, monkeypatch):
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: ("deepspeed", None, None, None))
+    cfg = ds_config(tmp_path / "nvme", aio={"block_size": "odd", "queue_depth": 8})
+    cfg["offloadpp"] = {"enabled": False, "device_budget_bytes": "1GiB"}
+    assert offloadpp.initialize(model=tiny_gpt2(), config=cfg)[0] == "deepspeed"
+
+
+@pytest.mark.parametrize(
+    "key, value, what",
+    [
+        ("device_budget_bytes", 1e30, r"RAM \(the CPU is the device\)"),
+        ("host_budget_bytes", "999TiB", r"RAM"),
+        ("activations", {"host_budget_bytes": "999TiB"}, r"RAM"),
+    ],
+)
+def test_a_budget_above_what_the_machine_has_is_refused(tmp_path, key, value, what):
+    import psutil
+
+    from offloadpp.planner import PlanError, fmt_bytes
+
+    cfg = ds_config(tmp_path / "nvme")
+    cfg["offloadpp"][key] = value
+    name = key if key != "activations" else "activations.host_budget_bytes"
+    total = fmt_bytes(psutil.virtual_memory().total)
+    with pytest.raises(
+        PlanError, match=rf"^{name}: \d+ bytes \(.*\) is more than this machine has: {total} of {what}"
+    ):
         offloadpp.initialize(model=tiny_gpt2(), config=cfg)
 
 
@@ -125,6 +204,31 @@ def test_config_files_that_are_not_json_objects_name_the_file(tmp_path):
         offloadpp.initialize(model=tiny_gpt2(), config=str(twice))
     with pytest.raises(OffloadppConfigError, match="expected a dict, a file path or base64 JSON, got a list"):
         offloadpp.initialize(model=tiny_gpt2(), config=[1])
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (bytes(range(256)), r"bad\.json' is not a JSON text file: byte 0x80 at offset 128 is not UTF-8"),
+        (b"", r"bad\.json' is empty; a DeepSpeed config is a JSON object"),
+        (b"  // only a comment\n", r"bad\.json' is empty"),
+        (
+            b"train_micro_batch_size_per_gpu: 2\noptimizer:\n  type: Adam\n",
+            r"bad\.json' is not a JSON object: it starts with 'train_micro_batch_si', not '\{' \(it reads like YAML",
+        ),
+    ],
+    ids=["binary", "empty", "comment only", "yaml"],
+)
+def test_a_config_file_that_is_no_json_object_is_named_on_either_engine(
+    tmp_path, monkeypatch, content, message
+):
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: pytest.fail("DeepSpeed got a bad config file"))
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    with pytest.raises(OffloadppConfigError, match=message):
+        offloadpp.initialize(model=tiny_gpt2(), config=str(bad))
 
 
 HJSON = """{

@@ -209,3 +209,27 @@ def test_damaged_swap_file(tmp_path, how):
     finally:
         eng.close()
     _checkpoint_loads(tmp_path)
+
+
+def test_a_swap_folder_removed_under_the_run_is_named_at_every_later_step(tmp_path):
+    import shutil
+
+    from test_deepspeed_integration import batches, ds_config, tiny_gpt2
+
+    import offloadpp
+
+    eng, *_ = offloadpp.initialize(model=tiny_gpt2(), config=ds_config(tmp_path / "nvme"))
+    swap = str(tmp_path / "nvme" / "offloadpp")
+    try:
+        for b in batches(5)[:2]:
+            eng.backward(eng(b, labels=b).loss)
+            eng.step()
+        shutil.rmtree(swap)
+        for b in batches(5)[2:]:  # not "step() was not called", nor a raw KeyError of a swap key
+            with pytest.raises(
+                SwapIOError, match=rf"swap directory '{swap}' was removed while this run used it"
+            ):
+                eng.backward(eng(b, labels=b).loss)
+                eng.step()
+    finally:
+        eng.close()

@@ -48,3 +48,18 @@ def test_transformers_does_not_build_a_zero3_model_for_offloadpp(patched):
     )  # from_pretrained: no zero.Init
     del plain, ours
     transformers_ds.unset_hf_deepspeed_config()
+
+
+def test_the_hf_save_calls_are_routed_and_restored():
+    import accelerate
+    import transformers
+
+    targets = [(accelerate.Accelerator, "save_model"), (accelerate.Accelerator, "get_state_dict"),
+               (transformers.Trainer, "save_model")]  # fmt: skip
+    before = [cls.__dict__[name] for cls, name in targets]
+    offloadpp.patch_deepspeed()
+    try:
+        assert all(getattr(cls.__dict__[name], "__offloadpp__", False) for cls, name in targets)
+    finally:
+        offloadpp.unpatch_deepspeed()
+    assert [cls.__dict__[name] for cls, name in targets] == before

@@ -284,3 +284,26 @@ def test_peak_bytes_equal_the_built_schedules_over_random_placements():
             )
             checked += 1
     assert checked > 600
+
+
+def test_persistent_grads_fill_the_host_unit_by_unit_in_the_order_updates_read_them():
+    """Where not every unit's gradients fit the host budget, those of the units the pending updates
+    read first get a home there and the rest go to SSD, rather than all to SSD: first the
+    optimizer's window (q+1 units in forward order, which holds theirs anyway), then forward order."""
+    from types import SimpleNamespace
+
+    from offloadpp.planner.fills import _persistent_grads
+    from offloadpp.planner.peaks import peak_bytes
+    from offloadpp.planner.schedule import grads_order
+
+    units = [UNITS[0]] + [UnitSpec(f"h.{i}", 3_150_000) for i in range(24)] + [UNITS[-1]]
+    plan = streaming_plan(units, device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=1,
+                          deferred_update=True, clipping=True)  # fmt: skip
+    assert grads_order(plan)[:2] == ["h.1", "h.2"] and grads_order(plan)[-2:] == ["embed", "h.0"]
+    dev, host = peak_bytes(plan)
+    req = SimpleNamespace(budgets=Budgets(dev, host + 3 * units[1].grad_bytes))
+    got = _persistent_grads(plan, req)
+    assert [p.unit for p in got.placements if p.grads is Tier.HOST] == ["embed", "h.0", "h.1", "h.2", "h.3"]
+    assert peak_bytes(got)[1] <= req.budgets.host_bytes
+    roomy = _persistent_grads(plan, SimpleNamespace(budgets=Budgets(dev, 1 << 40)))
+    assert all(p.grads is Tier.HOST for p in roomy.placements)

@@ -365,7 +365,13 @@ def test_need_bytes_counts_what_each_policy_holds():
     us = [ActUnit("a", 100, 0, 1, False), ActUnit("b", 1000, 10, 1, True), ActUnit("c", 1000, 10, 1, True)]
     assert need_bytes(us, {}) == 2100  # keep all: at c's backward everything is held
     assert need_bytes(us, {"b": "ssd", "c": "ssd"}) == 1100  # a kept, then one unit fetched back
-    assert need_bytes(us, {"b": "recompute", "c": "recompute"}) == 100 + 10 + 10 + 1000  # inputs held
+    # b's inputs held; c's inputs are replaced by what its recompute holds (they are among them)
+    assert need_bytes(us, {"b": "recompute", "c": "recompute"}) == 100 + 10 + 1000
+    # checkpoints swapped: nothing of b stays on the device between its forward and its backward
+    assert need_bytes(us, {"b": "recompute_host", "c": "recompute_ssd"}) == 100 + 1000
+    assert need_bytes(us, {"b": "recompute", "c": "recompute_ssd"}) == 100 + 10 + 1000
+    big_inputs = [ActUnit("x", 10, 50, 1, True)]  # a unit whose inputs outweigh what it saves
+    assert need_bytes(big_inputs, {"x": "recompute_host"}) == 50
     assert need_bytes(us, {"a": "host", "b": "host", "c": "host"}) == 1000  # the least: the largest
 
 

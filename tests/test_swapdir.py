@@ -119,3 +119,35 @@ def test_engine_dropped_without_close_leaks_nothing(tmp_path):
 def test_lock_file_is_in_the_swap_directory(tmp_path):
     with SwapDirLock([str(tmp_path)]):
         assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_init_train_close_cycles_leave_the_process_and_the_folders_as_they_were(tmp_path):
+    """scripts/init_close_cycles.py (the 20-cycle bar) with fewer cycles: after each close()
+    no descriptor is left open, no swap file on disk, nothing new in /dev/shm (the run sets
+    LOCAL_SIZE as the deepspeed launcher does), threads and RSS as after the first cycle."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "init_close_cycles.py")
+    r = subprocess.run([sys.executable, script, "--cycles", "4", "--dir", str(tmp_path / "nvme"),
+                        "--rss-tolerance", "0.04"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0 and "cycles: ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_close_removes_the_swap_files_unless_keep_swap(tmp_path, keep):
+    from test_deepspeed_integration import batches, ds_config, tiny_gpt2
+
+    import offloadpp
+
+    cfg = ds_config(tmp_path / "nvme")
+    if keep:
+        cfg["offloadpp"]["keep_swap"] = True
+    eng, *_ = offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+    b = batches(1)[0]
+    eng.backward(eng(b, labels=b).loss)
+    eng.step()
+    swap = tmp_path / "nvme" / "offloadpp"
+    files = sorted(swap.glob("*.oswp"))
+    assert files
+    eng.close()
+    left = sorted(swap.glob("*.oswp"))
+    assert bool(left) == keep and all(p.name.endswith(".oswp") for p in left)
+    assert holder_of(str(swap)) is None

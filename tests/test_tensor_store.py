@@ -200,6 +200,37 @@ def test_corrupted_or_foreign_header_detected(store, tmp_path, where, expect):
     assert ei.value.errno == errno.EBADMSG and expect in str(ei.value)
 
 
+def test_a_key_whose_file_reopens_corrupted_or_incomplete_names_the_file(tmp_path):
+    d = str(tmp_path / "a")
+    with TensorStore([d]) as s:
+        s.put("k", torch.arange(3000.0)).wait()
+        s.put("j", torch.arange(10.0)).wait()
+    path = next(os.path.join(d, f) for f in _files(d) if f.startswith("k."))
+    with open(path, "r+b") as f:  # one bit of the header block
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    with TensorStore([d], create=False) as s:
+        assert "k" not in s and s.why_missing("j") is None and s.why_missing("nothing") is None
+        with pytest.raises(SwapIOError, match=r"header checksum mismatch.* at offset 0") as ei:
+            s.get("k")
+        assert ei.value.errno == errno.EBADMSG and ei.value.filename == path
+        assert s.why_missing("k") is ei.value
+
+
+def test_a_removed_swap_directory_is_named_not_a_missing_key(tmp_path):
+    d = str(tmp_path / "a")
+    with TensorStore([d]) as s:
+        s.put("k", torch.arange(10.0)).wait()
+        shutil.rmtree(d)
+        for call in (lambda: s.put("new", torch.arange(10.0)).wait(), lambda: s.get("gone")):
+            with pytest.raises(SwapIOError, match=rf"swap directory '{d}' was removed while this run used it "
+                               r"\(missing swap file '.*\.oswp'\)") as ei:  # fmt: skip
+                call()
+            assert ei.value.errno == errno.ENOENT
+
+
 def test_checksum_catches_payload_corruption(tmp_path):
     with TensorStore(str(tmp_path / "a"), IOConfig(checksum=True)) as s:
         t = _rand((3001,), torch.float32)
@@ -326,3 +357,20 @@ def test_checksums_are_the_engines_not_the_calling_threads(tmp_path, monkeypatch
         with pytest.raises(SwapIOError) as ei:
             s.get("k").wait()
         assert ei.value.errno == errno.EBADMSG and "checksum" in str(ei.value)
+
+
+def test_close_closes_every_swap_file_while_the_store_is_still_referenced(tmp_path):
+    def open_swap_files():
+        fd_dir = "/proc/self/fd"
+        return [p for p in (os.path.realpath(os.path.join(fd_dir, f)) for f in os.listdir(fd_dir))
+                if p.startswith(str(tmp_path))]  # fmt: skip
+
+    s = TensorStore([str(tmp_path / "a")])
+    futures = []  # a caller's futures (the engine's slots keep theirs) reach the files they used
+    for k in ("x", "y"):
+        futures += [s.put(k, torch.arange(4096.0)), s.get(k)]
+        futures[-2].wait()
+        assert torch.equal(futures[-1].result(), torch.arange(4096.0))
+    assert len(open_swap_files()) == 2
+    s.close()
+    assert open_swap_files() == []

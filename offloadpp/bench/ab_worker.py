@@ -98,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.side == "offloadpp":
         cfg["offloadpp"]["nvme_paths"] = [args.nvme_dir]
     preset, model = _build_model(args.model, args.init)
+    if args.side == "zero":  # DeepSpeed JIT-builds its ops: an interrupted build's lock would hang it
+        from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks
+
+        clear_stale_build_locks(report=lambda msg: print(msg, file=sys.stderr))
 
     t_init = time.perf_counter()
     if args.side == "zero":

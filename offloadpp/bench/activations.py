@@ -25,6 +25,10 @@ from types import SimpleNamespace
 
 BAR = 1.3
 CONTENDERS = ("none", "keep", "host", "ssd", "recompute")
+# selectable too: the checkpoint swapped to SSD, and the planner's choice for the budget
+EXTRA = ("recompute_ssd", "plan")
+PLAN_BAR = 1.15  # the planner's choice against keeping everything (no budget)
+BYTES_BAR = 0.10  # its measured activation bytes against the cost model's
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,8 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=256, help="sequence length")
     p.add_argument("--batch", default="2,8", help="micro-batch sizes, comma-separated: one measurement each")
     p.add_argument(
-        "--policies", default=",".join(CONTENDERS), help=f"contenders, from {','.join(CONTENDERS)}"
+        "--policies",
+        default=",".join(CONTENDERS),
+        help=f"contenders, from {','.join(CONTENDERS + EXTRA)} (plan: the planner's policies for --budget-frac, "
+        "scored by the cost model with --hardware)",
     )
+    p.add_argument("--hardware", default=None, help="hardware profile JSON for `plan` (offloadpp profile)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per contender and batch size")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender first")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
@@ -67,10 +75,14 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    bad = [s for s in policies if s not in CONTENDERS]
+    bad = [s for s in policies if s not in CONTENDERS + EXTRA]
     if bad or "keep" not in policies:
         raise SystemExit(
-            f"--policies must name contenders from {CONTENDERS} and include keep, got {policies}"
+            f"--policies must name contenders from {CONTENDERS + EXTRA} and include keep, got {policies}"
+        )
+    if "plan" in policies and (args.budget_frac is None or args.hardware is None):
+        raise SystemExit(
+            "--policies plan needs --budget-frac and --hardware (the planner's budget and profile)"
         )
     batches = [int(b) for b in args.batch.split(",")]
     cfg = GPT2Config(
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     store = TensorStore([args.dir])
     env = SimpleNamespace(
         torch=torch, model=model, opt=opt, units=units, store=store, policies=policies, device=device,
-        Manager=ActivationManager, Config=ActivationSettings,
+        Manager=ActivationManager, Config=ActivationSettings, gpt2=cfg.to_dict(),
     )  # fmt: skip
     try:
         for batch in batches:
@@ -119,6 +131,13 @@ def run(args: argparse.Namespace) -> int:
     ok = [r["batch"] for r in results if "ssd" in r["median"] and r["ssd_vs_keep"] <= BAR]
     report["pass_batches"] = ok
     report["pass"] = bool(ok) or "ssd" not in policies
+    planned = [r for r in results if "plan" in r]
+    if planned:
+        report["bar_plan_vs_keep"], report["bar_plan_bytes_error"] = PLAN_BAR, BYTES_BAR
+        report["pass_plan"] = all(
+            r["plan_vs_keep"] <= PLAN_BAR and r["plan"]["bytes_error"] <= BYTES_BAR for r in planned
+        )
+        report["pass"] = report["pass"] and report["pass_plan"]
     _print(report)
     if args.json:
         with open(args.json, "w") as f:
@@ -140,16 +159,16 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
     rows: dict[str, list[dict]] = {p: [] for p in policies}
     state = {"i": 0}
 
-    def make(policy: str, budget):
+    def make(policy: str, budget, planned=None):
         if policy == "none":
             return None
         cfg = ActivationSettings(
-            policy=policy,
+            policy="keep" if policy == "plan" else policy,
             budget_bytes=budget,
             prefetch_units=args.prefetch_units,
             min_swap_bytes=args.min_swap_kib << 10,
         )
-        return ActivationManager(units, cfg, store=store, device=device, model=model)
+        return ActivationManager(units, cfg, store=store, device=device, model=model, policies=planned)
 
     def step(policy: str, mgr, timed: bool) -> None:
         x = data[state["i"] % len(data)]
@@ -202,7 +221,10 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
     step("keep", keep, False)
     keep_peak = keep.stats().peak_device_bytes
     budget = int(keep_peak * args.budget_frac) if args.budget_frac else None
-    mgrs = {p: (keep if p == "keep" and budget is None else make(p, budget)) for p in policies}
+    planned = _plan(args, env, batch, budget) if "plan" in policies else None
+    # keep cannot honour a budget: it is the unbounded reference the others are held to
+    mgrs = {p: (keep if p == "keep" else make(p, budget, planned["policies"] if p == "plan" else None))
+            for p in policies}  # fmt: skip
     for p in policies:
         for _ in range(args.warmup):
             step(p, mgrs[p], False)
@@ -228,12 +250,98 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
         "median": med,
         "samples": rows,
     }
+    if args.hardware:  # the cost model's terms beside each fixed contender's measured ones
+        out["modelled"] = {
+            p: {**_modelled(args, env, batch, budget, p), "measured_ssd_bytes": med[p]["ssd_write_bytes"]
+                + med[p]["ssd_read_bytes"], "measured_recompute_s": med[p]["recompute_s"]}
+            for p in policies if p in ("host", "ssd", "recompute", "recompute_ssd")
+        }  # fmt: skip
+    if planned is not None:
+        got = med["plan"]
+        moved = got["ssd_write_bytes"] + got["ssd_read_bytes"]
+        want = planned["ssd_write_bytes"] + planned["ssd_read_bytes"]
+        planned["measured_ssd_bytes"] = moved
+        planned["bytes_error"] = abs(moved - want) / want if want else float(moved > 0)
+        planned["measured_recompute_s"] = got["recompute_s"]
+        planned["measured_peak_bytes"] = got["peak_act_bytes"]
+        out["plan"] = planned
     for p in policies:
         out[f"{p}_vs_keep"] = med[p]["step_s"] / med["keep"]["step_s"]
         out[f"{p}_fb_vs_keep"] = (med[p]["forward_s"] + med[p]["backward_s"]) / (
             med["keep"]["forward_s"] + med["keep"]["backward_s"]
         )
     return out
+
+
+def _modelled(args, env: SimpleNamespace, batch: int, budget, policy: str) -> dict:
+    """The cost model's activation terms for every unit under `policy` (units that cannot
+    recompute keep), for the fixed contenders: what it moves to and from SSD and recomputes."""
+    from offloadpp.planner import HardwareProfile, analytic_profile
+    from offloadpp.planner.cost import compute_times, estimate
+
+    hw = HardwareProfile.from_json(args.hardware)
+    prof = analytic_profile(env.gpt2, micro_batch=batch, seq_len=args.seq, compute_dtype="fp32")
+    plan = _memory_plan(prof, budget)
+    pol = {u.name: ("keep" if policy.startswith("recompute") and not u.backward_needs_weights else policy)
+           for u in prof.units}  # fmt: skip
+    est = estimate(plan, hw, prof, activations=pol, act_prefetch_units=args.prefetch_units)
+    fwd_s, _ = compute_times(plan, hw, prof)
+    again = [n for n, p in pol.items() if p.startswith("recompute")]
+    return {"ssd_write_bytes": est.ssd_write_bytes, "ssd_read_bytes": est.ssd_read_bytes,
+            "recompute_s": sum(fwd_s[n] + hw.runtime_forward_visit_s for n in again),
+            "peak_activation_bytes": est.peak_activation_bytes}  # fmt: skip
+
+
+def _memory_plan(prof, budget):
+    """A plan with the model and its optimizer in memory, so that the cost model's SSD bytes are
+    the activations' alone."""
+    from offloadpp.planner import Budgets
+    from offloadpp.planner.plan import Placement, Plan, Tier
+
+    big = 1 << 50
+    return Plan(prof.unit_specs(), tuple(Placement(u.name, Tier.DEVICE, Tier.HOST, Tier.HOST) for u in prof.units),
+                "cpu", "fp32", 0, 0, budgets=Budgets(big, big, activation_bytes=budget))  # fmt: skip
+
+
+def _plan(args, env: SimpleNamespace, batch: int, budget: int) -> dict:
+    """The planner's activation policies for `budget` (planner/activations.py candidates, each
+    replayed by the cost model on --hardware with the model and its optimizer in memory, the
+    fastest kept), with what the cost model says they move and recompute."""
+    from offloadpp.planner import HardwareProfile, analytic_profile
+    from offloadpp.planner.activations import ActPlanner, act_units
+    from offloadpp.planner.cost import compute_times, estimate
+
+    hw = HardwareProfile.from_json(args.hardware)
+    prof = analytic_profile(env.gpt2, micro_batch=batch, seq_len=args.seq, compute_dtype="fp32")
+    names = [n for n, _ in env.units]
+    if [u.name for u in prof.units] != names:
+        raise SystemExit(
+            f"the analytic profile's units {[u.name for u in prof.units]} are not the model's {names}"
+        )
+    plan = _memory_plan(prof, budget)
+    choices = ActPlanner(act_units(prof), {}, device="cpu").candidates(budget)
+    if not choices:
+        raise SystemExit(f"batch {batch}: no activation policy fits the budget of {budget} bytes")
+    scored = [(estimate(plan, hw, prof, activations=c.as_dict(), act_prefetch_units=args.prefetch_units), c)
+              for c in choices]  # fmt: skip
+    est, best = min(scored, key=lambda x: x[0].step_s)
+    flops = {u.name: u.forward_flops for u in prof.units}
+    fwd_s, _ = compute_times(plan, hw, prof)
+    again = [n for n, p in best.policies if p.startswith("recompute")]
+    recompute_flops = sum(flops[n] for n in again)
+    return {
+        "label": best.label,
+        "policies": [p for _, p in best.policies],
+        "need_bytes": best.need_bytes,
+        "candidates": len(choices),
+        "estimate_step_s": est.step_s,
+        "ssd_write_bytes": est.ssd_write_bytes,
+        "ssd_read_bytes": est.ssd_read_bytes,
+        "peak_activation_bytes": est.peak_activation_bytes,
+        "recompute_flops": recompute_flops,
+        # the replay's recompute time: each unit's forward again (FLOPs / FLOP/s) and its visit
+        "recompute_s": sum(fwd_s[n] + hw.runtime_forward_visit_s for n in again),
+    }
 
 
 class _null:
@@ -290,7 +398,30 @@ def _print(report: dict) -> None:
             else:
                 vals += ["-"] * 8
             print(f"{p:<10}" + "".join(f"{v:>10}" for v in vals))
-    print(
-        f"\nbar: ssd <= {report['bar_ssd_vs_keep']}x keep: "
-        + (f"met at batch {report['pass_batches']}" if report["pass_batches"] else "NOT met")
-    )
+    if any("ssd" in r["median"] for r in report["results"]):
+        print(
+            f"\nbar: ssd <= {report['bar_ssd_vs_keep']}x keep: "
+            + (f"met at batch {report['pass_batches']}" if report["pass_batches"] else "NOT met")
+        )
+    for r in report["results"]:
+        for p, d in r.get("modelled", {}).items():
+            print(
+                f"batch {r['batch']} {p}: SSD bytes measured {d['measured_ssd_bytes'] * mb:.1f} MB vs cost model "
+                f"{(d['ssd_write_bytes'] + d['ssd_read_bytes']) * mb:.1f} MB; recompute measured "
+                f"{d['measured_recompute_s']:.3f} s vs cost model {d['recompute_s']:.3f} s"
+            )
+        pl = r.get("plan")
+        if pl is None:
+            continue
+        print(
+            f"\nbatch {r['batch']}: plan = {pl['label']} ({pl['candidates']} candidates), budget "
+            f"{r['budget_bytes'] * mb:.0f} MB = 1/{r['keep_peak_bytes'] / r['budget_bytes']:.2f} of keep-all's "
+            f"{r['keep_peak_bytes'] * mb:.0f} MB; policies {pl['policies']}"
+        )
+        print(
+            f"  step {r['plan_vs_keep']:.3f}x keep (bar <= {PLAN_BAR}); activation SSD bytes measured "
+            f"{pl['measured_ssd_bytes'] * mb:.1f} MB vs cost model {(pl['ssd_write_bytes'] + pl['ssd_read_bytes']) * mb:.1f} MB "
+            f"({pl['bytes_error']:.1%}, bar <= {BYTES_BAR:.0%}); accounted peak {pl['measured_peak_bytes'] * mb:.1f} MB vs "
+            f"replay {pl['peak_activation_bytes'] * mb:.1f} MB; recompute {pl['measured_recompute_s']:.3f} s measured vs "
+            f"{pl['recompute_s']:.3f} s by the cost model ({pl['recompute_flops'] / 1e9:.1f} GFLOP)"
+        )

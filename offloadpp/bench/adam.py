@@ -83,6 +83,9 @@ def _deepspeed_optimizer(p, m, v, lr, wd):
         from deepspeed.ops.op_builder import CPUAdamBuilder
     except Exception as e:  # not installed, or its import fails on this machine
         return None, f"cannot import deepspeed: {type(e).__name__}: {e}"
+    from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks
+
+    clear_stale_build_locks(report=_log)  # an interrupted build's lock would be waited on forever
     _log("loading DeepSpeed's cpu_adam op (JIT-compiled on first use, about 1 min; cached afterwards) ...")
     t0 = time.perf_counter()
     try:

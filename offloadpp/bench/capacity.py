@@ -6,7 +6,11 @@ clipping 1.0, nothing else tuned) plus `"offloadpp": {"enabled": true}`, the mod
 offloadpp.Init (each unit initialised by the model's own init straight into the store) and
 trained through offloadpp.initialize with default budgets. `--checkpoint` adds the checkpoint's
 life cycle: save, one step, load, the same step again (its loss must be bit-identical), and a
-Hugging Face export, each timed against the disk-bandwidth floor. `--zero` then trains the same
+Hugging Face export, each timed against the disk-bandwidth floor. `--export` adds the two ways
+users export a model: save_16bit_model(dir) with DeepSpeed's default name and a Trainer's
+save_model of the same engine, each timed against the disk floor with its own peak, both then
+loaded with from_pretrained in a process of their own and compared with the engine's logits
+(capacity_export.py). `--zero` then trains the same
 model under ZeRO-Infinity in the same session (deepspeed.zero.Init, with the two settings it
 needs for a model this size: an offload buffer larger than the largest parameter and a 1e8
 sub-group), for the step-time ratio.
@@ -33,6 +37,9 @@ import sys
 import tempfile
 import time
 
+from offloadpp.bench.capacity_export import EXPORTS
+from offloadpp.bench.capacity_export import table as export_table
+
 GIB = 1 << 30
 BAR_RSS_GIB = 8.0
 BAR_VS_ZERO = 0.35
@@ -49,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--checkpoint", action="store_true", help="save, step, load, the same step again, export")
     p.add_argument(
+        "--export",
+        action="store_true",
+        help="save_16bit_model(dir) and a Trainer's save_model, each loaded with from_pretrained and compared",
+    )
+    p.add_argument(
         "--zero", action="store_true", help="also train the model under ZeRO-Infinity, same session"
     )
     p.add_argument("--zero-steps", type=int, default=3)
@@ -58,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON to PATH")
-    p.add_argument("--child", metavar="SIDE", choices=("offloadpp", "zero"), help=argparse.SUPPRESS)
+    p.add_argument("--child", metavar="SIDE", choices=("offloadpp", "zero", "verify"), help=argparse.SUPPRESS)
     p.add_argument("--result", metavar="PATH", help=argparse.SUPPRESS)
 
 
@@ -140,6 +152,26 @@ def _train_step(engine, x) -> float:
     return loss.item()
 
 
+def model_bytes(rt, args) -> dict:
+    """The cost model's SSD bytes per step for the plan the engine runs (its deferred step where the
+    plan speculates: every step of this benchmark clips), replayed at the engine's measured SSD rates;
+    the bytes hardly depend on the other rates, set here to round values."""
+    from dataclasses import replace
+
+    from offloadpp.planner.cost import estimate
+    from offloadpp.planner.hardware import HardwareProfile
+    from offloadpp.planner.model_profile import analytic_profile
+
+    mem = _mem_total()
+    hw = HardwareProfile(device="cpu", device_name="this machine", cpu_cores=os.cpu_count() or 1,
+                         ssd_read_gbps=rt.ssd_read_gbps, ssd_write_gbps=rt.ssd_write_gbps, h2d_gbps=10.0, d2h_gbps=10.0,
+                         memcpy_gbps=10.0, device_flops_per_s={"fp32": 100e9}, adam_params_per_s={1: 1e9},
+                         host_memory_bytes=mem, device_memory_bytes=mem)  # fmt: skip
+    m = analytic_profile(_gpt2_config(args).to_dict(), micro_batch=args.batch, seq_len=args.seq)
+    e = estimate(replace(rt.plan, speculative=False), hw, m)
+    return {"ssd_read_bytes": e.ssd_read_bytes, "ssd_write_bytes": e.ssd_write_bytes}
+
+
 def _offloadpp_child(args, work: str) -> dict:
     import torch
     from tqdm import tqdm
@@ -170,7 +202,9 @@ def _offloadpp_child(args, work: str) -> dict:
         "init_s": init_s,
         "plan": rt.plan.describe(),
         "budgets": rt.plan.describe_budgets(),
+        "model_bytes": model_bytes(rt, args),
     }
+    _log(f"cost model, bytes per step: {out['model_bytes']}")
     steps, losses, reports = [], [], []
     for i in tqdm(range(args.steps), desc="offloadpp: steps", file=sys.stderr):
         t = time.perf_counter()
@@ -222,6 +256,11 @@ def _offloadpp_child(args, work: str) -> dict:
         _log(
             f"checkpoint: save {save_s:.1f}s, load {load_s:.1f}s, export {export_s:.1f}s; loss {loss_a} / {loss_b}"
         )
+    if args.export:
+        from offloadpp.bench.capacity_export import export_phase
+
+        out["export"] = export_phase(engine, args, work, data[0], _phase_peak)
+        peaks.update(out["export"].pop("peaks"))
     engine.close()
     out["phase_peak_rss"] = peaks
     del torch
@@ -237,6 +276,9 @@ def _zero_child(args, work: str) -> dict:
     nvme = os.path.join(work, "nvme")
     os.makedirs(nvme, exist_ok=True)
     cfg = ds_config(args, nvme, "zero")
+    from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks
+
+    clear_stale_build_locks(report=_log)  # DeepSpeed JIT-builds its ops: an interrupted build's lock hangs it
     t0 = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
         model = GPT2LMHeadModel(_gpt2_config(args))
@@ -260,8 +302,9 @@ def _run_child(args, side: str, work: str) -> tuple[dict, int, int]:
     argv = [sys.executable, "-m", "offloadpp.bench.capacity", "--child", side, "--result", result]
     for k in ("layers", "width", "heads", "batch", "seq", "steps", "clip", "threads", "dir", "zero_steps"):
         argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    if args.checkpoint:
-        argv.append("--checkpoint")
+    for flag in ("checkpoint", "export"):
+        if getattr(args, flag):
+            argv.append(f"--{flag}")
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(29500 + os.getpid() % 1000))  # fmt: skip
     try:
@@ -281,7 +324,12 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         torch.manual_seed(0)
         work = os.path.join(args.dir, args.child)
-        res = _offloadpp_child(args, work) if args.child == "offloadpp" else _zero_child(args, work)
+        if args.child == "verify":
+            from offloadpp.bench.capacity_export import verify_child
+
+            res = verify_child(os.path.join(args.dir, "offloadpp"))
+        else:
+            res = _offloadpp_child(args, work) if args.child == "offloadpp" else _zero_child(args, work)
         with open(args.result, "w") as f:
             json.dump(res, f)
         return 0
@@ -310,6 +358,12 @@ def run(args: argparse.Namespace) -> int:
         # keeps one high-water mark): the run's peak is the largest of the phases' and the last's
         rss = max(rss, *ours.get("phase_peak_rss", {}).values())
         report["offloadpp"] = {**ours, "peak_rss_bytes": rss, "wall_s": time.perf_counter() - t0}
+        if args.export:
+            shutil.rmtree(
+                os.path.join(args.dir, "offloadpp", "nvme"), ignore_errors=True
+            )  # (disk for the check)
+            verify, vrss, vrc = _run_child(args, "verify", args.dir)
+            report["verify"] = {**verify, "peak_rss_bytes": vrss, "exit_status": vrc}
         if not args.keep:
             shutil.rmtree(os.path.join(args.dir, "offloadpp"), ignore_errors=True)
         if args.zero:
@@ -336,6 +390,9 @@ def run(args: argparse.Namespace) -> int:
         checks.append(report["vs_zero"] <= BAR_VS_ZERO)
     if "checkpoint" in o:
         checks.append(o["checkpoint"]["bit_identical"])
+    if "export" in o:
+        v = report["verify"]
+        checks.append(all(v.get(name, {}).get("close", False) for name in EXPORTS))
     report["pass"] = all(checks)
     report["max_rss_bytes"] = int(args.max_rss_gib * GIB)
     _print(report)
@@ -390,6 +447,9 @@ def _print(r: dict) -> None:
 
         print(f"\nSSD bytes of a steady step by kind, the cost model's from {o['modelled_from']}:")
         print(traffic.table(o["ssd_by_kind"], o["modelled_ssd_by_kind"]))
+    if "export" in o:
+        v = r["verify"]
+        print("\n".join(export_table(o, v, v["peak_rss_bytes"])))
     if "checkpoint" in o:
         c = o["checkpoint"]
         print(f"\ncheckpoint of {c['state_bytes'] / 1e9:.1f} GB of state ({c['checkpoint_bytes'] / 1e9:.1f} GB on disk), "

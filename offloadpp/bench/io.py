@@ -150,6 +150,9 @@ def _deepspeed(args, path: str, nbytes: int) -> Optional[Contender]:
     except Exception as e:  # noqa: BLE001 - reported, the bench goes on
         _log(f"deepspeed: not available ({type(e).__name__}: {e}), skipped")
         return None
+    from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks
+
+    clear_stale_build_locks(report=_log)  # an interrupted build's lock would be waited on forever
     try:
         built = os.path.exists(os.path.join(_get_build_directory("async_io", False), "async_io.so"))
         if not built:

@@ -81,7 +81,9 @@ def plan_row(model_cfg: dict, name: str, batch: int, dtype: str, hw, config: str
     e, plan = r.estimate, r.plan
     flops = sum(u.forward_flops + u.backward_flops for u in prof.units)
     acts = {
-        p: plan.activations.count(p) for p in ("keep", "host", "ssd", "recompute") if p in plan.activations
+        p: plan.activations.count(p)
+        for p in ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
+        if p in plan.activations
     }
     row.update(
         step_s=e.step_s, bound=e.bound, floor_s=e.floor_s, tflops=flops / e.step_s / 1e12,

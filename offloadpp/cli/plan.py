@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--activations",
-        choices=("auto", "keep", "host", "ssd", "recompute"),
+        choices=("auto", "keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd"),
         default=None,
         help="the activation policy of every unit (default: the block's, else auto)",
     )

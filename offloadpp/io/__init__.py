@@ -26,9 +26,10 @@ from .engine import (
 )
 from .errors import SwapIOError
 from .future import IOFuture
+from .layout import remove_swap_files
 from .lock import SwapDirBusyError, SwapDirLock
 from .measure import measure_ssd
-from .store import IOStats, TensorStore, remove_swap_files
+from .store import IOStats, TensorStore
 
 if not ALIGNMENT == 4096 == int(_C.ALIGNMENT):
     raise ImportError(

@@ -4,8 +4,9 @@ The safetensors library writes a file from a dict of tensors held in memory at o
 larger than RAM cannot be. The format is simple enough to stream: an 8-byte little-endian header
 length, a JSON header naming each tensor's dtype, shape and [start, end) byte range in the data,
 then the data. The header is known before any data (every name, dtype and shape), so it is
-written first and each tensor's bytes follow as they come, in the declared order. Files written
-here load with safetensors and `from_pretrained` like any other.
+written first and each tensor's bytes follow as they come, in the declared order, through
+O_DIRECT (direct_writer.py; direct=False: the page cache). Files written here load with
+safetensors and `from_pretrained` like any other.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import struct
 from typing import Optional, Sequence
 
 import torch
+
+from .direct_writer import DirectFileWriter
 
 DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -28,7 +31,7 @@ class SafetensorsWriter:
     """entries: (name, dtype, shape) in the order write() will be called."""
 
     def __init__(self, path: str, entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-                 metadata: Optional[dict] = None):  # fmt: skip
+                 metadata: Optional[dict] = None, *, direct: bool = True):  # fmt: skip
         header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
         self._order: list[tuple[str, int]] = []
         offset = 0
@@ -49,7 +52,7 @@ class SafetensorsWriter:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the library writes it
         self.path = path
         self.data_bytes = offset
-        self._f = open(path, "wb")
+        self._f = DirectFileWriter(path) if direct else open(path, "wb")
         self._f.write(struct.pack("<Q", len(raw)))
         self._f.write(raw)
         self._next = 0
@@ -76,12 +79,18 @@ class SafetensorsWriter:
                 raise ValueError(
                     f"{self.path}: {len(self._order) - self._next} declared tensors were not written"
                 )
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            if isinstance(self._f, DirectFileWriter):
+                self._f.close()  # (durable when it returns)
+            else:
+                self._f.flush()
+                os.fsync(self._f.fileno())
         finally:
             self._f.close()
 
     def abort(self) -> None:
+        if isinstance(self._f, DirectFileWriter):
+            self._f.abort()
+            return
         self._f.close()
         try:
             os.unlink(self.path)

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import errno as _errno
-import hashlib
 import itertools
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -32,14 +30,14 @@ from . import format as fmt
 from .buffers import ALIGNMENT, BounceCache, HeaderBuffers, align_up, aligned_empty, is_direct_capable
 from .config import IOConfig
 from .engine import make_engine
-from .errors import EINVAL, EIO, SwapIOError, swap_error
+from .errors import EINVAL, EIO, ESTALE, SwapIOError, swap_error
 from .future import IOFuture
+from .layout import SUFFIX, _file_stem, _stripe
 
 # An extension built before its engine checksummed reads and sealed headers (csrc/io/engine.h,
 # the checksum Note) takes only 6-field requests: there the calling threads checksum, as they did
 # then, rather than every put and get failing until the extension is rebuilt.
 _ENGINE_CRC = bool(_C.io_build_info().get("engine_checksums"))
-SUFFIX = ".oswp"
 H = fmt.HEADER_BYTES
 
 
@@ -107,66 +105,6 @@ def _drain(handles: list) -> None:
             pass
 
 
-def _stripe(
-    nbytes: int, n: int, start: int, block: int, weights: Optional[list]
-) -> list[tuple[int, int, int]]:
-    """(directory, offset, size) of each part of a striped tensor: equal block-aligned parts
-    from directory `start` on, or with `weights` parts in proportion to them (block-aligned, the
-    last taking the rest)."""
-    if weights is None:
-        chunk = align_up(-(-nbytes // n), block)
-        return [
-            ((start + i) % n, off, min(chunk, nbytes - off)) for i, off in enumerate(range(0, nbytes, chunk))
-        ]
-    order = [(start + i) % n for i in range(n)]
-    total = sum(weights)
-    out, off = [], 0
-    for j, d in enumerate(order):
-        size = (
-            nbytes - off
-            if j == n - 1
-            else min(nbytes - off, align_up(int(nbytes * weights[d] / total), block))
-        )
-        if size > 0:
-            out.append((d, off, size))
-            off += size
-    return out
-
-
-def _file_stem(key: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:80]
-    return f"{safe}.{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-
-
-def remove_swap_files(dirs: Sequence[Union[str, os.PathLike]]) -> tuple[int, int]:
-    """Removes the swap files in `dirs` (this store's kind only: *.oswp); returns (files, bytes).
-
-    A run starts from the model or a checkpoint, never from swap files an earlier run left
-    behind (of this model or another one): those are stale, and left alone they would only
-    hold disk space the next run needs."""
-    count = total = 0
-    for d in dirs:
-        d = os.fspath(d)
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            continue
-        for name in names:
-            if not name.endswith(SUFFIX):
-                continue
-            path = os.path.join(d, name)
-            try:
-                size = os.stat(path).st_size
-                os.unlink(path)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise swap_error(e.errno or EIO, "removing a stale swap file", path) from None
-            count += 1
-            total += size
-    return count, total
-
-
 class TensorStore:
     """Keyed tensors in swap files over `dirs`. See the module docstring."""
 
@@ -217,6 +155,9 @@ class TensorStore:
         self._since_prune = 0
         self._first_failed: Optional[tuple[str, BaseException]] = None
         self._closed = False
+        # files the scan could not index (foreign, corrupted, short, incomplete): path -> why, so
+        # that asking for a key one of them held names the file rather than "no such key"
+        self._unreadable: dict[str, SwapIOError] = {}
         self._gen = itertools.count(self._scan() + 1)
 
     # -- public API ---------------------------------------------------------------------------
@@ -307,6 +248,9 @@ class TensorStore:
         self._check_open()
         with self._lock:
             if key not in self._index:
+                why = self.why_missing(key)
+                if why is not None:
+                    raise why
                 raise KeyError(key)
         self._wait_key(key, writes_only=True)
         with self._lock:
@@ -461,6 +405,33 @@ class TensorStore:
         e.__cause__ = cause
         return e
 
+    def why_missing(self, key: str) -> Optional[SwapIOError]:
+        """Why `key` is not in the store, where a cause is on disk: a file of the key's name the
+        scan found unreadable (its header corrupted, say), or a swap directory removed while the
+        store used it. None: the key was simply never stored."""
+        stem = _file_stem(key) + "."
+        gone = self._removed_dir(os.path.join(self.dirs[0], f"{stem}0{SUFFIX}"))
+        if gone is not None:
+            return gone
+        for path, err in self._unreadable.items():
+            if os.path.basename(path).startswith(stem):
+                return err
+        return None
+
+    def _removed_dir(self, path: str) -> Optional[SwapIOError]:
+        """The error for `path`, a swap file, when one of the store's directories is gone."""
+        for d in self.dirs:
+            if not os.path.isdir(d):
+                e = SwapIOError(
+                    _errno.ENOENT,
+                    f"swap directory {d!r} was removed while this run used it (missing swap file {path!r}): the "
+                    "training state in it is lost; restart from a checkpoint (errno 2)",
+                    path,
+                )
+                e.op = "opening a swap file"
+                return e
+        return None
+
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._index
@@ -531,8 +502,12 @@ class TensorStore:
             for e in self._engines:
                 e.close()
             with self._lock:
+                # closed here, not when the last reference goes (a future or a caller may keep
+                # one): close() must leave no descriptor open
                 for entry in self._index.values():
                     for p in entry.parts:
+                        if p.file is not None and not p.file.closed:
+                            p.file.close()
                         p.file = None
             self._bounce.clear()
 
@@ -633,7 +608,13 @@ class TensorStore:
     def _file(self, p: _Part, create: bool) -> _C.File:
         f = p.file
         if f is None or f.closed:
-            f = _C.File(p.path, read=True, write=True, create=create, direct=self.config.o_direct)
+            try:
+                f = _C.File(p.path, read=True, write=True, create=create, direct=self.config.o_direct)
+            except OSError as e:
+                gone = self._removed_dir(p.path) if e.errno == _errno.ENOENT else None
+                if gone is not None:
+                    raise gone from None
+                raise
             p.file = f
         return f
 
@@ -698,10 +679,18 @@ class TensorStore:
                     f = _C.File(path, read=True, write=False, create=False, direct=self.config.o_direct)
                     f.pread_into(hb.ptr, H, 0)
                     h = fmt.unpack(memoryview(hb), path)
-                except SwapIOError:
-                    continue  # foreign, corrupted or short: not indexed, reported if ever asked for
+                except SwapIOError as e:
+                    self._unreadable[path] = e  # foreign, corrupted or short: reported if asked for
+                    continue
                 if h.complete:
                     found.setdefault(h.key, []).append((h, path, d_index))
+                else:
+                    self._unreadable[path] = swap_error(
+                        ESTALE,
+                        f"reading key {h.key!r} (incomplete file: a put failed or was interrupted)",
+                        path,
+                        0,
+                    )
         top = 0
         for key, items in found.items():
             h0 = items[0][0]

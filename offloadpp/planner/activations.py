@@ -8,13 +8,21 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              forward again and holds everything it saved until that backward is done.
   host, ssd  its saved bytes leave the device as they are saved (forward waits for the copies
              when it must) and come back for its backward.
+  recompute_host, recompute_ssd
+             recompute, with the inputs (the activation checkpoint) swapped as host/ssd swap the
+             saved bytes: nothing of the unit stays on the device between its forward and its
+             backward; the checkpoint comes back ahead of the recompute (the paper's scheme).
 
 Note: the need. Backward visits the units last to first, and releases a unit's activations once
 its backward is done. At unit j's backward every earlier unit still holds what its policy keeps
-(all of it, its inputs, or nothing) and unit j holds all it saved, fetched back or recomputed;
+(all of it, its inputs, or nothing) and unit j holds all it saved, fetched back or recomputed
+(a recompute's inputs are counted until the recompute, then replaced by what it recomputed);
 forward never holds more than the moment the last unit's backward starts with. So
 
-    need = max over j of  sum_{i < j} held(i) + saved(j) [+ inputs(j) if j recomputes]
+    need = max over j of  sum_{i < j} held(i) + saved(j) [max(saved(j), inputs(j)) if j recomputes]
+
+where held(i) is saved(i) for keep, inputs(i) for recompute, and 0 for the swapping policies
+(recompute_host/ssd included).
 
 Prefetching further units is done only within the budget (the runtime's rule), so it does not
 add to the need. Swapping everything gives the least need: the largest unit's saved bytes.
@@ -24,7 +32,9 @@ leaves, units are ranked by forward FLOPs per saved byte, lowest first (the pape
 cheapest to recompute per byte freed, and the hardest to hide a swap behind; among equals the
 later unit, which backward needs first). Then: recompute along the ranking until the need fits;
 swap everything and keep along the ranking what still fits; recompute the first quarter, half or
-three quarters of the ranking, swap the rest and keep what fits. Swaps go to host memory on CUDA
+three quarters of the ranking, swap the rest and keep what fits; the same with the recomputing
+units' checkpoints swapped too (every recomputable unit, or the head of the ranking), keeping
+what fits and then pinning on the device the checkpoints that still fit. Swaps go to host memory on CUDA
 (to SSD beyond the host memory left for them) and to SSD on the CPU acting as the device, where
 host memory is the device's own; SSD is tried on CUDA too.
 """
@@ -36,8 +46,15 @@ from typing import Mapping, Optional, Sequence
 
 from .model_profile import ModelProfile
 
-POLICIES = ("keep", "host", "ssd", "recompute")
+POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
 MIXES = (0.25, 0.5, 0.75)
+# nothing of the unit stays on the device between its forward and its backward
+SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd"))
+CHECKPOINT_SWAPS = {"recompute_host": "host", "recompute_ssd": "ssd"}
+
+
+def recomputes(policy: str) -> bool:
+    return policy in ("recompute", "recompute_host", "recompute_ssd")
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,31 @@ class ActUnit:
     inputs: int  # bytes a recompute holds from forward to backward: its input
     flops: int  # forward FLOPs
     can_recompute: bool  # False where backward reads none of the unit's weights (embeddings)
+
+
+def held_bytes(u: ActUnit, policy: str) -> int:
+    """Device bytes the unit holds from its forward to its backward."""
+    return u.saved if policy == "keep" else u.inputs if policy == "recompute" else 0
+
+
+def backward_bytes(u: ActUnit, policy: str) -> int:
+    """Device bytes the unit holds during its backward: all it saved (a recompute's inputs are
+    counted until the recompute, then what it recomputed, as the runtime counts them: the
+    first operator of a block saves its input, so the checkpoint is among them)."""
+    return max(u.saved, u.inputs) if recomputes(policy) else u.saved
+
+
+def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
+    """Where the unit's activation bytes are between its forward and its backward: kept on the
+    device, swapped to host, swapped to SSD (through host), recomputed; a recomputing unit's
+    checkpoint (its inputs) counts where it is kept."""
+    out = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
+    if recomputes(policy):
+        out["recomputed"] = u.saved
+        out[{"recompute": "kept", "recompute_host": "host", "recompute_ssd": "ssd"}[policy]] = u.inputs
+    else:
+        out[{"keep": "kept", "host": "host", "ssd": "ssd"}[policy]] = u.saved
+    return out
 
 
 def act_units(model: ModelProfile) -> tuple[ActUnit, ...]:
@@ -64,8 +106,8 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
     held = peak = 0
     for u in units:
         p = policies.get(u.name, "keep")
-        peak = max(peak, held + u.saved + (u.inputs if p == "recompute" else 0))
-        held += u.saved if p == "keep" else u.inputs if p == "recompute" else 0
+        peak = max(peak, held + backward_bytes(u, p))
+        held += held_bytes(u, p)
     return peak
 
 
@@ -89,7 +131,7 @@ class ActPlanner:
     def __init__(self, units: Sequence[ActUnit], fixed: Mapping[str, str], *, device: str,
                  host_bytes: Optional[int] = None):  # fmt: skip
         self.units = tuple(units)
-        self.fixed = {n: ("keep" if p == "recompute" and not self._unit(n).can_recompute else p)
+        self.fixed = {n: ("keep" if recomputes(p) and not self._unit(n).can_recompute else p)
                       for n, p in fixed.items() if p != "auto"}  # fmt: skip
         self.free = [u for u in self.units if u.name not in self.fixed]
         self.device = device
@@ -120,53 +162,76 @@ class ActPlanner:
         )
 
     def _swap_to(self, chosen: dict[str, str], to: str) -> dict[str, str]:
-        """`chosen` with its swaps sent to `to`; to host only within the host memory left for
-        them (the units with the fewest FLOPs per byte first: they hide an SSD read worst)."""
+        """`chosen` with its swaps (and swapped checkpoints) sent to `to`; to host only within the
+        host memory left for them (the units with the fewest FLOPs per byte first: they hide an
+        SSD read worst)."""
+
+        def sent(p: str, where: str) -> str:
+            return where if p in ("host", "ssd") else f"recompute_{where}"
+
         if to != "host":
-            return {n: (to if p in ("host", "ssd") else p) for n, p in chosen.items()}
+            return {n: (sent(p, to) if p in SWAPPING else p) for n, p in chosen.items()}
         left = self.host_bytes
         out = dict(chosen)
         for u in self._ranked():
-            if out.get(u.name) in ("host", "ssd"):
-                if left is None or u.saved <= left:
-                    out[u.name] = "host"
-                    left = None if left is None else left - u.saved
+            p = out.get(u.name)
+            if p in SWAPPING:
+                n = u.inputs if recomputes(p) else u.saved
+                if left is None or n <= left:
+                    out[u.name] = sent(p, "host")
+                    left = None if left is None else left - n
                 else:
-                    out[u.name] = "ssd"
+                    out[u.name] = sent(p, "ssd")
+        return out
+
+    def _upgrade_what_fits(
+        self, chosen: dict[str, str], room: int, frm: frozenset, to: str
+    ) -> dict[str, str]:
+        """`chosen` with its units whose policy is in `frm` set to `to` along the ranking while the
+        need fits `room` (keep: no swap nor recompute; recompute: the checkpoint pinned).
+
+        Changing unit p's policy changes what unit p holds during its backward and what every
+        later unit's backward starts with by the same amount for all of them, so the need becomes
+        max(the peak before p, p's own, the peak after p + the change): running maxima, rebuilt
+        only when a unit changes."""
+        out = {**dict(chosen), **self.fixed}
+        units = self.units
+        pos = {u.name: i for i, u in enumerate(units)}
+
+        def maxima() -> tuple[list[int], list[int], list[int]]:
+            held, at, before = 0, [], []
+            for u in units:
+                p = out.get(u.name, "keep")
+                before.append(held)
+                at.append(held + backward_bytes(u, p))
+                held += held_bytes(u, p)
+            upto, after = [0] * (len(at) + 1), [0] * (len(at) + 1)
+            for i, x in enumerate(at):
+                upto[i + 1] = max(upto[i], x)
+            for i in range(len(at) - 1, -1, -1):
+                after[i] = max(after[i + 1], at[i])
+            return upto, after, before
+
+        upto, after, before = maxima()
+        for u in self._ranked():
+            p = out.get(u.name)
+            if p in frm and (to != "recompute" or u.can_recompute):
+                i = pos[u.name]
+                grow = held_bytes(u, to) - held_bytes(u, p)
+                own = before[i] + backward_bytes(u, to)
+                if max(upto[i], own, after[i + 1] + grow) <= room:
+                    out[u.name] = to
+                    upto, after, before = maxima()
         return out
 
     def _keep_what_fits(self, chosen: dict[str, str], room: int) -> dict[str, str]:
-        """`chosen` with its swapped units kept along the ranking while the need fits `room`.
+        """`chosen` with its swapped units (swapped checkpoints too) kept along the ranking while
+        the need fits `room`."""
+        return self._upgrade_what_fits(chosen, room, SWAPPING, "keep")
 
-        Keeping unit p raises what every later unit's backward starts with by its saved bytes,
-        so the need becomes max(the peak up to p, the peak after p + saved(p)): two running
-        maxima, rebuilt only when a unit is kept."""
-        out = {**dict(chosen), **self.fixed}
-        pos = {u.name: i for i, u in enumerate(self.units)}
-
-        def maxima() -> tuple[list[int], list[int]]:
-            held, at = 0, []
-            for u in self.units:
-                p = out.get(u.name, "keep")
-                at.append(held + u.saved + (u.inputs if p == "recompute" else 0))
-                held += u.saved if p == "keep" else u.inputs if p == "recompute" else 0
-            upto, after = [], [0] * (len(at) + 1)
-            m = 0
-            for x in at:
-                m = max(m, x)
-                upto.append(m)
-            for i in range(len(at) - 1, -1, -1):
-                after[i] = max(after[i + 1], at[i])
-            return upto, after
-
-        upto, after = maxima()
-        for u in self._ranked():
-            if out.get(u.name) in ("host", "ssd"):
-                i = pos[u.name]
-                if max(upto[i], after[i + 1] + u.saved) <= room:
-                    out[u.name] = "keep"
-                    upto, after = maxima()
-        return out
+    def _pin_what_fits(self, chosen: dict[str, str], room: int) -> dict[str, str]:
+        """`chosen` with its swapped checkpoints kept on the device while the need fits `room`."""
+        return self._upgrade_what_fits(chosen, room, frozenset(CHECKPOINT_SWAPS), "recompute")
 
     def candidates(self, room: int) -> tuple[ActChoice, ...]:
         """The choices whose need fits `room` device bytes (the first is keeping all, alone,
@@ -199,13 +264,24 @@ class ActPlanner:
             base = {u.name: "ssd" for u in self.free}
             found.append(self._choice(f"swap to {to}, keep what fits",
                                       self._swap_to(self._keep_what_fits(base, room), to)))  # fmt: skip
-            for frac in MIXES:
-                head = {u.name: "recompute" for u in recomputable[: round(frac * len(recomputable))]}
+            for frac in MIXES + (1.0,):
+                head = recomputable[: round(frac * len(recomputable))]
                 if not head:
                     continue
-                mixed = {**{u.name: "ssd" for u in self.free}, **head}
-                found.append(self._choice(f"recompute {frac:.0%}, swap to {to}",
-                                          self._swap_to(self._keep_what_fits(mixed, room), to)))  # fmt: skip
+                mixed = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute" for u in head}}
+                if frac < 1.0:
+                    found.append(self._choice(f"recompute {frac:.0%}, swap to {to}",
+                                              self._swap_to(self._keep_what_fits(mixed, room), to)))  # fmt: skip
+                # the paper's scheme: the recomputing units' checkpoints leave the device too
+                # (tried with the first tier only: to host on CUDA, which sends to SSD what host
+                # memory cannot take, and so is never slower than all to SSD; each candidate
+                # costs a replay, and 175B must plan within 2 s)
+                if to != swaps[0]:
+                    continue
+                ckpt = {**mixed, **{u.name: "recompute_ssd" for u in head}}
+                kept = self._keep_what_fits(ckpt, room)
+                found.append(self._choice(f"recompute {frac:.0%} with checkpoints to {to}, swap to {to}",
+                                          self._swap_to(self._pin_what_fits(kept, room), to)))  # fmt: skip
         seen, out = set(), []
         for c in found:
             if c.need_bytes <= room and c.policies not in seen:
@@ -223,4 +299,5 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
     return out
 
 
-__all__ = ["ActChoice", "ActPlanner", "ActUnit", "POLICIES", "act_units", "fixed_policies", "need_bytes"]
+__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "POLICIES", "SWAPPING", "act_units",
+           "backward_bytes", "fixed_policies", "held_bytes", "need_bytes", "recomputes", "split_bytes"]  # fmt: skip

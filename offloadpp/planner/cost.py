@@ -20,7 +20,8 @@ runs on the rank's share of it (ranks.rank_share) with the collectives on a link
               for, but not forever).
 The replay is what makes step_s differ from floor_s: weights that arrive late (the SSD queue
 holds the previous step's writes), Adam slowed by compute on shared cores, the last units'
-updates after backward, deferred updates run after backward. A speculative plan (clipping or fp16
+updates after backward, deferred updates run after backward (on the CPU device, one rank: at
+each unit's next visit, simulate_pending.py). A speculative plan (clipping or fp16
 with Plan.speculative) is replayed as a step that validates: its updates run during backward.
 """
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
-from .activations import act_units
+from .activations import act_units, recomputes
 from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
@@ -37,6 +38,7 @@ from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes
 from .ranks import RankLink, rank_share
 from .schedule import build_schedule
 from .simulate import Costs, Sim
+from .simulate_pending import lazy_applies
 from .traffic import ByKind, by_key_kinds
 
 REPLAY_STEPS = 3  # the first steps fill the SSD queue and the moments; the last is steady
@@ -124,7 +126,7 @@ def estimate(
 ) -> StepEstimate:
     """The step time `plan` takes on `hardware` for `model` (one optimizer step of
     `micro_batches` micro-batches), and the phase that bounds it. `activations`: per unit
-    "keep" | "host" | "ssd" | "recompute" (default: the plan's, else keep everything). A plan
+    "keep" | "host" | "ssd" | "recompute" | "recompute_host" | "recompute_ssd" (default: the plan's, else keep everything). A plan
     over several ranks needs `link`: the ranks per node and the collectives' bandwidth."""
     return replay(plan, hardware, model, adam_threads=adam_threads, micro_batches=micro_batches,
                   activations=activations, act_prefetch_units=act_prefetch_units, link=link)[0]  # fmt: skip
@@ -195,7 +197,7 @@ def replay(
     )
     m = sim.marks[-1]
     sched = build_schedule(plan)
-    recompute = sum(fwd[n] for n in fwd if policies.get(n) == "recompute")
+    recompute = sum(fwd[n] for n in fwd if recomputes(policies.get(n, "keep")))
     compute = micro_batches * (sum(fwd[n] + bwd[n] for n in fwd) + recompute)
     adam = sum(u.numel for u in plan.units) / plan.ranks / costs.adam_rate
     ssd_s = m["ssd_r"] / ssd.read_bps + m["ssd_w"] / ssd.write_bps
@@ -278,9 +280,7 @@ def lower_bound(
     fwd, bwd = compute_times(plan, hardware, model)
     policies = activations if activations is not None else activation_policies(plan)
     n = len(fwd)
-    recompute = sum(
-        fwd[u] + hardware.runtime_forward_visit_s for u, p in policies.items() if p == "recompute"
-    )
+    recompute = sum(fwd[u] + hardware.runtime_forward_visit_s for u, p in policies.items() if recomputes(p))
     visits = n * (hardware.runtime_forward_visit_s + hardware.runtime_backward_visit_s)
     compute = micro_batches * (sum(fwd.values()) + sum(bwd.values()) + visits + recompute)
     numel = sum(u.numel for u in plan.units) / plan.ranks
@@ -298,8 +298,10 @@ def lower_bound(
     absorb = absorbed * (micro_batches * 8 + (4 if norm else 0)) / memcpy
     worker = absorb + adam
     # a deferred update starts once backward is over (a speculative one, in a step that
-    # validates, as it would without clipping)
-    serial = compute + adam if plan.deferred_update and not plan.speculative else 0.0
+    # validates, as it would without clipping; one applied at the next visit, beside the forward)
+    serial = (
+        compute + adam if plan.deferred_update and not plan.speculative and not lazy_applies(plan) else 0.0
+    )
     sched_keep = _next_keep(plan)
     cdt = plan.compute_dtype
     read = write = 0

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from .plan import InfeasibleError, Placement, Plan, PlanError, Tier, UnitSpec, all_on_ssd, fmt_bytes
-from .schedule import build_schedule
+from .schedule import build_schedule, grads_order
 from .spec import Budgets, Settings
 
 DEFAULT_PREFETCH = 2
@@ -133,14 +133,24 @@ def _keep_what_fits(plan: Plan, spare_dev: int, spare_host: int) -> Plan:
         if u.moments_bytes <= spare_host:
             moments, spare_host = Tier.HOST, spare_host - u.moments_bytes
         placements.append(Placement(u.name, weights, master, moments, Tier.SSD))
-    grads = Tier.SSD
+    host_grads: set = set()
     if plan.persistent_grads:
         total = sum(u.grad_bytes for u in plan.units)
-        if total <= spare_host:
-            grads, spare_host = Tier.HOST, spare_host - total
-        else:
+        specs = {u.name: u for u in plan.units}
+        for name in grads_order(plan) if total > spare_host else specs:
+            if specs[name].grad_bytes <= spare_host:
+                host_grads.add(name)
+                spare_host -= specs[name].grad_bytes
+        if not host_grads:
             notes.append(f"gradients ({fmt_bytes(total)}) do not fit the host budget's rest: kept on SSD")
-    placements = [replace(p, grads=grads) for p in placements]
+        elif len(host_grads) < len(specs):
+            kept = sum(specs[n].grad_bytes for n in host_grads)
+            notes.append(
+                f"gradients ({fmt_bytes(total)}) do not all fit the host budget's rest: {len(host_grads)} of "
+                f"{len(specs)} units' ({fmt_bytes(kept)}) in host memory, the rest on SSD (first the units whose "
+                "gradients the pending updates read first, after those the optimizer keeps anyway)"
+            )
+    placements = [replace(p, grads=Tier.HOST if p.unit in host_grads else Tier.SSD) for p in placements]
     return replace(plan, placements=tuple(placements), notes=tuple(notes))
 
 

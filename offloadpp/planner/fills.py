@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 from .default import _keep_what_fits
 from .peaks import peak_bytes
 from .plan import Plan, PlanError, Tier, fmt_bytes
-from .schedule import build_schedule
+from .schedule import build_schedule, grads_order
 from .spec import Budgets
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ def _upgrades(plan: Plan, traffic: dict) -> list[tuple[float, int, str, str]]:
             )
             out.append(((master + 1) / u.master_bytes, i, u.name, "master@host"))
         out.append(((moments + 1) / u.moments_bytes, i, u.name, "moments@host"))
+        if plan.persistent_grads:
+            out.append(((traffic.get(f"{u.name}.grads", 0) + 1) / u.grad_bytes, i, u.name, "grads@host"))
     out.sort(key=lambda x: (-x[0], x[1]))
     return out
 
@@ -78,6 +80,10 @@ def _upgraded(plan: Plan, p, what: str):
         if p.moments is Tier.HOST:
             return None
         new = replace(p, moments=Tier.HOST)
+    elif what == "grads@host":
+        if not plan.persistent_grads or p.grads is Tier.HOST:
+            return None
+        new = replace(p, grads=Tier.HOST)
     else:
         raise ValueError(what)
     try:
@@ -160,15 +166,18 @@ FILLS = (
 
 
 def _persistent_grads(plan: Plan, req: Request) -> Plan:
-    """Gradients kept between micro-batches or for a deferred update: in host memory if all fit."""
+    """Gradients kept between micro-batches or for a deferred update: in host memory as far as
+    the budgets allow, unit by unit in grads_order (those kept already stay)."""
     if not plan.persistent_grads:
         return plan
     host = replace(plan, placements=tuple(replace(p, grads=Tier.HOST) for p in plan.placements))
-    return (
-        host
-        if _fits(host, req)
-        else replace(plan, placements=tuple(replace(p, grads=Tier.SSD) for p in plan.placements))
-    )
+    if _fits(host, req):
+        return host
+    for name in grads_order(plan):
+        nxt = _apply(plan, name, "grads@host")
+        if nxt is not None and _fits(nxt, req):
+            plan = nxt
+    return plan
 
 
 def _traffic(plan: Plan) -> dict[str, int]:
@@ -191,6 +200,10 @@ def _traffic(plan: Plan) -> dict[str, int]:
         else:
             out[f"{u.name}.master"] = (f + 1) * u.master_bytes
         out[f"{u.name}.exp_avg"] = out[f"{u.name}.exp_avg_sq"] = u.moments_bytes
+    if plan.persistent_grads:  # written once per micro-batch and read back, but where kept (grads_order)
+        kept = set(grads_order(plan)[-(plan.optim_prefetch_depth + 1) :]) if plan.deferred_update else set()
+        for u in plan.units:
+            out[f"{u.name}.grads"] = 0 if u.name in kept else 2 * u.grad_bytes
     return out
 
 

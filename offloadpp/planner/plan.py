@@ -197,6 +197,10 @@ class Plan:
     # ACTIVATION_POLICIES per unit in forward order; () keeps them all on the device. "auto" is
     # resolved by the runtime from the first forward until a planner fills it in.
     activations: tuple[str, ...] = ()
+    # Per unit in forward order, (bytes its forward saves, bytes of its activation checkpoint:
+    # its inputs) from the model profile the plan was made with; () when none. Only for the
+    # printout's per-unit split (kept, host, ssd, recomputed): the runtime measures its own.
+    activation_sizes: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -232,6 +236,12 @@ class Plan:
 
     def _check_activations(self) -> None:
         object.__setattr__(self, "activations", tuple(self.activations))  # a plan file gives a list
+        sizes = tuple((int(a), int(b)) for a, b in self.activation_sizes)
+        if sizes and len(sizes) != len(self.units):
+            raise PlanError(
+                f"activation_sizes must give one pair per unit ({len(self.units)}), got {len(sizes)}"
+            )
+        object.__setattr__(self, "activation_sizes", sizes)
         stripe = tuple((str(d), float(w)) for d, w in self.ssd_stripe)
         if any(w <= 0 for _, w in stripe):
             raise PlanError(f"ssd_stripe weights must be > 0, got {list(stripe)}")
@@ -399,8 +409,37 @@ class Plan:
                 f"  activations (budget {budget}): "
                 + ", ".join(f"{u.name}={a}" for u, a in zip(self.units, self.activations))
             )
+            lines.extend(self._describe_activation_split())
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _describe_activation_split(self) -> list[str]:
+        """Per unit (runs of alike units on one line), where its saved bytes are between its
+        forward and its backward (planner/activations.py split_bytes)."""
+        if not self.activation_sizes or not self.activations:
+            return []
+        from .activations import ActUnit, split_bytes
+
+        rows: list[list] = []  # [first, last, count, policy, sizes]
+        for u, a, sz in zip(self.units, self.activations, self.activation_sizes):
+            if rows and rows[-1][3] == a and rows[-1][4] == sz:
+                rows[-1][1] = u.name
+                rows[-1][2] += 1
+            else:
+                rows.append([u.name, u.name, 1, a, sz])
+        out = [f"  {'activations per unit':<40} {'policy':>14} {'saved':>10} {'kept':>10} {'host':>10} "
+               f"{'ssd':>10} {'recomputed':>10}"]  # fmt: skip
+        totals = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
+        for first, last, n, a, (saved, ckpt) in rows:
+            name = first if n == 1 else f"{first} .. {last} ({n})"
+            sp = split_bytes(ActUnit(first, saved, ckpt, 0, True), a if a != "auto" else "keep")
+            for k in totals:
+                totals[k] += n * sp[k]
+            out.append(f"  {name:<40} {a:>14} {fmt_bytes(saved):>10} {fmt_bytes(sp['kept']):>10} "
+                       f"{fmt_bytes(sp['host']):>10} {fmt_bytes(sp['ssd']):>10} {fmt_bytes(sp['recomputed']):>10}")  # fmt: skip
+        out.append(f"  {'total':<40} {'':>14} {'':>10} {fmt_bytes(totals['kept']):>10} "
+                   f"{fmt_bytes(totals['host']):>10} {fmt_bytes(totals['ssd']):>10} {fmt_bytes(totals['recomputed']):>10}")  # fmt: skip
+        return out
 
 
 def shard_units(units: Sequence[UnitSpec], ranks: int) -> tuple[UnitSpec, ...]:

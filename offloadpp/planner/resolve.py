@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
+from .activations import act_units
 from .cost import StepEstimate, estimate
 from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, plan_shape, streaming_plan
 from .hardware import HardwareProfile, ProfileError, default_profile_path
@@ -78,6 +79,8 @@ class Machine:
         (and, on the CPU acting as the device, its compute). Host memory, SSD space and cores
         above are the node's; resolve plans each rank for its share (`rank_share`).
     collective_gbps: the ranks' collectives' bus bandwidth, measured over them all (None: not).
+    host_total_bytes / device_total_bytes: the node's RAM and the device's memory in all (None:
+        not known); a budget asked above them is refused (check_asked_budgets).
     """
 
     device: str
@@ -88,6 +91,8 @@ class Machine:
     ranks: int = 1
     local_ranks: int = 1
     collective_gbps: Optional[float] = None  # the ranks' all-gather bus bandwidth, measured at start
+    host_total_bytes: Optional[int] = None
+    device_total_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -175,6 +180,7 @@ def resolve(
                 'set speculate "auto" or "off"'
             )
         settings = settings.model_copy(update={"speculate": "off"})
+    check_asked_budgets(settings, machine)
     units = shard_units(units, machine.ranks)
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
@@ -194,6 +200,8 @@ def resolve(
         plan = replace(plan, notes=plan.notes + (
             "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
     plan = with_activation_policies(plan, settings)
+    if model is not None:
+        plan = with_activation_sizes(plan, model)
     speculative = with_speculation(plan, settings, machine)
     if speculative.speculative != plan.speculative:
         est = None  # estimated as it was made: estimated again below, as it runs
@@ -358,6 +366,31 @@ def _default(settings: Settings, units, machine: Machine, budgets: Budgets, mode
 
 
 # ---- budgets ------------------------------------------------------------------------------
+def check_asked_budgets(settings: Settings, m: Machine) -> None:
+    """A budget is a promise the engine keeps by waiting or raising rather than allocating past
+    it, so one above what the machine has in all (1e30, "999TiB") is no limit at all: the run
+    would page or be killed instead. Refused, naming the field, the value and the machine's
+    memory; a budget above what is free now but within the total is the user's call."""
+    host_total = m.host_total_bytes
+    dev_total = m.device_total_bytes if m.device == "cuda" else host_total
+    dev_what = "device memory" if m.device == "cuda" else "RAM (the CPU is the device)"
+    dev_free = m.device_free_bytes if m.device == "cuda" else m.host_available_bytes
+    asked = (
+        ("device_budget_bytes", settings.device_budget_bytes, dev_total, dev_what, dev_free),
+        ("host_budget_bytes", settings.host_budget_bytes, host_total, "RAM", m.host_available_bytes),
+        ("activations.budget_bytes", settings.activations.budget_bytes, dev_total, dev_what, dev_free),
+        ("activations.host_budget_bytes", settings.activations.host_budget_bytes, host_total, "RAM",
+         m.host_available_bytes),
+    )  # fmt: skip
+    for name, value, total, what, free in asked:
+        if value is not None and total is not None and value > total:
+            free_s = f", {fmt_bytes(free)} free now" if free is not None else ""
+            raise PlanError(
+                f"{name}: {value} bytes ({fmt_bytes(value)}) is more than this machine has: {fmt_bytes(total)} of "
+                f'{what}{free_s}; set it at most that, or "auto"'
+            )
+
+
 def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
              model: Optional[ModelProfile]) -> tuple[Budgets, Settings]:  # fmt: skip
     """The budgets for the settings' requests (the module Note), and the settings with the
@@ -469,12 +502,18 @@ def load_saved_plan(settings: Settings) -> Optional[tuple[Plan, Optional[StepEst
     return load_plan(settings.plan_path) if settings.plan_path is not None else None
 
 
+def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
+    """The plan with each unit's saved and checkpoint bytes from the model profile (printout)."""
+    sizes = {a.name: (a.saved, a.inputs) for a in act_units(model)}
+    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0)) for u in plan.units))
+
+
 def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     """The plan with each unit's activation policy: the plan's own if it names them, else the
     settings' policy and per-unit overrides ("auto" is kept as it is for the runtime to resolve
     where a budget limits the activations, and is "keep" where none does). A unit whose backward
-    reads none of its weights (embedding lookups) cannot run its forward again: "recompute"
-    becomes "keep" there."""
+    reads none of its weights (embedding lookups) cannot run its forward again: "recompute" (and
+    its swapped-checkpoint forms) becomes "keep" there."""
     act = settings.activations
     names = [u.name for u in plan.units]
     unknown = sorted(set(act.overrides) - set(names))
@@ -488,7 +527,7 @@ def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     for u, p in zip(plan.units, chosen):
         if p == "auto" and unlimited:  # nothing to fit: keep (the runtime would profile first)
             p = "keep"
-        if p == "recompute" and not u.backward_needs_weights:
+        if p.startswith("recompute") and not u.backward_needs_weights:
             notes.append(
                 f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
             )
@@ -576,5 +615,6 @@ __all__ = [
     "model_profile_for",
     "resolve",
     "with_activation_policies",
+    "with_activation_sizes",
     "with_speculation",
 ]

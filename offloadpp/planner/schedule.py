@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from .plan import DTYPE_BYTES, Plan, Tier
+from .simulate_pending import lazy_runtime
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,23 @@ def flush_rank(key: str) -> int:
     weights write queued behind the moments' (every unit's, with a window over all units) stalled
     the forward's last visits for the moments' whole drain (docs/runtime.md)."""
     return 0 if key.endswith((".master", ".weights")) else 1
+
+
+def grads_order(plan: Plan) -> list[str]:
+    """The units whose gradients are worth keeping in host memory first, where not all fit.
+
+    Note: why this order. A deferred step's gradients wait for its update: the update pass
+    reads them back largest unit first, and updates applied at the next visit (simulate_pending)
+    read them in forward order, the first units' first, which are those backward finished last.
+    Either way the first q+1 units of that order keep theirs in memory without a home (the
+    runtime's window), so a home in host memory saves a write and a read for the units after
+    them, in the same order: theirs are the reads the next pass or forward waits for first."""
+    q = plan.optim_prefetch_depth
+    if lazy_runtime(plan):
+        order = [u.name for u in plan.units]  # forward order
+    else:
+        order = list(structure(plan).update_order)
+    return order[q + 1 :] + order[: q + 1]
 
 
 def build_schedule(plan: Plan) -> Schedule:

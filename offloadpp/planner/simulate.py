@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
+from . import simulate_pending as pending
 from .desim import Done, Fifo, Pool, Ssd, When, done_by
 from .plan import DTYPE_BYTES, Plan, Tier
 from .ranks import RankLink
@@ -186,6 +187,7 @@ class Unit:
         # updated speculatively only where its state all lives on SSD (runtime Unit.can_speculate)
         self.can_speculate = all(x.stored for x in (self.master, self.compute, self.exp_avg, self.exp_avg_sq))
         self.speculated = False
+        self.pending = False  # a deferred update to apply at the next visit (simulate_pending)
 
     @staticmethod
     def slot_for(sim: Sim, spec, homes):
@@ -231,6 +233,7 @@ class Job:
     comm_bytes: float = 0.0  # over several ranks: the gradients reduce-scattered before Adam
     regather_bytes: float = 0.0  # and a resident unit's weights gathered after it
     speculative: bool = False  # an update during backward (its kept units: spec_next_keep)
+    lazy: bool = False  # a pending update applied at the unit's next visit (simulate_pending)
 
 
 def _late(job: Job, s: Slot) -> bool:
@@ -284,6 +287,13 @@ class Sim:
         # a speculative plan's steps validate: the replay is of a step whose speculation commits
         self.speculating = plan.deferred_update and plan.speculative
         self.q = self.sched.optim_window
+        # deferred updates applied at each unit's next visit, in forward order (simulate_pending)
+        self.lazy = pending.lazy_applies(plan)
+        fwd = self.sched.forward_index
+        self.lazy_order = [self.by_name[n] for n in sorted(fwd, key=fwd.get)]
+        self.lazy_index = {u.name: i for i, u in enumerate(self.lazy_order)}
+        self.lazy_inflight: set = set()
+        self.lazy_cursor = self.lazy_submitted = 0
         self.next_keep, self.spec_next_keep = self.sched.next_keep, self.sched.spec_next_keep
         self.keep_until_update = self.sched.keep_until_update
         self.in_backward = False
@@ -356,7 +366,10 @@ class Sim:
                     yield from self.finish()
             if self.deferred:
                 yield from self.finish()
-                yield from self.run_deferred()
+                if self.lazy:
+                    pending.defer(self)
+                else:
+                    yield from self.run_deferred()
             yield from self.finish()
             for u in self.units:
                 u.phase = "idle"
@@ -375,7 +388,8 @@ class Sim:
     def begin_micro(self, first: bool, boundary: bool) -> Iterator:
         self.first_micro, self.boundary = first, boundary
         self.absorb_cursor = self.update_cursor = self.absorbed = self.submitted = 0
-        yield from self.advance_absorb(self.q + 1)
+        if not any(u.pending for u in self.lazy_order):  # (else at begin_backward)
+            yield from self.advance_absorb(self.q + 1)
         if boundary and not self.deferred:
             yield from self.advance_update(self.q + 1)
 
@@ -390,7 +404,12 @@ class Sim:
 
     def begin_backward(self) -> Iterator:
         """optimizer.begin_backward: the deferred window is read as backward starts (speculating:
-        a window sliding over the order gradients complete in)."""
+        a window sliding over the order gradients complete in; updates applied at the next
+        visit: none, the pending ones are done first)."""
+        yield from pending.complete_pending(self)
+        yield from self.advance_absorb(self.q + 1)
+        if self.lazy:
+            return
         if self.speculating:
             yield from self.advance_update(self.q + 1, order=self.order, sliding=True)
         else:
@@ -417,6 +436,7 @@ class Sim:
         for u in list(self.held):
             if u.name not in want:
                 yield from self.drop(u)
+        yield from pending.apply_pending(self, self.fetch_order[i])
         for name in self.fetch_order[i]:
             u = self.by_name[name]
             if all(u is not h for h in self.held):
@@ -435,6 +455,7 @@ class Sim:
             if i >= t or any(u is h for h in self.held):
                 u.compute.release(self, NEXT)
         for name in self.sched.visits[i].needs:
+            yield from pending.wait_pending(self, self.by_name[name])
             yield from self.by_name[name].weights.wait(self)
         self.cursor = i
 
@@ -446,6 +467,14 @@ class Sim:
             and self.boundary
         ):
             yield from u.master.acquire(self, OPTIM)  # == its weights: its update needs them
+        if (
+            self.in_backward
+            and self.lazy
+            and u.master is u.compute
+            and u.name in self.next_keep
+            and self.boundary
+        ):
+            yield from u.compute.acquire(self, NEXT)  # kept for the next forward's pending update
         u.weights.release(self)
         self.held = [h for h in self.held if h is not u]
 
@@ -470,7 +499,8 @@ class Sim:
             return
         sliding = self.speculating and self.boundary
         spec = sliding and u.can_speculate
-        kept = self.update_index[u.name] < self.q + 1  # the deferred window's: gradients held
+        # the deferred window's: gradients held (applied at the next visit: its first units')
+        kept = (self.lazy_index if self.lazy else self.update_index)[u.name] < self.q + 1
         redo = self.plan.clipping  # a speculative step may be redone: its gradients are kept
         if sliding:
             yield from self.advance_update(idx + 1, order=self.order, sliding=True)
@@ -573,7 +603,12 @@ class Sim:
             if job.defer_writes or _late(job, s):
                 s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
                 self.queued_writes.append(s)
-        if job.update:
+        if job.lazy:
+            self.lazy_inflight.discard(u.name)
+            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
+                s.release(self, OPTIM)
+            u.compute.release(self, OPTIM)
+        elif job.update:
             after = 0.0
             if self.cuda and isinstance(u.weights, CudaWeights) and u.weights.resident:
                 u.weights.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)

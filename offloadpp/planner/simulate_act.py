@@ -6,7 +6,11 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
              on the activation worker's thread; on CUDA a device->host copy); backward: they are
              handed back (CPU: no copy; CUDA: a host->device copy).
   ssd        as host, then the worker writes them to SSD; backward reads them back ahead of use.
-  recompute  nothing is saved: backward runs the unit's forward again first.
+  recompute  nothing is saved: backward runs the unit's forward again first; its inputs (the
+             activation checkpoint) stay on the device.
+  recompute_host, recompute_ssd
+             as recompute, with the checkpoint moved as host/ssd move saved bytes (copied out in
+             forward, fetched back ahead of the recompute).
 Backward fetches the activations of the unit it reaches and of the next `prefetch_units` units
 (in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
 cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
@@ -27,12 +31,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Mapping, Optional
 
+from .activations import CHECKPOINT_SWAPS, recomputes
 from .desim import When, done_by, when
 
 if TYPE_CHECKING:
     from .simulate import Sim
 
-POLICIES = ("keep", "host", "ssd", "recompute")
+POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
 
 
 @dataclass(eq=False)
@@ -64,7 +69,9 @@ class ActReplay:
         self.queue: deque[_Out] = deque()
         self.inflight: deque[_Out] = deque()  # swap-outs whose copy is not done, oldest first
         self.out: dict[str, _Out] = {}
-        self.ready: dict[str, tuple[When, bool]] = {}  # unit -> (its read or time, a h2d copy to follow)
+        self.ready: dict[
+            str, tuple[When, bool, int]
+        ] = {}  # unit -> (its read or time, a h2d copy to follow, bytes)
         self.swapped_bytes = 0
         self.device_bytes = 0  # accounted on the device now (see the module docstring)
         self.peak_bytes = 0
@@ -78,7 +85,7 @@ class ActReplay:
         return any(p != "keep" for p in self.policies.values())
 
     def recompute_s(self, unit: str) -> float:
-        if self.policy(unit) != "recompute":
+        if not recomputes(self.policy(unit)):
             return 0.0
         return self.sim.costs.forward_s[unit] + self.sim.costs.forward_visit_s
 
@@ -91,7 +98,7 @@ class ActReplay:
         """The unit's forward saves its bytes (a recomputing one keeps its inputs): within the
         budget, waiting for the oldest copies out."""
         pol = self.policy(unit)
-        own = self.inputs.get(unit, 0) if pol == "recompute" else self.act_bytes.get(unit, 0)
+        own = self.inputs.get(unit, 0) if recomputes(pol) else self.act_bytes.get(unit, 0)
         if self.budget is not None:
             t0 = self.sim.t
             while self.device_bytes + own > self.budget and self.inflight:
@@ -104,11 +111,12 @@ class ActReplay:
 
     def after_forward(self, unit: str) -> None:
         pol = self.policy(unit)
-        n = self.act_bytes.get(unit, 0)
+        to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
+        n = self.inputs.get(unit, 0) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
-        if pol in ("host", "ssd") and n > 0:
-            job = _Out(unit, n, pol == "ssd")
+        if to in ("host", "ssd") and n > 0:
+            job = _Out(unit, n, to == "ssd")
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
@@ -120,10 +128,12 @@ class ActReplay:
         wait for its own."""
         i = self.backward_index[unit]
         self._fetch(unit, force=True)
-        if self.policy(unit) == "recompute":  # what it recomputes is counted before any prefetch
-            self._add(self.act_bytes.get(unit, 0))
+        if recomputes(self.policy(unit)):  # what it recomputes is counted before any prefetch
+            self._add(self._recomputed(unit) - self.inputs.get(unit, 0))  # (its inputs among them)
         for name in self.backward_order[i + 1 : i + self.prefetch + 1]:
-            if not self._fetch(name, force=False):
+            # a unit still to recompute will hold all it saved at its backward, counted only
+            # then: nothing beyond it is fetched now (its checkpoint is), as the runtime does
+            if not self._fetch(name, force=False) or recomputes(self.policy(name)):
                 break
         r = self.ready.get(unit)
         if r is None and unit in self.out:  # fetched while its copy was running: ready when it ends
@@ -131,11 +141,11 @@ class ActReplay:
             self._fetch(unit, force=True)
             r = self.ready.get(unit)
         if r is not None:
-            got, h2d = r
+            got, h2d, nbytes = r
             if not done_by((got,), self.sim.t):
                 yield ("wait", (got,))
             if h2d:  # CUDA: copied up once the bytes are in host memory (the read's end)
-                t = self.sim.h2d.submit(when(got), self.act_bytes[unit], write=False)
+                t = self.sim.h2d.submit(when(got), nbytes, write=False)
                 if t > self.sim.t:
                     yield ("until", t)
         self.out.pop(unit, None)
@@ -143,8 +153,13 @@ class ActReplay:
 
     def after_backward(self, unit: str) -> None:
         """The unit's backward is done: its activations (and a recompute's inputs) are released."""
-        n = self.act_bytes.get(unit, 0)
-        self.device_bytes -= n + (self.inputs.get(unit, 0) if self.policy(unit) == "recompute" else 0)
+        rec = recomputes(self.policy(unit))
+        self.device_bytes -= self._recomputed(unit) if rec else self.act_bytes.get(unit, 0)
+
+    def _recomputed(self, unit: str) -> int:
+        """What a recompute holds once it ran: all the unit saved, its inputs included (as the
+        runtime counts it: planner/activations.py backward_bytes)."""
+        return max(self.act_bytes.get(unit, 0), self.inputs.get(unit, 0))
 
     def _fetch(self, unit: str, force: bool) -> bool:
         """Starts bringing `unit`'s activations back; False when the budget has no room for
@@ -158,7 +173,7 @@ class ActReplay:
             job.back = True
             self.queue = deque(j for j in self.queue if j is not job)
             self.inflight = deque(j for j in self.inflight if j is not job)
-            self.ready[unit] = (sim.t, False)
+            self.ready[unit] = (sim.t, False, job.nbytes)
             return True
         if job.copy_done is None:  # copying now: continued when the copy ends (before_backward)
             return True
@@ -171,7 +186,7 @@ class ActReplay:
             done = sim.t
         job.back = True
         self._add(job.nbytes)
-        self.ready[unit] = (done, sim.cuda)
+        self.ready[unit] = (done, sim.cuda, job.nbytes)
         return True
 
     # ---- the activation worker -------------------------------------------------------------

@@ -21,11 +21,11 @@ from typing import Literal, Mapping, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
-ActivationPolicyName = Literal["keep", "host", "ssd", "recompute", "auto"]
+ActivationPolicyName = Literal["keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "auto"]
 # Bytes per element of the dtypes the runtime uses, by the names the settings use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPUTE_DTYPES = tuple(DTYPE_BYTES)
-ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "auto")
+ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "auto")
 PLAN_DEFAULT = "default"
 PLAN_AUTO = "auto"
 
@@ -56,7 +56,9 @@ class ActivationSettings(_Frozen):
     """What happens to the tensors autograd saves in each unit's forward (docs/activations.md).
 
     policy: of every unit not named in `overrides`: "keep" on the device, "host" (pinned host
-        memory), "ssd", "recompute" in backward, or "auto": the planner chooses per unit (plan
+        memory), "ssd", "recompute" in backward (its inputs, the activation checkpoint, kept on the
+        device), "recompute_host" / "recompute_ssd" (recompute, the checkpoint swapped to host
+        memory / on to SSD and fetched back ahead of the recompute), or "auto": the planner chooses per unit (plan
         "auto": by the cost model, within the room the placement leaves; otherwise keep what fits
         the budget, the fewest FLOPs per byte first, then host, then SSD; with no budget, keep).
     overrides: per-unit policies by unit name (unknown names are refused when the units are known).

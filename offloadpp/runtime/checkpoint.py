@@ -194,6 +194,9 @@ def load_state(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, op
                 key = f"{u.name}.{array}"
                 rec = manifest["arrays"].get(key)
                 if rec is None or key not in ck:
+                    why = ck.why_missing(key) if rec is not None else None
+                    if why is not None:  # a file of the key's name is there: say what is wrong with it
+                        raise CheckpointError(f"checkpoint {path!r}: the {array} of unit {u.name!r}: {why}")
                     raise CheckpointError(f"checkpoint {path!r} has no {array} for unit {u.name!r}")
                 slot.acquire(Hold.EXPORT, overwrite=True)
                 buf = slot.wait()

@@ -28,6 +28,9 @@ class RuntimeConfig(BaseModel):
     ssd_read_gbps / ssd_write_gbps: SSD bandwidth for the step floor in the StepReport; None
         measures it once with a short write and read through the store when the engine starts.
     log_every: log a step report every this many optimizer steps (0: never).
+    keep_swap: leave the run's swap files on disk at close() (to look at them); by default they
+        are removed then: they are the run's working state, never a checkpoint (a later run
+        removes them at its start anyway), and would only hold the disk.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -39,6 +42,7 @@ class RuntimeConfig(BaseModel):
     ssd_read_gbps: Optional[float] = Field(None, gt=0.0)
     ssd_write_gbps: Optional[float] = Field(None, gt=0.0)
     log_every: int = Field(1, ge=0)
+    keep_swap: bool = False
 
     def io_set(self) -> dict[str, int]:
         """The I/O settings this config fixes itself (set on its IOConfig, not left to their

@@ -154,6 +154,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self._finalizer = weakref.finalize(
             self, _release, self.optimizer, self.activations.swapper, self.store,
             (self.device_pool, self.host_pool), self._lock, self.dp,
+            None if config.keep_swap else tuple(config.nvme_paths),
         )  # fmt: skip
 
     def _io_config(self):
@@ -218,12 +219,22 @@ class OffloadEngine(StepTransaction, StepAccounting):
             separate_weights=self.plan.separate_weights,
             threads=s.adam_threads or default_num_threads(),
             redo=s.gradient_clipping > 0,
+            lazy_order=[
+                by_name[n] for n in sorted(self.schedule.forward_index, key=self.schedule.forward_index.get)
+            ],
+            lazy=not dev.is_cuda and self.dp is None,  # (runtime/pending.py: where it applies)
         )
         self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
         self.executor = Executor(self.schedule, self.units, self._grads_complete)
         self.executor.before_visit = self.optimizer.reap
         self.executor.updates_pending = lambda: self.optimizer.boundary
         self.executor.after_first_fetches = self.optimizer.flush_writes
+        self.executor.before_fetch = self.optimizer.apply_pending
+        self.executor.before_bind = self.optimizer.wait_pending
+        if self.optimizer.lazy and not self.plan.separate_weights:
+            self.executor.keep_across = self.schedule.next_keep
+            # (a speculating step keeps spec_next_keep after its updates, as before)
+            self.executor.keeps_across = lambda: self.optimizer.boundary and not self.optimizer.speculating
         self.executor.install(modules)
         self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
             [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],
@@ -380,7 +391,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
                     steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
                     outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
                                              max_norm=self.settings.gradient_clipping, steps=steps,
-                                             dp=self.dp)  # fmt: skip
+                                             dp=self.dp, lazy=self.optimizer.lazy)  # fmt: skip
                 self.optimizer.finish()
                 self.optimizer.release_grads()
                 self.store.check_writes()  # a write that failed reports its own cause, here
@@ -454,7 +465,9 @@ class OffloadEngine(StepTransaction, StepAccounting):
         return self.hypers[0].lr
 
     def _quiesce(self) -> None:
-        """Between steps only: the optimizer has nothing in flight, its writes are started."""
+        """Between steps only: the optimizer has nothing in flight (the last step's pending updates
+        applied), its writes are started."""
+        self.optimizer.complete_pending()
         self.optimizer.finish()
         self.optimizer.flush_writes()
 
@@ -516,14 +529,16 @@ class OffloadEngine(StepTransaction, StepAccounting):
         return manifest
 
     def export_weights(self, save_dir: str, *, dtype: Optional[torch.dtype] = None, filename: str = "model.safetensors",
-                       max_shard_bytes: int = export.DEFAULT_SHARD_BYTES, exclude_frozen: bool = False,
+                       max_shard_bytes: Optional[int] = None, exclude_frozen: bool = False,
                        progress: bool = False) -> list[str]:  # fmt: skip
-        """The current weights as safetensors from_pretrained loads, unit by unit at bounded
-        memory (runtime/export.py); dtype: the compute dtype unless given. Between steps."""
+        """The current weights as files from_pretrained loads (safetensors, or torch.save's format
+        for another name), unit by unit at bounded memory (runtime/export.py); dtype: the compute
+        dtype unless given; max_shard_bytes: export.DEFAULT_SHARD_BYTES unless given. Between steps."""
         self._check_open()
         dtype = dtype or TORCH_DTYPES[self.settings.compute_dtype]
         return export.export_weights(self.units, self.module, save_dir, dtype, filename=filename,
-                                     max_shard_bytes=max_shard_bytes, exclude_frozen=exclude_frozen,
+                                     max_shard_bytes=max_shard_bytes or export.DEFAULT_SHARD_BYTES,
+                                     exclude_frozen=exclude_frozen,
                                      before=self._quiesce, progress=progress,
                                      write=self.dp is None or self.dp.rank == 0)  # fmt: skip
 
@@ -547,7 +562,13 @@ class OffloadEngine(StepTransaction, StepAccounting):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        errors = self.optimizer.finish_all()
+        errors = []
+        if self._failed is None:
+            try:
+                self.optimizer.complete_pending()  # the last step's updates (runtime/pending.py)
+            except BaseException as e:  # noqa: BLE001 - raised below, after everything is released
+                errors.append(e)
+        errors += self.optimizer.finish_all()
         try:
             self.activations.close()
             self.executor.release_all()
@@ -570,12 +591,21 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.close()
 
 
-def _release(optimizer, swapper, store, pools, lock, dp=None) -> None:
+def _release(optimizer, swapper, store, pools, lock, dp=None, remove_swap=None) -> None:
     """Everything an engine holds outside Python's reach: worker threads, queued writes, open
-    swap files and the I/O engine's threads, buffers, the lock. Each part is released even if
-    another fails; the first error is raised after."""
+    swap files and the I/O engine's threads, buffers, the swap files themselves (unless
+    keep_swap: `remove_swap` None), the lock. Each part is released even if another fails; the
+    first error is raised after."""
     first: Optional[BaseException] = None
-    closers = (optimizer.close, swapper.close, store.close, *(p.clear for p in pools), lock.release)
+    removing = () if remove_swap is None else (lambda: remove_swap_files(remove_swap),)
+    closers = (
+        optimizer.close,
+        swapper.close,
+        store.close,
+        *(p.clear for p in pools),
+        *removing,
+        lock.release,
+    )
     for step in closers + ((dp.close,) if dp is not None else ()):
         try:
             step()

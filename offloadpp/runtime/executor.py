@@ -81,6 +81,14 @@ class Executor:
         self.before_visit = None  # callback: the optimizer reaps finished jobs
         self.updates_pending = lambda: False  # callback: this backward ends in an update
         self.after_first_fetches = None  # callback: the optimizer starts its queued writes
+        # callbacks: the pending updates of units about to be fetched start (their names), and a
+        # unit's is done before its weights are bound (runtime/pending.py)
+        self.before_fetch = None
+        self.before_bind = None
+        # units whose weights (== master) backward leaves held for the next forward, where that
+        # forward applies their pending update (runtime/pending.py's Note on memory)
+        self.keep_across: frozenset = frozenset()
+        self.keeps_across = lambda: False  # callback: this backward's updates are left pending
         # Per visit, the units `alive` holds, in the order they are needed (units the schedule
         # keeps between two uses last: they are held already).
         self._fetch_order = []
@@ -140,6 +148,8 @@ class Executor:
             for u in list(self.held):
                 if u.name not in want:
                     self._drop(u)
+            if self.before_fetch is not None:  # (after the drops: its buffers are the fetch's)
+                self.before_fetch(self._fetch_order[i])
             for name in self._fetch_order[i]:
                 u = self._by_name[name]
                 if all(u is not h for h in self.held):
@@ -165,6 +175,8 @@ class Executor:
 
     def _bind(self, u: Unit) -> None:
         if not u.bound:
+            if self.before_bind is not None:
+                self.before_bind(u)
             u.bind()
             start, end = u.flat_range()
             self.bound.append((start, end, u))
@@ -177,6 +189,8 @@ class Executor:
             and self.updates_pending()
         ):
             u.master.acquire(Hold.OPTIM)  # == its weights: its update needs them (schedule.py)
+        if self.in_backward and u.name in self.keep_across and self.keeps_across():
+            u.compute.acquire(Hold.NEXT)  # (released as the next forward first holds it)
         if u.bound:
             u.unbind()
             self.bound = [b for b in self.bound if b[2] is not u]

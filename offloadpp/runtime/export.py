@@ -1,11 +1,13 @@
-"""The current weights as safetensors `from_pretrained` loads, written unit by unit.
+"""The current weights as files `from_pretrained` loads, written unit by unit.
 
 Note: bounded memory. Each unit's fp32 master is fetched (from SSD or memory, into a buffer of
 the engine's pools), its parameters converted to the export dtype one at a time and streamed
-into the file (io/safetensors_stream.py); then the next unit. Nothing holds more than a unit.
-Weights up to `max_shard_bytes` go to one file named as asked (model.safetensors); more are
-split into model-0000k-of-0000N.safetensors shards with model.safetensors.index.json, as
-Hugging Face's save_pretrained writes them. Tied weights (embeddings and lm_head) are one
+into the file; then the next unit. Nothing holds more than a unit. A name ending in .safetensors
+gets safetensors (io/safetensors_stream.py), any other (pytorch_model.bin) torch.save's format
+(io/torch_stream.py); both stream. Weights up to `max_shard_bytes` go to one file named as asked;
+more are split into shards named as Hugging Face's save_pretrained names them
+(model-0000k-of-0000N.safetensors with model.safetensors.index.json; pytorch_model-0000k-of-
+0000N.bin with pytorch_model.bin.index.json), which from_pretrained reads. Tied weights (embeddings and lm_head) are one
 parameter under two names: stored once under the first name, from_pretrained ties them again.
 Files are written under temporary names and renamed when complete, the index last.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Optional
 
 import torch
@@ -22,6 +25,7 @@ from tqdm import tqdm
 
 from offloadpp.io.durable import fsync_dir, write_atomic
 from offloadpp.io.safetensors_stream import SafetensorsWriter
+from offloadpp.io.torch_stream import TorchSaveWriter
 
 from .unit import Unit
 
@@ -41,8 +45,14 @@ def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _shard_names(filename: str, n: int) -> list[str]:
     if n == 1:
         return [filename]
-    stem = filename.removesuffix(".safetensors")
-    return [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    stem, ext = os.path.splitext(filename)
+    return [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
+
+
+def _writer(path: str, filename: str, decl: list, direct: bool):
+    if filename.endswith(".safetensors"):
+        return SafetensorsWriter(path, decl, {"format": "pt"}, direct=direct)
+    return TorchSaveWriter(path, decl, direct=direct)
 
 
 def export_weights(
@@ -57,9 +67,11 @@ def export_weights(
     before: Optional[Callable[[], None]] = None,
     progress: bool = False,
     write: bool = True,
+    direct: bool = True,
 ) -> list[str]:
     """Writes the weights to save_dir (see the module Note); returns the files written.
-    write=False: over several ranks, a rank other than the writer's, which takes part in
+    direct=False: through the page cache rather than O_DIRECT (io/direct_writer.py; for the
+    benchmark's side-by-side). write=False: over several ranks, a rank other than the writer's, which takes part in
     gathering each unit's master (in the writer's order) and writes nothing."""
     if before is not None:
         before()  # the optimizer quiet: the masters are final
@@ -125,7 +137,7 @@ def export_weights(
                     name, b = buffers[i - len(entries)]
                     decl.append((name, b.dtype, tuple(b.shape)))
             tmp = os.path.join(save_dir, f".{fname}.tmp")
-            w = SafetensorsWriter(tmp, decl, {"format": "pt"})
+            w = _writer(tmp, filename, decl, direct)
             try:
                 for i in shard:
                     if i < len(entries):
@@ -153,5 +165,21 @@ def export_weights(
         path = os.path.join(save_dir, filename + INDEX_SUFFIX)
         write_atomic(path, json.dumps(index, indent=2).encode())
         written.append(path)
+    _remove_stale(save_dir, filename, names)
     fsync_dir(save_dir)
     return written
+
+
+def _remove_stale(save_dir: str, filename: str, names: list[str]) -> None:
+    """Removes what an earlier export of the same name left that this one did not write: its
+    single file, shards or index. from_pretrained prefers a single file to an index, so an old
+    `pytorch_model.bin` beside new shards would load the old weights. Removed only after the new
+    files and index are durable: until then the old export is whole."""
+    stem, ext = os.path.splitext(filename)
+    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}" + re.escape(ext))
+    index = filename + INDEX_SUFFIX
+    for f in os.listdir(save_dir):
+        if f in names or (f == index and len(names) > 1):
+            continue
+        if f in (filename, index) or shard.fullmatch(f):
+            os.unlink(os.path.join(save_dir, f))

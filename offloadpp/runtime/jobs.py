@@ -55,6 +55,7 @@ class _Job:
     defer_moments: bool = False  # only the moments' puts (see run_deferred)
     keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
     speculative: bool = False  # an update during backward, to be validated (speculation.py)
+    lazy: bool = False  # a deferred update applied at the unit's next visit (pending.py)
     threads: int = 1
     # Data parallel (runtime/sharded_optimizer.py): run on the worker after the absorb, before
     # Adam (the gradients reduced over the ranks; returns this rank's squared norm or None), and

@@ -51,11 +51,12 @@ from offloadpp.planner.schedule import flush_rank
 from .device import CudaEventWaitable, Device
 from .jobs import _Done, _Job, _late, _work, _yield_to_compute
 from .memory import BufferPool
+from .pending import PendingUpdates
 from .slots import Hold, Slot
 from .unit import Unit, UnitPhase
 
 
-class OptimizerPipeline:
+class OptimizerPipeline(PendingUpdates):
     def __init__(
         self,
         order: list[Unit],
@@ -72,9 +73,12 @@ class OptimizerPipeline:
         separate_weights: bool,
         threads: int,
         redo: bool = False,
+        lazy_order: Optional[list[Unit]] = None,
+        lazy: bool = False,
     ):
         """redo: a speculative step may be redone (gradient clipping): it keeps its gradients until
-        validated."""
+        validated. lazy: a deferred step's updates are applied at each unit's next visit, in
+        lazy_order (forward order; runtime/pending.py)."""
         self.order = order  # the order gradients complete in (backward)
         self.update_order = update_order if update_order is not None else order
         self.q = optim_window
@@ -111,6 +115,8 @@ class OptimizerPipeline:
         self._submitted = 0
         self.adam_s = 0.0
         self.absorb_s = 0.0
+        self.lazy = lazy and deferred
+        self._init_pending(lazy_order if lazy_order is not None else self.order)
 
     # ---- the window ----------------------------------------------------------------------
     def begin_micro(
@@ -126,7 +132,8 @@ class OptimizerPipeline:
         if first:
             for u in self.order:
                 u.start_window()
-        self._advance_absorb(self.q + 1)
+        if not self.pending:  # (else at begin_backward: the pending updates read the gradients first)
+            self._advance_absorb(self.q + 1)
         if boundary and not self.deferred:
             self._advance_update(self.q + 1)
 
@@ -156,6 +163,13 @@ class OptimizerPipeline:
         those writes still drain (a read waits for the write of its file). Started here, the
         reads find the writes done and still have all of backward to complete in.
         """
+        self.complete_pending()
+        self._advance_absorb(self.q + 1)
+        if self.lazy and not self.speculating:
+            # applied at the next forward's visits (pending.py): the gradients kept in memory are
+            # those of its first units, whose state that forward reads first; none is read now
+            self._kept = frozenset(u.name for u in self.lazy_order[: self.q + 1])
+            return
         self._kept = frozenset(u.name for u in self.update_order[: self.q + 1])
         if self.boundary and self.speculating:
             # the window slides over the order gradients complete in, as where updates are not
@@ -311,9 +325,11 @@ class OptimizerPipeline:
         grad_scale: float,
         direct: Optional[list] = None,
         norm: bool = False,
+        segments: Optional[list] = None,
     ) -> None:
         """An update job; norm: it also takes the gradients' norm (fused into Adam where every
-        updated parameter is at the same step, else a pass of its own first)."""
+        updated parameter is at the same step, else a pass of its own first); segments: the
+        unit's segments decided earlier (a pending update), else Unit.segments() now."""
         job.update = True
         u.phase = UnitPhase.UPDATING
         job.hypers = self.hypers
@@ -326,7 +342,7 @@ class OptimizerPipeline:
             ]
             job.segments = [(a, b, step, g is not None, grp) for a, b, step, g, grp in job.direct]
         else:
-            job.segments = u.segments()
+            job.segments = u.segments() if segments is None else segments
             job.gbuf = u.grads.buffer if job.gbuf is None else job.gbuf
             self._add_before(job, u.grads)
         job.master = u.master.buffer
@@ -482,7 +498,12 @@ class OptimizerPipeline:
             self.host_pool.put(job.staging)
         if done.sq_norm is not None:
             u.sq_norm = done.sq_norm
-        if job.update:
+        if job.lazy:
+            self._lazy_inflight.discard(u.name)
+            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
+                s.release(Hold.OPTIM)
+            u.compute.release(Hold.OPTIM)
+        elif job.update:
             for a, b, step, upd, _ in job.segments:
                 if upd:
                     for k, (_, s) in enumerate(u.params):

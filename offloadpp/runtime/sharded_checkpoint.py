@@ -172,8 +172,11 @@ def _reshard(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, opti
                     key = f"{u.name}.{array}"
                     rec = m["arrays"].get(key)
                     if rec is None or key not in st:
+                        why = st.why_missing(key) if rec is not None else None
                         raise CheckpointError(
-                            f"checkpoint {saved.folder(k)!r} has no {array} for unit {u.name!r}"
+                            f"checkpoint {saved.folder(k)!r}: the {array} of unit {u.name!r}: {why}"
+                            if why is not None  # a file of the key's name is there: what is wrong with it
+                            else f"checkpoint {saved.folder(k)!r} has no {array} for unit {u.name!r}"
                         )
                     part = slot.pool.get(so, torch.float32)
                     try:

@@ -103,12 +103,15 @@ def clip_coef(max_norm: float, grad_norm: float) -> float:
     return min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm > 0 else 1.0
 
 
-def finish_updates(optimizer, *, scale: float, max_norm: float, loss_scaler, steps: dict, dp=None) -> Outcome:
+def finish_updates(
+    optimizer, *, scale: float, max_norm: float, loss_scaler, steps: dict, dp=None, lazy: bool = False
+) -> Outcome:
     """At step(), once backward is over: the global norm and overflow check validate the step's
     speculative updates (if any), and the updates not made yet are made (module Note).
     scale: the fp16 loss scale (1 otherwise); steps: each unit's Adam step counts at the start of
     the window (for a redo); dp: the data-parallel ranks, whose shards' parts are summed (several
-    ranks never speculate: planner/resolve.py)."""
+    ranks never speculate: planner/resolve.py); lazy: a step that deferred leaves its updates
+    pending, to be applied at each unit's next visit (runtime/pending.py)."""
     optimizer.wait_absorbed()
     sq = sum(u.sq_norm for u in optimizer.order if u.sq_norm is not None)
     if dp is not None:
@@ -128,7 +131,10 @@ def finish_updates(optimizer, *, scale: float, max_norm: float, loss_scaler, ste
     clip = clip_coef(max_norm, grad_norm)
     if clip != 1.0 and spec:
         optimizer.forget(spec, steps)  # the redo: every unit from the last completed step
-    optimizer.run_deferred(clip_coef=clip, grad_scale=scale)
+    if lazy and not optimizer.speculating:
+        optimizer.defer_to_visits(clip_coef=clip, grad_scale=scale)
+    else:
+        optimizer.run_deferred(clip_coef=clip, grad_scale=scale)
     committed = len(spec) if clip == 1.0 else 0
     return Outcome(grad_norm, False, clip != 1.0, mode, len(spec), committed, len(spec) - committed)
 

@@ -20,8 +20,11 @@ class StepTransaction:
     def _begin_window(self) -> None:
         """A new accumulation window: its updates may run during backward (not deferred, or
         speculative), so the slots' writes go to a new generation until the step commits
-        (slots.py)."""
-        self.txn.active = not self.settings.deferred_update or self.speculation.speculating
+        (slots.py). The last step's pending updates are that step's: done before it opens."""
+        active = not self.settings.deferred_update or self.speculation.speculating
+        if active:
+            self.optimizer.complete_pending()
+        self.txn.active = active
         if self.deferred_pace is not None:
             dev, host = (None, None) if self.txn.active else self.deferred_pace
             self.device_pool.pace_bytes, self.host_pool.pace_bytes = dev, host
@@ -47,6 +50,11 @@ class StepTransaction:
         updated in place and cannot go back: if any was, the engine refuses to go on and names
         the unit (load the last checkpoint)."""
         errors = self.optimizer.finish_all()  # jobs in flight complete (they cannot be stopped half way)
+        try:
+            self.optimizer.complete_pending()  # the last completed step's (runtime/pending.py)
+        except BaseException as e:  # noqa: BLE001
+            errors += [e] + self.optimizer.finish_all()
+            self._fail(e)
         errors += self.store.forget_failures()  # reported by the interruption, or moot after the rollback
         for e in errors:
             log.warning("offloadpp: an I/O operation of the interrupted step failed too: %s", e)

@@ -114,6 +114,7 @@ class Unit:
         self.sq_norm: Optional[float] = None  # of the accumulated gradients, when needed
         self.speculated = False  # updated during this step's backward before its validation
         self.held_grads: Optional[list] = None  # autograd's gradients, kept for a redo (direct path)
+        self.pending = None  # a deferred update to apply at the next visit (runtime/pending.py)
         self.bound = False
         self._flat: Optional[torch.Tensor] = None  # device weights the params view, when bound
 

@@ -12,6 +12,7 @@ CPU, each on the device LOCAL_RANK names, and train data-parallel (runtime/distr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -148,6 +149,8 @@ def runtime_config_from(ds_config, block: OffloadppBlock, device: Optional[str])
     for k in ("ssd_read_gbps", "ssd_write_gbps"):
         if getattr(block, k) is not None:
             extra[k] = getattr(block, k)
+    if block.keep_swap:
+        extra["keep_swap"] = True
     settings = settings_from(ds_config, block)
     try:
         return RuntimeConfig(nvme_paths=swap_dirs(block.nvme_paths), settings=settings, io=block.io, device=device,
@@ -178,6 +181,13 @@ def parse_ds_config(ds_dict: dict):
     for key in ("optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "aio"):
         if key in checked and not isinstance(checked[key], dict):
             raise OffloadppConfigError(f"{key}: expected an object of keys, got {checked[key]!r}")
+    sched = checked.get("scheduler")
+    if isinstance(sched, dict) and sched.get("type") is None:
+        # DeepSpeed reads a scheduler block without a type as no scheduler, its params unused
+        raise OffloadppConfigError(
+            f"scheduler.type: the scheduler block names no type, so no scheduler would run; set one of "
+            f"{list(_SCHEDULERS)} (or remove the block)"
+        )
     if not any(k in checked for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
         raise OffloadppConfigError(
             "train_micro_batch_size_per_gpu: the config sets no batch size; set it (or train_batch_size)"
@@ -218,8 +228,36 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
         backend = backend_for(
             "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
         )  # NCCL, else gloo
-        deepspeed.init_distributed(dist_backend=backend, dist_init_required=dist_init_required, verbose=False)
+        with _without_shm_comm():
+            deepspeed.init_distributed(
+                dist_backend=backend, dist_init_required=dist_init_required, verbose=False
+            )
     return tdist.get_world_size() if tdist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def _without_shm_comm():
+    """DeepSpeed's torch backend on the CPU accelerator JIT-builds its shared-memory all-reduce
+    op (minutes on first use, and a wait on its build lock) and maps two 66 MB
+    /dev/shm/deepspeed_allreduce_buffer_* files it never removes. offloadpp's collectives go
+    through torch.distributed itself (runtime/distributed.py), so on our path the backend is
+    made without that op: DeepSpeed's comm falls back to torch.distributed where it is None."""
+    import importlib
+
+    try:  # (`from deepspeed.comm import torch` is the torch package: deepspeed.comm imports it)
+        ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:  # another DeepSpeed layout: nothing to hold back
+        yield
+        return
+    build = getattr(ds_torch_comm, "build_shm_op", None)
+    if build is None:
+        yield
+        return
+    ds_torch_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch_comm.build_shm_op = build
 
 
 def device_for_rank() -> str:

@@ -133,7 +133,13 @@ def _resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
     if not os.path.isfile(latest):
         return None
     with open(latest) as f:
-        return f.read().strip()
+        tag = f.read().strip()
+    if not tag:  # else the load dir itself would be read as the checkpoint ("manifest.json is missing")
+        raise CheckpointError(
+            f"{latest!r} is empty: it names no checkpoint tag (a save interrupted outside offloadpp, or a file "
+            "written by hand); pass tag=... to load_checkpoint, or write the tag into it"
+        )
+    return tag
 
 
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_optimizer_states: bool,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import difflib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ DS_OWNED = {
     "offload_optimizer": '"zero_optimization": {"offload_optimizer": {"device": "nvme"}}',
 }
 # Keys of the block that are not Settings: the switch, and what only the runtime needs.
-RUNTIME_KEYS = ("enabled", "nvme_paths", "io", "ssd_read_gbps", "ssd_write_gbps")
+RUNTIME_KEYS = ("enabled", "nvme_paths", "io", "ssd_read_gbps", "ssd_write_gbps", "keep_swap")
 # DeepSpeed's `aio` keys that name our io settings (ours <- theirs): reported as not applied.
 AIO_KEYS = {
     "block_size_bytes": "block_size",
@@ -62,6 +63,8 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     """1073741824, 1e9, "1GiB", "8 GB" -> bytes. Raises ValueError naming the bad value."""
     if isinstance(value, bool):
         raise ValueError(f"expected a byte count, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"expected a byte count, got {value!r}")
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError(f"byte count must be >= 0, got {value!r}")
@@ -69,7 +72,10 @@ def parse_bytes(value: Union[int, float, str]) -> int:
     m = _SIZE.match(str(value))
     if not m or (m.group(2) or "").lower() not in _UNITS:
         raise ValueError(f"cannot read {value!r} as a size; write e.g. 8589934592, '8GiB' or '8GB'")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    number = float(m.group(1))
+    if not math.isfinite(number):  # "1e999"
+        raise ValueError(f"expected a byte count, got {value!r}")
+    return int(number * _UNITS[(m.group(2) or "").lower()])
 
 
 class OffloadppConfigError(ValueError):
@@ -98,6 +104,7 @@ class OffloadppBlock:
     settings: dict = field(default_factory=dict)  # Settings keys the block sets (JSON values)
     ssd_read_gbps: Optional[float] = None
     ssd_write_gbps: Optional[float] = None
+    keep_swap: bool = False  # leave the swap files on disk at close (RuntimeConfig.keep_swap)
 
 
 def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None) -> dict:
@@ -125,10 +132,17 @@ def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None
     if os.path.exists(path):
         where = f"DeepSpeed config file {path!r}"
         try:
-            with open(path) as f:
-                text = f.read()
+            with open(path, "rb") as f:
+                data = f.read()
         except OSError as e:
             raise OffloadppConfigError(f"{where}: cannot read it: {e.strerror}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise OffloadppConfigError(
+                f"{where} is not a JSON text file: byte {data[e.start]:#04x} at offset {e.start} is not UTF-8 "
+                "(a binary file?)"
+            ) from None
     else:
         try:
             text = base64.urlsafe_b64decode(path).decode("utf-8")
@@ -152,6 +166,17 @@ def _no_duplicates(pairs):
 def _parse_text(text: str, where: str) -> dict:
     import hjson
 
+    # hjson takes a text without braces as an object ("key: value" lines), so a YAML file reads
+    # as a config of strange keys, and an empty one as {}: DeepSpeed would then fail on
+    # something unrelated. DeepSpeed's configs are JSON objects: the text must start with "{".
+    body = _without_comments(text)
+    if not body:
+        raise OffloadppConfigError(f"{where} is empty; a DeepSpeed config is a JSON object {{...}}")
+    if body[0] not in "{[":  # a list is refused below, as a list
+        yaml = " (it reads like YAML: DeepSpeed takes JSON)" if re.match(r"^[\w.-]+\s*:", body) else ""
+        raise OffloadppConfigError(
+            f"{where} is not a JSON object: it starts with {body[:20]!r}, not '{{'{yaml}"
+        )
     try:
         value = hjson.loads(text, object_pairs_hook=_no_duplicates)
     except OffloadppConfigError as e:
@@ -163,6 +188,20 @@ def _parse_text(text: str, where: str) -> dict:
     if not isinstance(value, dict):
         raise OffloadppConfigError(f"{where}: expected a JSON object of keys, got a {type(value).__name__}")
     return value
+
+
+def _without_comments(text: str) -> str:
+    """The text from its first character that is not blank or in a leading comment (hjson
+    allows #, // and /* */ comments, as DeepSpeed reads configs)."""
+    body = text.lstrip("\ufeff")
+    while True:
+        body = body.lstrip()
+        if body.startswith("#") or body.startswith("//"):
+            body = body.partition("\n")[2]
+        elif body.startswith("/*"):
+            body = body.partition("*/")[2]
+        else:
+            return body
 
 
 def check_block_name(ds_config: dict) -> None:
@@ -189,17 +228,31 @@ def check_block_name(ds_config: dict) -> None:
 
 
 def offloadpp_enabled(ds_config: dict) -> bool:
-    """True when the block says `"enabled": true`; a value that is not a JSON bool is refused
-    (a string "false" must not switch anything on)."""
-    block = ds_config.get("offloadpp")
-    if block is None:
+    """True when the block says `"enabled": true`. A block that is there is validated whole
+    even when it is off (a typo in it, `"Enabled": true`, must not be a silent DeepSpeed run, nor
+    a bad value wait until the day it is switched on); a value of `enabled` that is not a JSON
+    bool is refused (a string "false" must not switch anything on)."""
+    if "offloadpp" not in ds_config:
         return False
-    if not isinstance(block, dict):
-        raise OffloadppConfigError(f"offloadpp: expected an object, got {block!r}")
+    block = ds_config["offloadpp"]
+    _check_block_object(block)
     enabled = block.get("enabled", False)
     if not isinstance(enabled, bool):
         raise OffloadppConfigError(f"offloadpp.enabled: expected true or false, got {enabled!r}")
+    if not enabled:
+        # the block's own keys only: the ZeRO-Infinity settings beside it are DeepSpeed's to check
+        parse_block({"offloadpp": block})
     return enabled
+
+
+def _check_block_object(block) -> None:
+    if block is None:
+        raise OffloadppConfigError(
+            'offloadpp: null; write {"enabled": true} for offloadpp\'s engine, or {"enabled": false} (or no '
+            "block) for DeepSpeed's own"
+        )
+    if not isinstance(block, dict):
+        raise OffloadppConfigError(f"offloadpp: expected an object, got {block!r}")
 
 
 def _unknown(where: str, key: str, known) -> OffloadppConfigError:
@@ -274,11 +327,8 @@ def validate_io(values: dict, where: str = "offloadpp.io.") -> IOConfig:
 def parse_block(ds_config: dict) -> OffloadppBlock:
     """Validate the `offloadpp` block, filling the nvme paths it leaves "auto" from the
     ZeRO-Infinity settings beside it (never the aio block: aio_not_applied)."""
-    raw = ds_config.get("offloadpp")
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise OffloadppConfigError(f"offloadpp: expected an object, got {raw!r}")
+    raw = ds_config.get("offloadpp", {})
+    _check_block_object(raw)
     for key in raw:
         if key in DS_OWNED:
             raise OffloadppConfigError(
@@ -312,9 +362,12 @@ def parse_block(ds_config: dict) -> OffloadppBlock:
         )
 
     io_config = validate_io(clean.pop("io", {}))
+    keep_swap = clean.pop("keep_swap", False)
+    if not isinstance(keep_swap, bool):
+        raise OffloadppConfigError(f"offloadpp.keep_swap: expected true or false, got {keep_swap!r}")
     rates = {k: clean.pop(k) for k in ("ssd_read_gbps", "ssd_write_gbps") if k in clean}
     for k, v in rates.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
             raise OffloadppConfigError(f"offloadpp.{k}: expected a number > 0 (GB/s), got {v!r}")
     validate_settings(clean)  # errors now, at the boundary, naming the key
     return OffloadppBlock(
@@ -322,6 +375,7 @@ def parse_block(ds_config: dict) -> OffloadppBlock:
         nvme_paths=tuple(paths) if paths else None,
         io=io_config,
         settings=clean,
+        keep_swap=keep_swap,
         **{k: float(v) for k, v in rates.items()},
     )
 

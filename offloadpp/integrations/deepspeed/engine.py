@@ -295,26 +295,22 @@ class OffloadppEngine(DeepSpeedEngine):
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The whole model's weights in the compute precision (fp32 when training in fp32) on
-        the CPU, as Trainer's save_model asks for them; fetched unit by unit."""
-        dtype = _DTYPES[self.runtime.settings.compute_dtype]
-        sd = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-        return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype) for k, v in sd.items()}
+        the CPU, as Accelerate's get_state_dict asks for them, fetched unit by unit; refused
+        (WeightsDoNotFitError, naming the streaming calls) where they do not fit in memory."""
+        from offloadpp.integrations.deepspeed.export import consolidated_state_dict
+
+        return consolidated_state_dict(
+            self, _DTYPES[self.runtime.settings.compute_dtype], exclude_frozen_parameters
+        )
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
-        """The current weights in the compute precision, as `from_pretrained` loads them: as
-        safetensors when the name ends in .safetensors (tied weights stored once), else with
-        torch.save like DeepSpeed."""
-        if save_filename.endswith(".safetensors"):
-            from offloadpp.integrations.deepspeed.export import save_weights
+        """The current weights in the compute precision, as `from_pretrained` loads them,
+        streamed unit by unit: safetensors when the name ends in .safetensors, else torch.save's
+        format; sharded with an index when large (export.py). Tied weights are stored once."""
+        from offloadpp.integrations.deepspeed.export import save_weights
 
-            save_weights(self, save_dir, save_filename, exclude_frozen_parameters)
-            return True
-        sd = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
-        os.makedirs(save_dir, exist_ok=True)
-        path = os.path.join(save_dir, save_filename)
-        torch.save(sd, path + ".partial")
-        os.replace(path + ".partial", path)
+        save_weights(self, save_dir, save_filename, exclude_frozen_parameters)
         return True
 
     save_fp16_model = save_16bit_model
@@ -368,11 +364,11 @@ class OffloadppEngine(DeepSpeedEngine):
                 if name in values:
                     p.data = values[name]
 
-    def save_pretrained(self, save_dir: str) -> bool:
+    def save_pretrained(self, save_dir: str, safe_serialization: bool = True) -> bool:
         """A Hugging Face model folder (weights, config.json) from_pretrained loads, streamed."""
         from offloadpp.integrations.deepspeed.export import save_pretrained
 
-        save_pretrained(self, save_dir)
+        save_pretrained(self, save_dir, safe_serialization)
         return True
 
     def close(self) -> None:

@@ -1,22 +1,54 @@
-"""save_16bit_model and save_pretrained: the current weights as files from_pretrained loads,
-written unit by unit at bounded memory (runtime/export.py)."""
+"""save_16bit_model, save_pretrained and the consolidated state dict.
+
+The first two write the current weights as files from_pretrained loads, unit by unit at bounded
+memory (runtime/export.py), whatever the file name: `pytorch_model.bin` (DeepSpeed's default)
+in torch.save's format, a `.safetensors` name as safetensors, sharded with an index when large.
+The third is the whole model as one dict in memory, which is what Accelerate's get_state_dict
+and the Trainer ask DeepSpeed for on save: it is built only when it fits (MEMORY_SHARE), else it
+refuses naming the streaming calls, rather than have the kernel kill the process half way.
+"""
 
 from __future__ import annotations
 
 import os
+from typing import Optional
+
+import torch
+
+# The consolidated dict may take at most this share of the memory available when it is asked
+# for (the same rule as the engine's __del__ giving the model its weights back): the rest is
+# for the process going on (the next step's buffers, the caller's copy as it writes the file).
+MEMORY_SHARE = 0.5
+
+STREAMING_CALLS = (
+    "engine.save_16bit_model(dir) (pytorch_model.bin, sharded with an index when large) or "
+    "engine.save_pretrained(dir) (safetensors and config.json); after offloadpp.patch_deepspeed(), "
+    "Trainer.save_model and Accelerator.save_model stream the same way"
+)
 
 
-def save_weights(engine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool) -> list[str]:
+class WeightsDoNotFitError(MemoryError):
+    """The whole model's weights were asked for as one state dict and do not fit in memory."""
+
+
+def save_weights(engine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool,
+                 max_shard_bytes: Optional[int] = None) -> list[str]:  # fmt: skip
     """The weights in the compute precision (fp32 when training in fp32, as DeepSpeed does)."""
+    engine._finish_micro()
+    kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     return engine.runtime.export_weights(
-        save_dir, filename=save_filename, exclude_frozen=exclude_frozen_parameters
+        save_dir, filename=save_filename, exclude_frozen=exclude_frozen_parameters, **kw
     )
 
 
-def save_pretrained(engine, save_dir: str) -> list[str]:
+def save_pretrained(engine, save_dir: str, safe_serialization: bool = True,
+                    max_shard_bytes: Optional[int] = None) -> list[str]:  # fmt: skip
     """A Hugging Face model folder: the weights (sharded with an index when large), config.json
     and generation_config.json when the model has them."""
-    files = save_weights(engine, save_dir, "model.safetensors", exclude_frozen_parameters=False)
+    name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    files = save_weights(
+        engine, save_dir, name, exclude_frozen_parameters=False, max_shard_bytes=max_shard_bytes
+    )
     dp = engine.runtime.dp
     if dp is not None and dp.rank != 0:
         return files  # (over several ranks rank 0 writes the folder; the others took part in gathering)
@@ -29,3 +61,40 @@ def save_pretrained(engine, save_dir: str) -> list[str]:
     if gen is not None and hasattr(gen, "save_pretrained"):
         gen.save_pretrained(save_dir)
     return files
+
+
+def memory_available() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def weights_bytes(module: torch.nn.Module, dtype: torch.dtype, exclude_frozen: bool = False) -> int:
+    """Bytes of the module's state dict with its floating weights in `dtype` (tied weights once)."""
+    seen, n = set(), 0
+    for p in module.parameters():
+        if id(p) not in seen and not (exclude_frozen and not p.requires_grad):
+            seen.add(id(p))
+            n += p.numel() * dtype.itemsize
+    for b in module.buffers():
+        n += b.numel() * b.element_size()
+    return n
+
+
+def consolidated_state_dict(engine, dtype: torch.dtype, exclude_frozen_parameters: bool = False) -> dict:
+    """The whole model's weights in `dtype` on the CPU, fetched unit by unit, when they fit
+    (module Note); else WeightsDoNotFitError naming the streaming calls."""
+    need = weights_bytes(engine.module, dtype, exclude_frozen_parameters)
+    avail = memory_available()
+    dp = engine.runtime.dp
+    if dp is not None:  # every rank builds the dict (each unit is gathered): all build it or none does
+        avail = min(dp.all_gather_object(avail))
+    if need > avail * MEMORY_SHARE:
+        raise WeightsDoNotFitError(
+            f"offloadpp: the whole model's weights as one state dict would take {need / 1e9:.2f} GB ({dtype}), "
+            f"more than {MEMORY_SHARE:.0%} of the {avail / 1e9:.2f} GB of memory available now; building it "
+            f"would get the process killed. Write them to files unit by unit instead: {STREAMING_CALLS}"
+        )
+    engine._finish_micro()
+    sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype) for k, v in sd.items()}

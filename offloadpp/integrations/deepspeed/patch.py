@@ -2,7 +2,7 @@
 
 Afterwards `deepspeed.initialize`, from any caller (a script, Accelerate's prepare, Trainer),
 is `offloadpp.initialize`: offloadpp's engine for a config whose `offloadpp` block is enabled,
-DeepSpeed's own initialize otherwise. Three smaller changes make the Hugging Face stack work:
+DeepSpeed's own initialize otherwise. Four smaller changes make the Hugging Face stack work:
 
 - Accelerate converts a torch optimizer to DeepSpeedCPUAdam when the optimizer is offloaded
   (which JIT-builds DeepSpeed's cpu_adam op). The conversion now waits for initialize: offloadpp
@@ -10,6 +10,9 @@ DeepSpeed's own initialize otherwise. Three smaller changes make the Hugging Fac
 - transformers asks its DeepSpeed config `is_zero3()` to decide whether `from_pretrained` builds
   the model under `deepspeed.zero.Init` (ZeRO-3's partitioned parameters). With the block
   enabled the answer is False: offloadpp takes an ordinary model and partitions nothing.
+- Trainer.save_model, Accelerator.save_model and Accelerator.get_state_dict on an offloadpp
+  engine stream the weights to files or refuse naming the streaming call, rather than build the
+  whole model as one dict in memory (patch_save.py).
 - Code that imported `initialize` from deepspeed before the patch keeps its old reference;
   patch first (`python -m offloadpp run` does it before the script runs).
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 import functools
 import logging
 from typing import Any, Optional
+
+from offloadpp.integrations.deepspeed import patch_save
 
 logger = logging.getLogger("offloadpp")
 
@@ -70,6 +75,7 @@ def patch_deepspeed() -> None:
 
     _saved["accelerate.HfDeepSpeedConfig.is_zero3"] = is_zero3
     acc_ds.HfDeepSpeedConfig.is_zero3 = offloadpp_is_not_zero3
+    patch_save.patch(_saved)
 
 
 def unpatch_deepspeed() -> None:
@@ -78,6 +84,7 @@ def unpatch_deepspeed() -> None:
         return
     import deepspeed
 
+    patch_save.unpatch(_saved)
     deepspeed.initialize = _saved.pop("deepspeed.initialize")
     convert: Optional[Any] = _saved.pop("accelerate.map_pytorch_optim_to_deepspeed", None)
     if convert is not None:

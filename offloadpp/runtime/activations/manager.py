@@ -40,12 +40,12 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from offloadpp.planner import ActivationSettings, fmt_bytes
 
 from .policy import ActPolicy, UnitActProfile, resolve_auto
-from .recompute import FlopCounter, RecomputeRef, Segment, SegState
+from .recompute import CheckpointRef, FlopCounter, RecomputeRef, Segment, SegState
 from .records import (
     ActivationError,
     ParamIndex,
@@ -164,7 +164,7 @@ class ActivationManager:
             )
             for i, (n, r) in enumerate(units)
         ]
-        needs_ssd = [u.name for u in self.units if u.requested is ActPolicy.SSD]
+        needs_ssd = [u.name for u in self.units if u.requested in (ActPolicy.SSD, ActPolicy.RECOMPUTE_SSD)]
         if needs_ssd and store is None:
             raise ValueError(f"units {needs_ssd} swap activations to SSD, but no TensorStore was given")
         self.store = store
@@ -256,8 +256,12 @@ class ActivationManager:
             self._order.append(unit)
         unit.params.rebuild(unit.roots)
         seg = None
-        if unit.policy is ActPolicy.RECOMPUTE:
-            inputs = self._measure(tree_leaves((args, kwargs)), unit.params)
+        if unit.policy.recomputes:
+            if unit.policy.checkpoint is not None:  # the inputs leave the device as swapped records
+                args, kwargs = tree_map(functools.partial(self._checkpoint, unit), (args, kwargs))
+                inputs = 0  # (the records account their bytes)
+            else:
+                inputs = self._measure(tree_leaves((args, kwargs)), unit.params)
             seg = Segment(unit.name, module.forward, args, kwargs, self.device, inputs)
             seg.owner = unit
             self.swapper.add_device(inputs)
@@ -285,6 +289,30 @@ class ActivationManager:
     def _grad_hook(self, unit: UnitActivations, grad) -> None:
         self._enter_backward(unit)
 
+    def _checkpoint(self, unit: UnitActivations, x):
+        """A recomputing unit's argument: a tensor activation becomes a swapped record's
+        CheckpointRef (weights, buffers and small tensors stay as they are)."""
+        if (
+            not isinstance(x, torch.Tensor)
+            or not swappable(x, self.device)
+            or unit.params.match(x) is not None
+        ):
+            return x
+        if self._all.match(x) is not None:
+            return x
+        return CheckpointRef(self._record(unit, x, unit.policy.checkpoint), x.requires_grad)
+
+    def _restore(self, ckpt: list, x):
+        """The argument a CheckpointRef stands for, back on the device (waited for if in flight)."""
+        if type(x) is not CheckpointRef:
+            return x
+        # (not entering the backward of the unit that saved the storage first: arguments such as
+        # Llama's rotary tables are shared by every block, and the first saver's backward is
+        # still to come; entering it would release what this unit just unpacked)
+        t = self._unpack_saved(x.ref, enter=False)
+        ckpt.append(t)
+        return t.detach().requires_grad_(x.requires_grad) if x.requires_grad else t
+
     # ---- pack / unpack -------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
         unit, seg = self._stack[-1] if self._stack else (self.outside, None)
@@ -301,16 +329,17 @@ class ActivationManager:
             return m
         if not swappable(t, self.device):
             return t
+        return self._record(unit, t, unit.policy)
+
+    def _record(self, unit: UnitActivations, t: torch.Tensor, policy: ActPolicy) -> SavedRef:
+        """t saved into a record of `unit` (a new one, or the one holding its storage already):
+        swapped as `policy` says where it swaps and the storage is large enough, else kept."""
         sw = self.swapper
         sw.pump()
         st, weak = storage_key(t)
         rec = self._index.get(weak)
         if rec is None or rec.version != t._version or rec.state is RecState.RELEASED:
-            policy = (
-                unit.policy
-                if unit.policy.swaps and st.nbytes() >= self.config.min_swap_bytes
-                else ActPolicy.KEEP
-            )
+            policy = policy if policy.swaps and st.nbytes() >= self.config.min_swap_bytes else ActPolicy.KEEP
             rec = SavedStorage(unit, policy, st, weak, t._version)
             sw.make_room(rec.nbytes, self.budget)
             sw.hold(rec)
@@ -340,14 +369,15 @@ class ActivationManager:
             return self._ext[1](h)
         return h
 
-    def _unpack_saved(self, h: SavedRef) -> torch.Tensor:
+    def _unpack_saved(self, h: SavedRef, enter: bool = True) -> torch.Tensor:
         rec = h.rec
         if rec.state is RecState.RELEASED:
             raise ActivationError(
                 f"unit {rec.owner!r}: a saved activation was unpacked after backward released it "
                 "(a second backward through the same graph, retain_graph=True, is not supported)"
             )
-        self._enter_backward(rec.unit)
+        if enter:
+            self._enter_backward(rec.unit)
         if rec.state is not RecState.READY and rec.state is not RecState.DEVICE:
             if not rec.want_in and rec.state in (
                 RecState.HOST,
@@ -373,7 +403,9 @@ class ActivationManager:
             t0 = time.perf_counter()
             with record_function("offloadpp::act_recompute"):
                 unit.params.rebuild(unit.roots)  # the runtime may have rebound the weights
-                seg.recompute(lambda ts: self._measure(ts, unit.params))
+                ckpt: list[torch.Tensor] = []  # a swapped checkpoint, back: its record counts it
+                seg.recompute(lambda ts: self._measure(ts, unit.params, exclude=ckpt),
+                              restore=functools.partial(self._restore, ckpt))  # fmt: skip
             self.recompute_s += time.perf_counter() - t0
             self.swapper.add_device(seg.recomputed_bytes - seg.input_bytes)
             self._prefetch()  # (held back until the recompute was counted)
@@ -386,9 +418,10 @@ class ActivationManager:
             self._drop_segment(seg)
         return t
 
-    def _measure(self, tensors, params: ParamIndex) -> int:
-        """Bytes of the distinct storages among `tensors` that are activations on the device."""
-        seen = set()
+    def _measure(self, tensors, params: ParamIndex, exclude: Sequence[torch.Tensor] = ()) -> int:
+        """Bytes of the distinct storages among `tensors` that are activations on the device
+        (those of `exclude` left out: counted elsewhere)."""
+        seen = {storage_key(t)[1] for t in exclude}
         total = 0
         for t in tensors:
             if isinstance(t, torch.Tensor) and swappable(t, self.device) and params.match(t) is None:
@@ -454,6 +487,8 @@ class ActivationManager:
         for j in range(1, self.config.prefetch_units + 1):
             if start - j < 0 or not self._fetch_unit(self._order[start - j], force=False):
                 break
+            if any(seg.state is SegState.SAVED for seg in self._order[start - j].segments):
+                break  # it will hold all it recomputes: nothing beyond it now (its checkpoint is fetched)
 
     def _fetch_unit(self, u: UnitActivations, force: bool) -> bool:
         sw = self.swapper

@@ -5,6 +5,9 @@
     ssd        copied to host, written to SSD (TensorStore), read back ahead of backward.
     recompute  not stored: the unit's forward runs again in backward (non-reentrant
                checkpointing at unit granularity); only the unit's inputs are held.
+    recompute_host, recompute_ssd
+               recompute, with the inputs (the activation checkpoint) swapped as host/ssd swap
+               saved tensors, and fetched back ahead of the recompute.
     auto       decided per unit (resolve_auto): keep what fits the budget, then host, then SSD.
 
 The settings (policy, per-unit overrides, budget) are planner.ActivationSettings, defined once
@@ -34,11 +37,22 @@ class ActPolicy(str, Enum):
     HOST = "host"
     SSD = "ssd"
     RECOMPUTE = "recompute"
+    RECOMPUTE_HOST = "recompute_host"
+    RECOMPUTE_SSD = "recompute_ssd"
     AUTO = "auto"
 
     @property
     def swaps(self) -> bool:
         return self is ActPolicy.HOST or self is ActPolicy.SSD
+
+    @property
+    def recomputes(self) -> bool:
+        return self in (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
+
+    @property
+    def checkpoint(self) -> Optional[ActPolicy]:
+        """Where a recomputing unit's inputs go (HOST, SSD), None where they stay."""
+        return {ActPolicy.RECOMPUTE_HOST: ActPolicy.HOST, ActPolicy.RECOMPUTE_SSD: ActPolicy.SSD}.get(self)
 
 
 @dataclass(frozen=True)

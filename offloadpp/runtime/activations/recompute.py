@@ -10,6 +10,12 @@ granularity and without changing the module. The forward must save the same tens
 order when run again (a check raises otherwise). Parameters are collected like any tensor: the
 recompute runs during the unit's backward visit, when the runtime has its weights bound.
 
+Note: swapped checkpoints (recompute_host, recompute_ssd). The manager replaces each tensor
+argument by a SavedRef to a swapped record before the Segment is made, so the segment holds no
+device bytes between forward and backward; the record is fetched back ahead of the recompute
+like any swapped record, and `restore` rebuilds the argument (with requires_grad as it was) just
+before the forward runs again. The bytes are the same bytes, so the recompute is as exact.
+
 Note: KV caches. Hugging Face models hand each block a cache object (even in training) that the
 block appends its keys and values to: running the block again would append them twice and
 change the cache the caller gets back. The recompute therefore passes None for a cache argument
@@ -26,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from .records import ActivationError
@@ -46,6 +53,17 @@ class RecomputeRef:
         self.index = index
         self.size = t.size()
         self.dtype = t.dtype
+
+
+class CheckpointRef:
+    """A recomputing unit's tensor argument while it is swapped (see the Note on swapped
+    checkpoints): the record's SavedRef, and whether the argument required grad."""
+
+    __slots__ = ("ref", "requires_grad")
+
+    def __init__(self, ref, requires_grad: bool):
+        self.ref = ref
+        self.requires_grad = requires_grad
 
 
 class Segment:
@@ -78,7 +96,13 @@ class Segment:
     def close(self) -> None:
         self.state = SegState.SAVED
 
-    def recompute(self, measure: Callable[[list[torch.Tensor]], int]) -> None:
+    def recompute(
+        self, measure: Callable[[list[torch.Tensor]], int], restore: Optional[Callable] = None
+    ) -> None:
+        """restore: maps an argument leaf to the tensor it stands for (a swapped checkpoint's
+        SavedRef comes back as its tensor); leaves that are not swapped come back as they are."""
+        if restore is not None:
+            self.args, self.kwargs = tree_map(restore, (self.args, self.kwargs))
         collected: list[torch.Tensor] = []
 
         def collect(t: torch.Tensor) -> int:

@@ -1,0 +1,112 @@
+"""The planner's activation choices (planner/activations.py) and their replay (simulate_act.py):
+recompute with the activation checkpoint swapped to host or SSD, chosen where pinning the
+checkpoints does not fit, counted in the device need and the step's bytes as the runtime does;
+the per-unit split in the plan printout; the paper machine's GPT-3 13B sweep planned."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from test_planner import GPT2, cpu_hw
+
+from offloadpp.planner import Machine, Settings, resolve
+from offloadpp.planner.activations import ActPlanner, ActUnit, act_units, need_bytes, split_bytes
+from offloadpp.planner.cost import estimate
+from offloadpp.planner.hardware import HardwareProfile
+from offloadpp.planner.model_profile import analytic_profile
+
+PAPER = os.path.join(os.path.dirname(__file__), "..", "docs", "paper")
+
+
+def _units(n: int = 10, saved: int = 1000, inputs: int = 100) -> list[ActUnit]:
+    return [ActUnit(f"u{i}", saved, inputs, 10 * saved, True) for i in range(n)]
+
+
+def test_swapped_checkpoints_are_offered_where_pinned_ones_do_not_fit():
+    us = _units()
+    planner = ActPlanner(us, {}, device="cuda")
+    room = 1300  # one unit's saved bytes and three checkpoints: pinning all ten (1900) does not fit
+    assert need_bytes(us, {u.name: "recompute" for u in us}) == 1900
+    cands = planner.candidates(room)
+    assert cands and all(c.need_bytes <= room for c in cands)
+    ckpt = [c for c in cands if "checkpoints to host" in c.label and "100%" in c.label]
+    assert ckpt, [c.label for c in cands]
+    pol = ckpt[0].as_dict()
+    # every unit recomputes; the checkpoints that fit stay pinned, the others go to host memory
+    assert set(pol.values()) <= {"recompute", "recompute_host", "keep"}
+    assert "recompute_host" in pol.values() and need_bytes(us, pol) <= room
+    # on the CPU acting as the device host memory is the device's: the checkpoints go to SSD
+    cpu = ActPlanner(us, {}, device="cpu").candidates(room)
+    assert any("recompute_ssd" in c.as_dict().values() for c in cpu)
+    assert not any("recompute_host" in c.as_dict().values() for c in cpu)
+
+
+def test_split_says_where_each_units_bytes_are():
+    u = ActUnit("b", 1000, 100, 1, True)
+    assert split_bytes(u, "keep") == {"kept": 1000, "host": 0, "ssd": 0, "recomputed": 0}
+    assert split_bytes(u, "ssd") == {"kept": 0, "host": 0, "ssd": 1000, "recomputed": 0}
+    assert split_bytes(u, "recompute") == {"kept": 100, "host": 0, "ssd": 0, "recomputed": 1000}
+    assert split_bytes(u, "recompute_host") == {"kept": 0, "host": 100, "ssd": 0, "recomputed": 1000}
+    assert split_bytes(u, "recompute_ssd") == {"kept": 0, "host": 0, "ssd": 100, "recomputed": 1000}
+
+
+def test_replay_moves_the_checkpoints_and_runs_the_recompute():
+    """CPU device: recompute_ssd writes and reads each block's checkpoint (its inputs) once per
+    step on top of what recompute does, and its device peak holds no checkpoint between forward
+    and backward; the recompute's FLOPs are in the compute of both."""
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
+    s = Settings(plan="auto")
+    r = resolve(s, m.unit_specs(), Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
+                hardware=cpu_hw(), model=m)  # fmt: skip
+    blocks = [u.name for u in m.units if u.name.startswith("transformer.h.")]
+    est = {p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks})
+           for p in ("keep", "recompute", "recompute_ssd")}  # fmt: skip
+    ckpt = sum(a.inputs for a in act_units(m) if a.name in blocks)
+    assert est["recompute_ssd"].ssd_write_bytes - est["recompute"].ssd_write_bytes == ckpt
+    assert est["recompute_ssd"].ssd_read_bytes - est["recompute"].ssd_read_bytes == ckpt
+    fwd = sum(u.forward_flops for u in m.units if u.name in blocks) / 100e9
+    for p in ("recompute", "recompute_ssd"):
+        assert abs(est[p].compute_s - est["keep"].compute_s - fwd) < 1e-9
+    assert est["recompute_ssd"].peak_activation_bytes < est["recompute"].peak_activation_bytes
+
+
+def test_plan_printout_gives_the_split_per_unit():
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
+    s = Settings(plan="auto", activations={"policy": "recompute_ssd"})
+    r = resolve(s, m.unit_specs(), Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
+                hardware=cpu_hw(), model=m)  # fmt: skip
+    assert r.plan.activations.count("recompute_ssd") == len(m.units) - 1  # the embeddings cannot
+    text = r.plan.describe()
+    assert "activations per unit" in text and "recomputed" in text
+    row = next(line for line in text.splitlines() if "transformer.h.0 .. " in line)
+    assert "recompute_ssd" in row and "(4)" in row
+
+
+def _paper(name: str):
+    with open(os.path.join(PAPER, name)) as f:
+        return json.load(f)
+
+
+def test_paper_13b_sweep_is_planned_and_b32_b64_recompute_with_checkpoints_in_host_memory():
+    """GPT-3 13B on the paper machine's profile: b8-b64 planned; b32 and b64 recompute with their
+    checkpoints in host memory. Before swapped checkpoints, recompute pinned its inputs, so b32
+    recomputed only half its blocks (72 TFLOPS) and b64, where the pinned inputs no longer fit
+    beside one block, swapped whole blocks over the link (50 TFLOPS)."""
+    hw = HardwareProfile.from_json(os.path.join(PAPER, "rtx4090-12ssd.hardware.json"))
+    cfg = _paper("gpt3-13b.config.json")
+    tflops = {}
+    for b in (8, 16, 32, 64):
+        m = analytic_profile(cfg, micro_batch=b, seq_len=1024, compute_dtype="fp16")
+        machine = Machine("cuda", host_available_bytes=hw.host_memory_bytes, device_free_bytes=hw.device_memory_bytes,
+                          cores=hw.cpu_cores)  # fmt: skip
+        s = Settings(
+            plan="auto", compute_dtype="fp16", offload_params=True, offload_optimizer=True, micro_batch=b
+        )
+        r = resolve(s, m.unit_specs(), machine, hardware=hw, model=m)
+        flops = sum(u.forward_flops + u.backward_flops for u in m.units)
+        tflops[b] = flops / r.estimate.step_s / 1e12
+        if b >= 32:
+            assert "recompute_host" in r.plan.activations, (b, r.plan.activations)
+            assert not {"host", "ssd"} & set(r.plan.activations), (b, r.plan.activations)
+    assert tflops[32] > 100 and tflops[64] > 80, tflops
