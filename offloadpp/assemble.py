@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 from dataclasses import replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -117,10 +117,12 @@ def resolve_for_model(
     nvme_paths: Sequence[str] = (),
     machine: Optional[Machine] = None,
     dp: Optional[DataParallel] = None,
+    io_set: Optional[Mapping[str, int]] = None,
 ) -> Resolved:
     """The budgets and the plan for `model` under `settings` on this machine (or `machine`):
     the model's units, what is free on `device` and the `nvme_paths`, the profiles the settings
-    name, through planner.resolve. The model may live on the meta device (nothing is read)."""
+    name, through planner.resolve. The model may live on the meta device (nothing is read).
+    io_set: the I/O settings the run fixes itself (RuntimeConfig.io_set)."""
     s = settings
     units = unit_specs(model, s.units)
     machine = machine or probe_machine(device, nvme_paths, dp)
@@ -130,7 +132,9 @@ def resolve_for_model(
         cfg = _hf_config(model)
         name = str((cfg or {}).get("_name_or_path") or (cfg or {}).get("model_type") or type(model).__name__)
         profile = model_profile_for(cfg, units, s, name=name)
-    return resolve(s, units, machine, hardware=hardware, model=profile, saved=load_saved_plan(s))
+    return resolve(
+        s, units, machine, hardware=hardware, model=profile, saved=load_saved_plan(s), io_set=io_set
+    )
 
 
 def assemble_engine(
@@ -150,7 +154,13 @@ def assemble_engine(
         if dp is not None and machine is None:
             machine = probe_machine(config.device, config.nvme_paths, dp)
         r = resolve_for_model(
-            model, config.settings, device=config.device, nvme_paths=config.nvme_paths, machine=machine, dp=dp
+            model,
+            config.settings,
+            device=config.device,
+            nvme_paths=config.nvme_paths,
+            machine=machine,
+            dp=dp,
+            io_set=config.io_set(),
         )
         settings = r.settings
         if dp is not None:

@@ -1,5 +1,7 @@
 """The A/B harness's own logic: the table and the turn-taking protocol of its workers."""
 
+import json
+
 import pytest
 
 from offloadpp.bench.ab import format_table, summarize
@@ -51,3 +53,31 @@ def test_worker_holds_until_the_harness_says_finish(monkeypatch):
         list(_step_turns(2, turns=True))  # the harness closed stdin without "finish"
     monkeypatch.setattr("sys.stdin", io.StringIO("run 2\nfinish\n"))
     assert list(_step_turns(2, turns=True)) == [0, 1]
+
+
+def test_both_sides_must_run_the_same_json_aio_block_included():
+    from offloadpp.bench.ab import same_json
+
+    aio = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1}
+    zero = {"gradient_clipping": 1.0, "aio": aio, "zero_optimization": {"offload_param": {"nvme_path": "/a"}}}
+    ours = json.loads(json.dumps(zero))
+    ours["zero_optimization"]["offload_param"]["nvme_path"] = "/b"  # differs by design
+    ours["offloadpp"] = {"enabled": True, "nvme_paths": ["/b"]}
+    shared = same_json({"zero": {"config": zero}, "offloadpp": {"config": ours}})
+    assert shared["aio"] == aio and "offloadpp" not in shared
+    del ours["aio"]
+    with pytest.raises(RuntimeError, match="offloadpp side ran another DeepSpeed JSON"):
+        same_json({"zero": {"config": zero}, "offloadpp": {"config": ours}})
+
+
+def test_capacity_runs_one_json_on_both_sides():
+    import argparse
+
+    from offloadpp.bench import capacity
+
+    p = argparse.ArgumentParser()
+    capacity.add_arguments(p)
+    args = p.parse_args([])
+    ours, zero = capacity.ds_config(args, "/n", "offloadpp"), capacity.ds_config(args, "/n", "zero")
+    assert ours.pop("offloadpp") == {"enabled": True} and ours == zero
+    assert zero["aio"]["block_size"] == 1 << 20 and zero["aio"]["queue_depth"] == 8

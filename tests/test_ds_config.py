@@ -12,6 +12,8 @@ from offloadpp.integrations.deepspeed.config import (
     parse_block,
     parse_bytes,
 )
+from offloadpp.io import IOConfig
+from offloadpp.planner.io_settings import io_set_of
 
 
 def _zero_infinity(nvme="/nvme/a"):
@@ -32,9 +34,8 @@ def test_defaults_come_from_zero_infinity_settings():
     block = parse_block(cfg)
     assert block.enabled
     assert block.nvme_paths == ("/nvme/a",)
-    assert block.io.block_size_bytes == 262144
-    assert block.io.queue_depth == 16
-    assert block.io.num_threads == 2
+    # DeepSpeed's aio block is not applied: it is tuned for ZeRO-Infinity's swapper (issue 21)
+    assert block.io == IOConfig() and block.io.model_fields_set == set()
 
 
 def test_explicit_values_win_over_zero_infinity_ones():
@@ -43,7 +44,8 @@ def test_explicit_values_win_over_zero_infinity_ones():
     block = parse_block(cfg)
     assert block.nvme_paths == ("/x", "/y")
     assert block.io.queue_depth == 4
-    assert block.io.block_size_bytes == 262144
+    assert block.io.block_size_bytes == IOConfig().block_size_bytes  # not the aio block's
+    assert io_set_of(block.io) == {"queue_depth": 4}  # what the resolve stage lets win
 
 
 def test_distinct_param_and_optimizer_paths_are_both_used():
@@ -154,12 +156,12 @@ def test_every_setting_is_reachable_from_the_block(tmp_path):
     assert (rc.ssd_read_gbps, rc.ssd_write_gbps) == (1.5, 2.5)
     # from DeepSpeed's own keys
     assert s.micro_batch == 2 and s.offload_params and s.offload_optimizer and s.compute_dtype == "fp32"
-    # "auto" everywhere: the defaults (and the aio block's io); for `plan`, "auto" is the
+    # "auto" everywhere: the defaults (never the aio block's io); for `plan`, "auto" is the
     # cost-model planner itself. DeepSpeed's gradient_clipping defaults to 1.0.
     cfg["offloadpp"] = {"enabled": True, **{k: "auto" for k in values}, "io": {k: "auto" for k in io}}
     rc = runtime_config_from(DeepSpeedConfig(cfg), parse_block(cfg), device="cpu")
     assert rc.settings == Settings(micro_batch=2, plan="auto", gradient_clipping=1.0)
-    assert rc.io == IOConfig(block_size_bytes=262144, queue_depth=16, num_threads=2)
+    assert rc.io == IOConfig() and rc.io_set() == {}
 
 
 def test_missing_nvme_path_is_an_error_not_created(tmp_path):
@@ -245,3 +247,13 @@ def test_every_block_key_is_documented():
         keys += [f"{key}.{k}" for k in sub.model_fields] if sub is not None else [key]
     missing = [k for k in keys if f"`{k}`" not in doc]
     assert not missing, f"docs/deepspeed.md does not document {missing}"
+
+
+def test_the_aio_block_is_reported_as_not_applied():
+    from offloadpp.integrations.deepspeed.config import aio_not_applied
+
+    line = aio_not_applied(_zero_infinity(), IOConfig(queue_depth=4))
+    assert "block_size=262144, queue_depth=16, intra_op_parallelism=2" in line and "not applied" in line
+    assert "queue depth 4" in line  # what the store runs instead
+    assert aio_not_applied({"aio": {"single_submit": False}}, IOConfig()) is None  # nothing of ours
+    assert aio_not_applied({}, IOConfig()) is None

@@ -292,3 +292,50 @@ def test_aligned_empty():
     assert not is_managed(torch.empty(10))
     with pytest.raises(SwapIOError):
         aligned_empty(10, pin=True) if not torch.cuda.is_available() else (_ for _ in ()).throw(SwapIOError())
+
+
+def test_reads_are_checksummed_on_the_engines_side(io_backend, tmp_path):
+    """A read that asks for a CRC gets it computed by the engine's verifier thread before its
+    handle completes (engine.h, the checksum Note), over exactly crc_len bytes."""
+    n = 3 * MiB + 8192
+    eng = _C.Engine(io_backend, MiB, 4, 1)
+    f = _open(tmp_path / "x.bin")
+    src, _ = _buf(n, 3)
+    eng.write(f, src.ptr, n, 0).wait()
+    dst, _ = _buf(n, 4)
+    h = eng.submit([[[(False, f, dst.ptr, n, 0, n, n - 100), (False, f, dst.ptr, 4096, 0, 4096)]]], False, n)
+    h.wait()
+    assert h.crcs == [_C.crc32c(src.ptr, n - 100)]
+    with pytest.raises(SwapIOError) as ei:  # a write, or more bytes than the request reads
+        eng.submit([[[(True, f, src.ptr, 4096, 0, 0, 4096)]]], True, 4096)
+    assert ei.value.errno == errno.EINVAL
+    with pytest.raises(SwapIOError):
+        eng.submit([[[(False, f, dst.ptr, 4096, 0, 4096, 8192)]]], False, 4096)
+    eng._inject_fault(0, errno.EIO)  # a failed read has no CRCs to read
+    h = eng.submit([[[(False, f, dst.ptr, 4096, 0, 4096, 4096)]]], False, 4096)
+    with pytest.raises(SwapIOError):
+        h.wait()
+    with pytest.raises(ValueError, match="failed"):
+        _ = h.crcs
+    eng.close()
+
+
+def test_a_header_is_sealed_by_the_engine_before_it_is_written(io_backend, tmp_path):
+    """A write that seals (RequestSpec.seal_*) gets its payload's CRC-32C and its own CRC-32
+    filled in by the engine (TensorStore's final header), so the thread that puts does no pass."""
+    import zlib
+
+    eng = _C.Engine(io_backend, MiB, 4, 1)
+    f = _open(tmp_path / "h.bin")
+    payload, _ = _buf(MiB + 100, 5)
+    hdr, h = _buf(4096, 6)
+    h[:] = 0
+    eng.submit([[[(True, f, hdr.ptr, 4096, 0, 0, 0, payload.ptr, MiB + 100, 72)]]], True, 4096).wait()
+    back, b = _buf(4096, 7)
+    eng.read(f, back.ptr, 4096, 0).wait()
+    assert int.from_bytes(bytes(b[72:76]), "little") == _C.crc32c(payload.ptr, MiB + 100)
+    assert int.from_bytes(bytes(b[4092:]), "little") == zlib.crc32(bytes(b[:4092]))
+    with pytest.raises(SwapIOError) as ei:  # the checksum must lie inside the header, before its CRC
+        eng.submit([[[(True, f, hdr.ptr, 4096, 0, 0, 0, payload.ptr, 8, 4090)]]], True, 4096)
+    assert ei.value.errno == errno.EINVAL
+    eng.close()

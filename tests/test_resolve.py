@@ -409,6 +409,8 @@ def test_plan_cli_estimates_a_speculative_step_and_its_deferred_one(tmp_path, ca
 
     spec = run()
     assert "(speculative)" in spec
+    assert "the estimate's SSD bytes per step by kind" in spec and "| optimizer_state |" in spec
+    assert "note: I/O: " in spec  # the resolve stage's I/O settings, and whose they are
     deferred = float(re.search(r"runs them deferred: ([0-9.]+) s", spec).group(1))
     assert step_s(spec) < deferred
     off = run("--speculate", "off")

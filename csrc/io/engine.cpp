@@ -1,6 +1,9 @@
 #include "io/engine.h"
 
+#include "io/aligned_buffer.h"
+
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -94,6 +97,7 @@ Engine::Engine(BackendKind kind, uint64_t block_size, unsigned queue_depth, unsi
     Worker* wp = w.get();
     w->thread = std::thread([this, wp] { worker_main(*wp); });
   }
+  verifier_ = std::thread([this] { verifier_main(); });
 }
 
 Engine::~Engine() { close(); }
@@ -112,6 +116,13 @@ void Engine::close() {
   for (auto& w : workers_) {
     if (w->thread.joinable()) w->thread.join();
   }
+  // Every request has completed: what is left to verify is queued. The verifier drains it.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    verifier_stop_ = true;
+  }
+  verify_cv_.notify_all();
+  if (verifier_.joinable()) verifier_.join();
   std::lock_guard<std::mutex> lock(mu_);
   closed_ = true;
 }
@@ -126,6 +137,15 @@ static void validate_spec(const RequestSpec& s) {
   if (s.len > 0 && s.buf == nullptr) throw IoError(EFAULT, std::string(op) + " (null buffer)", path, s.offset);
   if (!s.write && s.required > s.len) {
     throw IoError(EINVAL, std::string(op) + " (required bytes exceed the request length)", path, s.offset);
+  }
+  if (s.crc_len > 0 && (s.write || s.crc_len > s.len)) {
+    throw IoError(EINVAL, std::string(op) + " (a checksum is computed for reads, within the request)", path,
+                  s.offset);
+  }
+  if (s.seal_at >= 0 && (!s.write || s.len < 8 || static_cast<uint64_t>(s.seal_at) + 8 > s.len ||
+                         (s.seal_len > 0 && s.seal_src == nullptr))) {
+    throw IoError(EINVAL, std::string(op) + " (a header is sealed by a write, its checksum inside it)", path,
+                  s.offset);
   }
   if (s.file->direct()) {
     const auto addr = reinterpret_cast<uintptr_t>(s.buf);
@@ -160,6 +180,7 @@ std::shared_ptr<Handle> Engine::submit(std::vector<ChainSpec> chains, bool write
       for (auto& spec : stage_spec) {
         validate_spec(spec);
         if (spec.len == 0) continue;
+        if (spec.crc_len > 0) h->crc_jobs_.emplace_back(spec.buf, spec.crc_len);
         auto r = std::make_shared<Request>();
         r->spec = spec;
         r->chain = c.get();
@@ -250,7 +271,7 @@ void Engine::worker_main(Worker& w) {
       for (;;) {
         fill_locked(w, batch, fin);
         if (!batch.empty() || w.inflight > 0 || !fin.empty()) break;
-        if (stopping_ && !queued_locked()) return;
+        if (stopping_ && !queued_locked() && sealing_ == 0) return;  // a sealed stage queues more
         work_cv_.wait(lock);
       }
     }
@@ -406,7 +427,22 @@ void Engine::request_finished_locked(Request& r, std::vector<std::shared_ptr<Han
 void Engine::start_stage_locked(Chain& c, std::vector<std::shared_ptr<Handle>>& fin) {
   auto& reqs = c.stages[c.current];
   c.pending = reqs.size();
-  for (auto& r : reqs) (r->spec.write ? writes_ : reads_).push_back(r);
+  for (auto& r : reqs) {
+    if (r->spec.seal_at >= 0 && !r->sealed) {  // the verifier seals the header, then queues the stage
+      auto it = live_.find(c.handle);
+      if (it != live_.end()) {
+        verify_.push_back(VerifyWork{it->second, &c});
+        sealing_++;
+        verify_cv_.notify_one();
+        return;
+      }
+    }
+  }
+  queue_stage_locked(c);
+}
+
+void Engine::queue_stage_locked(Chain& c) {
+  for (auto& r : c.stages[c.current]) (r->spec.write ? writes_ : reads_).push_back(r);
 }
 
 void Engine::handle_finished_locked(Handle& h, std::vector<std::shared_ptr<Handle>>& fin) {
@@ -422,6 +458,18 @@ void Engine::handle_finished_locked(Handle& h, std::vector<std::shared_ptr<Handl
     }
   }
   clock_->end(h.write_, now);
+  if (!h.failed_ && !h.crc_jobs_.empty()) {
+    auto it = live_.find(&h);
+    if (it != live_.end()) {  // stays live (wait_all waits for it) until verified
+      verify_.push_back(VerifyWork{it->second, nullptr});
+      verify_cv_.notify_one();
+      return;
+    }
+  }
+  complete_handle_locked(h, fin);
+}
+
+void Engine::complete_handle_locked(Handle& h, std::vector<std::shared_ptr<Handle>>& fin) {
   h.done_.store(true, std::memory_order_release);
   auto it = live_.find(&h);
   if (it != live_.end()) {
@@ -429,6 +477,67 @@ void Engine::handle_finished_locked(Handle& h, std::vector<std::shared_ptr<Handl
     live_.erase(it);
   }
   if (live_.empty()) idle_cv_.notify_all();
+}
+
+// CRC-32 with zlib's polynomial (0xEDB88320, reflected), as the header's own checksum
+// (offloadpp/io/format.py): a few KiB a header, so a table is fast enough.
+static uint32_t crc32_ieee(const char* p, uint64_t n) {
+  static const auto table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  uint32_t c = 0xFFFFFFFFu;
+  for (uint64_t i = 0; i < n; ++i) c = table[(c ^ static_cast<unsigned char>(p[i])) & 0xff] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+void Engine::verifier_main() {
+  std::vector<std::shared_ptr<Handle>> fin;
+  for (;;) {
+    VerifyWork w;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      verify_cv_.wait(lock, [&] { return !verify_.empty() || verifier_stop_; });
+      if (verify_.empty()) return;
+      w = std::move(verify_.front());
+      verify_.pop_front();
+    }
+    if (w.seal != nullptr) {
+      // The stage's requests are not queued: no other thread touches their buffers.
+      for (auto& r : w.seal->stages[w.seal->current]) {
+        const RequestSpec& s = r->spec;
+        if (s.seal_at < 0) continue;
+        const uint32_t crc = crc32c(s.seal_src, s.seal_len);
+        for (int i = 0; i < 4; ++i) s.buf[s.seal_at + i] = static_cast<char>((crc >> (8 * i)) & 0xff);
+        const uint32_t hcrc = crc32_ieee(s.buf, s.len - 4);
+        for (int i = 0; i < 4; ++i) s.buf[s.len - 4 + i] = static_cast<char>((hcrc >> (8 * i)) & 0xff);
+        r->sealed = true;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_stage_locked(*w.seal);
+        sealing_--;
+      }
+      work_cv_.notify_all();
+      continue;
+    }
+    std::shared_ptr<Handle> h = std::move(w.handle);
+    // The handle is not done: nobody reads crcs_ yet, and the buffers are the caller's until it is.
+    std::vector<uint32_t> crcs;
+    crcs.reserve(h->crc_jobs_.size());
+    for (const auto& job : h->crc_jobs_) crcs.push_back(crc32c(job.first, job.second));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      h->crcs_ = std::move(crcs);
+      complete_handle_locked(*h, fin);
+    }
+    notify(fin);
+  }
 }
 
 void Engine::fail_everything_locked(Worker& w, int err, const std::string& what,

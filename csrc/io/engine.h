@@ -7,6 +7,15 @@
 // per file: [invalidate header] -> [payload, tail] -> [final header], so a header that reads as
 // valid is only ever written after its payload completed. A plain read or write is one chain
 // with one stage holding one request.
+//
+// Note: checksums on the I/O side. A read may ask for the CRC-32C of its first `crc_len` bytes.
+// When every request of a submission has completed, its handle goes to the engine's verifier
+// thread, which computes those CRCs (no lock, no GIL) and only then completes the handle: the
+// thread that waits for the read (the compute thread, for a fetch) finds them computed and only
+// compares. Why a thread of its own and not the worker: the worker keeps the disk's queue full
+// while a finished read of hundreds of MB is checksummed. Writes the same way: a put's final
+// header is sealed (its payload's CRC-32C and its own CRC-32 filled in, RequestSpec::seal_*) by
+// the verifier once the payload is written, so the thread that calls put does no pass either.
 #pragma once
 
 #include <atomic>
@@ -39,6 +48,16 @@ struct RequestSpec {
   // Reads only: bytes that must arrive. An end of file past `required` (a padded tail read
   // of an unpadded file) ends the request successfully; before it, it is an error.
   uint64_t required = 0;
+  // Reads only: the CRC-32C of buf[0, crc_len) is computed once the read completes, before its
+  // handle does (Handle::crcs, in submission order of the requests that ask).
+  uint64_t crc_len = 0;
+  // Writes only: a header to seal before it is written (TensorStore's final header, written
+  // after its payload): the engine stores the CRC-32C of seal_src[0, seal_len) as a
+  // little-endian u32 at buf + seal_at, then the CRC-32 (zlib's polynomial) of buf[0, len - 4)
+  // in its last 4 bytes, on the verifier thread, before the request's stage starts.
+  const char* seal_src = nullptr;
+  uint64_t seal_len = 0;
+  int64_t seal_at = -1;
 };
 
 using StageSpec = std::vector<RequestSpec>;
@@ -51,6 +70,7 @@ struct Request {
   uint32_t outstanding = 0;  // blocks handed out and not finished (in flight or awaiting retry)
   bool failed = false;
   bool finished = false;
+  bool sealed = false;
 };
 
 struct Chain {
@@ -97,6 +117,9 @@ class Handle {
   uint64_t wait();
   bool failed() const;
   double elapsed_seconds() const;  // submit -> completion (so far, if not done)
+  // The CRC-32C of each read that asked (RequestSpec::crc_len), in submission order; complete
+  // once done() and not failed().
+  const std::vector<uint32_t>& crcs() const { return crcs_; }
 
  private:
   friend class Engine;
@@ -114,6 +137,8 @@ class Handle {
   std::vector<std::unique_ptr<Chain>> chains_;
   int64_t t_submit_ns_ = 0;
   std::atomic<int64_t> t_done_ns_{0};
+  std::vector<std::pair<const char*, uint64_t>> crc_jobs_;  // (buffer, bytes) to checksum
+  std::vector<uint32_t> crcs_;
 };
 
 class Engine {
@@ -164,6 +189,9 @@ class Engine {
   };
 
   void worker_main(Worker& w);
+  void verifier_main();
+  void complete_handle_locked(Handle& h, std::vector<std::shared_ptr<Handle>>& fin);
+  void queue_stage_locked(Chain& c);
   void fill_locked(Worker& w, std::vector<BlockOp>& batch, std::vector<std::shared_ptr<Handle>>& fin);
   void complete_block_locked(Worker& w, const BlockCompletion& c, std::vector<std::shared_ptr<Handle>>& fin);
   void fail_request_locked(Request& r, int err, const std::string& op, int64_t offset);
@@ -181,6 +209,7 @@ class Engine {
   unsigned queue_depth_;
   unsigned num_threads_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  std::thread verifier_;
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;  // workers: new requests or stop
@@ -197,6 +226,16 @@ class Engine {
   std::unordered_map<Handle*, std::shared_ptr<Handle>> live_;
   bool stopping_ = false;
   bool closed_ = false;
+  // The verifier's work: a handle whose I/O is complete and whose reads' CRCs are still to
+  // compute (still in live_), or a chain whose next stage holds a header to seal first.
+  struct VerifyWork {
+    std::shared_ptr<Handle> handle;
+    Chain* seal = nullptr;
+  };
+  std::deque<VerifyWork> verify_;
+  size_t sealing_ = 0;  // chains handed to the verifier to seal, not yet queued again
+  std::condition_variable verify_cv_;
+  bool verifier_stop_ = false;
 
   EngineStats stats_;
   std::shared_ptr<BusyClock> clock_;

@@ -45,9 +45,10 @@ void translate_io_error(const IoError& e) {
 
 RequestSpec spec_from_tuple(const py::handle& t) {
   auto tup = py::reinterpret_borrow<py::tuple>(t);
-  if (tup.size() != 6) {
-    throw py::value_error("request must be (write, file, ptr, nbytes, offset, required), got " +
-                          std::to_string(tup.size()) + " fields");
+  if (tup.size() != 6 && tup.size() != 7 && tup.size() != 10) {
+    throw py::value_error(
+        "request must be (write, file, ptr, nbytes, offset, required[, crc_len[, seal_src, seal_len, seal_at]]), "
+        "got " + std::to_string(tup.size()) + " fields");
   }
   RequestSpec s;
   s.write = tup[0].cast<bool>();
@@ -56,6 +57,12 @@ RequestSpec spec_from_tuple(const py::handle& t) {
   s.len = tup[3].cast<uint64_t>();
   s.offset = tup[4].cast<int64_t>();
   s.required = tup[5].cast<uint64_t>();
+  if (tup.size() >= 7) s.crc_len = tup[6].cast<uint64_t>();
+  if (tup.size() == 10) {
+    s.seal_src = as_ptr(tup[7].cast<uint64_t>());
+    s.seal_len = tup[8].cast<uint64_t>();
+    s.seal_at = tup[9].cast<int64_t>();
+  }
   return s;
 }
 
@@ -84,7 +91,8 @@ void register_io(py::module_& m) {
         return py::dict("libaio"_a = io::backend_compiled(io::BackendKind::LIBAIO),
                         "io_uring"_a = io::backend_compiled(io::BackendKind::URING),
                         "threadpool"_a = io::backend_compiled(io::BackendKind::THREADPOOL),
-                        "alignment"_a = io::kAlignment, "crc32c_hardware"_a = io::crc32c_hardware());
+                        "alignment"_a = io::kAlignment, "crc32c_hardware"_a = io::crc32c_hardware(),
+                        "engine_checksums"_a = true);  // reads' crc_len, writes' seal_* (engine.h)
       },
       "Which I/O backends are compiled in.");
 
@@ -148,6 +156,10 @@ void register_io(py::module_& m) {
       .def_property_readonly("elapsed_seconds", &Handle::elapsed_seconds)
       .def("done", &Handle::done, "Non-blocking: True once every byte has completed or failed.")
       .def("failed", &Handle::failed)
+      .def_property_readonly("crcs", [](const Handle& h) {
+        if (!h.done() || h.failed()) throw py::value_error("crcs: the handle is not done, or it failed");
+        return h.crcs();
+      }, "CRC-32C of each read that asked for one (its crc_len), in submission order, once done.")
       .def(
           "wait",
           [](Handle& h, py::object timeout) {
@@ -202,7 +214,8 @@ void register_io(py::module_& m) {
             return e.submit(std::move(specs), write, nbytes);
           },
           "chains"_a, "write"_a, "nbytes"_a,
-          "Submit chains (lists of stages, each a list of (write, file, ptr, nbytes, offset, required)).")
+          "Submit chains (lists of stages, each a list of (write, file, ptr, nbytes, offset, required[, crc_len])); "
+          "a read's crc_len: the engine computes the CRC-32C of its first crc_len bytes (IoHandle.crcs).")
       .def(
           "read",
           [](Engine& e, std::shared_ptr<File> f, uint64_t ptr, uint64_t n, int64_t off, py::object required) {

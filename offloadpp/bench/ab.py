@@ -153,6 +153,26 @@ def run_sides(sides: list[str], args, init_path: str, out_dir: str) -> dict[str,
                 p.proc.kill()
 
 
+def same_json(results: dict[str, dict]) -> dict:
+    """The DeepSpeed JSON every side ran, `aio` block included, less what differs by design (the
+    offloadpp block and each side's swap directory); raises when anything else differs."""
+
+    def shared(cfg: dict) -> dict:
+        cfg = json.loads(json.dumps(cfg))
+        cfg.pop("offloadpp", None)
+        for sub in (cfg.get("zero_optimization") or {}).values():
+            if isinstance(sub, dict):
+                sub.pop("nvme_path", None)
+        return cfg
+
+    configs = {side: shared(r["config"]) for side, r in results.items()}
+    first = next(iter(configs.values()))
+    for side, cfg in configs.items():
+        if cfg != first:
+            raise RuntimeError(f"the {side} side ran another DeepSpeed JSON: {cfg} vs {first}")
+    return first
+
+
 def summarize(r: dict) -> dict:
     times = [s["seconds"] for s in r["steps"]]
     timed = times[1:] if len(times) > 2 else times  # the first step includes warm-up
@@ -229,8 +249,13 @@ def run(args: argparse.Namespace) -> int:
         init_path = os.path.join(tmp, "init.safetensors")
         _write_init(args.model, args.seed, init_path)
         results = run_sides(sides, args, init_path, args.out)
+    shared = same_json(results)
     summ = {s: summarize(r) for s, r in results.items()}
     table = format_table(summ)
+    aio = shared.get("aio")
+    print(
+        f"the same DeepSpeed JSON on {' and '.join(sides)}, aio block {json.dumps(aio) if aio else 'absent'}"
+    )
     for s in sides:
         cap = summ[s]["device_memory_cap_gib"]
         print(f"{s}: device {summ[s]['device']}" + (f", memory capped to {cap:.1f} GiB" if cap else ""))
@@ -242,6 +267,14 @@ def run(args: argparse.Namespace) -> int:
         ]
         print(f"max |loss difference| over {len(diffs)} steps: {max(diffs):.2e}")
         summ["max_loss_diff"] = max(diffs)
+    ours = results.get("offloadpp", {})
+    if ours.get("ssd_by_kind"):
+        from offloadpp.planner import traffic
+
+        print(
+            f"offloadpp: SSD bytes of a step by kind (medians), the cost model's from {ours['modelled_from']}:"
+        )
+        print(traffic.table(ours["ssd_by_kind"], ours["modelled_ssd_by_kind"]))
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump({"config": args.config, "model": args.model, "summary": summ, "runs": results}, f, indent=2)
     _plot(results, {s: summ[s] for s in sides}, os.path.join(args.out, "ab.png"))

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = byte_batches(stdlib_docstrings(), micro, seq_len, seed=args.seed)
     io0 = _proc_io()
     steps = []
+    by_kind = []  # offloadpp: each step's SSD bytes by kind (StepReport.ssd_by_kind)
     for step in _step_turns(args.steps, args.turns):
         t0 = time.perf_counter()
         losses = []
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(float(loss.detach()))
         dt = time.perf_counter() - t0
         steps.append({"step": step, "seconds": dt, "loss": sum(losses) / len(losses)})
+        if args.side == "offloadpp" and engine.last_report is not None:
+            by_kind.append(engine.last_report.ssd_by_kind)
         print(
             f"[{args.side}] step {step} {dt:.3f}s loss {steps[-1]['loss']:.5f}", file=sys.stderr, flush=True
         )
@@ -153,7 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         "peak_device_bytes": _peak_device_bytes(engine),
         "device": str(engine.device),
         "device_memory_cap_bytes": cap,
+        "config": cfg,  # the JSON this side ran: the harness checks both ran the same (ab.same_json)
     }
+    if args.side == "offloadpp":
+        from offloadpp.bench.harness import modelled_ssd_by_kind
+        from offloadpp.planner import traffic
+
+        result["ssd_by_kind"] = traffic.median(by_kind[1:] or by_kind)  # the first step warms up
+        result["modelled_ssd_by_kind"], result["modelled_from"] = modelled_ssd_by_kind(
+            engine.runtime, model.config.to_dict()
+        )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     return 0

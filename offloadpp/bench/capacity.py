@@ -78,8 +78,18 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# DeepSpeed's recommended aio block, which every ZeRO-Infinity config carries: both sides get it
+# (offloadpp reports it as not applied, planner/io_settings.py).
+AIO = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+       "overlap_events": True}  # fmt: skip
+
+
 def ds_config(args, nvme: str, side: str) -> dict:
+    """The one DeepSpeed JSON both sides run; ours adds only `"offloadpp": {"enabled": true}`.
+    It carries what ZeRO-Infinity needs to run this model at all on this machine (DESIGN.md),
+    which offloadpp ignores (docs/deepspeed.md's key table), and the aio block."""
     nvme_dev = {"device": "nvme", "nvme_path": nvme}
+    largest = 50257 * args.width
     cfg = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -88,18 +98,15 @@ def ds_config(args, nvme: str, side: str) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": dict(nvme_dev),
+            "offload_param": {**nvme_dev, "buffer_size": int(largest * 1.05), "buffer_count": 5},
             "offload_optimizer": dict(nvme_dev),
+            "stage3_max_reuse_distance": 0,
+            "sub_group_size": int(1e8),
         },
+        "aio": dict(AIO),
     }
     if side == "offloadpp":
         cfg["offloadpp"] = {"enabled": True}
-    else:
-        # what ZeRO-Infinity needs to run this model at all on this machine (DESIGN.md)
-        largest = 50257 * args.width
-        cfg["zero_optimization"].update(stage3_max_reuse_distance=0, sub_group_size=int(1e8))
-        cfg["zero_optimization"]["offload_param"].update(buffer_size=int(largest * 1.05), buffer_count=5)
-        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1}
     return cfg
 
 
@@ -171,7 +178,9 @@ def _offloadpp_child(args, work: str) -> dict:
     from transformers import GPT2LMHeadModel
 
     # offloadpp.Init and offloadpp.initialize, as a user script calls them (the package face re-exports these)
+    from offloadpp.bench.harness import modelled_ssd_by_kind
     from offloadpp.integrations.deepspeed import Init, initialize
+    from offloadpp.planner import traffic
 
     nvme = os.path.join(work, "nvme")
     os.makedirs(nvme, exist_ok=True)
@@ -208,7 +217,9 @@ def _offloadpp_child(args, work: str) -> dict:
     out.update(
         step_s=steps, losses=losses, reports=[r.as_dict() for r in reports], disk_bytes=rt.disk_bytes(),
         rss_before_engine=before_engine, accounted_peaks=accounted,
+        ssd_by_kind=traffic.median(r.ssd_by_kind for r in reports[1:] or reports),
     )  # fmt: skip
+    out["modelled_ssd_by_kind"], out["modelled_from"] = modelled_ssd_by_kind(rt, model.config.to_dict())
     if args.checkpoint:
         state_bytes = 12 * sum(u.padded_numel for u in rt.units)  # fp32 master + two moments
         rd, wr = rt.ssd_read_gbps * 1e9, rt.ssd_write_gbps * 1e9
@@ -431,6 +442,11 @@ def _print(r: dict) -> None:
               + ", ".join(f"{k} {v / GIB:.2f}" for k, v in acc.items())
               + f"), {(o['phase_peak_rss']['steps'] - o['rss_before_engine'] - sum(acc.values())) / GIB:+.2f} GiB "
               "the rest (allocator slack, the model code's temporaries)")  # fmt: skip
+    if o.get("ssd_by_kind"):
+        from offloadpp.planner import traffic
+
+        print(f"\nSSD bytes of a steady step by kind, the cost model's from {o['modelled_from']}:")
+        print(traffic.table(o["ssd_by_kind"], o["modelled_ssd_by_kind"]))
     if "export" in o:
         v = r["verify"]
         print("\n".join(export_table(o, v, v["peak_rss_bytes"])))

@@ -210,3 +210,41 @@ def rel_err(pred: float, meas: float) -> float:
 
 def fmt_ms(s: Optional[float]) -> str:
     return "-" if s is None else f"{s * 1e3:.0f}"
+
+
+def modelled_ssd_by_kind(runtime, hf_config: Optional[dict]):
+    """(the cost model's SSD bytes by kind for the plan `runtime` (an OffloadEngine) runs, where
+    they come from), for a benchmark to print beside what the step measured. The engine's own
+    estimate where its plan was made with profiles; else a replay of its plan with the analytic
+    model profile and the cached hardware profile, or without one the rates the engine measured
+    at start and DESIGN.md's figures for the rest: the bytes a replay moves follow the plan's
+    schedule, not the rates. ((), why) where no model profile can be made."""
+    import os as _os
+
+    from offloadpp.planner import HardwareProfile, PlanError, default_profile_path, estimate
+    from offloadpp.planner.resolve import model_profile_for
+
+    if runtime.predicted is not None and runtime.predicted.ssd_by_kind:
+        return runtime.predicted.ssd_by_kind, "the plan's estimate"
+    plan, s = runtime.plan, runtime.settings
+    try:
+        model = model_profile_for(hf_config, plan.units, s)
+    except PlanError as e:
+        return (), f"no model profile: {e}"
+    if _os.path.isfile(default_profile_path()):
+        hw, src = (
+            HardwareProfile.from_json(default_profile_path()),
+            "a replay with the cached hardware profile",
+        )
+    else:
+        cores = _os.cpu_count() or 1
+        hw = HardwareProfile(
+            device=plan.device, device_name="(bytes only)", cpu_cores=cores, ssd_read_gbps=runtime.ssd_read_gbps,
+            ssd_write_gbps=runtime.ssd_write_gbps, h2d_gbps=20.0, d2h_gbps=20.0, memcpy_gbps=35.0,
+            device_flops_per_s={s.compute_dtype: 85e9 * cores}, adam_params_per_s={cores: 1.2e9},
+            host_memory_bytes=24 << 30, device_memory_bytes=24 << 30,
+        )  # fmt: skip
+        src = "a replay at the engine's measured SSD rates"
+    est = estimate(plan, hw, model, adam_threads=s.adam_threads or 1, micro_batches=s.gradient_accumulation_steps,
+                   act_prefetch_units=s.activations.prefetch_units)  # fmt: skip
+    return est.ssd_by_kind, src

@@ -38,6 +38,9 @@ import statistics
 import sys
 import time
 
+from offloadpp.bench.harness import modelled_ssd_by_kind
+from offloadpp.planner import traffic
+
 BAR_VS_TORCH = 1.25
 BAR_VS_FLOOR = 1.15
 
@@ -311,6 +314,7 @@ def _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_
     ssd_write = med(r.ssd_write_bytes for r in reps)
     ssd_s = ssd_read / (read_gbps * 1e9) + ssd_write / (write_gbps * 1e9)
     floor = max(compute, ssd_s, adam_s)
+    modelled = modelled_ssd_by_kind(engine, preset.gpt2_config().to_dict())
     report = {
         "bench": "step",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -353,6 +357,10 @@ def _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_
             "grad_norm_max": max((r.grad_norm for r in reps if r.grad_norm is not None), default=None),
             "ssd_read_bytes": ssd_read,
             "ssd_write_bytes": ssd_write,
+            # by kind, counted at the I/O calls; beside it the cost model's for the same plan
+            "ssd_by_kind": traffic.median(r.ssd_by_kind for r in reps),
+            "modelled_ssd_by_kind": modelled[0],
+            "modelled_from": modelled[1],
             "steps": rows["offloadpp"],
         },
         "floor": {
@@ -430,6 +438,9 @@ def _print_table(r: dict) -> None:
         print(f"the same run without clipping: step {u['step_s']:.3f} s, optimizer exposed after backward "
               f"{u['optimizer_exposed_s']:.4f} s; with clip {c['clip']:g}: step x{u['step_ratio']:.3f}, "
               f"optimizer exposed x{u['exposed_ratio']:.2f}")  # fmt: skip
+    if o.get("ssd_by_kind"):
+        print(f"SSD bytes of a step by kind (medians), the cost model's from {o['modelled_from']}:")
+        print(traffic.table(o["ssd_by_kind"], o["modelled_ssd_by_kind"]))
     if "checksum_cost" in r:
         print(f"payload CRC-32C (io.checksum, the default): {r['checksum_cost']:+.1%} on the step "
               f"({o['step_s']:.3f} s with, {r['no_checksum_step_s']:.3f} s without, alternating blocks)")  # fmt: skip

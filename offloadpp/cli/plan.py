@@ -116,6 +116,7 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
     from offloadpp.integrations.deepspeed.build import parse_ds_config, settings_from, swap_dirs
     from offloadpp.integrations.deepspeed.config import parse_block, parse_bytes
     from offloadpp.planner import ModelProfile, PlanError, Settings, default_profile_path, resolve
+    from offloadpp.planner.io_settings import io_set_of
     from offloadpp.planner.resolve import load_hardware, load_saved_plan, machine_for
 
     block = parse_block(ds)
@@ -171,19 +172,26 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
         cfg, _preset = hf_config_dict(args.model)
         model = meta_model(cfg)
         t0 = time.perf_counter()
-        r = resolve_for_model(model, settings, device=args.device, nvme_paths=paths, machine=machine)
+        r = resolve_for_model(model, settings, device=args.device, nvme_paths=paths, machine=machine,
+                              io_set=io_set_of(block.io))  # fmt: skip
         return r, hw, time.perf_counter() - t0
     profile = ModelProfile.from_json(args.model_profile)
     machine = machine or probe_machine(args.device, paths)
     t0 = time.perf_counter()
     r = resolve(settings, profile.unit_specs(), machine, hardware=hw, model=profile if hw else None,
-                saved=load_saved_plan(settings))  # fmt: skip
+                saved=load_saved_plan(settings), io_set=io_set_of(block.io))  # fmt: skip
     return r, hw, time.perf_counter() - t0
 
 
 def run(args: argparse.Namespace) -> int:
-    from offloadpp.integrations.deepspeed.config import OffloadppConfigError, load_ds_config
+    from offloadpp.integrations.deepspeed.config import (
+        OffloadppConfigError,
+        aio_not_applied,
+        load_ds_config,
+        parse_block,
+    )
     from offloadpp.planner import InfeasibleError, ModelProfileError, PlanError, ProfileError
+    from offloadpp.planner.io_settings import applied
     from offloadpp.planner.planfile import save_plan
     from offloadpp.planner.search import describe_buffers, io_choice
 
@@ -205,11 +213,23 @@ def run(args: argparse.Namespace) -> int:
     for line in describe_buffers(r.plan):
         print(f"  {line}")
     io = io_choice(hw) if hw is not None else None
-    if io is not None:
-        print(f"  I/O: block {io.block_size_bytes >> 10} KiB, queue depth {io.queue_depth} "
-              f"(measured {io.read_gbps:.2f} GB/s read, {io.write_gbps:.2f} GB/s write)")  # fmt: skip
+    if io is not None and (io.block_size_bytes, io.queue_depth) == (
+        r.plan.io_block_size_bytes,
+        r.plan.io_queue_depth,
+    ):
+        print(
+            f"  I/O (the note above): measured {io.read_gbps:.2f} GB/s read, {io.write_gbps:.2f} GB/s write there"
+        )
+    not_applied = aio_not_applied(ds, applied(parse_block(ds).io, r.plan))
+    if not_applied is not None:
+        print(f"  note: {not_applied}")
     if r.estimate is not None:
         print(_estimate_table(r.estimate))
+        if r.estimate.ssd_by_kind:
+            from offloadpp.planner import traffic
+
+            print("  the estimate's SSD bytes per step by kind:")
+            print("\n".join("  " + line for line in traffic.table(r.estimate.ssd_by_kind).splitlines()))
         if r.deferred_estimate is not None:
             d = r.deferred_estimate
             print(f"  (a step whose updates validate; one that clips, or with speculate off, runs them deferred: "

@@ -34,6 +34,8 @@ MAX_KEY_BYTES = 1024
 
 _FIXED = struct.Struct("<8sIIII QQQQ II Q I 16s I")
 _CRC = struct.Struct("<I")
+# where the payload CRC-32C sits in the header: the engine seals a header there (csrc/io/engine.h)
+CHECKSUM_AT = struct.calcsize(_FIXED.format[: _FIXED.format.rindex("I 16s I")])
 
 # Every dtype torch can store; the name is what goes into the header.
 _DTYPES: dict[str, torch.dtype] = {}

@@ -40,6 +40,10 @@ from .errors import EINVAL, EIO, ESTALE, SwapIOError, swap_error
 from .future import IOFuture
 from .layout import SUFFIX, _file_stem, _stripe
 
+# An extension built before its engine checksummed reads and sealed headers (csrc/io/engine.h,
+# the checksum Note) takes only 6-field requests: there the calling threads checksum, as they did
+# then, rather than every put and get failing until the extension is rebuilt.
+_ENGINE_CRC = bool(_C.io_build_info().get("engine_checksums"))
 H = fmt.HEADER_BYTES
 
 
@@ -159,6 +163,7 @@ class TensorStore:
         self._index: dict[str, _Entry] = {}
         self._dir_bytes = [0] * len(self.dirs)
         self._pending: dict[int, IOFuture] = {}
+        self._by_kind: dict[tuple[str, bool], int] = {}
         self._since_prune = 0
         self._first_failed: Optional[tuple[str, BaseException]] = None
         self._closed = False
@@ -169,9 +174,10 @@ class TensorStore:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor) -> IOFuture:
+    def put(self, key: str, tensor: torch.Tensor, kind: str = "other") -> IOFuture:
         """Starts writing `tensor` under `key`; it must stay alive and unchanged until the future
-        completes. A put to a key waits for that key's in-flight operations first."""
+        completes. A put to a key waits for that key's in-flight operations first. kind: what the
+        bytes are, for bytes_by_kind (the runtime's tags: planner/traffic.py)."""
         self._check_open()
         self._check_writable(f"put({key!r})")
         self._check_key(key)
@@ -181,6 +187,7 @@ class TensorStore:
         dname = fmt.dtype_name(t.dtype)
         nbytes = t.numel() * t.element_size()
         self._wait_key(key, writes_only=False)
+        self._count(kind, True, nbytes)
         with self._lock:
             prev = self._index.get(key)
             entry = self._place(key, dname, tuple(t.shape), nbytes)
@@ -205,7 +212,9 @@ class TensorStore:
                     f.allocate(need)  # ENOSPC here, before any byte of the old file is touched
                 elif size > need:
                     f.truncate(need)
-                checksum = _C.crc32c(src + p.offset, p.nbytes) if self.config.checksum else 0
+                # with the engine's verifier, it fills the CRC into the final header (engine.h)
+                seal = self.config.checksum and _ENGINE_CRC
+                checksum = _C.crc32c(src + p.offset, p.nbytes) if self.config.checksum and not seal else 0
                 stages = []
                 if size > 0:  # an old header may read as valid: mark it incomplete first
                     stages.append([self._header_req(entry.header(p, complete=False), f, held, write=True)])
@@ -225,7 +234,10 @@ class TensorStore:
                 if payload:
                     stages.append(payload)
                 final = entry.header(p, complete=True, checksum=checksum, has_checksum=self.config.checksum)
-                stages.append([self._header_req(final, f, held, write=True)])
+                req = self._header_req(final, f, held, write=True)
+                if seal:
+                    req += (0, src + p.offset, p.nbytes, fmt.CHECKSUM_AT)
+                stages.append([req])
                 chains.setdefault(p.dir_index, []).append((p.nbytes, stages))
             for d, cs in chains.items():
                 handles.append(self._engines[d].submit([s for _, s in cs], True, sum(n for n, _ in cs)))
@@ -243,9 +255,9 @@ class TensorStore:
             entry, IOFuture("put", key, nbytes, handles, None, release, nbytes, self._retire), t
         )
 
-    def get(self, key: str, out: Optional[torch.Tensor] = None) -> IOFuture:
+    def get(self, key: str, out: Optional[torch.Tensor] = None, kind: str = "other") -> IOFuture:
         """Starts reading `key` into `out` (same dtype and numel as stored; None allocates an
-        aligned tensor of the stored shape). result() returns the tensor."""
+        aligned tensor of the stored shape). result() returns the tensor. kind: as for put."""
         self._check_open()
         with self._lock:
             if key not in self._index:
@@ -265,6 +277,7 @@ class TensorStore:
             )
         dtype = fmt.dtype_from_name(snap.dtype)
         numel = snap.nbytes // dtype.itemsize
+        self._count(kind, False, snap.nbytes)
         if out is None:
             out = aligned_empty(snap.shape, dtype, self.config.pin)
         elif not isinstance(out, torch.Tensor):
@@ -286,7 +299,9 @@ class TensorStore:
                 bounce = self._bounce.acquire(align_up(snap.nbytes))
                 dst = bounce.data_ptr()
             chains: dict[int, list] = {}
-            checks = []  # (part, header buffer, tail buffer or None, body bytes)
+            checks = []  # (part, header buffer, tail buffer or None, body bytes, engine CRC or None)
+            crcs: dict[int, int] = {}  # directory -> reads of its handle the engine checksums
+            verify = self.config.checksum and _ENGINE_CRC
             for p in snap.parts:
                 f = self._file(p, create=False)
                 need = H + align_up(p.nbytes)
@@ -302,20 +317,33 @@ class TensorStore:
                 held.append(hb)
                 reqs = [(False, f, hb.ptr, H, 0, H)]
                 tail, body = None, p.nbytes
+                # the engine's verifier thread checksums the payload as it lands (engine.h, the
+                # checksum Note): the thread that waits only compares, and checksums a tail
+                crc_bytes = 0
                 if direct:
                     body = p.nbytes // ALIGNMENT * ALIGNMENT
                     if body:
-                        reqs.append((False, f, dst + p.offset, body, H, body))
+                        crc_bytes = body if verify else 0
+                        reqs.append(
+                            (False, f, dst + p.offset, body, H, body) + ((crc_bytes,) if crc_bytes else ())
+                        )
                     if p.nbytes > body:
                         tail = self._headers.acquire()
                         held.append(tail)
                         reqs.append((False, f, tail.ptr, ALIGNMENT, H + body, ALIGNMENT))
                 elif p.nbytes:
                     n = align_up(p.nbytes)
-                    reqs.append((False, f, dst + p.offset, n, H, n))
-                checks.append((p, hb, tail, body))
+                    crc_bytes = p.nbytes if verify else 0
+                    reqs.append((False, f, dst + p.offset, n, H, n) + ((crc_bytes,) if crc_bytes else ()))
+                slot = None
+                if crc_bytes:  # (directory, index among its handle's CRCs, bytes covered)
+                    slot = (p.dir_index, crcs.get(p.dir_index, 0), crc_bytes)
+                    crcs[p.dir_index] = slot[1] + 1
+                checks.append((p, hb, tail, body, slot))
                 chains.setdefault(p.dir_index, []).append((p.nbytes, [reqs]))
+            by_dir = {}
             for d, cs in chains.items():
+                by_dir[d] = len(handles)
                 handles.append(self._engines[d].submit([s for _, s in cs], False, sum(n for n, _ in cs)))
         except BaseException:
             _drain(handles)
@@ -323,13 +351,21 @@ class TensorStore:
             raise
 
         def finish() -> None:
-            for p, hb, tail, body in checks:
+            for p, hb, tail, body, _ in checks:
                 fmt.check(fmt.unpack(memoryview(hb), p.path), snap.header(p), p.path)
                 if tail is not None:
                     ctypes.memmove(dst + p.offset + body, tail.ptr, p.nbytes - body)
-            for p, hb, _, _ in checks:
+            for p, hb, _, _, slot in checks:
                 h = fmt.unpack(memoryview(hb), p.path)
-                if h.has_checksum and _C.crc32c(dst + p.offset, p.nbytes) != h.checksum:
+                if not h.has_checksum:
+                    continue
+                crc, done = 0, 0
+                if slot is not None:  # computed by the engine: only the tail is left
+                    d, i, done = slot
+                    crc = handles[by_dir[d]].crcs[i]
+                if p.nbytes > done:
+                    crc = _C.crc32c(dst + p.offset + done, p.nbytes - done, crc)
+                if crc != h.checksum:
                     raise swap_error(
                         fmt.EBADMSG, f"reading key {key!r} (payload checksum mismatch)", p.path, H
                     )
@@ -506,6 +542,22 @@ class TensorStore:
             except FileNotFoundError:
                 pass
         return total
+
+    def tagged(self, kind: str):
+        """This store, its puts and gets counted as `kind` (bytes_by_kind): a TaggedStore."""
+        from .tagged import TaggedStore
+
+        return TaggedStore(self, kind)
+
+    def bytes_by_kind(self) -> dict[tuple[str, bool], int]:
+        """Payload bytes asked of put (True) and get (False) so far, per kind tag; counted at the
+        call, so a step's count includes its writes still in flight."""
+        with self._lock:
+            return dict(self._by_kind)
+
+    def _count(self, kind: str, write: bool, nbytes: int) -> None:
+        with self._lock:
+            self._by_kind[(kind, write)] = self._by_kind.get((kind, write), 0) + nbytes
 
     @property
     def stats(self) -> IOStats:

@@ -39,6 +39,7 @@ from .ranks import RankLink, rank_share
 from .schedule import build_schedule
 from .simulate import Costs, Sim
 from .simulate_pending import lazy_applies
+from .traffic import ByKind, by_key_kinds
 
 REPLAY_STEPS = 3  # the first steps fill the SSD queue and the moments; the last is steady
 
@@ -65,6 +66,8 @@ class StepEstimate:
     peak_activation_bytes: int = 0  # the saved activations on the device, as the replay counts them
     comm_s: float = 0.0  # over several ranks: the step's gathers and reductions at the bus bandwidth
     comm_bytes: int = 0  # the bytes through this rank's link for them
+    # of ssd_read_bytes / ssd_write_bytes, (kind, read, written) per kind (planner/traffic.py)
+    ssd_by_kind: ByKind = ()
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -228,6 +231,7 @@ def replay(
         peak_activation_bytes=sim.act.peak_bytes,
         comm_s=comm,
         comm_bytes=int(m["net"]),
+        ssd_by_kind=by_key_kinds(m["by_dir"], plan.separate_weights),
     )
     return est, m["by_key"]
 

@@ -64,13 +64,15 @@ def done_by(items: Iterable[When], t: float) -> bool:
 
 
 class _Tally:
-    """The bytes a server moved: per direction, and per key in both directions."""
+    """The bytes a server moved: per direction, per key in both directions, and per (key,
+    write?) (the step's bytes by kind, planner/traffic.py)."""
 
     def __init__(self) -> None:
         self.read_bytes = 0
         self.write_bytes = 0
         self.busy_s = 0.0
         self.by_key: dict[str, int] = {}
+        self.by_key_dir: dict[tuple[str, bool], int] = {}
 
     def _count(self, nbytes: int, write: bool, key: str) -> None:
         if write:
@@ -79,6 +81,7 @@ class _Tally:
             self.read_bytes += nbytes
         if key:
             self.by_key[key] = self.by_key.get(key, 0) + nbytes
+            self.by_key_dir[(key, write)] = self.by_key_dir.get((key, write), 0) + nbytes
 
 
 class _Req:

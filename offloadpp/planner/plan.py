@@ -184,10 +184,12 @@ class Plan:
     # budgets, for tests of the schedule; the runtime refuses it).
     budgets: Optional[Budgets] = None
     notes: tuple[str, ...] = field(default=(), compare=False)
-    # The I/O engine's block size and queue depth the planner picked from the measured grid
-    # (None: IOConfig's); the runtime uses them unless the config sets `io` explicitly.
+    # The I/O engine's block size, queue depth and threads per directory, decided by the resolve
+    # stage (planner/io_settings.py: the run's own offloadpp.io, else the hardware profile's;
+    # None: IOConfig's default). The runtime opens its store with them.
     io_block_size_bytes: Optional[int] = None
     io_queue_depth: Optional[int] = None
+    io_num_threads: Optional[int] = None
     # Each profiled swap directory's share of a striped tensor, by its measured rate (the
     # hardware profile's stripe_weights); () stripes evenly. The runtime matches its directories.
     ssd_stripe: tuple[tuple[str, float], ...] = ()

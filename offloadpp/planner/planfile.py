@@ -98,7 +98,9 @@ def plan_from_dict(d: Mapping[str, Any]) -> tuple[Plan, Optional[StepEstimate]]:
     plan = Plan(units=units, placements=placements, notes=tuple(d.get("notes", ())), budgets=budgets, **kw)
     est = None
     if d.get("estimate") is not None:
-        est = StepEstimate(**d["estimate"])
+        e = dict(d["estimate"])
+        e["ssd_by_kind"] = tuple(tuple(x) for x in e.get("ssd_by_kind", ()))  # JSON lists
+        est = StepEstimate(**e)
     return plan, est
 
 

@@ -47,6 +47,7 @@ from .activations import act_units
 from .cost import StepEstimate, estimate
 from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, plan_shape, streaming_plan
 from .hardware import HardwareProfile, ProfileError, default_profile_path
+from .io_settings import with_io
 from .model_profile import ModelProfile, ModelProfileError, analytic_profile
 from .peaks import peak_bytes
 from .plan import SSD_SPACE_MARGIN, SSD_SPACE_MARGIN_BYTES, Plan, PlanError, UnitSpec, fmt_bytes, shard_units
@@ -161,12 +162,14 @@ def resolve(
     hardware: Optional[HardwareProfile] = None,
     model: Optional[ModelProfile] = None,
     saved: Optional[tuple[Plan, Optional[StepEstimate]]] = None,
+    io_set: Optional[Mapping[str, int]] = None,
 ) -> Resolved:
     """Budgets and the Plan for `units` (the model's, in forward order) under `settings`.
 
     hardware / model: the profiles; plan "auto" needs both, other plans get an estimate when
     both are given. With a model profile the saved activations count in the device budget (see
-    the module Note). saved: the plan file `settings.plan` names, already read (load_saved_plan).
+    the module Note). io_set: the I/O settings the run fixes itself (IOConfig's block_size_bytes,
+    queue_depth, num_threads): the plan carries them, else the profile's (io_settings.py). saved: the plan file `settings.plan` names, already read (load_saved_plan).
     Raises PlanError naming the budget, the unit and the bytes when nothing fits (an
     InfeasibleError with the largest micro-batch that fits where the activations do not)."""
     if machine.ranks > 1 and settings.deferred_update and settings.speculate != "off":
@@ -203,6 +206,7 @@ def resolve(
     if speculative.speculative != plan.speculative:
         est = None  # estimated as it was made: estimated again below, as it runs
     plan = replace(speculative, notes=speculative.notes + settings_notes(settings, speculative))
+    plan = with_io(plan, hardware, io_set or {})
     if hardware is not None and not plan.ssd_stripe:
         plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
     deferred_est = None

@@ -244,9 +244,6 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
              f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound)",)  # fmt: skip
     best_plan = replace(best.plan, notes=notes)
-    io = io_choice(hardware)
-    if io is not None:
-        best_plan = replace(best_plan, io_block_size_bytes=io.block_size_bytes, io_queue_depth=io.queue_depth)
     if counted:
         best_plan = replace(best_plan, activations=tuple(p for _, p in best.activations))
     best = replace(best, plan=best_plan)

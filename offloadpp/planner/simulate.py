@@ -329,7 +329,8 @@ class Sim:
             m = {"start": self.t, "ssd_r0": self.ssd.read_bytes, "ssd_w0": self.ssd.write_bytes,
                  "h2d0": self.h2d.read_bytes, "d2h0": self.d2h.read_bytes, "adam0": self.adam_busy_s,
                  "net0": self.net.read_bytes if self.net is not None else 0,
-                 "pool_wait0": self.pool_wait_s, "by_key0": dict(self.ssd.by_key)}  # fmt: skip
+                 "pool_wait0": self.pool_wait_s, "by_key0": dict(self.ssd.by_key),
+                 "by_dir0": dict(self.ssd.by_key_dir)}  # fmt: skip
             for micro in range(self.micro_batches):
                 first, boundary = micro == 0, micro == self.micro_batches - 1
                 yield from self.begin_micro(first, boundary)
@@ -379,7 +380,8 @@ class Sim:
                      h2d=self.h2d.read_bytes - m["h2d0"], d2h=self.d2h.read_bytes - m["d2h0"],
                      net=(self.net.read_bytes if self.net is not None else 0) - m["net0"],
                      adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"],
-                     by_key={k: v - m["by_key0"].get(k, 0) for k, v in self.ssd.by_key.items()})  # fmt: skip
+                     by_key={k: v - m["by_key0"].get(k, 0) for k, v in self.ssd.by_key.items()},
+                     by_dir={k: v - m["by_dir0"].get(k, 0) for k, v in self.ssd.by_key_dir.items()})  # fmt: skip
             self.marks.append(m)
         self.closed = True
 

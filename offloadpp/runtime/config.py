@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from offloadpp.io import IOConfig
 from offloadpp.planner import Settings, fmt_bytes
+from offloadpp.planner.io_settings import io_set_of
+from offloadpp.planner.traffic import ByKind
 
 
 class RuntimeConfig(BaseModel):
@@ -41,6 +43,11 @@ class RuntimeConfig(BaseModel):
     ssd_write_gbps: Optional[float] = Field(None, gt=0.0)
     log_every: int = Field(1, ge=0)
     keep_swap: bool = False
+
+    def io_set(self) -> dict[str, int]:
+        """The I/O settings this config fixes itself (set on its IOConfig, not left to their
+        defaults), for the resolve stage, which lets them win over the hardware profile's."""
+        return io_set_of(self.io)
 
     @field_validator("nvme_paths")
     @classmethod
@@ -134,6 +141,11 @@ class StepReport:
     redone_units: int = 0  # of them, forgotten and updated again with the clipped gradients
     optimizer_exposed_s: float = 0.0  # the optimizer's time after the step's last backward
     mode_switches: int = 0  # switches between speculative and deferred updates so far
+    # ssd_read_bytes / ssd_write_bytes by kind, (kind, read, written) per kind in
+    # planner.traffic.KINDS' order, counted at the I/O calls by their kind tag; and the cost
+    # model's figure for the same plan (its estimate's; () without one)
+    ssd_by_kind: ByKind = ()
+    predicted_ssd_by_kind: ByKind = ()
 
     def budget(self, name: str) -> BudgetUse:
         for b in self.budgets:

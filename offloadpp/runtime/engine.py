@@ -32,7 +32,7 @@ from torch.autograd.profiler import record_function
 
 from offloadpp.io import SwapDirLock, TensorStore, aligned_empty, measure_ssd, remove_swap_files
 from offloadpp.optim import AdamHyper, default_num_threads
-from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes, walk_peaks
+from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes, io_settings, walk_peaks
 from offloadpp.planner.cost import StepEstimate
 from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
@@ -160,13 +160,9 @@ class OffloadEngine(StepTransaction, StepAccounting):
         close_at_exit(self)
 
     def _io_config(self):
-        """The config's I/O settings, or the plan's where the config left `io` at its defaults."""
-        c, p = self.config, self.plan
-        if "io" in c.model_fields_set or p.io_block_size_bytes is None:
-            return c.io
-        return c.io.model_copy(
-            update={"block_size_bytes": p.io_block_size_bytes, "queue_depth": p.io_queue_depth}
-        )
+        """The config's I/O engine with the plan's block size, queue depth and threads (the
+        resolve stage decided them: planner/io_settings.py)."""
+        return io_settings.applied(self.config.io, self.plan)
 
     def _setup(self, model, layouts, init_fn, meta: bool, progress: bool) -> None:
         c, s, dev, budgets = self.config, self.settings, self.device, self.plan.budgets
@@ -245,7 +241,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
             [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],
             s.activations.model_copy(update={"budget_bytes": budgets.activation_bytes}),
-            store=self.store,
+            store=self.store.tagged("activations"),
             device=dev.torch_device,
             policies=self.plan.activations or ("keep",) * len(self.units),  # (): the plan keeps them all
             model=model,

@@ -167,7 +167,7 @@ def _work(job: _Job, store) -> _Done:
     if not job.defer_writes:
         with record_function("offloadpp::write_state"):
             futs = [
-                (slot, store.put(slot.key_of(g), buf), g)
+                (slot, slot.store.put(slot.key_of(g), buf), g)  # its kind tag (slots.tagged)
                 for slot, buf, g in job.writes
                 if not _late(job, slot)
             ]

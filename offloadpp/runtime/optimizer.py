@@ -536,7 +536,7 @@ class OptimizerPipeline(PendingUpdates):
         queued.sort(key=lambda w: flush_rank(w[0].name))  # weights first (schedule.flush_rank)
         with record_function("offloadpp::write_state"):
             for slot, buf, g in queued:
-                slot.wrote(self.store.put(slot.key_of(g), buf), g)
+                slot.wrote(slot.store.put(slot.key_of(g), buf), g)  # its kind tag (slots.tagged)
                 slot.release(Hold.WRITE)
 
     def drop_uncommitted_writes(self) -> None:

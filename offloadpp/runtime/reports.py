@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from offloadpp.planner.traffic import KINDS, tally
+
 from .config import BudgetUse, StepReport
 from .speculation import Outcome
 
@@ -21,6 +23,7 @@ class StepAccounting:
         self._step_t0: Optional[float] = None
         self._fwd_s = self._bwd_s = self._opt_s = 0.0
         self._io0 = self.store.stats
+        self._kinds0 = self.store.bytes_by_kind()
         self._wait0 = self._waits()
         self._adam0 = self.optimizer.adam_s
         self._misses0 = self.executor.misses
@@ -36,6 +39,8 @@ class StepAccounting:
 
     def _report(self, outcome: Optional[Outcome], scale, exposed: float) -> StepReport:
         io = self.store.stats - self._io0
+        kinds = self.store.bytes_by_kind()
+        by_kind = tally((k, w, n - self._kinds0.get((k, w), 0)) for (k, w), n in kinds.items() if k in KINDS)
         wait = self._waits() - self._wait0
         compute = max(0.0, self._fwd_s + self._bwd_s - wait)
         adam = self.optimizer.adam_s - self._adam0
@@ -76,6 +81,8 @@ class StepAccounting:
             comm_bytes=comm_bytes,
             comm_s=comm_s,
             comm_floor_s=comm_floor,
+            ssd_by_kind=by_kind,
+            predicted_ssd_by_kind=self.predicted.ssd_by_kind if self.predicted is not None else (),
         )
         self._reset_step_counters()
         return report

@@ -30,7 +30,7 @@ from .device import CudaEventWaitable, Device
 from .distributed import DataParallel
 from .memory import BufferPool
 from .partition import UnitLayout
-from .slots import Hold, Slot, Txn
+from .slots import Hold, Slot, Txn, tagged
 from .state import fill_unit
 from .unit import Unit
 
@@ -176,7 +176,7 @@ class ShardedUnit(Unit):
         def slot(array: str, numel: int, dtype: torch.dtype, transactional: bool = True) -> Slot:
             home = homes[array]
             resident = home is Tier.HOST or home is Tier.DEVICE
-            return Slot(f"{self.name}.{array}", numel, dtype, host_pool, store, resident=resident,
+            return Slot(f"{self.name}.{array}", numel, dtype, host_pool, tagged(store, array, plan), resident=resident,
                         stored=home is Tier.SSD, txn=txn if transactional else None)  # fmt: skip
 
         # Every shard is host memory; the device holds the gathered weights (device_pool on the

@@ -33,6 +33,8 @@ from typing import Callable, Optional
 import torch
 from torch.autograd.profiler import record_function
 
+from offloadpp.planner.traffic import array_kind
+
 from .memory import BufferPool, Waitable
 
 
@@ -88,6 +90,12 @@ class _ReadAfterWrite:
 
     def wait(self) -> object:
         return self._f.result().wait()
+
+
+def tagged(store, array: str, plan):
+    """The store as `array`'s slots use it: its puts and gets counted as the array's kind
+    (planner/traffic.py), so a step's bytes by kind are counted at the I/O calls."""
+    return store.tagged(array_kind(array, plan.separate_weights)) if store is not None else None
 
 
 class Txn:

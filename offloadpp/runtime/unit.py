@@ -18,7 +18,7 @@ from offloadpp.planner import Placement, Plan, Tier, flat_numel
 from .device import CpuWeights, CudaWeights, Device
 from .memory import BufferPool
 from .partition import ParamSlot, UnitLayout
-from .slots import Hold, Slot, Txn
+from .slots import Hold, Slot, Txn, tagged
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,7 +66,7 @@ class Unit:
                 n,
                 dtype,
                 pool,
-                store,
+                tagged(store, array, plan),
                 resident=resident,
                 stored=home is Tier.SSD,
                 txn=t,

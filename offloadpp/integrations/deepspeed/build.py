@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from offloadpp.integrations.deepspeed.config import (
     OffloadppBlock,
     OffloadppConfigError,
+    aio_not_applied,
     validate_settings,
     validation_error,
 )
@@ -362,5 +363,8 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, optimizer=None,
     except BaseException:
         runtime.close()
         raise
+    not_applied = aio_not_applied(ds_dict, runtime.store.config)
+    if not_applied is not None:
+        logger.info("offloadpp: %s", not_applied)
     logger.info("offloadpp: engine ready on %s\n%s", engine.device, runtime.plan.describe())
     return engine, opt, loader, scheduler

@@ -12,9 +12,10 @@ What DeepSpeed itself defines stays DeepSpeed's (parsed by its own DeepSpeedConf
 keep their meaning) and fills the matching settings: `fp16`/`bf16` -> compute_dtype and
 loss_scaling, `gradient_accumulation_steps`, `gradient_clipping`, `train_micro_batch_size_per_gpu`
 -> micro_batch, `zero_optimization.offload_param/offload_optimizer` device "nvme" ->
-offload_params/offload_optimizer, their `nvme_path`s -> nvme_paths, the `aio` block ->
-io.block_size_bytes, io.queue_depth, io.num_threads. Setting one of those in the block is
-refused with the DeepSpeed key to use instead.
+offload_params/offload_optimizer, their `nvme_path`s -> nvme_paths. Setting one of those in the
+block is refused with the DeepSpeed key to use instead. DeepSpeed's `aio` block is not applied:
+it is tuned for ZeRO-Infinity's swapper, and the I/O settings come from the hardware profile
+unless `offloadpp.io` sets them (planner/io_settings.py); aio_not_applied is the log line.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ DS_OWNED = {
 }
 # Keys of the block that are not Settings: the switch, and what only the runtime needs.
 RUNTIME_KEYS = ("enabled", "nvme_paths", "io", "ssd_read_gbps", "ssd_write_gbps", "keep_swap")
-# io keys the `aio` block fills when the block leaves them "auto": ours <- DeepSpeed's.
+# DeepSpeed's `aio` keys that name our io settings (ours <- theirs): reported as not applied.
 AIO_KEYS = {
     "block_size_bytes": "block_size",
     "queue_depth": "queue_depth",
@@ -99,7 +100,7 @@ class OffloadppBlock:
 
     enabled: bool = False
     nvme_paths: Optional[tuple[str, ...]] = None
-    io: IOConfig = IOConfig()  # the block's io keys over the aio block's over IOConfig's defaults
+    io: IOConfig = IOConfig()  # the block's io keys; those it sets are its model_fields_set
     settings: dict = field(default_factory=dict)  # Settings keys the block sets (JSON values)
     ssd_read_gbps: Optional[float] = None
     ssd_write_gbps: Optional[float] = None
@@ -324,8 +325,8 @@ def validate_io(values: dict, where: str = "offloadpp.io.") -> IOConfig:
 
 
 def parse_block(ds_config: dict) -> OffloadppBlock:
-    """Validate the `offloadpp` block, filling what it leaves "auto" from the ZeRO-Infinity
-    settings beside it (nvme paths, the aio block)."""
+    """Validate the `offloadpp` block, filling the nvme paths it leaves "auto" from the
+    ZeRO-Infinity settings beside it (never the aio block: aio_not_applied)."""
     raw = ds_config.get("offloadpp", {})
     _check_block_object(raw)
     for key in raw:
@@ -360,12 +361,7 @@ def parse_block(ds_config: dict) -> OffloadppBlock:
             "offload_optimizer.nvme_path as for ZeRO-Infinity"
         )
 
-    io = clean.pop("io", {})
-    aio = ds_config.get("aio") or {}
-    for ours, theirs in AIO_KEYS.items():
-        if ours not in io and isinstance(aio, dict) and theirs in aio:
-            io[ours] = aio[theirs]
-    io_config = validate_io(io)
+    io_config = validate_io(clean.pop("io", {}))
     keep_swap = clean.pop("keep_swap", False)
     if not isinstance(keep_swap, bool):
         raise OffloadppConfigError(f"offloadpp.keep_swap: expected true or false, got {keep_swap!r}")
@@ -381,4 +377,21 @@ def parse_block(ds_config: dict) -> OffloadppBlock:
         settings=clean,
         keep_swap=keep_swap,
         **{k: float(v) for k, v in rates.items()},
+    )
+
+
+def aio_not_applied(ds_config: dict, io: IOConfig) -> Optional[str]:
+    """The one log line saying that a DeepSpeed `aio` block's settings are not applied, with the
+    ones the store runs (`io`), or None when the config has none of those keys."""
+    aio = ds_config.get("aio")
+    if not isinstance(aio, dict):
+        return None
+    given = [f"{theirs}={aio[theirs]}" for theirs in AIO_KEYS.values() if theirs in aio]
+    if not given:
+        return None
+    return (
+        f"DeepSpeed's aio block ({', '.join(given)}) is not applied: it is tuned for ZeRO-Infinity's swapper. "
+        f"offloadpp's I/O runs with block {io.block_size_bytes >> 10} KiB, queue depth {io.queue_depth}, "
+        f"{io.num_threads} thread(s) per directory (the hardware profile's, else the defaults; "
+        "offloadpp.io.block_size_bytes / queue_depth / num_threads choose them)"
     )

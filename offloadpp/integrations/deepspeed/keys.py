@@ -44,6 +44,8 @@ def _r(note: str, *allowed: Any) -> Key:
 _ONE = "offloadpp issues its own collectives (a gather per fetched unit, a reduce-scatter per unit and step: docs/distributed.md)"
 _BUF = "ZeRO-3's buffer/bucket sizing; offloadpp sizes its buffers from the plan's budgets"
 _OFF = "only read when the feature above is on"
+_AIO = ("not applied (logged): tuned for ZeRO-Infinity's swapper; offloadpp's I/O settings come from the "
+        "hardware profile, else its defaults; ")  # fmt: skip
 _REMOVED = "DeepSpeed 0.19.8 itself refuses this removed feature"
 _MONITOR = "offloadpp does not write DeepSpeed's monitor events; log with Trainer's report_to, or from engine.last_report"
 _SEE_BLOCK = "offloadpp's own setting replaces it: see the offloadpp block"
@@ -213,9 +215,9 @@ KEYS: dict[str, Key] = {
     "zero_optimization.zenflow.*": _i(_OFF),
     # ---- I/O and checkpoints --------------------------------------------------------------------
     "aio": _h("the block"),
-    "aio.block_size": _h("offloadpp.io.block_size_bytes, unless the block sets it"),
-    "aio.queue_depth": _h("offloadpp.io.queue_depth, unless the block sets it"),
-    "aio.intra_op_parallelism": _h("offloadpp.io.num_threads, unless the block sets it"),
+    "aio.block_size": _i(_AIO + "offloadpp.io.block_size_bytes sets ours"),
+    "aio.queue_depth": _i(_AIO + "offloadpp.io.queue_depth sets ours"),
+    "aio.intra_op_parallelism": _i(_AIO + "offloadpp.io.num_threads sets ours"),
     "aio.single_submit": _i("offloadpp's I/O engine submits in batches"),
     "aio.overlap_events": _i("offloadpp's I/O engine always overlaps submission and completion"),
     "aio.use_gds": _r(

@@ -1,0 +1,82 @@
+"""A step's SSD bytes by kind (planner/traffic.py): one definition, counted by the runtime at its
+I/O calls by their kind tag and by the cost model's replay by its keys, and the two agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cost import hw, model, stream
+
+from offloadpp.io import TensorStore
+from offloadpp.planner import traffic
+from offloadpp.planner.cost import estimate
+
+
+def test_the_kinds_of_a_units_arrays():
+    # fp32: the master is the compute copy, its bytes the weights'; 16-bit: it is optimizer state
+    assert traffic.array_kind("master", separate_weights=False) == "weights"
+    assert traffic.array_kind("master", separate_weights=True) == "optimizer_state"
+    assert traffic.array_kind("weights", True) == "weights"
+    assert {traffic.array_kind(a, False) for a in ("exp_avg", "exp_avg_sq")} == {"optimizer_state"}
+    assert traffic.array_kind("grads", False) == "gradients"
+    assert traffic.key_kind("act.h.3", False) == "activations"
+    assert traffic.key_kind("transformer.h.0.exp_avg", False) == "optimizer_state"
+    with pytest.raises(ValueError):
+        traffic.array_kind("bias", False)
+    with pytest.raises(ValueError, match="other"):
+        traffic.tally([("other", True, 1)])
+    t = traffic.tally([("weights", False, 5), ("weights", True, 2), ("gradients", True, 3)])
+    assert t == (("weights", 5, 2), ("gradients", 0, 3), ("optimizer_state", 0, 0), ("activations", 0, 0))
+    assert traffic.median([t, t, traffic.tally([])])[0] == ("weights", 5, 2)
+    assert "| total | 5 B | 5 B |" in traffic.table(t)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_estimate_splits_its_bytes_by_kind(dtype):
+    m = model()
+    plan = stream(m, compute_dtype=dtype, deferred_update=True)  # gradients go to SSD and back
+    est = estimate(plan, hw(device_flops_per_s={dtype: 100e9}), m)
+    by = {k: (r, w) for k, r, w in est.ssd_by_kind}
+    assert sum(r for r, _ in by.values()) == est.ssd_read_bytes
+    assert sum(w for _, w in by.values()) == est.ssd_write_bytes
+    assert by["gradients"][0] > 0 and by["gradients"][1] > 0 and by["optimizer_state"][1] > 0
+    assert by["weights"][1] > 0  # fp32: the master; bf16: the compute copy
+
+
+def test_a_tagged_store_counts_its_kind(tmp_path):
+    with TensorStore(str(tmp_path)) as s:
+        t = torch.ones(1000)
+        s.tagged("gradients").put("g", t).wait()
+        s.tagged("weights").get("g").wait()
+        s.get("g").wait()  # untagged: "other"
+        assert s.bytes_by_kind() == {
+            ("gradients", True): 4000,
+            ("weights", False): 4000,
+            ("other", False): 4000,
+        }
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip):
+    transformers = pytest.importorskip("transformers")
+    from test_runtime import batches, streaming_config, tiny_gpt2
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.bench.harness import modelled_ssd_by_kind
+
+    transformers.logging.set_verbosity_error()
+    m = tiny_gpt2()
+    eng = assemble_engine(m, streaming_config(tmp_path, gradient_clipping=clip))
+    try:
+        reports = []
+        for x in batches(4):
+            eng.backward(eng(input_ids=x, labels=x).loss)
+            reports.append(eng.step())
+        modelled, _ = modelled_ssd_by_kind(eng, m.config.to_dict())
+        for r in reports[2:]:  # steady steps (the first reads the initial weights; with clipping the
+            # second applies the first's update at its visits, with the state still in memory)
+            assert r.ssd_by_kind == modelled
+            assert sum(x for _, x, _ in r.ssd_by_kind) == r.ssd_read_bytes  # reads finish within their step
+        assert dict((k, w) for k, _, w in modelled)["weights"] > 0  # the fp32 master, written each step
+    finally:
+        eng.close()
