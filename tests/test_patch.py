@@ -55,7 +55,7 @@ def test_the_hf_save_calls_are_routed_and_restored():
     import transformers
 
     targets = [(accelerate.Accelerator, "save_model"), (accelerate.Accelerator, "get_state_dict"),
-               (transformers.Trainer, "save_model")]  # fmt: skip
+               (transformers.Trainer, "save_model"), (transformers.Trainer, "_move_model_to_device")]  # fmt: skip
     before = [cls.__dict__[name] for cls, name in targets]
     offloadpp.patch_deepspeed()
     try:
@@ -63,3 +63,32 @@ def test_the_hf_save_calls_are_routed_and_restored():
     finally:
         offloadpp.unpatch_deepspeed()
     assert [cls.__dict__[name] for cls, name in targets] == before
+
+
+def test_a_trainer_around_an_engines_module_leaves_its_placeholders_alone(tmp_path):
+    """A Trainer built without a DeepSpeed config moves its model to args.device ('cpu:0' on the
+    CPU), and .to() copied every stride-0 placeholder into a whole tensor: the model's weights
+    made whole in memory. With the patch the engine's placeholders stay as they are."""
+    transformers = pytest.importorskip("transformers")
+    from offloadpp.integrations.deepspeed.patch_save import holds_placeholders
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=96, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg)
+    (tmp_path / "nvme").mkdir()
+    ds = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")},
+                                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}},
+          "offloadpp": {"enabled": True}}  # fmt: skip
+    engine, *_ = offloadpp.initialize(model=model, config=ds)
+    try:
+        assert holds_placeholders(engine.module)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "t"), report_to=[], use_cpu=True)
+        offloadpp.patch_deepspeed()
+        try:
+            transformers.Trainer(model=engine.module, args=args)
+        finally:
+            offloadpp.unpatch_deepspeed()
+        assert holds_placeholders(engine.module)
+        assert all(not any(p.stride()) for p in engine.module.parameters() if p.numel() > 1)
+    finally:
+        engine.close()

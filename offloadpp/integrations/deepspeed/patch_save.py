@@ -13,6 +13,12 @@ would be killed there. With the patch, on an offloadpp engine:
   refuses naming the streaming calls (whatever the config's ZeRO stage: Accelerate would call
   the model's own state_dict for a stage other than 3, the same whole dict).
 
+- Trainer._move_model_to_device leaves a module whose weights an offloadpp engine holds where it
+  is. A Trainer built without a DeepSpeed config moves its model to `args.device`, which on the
+  CPU is `cpu:0`, a device torch counts as different from the placeholders' `cpu`: `.to()` then
+  copies every placeholder (a stride-0 view of one NaN) into a whole tensor, the model's full
+  weights in memory (8.7 GiB at GPT-2 2.3B). The engine places the weights; nothing else may.
+
 Every other model goes to the original methods.
 """
 
@@ -54,6 +60,22 @@ def _trainer_save_model(original: Callable) -> Callable:
     return save_model
 
 
+def holds_placeholders(model) -> bool:
+    """Whether some parameter of `model` is an engine's placeholder (runtime/device.py: a stride-0
+    view of one value; no trained parameter has that shape of storage)."""
+    return any(p.numel() > 1 and not any(p.stride()) for p in model.parameters())
+
+
+def _trainer_move_model_to_device(original: Callable) -> Callable:
+    def _move_model_to_device(self, model, device):
+        if holds_placeholders(model):
+            return None  # (see the module's note: the move would materialize every weight)
+        return original(self, model, device)
+
+    _move_model_to_device.__offloadpp__ = True
+    return _move_model_to_device
+
+
 def _accelerator_save_model(original: Callable) -> Callable:
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
         engine = _offloadpp_engine(model)
@@ -84,7 +106,7 @@ def _accelerator_get_state_dict(original: Callable) -> Callable:
 
 
 def patch(saved: dict) -> None:
-    """Replaces the three methods, keeping the originals in `saved` (patch.py's)."""
+    """Replaces the four methods, keeping the originals in `saved` (patch.py's)."""
     try:
         import accelerate
 
@@ -96,6 +118,7 @@ def patch(saved: dict) -> None:
         import transformers
 
         targets.append((transformers.Trainer, "save_model", _trainer_save_model))
+        targets.append((transformers.Trainer, "_move_model_to_device", _trainer_move_model_to_device))
     except ImportError:
         pass
     for cls, name, make in targets:
