@@ -32,7 +32,7 @@ def export_phase(engine, args, work: str, batch, phase_peak) -> dict:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    import offloadpp
+    from offloadpp.integrations.deepspeed import patch_deepspeed
 
     rt = engine.runtime
     rd, wr = rt.ssd_read_gbps * 1e9, rt.ssd_write_gbps * 1e9
@@ -61,7 +61,7 @@ def export_phase(engine, args, work: str, batch, phase_peak) -> dict:
             "offloadpp bench: too little free disk for the page-cache side-by-side: skipped", file=sys.stderr
         )
 
-    offloadpp.patch_deepspeed()
+    patch_deepspeed()
     d = os.path.join(work, "trainer_save_model")
     targs = TrainingArguments(output_dir=d, report_to=[], use_cpu=True, disable_tqdm=True)
     trainer = Trainer(model=engine.module, args=targs)

@@ -98,6 +98,7 @@ def dp_unit(unit_cls, sim, spec, placement, plan: Plan):
     u.bound = False
     u.phase = "idle"
     u.can_speculate = u.speculated = False  # several ranks never speculate (planner/resolve.py)
+    u.pending = False  # (several ranks never defer to the next visit: simulate_pending.lazy_applies)
     return u
 
 
