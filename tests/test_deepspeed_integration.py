@@ -303,3 +303,27 @@ def test_checkpoint_with_frozen_parameters(tmp_path):
     got = resumed.module.state_dict()
     assert all(torch.equal(got[k], saved[k]) for k in saved)
     resumed.close()
+
+
+def test_a_port_taken_between_probe_and_bind_is_probed_again():
+    """A plain-python process starts its process group of one on a port it probed free; on a busy
+    machine another process can take it before the store binds: the start probes again."""
+    import subprocess
+    import sys
+
+    code = """
+import socket, os
+import offloadpp.integrations.deepspeed.build as build
+taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen(1)
+ports = iter([taken.getsockname()[1]])
+real = build._free_port
+build._free_port = lambda: next(ports, None) or real()
+assert build.ensure_process_group(None, None) == 1
+assert int(os.environ["MASTER_PORT"]) != taken.getsockname()[1]
+print("started on a fresh port")
+"""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
+    }
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "started on a fresh port" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

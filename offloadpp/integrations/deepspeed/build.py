@@ -206,6 +206,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PORT_TRIES = 5
+
+
 def ensure_process_group(dist_init_required: Optional[bool], distributed_port: Optional[int]) -> int:
     """What DeepSpeedEngine does at start: a torch.distributed process group through
     deepspeed.init_distributed (Trainer and Accelerate gather through it). Under a launcher
@@ -215,8 +218,10 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
     import torch.distributed as tdist
 
     if dist_init_required is not False and not tdist.is_initialized():
+        own_port = False
         if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
             single = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            own_port = distributed_port is None and "MASTER_PORT" not in os.environ
             single["MASTER_PORT"] = str(distributed_port or _free_port())
             for k, v in single.items():
                 os.environ.setdefault(k, v)
@@ -235,10 +240,19 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
             from deepspeed.constants import default_pg_timeout
 
             start_process_group(backend, env, default_pg_timeout)
-        with _without_shm_comm():
-            deepspeed.init_distributed(
-                dist_backend=backend, dist_init_required=dist_init_required, verbose=False
-            )
+        for attempt in range(_PORT_TRIES):
+            try:
+                with _without_shm_comm():
+                    deepspeed.init_distributed(
+                        dist_backend=backend, dist_init_required=dist_init_required, verbose=False
+                    )
+                break
+            except tdist.DistNetworkError as e:
+                # A port this process chose for itself was free when probed and taken before the
+                # store bound it (a busy machine): another free port, never one a launcher gave.
+                if not own_port or "EADDRINUSE" not in str(e) or attempt == _PORT_TRIES - 1:
+                    raise
+                os.environ["MASTER_PORT"] = str(_free_port())
     elif tdist.is_initialized():
         import deepspeed
         import deepspeed.comm

@@ -331,13 +331,27 @@ class OffloadppEngine(DeepSpeedEngine):
         """A crash-consistent checkpoint (checkpoint.py). Its arrays are whole units, so frozen
         parameters are in it even with exclude_frozen_parameters (they do not change in training;
         loading restores them)."""
-        self._finish_micro()
         tag = tag or f"global_step{self.global_steps}"
-        t0 = time.perf_counter()
-        save_engine_checkpoint(self, save_dir, str(tag), client_state or {}, save_latest)
-        logger.info("offloadpp: saved checkpoint %s in %.1fs", os.path.join(save_dir, str(tag)),
-                    time.perf_counter() - t0)  # fmt: skip
-        return True
+        stage = "before"
+        try:
+            self._finish_micro()
+            t0 = time.perf_counter()
+            stage = "saving"  # (an interrupt in there is told by checkpoint.py, with what it left)
+            save_engine_checkpoint(self, save_dir, str(tag), client_state or {}, save_latest)
+            stage = "saved"
+            logger.info("offloadpp: saved checkpoint %s in %.1fs", os.path.join(save_dir, str(tag)),
+                        time.perf_counter() - t0)  # fmt: skip
+            return True
+        except KeyboardInterrupt:
+            # A Ctrl-C just before or just after the save must say as clearly as one inside it
+            # which checkpoint is the newest whole one.
+            if stage == "saved":
+                logger.warning("offloadpp: interrupted (KeyboardInterrupt) after checkpoint %r was saved "
+                               "whole: it loads as it is", str(tag))  # fmt: skip
+            elif stage == "before":
+                logger.warning("offloadpp: interrupted (KeyboardInterrupt) before checkpoint %r was begun: "
+                               "the checkpoints in %r are as they were", str(tag), save_dir)  # fmt: skip
+            raise
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
