@@ -154,3 +154,29 @@ def test_accumulation_with_pending_updates_trains_like_adamw(tmp_path):
         assert compare(eng.module.state_dict(), ref.state_dict(), 4) < 1e-5
     finally:
         eng.close()
+
+
+def test_a_pending_update_interrupted_before_its_job_is_said_not_waited_for(tmp_path):
+    """A KeyboardInterrupt between counting a pending update in flight and handing its job to
+    the worker left a name in flight with no job: close() at exit then spun forever (a Ctrl-C
+    test's child hung the suite). It is now an error naming the unit."""
+    import threading
+
+    ref = tiny_gpt2()
+    eng = _engine(tmp_path, ref)
+    x = batches(1)[0]
+    eng.backward(eng(input_ids=x, labels=x).loss)
+    eng.step()
+    opt = eng.optimizer
+    opt.complete_pending()
+    unit = eng.units[0]
+    opt._lazy_inflight.add(unit.name)  # what the interrupted _submit_pending left
+    raised: list = []
+    t = threading.Thread(
+        target=lambda: raised.append(pytest.raises(RuntimeError, opt.complete_pending)), daemon=True
+    )
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "complete_pending spun with nothing in flight"
+    assert raised and unit.name in str(raised[0].value) and "interrupted" in str(raised[0].value)
+    eng.close()

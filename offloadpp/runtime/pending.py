@@ -134,11 +134,23 @@ class PendingUpdates:
         if u.pending is not None:
             self.apply_pending((u.name,))
         while u.name in self._lazy_inflight:
-            self.reap_one()
+            self._reap_pending()
 
     def complete_pending(self) -> None:
         """Every pending update applied and done (see the module Note for who calls it)."""
         if self.pending:
             self.apply_pending([u.name for u in self.lazy_order])
         while self._lazy_inflight:
-            self.reap_one()
+            self._reap_pending()
+
+    def _reap_pending(self) -> None:
+        """One in-flight job completed. A pending update counted in flight with no job left to
+        wait for was interrupted between the two (a KeyboardInterrupt): waiting would spin
+        forever (close() at exit did), so it is said instead; the state on SSD is still the
+        last committed step's (the updates write the committed generation only when done)."""
+        if not self.reap_one():
+            lost, self._lazy_inflight = sorted(self._lazy_inflight), set()
+            raise RuntimeError(
+                f"offloadpp: the pending updates of {', '.join(lost)} were interrupted before they "
+                "reached the optimizer's worker: those units miss the last step's update (resume from a checkpoint)"
+            )
