@@ -126,8 +126,15 @@ def test_init_train_close_cycles_leave_the_process_and_the_folders_as_they_were(
     no descriptor is left open, no swap file on disk, nothing new in /dev/shm (the run sets
     LOCAL_SIZE as the deepspeed launcher does), threads and RSS as after the first cycle."""
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "init_close_cycles.py")
+    # (a fresh plain-python process: not the launch variables this suite's own process group set,
+    # whose port that group's store still holds)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     r = subprocess.run([sys.executable, script, "--cycles", "4", "--dir", str(tmp_path / "nvme"),
-                        "--rss-tolerance", "0.04"], capture_output=True, text=True, timeout=600)  # fmt: skip
+                        "--rss-tolerance", "0.04"], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert r.returncode == 0 and "cycles: ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
