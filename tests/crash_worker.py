@@ -146,6 +146,18 @@ def resume(root: str, nvme: str, clip: float):
         engine.close()
 
 
+def _own_tqdm_lock() -> None:
+    """A forked child's progress bars take a lock of its own. tqdm's default lock includes a
+    multiprocessing semaphore, shared with every process forked from the zygote: a child killed
+    by -9 while it held it (a progress bar's update) left it taken, and the next child waited
+    on it forever at its first progress bar (seen: a hung suite)."""
+    import threading
+
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
+
+
 def zygote() -> None:
     """Serves the test on stdin/stdout. `run ROOT CLIP MARKS` forks a child that trains (prints
     its pid); `runint ...` one whose errors end its interpreter as a script's do (its stderr in
@@ -179,6 +191,7 @@ def zygote() -> None:
             root, clip, marks = args[0], float(args[1]), args[2]
             pid = os.fork()
             if pid == 0:
+                _own_tqdm_lock()
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)  # the test reads the zygote's answers on this pipe
                 try:
@@ -194,6 +207,7 @@ def zygote() -> None:
             root, clip, marks = args[0], float(args[1]), args[2]
             pid = os.fork()
             if pid == 0:
+                _own_tqdm_lock()
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
                 err = os.open(os.path.join(root, "stderr"), os.O_WRONLY | os.O_CREAT, 0o644)
