@@ -5,6 +5,7 @@ Each case runs in its own interpreter: the heap's settings are process-wide."""
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -54,7 +55,17 @@ def test_freed_step_memory_leaves_the_process():
 
 
 def test_trim_is_safe_to_call_anywhere():
-    host_heap.trim()
+    """From the main thread and from another one, before and after large frees: it returns, and
+    says it trimmed exactly where the C library is glibc."""
+    glibc = host_heap._glibc() is not None
+    assert host_heap.trim() is glibc
+    blocks = [bytearray(1 << 20) for _ in range(8)]
+    del blocks
+    done = []
+    t = threading.Thread(target=lambda: done.append(host_heap.trim()))
+    t.start()
+    t.join()
+    assert done == [glibc]
 
 
 def test_only_runs_whose_state_crowds_memory_return_the_heap():

@@ -112,7 +112,10 @@ def test_engine_dropped_without_close_leaks_nothing(tmp_path):
         gc.collect()
         assert ref() is None, "the engine is still reachable after it was dropped"
         assert holder_of(str(tmp_path / str(i))) is None  # its lock was released
-    time.sleep(0.1)  # executor threads exit asynchronously once shut down
+    # executor threads exit asynchronously once shut down: poll for them against a deadline
+    deadline = time.monotonic() + 10
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert threading.active_count() <= threads and fds() <= files
 
 

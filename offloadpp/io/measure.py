@@ -19,7 +19,8 @@ import torch
 from .buffers import aligned_empty
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
+def median_time(fn: Callable[[], None], repeats: int) -> float:
+    """The median wall time of `repeats` calls of `fn` (every probe of the machine times this way)."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -52,8 +53,8 @@ def measure_ssd(
 
     try:
         write()  # lays the files out: the timed writes overwrite, as training does
-        w = _median_time(write, repeats)
-        r = _median_time(read, repeats)
+        w = median_time(write, repeats)
+        r = median_time(read, repeats)
     finally:
         for k in keys:
             if store.contains(k):

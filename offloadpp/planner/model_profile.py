@@ -3,7 +3,7 @@
 Pure (no torch). Filled either by one profiling iteration of the real model
 (offloadpp/profiling/model.py: hooks per unit, saved_tensors_hooks, FlopCounterMode) or
 analytically from a Hugging Face config (`analytic_profile`, for GPT-2 and Llama-style models,
-no weights needed). Unit names and sizes are the runtime's (runtime/units.py), so a plan made
+no weights needed). Unit names and sizes are the runtime's (runtime/partition.py), so a plan made
 from a profile runs on the model it was made for.
 
 Note: measured times. A measured profile also carries each unit's forward and backward seconds

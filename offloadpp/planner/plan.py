@@ -193,7 +193,7 @@ class Plan:
     # Each profiled swap directory's share of a striped tensor, by its measured rate (the
     # hardware profile's stripe_weights); () stripes evenly. The runtime matches its directories.
     ssd_stripe: tuple[tuple[str, float], ...] = ()
-    # What happens to each unit's saved activations (runtime/activations.py), one of
+    # What happens to each unit's saved activations (runtime/activations/), one of
     # ACTIVATION_POLICIES per unit in forward order; () keeps them all on the device. "auto" is
     # resolved by the runtime from the first forward until a planner fills it in.
     activations: tuple[str, ...] = ()

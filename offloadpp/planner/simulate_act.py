@@ -1,4 +1,4 @@
-"""The replay of activation swapping and recomputation (runtime/activations.py, act_swap.py).
+"""The replay of activation swapping and recomputation (runtime/activations/: manager.py, swap.py).
 
 Pure (no torch). Per unit, the policy says what happens to what its forward saves for backward:
   keep       nothing moves.

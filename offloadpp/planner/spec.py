@@ -8,7 +8,7 @@
 Pure: pydantic and the standard library only, so the planner, the CLI and the DeepSpeed block can
 all read it. Components compose these models instead of copying their fields: the runtime's
 RuntimeConfig holds a Settings; the DeepSpeed `"offloadpp"` block is Settings with `"auto"`
-allowed for every key (integrations/deepspeed/block.py derives it from this file, so a field added
+allowed for every key (integrations/deepspeed/config.py derives it from this file, so a field added
 here is reachable from the JSON without further work). Frozen, extra keys refused, validated once;
 errors name the field and the bad value (convention 6).
 """

@@ -25,21 +25,13 @@ import time
 import uuid
 from typing import Iterable, Iterator, Optional, Sequence
 
+from offloadpp.io.measure import median_time as _median_time
 from offloadpp.planner.hardware import HardwareProfile, IOPoint, SsdProfile
 
 from .visits import measure_visit_overhead
 
 DEFAULT_GEMMS = ((256, 1024, 3072), (256, 1024, 1024), (256, 1024, 4096), (256, 4096, 1024))
 IO_GRID = ((256 << 10, 8), (1 << 20, 4), (1 << 20, 8), (1 << 20, 16), (4 << 20, 4), (4 << 20, 8))
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 @contextlib.contextmanager

@@ -53,8 +53,10 @@ def return_freed_memory() -> bool:
     return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1)
 
 
-def trim() -> None:
-    """Hand the heap's free memory back to the OS (a no-op beyond glibc)."""
+def trim() -> bool:
+    """Hand the heap's free memory back to the OS (a no-op beyond glibc). True where it was done."""
     libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True

@@ -191,7 +191,7 @@ class ActivationManager:
     def for_model(
         cls, model: nn.Module, config: ActivationSettings, *, store=None, device=None, unit_split=None
     ):
-        """Units found as the runtime finds them (runtime/units.py); hooks installed."""
+        """Units found as the runtime finds them (runtime/partition.py); hooks installed."""
         from ..partition import find_units
 
         modules = dict(model.named_modules())
