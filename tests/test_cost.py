@@ -11,7 +11,8 @@ from offloadpp.planner import Budgets, PlanError, Settings, Tier, streaming_plan
 from offloadpp.planner.cost import estimate, replay
 from offloadpp.planner.hardware import HardwareProfile
 from offloadpp.planner.model_profile import analytic_profile
-from offloadpp.planner.search import Request, search
+from offloadpp.planner.request import Request
+from offloadpp.planner.search import search
 
 GPT2 = {
     "model_type": "gpt2",

@@ -165,3 +165,59 @@ def test_modules_import_their_siblings_not_their_package_face():
         if pkg != "offloadpp" and pkg in ts:
             bad.append(f"{m} -> {pkg}")
     assert not bad, bad
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_circles_between_modules():
+    """No module reaches itself through its imports: every import counts (inside functions and
+    under TYPE_CHECKING too: a circle there is still two modules that each need the other), and a
+    package's face (its __init__) is a module like any other, so `from offloadpp.io import X`
+    inside a module that offloadpp/io/__init__.py imports is a circle."""
+    circles = _circles(_graph())
+    assert not circles, "modules that import themselves back:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_finder_finds_circles():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

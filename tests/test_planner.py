@@ -16,7 +16,8 @@ from offloadpp.planner.hardware import HardwareProfile, IOPoint, ProfileError, S
 from offloadpp.planner.model_profile import ModelProfile, ModelProfileError, UnitProfile, analytic_profile
 from offloadpp.planner.peaks import peak_bytes
 from offloadpp.planner.planfile import load_plan, plan_from_dict, plan_to_dict, save_plan
-from offloadpp.planner.search import Request, describe_buffers, plan, search
+from offloadpp.planner.request import Request
+from offloadpp.planner.search import describe_buffers, plan, search
 
 GPT2 = {
     "model_type": "gpt2",

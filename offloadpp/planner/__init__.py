@@ -52,8 +52,9 @@ from .cost import StepEstimate, estimate  # noqa: E402
 from .hardware import HardwareProfile, IOPoint, ProfileError, SsdProfile, default_profile_path  # noqa: E402
 from .model_profile import ModelProfile, ModelProfileError, UnitProfile, analytic_profile  # noqa: E402
 from .planfile import load_plan, save_plan  # noqa: E402
+from .request import Request  # noqa: E402
 from .resolve import Machine, Resolved, resolve  # noqa: E402
-from .search import Request, SearchResult, search  # noqa: E402
+from .search import SearchResult, search  # noqa: E402
 from .search import plan as auto_plan  # noqa: E402
 
 __all__ += [

@@ -42,9 +42,15 @@ host memory is the device's own; SSD is tried on CUDA too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
-from .model_profile import ModelProfile
+
+class Profiled(Protocol):
+    """What act_units reads of a ModelProfile (model_profile.py, which imports plan.py, which
+    describes a plan's activations with this module's accounting: so no import back)."""
+
+    units: Sequence
+
 
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
 MIXES = (0.25, 0.5, 0.75)
@@ -91,7 +97,7 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     return out
 
 
-def act_units(model: ModelProfile) -> tuple[ActUnit, ...]:
+def act_units(model: Profiled) -> tuple[ActUnit, ...]:
     """The model's units as the activation accounting sees them, in forward order."""
     out, prev = [], 0
     for u in model.units:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
 from .activations import act_units, recomputes
+from .decide import lazy_applies
 from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
@@ -38,7 +39,6 @@ from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes
 from .ranks import RankLink, rank_share
 from .schedule import build_schedule
 from .simulate import Costs, Sim
-from .simulate_pending import lazy_applies
 from .traffic import ByKind, by_key_kinds
 
 REPLAY_STEPS = 3  # the first steps fill the SSD queue and the moments; the last is steady

@@ -22,10 +22,17 @@ cores). On a GPU all these factors are 1.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence, Union
+from typing import Iterable, Iterator, Optional, Protocol, Sequence, Union
 
-if TYPE_CHECKING:
-    from .simulate import Sim
+
+class Replay(Protocol):
+    """What the resources here read of the replay that runs them (simulate.Sim is the one): its
+    clock, its SSD and the counters they add to."""
+
+    t: float
+    ssd: Ssd
+    pool_wait_s: float
+    compute_busy_s: float
 
 
 class Done:
@@ -209,7 +216,7 @@ class Pool:
         self.free: dict[int, int] = {}
         self.pending: deque[tuple[int, tuple[When, ...]]] = deque()  # (bytes, done when all are)
 
-    def get(self, sim: Sim, n: int) -> Iterator:
+    def get(self, sim: Replay, n: int) -> Iterator:
         while self.pending and done_by(self.pending[0][1], sim.t):
             self._add_free(self.pending.popleft()[0])
         if self.free.get(n):
@@ -245,7 +252,7 @@ class Pool:
                 del self.free[k]
 
 
-def run(sim: Sim, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdown: float,
+def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdown: float,
         helper_slowdown: float, io_slowdown: float = 1.0) -> None:  # fmt: skip
     """Runs `main` and the `helpers` together until `main` is done."""
     ssd = sim.ssd

@@ -10,16 +10,14 @@ one until MAX_MISSES misses in a row.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from .default import _keep_what_fits
 from .peaks import peak_bytes
 from .plan import Plan, PlanError, Tier, fmt_bytes
+from .request import Request
 from .schedule import build_schedule, grads_order
 from .spec import Budgets
-
-if TYPE_CHECKING:
-    from .search import Request
 
 
 def _fits(plan: Plan, req: Request) -> bool:

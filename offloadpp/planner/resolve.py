@@ -53,8 +53,9 @@ from .peaks import peak_bytes
 from .plan import SSD_SPACE_MARGIN, SSD_SPACE_MARGIN_BYTES, Plan, PlanError, UnitSpec, fmt_bytes, shard_units
 from .planfile import load_plan
 from .ranks import RankLink
+from .request import Request
 from .schedule import build_schedule
-from .search import Request, _raise_infeasible, act_planner, search
+from .search import _raise_infeasible, act_planner, search
 from .spec import PLAN_AUTO, Budgets, Settings
 
 DEVICE_SHARE_CUDA = 0.8

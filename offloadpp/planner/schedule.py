@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from .decide import lazy_runtime
 from .plan import DTYPE_BYTES, Plan, Tier
-from .simulate_pending import lazy_runtime
 
 
 @dataclass(frozen=True)

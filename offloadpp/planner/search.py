@@ -46,9 +46,9 @@ from .hardware import HardwareProfile, IOPoint
 from .model_profile import ModelProfile
 from .peaks import peak_bytes
 from .plan import InfeasibleError, Plan, PlanError, Tier, fmt_bytes, shard_units
-from .ranks import RankLink
+from .request import Request
 from .schedule import build_schedule
-from .spec import Budgets, Settings
+from .spec import Budgets
 
 MAX_PREFETCH = 3
 MAX_OPTIM = 3
@@ -61,44 +61,6 @@ MANY_NEAR = 6
 RESCORE_GAIN = 0.05  # a new best is replayed on the slow SSD when it beats the last one by this
 SLOW_SSD = 0.7
 ACT_TOP_PLACEMENTS = 3  # the activation choices beyond the first are scored on this many placements
-
-
-@dataclass(frozen=True)
-class Request:
-    """What the search is asked: budgets, and the settings that change the schedule and the
-    estimate (compute dtype, accumulation, deferral, Adam threads, fixed depths).
-
-    count_activations: the saved activations count in the device budget (the resolve stage sets
-    it: the model profile says how large they are); so does an activation budget in `budgets`,
-    which then caps them. act_host_bytes: host memory swapped activations may take (None: no
-    limit); beyond it they go to SSD."""
-
-    budgets: Budgets
-    settings: Settings
-    adam_threads: int = 1  # resolved (Settings.adam_threads may say "every core")
-    ssd_free_bytes: Optional[int] = None  # plans keeping more on SSD are not candidates (None: not checked)
-    count_activations: bool = False
-    act_host_bytes: Optional[int] = None
-    ranks: int = 1  # data-parallel ranks the optimizer state is partitioned over (UnitSpec.shards)
-    link: Optional[RankLink] = None  # with several ranks: per node, and the collectives' bandwidth
-
-    @property
-    def micro_batches(self) -> int:
-        return self.settings.gradient_accumulation_steps
-
-    @property
-    def act_prefetch_units(self) -> int:
-        return self.settings.activations.prefetch_units
-
-    @property
-    def counted(self) -> bool:
-        return self.count_activations or self.budgets.activation_bytes is not None
-
-    @property
-    def act_cap(self) -> int:
-        """The most the activations may take of the device budget."""
-        b = self.budgets
-        return b.activation_bytes if b.activation_bytes is not None else b.device_bytes - 1
 
 
 @dataclass(frozen=True)

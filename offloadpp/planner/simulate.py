@@ -28,217 +28,18 @@ drain into the next step's reads, as they do in the runtime.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional
 
 from . import simulate_pending as pending
-from .desim import Done, Fifo, Pool, Ssd, When, done_by
-from .plan import DTYPE_BYTES, Plan, Tier
+from .decide import lazy_applies
+from .desim import Fifo, Pool, Ssd, done_by
+from .plan import DTYPE_BYTES, Plan
 from .ranks import RankLink
 from .schedule import Schedule, build_schedule, flush_rank
 from .simulate_act import ActReplay
 from .simulate_dp import dp_grads, dp_unit
-
-EMPTY, LOADING, READY = 0, 1, 2
-COMPUTE, OPTIM, NEXT, WRITE = "compute", "optim", "next", "write"
-
-
-@dataclass(eq=False)
-class Slot:
-    key: str
-    nbytes: int
-    pool: Pool
-    resident: bool
-    on_disk: bool
-    stored: bool = True  # its home is SSD (Plan.homes): written after its update
-    state: int = EMPTY
-    holds: set = field(default_factory=set)
-    read_done: When = None
-    write_done: Optional[Done] = None
-
-    def acquire(self, sim: Sim, hold: str, overwrite: bool = False) -> Iterator:
-        self.holds.add(hold)
-        if self.state != EMPTY:
-            return
-        yield from self.pool.get(sim, self.nbytes)
-        if overwrite or not self.on_disk:
-            self.state = READY
-        else:
-            if sim.costs.io_issue_s:
-                yield ("cpu", sim.costs.io_issue_s)
-            # issued once our own write of this key is done (slots._ReadAfterWrite), not blocking
-            self.read_done = sim.ssd.submit(
-                sim.t, self.nbytes, write=False, key=self.key, after=self.write_done
-            )
-            self.state = LOADING
-
-    def wait(self, sim: Sim) -> Iterator:
-        if self.state == LOADING:
-            if not done_by((self.read_done,), sim.t):
-                yield ("wait", (self.read_done,))
-            self.state = READY
-
-    def release(self, sim: Sim, hold: str, after: float = 0.0) -> None:
-        self.holds.discard(hold)
-        if self.holds or self.resident or self.state == EMPTY:
-            return
-        self.pool.put(self.nbytes, self.read_done, self.write_done, after)
-        self.state = EMPTY
-
-    def wrote(self, done: Done) -> None:
-        self.write_done = done
-        self.on_disk = True
-
-
-class CpuWeights:
-    def __init__(self, source: Slot):
-        self.source = source
-
-    def acquire(self, sim: Sim) -> Iterator:
-        yield from self.source.acquire(sim, COMPUTE)
-
-    def pump(self, sim: Sim) -> None:
-        pass
-
-    def wait(self, sim: Sim) -> Iterator:
-        yield from self.source.wait(sim)
-
-    def release(self, sim: Sim) -> None:
-        self.source.release(sim, COMPUTE)
-
-
-class CudaWeights:
-    def __init__(self, source: Slot, resident: bool):
-        self.source, self.resident = source, resident
-        self.state = READY if resident else EMPTY
-        self.copied = resident
-        self.copy_done = 0.0
-
-    def _copy(self, sim: Sim) -> None:
-        self.copy_done = sim.h2d.submit(sim.t, self.source.nbytes, write=False)
-        self.copied = True
-
-    def acquire(self, sim: Sim) -> Iterator:
-        if self.state != EMPTY:
-            return
-        yield from self.source.acquire(sim, COMPUTE)
-        self.copied = False
-        self.state = LOADING
-        self.pump(sim)
-
-    def pump(self, sim: Sim) -> None:
-        if self.state == LOADING and not self.copied:
-            s = self.source
-            if s.state != LOADING or done_by((s.read_done,), sim.t):
-                s.state = READY if s.state == LOADING else s.state
-                self._copy(sim)
-                if not s.resident:
-                    s.release(sim, COMPUTE, after=self.copy_done)
-
-    def wait(self, sim: Sim) -> Iterator:
-        if self.state == LOADING:
-            if not self.copied:
-                yield from self.source.wait(sim)
-                self.pump(sim)
-            self.state = READY
-        if self.copy_done > sim.t:
-            yield ("until", self.copy_done)
-
-    def release(self, sim: Sim) -> None:
-        if self.resident or self.state == EMPTY:
-            return
-        if not self.copied:
-            self.source.release(sim, COMPUTE)
-        self.state = EMPTY
-
-
-class Unit:
-    def __init__(self, sim: Sim, spec, placement, plan: Plan):
-        cuda = plan.device == "cuda"
-        alias = not plan.separate_weights
-        n = spec.padded_numel
-        self.name, self.numel, self.padded = spec.name, spec.numel, n
-        cdt = DTYPE_BYTES[plan.compute_dtype]
-        self.compute_bytes = n * cdt
-        master_pool = sim.device_pool if (not cuda and alias) else sim.host_pool
-
-        homes = plan.homes(spec, placement)  # the accounting the plan and the runtime share
-        slot = self.slot_for(sim, spec, homes)
-        self.adam_numel = spec.numel
-        self.accum = None  # (over several ranks: simulate_dp)
-        self.reduce_bytes = 0.0
-        self.master = slot("master", n * 4, master_pool)
-        if alias:
-            self.compute = self.master
-        else:
-            self.compute = slot("weights", n * cdt, sim.device_pool if not cuda else sim.host_pool)
-        self.exp_avg = slot("exp_avg", n * 4, sim.host_pool)
-        self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool)
-        self.grads_persist = plan.persistent_grads
-        self.grads = slot("grads", n * 4, sim.host_pool)
-        if cuda:
-            self.weights = CudaWeights(self.compute, resident=placement.weights is Tier.DEVICE)
-            if placement.weights is Tier.DEVICE:
-                sim.resident_device_bytes += n * cdt
-        else:
-            self.weights = CpuWeights(self.compute)
-        self.bound = False
-        self.phase = "idle"
-        # updated speculatively only where its state all lives on SSD (runtime Unit.can_speculate)
-        self.can_speculate = all(x.stored for x in (self.master, self.compute, self.exp_avg, self.exp_avg_sq))
-        self.speculated = False
-        self.pending = False  # a deferred update to apply at the next visit (simulate_pending)
-
-    @staticmethod
-    def slot_for(sim: Sim, spec, homes):
-        def slot(array: str, nbytes: int, pool: Pool) -> Slot:
-            home = homes[array]
-            resident = home is Tier.HOST or home is Tier.DEVICE
-            # master and compute copies are on SSD from the start (written at initialisation)
-            s = Slot(f"{spec.name}.{array}", nbytes, pool, resident,
-                     on_disk=home is Tier.SSD and array in ("master", "weights"), stored=home is Tier.SSD)  # fmt: skip
-            if resident:
-                pool.allocated += nbytes
-                pool.peak = max(pool.peak, pool.allocated)
-                s.state = READY
-            return s
-
-        return slot
-
-    @property
-    def slots(self) -> tuple[Slot, ...]:
-        out: list[Slot] = []
-        for s in (self.master, self.compute, self.exp_avg, self.exp_avg_sq, self.grads, self.accum):
-            if s is None:
-                continue
-            if all(s is not x for x in out):
-                out.append(s)
-        return tuple(out)
-
-
-@dataclass(eq=False)
-class Job:
-    unit: Unit
-    before: list = field(default_factory=list)  # times the job waits for
-    absorb_s: float = 0.0
-    adam_s: float = 0.0
-    update: bool = False
-    writes: list = field(default_factory=list)  # slots written after the job's work
-    grads_ready: float = 0.0  # CUDA: the d2h copy
-    done_t: Optional[float] = None
-    write_done: list = field(default_factory=list)
-    defer_writes: bool = False  # the step's last update: its writes start with the next fetches
-    defer_moments: bool = False  # deferred updates, window over every unit: moments wait too
-    keep_grads: bool = False  # deferred: gradients stay held for an update among the first
-    comm_bytes: float = 0.0  # over several ranks: the gradients reduce-scattered before Adam
-    regather_bytes: float = 0.0  # and a resident unit's weights gathered after it
-    speculative: bool = False  # an update during backward (its kept units: spec_next_keep)
-    lazy: bool = False  # a pending update applied at the unit's next visit (simulate_pending)
-
-
-def _late(job: Job, s: Slot) -> bool:
-    """optimizer._late: a moment whose write waits for flush_writes."""
-    return job.defer_moments and (s is job.unit.exp_avg or s is job.unit.exp_avg_sq)
+from .simulate_units import LOADING, NEXT, OPTIM, WRITE, CudaWeights, Job, Slot, Unit, _late
 
 
 @dataclass(frozen=True)
@@ -288,7 +89,7 @@ class Sim:
         self.speculating = plan.deferred_update and plan.speculative
         self.q = self.sched.optim_window
         # deferred updates applied at each unit's next visit, in forward order (simulate_pending)
-        self.lazy = pending.lazy_applies(plan)
+        self.lazy = lazy_applies(plan)
         fwd = self.sched.forward_index
         self.lazy_order = [self.by_name[n] for n in sorted(fwd, key=fwd.get)]
         self.lazy_index = {u.name: i for i, u in enumerate(self.lazy_order)}

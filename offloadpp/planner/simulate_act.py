@@ -29,13 +29,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 from .activations import CHECKPOINT_SWAPS, recomputes
-from .desim import When, done_by, when
-
-if TYPE_CHECKING:
-    from .simulate import Sim
+from .desim import Replay, When, done_by, when
 
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
 
@@ -53,7 +50,7 @@ class _Out:
 
 
 class ActReplay:
-    def __init__(self, sim: Sim, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int,
+    def __init__(self, sim: Replay, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int,
                  budget: Optional[int] = None, inputs: Optional[Mapping[str, int]] = None):  # fmt: skip
         bad = {u: p for u, p in policies.items() if p not in POLICIES}
         if bad:

@@ -69,7 +69,7 @@ class GatherWeights:
 
 
 def dp_unit(unit_cls, sim, spec, placement, plan: Plan):
-    """simulate.Unit laid out as one rank's shards (`unit_cls` is simulate.Unit)."""
+    """simulate_units.Unit laid out as one rank's shards (`unit_cls` is simulate_units.Unit)."""
     u = unit_cls.__new__(unit_cls)
     cdt = DTYPE_BYTES[plan.compute_dtype]
     s_n, f_n = spec.shard_numel, spec.padded_numel
@@ -98,7 +98,7 @@ def dp_unit(unit_cls, sim, spec, placement, plan: Plan):
     u.bound = False
     u.phase = "idle"
     u.can_speculate = u.speculated = False  # several ranks never speculate (planner/resolve.py)
-    u.pending = False  # (several ranks never defer to the next visit: simulate_pending.lazy_applies)
+    u.pending = False  # (several ranks never defer to the next visit: decide.lazy_applies)
     return u
 
 

@@ -8,18 +8,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-OPTIM = "optim"
-
-
-def lazy_runtime(plan) -> bool:
-    """Where the runtime applies a deferred step's updates at the next visit
-    (OptimizerPipeline.lazy): one rank on the CPU device."""
-    return plan.deferred_update and plan.device == "cpu" and plan.ranks == 1
-
-
-def lazy_applies(plan) -> bool:
-    """Where the replay does (a speculative plan's replay is of a step that validates)."""
-    return lazy_runtime(plan) and not plan.speculative
+from .simulate_units import OPTIM, Job
 
 
 def defer(sim) -> None:
@@ -55,8 +44,6 @@ def apply_pending(sim, names) -> Iterator:
 
 
 def _submit(sim, u) -> Iterator:
-    from .simulate import Job  # (simulate imports this module)
-
     yield from _read(sim, sim.lazy_submitted)
     u.pending = False
     yield from u.master.acquire(sim, OPTIM)
