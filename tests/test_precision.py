@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from offloadpp.planner.spec import LossScaling
 from offloadpp.runtime.precision import LossScaler
 
 loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
@@ -29,12 +30,14 @@ def test_scale_follows_deepspeed(monkeypatch, consecutive, hysteresis, rate):
         consecutive_hysteresis=consecutive, dtype=torch.half,
     )  # fmt: skip
     ours = LossScaler(
-        static_scale=0,
-        initial_power=10,
-        window=3,
-        hysteresis=hysteresis,
-        min_scale=1,
-        consecutive=consecutive,
+        LossScaling(
+            loss_scale=0,
+            initial_scale_power=10,
+            loss_scale_window=3,
+            hysteresis=hysteresis,
+            min_loss_scale=1,
+            consecutive_hysteresis=consecutive,
+        )
     )
     rng = random.Random(hysteresis * 10 + int(consecutive))
     for i in range(300):

@@ -112,3 +112,21 @@ def test_bf16_compute_with_fp32_masters_matches_mixed_precision_adamw(tmp_path, 
         got = eng.module.state_dict()
     assert got["lm_head.weight"].dtype == torch.float32  # the master, as the model created it
     assert global_rel_diff(got, want) < 0.02 * global_rel_diff(want, init)
+
+
+def test_every_kind_of_device_weights_is_a_weights():
+    """runtime/device.py's Weights: what the executor and the optimizer use of a unit's device
+    weights, which all three kinds provide (`state` a property, or set in the constructor)."""
+    import inspect
+
+    from offloadpp.runtime.device import CpuWeights, CudaWeights, Weights
+    from offloadpp.runtime.sharded import GatheredWeights
+
+    members = {n for n in dir(Weights) if not n.startswith("_")}
+    assert members == {"state", "acquire", "pump", "wait", "release", "refresh"}
+    for kind in (CpuWeights, CudaWeights, GatheredWeights):
+        for name in members - {"state"}:
+            assert callable(getattr(kind, name, None)), f"{kind.__name__}.{name}"
+        assert isinstance(getattr(kind, "state", None), property) or "self.state =" in inspect.getsource(
+            kind.__init__
+        ), f"{kind.__name__}.state"

@@ -89,8 +89,8 @@ def _page_cache_export(rt, d: str, read_floor_s: float, wr: float) -> dict:
     from offloadpp.runtime.unit import TORCH_DTYPES
 
     t = time.perf_counter()
-    rt_export.export_weights(rt.units, rt.module, d, TORCH_DTYPES[rt.settings.compute_dtype],
-                             filename="pytorch_model.bin", before=rt._quiesce, direct=False)  # fmt: skip
+    fmt = rt_export.ExportFormat(TORCH_DTYPES[rt.settings.compute_dtype], "pytorch_model.bin", direct=False)
+    rt_export.export_weights(rt.units, rt.module, d, fmt, before=rt._quiesce)
     pc = {"s": time.perf_counter() - t, "bytes": _folder_bytes(d)}
     pc["floor_s"] = read_floor_s + pc["bytes"] / wr
     pc["vs_floor"] = pc["s"] / pc["floor_s"]

@@ -115,6 +115,9 @@ class Rounds:
     ssd_gbps: list = field(default_factory=list)  # mixed GB/s with compute and Adam beside it
 
 
+WARMUP_STEPS = 2  # each contender's steps before the rounds (first steps allocate, read cold files)
+
+
 def run_interleaved(
     contenders: Sequence[Contender],
     model,
@@ -122,13 +125,13 @@ def run_interleaved(
     *,
     rounds: int = 6,
     block: int = 3,
-    warmup: int = 2,
     probe_dirs: Optional[Sequence[str]] = None,
     name: str = "",
     log=None,
 ) -> Rounds:
     """Runs every contender's engine `rounds` x `block` steps (the first of each block not
-    counted), each block between two timing iterations of a plain copy of `model`."""
+    counted), each block between two timing iterations of a plain copy of `model`, after
+    WARMUP_STEPS steps of each."""
     from offloadpp.profiling.model import ModelProfiler
 
     say = log or (lambda msg: None)
@@ -137,7 +140,7 @@ def run_interleaved(
         prof.count()
         gemms = prof.profile().gemms
         for c in contenders:
-            for _ in range(warmup):
+            for _ in range(WARMUP_STEPS):
                 _engine_step(c, batch, timed=False)
             c.engine.optimizer.finish()
             c.engine.store.wait_all()
@@ -165,10 +168,10 @@ def run_interleaved(
 def probe_ssd(dirs: Sequence[str], gemms=None, adam_threads: int = 1, total_bytes: int = 192 << 20) -> float:
     """A short mixed read+write GB/s probe with compute and Adam running beside it (the
     hardware profile's ssd_mixed_busy_gbps), between rounds of a benchmark."""
-    from offloadpp.profiling.hardware import DEFAULT_GEMMS, measure_mixed_ssd
+    from offloadpp.profiling.hardware import DEFAULT_GEMMS, Busy, measure_mixed_ssd
 
-    return measure_mixed_ssd(dirs, tensor_bytes=12 << 20, total_bytes=total_bytes, repeats=1, busy=True,
-                             gemms=gemms or DEFAULT_GEMMS, adam_threads=adam_threads)  # fmt: skip
+    return measure_mixed_ssd(dirs, tensor_bytes=12 << 20, total_bytes=total_bytes, repeats=1,
+                             busy=Busy(gemms or DEFAULT_GEMMS, adam_threads))  # fmt: skip
 
 
 def with_ssd(hw, mixed_busy_gbps: float):

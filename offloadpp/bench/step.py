@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
             e.close()
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    report = _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_s, engine)
+    report = _summarise(args, preset, n_params, rows, state, (read_gbps, write_gbps), adam_s, engine)
     _print_table(report)
     if args.json:
         with open(args.json, "w") as f:
@@ -304,7 +304,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["pass"] else 1
 
 
-def _summarise(args, preset, n_params, rows, state, read_gbps, write_gbps, adam_s, engine) -> dict:
+def _summarise(args, preset, n_params, rows, state, ssd_gbps: tuple[float, float], adam_s, engine) -> dict:
+    """The report of a run; ssd_gbps: the SSD's (read, write) GB/s measured at the start."""
+    read_gbps, write_gbps = ssd_gbps
     med = statistics.median
     reps = state["reports"]
     torch_step = med(rows["torch"])

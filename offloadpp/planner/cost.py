@@ -39,6 +39,7 @@ from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes
 from .ranks import RankLink, rank_share
 from .schedule import build_schedule
 from .simulate import Costs, Sim
+from .simulate_act import ActWork
 from .traffic import ByKind, by_key_kinds
 
 REPLAY_STEPS = 3  # the first steps fill the SSD queue and the moments; the last is steady
@@ -181,10 +182,12 @@ def replay(
         h2d,
         d2h,
         micro_batches=micro_batches,
-        act_policies=policies,
-        act_bytes={u.name: u.activation_bytes for u in model.units},
-        act_prefetch_units=act_prefetch_units,
-        act_inputs={a.name: a.inputs for a in act_units(model)},
+        acts=ActWork(
+            policies=policies,
+            saved_bytes={u.name: u.activation_bytes for u in model.units},
+            inputs={a.name: a.inputs for a in act_units(model)},
+            prefetch_units=act_prefetch_units,
+        ),
         link=link,
     )
     run(

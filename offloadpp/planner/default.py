@@ -19,42 +19,23 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
+from .decide import DEFAULT_OPTIM_PREFETCH, clipping, optim_prefetch_depth, prefetch_depth, speculates
 from .plan import InfeasibleError, Placement, Plan, PlanError, Tier, UnitSpec, all_on_ssd, fmt_bytes
 from .schedule import build_schedule, grads_order
 from .spec import Budgets, Settings
 
-DEFAULT_PREFETCH = 2
-DEFAULT_OPTIM_PREFETCH = 2
-
 
 def streaming_plan(
-    units: Sequence[UnitSpec],
-    *,
-    device: str,
-    compute_dtype: str,
-    prefetch_depth: int,
-    optim_prefetch_depth: int = DEFAULT_OPTIM_PREFETCH,
-    accumulate_grads: bool = False,
-    deferred_update: bool = False,
-    speculative: bool = False,
-    clipping: bool = False,
-    fill_gaps: bool = True,
-    budgets: Optional[Budgets] = None,
+    units: Sequence[UnitSpec], *, optim_prefetch_depth: int = DEFAULT_OPTIM_PREFETCH, **fields
 ) -> Plan:
-    """Every array of every unit on SSD."""
+    """Every array of every unit on SSD: the Plan with `fields` (any of Plan's but units and
+    placements; device, compute_dtype and prefetch_depth at least, plan_shape's from settings),
+    its optimizer read-ahead at most the units after the first."""
     return Plan(
         units=tuple(units),
         placements=all_on_ssd(units),
-        device=device,
-        compute_dtype=compute_dtype,
-        prefetch_depth=prefetch_depth,
         optim_prefetch_depth=min(optim_prefetch_depth, max(0, len(units) - 1)),
-        accumulate_grads=accumulate_grads,
-        deferred_update=deferred_update,
-        speculative=speculative,
-        clipping=clipping,
-        fill_gaps=fill_gaps,
-        budgets=budgets,
+        **fields,
     )
 
 
@@ -64,8 +45,8 @@ def plan_shape(settings: Settings) -> dict:
         compute_dtype=settings.compute_dtype,
         accumulate_grads=settings.accumulate_grads,
         deferred_update=settings.deferred_update,
-        speculative=settings.deferred_update and settings.speculate != "off",
-        clipping=settings.gradient_clipping > 0,
+        speculative=speculates(settings),
+        clipping=clipping(settings),
         fill_gaps=settings.fill_gaps,
     )
 
@@ -92,8 +73,8 @@ def default_plan(units: Sequence[UnitSpec], *, device: str, settings: Settings, 
         raise PlanError("no units to plan: the model has no parameters")
     base = dict(device=device, budgets=budgets, **plan_shape(settings))
     k_fixed, q_fixed = settings.prefetch_depth, settings.optim_prefetch_depth
-    q = DEFAULT_OPTIM_PREFETCH if q_fixed is None else q_fixed
-    ks = (k_fixed,) if k_fixed is not None else (DEFAULT_PREFETCH, 1, 0)
+    q = optim_prefetch_depth(settings)
+    ks = (k_fixed,) if k_fixed is not None else (prefetch_depth(settings), 1, 0)
     qs = (q,) if q_fixed is not None else tuple(range(min(q, len(units) - 1), -1, -1))
     dev_b, host_b = budgets.buffer_bytes, budgets.host_bytes  # (the activations have their part)
     # Deepest weights prefetch first, then the deepest optimizer read-ahead that also fits.

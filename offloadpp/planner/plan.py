@@ -201,6 +201,9 @@ class Plan:
     # its inputs) from the model profile the plan was made with; () when none. Only for the
     # printout's per-unit split (kept, host, ssd, recomputed): the runtime measures its own.
     activation_sizes: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    # Threads of the fused CPU Adam (decide.adam_threads, filled by the resolve stage; None: a plan
+    # made without it, for which the engine asks decide.adam_threads with the settings it runs).
+    adam_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -353,6 +356,12 @@ class Plan:
             grads = sum(u.grad_bytes for u, p in self if self.persistent_grads and p.grads is Tier.SSD)
             total = 2 * total - grads
         return total
+
+    def ssd_need_bytes(self, paths: int = 1) -> float:
+        """The free SSD space the run needs over `paths` swap directories, the one rule the
+        resolve stage (one total) and the engine's preflight (each filesystem its share) check:
+        the footprint with a margin (SSD_SPACE_MARGIN) and SSD_SPACE_MARGIN_BYTES per directory."""
+        return self.ssd_footprint_bytes() * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES * paths
 
     def resident_device_bytes(self) -> int:
         return sum(u.weights_bytes(self.compute_dtype) for u, p in self if p.weights is Tier.DEVICE)

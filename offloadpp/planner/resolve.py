@@ -45,12 +45,20 @@ from typing import Any, Mapping, Optional, Sequence
 
 from .activations import act_units
 from .cost import StepEstimate, estimate
-from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, plan_shape, streaming_plan
+from .decide import (
+    DEFAULT_OPTIM_PREFETCH,
+    adam_threads,
+    clipping,
+    optim_prefetch_depth,
+    prefetch_depth,
+    speculates,
+)
+from .default import default_plan, plan_shape, streaming_plan
 from .hardware import HardwareProfile, ProfileError, default_profile_path
 from .io_settings import with_io
 from .model_profile import ModelProfile, ModelProfileError, analytic_profile
 from .peaks import peak_bytes
-from .plan import SSD_SPACE_MARGIN, SSD_SPACE_MARGIN_BYTES, Plan, PlanError, UnitSpec, fmt_bytes, shard_units
+from .plan import Plan, PlanError, UnitSpec, fmt_bytes, shard_units
 from .planfile import load_plan
 from .ranks import RankLink
 from .request import Request
@@ -173,7 +181,7 @@ def resolve(
     queue_depth, num_threads): the plan carries them, else the profile's (io_settings.py). saved: the plan file `settings.plan` names, already read (load_saved_plan).
     Raises PlanError naming the budget, the unit and the bytes when nothing fits (an
     InfeasibleError with the largest micro-batch that fits where the activations do not)."""
-    if machine.ranks > 1 and settings.deferred_update and settings.speculate != "off":
+    if machine.ranks > 1 and speculates(settings):
         # speculative updates are one process's: over several ranks updates are deferred
         if settings.speculate == "on":
             raise PlanError(
@@ -186,14 +194,14 @@ def resolve(
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
     machine = machine.rank_share()
-    settings = settings.model_copy(update={"adam_threads": settings.adam_threads or machine.cores})
+    settings = settings.model_copy(update={"adam_threads": adam_threads(settings, machine.cores)})
     if model is not None:
         _check_units(model, units)
     budgets, settings = _budgets(settings, units, machine, model)
     try:
         plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved)
     except PlanError:
-        if settings.plan_path is not None or not settings.deferred_update or settings.speculate != "auto":
+        if settings.plan_path is not None or not speculates(settings) or settings.speculate != "auto":
             raise
         # the budgets were set for deferred updates: what speculation holds more does not fit
         plan, est, candidates = _make_plan(settings.model_copy(update={"speculate": "off"}), units, machine,
@@ -208,6 +216,7 @@ def resolve(
         est = None  # estimated as it was made: estimated again below, as it runs
     plan = replace(speculative, notes=speculative.notes + settings_notes(settings, speculative))
     plan = with_io(plan, hardware, io_set or {})
+    plan = replace(plan, adam_threads=settings.adam_threads)  # (decided above: decide.adam_threads)
     if hardware is not None and not plan.ssd_stripe:
         plan = replace(plan, ssd_stripe=hardware.stripe_weights())  # striped by the drives' rates
     deferred_est = None
@@ -232,9 +241,9 @@ def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, ha
         if saved is None:
             raise PlanError(f"plan {settings.plan!r}: the plan file was not read (load_saved_plan)")
         plan, est = saved
+        plan = replace(plan, clipping=clipping(settings))  # (what a speculative step keeps)
         check_plan(plan, units, machine.device, settings)
         plan = replace(plan, budgets=plan.budgets or budgets)  # a plan keeps the budgets it was made for
-        plan = replace(plan, clipping=settings.gradient_clipping > 0)  # (what a speculative step keeps)
         check_fits(plan)
     elif settings.plan == PLAN_AUTO:
         if hardware is None or model is None:
@@ -254,7 +263,7 @@ def with_speculation(plan: Plan, settings: Settings, machine: Machine) -> Plan:
     them run speculatively during backward (Settings.speculate; the planner sized the plan for it,
     plan_shape) and the SSDs have room for the second generation of state that needs: "auto"
     defers where they do not, "on" is refused."""
-    if not plan.deferred_update or settings.speculate == "off":
+    if not plan.deferred_update or not speculates(settings):
         return replace(plan, speculative=False)
     if not plan.speculative:  # a plan file made without it, or budgets that do not hold it
         if settings.plan_path is None:
@@ -263,7 +272,7 @@ def with_speculation(plan: Plan, settings: Settings, machine: Machine) -> Plan:
             plan, notes=plan.notes + ("the plan file was made for deferred updates: not speculating",)
         )
     free = machine.ssd_free_bytes
-    need = plan.ssd_footprint_bytes() * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES
+    need = plan.ssd_need_bytes()
     if free is None or need <= free:
         return plan
     msg = (
@@ -279,7 +288,7 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
     """What the settings imply that the plan's table does not show."""
     out = []
     if plan.speculative:
-        clip = settings.gradient_clipping > 0
+        clip = clipping(settings)
         why = (["the loss scaler's overflow check"] if settings.compute_dtype == "fp16" else []) + (
             [f"the global norm (gradient clipping {settings.gradient_clipping:g})"] if clip else []
         )
@@ -299,7 +308,7 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
             "every gradient first), so Adam does not overlap backward; bf16 needs no loss scaling and "
             "keeps the overlap"
         )
-    if settings.gradient_clipping > 0:
+    if clipping(settings):
         out.append(
             f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred to the end of backward "
             "(the global norm needs every gradient first), so Adam does not overlap backward (DeepSpeed's "
@@ -347,8 +356,7 @@ def _default(settings: Settings, units, machine: Machine, budgets: Budgets, mode
         return default_plan(units, device=machine.device, settings=settings, budgets=budgets)
     req = _request(settings, budgets, machine)
     acts = act_planner(model, req, machine.device)
-    k = DEFAULT_PREFETCH if settings.prefetch_depth is None else settings.prefetch_depth
-    q = DEFAULT_OPTIM_PREFETCH if settings.optim_prefetch_depth is None else settings.optim_prefetch_depth
+    k, q = prefetch_depth(settings), optim_prefetch_depth(settings)
     shape = plan_shape(settings)
     stream = streaming_plan(units, device=machine.device, prefetch_depth=k, optim_prefetch_depth=q, **shape)
     left = budgets.device_bytes - peak_bytes(stream)[0]
@@ -408,7 +416,7 @@ def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
     stream_dev = dev is None and settings.offload_params
     stream_host = host is None and settings.offload_optimizer
     if stream_dev or stream_host:
-        k = DEFAULT_PREFETCH if settings.prefetch_depth is None else settings.prefetch_depth
+        k = prefetch_depth(settings)
         need_dev, need_host, q = _streaming_need(settings, units, m, k)
         if settings.optim_prefetch_depth is None and stream_host:
             settings = settings.model_copy(update={"optim_prefetch_depth": q})
@@ -476,6 +484,8 @@ def check_plan(plan: Plan, units: Sequence[UnitSpec], device: str, settings: Set
         accumulate_grads=settings.accumulate_grads or plan.accumulate_grads,
         deferred_update=settings.deferred_update or plan.deferred_update,
     )
+    if plan.speculative:  # (the runtime reads Plan.clipping: whether a speculative step may be redone)
+        want["clipping"] = clipping(settings)
     for k, v in want.items():
         if getattr(plan, k) != v:
             raise PlanError(f"plan.{k} is {getattr(plan, k)!r} but the settings need {v!r}")

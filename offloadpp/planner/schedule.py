@@ -50,7 +50,7 @@ class Schedule:
     prefetch_depth: int  # k: alive[i] spans visits i..i+k
     next_keep: frozenset[str]  # updated weights kept in memory for the next forward (see Note)
     keep_until_update: frozenset[str]  # weights (== master) kept from an early backward use to the update
-    optim_window: int  # q: state of updates i..i+q is read ahead
+    optim_prefetch_depth: int  # q: state of updates i..i+q is read ahead
     peak_device_bytes: int  # runtime buffers on the device (weights, one unit's grads)
     peak_host_bytes: int  # runtime buffers in host memory, resident arrays included
     absorb_order: tuple[str, ...] = ()  # units in the order their gradients complete (backward)
@@ -68,7 +68,7 @@ class Schedule:
     def window_at(self, submitted: int) -> tuple[str, ...]:
         """Units whose optimizer state is wanted once `submitted` updates were handed out."""
         n = len(self.update_order)
-        return self.update_order[max(0, submitted - 1) : min(n, submitted + self.optim_window + 1)]
+        return self.update_order[max(0, submitted - 1) : min(n, submitted + self.optim_prefetch_depth + 1)]
 
 
 def flush_rank(key: str) -> int:
@@ -157,7 +157,7 @@ def structure(plan: Plan) -> Schedule:
         next_keep=alive[0] | (alive[1] if n > 1 else frozenset()),
         spec_next_keep=(alive[0] | (alive[1] if n > 1 else frozenset())) if plan.speculative else frozenset(),
         keep_until_update=keep_until_update,
-        optim_window=plan.optim_prefetch_depth,
+        optim_prefetch_depth=plan.optim_prefetch_depth,
         peak_device_bytes=0,
         peak_host_bytes=0,
         forward_index=forward_index,
@@ -393,7 +393,7 @@ def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
     alias = _alias(plan)
     specs = {u.name: u for u in plan.units}
     first_backward = len(sched.forward_index)
-    absorb, q = sched.absorb_order, sched.optim_window
+    absorb, q = sched.absorb_order, sched.optim_prefetch_depth
     keep = set(sched.update_order[: q + 1]) if plan.clipping else set()  # (no clipping: no redo)
     out = []
     for v in sched.visits[first_backward:]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Optional
 
 from . import simulate_pending as pending
 from .decide import lazy_applies
@@ -37,7 +37,7 @@ from .desim import Fifo, Pool, Ssd, done_by
 from .plan import DTYPE_BYTES, Plan
 from .ranks import RankLink
 from .schedule import Schedule, build_schedule, flush_rank
-from .simulate_act import ActReplay
+from .simulate_act import ActReplay, ActWork
 from .simulate_dp import dp_grads, dp_unit
 from .simulate_units import LOADING, NEXT, OPTIM, WRITE, CudaWeights, Job, Slot, Unit, _late
 
@@ -60,9 +60,9 @@ class Costs:
 
 class Sim:
     def __init__(self, plan: Plan, costs: Costs, ssd: Ssd, h2d: Fifo, d2h: Fifo, *, micro_batches: int,
-                 act_policies: Optional[Mapping[str, str]] = None, act_bytes: Optional[Mapping[str, int]] = None,
-                 act_prefetch_units: int = 2, act_inputs: Optional[Mapping[str, int]] = None,
-                 link: Optional[RankLink] = None):  # fmt: skip
+                 acts: Optional[ActWork] = None, link: Optional[RankLink] = None):  # fmt: skip
+        """acts: what the activation replay is given (simulate_act.ActWork; None: nothing to replay)."""
+        acts = acts if acts is not None else ActWork()
         self.plan, self.costs = plan, costs
         self.ssd, self.h2d, self.d2h = ssd, h2d, d2h
         self.dp = plan.ranks > 1
@@ -87,7 +87,7 @@ class Sim:
         self.deferred = plan.deferred_update
         # a speculative plan's steps validate: the replay is of a step whose speculation commits
         self.speculating = plan.deferred_update and plan.speculative
-        self.q = self.sched.optim_window
+        self.optim_prefetch_depth = self.sched.optim_prefetch_depth
         # deferred updates applied at each unit's next visit, in forward order (simulate_pending)
         self.lazy = lazy_applies(plan)
         fwd = self.sched.forward_index
@@ -117,8 +117,8 @@ class Sim:
         self.marks: list[dict] = []  # per step: times of its phases
         self.adam_busy_s = 0.0
         self.compute_busy_s = 0.0
-        self.act = ActReplay(self, act_policies or {}, act_bytes or {}, act_prefetch_units,
-                             budgets.activation_bytes if budgets is not None else None, act_inputs)  # fmt: skip
+        self.act = ActReplay(self, acts.policies, acts.saved_bytes, acts.prefetch_units,
+                             budgets.activation_bytes if budgets is not None else None, acts.inputs)  # fmt: skip
 
     def helpers(self) -> list[Iterator]:
         """The replay's other threads: the optimizer's worker, and the activation mover if any."""
@@ -190,9 +190,9 @@ class Sim:
         self.first_micro, self.boundary = first, boundary
         self.absorb_cursor = self.update_cursor = self.absorbed = self.submitted = 0
         if not any(u.pending for u in self.lazy_order):  # (else at begin_backward)
-            yield from self.advance_absorb(self.q + 1)
+            yield from self.advance_absorb(self.optim_prefetch_depth + 1)
         if boundary and not self.deferred:
-            yield from self.advance_update(self.q + 1)
+            yield from self.advance_update(self.optim_prefetch_depth + 1)
 
     def advance_absorb(self, upto: int) -> Iterator:
         while self.absorb_cursor < min(upto, len(self.order)):
@@ -208,13 +208,13 @@ class Sim:
         a window sliding over the order gradients complete in; updates applied at the next
         visit: none, the pending ones are done first)."""
         yield from pending.complete_pending(self)
-        yield from self.advance_absorb(self.q + 1)
+        yield from self.advance_absorb(self.optim_prefetch_depth + 1)
         if self.lazy:
             return
         if self.speculating:
-            yield from self.advance_update(self.q + 1, order=self.order, sliding=True)
+            yield from self.advance_update(self.optim_prefetch_depth + 1, order=self.order, sliding=True)
         else:
-            yield from self.advance_update(self.q + 1)
+            yield from self.advance_update(self.optim_prefetch_depth + 1)
 
     def advance_update(self, upto: int, with_grads: bool = False, order: Optional[list] = None,
                        sliding: bool = False) -> Iterator:  # fmt: skip
@@ -292,7 +292,7 @@ class Sim:
             yield from self.advance_update(idx + 1)
             yield from self.fill_update(job, u, rate)
             self.submitted += 1
-            yield from self.advance_update(self.submitted + self.q + 1)
+            yield from self.advance_update(self.submitted + self.optim_prefetch_depth + 1)
             self.submit(job)
             return
         if self.dp:
@@ -301,7 +301,7 @@ class Sim:
         sliding = self.speculating and self.boundary
         spec = sliding and u.can_speculate
         # the deferred window's: gradients held (applied at the next visit: its first units')
-        kept = (self.lazy_index if self.lazy else self.update_index)[u.name] < self.q + 1
+        kept = (self.lazy_index if self.lazy else self.update_index)[u.name] < self.optim_prefetch_depth + 1
         redo = self.plan.clipping  # a speculative step may be redone: its gradients are kept
         if sliding:
             yield from self.advance_update(idx + 1, order=self.order, sliding=True)
@@ -333,7 +333,7 @@ class Sim:
             yield from self.advance_update(idx + 1)
             yield from self.fill_update(job, u, rate)
             self.submitted += 1
-            yield from self.advance_update(self.submitted + self.q + 1)
+            yield from self.advance_update(self.submitted + self.optim_prefetch_depth + 1)
         elif spec:
             yield from self.fill_update(job, u, rate)
             job.speculative = True
@@ -348,14 +348,16 @@ class Sim:
         self.add_before(job, u.grads)
         self.submit(job)
         self.absorbed += 1
-        yield from self.advance_absorb(self.absorbed + self.q + 1)
+        yield from self.advance_absorb(self.absorbed + self.optim_prefetch_depth + 1)
         if sliding:
             yield from self.slide()
 
     def slide(self) -> Iterator:
         """optimizer._slide: a speculating window moves on as a unit is handed out."""
         self.submitted += 1
-        yield from self.advance_update(self.submitted + self.q + 1, order=self.order, sliding=True)
+        yield from self.advance_update(
+            self.submitted + self.optim_prefetch_depth + 1, order=self.order, sliding=True
+        )
 
     def fill_update(self, job: Job, u: Unit, rate: float, direct: bool = False) -> Iterator:
         job.update = True
@@ -437,9 +439,9 @@ class Sim:
         todo = [u for u in self.update_order if not u.speculated]
         self.update_cursor = 0
         for i, u in enumerate(todo):
-            yield from self.advance_update(i + self.q + 1, with_grads=True, order=todo)
+            yield from self.advance_update(i + self.optim_prefetch_depth + 1, with_grads=True, order=todo)
             job = Job(u, defer_writes=i == len(todo) - 1)
-            job.defer_moments = self.q + 1 >= len(self.update_order)
+            job.defer_moments = self.optim_prefetch_depth + 1 >= len(self.update_order)
             yield from self.fill_update(job, u, self.costs.adam_tail_rate)
             self.submit(job)
             self.submitted += 1

@@ -28,7 +28,7 @@ saved tensor there).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
 from .activations import CHECKPOINT_SWAPS, recomputes
@@ -47,6 +47,18 @@ class _Out:
     copy_done: Optional[float] = None
     write_done: When = None
     back: bool = False  # fetched back: its bytes are on the device again
+
+
+@dataclass(frozen=True)
+class ActWork:
+    """What the activation replay is given (Sim passes it on): each unit's policy, the bytes its
+    forward saves, its checkpoint's (its inputs'), and how many units ahead swapped activations
+    are fetched back."""
+
+    policies: Mapping[str, str] = field(default_factory=dict)
+    saved_bytes: Mapping[str, int] = field(default_factory=dict)
+    inputs: Mapping[str, int] = field(default_factory=dict)
+    prefetch_units: int = 2
 
 
 class ActReplay:

@@ -123,7 +123,7 @@ def dp_grads(sim, job, u, idx: int, rate: float) -> Iterator:
             yield from sim.advance_update(idx + 1)
             yield from sim.fill_update(job, u, rate)
             sim.submitted += 1
-            yield from sim.advance_update(sim.submitted + sim.q + 1)
+            yield from sim.advance_update(sim.submitted + sim.optim_prefetch_depth + 1)
         elif sim.update_index[u.name] < sim.update_cursor:
             job.keep_grads = True
         elif u.grads.stored:
@@ -132,7 +132,7 @@ def dp_grads(sim, job, u, idx: int, rate: float) -> Iterator:
         job.writes.append(u.accum)
     sim.submit(job)
     sim.absorbed += 1
-    yield from sim.advance_absorb(sim.absorbed + sim.q + 1)
+    yield from sim.advance_absorb(sim.absorbed + sim.optim_prefetch_depth + 1)
 
 
 __all__ = ["GatherWeights", "dp_grads", "dp_unit"]

@@ -40,7 +40,7 @@ def apply_pending(sim, names) -> Iterator:
         if u.pending:
             yield from _submit(sim, u)
     if last >= 0 or sim.lazy_submitted:
-        yield from _read(sim, sim.lazy_submitted + sim.q + 1)
+        yield from _read(sim, sim.lazy_submitted + sim.optim_prefetch_depth + 1)
 
 
 def _submit(sim, u) -> Iterator:

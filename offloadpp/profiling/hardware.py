@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence
 
 from offloadpp.io.measure import median_time as _median_time
@@ -67,6 +68,15 @@ def measure_dirs(
     cfg = IOConfig(block_size_bytes=block_size_bytes, queue_depth=queue_depth)
     with _scratch_store(dirs, cfg, weights) as store:
         return measure_store(store, total_bytes=total_bytes, tensor_bytes=tensor_bytes, repeats=repeats)
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What keeps the CPU busy beside a probe (_Spinner): matmuls of these shapes, and the fused
+    Adam on `adam_threads` threads (0: none)."""
+
+    gemms: Sequence[tuple[int, int, int]] = DEFAULT_GEMMS
+    adam_threads: int = 0
 
 
 class _Spinner:
@@ -129,16 +139,14 @@ def measure_mixed_ssd(
     tensor_bytes: int = 16 << 20,
     total_bytes: int = 256 << 20,
     repeats: int = 3,
-    busy: bool = False,
-    gemms: Sequence[tuple[int, int, int]] = DEFAULT_GEMMS,
-    adam_threads: int = 0,
+    busy: Optional[Busy] = None,
     weights: Optional[Sequence[float]] = None,
 ) -> float:
     """GB/s of reads and writes together (half the bytes each, requests interleaved), as the
     runtime's steady state has them: the next units' state read while the last ones' is written.
-    `busy`: with matmuls running on another thread meanwhile, and with `adam_threads` the fused
-    Adam on one more, as a training step keeps the CPU busy beside its I/O (on the CPU device the
-    I/O thread then competes for the cores with both)."""
+    `busy`: with its matmuls running on another thread meanwhile, and with its `adam_threads` the
+    fused Adam on one more, as a training step keeps the CPU busy beside its I/O (on the CPU
+    device the I/O thread then competes for the cores with both)."""
     import torch
 
     from offloadpp.io import IOConfig, aligned_empty
@@ -156,8 +164,8 @@ def measure_mixed_ssd(
         def mixed() -> None:
             _mixed_round(store, bufs, count, "probe")
 
-        if busy:
-            with _Spinner(gemms, adam_threads):
+        if busy is not None:
+            with _Spinner(busy.gemms, busy.adam_threads):
                 t = _median_time(mixed, repeats)
         else:
             t = _median_time(mixed, repeats)
@@ -498,8 +506,8 @@ def profile_hardware(
     mixed = measure_mixed_ssd(dirs, total_bytes=total_bytes, weights=weights)
     mixed_busy = 0.0
     if not torch.cuda.is_available():
-        mixed_busy = measure_mixed_ssd(dirs, total_bytes=total_bytes, busy=True, gemms=gemms,
-                                       adam_threads=adam_threads, repeats=5, weights=weights)  # fmt: skip
+        mixed_busy = measure_mixed_ssd(dirs, total_bytes=total_bytes, busy=Busy(gemms, adam_threads), repeats=5,
+                                       weights=weights)  # fmt: skip
     say(
         f"SSD reads and writes together: {mixed:.2f} GB/s"
         + (f", {mixed_busy:.2f} GB/s while computing" if mixed_busy else "")

@@ -14,7 +14,7 @@ only after the event of the copy that read it (the pool's `after`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -90,6 +90,27 @@ class Device:
 
     def compute_stream(self):
         return torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
+
+
+class Weights(Protocol):
+    """A unit's weights on the device, as the executor and the optimizer use them: held from the
+    visit that fetches them (acquire; pump moves a fetch on), ready before a visit binds them (wait:
+    the device tensor), given back after (release), and brought up to date after an update
+    (refresh). CpuWeights (the compute slot's own buffer), CudaWeights (a device copy) and
+    sharded.GatheredWeights (all-gathered from every rank's shard) are the three kinds."""
+
+    @property
+    def state(self) -> SlotState: ...
+
+    def acquire(self) -> None: ...
+
+    def pump(self) -> None: ...
+
+    def wait(self) -> torch.Tensor: ...
+
+    def release(self) -> None: ...
+
+    def refresh(self) -> None: ...
 
 
 class CpuWeights:

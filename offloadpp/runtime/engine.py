@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import weakref
+from dataclasses import replace
 from typing import Callable, Optional
 
 import psutil
@@ -34,6 +35,7 @@ from offloadpp.io import SwapDirLock, TensorStore, aligned_empty, measure_ssd, r
 from offloadpp.optim import AdamHyper, default_num_threads
 from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes, io_settings, walk_peaks
 from offloadpp.planner.cost import StepEstimate
+from offloadpp.planner.decide import adam_threads
 from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
 
@@ -43,7 +45,7 @@ from .activations.manager import ActivationManager
 from .config import RuntimeConfig, StepReport
 from .device import Device
 from .distributed import DataParallel, rank_dirs
-from .executor import Executor, ParamRef
+from .executor import Executor
 from .lifetime import close_at_exit, closed
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
@@ -126,6 +128,8 @@ class OffloadEngine(StepTransaction, StepAccounting):
         layouts = layout_units(model, find_units(model, s.units))
         specs = shard_units([lay.spec() for lay in layouts], dp.world if dp else 1)  # one rank's
         check_plan(plan, specs, self.device.kind, s)
+        if plan.adam_threads is None:  # a plan made without the resolve stage (tests, benchmarks)
+            plan = replace(plan, adam_threads=adam_threads(s, default_num_threads()))
         self.plan = plan
         self.predicted = predicted
         self.schedule = build_schedule(self.plan)
@@ -165,33 +169,49 @@ class OffloadEngine(StepTransaction, StepAccounting):
         return io_settings.applied(self.config.io, self.plan)
 
     def _setup(self, model, layouts, init_fn, meta: bool, progress: bool) -> None:
-        c, s, dev, budgets = self.config, self.settings, self.device, self.plan.budgets
+        self._build_pools()
+        self._build_units(layouts)
+        modules = dict(model.named_modules())
+        self._initialize_weights(model, modules, init_fn, meta, progress)
+        self._build_step(model, modules)
+        self._measure_floor()
+        self._start_counting()
+        self._closed = False
+        log.info("%s", self.plan.describe())
+
+    def _build_pools(self) -> None:
+        """The buffer pools, each held to its budget (runtime/memory.py)."""
+        budgets = self.plan.budgets
         # the device budget less the saved activations' part (Budgets.buffer_bytes)
         self.device_pool = BufferPool(
             "device", budgets.buffer_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
         )
         self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
-        if dev.is_cuda:
-            dev.budget_bytes = budgets.buffer_bytes
+        if self.device.is_cuda:
+            self.device.budget_bytes = budgets.buffer_bytes
         # a speculative plan's budgets hold a speculating step; a step that defers (it clips)
         # is paced to what the plan's deferred walk holds (runtime/memory.py, the pace Note)
         self.deferred_pace = walk_peaks(self.plan, self.schedule, "base") if self.plan.speculative else None
+
+    def _build_units(self, layouts) -> None:
+        """A Unit per layout (over ranks a ShardedUnit: this rank's shards), its slots in the pools."""
         self.txn = Txn()  # open while a step's updates may run during backward (slots.py, generations)
         unit_cls = functools.partial(ShardedUnit, dp=self.dp) if self.dp is not None else Unit
         self.units = [
             unit_cls(
                 lay,
-                p,
                 self.plan,
-                dev,
+                self.device,
                 self.store,
                 device_pool=self.device_pool,
                 host_pool=self.host_pool,
                 txn=self.txn,
             )  # fmt: skip
-            for lay, p in zip(layouts, self.plan.placements)
+            for lay in layouts
         ]
-        modules = dict(model.named_modules())
+
+    def _initialize_weights(self, model, modules, init_fn, meta: bool, progress: bool) -> None:
+        """The first weights into the store: the model's own, a checkpoint's, or init_fn's (meta)."""
         source = getattr(model, "_offloadpp_source", None)
         if meta and init_fn is None:
             init_fn = default_init_fn(model)
@@ -205,71 +225,47 @@ class OffloadEngine(StepTransaction, StepAccounting):
             log.warning("offloadpp: %d parameters were not in %s and were initialised: %s", len(missing),
                         source.folder, ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))  # fmt: skip
         self.store.wait_all()
-        by_name = {u.name: u for u in self.units}
+
+    def _build_step(self, model, modules) -> None:
+        """What runs a step: the optimizer pipeline, the executor's hooks (given the pipeline),
+        the activation manager's, the exporter's, the fp16 loss scaler."""
+        s, dev = self.settings, self.device
         pipeline = functools.partial(ShardedOptimizerPipeline, dp=self.dp) if self.dp else OptimizerPipeline
         self.optimizer = pipeline(
-            [by_name[n] for n in self.schedule.absorb_order],
-            update_order=[by_name[n] for n in self.schedule.update_order],
-            optim_window=self.schedule.optim_window,
-            next_keep=self.schedule.next_keep,
-            spec_next_keep=self.schedule.spec_next_keep,
-            hypers=self.hypers,
-            store=self.store,
-            host_pool=self.host_pool,
-            device=dev,
-            deferred=s.deferred_update,
-            separate_weights=self.plan.separate_weights,
-            threads=s.adam_threads or default_num_threads(),
-            redo=s.gradient_clipping > 0,
-            lazy_order=[
-                by_name[n] for n in sorted(self.schedule.forward_index, key=self.schedule.forward_index.get)
-            ],
-            lazy=not dev.is_cuda and self.dp is None,  # (runtime/pending.py: where it applies)
+            self.units, self.schedule, self.plan, self.hypers, self.store, self.host_pool, dev
         )
         self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
-        self.executor = Executor(self.schedule, self.units, self._grads_complete)
-        self.executor.before_visit = self.optimizer.reap
-        self.executor.updates_pending = lambda: self.optimizer.boundary
-        self.executor.after_first_fetches = self.optimizer.flush_writes
-        self.executor.before_fetch = self.optimizer.apply_pending
-        self.executor.before_bind = self.optimizer.wait_pending
-        if self.optimizer.lazy and not self.plan.separate_weights:
-            self.executor.keep_across = self.schedule.next_keep
-            # (a speculating step keeps spec_next_keep after its updates, as before)
-            self.executor.keeps_across = lambda: self.optimizer.boundary and not self.optimizer.speculating
+        self.executor = Executor(self.schedule, self.units, self.optimizer)
         self.executor.install(modules)
         self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
             [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],
-            s.activations.model_copy(update={"budget_bytes": budgets.activation_bytes}),
+            s.activations.model_copy(update={"budget_bytes": self.plan.budgets.activation_bytes}),
             store=self.store.tagged("activations"),
             device=dev.torch_device,
             policies=self.plan.activations or ("keep",) * len(self.units),  # (): the plan keeps them all
             model=model,
-            param_pack=self.executor.pack,
-            param_unpack=self.executor.unpack,
-            param_handle=ParamRef,
+            params=self.executor,
         )
         self.activations.install()
         self.exporter = Exporter(self.units, self._quiesce)
         self.exporter.install(model, modules)
-        self.loss_scaler = None
-        if s.compute_dtype == "fp16":
-            ls = s.loss_scaling
-            self.loss_scaler = LossScaler(
-                static_scale=ls.loss_scale,
-                initial_power=ls.initial_scale_power,
-                window=ls.loss_scale_window,
-                hysteresis=ls.hysteresis,
-                min_scale=ls.min_loss_scale,
-                consecutive=ls.consecutive_hysteresis,
-            )
+        self.loss_scaler = LossScaler(s.loss_scaling) if s.compute_dtype == "fp16" else None
+
+    def _measure_floor(self) -> None:
+        """The SSD's rates (and the ranks' link) for each step's floor: as configured, else measured."""
+        c = self.config
         if c.ssd_read_gbps and c.ssd_write_gbps:
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps, c.ssd_write_gbps
         else:
             r, w = measure_ssd(self.store)
             self.ssd_read_gbps, self.ssd_write_gbps = c.ssd_read_gbps or r, c.ssd_write_gbps or w
         # the ranks' link, for the floor: as configured, else measured now (every rank at once)
-        self.link_gbps = (s.collective_gbps or self.dp.measure_gbps()) if self.dp is not None else None
+        self.link_gbps = (
+            (self.settings.collective_gbps or self.dp.measure_gbps()) if self.dp is not None else None
+        )
+
+    def _start_counting(self) -> None:
+        """The step's counters and the state of the accumulation window, at the first step."""
         self.global_step = 0  # optimizer steps taken (skipped fp16 steps do not count)
         self.micro_in_window = 0
         self._boundary_override: Optional[bool] = None  # set_boundary, for the current micro-batch
@@ -277,10 +273,10 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self._failed: Optional[BaseException] = None  # a step that could not complete nor roll back
         self._aborted = False  # a step was interrupted (its errors were raised then)
         self._window_steps: list[list[int]] = [list(u.steps) for u in self.units]
-        self.speculation = SpeculationPolicy(s.speculate, self.plan.speculative, s.gradient_clipping > 0)
+        self.speculation = SpeculationPolicy(
+            self.settings.speculate, self.plan.speculative, self.plan.clipping
+        )
         self._reset_step_counters()
-        self._closed = False
-        log.info("%s", self.plan.describe())
 
     # ---- training ---------------------------------------------------------------------------
     def _boundary(self) -> bool:
@@ -355,16 +351,13 @@ class OffloadEngine(StepTransaction, StepAccounting):
                 (loss * scale if scale != 1.0 else loss).backward()
                 for u in self.optimizer.order:  # units some of whose parameters got no gradient
                     if u.phase not in (UnitPhase.GRADS_READY, UnitPhase.UPDATING, UnitPhase.UPDATED):
-                        self._grads_complete(u)
+                        self.optimizer.on_grads(u)
             self.executor.end_backward()
             self.activations.end_backward()
         except BaseException:
             self._abort_step()
             raise
         self._bwd_s += time.perf_counter() - t0
-
-    def _grads_complete(self, u: Unit) -> None:
-        self.optimizer.on_grads(u)
 
     def step(self) -> Optional[StepReport]:
         """Waits for the optimizer. On an accumulation boundary returns the StepReport."""
@@ -389,7 +382,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         # step is complete and counted, then raised. (A speculating step is a transaction to its end.)
         try:
             with holding_interrupts() as interrupted, record_function("offloadpp::optimizer_wait"):
-                if self.settings.deferred_update:
+                if self.plan.deferred_update:
                     steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
                     outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
                                              max_norm=self.settings.gradient_clipping, steps=steps,
@@ -568,11 +561,9 @@ class OffloadEngine(StepTransaction, StepAccounting):
         dtype unless given; max_shard_bytes: export.DEFAULT_SHARD_BYTES unless given. Between steps."""
         self._check_open()
         dtype = dtype or TORCH_DTYPES[self.settings.compute_dtype]
-        return export.export_weights(self.units, self.module, save_dir, dtype, filename=filename,
-                                     max_shard_bytes=max_shard_bytes or export.DEFAULT_SHARD_BYTES,
-                                     exclude_frozen=exclude_frozen,
-                                     before=self._quiesce, progress=progress,
-                                     write=self.dp is None or self.dp.rank == 0)  # fmt: skip
+        fmt = export.ExportFormat(dtype, filename, max_shard_bytes, exclude_frozen)
+        return export.export_weights(self.units, self.module, save_dir, fmt, before=self._quiesce,
+                                     progress=progress, write=self.dp is None or self.dp.rank == 0)  # fmt: skip
 
     def disk_bytes(self) -> int:
         """Bytes the swap files occupy."""

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from offloadpp.planner import Schedule
 
+from .optimizer import OptimizerPipeline
 from .slots import Hold
 from .unit import Unit, UnitPhase, UnitStateError
 
@@ -65,11 +66,17 @@ def _param_hook(executor: Executor, unit: str):
 
 
 class Executor:
-    def __init__(self, schedule: Schedule, units: list[Unit], on_grads_complete):
+    handle = ParamRef  # what pack returns for a saved weight (the activation manager's `params`)
+
+    def __init__(self, schedule: Schedule, units: list[Unit], optimizer: OptimizerPipeline):
+        """optimizer: what the hooks hand each unit's complete gradients to (on_grads), and ask
+        at each visit: reap finished jobs, start the pending updates of units about to be fetched
+        and finish a unit's before its weights are bound (runtime/pending.py), start the queued
+        writes once the first fetches are issued, whether this backward ends in an update."""
         self.schedule = schedule
         self.units = units
         self._by_name = {u.name: u for u in units}
-        self._on_grads_complete = on_grads_complete
+        self.optimizer = optimizer
         self.cursor = -1
         self.in_backward = False
         self.held: list[Unit] = []  # units with a COMPUTE hold on their weights
@@ -78,17 +85,11 @@ class Executor:
         self.misses = 0
         self._warned_order = False
         self._in_root_forward = False  # inside a forward of the whole model (root module hooks)
-        self.before_visit = None  # callback: the optimizer reaps finished jobs
-        self.updates_pending = lambda: False  # callback: this backward ends in an update
-        self.after_first_fetches = None  # callback: the optimizer starts its queued writes
-        # callbacks: the pending updates of units about to be fetched start (their names), and a
-        # unit's is done before its weights are bound (runtime/pending.py)
-        self.before_fetch = None
-        self.before_bind = None
         # units whose weights (== master) backward leaves held for the next forward, where that
         # forward applies their pending update (runtime/pending.py's Note on memory)
-        self.keep_across: frozenset = frozenset()
-        self.keeps_across = lambda: False  # callback: this backward's updates are left pending
+        self.keep_across: frozenset = (
+            schedule.next_keep if optimizer.lazy and not optimizer.separate else frozenset()
+        )
         # Per visit, the units `alive` holds, in the order they are needed (units the schedule
         # keeps between two uses last: they are held already).
         self._fetch_order = []
@@ -140,16 +141,16 @@ class Executor:
     def enter(self, i: int) -> None:
         """Visit i starts: hold alive[i] (fetching what is new), bind what visit i needs."""
         t_enter = time.perf_counter()
-        if self.before_visit is not None:
-            self.before_visit()
+        self.optimizer.reap()
         v = self.schedule.visits[i]
         want = self.schedule.alive[i]
         with record_function("offloadpp::fetch"):
             for u in list(self.held):
                 if u.name not in want:
                     self._drop(u)
-            if self.before_fetch is not None:  # (after the drops: its buffers are the fetch's)
-                self.before_fetch(self._fetch_order[i])
+            self.optimizer.apply_pending(
+                self._fetch_order[i]
+            )  # (after the drops: its buffers are the fetch's)
             for name in self._fetch_order[i]:
                 u = self._by_name[name]
                 if all(u is not h for h in self.held):
@@ -157,10 +158,8 @@ class Executor:
                     self.held.append(u)
             for u in self.held:
                 u.weights.pump()
-        if self.after_first_fetches is not None and (
-            self.in_backward or i >= min(self.schedule.prefetch_depth, self.schedule.num_forward - 1)
-        ):
-            self.after_first_fetches()
+        if self.in_backward or i >= min(self.schedule.prefetch_depth, self.schedule.num_forward - 1):
+            self.optimizer.flush_writes()
         # The updated weights kept for this forward (schedule.next_keep): held now by the
         # schedule, or from their first holding visit on (not needed before).
         for name, t in self.schedule.next_keep_until.items() if not self.in_backward else ():
@@ -175,8 +174,7 @@ class Executor:
 
     def _bind(self, u: Unit) -> None:
         if not u.bound:
-            if self.before_bind is not None:
-                self.before_bind(u)
+            self.optimizer.wait_pending(u)
             u.bind()
             start, end = u.flat_range()
             self.bound.append((start, end, u))
@@ -186,10 +184,12 @@ class Executor:
             self.in_backward
             and u.name in self.schedule.keep_until_update
             and u.phase not in (UnitPhase.UPDATING, UnitPhase.UPDATED)
-            and self.updates_pending()
+            and self.optimizer.boundary  # (this backward ends in an update)
         ):
             u.master.acquire(Hold.OPTIM)  # == its weights: its update needs them (schedule.py)
-        if self.in_backward and u.name in self.keep_across and self.keeps_across():
+        # (a speculating step keeps spec_next_keep after its updates, as before)
+        opt = self.optimizer
+        if self.in_backward and u.name in self.keep_across and opt.boundary and not opt.speculating:
             u.compute.acquire(Hold.NEXT)  # (released as the next forward first holds it)
         if u.bound:
             u.unbind()
@@ -298,7 +298,7 @@ class Executor:
     def _on_param_grad(self, u: Unit, param) -> None:
         u.grads_pending -= 1
         if u.grads_pending == 0:
-            self._on_grads_complete(u)
+            self.optimizer.on_grads(u)
 
     # ---- saved tensors -------------------------------------------------------------------
     def pack(self, t: torch.Tensor):

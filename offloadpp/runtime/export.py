@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -55,24 +56,35 @@ def _writer(path: str, filename: str, decl: list, direct: bool):
     return TorchSaveWriter(path, decl, direct=direct)
 
 
+@dataclass(frozen=True)
+class ExportFormat:
+    """What an export writes: the weights in `dtype`, as safetensors or (another file name)
+    torch.save's format, in shards of at most max_shard_bytes (None: DEFAULT_SHARD_BYTES at the
+    time of the export), without the frozen parameters if asked; direct=False: through the page
+    cache rather than O_DIRECT (io/direct_writer.py; for the benchmark's side-by-side)."""
+
+    dtype: torch.dtype
+    filename: str = "model.safetensors"
+    max_shard_bytes: Optional[int] = None
+    exclude_frozen: bool = False
+    direct: bool = True
+
+
 def export_weights(
     units: list[Unit],
     model: nn.Module,
     save_dir: str,
-    dtype: torch.dtype,
+    fmt: ExportFormat,
     *,
-    filename: str = "model.safetensors",
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    exclude_frozen: bool = False,
     before: Optional[Callable[[], None]] = None,
     progress: bool = False,
     write: bool = True,
-    direct: bool = True,
 ) -> list[str]:
-    """Writes the weights to save_dir (see the module Note); returns the files written.
-    direct=False: through the page cache rather than O_DIRECT (io/direct_writer.py; for the
-    benchmark's side-by-side). write=False: over several ranks, a rank other than the writer's, which takes part in
+    """Writes the weights to save_dir in `fmt` (see the module Note); returns the files written.
+    write=False: over several ranks, a rank other than the writer's, which takes part in
     gathering each unit's master (in the writer's order) and writes nothing."""
+    dtype, filename, exclude_frozen, direct = fmt.dtype, fmt.filename, fmt.exclude_frozen, fmt.direct
+    max_shard_bytes = fmt.max_shard_bytes or DEFAULT_SHARD_BYTES
     if before is not None:
         before()  # the optimizer quiet: the masters are final
     owner = {}

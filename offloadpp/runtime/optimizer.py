@@ -46,7 +46,9 @@ import torch
 from torch.autograd.profiler import record_function
 
 from offloadpp.optim import AdamHyper
-from offloadpp.planner.schedule import flush_rank
+from offloadpp.planner.decide import lazy_runtime
+from offloadpp.planner.plan import Plan
+from offloadpp.planner.schedule import Schedule, flush_rank
 
 from .device import CudaEventWaitable, Device
 from .jobs import _Done, _Job, _late, _work, _yield_to_compute
@@ -59,39 +61,35 @@ from .unit import Unit, UnitPhase
 class OptimizerPipeline(PendingUpdates):
     def __init__(
         self,
-        order: list[Unit],
-        *,
-        update_order: Optional[list[Unit]] = None,
-        optim_window: int,
-        next_keep: frozenset,
-        spec_next_keep: frozenset = frozenset(),
+        units: list[Unit],
+        schedule: Schedule,
+        plan: Plan,
         hypers: tuple[AdamHyper, ...],
         store,
         host_pool: BufferPool,
         device: Device,
-        deferred: bool,
-        separate_weights: bool,
-        threads: int,
-        redo: bool = False,
-        lazy_order: Optional[list[Unit]] = None,
-        lazy: bool = False,
     ):
-        """redo: a speculative step may be redone (gradient clipping): it keeps its gradients until
-        validated. lazy: a deferred step's updates are applied at each unit's next visit, in
-        lazy_order (forward order; runtime/pending.py)."""
-        self.order = order  # the order gradients complete in (backward)
-        self.update_order = update_order if update_order is not None else order
-        self.q = optim_window
-        self.next_keep = next_keep
-        self.spec_next_keep = spec_next_keep  # what a speculative update keeps (schedule.spec_next_keep)
+        """units: the engine's, in forward order; the orders, the read-ahead and what is kept
+        after an update are the schedule's, the rest the plan's decisions: deferred updates,
+        a redo of a speculative step that clips (Plan.clipping: it keeps its gradients until
+        validated), updates applied at each unit's next visit in forward order (decide.lazy_runtime,
+        runtime/pending.py), the Adam threads."""
+        by_name = {u.name: u for u in units}
+        self.order = [by_name[n] for n in schedule.absorb_order]  # the order gradients complete in (backward)
+        self.update_order = [by_name[n] for n in schedule.update_order]
+        self.optim_prefetch_depth = schedule.optim_prefetch_depth
+        self.next_keep = schedule.next_keep
+        self.spec_next_keep = schedule.spec_next_keep  # what a speculative update keeps
         self.hypers = hypers  # one per param group; Unit.groups says which each parameter takes
         self.store = store
         self.host_pool = host_pool
         self.device = device
-        self.deferred = deferred
-        self.separate = separate_weights
-        self.redo = redo
-        self.threads = threads
+        self.deferred = plan.deferred_update
+        self.separate = plan.separate_weights
+        self.redo = plan.clipping
+        if plan.adam_threads is None:
+            raise ValueError("the plan has no adam_threads (OffloadEngine fills them: decide.adam_threads)")
+        threads = self.threads = plan.adam_threads
         self.tail_threads = max(threads, len(os.sched_getaffinity(0)))
         self._worker = ThreadPoolExecutor(
             1, thread_name_prefix="offloadpp-adam", initializer=None if device.is_cuda else _yield_to_compute
@@ -115,8 +113,9 @@ class OptimizerPipeline(PendingUpdates):
         self._submitted = 0
         self.adam_s = 0.0
         self.absorb_s = 0.0
-        self.lazy = lazy and deferred
-        self._init_pending(lazy_order if lazy_order is not None else self.order)
+        self.lazy = lazy_runtime(plan) and self.deferred
+        fwd = schedule.forward_index
+        self._init_pending([by_name[n] for n in sorted(fwd, key=fwd.get)])
 
     # ---- the window ----------------------------------------------------------------------
     def begin_micro(
@@ -133,9 +132,9 @@ class OptimizerPipeline(PendingUpdates):
             for u in self.order:
                 u.start_window()
         if not self.pending:  # (else at begin_backward: the pending updates read the gradients first)
-            self._advance_absorb(self.q + 1)
+            self._advance_absorb(self.optim_prefetch_depth + 1)
         if boundary and not self.deferred:
-            self._advance_update(self.q + 1)
+            self._advance_update(self.optim_prefetch_depth + 1)
 
     def set_boundary(self, boundary: bool) -> None:
         """The micro-batch whose forward began as (not) the end of the window turns out otherwise
@@ -148,7 +147,7 @@ class OptimizerPipeline(PendingUpdates):
         if self.deferred:
             return  # a deferred update's state is read from begin_backward on
         if boundary:
-            self._advance_update(self.q + 1)
+            self._advance_update(self.optim_prefetch_depth + 1)
             return
         for u in self.update_order[: self._update_cursor]:
             for s in (u.master, u.exp_avg, u.exp_avg_sq):
@@ -164,19 +163,19 @@ class OptimizerPipeline(PendingUpdates):
         reads find the writes done and still have all of backward to complete in.
         """
         self.complete_pending()
-        self._advance_absorb(self.q + 1)
+        self._advance_absorb(self.optim_prefetch_depth + 1)
         if self.lazy and not self.speculating:
             # applied at the next forward's visits (pending.py): the gradients kept in memory are
             # those of its first units, whose state that forward reads first; none is read now
-            self._kept = frozenset(u.name for u in self.lazy_order[: self.q + 1])
+            self._kept = frozenset(u.name for u in self.lazy_order[: self.optim_prefetch_depth + 1])
             return
-        self._kept = frozenset(u.name for u in self.update_order[: self.q + 1])
+        self._kept = frozenset(u.name for u in self.update_order[: self.optim_prefetch_depth + 1])
         if self.boundary and self.speculating:
             # the window slides over the order gradients complete in, as where updates are not
             # deferred (schedule._speculative_holds)
-            self._advance_update(self.q + 1, order=self.order, sliding=True)
+            self._advance_update(self.optim_prefetch_depth + 1, order=self.order, sliding=True)
         elif self.boundary and self.deferred:
-            self._advance_update(self.q + 1)
+            self._advance_update(self.optim_prefetch_depth + 1)
 
     def _advance_absorb(self, upto: int) -> None:
         while self._absorb_cursor < min(upto, len(self.order)):
@@ -224,7 +223,7 @@ class OptimizerPipeline(PendingUpdates):
             self._advance_update(idx + 1)
             self._fill_update(job, u, clip_coef=1.0, grad_scale=1.0, direct=grads)
             self._submitted += 1
-            self._advance_update(self._submitted + self.q + 1)
+            self._advance_update(self._submitted + self.optim_prefetch_depth + 1)
             self._submit(job)
             return
         speculate = self.speculating and u.can_speculate
@@ -261,7 +260,7 @@ class OptimizerPipeline(PendingUpdates):
             self._advance_update(idx + 1)
             self._fill_update(job, u, clip_coef=1.0, grad_scale=1.0)
             self._submitted += 1
-            self._advance_update(self._submitted + self.q + 1)
+            self._advance_update(self._submitted + self.optim_prefetch_depth + 1)
         elif speculate:
             self._speculate(job, u, kept=kept)
         elif self.deferred and self.boundary:
@@ -275,14 +274,14 @@ class OptimizerPipeline(PendingUpdates):
         self._add_before(job, u.grads)
         self._submit(job)
         self._absorbed += 1
-        self._advance_absorb(self._absorbed + self.q + 1)
+        self._advance_absorb(self._absorbed + self.optim_prefetch_depth + 1)
         if self.speculating:
             self._slide()
 
     def _slide(self) -> None:
         """A speculating window: one more unit handed out, the state window moves on."""
         self._submitted += 1
-        self._advance_update(self._submitted + self.q + 1, order=self.order, sliding=True)
+        self._advance_update(self._submitted + self.optim_prefetch_depth + 1, order=self.order, sliding=True)
 
     def _speculate(self, job: _Job, u: Unit, *, kept: bool, direct: Optional[list] = None) -> None:
         """The unit's update with the raw gradients, its norm taken in the same pass; its writes
@@ -389,13 +388,13 @@ class OptimizerPipeline(PendingUpdates):
         todo = [u for u in self.update_order if not u.speculated]
         self._update_cursor = 0  # state of the first units is held already; now their grads too
         for i, u in enumerate(todo):
-            self._advance_update(i + self.q + 1, with_grads=True, order=todo)
+            self._advance_update(i + self.optim_prefetch_depth + 1, with_grads=True, order=todo)
             job = _Job(u, before=[], threads=self.tail_threads)
             job.defer_writes = i == len(todo) - 1
             # Note: with every unit's state in the window (q covers them all) the moments stay
             # held anyway until the last update; their writes then wait for flush_writes, so
             # the masters, which the next forward reads back, are not queued behind them.
-            job.defer_moments = self.q + 1 >= len(self.update_order)
+            job.defer_moments = self.optim_prefetch_depth + 1 >= len(self.update_order)
             if u.held_grads is not None:  # kept where autograd left them (a redo of the last unit)
                 self._fill_update(job, u, clip_coef=clip_coef, grad_scale=grad_scale, direct=u.held_grads)
             else:

@@ -113,7 +113,7 @@ class PendingUpdates:
             if u.pending is not None:
                 self._submit_pending(u)
         if last >= 0 or self._lazy_submitted:
-            self._lazy_read(self._lazy_submitted + self.q + 1)
+            self._lazy_read(self._lazy_submitted + self.optim_prefetch_depth + 1)
 
     def _submit_pending(self, u: Unit) -> None:
         self._lazy_read(self._lazy_submitted)  # (its own state, if the window had not reached it)

@@ -1,34 +1,29 @@
 """fp16 loss scaling with DeepSpeed's semantics (its DynamicLossScaler).
 
 On overflow the step is skipped; the scale is halved once `hysteresis` overflows were seen since
-the hysteresis was last restored, never below min_scale; after `window` steps without overflow it
-doubles (the window counts the clean steps before the current one, as DeepSpeed 0.19.8
-does). The hysteresis is restored when the scale grows, or, with `consecutive`, after every
-clean step. An overflow at the minimum scale is an error, as in DeepSpeed. A static scale
+the hysteresis was last restored, never below min_loss_scale; after `loss_scale_window` steps
+without overflow it doubles (the window counts the clean steps before the current one, as
+DeepSpeed 0.19.8 does). The hysteresis is restored when the scale grows, or, with
+`consecutive_hysteresis`, after every clean step. An overflow at the minimum scale is an error, as in DeepSpeed. A static scale
 (loss_scale > 0) never changes.
 """
 
 from __future__ import annotations
 
+from offloadpp.planner.spec import LossScaling
+
 
 class LossScaler:
-    def __init__(
-        self,
-        *,
-        static_scale: float,
-        initial_power: int,
-        window: int,
-        hysteresis: int,
-        min_scale: float,
-        consecutive: bool = False,
-    ):
-        self.dynamic = static_scale == 0
-        self.scale = float(2**initial_power) if self.dynamic else float(static_scale)
-        self.window = window
-        self.hysteresis = hysteresis
-        self.min_scale = min_scale
-        self.consecutive = consecutive
-        self._cur_hysteresis = hysteresis
+    def __init__(self, settings: LossScaling):
+        """settings: the run's loss scaling (Settings.loss_scaling), read as it is named there."""
+        self.settings = settings
+        self.dynamic = settings.loss_scale == 0
+        self.scale = float(2**settings.initial_scale_power) if self.dynamic else float(settings.loss_scale)
+        self.window = settings.loss_scale_window
+        self.hysteresis = settings.hysteresis
+        self.min_scale = settings.min_loss_scale
+        self.consecutive = settings.consecutive_hysteresis
+        self._cur_hysteresis = settings.hysteresis
         self._iter = 0
         self._last_overflow = -1
 

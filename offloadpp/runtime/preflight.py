@@ -12,8 +12,6 @@ import uuid
 from typing import Sequence
 
 from offloadpp.planner import Plan, fmt_bytes
-from offloadpp.planner.plan import SSD_SPACE_MARGIN as SPACE_MARGIN
-from offloadpp.planner.plan import SSD_SPACE_MARGIN_BYTES as SPACE_MARGIN_BYTES
 
 
 class PreflightError(RuntimeError):
@@ -44,18 +42,13 @@ def check_nvme_paths(paths: Sequence[str], probe: bool = True) -> None:
                 pass
 
 
-def ssd_footprint_bytes(plan: Plan) -> int:
-    """Bytes the run keeps on SSD (Plan.ssd_footprint_bytes)."""
-    return plan.ssd_footprint_bytes()
-
-
 def check_free_space(paths: Sequence[str], plan: Plan, existing_bytes: int = 0) -> None:
-    """What the run keeps on SSD (ssd_footprint_bytes), spread evenly over the paths, must fit
+    """What the run keeps on SSD (Plan.ssd_need_bytes), spread evenly over the paths, must fit
     the free space of each filesystem (paths on one filesystem share its free space)."""
-    need_total = ssd_footprint_bytes(plan)
+    need_total = plan.ssd_footprint_bytes()
     if need_total == 0:
         return
-    per_path = need_total / len(paths) * SPACE_MARGIN + SPACE_MARGIN_BYTES
+    per_path = plan.ssd_need_bytes(len(paths)) / len(paths)
     by_fs: dict[int, list[str]] = {}
     for p in paths:
         by_fs.setdefault(os.stat(p).st_dev, []).append(p)

@@ -18,33 +18,27 @@ gradient on any rank is updated on all, as torch.optim updates a parameter whose
 
 from __future__ import annotations
 
-import enum
 from typing import Optional
 
 import torch
 
 from offloadpp.optim import convert_
-from offloadpp.planner import Placement, Plan, Tier
+from offloadpp.planner import Plan, Tier
 
 from .device import CudaEventWaitable, Device
 from .distributed import DataParallel
 from .memory import BufferPool
 from .partition import UnitLayout
-from .slots import Hold, Slot, Txn, tagged
+from .slots import Hold, Slot, SlotState, Txn, tagged
 from .state import fill_unit
 from .unit import Unit
-
-
-class _State(enum.Enum):
-    EMPTY = "empty"
-    LOADING = "loading"  # the gather is in flight on the fetch channel
-    READY = "ready"
 
 
 class GatheredWeights:
     """A unit's whole weights on the device, gathered from every rank's shard of its compute
     copy (`source`, this rank's, read from its home). resident: the full buffer lives for the
-    run and the optimizer's worker gathers it again after each update (ShardedOptimizerPipeline)."""
+    run and the optimizer's worker gathers it again after each update (ShardedOptimizerPipeline).
+    A device.Weights; LOADING: the gather is in flight on the fetch channel."""
 
     def __init__(self, unit: ShardedUnit, source: Slot, device: Device, pool: BufferPool, dp: DataParallel,
                  *, resident: bool):  # fmt: skip
@@ -55,13 +49,13 @@ class GatheredWeights:
         self.dp = dp
         self.resident = resident
         self.tensor: Optional[torch.Tensor] = None
-        self.state = _State.EMPTY
+        self.state = SlotState.EMPTY
         self._fut = None
         self._event = None  # CUDA: recorded after the gather, on the h2d stream
 
     # ---- the executor's interface (CpuWeights / CudaWeights) -----------------------------------
     def acquire(self) -> None:
-        if self.state is not _State.EMPTY:
+        if self.state is not SlotState.EMPTY:
             return
         self.source.acquire(Hold.COMPUTE)
         self.tensor = self._alloc()
@@ -70,15 +64,15 @@ class GatheredWeights:
             self.source.buffer,
         )  # (read here: the slot is the main thread's)
         self._fut = self.dp.fetch.submit(self._gather, read, shard, self.tensor)
-        self.state = _State.LOADING
+        self.state = SlotState.LOADING
 
     def pump(self) -> None:
         pass  # the fetch channel issues each gather as soon as its shard is read
 
     def wait(self) -> torch.Tensor:
-        if self.state is _State.EMPTY:
+        if self.state is SlotState.EMPTY:
             raise RuntimeError(f"{self.source.key}: gathered weights waited on before being fetched")
-        if self.state is _State.LOADING:
+        if self.state is SlotState.LOADING:
             self._settle()
         if self.device.is_cuda:
             stream = self.device.compute_stream()
@@ -88,12 +82,12 @@ class GatheredWeights:
         return self.tensor
 
     def release(self) -> None:
-        if self.resident or self.state is _State.EMPTY:
+        if self.resident or self.state is SlotState.EMPTY:
             return
-        if self.state is _State.LOADING:
+        if self.state is SlotState.LOADING:
             self._settle()  # a buffer under a collective in flight is not given back
         self._free()
-        self.state = _State.EMPTY
+        self.state = SlotState.EMPTY
 
     def refresh(self) -> None:
         pass  # the worker gathers a resident unit after its update, in its place in the job order
@@ -123,7 +117,7 @@ class GatheredWeights:
         self._fut = None
         self.source.wait()  # (its read is done: this only records it)
         self.source.release(Hold.COMPUTE, after=(self.last_copy,))
-        self.state = _State.READY
+        self.state = SlotState.READY
 
     def _gather(self, read, shard: torch.Tensor, full: torch.Tensor):
         """On the fetch channel's thread: this rank's shard into place, then every other's."""
@@ -135,7 +129,7 @@ class GatheredWeights:
         """Setup of a resident unit: its whole compute weights, already complete on every rank."""
         self.tensor = self._alloc()
         self.tensor.copy_(full)
-        self.state = _State.READY
+        self.state = SlotState.READY
 
 
 def place_and_gather(u: ShardedUnit, shard: torch.Tensor, full: torch.Tensor, dp: DataParallel, device: Device,
@@ -160,10 +154,10 @@ def place_and_gather(u: ShardedUnit, shard: torch.Tensor, full: torch.Tensor, dp
 class ShardedUnit(Unit):
     """A Unit whose master, moments and compute copy are this rank's shard (module Note)."""
 
-    def __init__(self, layout: UnitLayout, placement: Placement, plan: Plan, device: Device, store, *,
+    def __init__(self, layout: UnitLayout, plan: Plan, device: Device, store, *,
                  device_pool: BufferPool, host_pool: BufferPool, txn: Optional[Txn] = None,
                  dp: DataParallel):  # fmt: skip
-        self._init_common(layout, placement, plan, device)
+        placement = self._init_common(layout, plan, device)
         if plan.ranks != dp.world:
             raise ValueError(f"the plan is for {plan.ranks} ranks, the run has {dp.world}")
         self.dp = dp

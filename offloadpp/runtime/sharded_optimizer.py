@@ -100,7 +100,7 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
                 self._advance_update(idx + 1)
                 self._fill_update(job, u, clip_coef=1.0, grad_scale=1.0)
                 self._submitted += 1
-                self._advance_update(self._submitted + self.q + 1)
+                self._advance_update(self._submitted + self.optim_prefetch_depth + 1)
             elif any(u is w for w in self.update_order[: self._update_cursor]):
                 job.keep_grads = True  # its update is among the first after backward
             elif u.grads.stored:
@@ -109,7 +109,7 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
             job.writes.append((acc, acc.buffer, acc.write_generation()))
         self._submit(job)
         self._absorbed += 1
-        self._advance_absorb(self._absorbed + self.q + 1)
+        self._advance_absorb(self._absorbed + self.optim_prefetch_depth + 1)
 
     def _fill_update(self, job: _Job, u: ShardedUnit, *, clip_coef: float, grad_scale: float,
                      direct: Optional[list] = None, norm: bool = False) -> None:  # fmt: skip

@@ -22,7 +22,7 @@ class StepTransaction:
         """A new accumulation window: its updates may run during backward (not deferred, or
         speculative), so the slots' writes go to a new generation until the step commits
         (slots.py). The last step's pending updates are that step's: done before it opens."""
-        active = not self.settings.deferred_update or self.speculation.speculating
+        active = not self.plan.deferred_update or self.speculation.speculating
         if active:
             self.optimizer.complete_pending()
         self.txn.active = active

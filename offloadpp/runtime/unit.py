@@ -15,7 +15,7 @@ from torch import nn
 
 from offloadpp.planner import Placement, Plan, Tier, flat_numel
 
-from .device import CpuWeights, CudaWeights, Device
+from .device import CpuWeights, CudaWeights, Device, Weights
 from .memory import BufferPool
 from .partition import ParamSlot, UnitLayout
 from .slots import Hold, Slot, Txn, tagged
@@ -40,7 +40,6 @@ class Unit:
     def __init__(
         self,
         layout: UnitLayout,
-        placement: Placement,
         plan: Plan,
         device: Device,
         store,
@@ -49,7 +48,8 @@ class Unit:
         host_pool: BufferPool,
         txn: Optional[Txn] = None,
     ):
-        self._init_common(layout, placement, plan, device)
+        """The unit `layout` lays out, placed where the plan says."""
+        placement = self._init_common(layout, plan, device)
         self.padded_numel = flat_numel(self.numel)
         cpu = not device.is_cuda
         alias = not plan.separate_weights
@@ -87,6 +87,7 @@ class Unit:
         self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool)
         self.grads = slot("grads", torch.float32, host_pool, transactional=False)
         self.grads_persist = plan.persistent_grads
+        self.weights: Weights
         if device.is_cuda:
             self.weights = CudaWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)
         else:
@@ -96,11 +97,12 @@ class Unit:
         # updated in place, and so is a compute copy with no home).
         self.can_speculate = all(s.stored for s in self.slots if s.txn is not None)
 
-    def _init_common(self, layout: UnitLayout, placement: Placement, plan: Plan, device: Device) -> None:
-        """What every unit has, however its arrays are laid out (runtime/sharded.py: over ranks)."""
+    def _init_common(self, layout: UnitLayout, plan: Plan, device: Device) -> Placement:
+        """What every unit has, however its arrays are laid out (runtime/sharded.py: over ranks).
+        Returns the unit's placement in the plan."""
         self.name = layout.unit.name
         self.layout = layout
-        self.placement = placement
+        self.placement = placement = plan.placement(self.name)
         self.device = device
         self.params: list[tuple[nn.Parameter, ParamSlot]] = layout.params
         self.numel = layout.numel
@@ -117,6 +119,7 @@ class Unit:
         self.pending = None  # a deferred update to apply at the next visit (runtime/pending.py)
         self.bound = False
         self._flat: Optional[torch.Tensor] = None  # device weights the params view, when bound
+        return placement
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {self.phase.value}, bound={self.bound})"

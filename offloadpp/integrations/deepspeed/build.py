@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -342,9 +343,22 @@ def _optimizer_for(ds_config, model, optimizer, model_parameters) -> tuple[Offlo
         raise OffloadppConfigError(str(e)) from None
 
 
-def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, optimizer=None, model_parameters=None,
-                 training_data=None, lr_scheduler=None, collate_fn=None, dist_init_required=None,
+@dataclass(eq=False, frozen=True)
+class Given:
+    """What the caller of initialize gave besides the config (deepspeed.initialize's arguments)."""
+
+    model: torch.nn.Module
+    optimizer: Any = None
+    model_parameters: Any = None
+    training_data: Any = None
+    lr_scheduler: Any = None
+    collate_fn: Any = None
+
+
+def build_engine(ds_dict: dict, block: OffloadppBlock, given: Given, *, dist_init_required=None,
                  distributed_port=None):  # fmt: skip
+    model, optimizer, model_parameters = given.model, given.optimizer, given.model_parameters
+    training_data, lr_scheduler, collate_fn = given.training_data, given.lr_scheduler, given.collate_fn
     from offloadpp.assemble import assemble_engine
     from offloadpp.integrations.deepspeed.engine import OffloadppEngine
 
@@ -357,7 +371,7 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, optimizer=None,
             "ranks (sequence or model parallel sizes): offloadpp trains data-parallel over every rank only"
         )
     _check_model(model)
-    opt, client = _optimizer_for(ds_config, model, optimizer, model_parameters)
+    opt, _ = _optimizer_for(ds_config, model, optimizer, model_parameters)  # (opt.client: the caller's own)
     groups = opt.groups_by_name(model)
     for name, p in model.named_parameters():
         if p.requires_grad and name not in groups:
@@ -373,7 +387,7 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, *, model, optimizer=None,
         scheduler = _scheduler(ds_config, opt, lr_scheduler)
         loader = _dataloader(ds_config, training_data, collate_fn, rank=rank, world=world)
         engine = OffloadppEngine(runtime, ds_dict, ds_config, opt, groups=groups, lr_scheduler=scheduler,
-                                 training_dataloader=loader, collate_fn=collate_fn, client_optimizer=client)  # fmt: skip
+                                 training_dataloader=loader, collate_fn=collate_fn)  # fmt: skip
     except BaseException:
         runtime.close()
         raise

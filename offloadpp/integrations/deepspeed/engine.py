@@ -37,8 +37,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class OffloadppEngine(DeepSpeedEngine):
     def __init__(self, runtime, config: dict, ds_config, optimizer: OffloadppOptimizer, *,
-                 groups: dict, lr_scheduler=None, training_dataloader=None, collate_fn=None,
-                 client_optimizer=None):  # fmt: skip
+                 groups: dict, lr_scheduler=None, training_dataloader=None, collate_fn=None):  # fmt: skip
         torch.nn.Module.__init__(self)
         self._modules["module"] = runtime.module  # nn.Module's methods see the model as a child
         self.__dict__["module"] = runtime.module
@@ -46,7 +45,7 @@ class OffloadppEngine(DeepSpeedEngine):
         self.config = config  # the config dict, as DeepSpeedEngine.config (Trainer reads it)
         self._config = ds_config  # DeepSpeed's parsed DeepSpeedConfig: the inherited getters read it
         self.optimizer = self.basic_optimizer = optimizer
-        self.client_optimizer = client_optimizer
+        self.client_optimizer = optimizer.client  # the caller's own optimizer, if it gave one
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.collate_fn = collate_fn

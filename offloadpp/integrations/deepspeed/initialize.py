@@ -82,17 +82,13 @@ def initialize(
             "partitions the optimizer state over data-parallel ranks only (every rank holds the whole model's "
             "compute and a shard of its state)"
         )
-    from offloadpp.integrations.deepspeed.build import build_engine
+    from offloadpp.integrations.deepspeed.build import Given, build_engine
 
+    given = Given(model, optimizer, model_parameters, training_data, lr_scheduler, collate_fn)
     return build_engine(
         ds_dict,
         parse_block(ds_dict),
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
-        collate_fn=collate_fn,
+        given,
         dist_init_required=dist_init_required,
         distributed_port=distributed_port,
     )

@@ -143,6 +143,7 @@ class OffloadppOptimizer(torch.optim.Optimizer):
                 g.setdefault("adamw_mode", defaults.adamw_mode)
             self.param_groups = client.param_groups
         self._adamw = defaults.adamw_mode
+        self.client = client  # the caller's own optimizer, when it gave one (the engine's client_optimizer)
         self.overflow = False  # the last step was skipped (fp16 overflow); Accelerate reads it
         self.hypers()  # every group checked now, at initialize
 

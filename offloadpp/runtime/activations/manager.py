@@ -35,7 +35,7 @@ import functools
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -136,13 +136,12 @@ class ActivationManager:
         device: torch.device | str = "cpu",
         policies: Optional[Sequence[str]] = None,
         model: Optional[nn.Module] = None,
-        param_pack: Optional[Callable] = None,
-        param_unpack: Optional[Callable] = None,
-        param_handle: Optional[type] = None,
+        params=None,
     ):
         """units: (name, root modules) in forward order. policies: one per unit, overriding the
-        config's (a Plan's). param_pack/unpack/handle: the runtime's own saved-parameter hooks,
-        tried first (it knows which weights are bound and fetches them for backward)."""
+        config's (a Plan's). params: the runtime's own saved-parameter hooks (the executor: its
+        `pack`, `unpack` and the `handle` type pack returns), tried first (it knows which weights
+        are bound and fetches them for backward)."""
         names = [n for n, _ in units]
         unknown = sorted(set(config.overrides) - set(names))
         if unknown:
@@ -171,7 +170,7 @@ class ActivationManager:
         self.outside = UnitActivations("(outside units)", (), ActPolicy.KEEP)
         self._all = ParamIndex()
         self._model = model
-        self._ext = (param_pack, param_unpack, param_handle) if param_pack is not None else None
+        self._ext = (params.pack, params.unpack, params.handle) if params is not None else None
         self.swapper = Swapper(self.device, store, key_prefix=key_prefix, host_budget_bytes=None)
         self._handles: list = []
         self._order: list[UnitActivations] = []
