@@ -17,6 +17,7 @@ import torch
 from offloadpp import _C
 from offloadpp.optim import (
     AdamHyper,
+    AdamStep,
     adam_step_flat,
     adam_step_pieces,
     all_finite,
@@ -76,7 +77,7 @@ def test_fp32_matches_torch(simd, n, adamw):
     hyper = AdamHyper(lr=1e-2, weight_decay=wd, adamw_mode=adamw)
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     for step, g in enumerate(grads, 1):
-        assert adam_step_flat(p, g, m, v, step=step, hyper=hyper) is True
+        assert adam_step_flat(p, g, m, v, AdamStep(step=step, hyper=hyper)) is True
     assert rel_max_diff(p, ref) <= 1e-6
     assert rel_max_diff(m, ref_state["exp_avg"]) <= 1e-6
     assert rel_max_diff(v, ref_state["exp_avg_sq"]) <= 1e-6
@@ -92,7 +93,7 @@ def test_no_bias_correction_and_betas():
     m, v = torch.zeros(n), torch.zeros(n)
     for step in range(1, 6):
         g = torch.randn(n, generator=gen)
-        adam_step_flat(p, g, m, v, step=step, hyper=h)
+        adam_step_flat(p, g, m, v, AdamStep(step=step, hyper=h))
         g64 = g.double()
         p64 = p64 * (1 - h.lr * h.weight_decay)
         m64 = h.beta1 * m64 + (1 - h.beta1) * g64
@@ -122,12 +123,8 @@ def test_variants_threads_and_tails_bit_identical(n, monkeypatch):
                     g,
                     m,
                     v,
-                    step=step,
-                    hyper=h,
+                    AdamStep(step=step, hyper=h, grad_scale=4.0, clip_coef=0.7, num_threads=threads),
                     half_out=out,
-                    grad_scale=4.0,
-                    clip_coef=0.7,
-                    num_threads=threads,
                 )
             results.append((level, threads, [bits(t).clone() for t in (p, m, v, out)]))
     base = results[0][2]
@@ -171,7 +168,7 @@ def test_half_params(simd, dtype, gdtype, n):
     p0, grads, ref = half_case(dtype, gdtype, n)
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     for step, g in enumerate(grads, 1):
-        adam_step_flat(p, g, m, v, step=step, hyper=AdamHyper())
+        adam_step_flat(p, g, m, v, AdamStep(step=step, hyper=AdamHyper()))
     # DeepSpeed's tolerance (tests/unit/ops/adam/test_cpu_adam.py): param norms within 1% ...
     tol = p.float().norm().item() * 1e-2
     assert abs(p.float().norm().item() - ref.float().norm().item()) <= tol
@@ -191,9 +188,9 @@ def test_half_states(simd, dtype):
     mb, vb = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
     for step in range(1, 11):
         g = torch.randn(n, generator=gen).to(dtype)
-        adam_step_flat(pa, g, ma, va, step=step, hyper=AdamHyper())
+        adam_step_flat(pa, g, ma, va, AdamStep(step=step, hyper=AdamHyper()))
         adam_step_flat(
-            pb, g, mb, vb, step=step, hyper=AdamHyper(eps=1e-4 if dtype == torch.float16 else 1e-8)
+            pb, g, mb, vb, AdamStep(step=step, hyper=AdamHyper(eps=1e-4 if dtype == torch.float16 else 1e-8))
         )
     assert abs(pa.float().norm() - pb.float().norm()) <= pa.float().norm() * 5e-2
 
@@ -205,7 +202,7 @@ def test_half_out_is_rounded_updated_params(simd, out_dtype):
     p = torch.randn(n, generator=gen) * 100
     m, v = torch.zeros(n), torch.zeros(n)
     out = torch.full((n,), float("nan"), dtype=out_dtype)
-    adam_step_flat(p, torch.randn(n, generator=gen), m, v, step=1, hyper=AdamHyper(), half_out=out)
+    adam_step_flat(p, torch.randn(n, generator=gen), m, v, AdamStep(step=1, hyper=AdamHyper()), half_out=out)
     assert torch.equal(bits(out), bits(p.to(out_dtype)))
 
 
@@ -217,7 +214,7 @@ def test_half_out_streamed_and_unaligned():
     m, v = torch.zeros(n), torch.zeros(n)
     buf = torch.empty(n + 1, dtype=torch.bfloat16)
     out = buf[1:]
-    adam_step_flat(p, torch.randn(n, generator=gen), m, v, step=1, hyper=AdamHyper(), half_out=out)
+    adam_step_flat(p, torch.randn(n, generator=gen), m, v, AdamStep(step=1, hyper=AdamHyper()), half_out=out)
     assert torch.equal(bits(out), bits(p.to(torch.bfloat16)))
 
 
@@ -230,9 +227,9 @@ def test_grad_scale_and_clip_coef_equal_prescaled_grads(simd):
     a, b = p0.clone(), p0.clone()
     ma, va, mb, vb = (torch.zeros(n) for _ in range(4))
     h = AdamHyper(weight_decay=0.1)
-    adam_step_flat(a, g, ma, va, step=1, hyper=h, grad_scale=scale, clip_coef=clip)
+    adam_step_flat(a, g, ma, va, AdamStep(step=1, hyper=h, grad_scale=scale, clip_coef=clip))
     # Power-of-two factors: pre-scaling is exact, so results are bit-identical.
-    adam_step_flat(b, g * (clip / scale), mb, vb, step=1, hyper=h)
+    adam_step_flat(b, g * (clip / scale), mb, vb, AdamStep(step=1, hyper=h))
     assert torch.equal(a, b) and torch.equal(ma, mb) and torch.equal(va, vb)
 
 
@@ -248,12 +245,12 @@ def test_check_finite_skips_update(simd, gdtype, bad, where):
     m, v = torch.rand(n, generator=gen), torch.rand(n, generator=gen)
     out = torch.zeros(n, dtype=torch.bfloat16)
     before = [t.clone() for t in (p, m, v, out)]
-    ok = adam_step_flat(p, g, m, v, step=3, hyper=AdamHyper(), half_out=out, check_finite=True)
+    ok = adam_step_flat(p, g, m, v, AdamStep(step=3, hyper=AdamHyper()), half_out=out, check_finite=True)
     assert ok is False
     for a, b in zip((p, m, v, out), before):
         assert torch.equal(bits(a), bits(b))
     g[where] = 1.0
-    assert adam_step_flat(p, g, m, v, step=3, hyper=AdamHyper(), check_finite=True) is True
+    assert adam_step_flat(p, g, m, v, AdamStep(step=3, hyper=AdamHyper()), check_finite=True) is True
     assert not torch.equal(p, before[0])
 
 
@@ -261,7 +258,10 @@ def test_check_finite_sees_overflow_after_unscale():
     n = 1000
     p, g, m, v = torch.ones(n), torch.full((n,), 3e38), torch.zeros(n), torch.zeros(n)
     # 3e38 * 4 overflows fp32: the grads the update would use are not finite.
-    assert adam_step_flat(p, g, m, v, step=1, hyper=AdamHyper(), grad_scale=0.25, check_finite=True) is False
+    assert (
+        adam_step_flat(p, g, m, v, AdamStep(step=1, hyper=AdamHyper(), grad_scale=0.25), check_finite=True)
+        is False
+    )
     assert torch.equal(p, torch.ones(n))
 
 
@@ -316,21 +316,19 @@ def test_adam_step_pieces_takes_the_norm_as_squared_norm_does(simd, gdt, half):
     h = AdamHyper(lr=1e-2, weight_decay=0.1)
     p, m, v = p0.clone(), m0.clone(), v0.clone()
     out = torch.zeros(n, dtype=half) if half is not None else None
-    sq = adam_step_pieces(p, m, v, [(a, b, g) for (a, b), g in zip(cuts, grads)], step=4, hyper=h,
-                          clip_coef=0.5, grad_scale=2.0, half_out=out, num_threads=2)  # fmt: skip
+    sq = adam_step_pieces(p, m, v, [(a, b, g) for (a, b), g in zip(cuts, grads)], AdamStep(step=4, hyper=h, grad_scale=2.0, clip_coef=0.5, num_threads=2), half_out=out)  # fmt: skip
     assert sq == squared_norm(grads) and sq == squared_norm(grads, num_threads=1)
     want_p, want_m, want_v = p0.clone(), m0.clone(), v0.clone()
     want_out = torch.zeros(n, dtype=half) if half is not None else None
     for (a, b), g in zip(cuts, grads):
-        adam_step_flat(want_p[a:b], g, want_m[a:b], want_v[a:b], step=4, hyper=h, clip_coef=0.5, grad_scale=2.0,
-                       half_out=want_out[a:b] if half is not None else None, num_threads=1)  # fmt: skip
+        adam_step_flat(want_p[a:b], g, want_m[a:b], want_v[a:b], AdamStep(step=4, hyper=h, grad_scale=2.0, clip_coef=0.5, num_threads=1), half_out=want_out[a:b] if half is not None else None)  # fmt: skip
     assert torch.equal(p, want_p) and torch.equal(m, want_m) and torch.equal(v, want_v)
     assert torch.equal(p[70_004:90_000], p0[70_004:90_000])  # the gap is left alone
     if half is not None:
         assert torch.equal(out, want_out)
-    assert adam_step_pieces(p, m, v, [], step=5, hyper=h) == 0.0
+    assert adam_step_pieces(p, m, v, [], AdamStep(step=5, hyper=h)) == 0.0
     with pytest.raises(ValueError, match="pieces\\[0\\]"):
-        adam_step_pieces(p, m, v, [(0, 10, grads[0])], step=5, hyper=h)
+        adam_step_pieces(p, m, v, [(0, 10, grads[0])], AdamStep(step=5, hyper=h))
 
 
 def _f32_patterns() -> torch.Tensor:
@@ -422,7 +420,15 @@ def test_bad_input_names_the_argument():
         kw = dict(params=p, grads=g, exp_avg=m, exp_avg_sq=v, step=1, hyper=h)
         kw.update(change)
         with pytest.raises(ValueError, match=name):
-            adam_step_flat(kw.pop("params"), kw.pop("grads"), kw.pop("exp_avg"), kw.pop("exp_avg_sq"), **kw)
+            bufs = [kw.pop(k) for k in ("params", "grads", "exp_avg", "exp_avg_sq")]
+            how = AdamStep(
+                **{
+                    k: kw.pop(k)
+                    for k in ("step", "hyper", "grad_scale", "clip_coef", "num_threads")
+                    if k in kw
+                }
+            )
+            adam_step_flat(*bufs, how, **kw)
     with pytest.raises(ValueError, match="tensor"):
         squared_norm(torch.zeros(4, dtype=torch.float64))
 
@@ -449,7 +455,7 @@ def test_releases_the_gil():
     def work():
         span["t0"] = time.perf_counter()
         for step in range(1, 4):
-            adam_step_flat(p, g, m, v, step=step, hyper=AdamHyper(), num_threads=1)
+            adam_step_flat(p, g, m, v, AdamStep(step=step, hyper=AdamHyper(), num_threads=1))
         span["t1"] = time.perf_counter()
 
     t = threading.Thread(target=work)
@@ -481,14 +487,14 @@ def test_concurrent_calls_from_many_threads():
     for p0, g in inputs:
         p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
         for step in range(1, 4):
-            adam_step_flat(p, g, m, v, step=step, hyper=h, num_threads=1)
+            adam_step_flat(p, g, m, v, AdamStep(step=step, hyper=h, num_threads=1))
         want.append(p)
     got = [None] * len(inputs)
 
     def work(i):
         p, m, v = inputs[i][0].clone(), torch.zeros(n), torch.zeros(n)
         for step in range(1, 4):
-            adam_step_flat(p, inputs[i][1], m, v, step=step, hyper=h, num_threads=3)
+            adam_step_flat(p, inputs[i][1], m, v, AdamStep(step=step, hyper=h, num_threads=3))
         got[i] = p
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
@@ -509,7 +515,7 @@ def test_squared_norm_independent_of_threads():
 def _child_step(tensors, queue):
     # No torch ops here: torch's own OpenMP runtime is not fork-safe once its threads exist.
     p, g, m, v = tensors
-    adam_step_flat(p, g, m, v, step=1, hyper=AdamHyper(lr=0.5), num_threads=2)
+    adam_step_flat(p, g, m, v, AdamStep(step=1, hyper=AdamHyper(lr=0.5), num_threads=2))
     queue.put(float(p.numpy().astype("float64").sum()))
 
 
@@ -520,7 +526,9 @@ def test_works_in_a_forked_child():
     n = 200_000
     p, g, m, v = torch.ones(n), torch.ones(n), torch.zeros(n), torch.zeros(n)
     child_tensors = (torch.ones(n), torch.ones(n), torch.zeros(n), torch.zeros(n))
-    adam_step_flat(p, g, m, v, step=1, hyper=AdamHyper(lr=0.5), num_threads=2)  # pool threads exist now
+    adam_step_flat(
+        p, g, m, v, AdamStep(step=1, hyper=AdamHyper(lr=0.5), num_threads=2)
+    )  # pool threads exist now
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     child = ctx.Process(target=_child_step, args=(child_tensors, q))

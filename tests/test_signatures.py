@@ -21,12 +21,6 @@ MIRRORS = {
     "optim/cpu_adam.py:CPUAdam.__init__",  # deepspeed.ops.adam.DeepSpeedCPUAdam
 }
 
-# Wider than the rule when it was written, narrowed one by one (empty when the house step is done)
-TO_NARROW = {
-    "optim/kernels.py:adam_step_flat",
-    "optim/kernels.py:adam_step_pieces",
-}
-
 
 def _count(args: ast.arguments) -> int:
     names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
@@ -58,13 +52,11 @@ def test_no_signature_takes_more_than_eight_parameters():
     wide = [
         f"{name} (line {line}): {n}"
         for name, line, n in _signatures()
-        if n > MAX_PARAMS and name not in MIRRORS | TO_NARROW
+        if n > MAX_PARAMS and name not in MIRRORS
     ]
     assert not wide, "pass objects whole:\n" + "\n".join(wide)
 
 
-def test_the_exceptions_listed_exist_and_are_wide():
+def test_the_mirrors_listed_exist_and_are_wide():
     wide = {name for name, _, n in _signatures() if n > MAX_PARAMS}
-    assert MIRRORS | TO_NARROW <= wide, "no longer wide (drop it from the list): " + str(
-        (MIRRORS | TO_NARROW) - wide
-    )
+    assert MIRRORS <= wide, "no longer wide (drop it from the list): " + str((MIRRORS) - wide)

@@ -115,7 +115,14 @@ def _machine() -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from offloadpp.optim import AdamHyper, adam_step_flat, bandwidth_floor, default_num_threads, kernel_isa
+    from offloadpp.optim import (
+        AdamHyper,
+        AdamStep,
+        adam_step_flat,
+        bandwidth_floor,
+        default_num_threads,
+        kernel_isa,
+    )
 
     if args.repeats < 3:
         raise SystemExit("--repeats must be at least 3 (the table reports medians)")
@@ -147,11 +154,11 @@ def run(args: argparse.Namespace) -> int:
 
     def ours() -> None:
         step[0] += 1
-        adam_step_flat(p, g, m, v, step=step[0], hyper=hyper, num_threads=threads)
+        adam_step_flat(p, g, m, v, AdamStep(step=step[0], hyper=hyper, num_threads=threads))
 
     def ours_fused() -> None:
         step[0] += 1
-        adam_step_flat(p, g, m, v, step=step[0], hyper=hyper, half_out=out, num_threads=threads)
+        adam_step_flat(p, g, m, v, AdamStep(step=step[0], hyper=hyper, num_threads=threads), half_out=out)
 
     contenders += [
         Contender("memory floor (same traffic)", "fp32", BYTES_STEP,

@@ -133,13 +133,13 @@ def _measure_ssd(store, nbytes: int = 256 << 20) -> tuple[float, float]:
 def _adam_seconds(numel: int, threads: int) -> float:
     import torch
 
-    from offloadpp.optim import AdamHyper, adam_step_flat
+    from offloadpp.optim import AdamHyper, AdamStep, adam_step_flat
 
     bufs = [torch.full((numel,), 0.01) for _ in range(4)]
     times = []
     for step in range(1, 4):
         t0 = time.perf_counter()
-        adam_step_flat(*bufs, step=step, hyper=AdamHyper(lr=1e-4), num_threads=threads)
+        adam_step_flat(*bufs, AdamStep(step=step, hyper=AdamHyper(lr=1e-4), num_threads=threads))
         times.append(time.perf_counter() - t0)
     return min(times)
 

@@ -4,6 +4,7 @@ points the out-of-core optimizer streams state shards through."""
 from offloadpp.optim.cpu_adam import AMSGradNotSupportedError, CPUAdam
 from offloadpp.optim.hyper import AdamHyper
 from offloadpp.optim.kernels import (
+    AdamStep,
     adam_step_flat,
     adam_step_pieces,
     all_finite,
@@ -19,6 +20,7 @@ __all__ = [
     "CPUAdam",
     "AMSGradNotSupportedError",
     "AdamHyper",
+    "AdamStep",
     "adam_step_flat",
     "adam_step_pieces",
     "squared_norm",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -90,36 +91,51 @@ def _step(step) -> int:
     return int(step)
 
 
+@dataclass(frozen=True)
+class AdamStep:
+    """One Adam step as the kernels take it, besides the buffers: the step being taken (1 for the
+    first), the hyper-parameters, how the grads are scaled (``grad * clip_coef / grad_scale``),
+    and the threads it runs on (None: all cores). Checked by the kernel call."""
+
+    step: int
+    hyper: AdamHyper
+    grad_scale: float = 1.0
+    clip_coef: float = 1.0
+    num_threads: Optional[int] = None
+
+
+def _checked(how: AdamStep) -> tuple[int, float, int]:
+    """(step, clip_coef / grad_scale, threads) of `how`, each checked."""
+    if not isinstance(how, AdamStep):
+        raise ValueError(f"expected an AdamStep, got {type(how).__name__}")
+    if not isinstance(how.hyper, AdamHyper):
+        raise ValueError(f"hyper must be an AdamHyper, got {type(how.hyper).__name__}")
+    step = _step(how.step)
+    grad_scale = _scalar(how.grad_scale, "grad_scale", positive=True)
+    clip_coef = _scalar(how.clip_coef, "clip_coef")
+    return step, clip_coef / grad_scale, _threads(how.num_threads)
+
+
 def adam_step_flat(
     params: torch.Tensor,
     grads: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
+    how: AdamStep,
     *,
-    step: int,
-    hyper: AdamHyper,
-    grad_scale: float = 1.0,
-    clip_coef: float = 1.0,
     half_out: Optional[torch.Tensor] = None,
     check_finite: bool = False,
-    num_threads: Optional[int] = None,
 ) -> bool:
     """One fused Adam step, in place, over flat buffers (e.g. one shard of many parameters).
 
     params fp32/bf16/fp16; grads fp32/bf16/fp16; exp_avg and exp_avg_sq fp32 (or, with 16-bit
     params, the params' own dtype); all contiguous CPU tensors with the same number of elements.
-    Grads are used as ``grad * clip_coef / grad_scale``. ``half_out`` (bf16/fp16) receives a copy
-    of the updated params in the same pass. With ``check_finite``, the grads are scanned first
+    Grads are used as ``grad * clip_coef / grad_scale`` (`how`). ``half_out`` (bf16/fp16) receives a
+    copy of the updated params in the same pass. With ``check_finite``, the grads are scanned first
     (one extra read of them) and, if any is inf/nan, nothing is written and False is returned.
-    ``step`` is the step being taken (1 for the first). Runs on ``num_threads`` threads (default:
-    all cores) without the GIL.
+    Runs on ``how.num_threads`` threads (default: all cores) without the GIL.
     """
-    if not isinstance(hyper, AdamHyper):
-        raise ValueError(f"hyper must be an AdamHyper, got {type(hyper).__name__}")
-    step = _step(step)
-    grad_scale = _scalar(grad_scale, "grad_scale", positive=True)
-    clip_coef = _scalar(clip_coef, "clip_coef")
-    threads = _threads(num_threads)
+    step, coef, threads = _checked(how)
     check_tensor(params, "params", tuple(DTYPE_CODES))
     n = params.numel()
     check_tensor(grads, "grads", tuple(DTYPE_CODES), n)
@@ -140,9 +156,9 @@ def adam_step_flat(
             DTYPE_CODES[grads.dtype],
             DTYPE_CODES[exp_avg.dtype],
             out_code,
-            *hyper.kernel_args(),
+            *how.hyper.kernel_args(),
             step,
-            clip_coef / grad_scale,
+            coef,
             bool(check_finite),
             threads,
             -1,
@@ -155,13 +171,9 @@ def adam_step_pieces(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     pieces: Sequence[tuple[int, int, torch.Tensor]],
+    how: AdamStep,
     *,
-    step: int,
-    hyper: AdamHyper,
-    grad_scale: float = 1.0,
-    clip_coef: float = 1.0,
     half_out: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
 ) -> float:
     """One fused Adam step over the pieces ``(start, end, grad)`` of flat fp32 params and moments
     (``grad`` holds ``end - start`` elements, fp32/bf16/fp16, all of one dtype; the pieces need not
@@ -170,13 +182,8 @@ def adam_step_pieces(
     The sum is bit for bit ``squared_norm([g for _, _, g in pieces])`` (the same chunks and
     partial sums), and each updated element is bit for bit what ``adam_step_flat`` gives: a
     caller may take a norm one way and update the other. Grads are used as ``grad * clip_coef /
-    grad_scale``; ``half_out`` (bf16/fp16, as long as params) receives the updated values."""
-    if not isinstance(hyper, AdamHyper):
-        raise ValueError(f"hyper must be an AdamHyper, got {type(hyper).__name__}")
-    step = _step(step)
-    grad_scale = _scalar(grad_scale, "grad_scale", positive=True)
-    clip_coef = _scalar(clip_coef, "clip_coef")
-    threads = _threads(num_threads)
+    grad_scale`` (`how`); ``half_out`` (bf16/fp16, as long as params) receives the updated values."""
+    step, coef, threads = _checked(how)
     check_tensor(params, "params", (torch.float32,))
     n = params.numel()
     check_tensor(exp_avg, "exp_avg", (torch.float32,), n)
@@ -211,9 +218,9 @@ def adam_step_pieces(
             DTYPE_CODES[gdt],
             DTYPE_CODES[torch.float32],
             out_code,
-            *hyper.kernel_args(),
+            *how.hyper.kernel_args(),
             step,
-            clip_coef / grad_scale,
+            coef,
             threads,
             -1,
         )

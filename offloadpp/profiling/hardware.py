@@ -102,12 +102,12 @@ class _Spinner:
                 torch.mm(a, b)
 
     def _adam(self) -> None:
-        from offloadpp.optim import AdamHyper, adam_step_flat
+        from offloadpp.optim import AdamHyper, AdamStep, adam_step_flat
 
         hyper, step = AdamHyper(lr=1e-4), 0
         while not self.stop.is_set():
             step += 1
-            adam_step_flat(*self.bufs, step=step, hyper=hyper, num_threads=self.adam_threads)
+            adam_step_flat(*self.bufs, AdamStep(step=step, hyper=hyper, num_threads=self.adam_threads))
 
     def __enter__(self) -> _Spinner:
         for t in self.threads:
@@ -307,7 +307,7 @@ def measure_adam(numel: int = 4 << 20, threads: Sequence[int] = (1,), repeats: i
     """Parameters per second of adam_step_flat over fp32 params, grads and moments."""
     import torch
 
-    from offloadpp.optim import AdamHyper, adam_step_flat
+    from offloadpp.optim import AdamHyper, AdamStep, adam_step_flat
 
     bufs = [torch.full((numel,), 0.01) for _ in range(4)]
     hyper = AdamHyper(lr=1e-4)
@@ -317,7 +317,7 @@ def measure_adam(numel: int = 4 << 20, threads: Sequence[int] = (1,), repeats: i
 
         def once(t=t) -> None:
             step[0] += 1
-            adam_step_flat(*bufs, step=step[0], hyper=hyper, num_threads=t)
+            adam_step_flat(*bufs, AdamStep(step=step[0], hyper=hyper, num_threads=t))
 
         once()
         out[int(t)] = numel / _median_time(once, repeats)
@@ -334,7 +334,7 @@ def measure_contention(
     both at once (matmuls on this thread with torch's threads, Adam on a worker thread)."""
     import torch
 
-    from offloadpp.optim import AdamHyper, adam_step_flat
+    from offloadpp.optim import AdamHyper, AdamStep, adam_step_flat
 
     ops = [(torch.randn(m, k), torch.randn(k, n)) for m, k, n in gemms]
     bufs = [torch.full((numel,), 0.01) for _ in range(4)]
@@ -348,7 +348,7 @@ def measure_contention(
 
     def adam_once() -> None:
         step[0] += 1
-        adam_step_flat(*bufs, step=step[0], hyper=hyper, num_threads=adam_threads)
+        adam_step_flat(*bufs, AdamStep(step=step[0], hyper=hyper, num_threads=adam_threads))
 
     def rate(fn, stop: threading.Event, out: list) -> None:
         n, t0 = 0, time.perf_counter()

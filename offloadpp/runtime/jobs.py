@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd.profiler import record_function
 
-from offloadpp.optim import adam_step_flat, adam_step_pieces, convert_, squared_norm
+from offloadpp.optim import AdamStep, adam_step_flat, adam_step_pieces, convert_, squared_norm
 
 from .device import CudaEventWaitable
 from .slots import Slot
@@ -122,8 +122,8 @@ def _work(job: _Job, store) -> _Done:
     if job.update and job.fused is not None:
         with record_function("offloadpp::adam"):
             pieces, step, grp = job.fused
-            sq = adam_step_pieces(job.master, job.exp_avg, job.exp_avg_sq, pieces, step=step + 1, hyper=job.hypers[grp],
-                                  half_out=job.half, num_threads=job.threads, **job.step_args)  # fmt: skip
+            how = AdamStep(step + 1, job.hypers[grp], num_threads=job.threads, **job.step_args)
+            sq = adam_step_pieces(job.master, job.exp_avg, job.exp_avg_sq, pieces, how, half_out=job.half)
             for a, b, _, upd, _ in job.segments if job.half is not None else ():
                 if not upd:
                     convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
@@ -136,11 +136,8 @@ def _work(job: _Job, store) -> _Done:
                         g.reshape(-1),
                         job.exp_avg[a:b],
                         job.exp_avg_sq[a:b],
-                        step=step + 1,
-                        hyper=job.hypers[grp],
+                        AdamStep(step + 1, job.hypers[grp], num_threads=job.threads, **job.step_args),
                         half_out=job.half[a:b] if job.half is not None else None,
-                        num_threads=job.threads,
-                        **job.step_args,
                     )
                 elif job.half is not None:
                     convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
@@ -152,11 +149,8 @@ def _work(job: _Job, store) -> _Done:
                         job.gbuf[a:b],
                         job.exp_avg[a:b],
                         job.exp_avg_sq[a:b],
-                        step=step + 1,
-                        hyper=job.hypers[grp],
+                        AdamStep(step + 1, job.hypers[grp], num_threads=job.threads, **job.step_args),
                         half_out=half,
-                        num_threads=job.threads,
-                        **job.step_args,
                     )
                 elif half is not None:
                     convert_(half, job.master[a:b], num_threads=job.threads)
