@@ -9,7 +9,7 @@ resolve stage itself is pure (planner/resolve.py), so the plan `offloadpp plan` 
 plan `offloadpp.initialize` runs on the same machine. The runtime is handed the finished plan.
 
 Note: many ranks. Under a launcher (torchrun, the deepspeed launcher) torch.distributed is
-started from its environment and the engine trains data-parallel (runtime/distributed.py). Every
+started from its environment and the engine trains data-parallel (runtime/dp/distributed.py). Every
 rank must run the same plan, or their collectives would not pair: the ranks agree on what the
 machine has (the least of each, taken by every rank) before the pure resolve stage, and check
 that their plans are equal before building anything.
@@ -32,7 +32,7 @@ from offloadpp.planner.planfile import plan_to_dict
 from offloadpp.planner.resolve import load_hardware, load_saved_plan, model_profile_for
 from offloadpp.runtime import OffloadEngine, RuntimeConfig, unit_specs
 from offloadpp.runtime.device import device_kind
-from offloadpp.runtime.distributed import DataParallel, init_from_env
+from offloadpp.runtime.dp.distributed import DataParallel, init_from_env
 
 
 def free_ssd_bytes(paths: Sequence[str]) -> Optional[int]:
@@ -95,7 +95,7 @@ def agreed_machine(m: Machine, dp: DataParallel) -> Machine:
 
 def data_parallel(device: Optional[str]) -> Optional[DataParallel]:
     """The data-parallel ranks of this run: torch.distributed started from the launcher's
-    environment if it says so (runtime/distributed.py), None when this process is alone."""
+    environment if it says so (runtime/dp/distributed.py), None when this process is alone."""
     init_from_env(device_kind(device))
     import torch.distributed as dist
 

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main() -> int:
     import torch.distributed as dist
 
-    from offloadpp.runtime.distributed import DataParallel, DistributedError, init_from_env
+    from offloadpp.runtime.dp.distributed import DataParallel, DistributedError, init_from_env
 
     mode = sys.argv[1]
     try:

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from offloadpp.runtime.distributed import init_from_env
+from offloadpp.runtime.dp.distributed import init_from_env
 
 attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
 if attempt == 1 and rank == 1:

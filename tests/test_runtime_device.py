@@ -120,7 +120,7 @@ def test_every_kind_of_device_weights_is_a_weights():
     import inspect
 
     from offloadpp.runtime.device import CpuWeights, CudaWeights, Weights
-    from offloadpp.runtime.sharded import GatheredWeights
+    from offloadpp.runtime.dp.sharded import GatheredWeights
 
     members = {n for n in dir(Weights) if not n.startswith("_")}
     assert members == {"state", "acquire", "pump", "wait", "release", "refresh"}

@@ -459,7 +459,7 @@ class Sim:
                 yield ("wait", tuple(job.before))
             if job.absorb_s:
                 yield ("cpu", job.absorb_s)
-            if job.comm_bytes:  # the ranks' reduction of the unit's gradients (runtime/sharded_optimizer.py)
+            if job.comm_bytes:  # the ranks' reduction of the unit's gradients (dp/sharded_optimizer.py)
                 yield ("until", self.net.submit(self.t, job.comm_bytes, write=False))
             if job.adam_s:
                 t0 = self.t

@@ -1,4 +1,4 @@
-"""The replay's units over data-parallel ranks (runtime/sharded.py's, with times for buffers).
+"""The replay's units over data-parallel ranks (runtime/dp/sharded.py's, with times for buffers).
 
 Pure (no torch). One rank is replayed (every rank runs the same plan at the same time): its
 shards of master, moments and compute copy are read and written as on one rank, at shard size;

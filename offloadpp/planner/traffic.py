@@ -23,7 +23,7 @@ ARRAY_KINDS = {
     "exp_avg": "optimizer_state",
     "exp_avg_sq": "optimizer_state",
     "grads": "gradients",
-    "grad_shard": "gradients",  # over several ranks: this rank's reduced shard (runtime/sharded.py)
+    "grad_shard": "gradients",  # over several ranks: this rank's reduced shard (runtime/dp/sharded.py)
 }
 ACTIVATION_PREFIX = "act."  # the replay's activation keys (simulate_act.py)
 

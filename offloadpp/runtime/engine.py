@@ -44,7 +44,10 @@ from . import export, host_heap
 from .activations.manager import ActivationManager
 from .config import RuntimeConfig, StepReport
 from .device import Device
-from .distributed import DataParallel, rank_dirs
+from .dp.distributed import DataParallel, rank_dirs
+from .dp.sharded import ShardedUnit, initialize_sharded_units
+from .dp.sharded_checkpoint import agreed, load_sharded, rank_dir, save_sharded, verify_sharded
+from .dp.sharded_optimizer import ShardedOptimizerPipeline
 from .executor import Executor
 from .lifetime import close_at_exit, closed
 from .memory import BufferPool
@@ -53,9 +56,6 @@ from .partition import find_units, layout_units
 from .precision import LossScaler
 from .preflight import check_free_space, check_nvme_paths
 from .reports import StepAccounting
-from .sharded import ShardedUnit, initialize_sharded_units
-from .sharded_checkpoint import agreed, load_sharded, rank_dir, save_sharded, verify_sharded
-from .sharded_optimizer import ShardedOptimizerPipeline
 from .slots import Txn
 from .speculation import SpeculationPolicy, finish_updates
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
@@ -99,8 +99,8 @@ class OffloadEngine(StepTransaction, StepAccounting):
         or planner.resolve); predicted: its estimated step, for the reports. A model on the meta
         device (built under offloadpp.Init) gets its weights unit by unit: from the safetensors
         its from_pretrained named, else from init_fn (default: the model's own init). dp: the
-        data-parallel ranks (runtime/distributed.py), each holding its shard of the state in a
-        folder of its own under each nvme path (runtime/sharded.py); the engine closes it."""
+        data-parallel ranks (runtime/dp/distributed.py), each holding its shard of the state in a
+        folder of its own under each nvme path (runtime/dp/sharded.py); the engine closes it."""
         self.dp = dp
         if dp is not None:
             config = config.model_copy(update={"nvme_paths": rank_dirs(config.nvme_paths, dp.rank)})
@@ -477,7 +477,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         `meta` and the small `files` the caller wrote there go into its manifest
         (runtime/checkpoint.py). Between steps. Returns the manifest. Over several ranks a
         collective: each rank's shards go to rank_dir(path) with the `rank_files` the caller
-        wrote there, the manifest and `files` are rank 0's (runtime/sharded_checkpoint.py)."""
+        wrote there, the manifest and `files` are rank 0's (runtime/dp/sharded_checkpoint.py)."""
         self._check_open()
         self._quiesce()
         self.store.wait_all()

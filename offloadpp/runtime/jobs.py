@@ -57,7 +57,7 @@ class _Job:
     speculative: bool = False  # an update during backward, to be validated (speculation.py)
     lazy: bool = False  # a deferred update applied at the unit's next visit (pending.py)
     threads: int = 1
-    # Data parallel (runtime/sharded_optimizer.py): run on the worker after the absorb, before
+    # Data parallel (runtime/dp/sharded_optimizer.py): run on the worker after the absorb, before
     # Adam (the gradients reduced over the ranks; returns this rank's squared norm or None), and
     # after Adam, before the writes (a resident unit's weights gathered again).
     prepare: Optional[Callable[[_Job], Optional[float]]] = None

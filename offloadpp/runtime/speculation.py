@@ -115,7 +115,7 @@ def finish_updates(
     optimizer.wait_absorbed()
     sq = sum(u.sq_norm for u in optimizer.order if u.sq_norm is not None)
     if dp is not None:
-        sq = dp.sum(sq)  # each rank's shards' part (runtime/sharded_optimizer.py)
+        sq = dp.sum(sq)  # each rank's shards' part (runtime/dp/sharded_optimizer.py)
     finite = math.isfinite(sq)
     grad_norm = math.sqrt(sq) / scale if finite else float("inf")
     spec = optimizer.speculated()

@@ -98,7 +98,7 @@ class Unit:
         self.can_speculate = all(s.stored for s in self.slots if s.txn is not None)
 
     def _init_common(self, layout: UnitLayout, plan: Plan, device: Device) -> Placement:
-        """What every unit has, however its arrays are laid out (runtime/sharded.py: over ranks).
+        """What every unit has, however its arrays are laid out (runtime/dp/sharded.py: over ranks).
         Returns the unit's placement in the plan."""
         self.name = layout.unit.name
         self.layout = layout
@@ -132,7 +132,7 @@ class Unit:
                 uniq.append(s)
         return tuple(uniq)
 
-    # ---- the whole fp32 master, for exports (runtime/sharded.py gathers it over ranks) ---------
+    # ---- the whole fp32 master, for exports (runtime/dp/sharded.py gathers it over ranks) ---------
     def export_master(self) -> torch.Tensor:
         """The unit's fp32 master weights, held until end_export()."""
         self.master.acquire(Hold.EXPORT)

@@ -7,7 +7,7 @@ stage (offloadpp/assemble.py -> planner/resolve.py), as for `offloadpp plan`.
 
 Under a launcher (`deepspeed`, torchrun) the ranks start torch.distributed through DeepSpeed's
 own init_distributed (so DeepSpeed's config sees the world size), NCCL on CUDA and gloo on the
-CPU, each on the device LOCAL_RANK names, and train data-parallel (runtime/distributed.py).
+CPU, each on the device LOCAL_RANK names, and train data-parallel (runtime/dp/distributed.py).
 """
 
 from __future__ import annotations
@@ -229,7 +229,12 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
-        from offloadpp.runtime.distributed import agent_attempt, backend_for, launch_env, start_process_group
+        from offloadpp.runtime.dp.distributed import (
+            agent_attempt,
+            backend_for,
+            launch_env,
+            start_process_group,
+        )
 
         backend = backend_for(
             "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
@@ -237,7 +242,7 @@ def ensure_process_group(dist_init_required: Optional[bool], distributed_port: O
         env = launch_env()
         if env is not None and agent_attempt() is not None:
             # under torchrun's agent: the group starts on a store of its attempt's own, as it restarts
-            # (runtime/distributed.py, elastic_store), and DeepSpeed adopts the started group
+            # (runtime/dp/distributed.py, elastic_store), and DeepSpeed adopts the started group
             from deepspeed.constants import default_pg_timeout
 
             start_process_group(backend, env, default_pg_timeout)
@@ -272,7 +277,7 @@ def _without_shm_comm():
     """DeepSpeed's torch backend on the CPU accelerator JIT-builds its shared-memory all-reduce
     op (minutes on first use, and a wait on its build lock) and maps two 66 MB
     /dev/shm/deepspeed_allreduce_buffer_* files it never removes. offloadpp's collectives go
-    through torch.distributed itself (runtime/distributed.py), so on our path the backend is
+    through torch.distributed itself (runtime/dp/distributed.py), so on our path the backend is
     made without that op: DeepSpeed's comm falls back to torch.distributed where it is None."""
     import importlib
 

@@ -6,7 +6,7 @@
         rng.pt               the random number generators' states (torch, CUDA, random, numpy)
         client_state.pt      the caller's client_state
 
-Over several ranks (runtime/sharded_checkpoint.py) each rank writes its shards and its own
+Over several ranks (runtime/dp/sharded_checkpoint.py) each rank writes its shards and its own
 rng.pt into TAG/rankNNNNN/; engine.pt, client_state.pt and the global manifest are rank 0's, and
 rank 0 alone renames the folder and writes `latest`, after every rank's part is durable.
 
@@ -32,7 +32,7 @@ import torch
 
 from offloadpp.io.durable import recover_aside, swap_into_place, write_atomic
 from offloadpp.runtime.checkpoint import CheckpointError
-from offloadpp.runtime.sharded_checkpoint import agreed
+from offloadpp.runtime.dp.sharded_checkpoint import agreed
 
 log = logging.getLogger("offloadpp")
 
@@ -140,7 +140,7 @@ def _save(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool
     engine.runtime.save_state(tmp, meta={"tag": tag, "saved_at": time.time()}, files=files,
                               rank_files=(RNG_FILE,) if dp is not None else ())  # fmt: skip
 
-    def commit() -> None:  # every rank has verified the folder (runtime/sharded_checkpoint.py)
+    def commit() -> None:  # every rank has verified the folder (runtime/dp/sharded_checkpoint.py)
         if lead:
             swap_into_place(tmp, final)
             if save_latest:

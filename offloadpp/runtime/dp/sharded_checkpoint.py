@@ -41,12 +41,12 @@ import torch
 from offloadpp.io import IOConfig, TensorStore
 from offloadpp.io.durable import fsync_dir, fsync_file
 
-from . import checkpoint as ckpt
-from .checkpoint import MANIFEST, STATE_DIR, CheckpointError
+from .. import checkpoint as ckpt
+from ..checkpoint import MANIFEST, STATE_DIR, CheckpointError
+from ..slots import Hold
+from ..state import init_compute_copy, to_device
+from ..unit import Unit
 from .distributed import DataParallel
-from .slots import Hold
-from .state import init_compute_copy, to_device
-from .unit import Unit
 
 RANK_DIR = "rank{:05d}"
 

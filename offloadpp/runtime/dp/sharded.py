@@ -8,7 +8,7 @@ so the ranks together keep what one process keeps. The device computes with the 
 buffer before the unit's visit. Gradients are whole: each micro-batch's are absorbed into a
 full fp32 buffer (`accum`, kept between micro-batches with accumulation), and at the boundary
 reduce-scattered into this rank's shard (`grads`), which its Adam update reads
-(runtime/sharded_optimizer.py).
+(runtime/dp/sharded_optimizer.py).
 
 Note: parameters cut by a shard. A shard boundary may fall inside a parameter; Adam is
 elementwise, so a rank updates its part of each parameter with that parameter's step count,
@@ -25,13 +25,13 @@ import torch
 from offloadpp.optim import convert_
 from offloadpp.planner import Plan, Tier
 
-from .device import CudaEventWaitable, Device
+from ..device import CudaEventWaitable, Device
+from ..memory import BufferPool
+from ..partition import UnitLayout
+from ..slots import Hold, Slot, SlotState, Txn, tagged
+from ..state import fill_unit
+from ..unit import Unit
 from .distributed import DataParallel
-from .memory import BufferPool
-from .partition import UnitLayout
-from .slots import Hold, Slot, SlotState, Txn, tagged
-from .state import fill_unit
-from .unit import Unit
 
 
 class GatheredWeights:

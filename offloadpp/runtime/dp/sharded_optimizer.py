@@ -26,12 +26,12 @@ import torch
 
 from offloadpp.optim import squared_norm
 
+from ..jobs import _Job
+from ..optimizer import OptimizerPipeline
+from ..slots import Hold
+from ..unit import UnitPhase
 from .distributed import DataParallel
-from .jobs import _Job
-from .optimizer import OptimizerPipeline
 from .sharded import ShardedUnit, place_and_gather
-from .slots import Hold
-from .unit import UnitPhase
 
 
 @dataclass
