@@ -82,7 +82,7 @@ def stripe_weights(paths, stripe) -> Optional[list[float]]:
     return out
 
 
-class OffloadEngine(StepTransaction, StepAccounting):
+class OffloadEngine(StepTransaction):
     def __init__(
         self,
         model: nn.Module,
@@ -276,7 +276,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.speculation = SpeculationPolicy(
             self.settings.speculate, self.plan.speculative, self.plan.clipping
         )
-        self._reset_step_counters()
+        self.accounting = StepAccounting(self)  # (the parts it reads exist now)
 
     # ---- training ---------------------------------------------------------------------------
     def _boundary(self) -> bool:
@@ -312,8 +312,8 @@ class OffloadEngine(StepTransaction, StepAccounting):
     def __call__(self, *args, **kwargs):
         self._check_open()
         t0 = time.perf_counter()
-        if self._step_t0 is None:
-            self._step_t0 = t0
+        if self.accounting.step_t0 is None:
+            self.accounting.step_t0 = t0
         try:
             if torch.is_grad_enabled():
                 first = self.micro_in_window == 0
@@ -328,7 +328,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         except BaseException:
             self._abort_step()
             raise
-        self._fwd_s += time.perf_counter() - t0
+        self.accounting.forward_s += time.perf_counter() - t0
         return out
 
     forward = __call__
@@ -357,7 +357,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         except BaseException:
             self._abort_step()
             raise
-        self._bwd_s += time.perf_counter() - t0
+        self.accounting.backward_s += time.perf_counter() - t0
 
     def step(self) -> Optional[StepReport]:
         """Waits for the optimizer. On an accumulation boundary returns the StepReport."""
@@ -373,7 +373,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
                 self._abort_step()
                 raise
             self.micro_in_window += 1
-            self._opt_s += time.perf_counter() - t0
+            self.accounting.optimizer_s += time.perf_counter() - t0
             return None
         outcome = None
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
@@ -406,8 +406,8 @@ class OffloadEngine(StepTransaction, StepAccounting):
         exposed = time.perf_counter() - t0  # the updates are done (the heap's trim is not theirs)
         if self._return_heap:
             host_heap.trim()
-        self._opt_s += time.perf_counter() - t0
-        report = self._report(outcome, scale, exposed)
+        self.accounting.optimizer_s += time.perf_counter() - t0
+        report = self.accounting.report(self.global_step, outcome, scale, exposed)
         if self.config.log_every and report.step % self.config.log_every == 0:
             log.info("%s", report.summary())
         if interrupted:
@@ -564,6 +564,19 @@ class OffloadEngine(StepTransaction, StepAccounting):
         fmt = export.ExportFormat(dtype, filename, max_shard_bytes, exclude_frozen)
         return export.export_weights(self.units, self.module, save_dir, fmt, before=self._quiesce,
                                      progress=progress, write=self.dp is None or self.dp.rank == 0)  # fmt: skip
+
+    def budget_report(self):
+        """Each budget with the most the engine held against it in this step and since it started
+        (StepAccounting.budget_report)."""
+        return self.accounting.budget_report()
+
+    def peak_device_bytes(self) -> int:
+        """Peak bytes of the runtime's own device buffers so far (activations not counted)."""
+        return self.accounting.peak_device_bytes()
+
+    def peak_host_bytes(self) -> int:
+        """Peak bytes of the runtime's host buffers so far (optimizer state, gradients, staging)."""
+        return self.accounting.peak_host_bytes()
 
     def disk_bytes(self) -> int:
         """Bytes the swap files occupy."""

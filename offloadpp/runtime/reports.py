@@ -1,5 +1,5 @@
-"""What a step did: the engine's counters, its StepReport and its budgets' peaks. The reporting
-part of OffloadEngine (runtime/engine.py): a mixin that reads the engine's parts."""
+"""What a step did: the engine's counters, its StepReport and its budgets' peaks
+(`StepAccounting`, an object OffloadEngine builds once its parts exist: runtime/engine.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,28 @@ from .speculation import Outcome
 
 
 class StepAccounting:
-    """The reporting half of OffloadEngine (a mixin: it reads the engine's parts)."""
+    """A step's counters and its StepReport. It holds the parts whose counters it reads (taken
+    from the engine once, when the engine has built them); the engine adds the step's times
+    (`step_t0`, `forward_s`, `backward_s`, `optimizer_s`) as they pass."""
 
-    def _reset_step_counters(self) -> None:
+    def __init__(self, engine):
+        self.store, self.optimizer, self.executor = engine.store, engine.optimizer, engine.executor
+        self.activations, self.device, self.dp = engine.activations, engine.device, engine.dp
+        self.device_pool, self.host_pool = engine.device_pool, engine.host_pool
+        self.plan, self.predicted, self.speculation = engine.plan, engine.predicted, engine.speculation
+        self.ssd_read_gbps, self.ssd_write_gbps = engine.ssd_read_gbps, engine.ssd_write_gbps
+        self.link_gbps = engine.link_gbps
+        self._act_run_peak = self._act_host_run_peak = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step starts counting."""
         self.activations.reset_stats()
         self.device_pool.reset_step_peak()
         self.host_pool.reset_step_peak()
         self.device.step_peak_bytes = self.device.bytes_in_use
-        self._step_t0: Optional[float] = None
-        self._fwd_s = self._bwd_s = self._opt_s = 0.0
+        self.step_t0: Optional[float] = None
+        self.forward_s = self.backward_s = self.optimizer_s = 0.0
         self._io0 = self.store.stats
         self._kinds0 = self.store.bytes_by_kind()
         self._wait0 = self._waits()
@@ -37,12 +50,14 @@ class StepAccounting:
             + act.swap_out_wait_s + act.swap_in_wait_s
         )  # fmt: skip
 
-    def _report(self, outcome: Optional[Outcome], scale, exposed: float) -> StepReport:
+    def report(self, step: int, outcome: Optional[Outcome], scale, exposed: float) -> StepReport:
+        """The StepReport of the step that just ended (the `step`-th optimizer step); counting
+        starts again."""
         io = self.store.stats - self._io0
         kinds = self.store.bytes_by_kind()
         by_kind = tally((k, w, n - self._kinds0.get((k, w), 0)) for (k, w), n in kinds.items() if k in KINDS)
         wait = self._waits() - self._wait0
-        compute = max(0.0, self._fwd_s + self._bwd_s - wait)
+        compute = max(0.0, self.forward_s + self.backward_s - wait)
         adam = self.optimizer.adam_s - self._adam0
         ssd = io.bytes_read / (self.ssd_read_gbps * 1e9) + io.bytes_written / (self.ssd_write_gbps * 1e9)
         comm = self.dp.comm if self.dp is not None else (0, 0.0)
@@ -50,11 +65,11 @@ class StepAccounting:
         comm_floor = comm_bytes / (self.link_gbps * 1e9) if self.link_gbps else 0.0
         now = time.perf_counter()
         report = StepReport(
-            step=self.global_step,
-            step_s=now - (self._step_t0 if self._step_t0 is not None else now),
-            forward_s=self._fwd_s,
-            backward_s=self._bwd_s,
-            optimizer_wait_s=self._opt_s,
+            step=step,
+            step_s=now - (self.step_t0 if self.step_t0 is not None else now),
+            forward_s=self.forward_s,
+            backward_s=self.backward_s,
+            optimizer_wait_s=self.optimizer_s,
             fetch_wait_s=wait,
             compute_s=compute,
             adam_s=adam,
@@ -84,7 +99,7 @@ class StepAccounting:
             ssd_by_kind=by_kind,
             predicted_ssd_by_kind=self.predicted.ssd_by_kind if self.predicted is not None else (),
         )
-        self._reset_step_counters()
+        self.reset()
         return report
 
     def budget_report(self) -> tuple[BudgetUse, ...]:
@@ -99,8 +114,8 @@ class StepAccounting:
         else:
             dev_step, dev_run = self.device_pool.step_peak_bytes, self.device_pool.peak_bytes
         act = self.activations.stats()
-        self._act_run_peak = max(getattr(self, "_act_run_peak", 0), act.peak_device_bytes)
-        self._act_host_run_peak = max(getattr(self, "_act_host_run_peak", 0), act.peak_host_bytes)
+        self._act_run_peak = max(self._act_run_peak, act.peak_device_bytes)
+        self._act_host_run_peak = max(self._act_host_run_peak, act.peak_host_bytes)
         return (
             BudgetUse("device", b.buffer_bytes, dev_step, dev_run),
             BudgetUse("host", b.host_bytes, self.host_pool.step_peak_bytes, self.host_pool.peak_bytes),

@@ -93,7 +93,7 @@ class StepTransaction:
         self._boundary_override = None
         self._micro = None
         self._aborted = True
-        self._reset_step_counters()
+        self.accounting.reset()
         if torn:
             self._fail(RuntimeError(
                 f"the step was interrupted after unit {torn[0]!r} was updated, and that unit's optimizer state "
