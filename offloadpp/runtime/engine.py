@@ -82,7 +82,7 @@ def stripe_weights(paths, stripe) -> Optional[list[float]]:
     return out
 
 
-class OffloadEngine(StepTransaction):
+class OffloadEngine:
     def __init__(
         self,
         model: nn.Module,
@@ -270,13 +270,11 @@ class OffloadEngine(StepTransaction):
         self.micro_in_window = 0
         self._boundary_override: Optional[bool] = None  # set_boundary, for the current micro-batch
         self._micro: Optional[str] = None  # how far the current micro-batch got: "forward", "backward"
-        self._failed: Optional[BaseException] = None  # a step that could not complete nor roll back
-        self._aborted = False  # a step was interrupted (its errors were raised then)
-        self._window_steps: list[list[int]] = [list(u.steps) for u in self.units]
         self.speculation = SpeculationPolicy(
             self.settings.speculate, self.plan.speculative, self.plan.clipping
         )
         self.accounting = StepAccounting(self)  # (the parts it reads exist now)
+        self.transaction = StepTransaction(self)
 
     # ---- training ---------------------------------------------------------------------------
     def _boundary(self) -> bool:
@@ -318,7 +316,7 @@ class OffloadEngine(StepTransaction):
             if torch.is_grad_enabled():
                 first = self.micro_in_window == 0
                 if first:
-                    self._begin_window()
+                    self.transaction.begin_window()
                 self.optimizer.begin_micro(first=first, boundary=self._boundary(), speculate=self.txn.active,
                                            grad_scale=self._loss_scale())  # fmt: skip
                 self._micro = "forward"
@@ -383,7 +381,7 @@ class OffloadEngine(StepTransaction):
         try:
             with holding_interrupts() as interrupted, record_function("offloadpp::optimizer_wait"):
                 if self.plan.deferred_update:
-                    steps = {u.name: w for u, w in zip(self.units, self._window_steps)}
+                    steps = {u.name: w for u, w in zip(self.units, self.transaction.window_steps)}
                     outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
                                              max_norm=self.settings.gradient_clipping, steps=steps,
                                              dp=self.dp, lazy=self.optimizer.lazy)  # fmt: skip
@@ -391,12 +389,12 @@ class OffloadEngine(StepTransaction):
                 self.optimizer.release_grads()
                 self.store.check_writes()  # a write that failed reports its own cause, here
                 check_nvme_paths(self.config.nvme_paths, probe=False)  # still there (not removed)
-                self._commit()
+                self.transaction.commit()
         except BaseException as e:
             if self.txn.active:
                 self._abort_step()  # nothing committed yet: back to the last completed step
             else:
-                self._fail(e)  # deferred updates half written: the engine cannot go on
+                self.transaction.fail(e)  # deferred updates half written: the engine cannot go on
             raise
         self.micro_in_window = 0
         if outcome is None or not outcome.skipped:
@@ -415,6 +413,17 @@ class OffloadEngine(StepTransaction):
                         "checkpoints on disk are not touched", self.global_step)  # fmt: skip
             raise KeyboardInterrupt
         return report
+
+    def _abort_step(self) -> None:
+        """The step interrupted: back to the last completed one (StepTransaction.abort), and this
+        engine's micro-batch state with it."""
+        self.transaction.abort(self.global_step)
+        self.micro_in_window = 0
+        self._boundary_override = None
+        self._micro = None
+
+    def _loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     # ---- the rest of the API ----------------------------------------------------------------
     @property
@@ -540,7 +549,7 @@ class OffloadEngine(StepTransaction):
             self.store.wait_all()
             self.store.check_writes()
         except BaseException as e:
-            self._failed = e  # half loaded: not to be trained on
+            self.transaction.fail(e)  # half loaded: not to be trained on
             raise
         if optimizer_states:
             self.global_step = int(rt["global_step"])
@@ -585,11 +594,12 @@ class OffloadEngine(StepTransaction):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the OffloadEngine was closed")
-        if self._failed is not None:
+        failed = self.transaction.failed
+        if failed is not None:
             raise RuntimeError(
-                f"the OffloadEngine cannot go on after a step failed ({self._failed}); the last checkpoint is "
+                f"the OffloadEngine cannot go on after a step failed ({failed}); the last checkpoint is "
                 "intact: close this engine and load it into a new one"
-            ) from self._failed
+            ) from failed
 
     def close(self) -> None:
         """Waits for all I/O, removes the hooks, frees the buffers, releases the swap
@@ -600,7 +610,8 @@ class OffloadEngine(StepTransaction):
         self._closed = True
         closed(self)
         errors = []
-        if self._failed is None:
+        failed = self.transaction.failed
+        if failed is None:
             try:
                 self.optimizer.complete_pending()  # the last step's updates (runtime/pending.py)
             except BaseException as e:  # noqa: BLE001 - raised below, after everything is released
@@ -616,7 +627,7 @@ class OffloadEngine(StepTransaction):
                 self._finalizer()
             except BaseException as e:  # noqa: BLE001 - raised below unless a failed step reported it
                 errors.append(e)
-        if errors and self._failed is None and not self._aborted:
+        if errors and failed is None and not self.transaction.aborted:
             raise errors[0]  # not reported yet: a close() after clean steps must not hide it
         for e in errors:
             log.warning("offloadpp: closing after a failed step: %s", e)

@@ -1,6 +1,7 @@
-"""A step as a transaction: the part of OffloadEngine (runtime/engine.py) that opens an
-accumulation window, commits the step, or rolls an interrupted one back bit for bit (a mixin:
-it works on the engine's parts). The generations it relies on: runtime/slots.py."""
+"""A step as a transaction (`StepTransaction`, an object OffloadEngine builds once its parts
+exist: runtime/engine.py): it opens an accumulation window, commits the step, or rolls an
+interrupted one back bit for bit, and remembers a step that could do neither. The generations it
+relies on: runtime/slots.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import signal
 import sys
 import threading
+from typing import Optional
 
 from .unit import UnitPhase
 
@@ -16,9 +18,26 @@ log = logging.getLogger("offloadpp.runtime")
 
 
 class StepTransaction:
-    """The transaction half of OffloadEngine."""
+    """The window's transaction. It holds the parts it works on (taken from the engine once, when
+    the engine has built them), the Adam step counts at the window's start (`window_steps`), and
+    `failed`: the error of a step that could neither complete nor roll back (the engine refuses
+    to go on after it)."""
 
-    def _begin_window(self) -> None:
+    def __init__(self, engine):
+        self.plan, self.speculation, self.txn = engine.plan, engine.speculation, engine.txn
+        self.optimizer, self.executor, self.activations = (
+            engine.optimizer,
+            engine.executor,
+            engine.activations,
+        )
+        self.units, self.store, self.dp = engine.units, engine.store, engine.dp
+        self.device_pool, self.host_pool = engine.device_pool, engine.host_pool
+        self.deferred_pace, self.accounting = engine.deferred_pace, engine.accounting
+        self.window_steps: list[list[int]] = [list(u.steps) for u in self.units]
+        self.failed: Optional[BaseException] = None
+        self.aborted = False  # a step was interrupted (its errors were raised then)
+
+    def begin_window(self) -> None:
         """A new accumulation window: its updates may run during backward (not deferred, or
         speculative), so the slots' writes go to a new generation until the step commits
         (slots.py). The last step's pending updates are that step's: done before it opens."""
@@ -29,21 +48,19 @@ class StepTransaction:
         if self.deferred_pace is not None:
             dev, host = (None, None) if self.txn.active else self.deferred_pace
             self.device_pool.pace_bytes, self.host_pool.pace_bytes = dev, host
-        self._window_steps = [list(u.steps) for u in self.units]
+        self.window_steps = [list(u.steps) for u in self.units]
 
-    def _loss_scale(self) -> float:
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    def _commit(self) -> None:
+    def commit(self) -> None:
         for u in self.units:
             for s in u.slots:
                 s.commit()
             u.phase = UnitPhase.IDLE
         self.txn.active = False
 
-    def _abort_step(self) -> None:
+    def abort(self, global_step: int) -> None:
         """A step interrupted before it completed (an exception, Ctrl-C in forward or backward):
-        every unit back to the state of the last completed step, bit for bit (tests/test_faults.py).
+        every unit back to the state of the last completed step (the `global_step`-th), bit for
+        bit (tests/test_faults.py). The engine resets its own micro-batch state after.
 
         Note: updates already made during backward went to the open generation of their slots,
         which is forgotten; the Adam step counts return to the window's start; gradients
@@ -52,13 +69,13 @@ class StepTransaction:
         the unit (load the last checkpoint)."""
         if isinstance(sys.exc_info()[1], KeyboardInterrupt):
             log.warning("offloadpp: interrupted (KeyboardInterrupt) inside a step: the engine goes back to its last "
-                        "completed step (%d); checkpoints on disk are not touched", self.global_step)  # fmt: skip
+                        "completed step (%d); checkpoints on disk are not touched", global_step)  # fmt: skip
         errors = self.optimizer.finish_all()  # jobs in flight complete (they cannot be stopped half way)
         try:
             self.optimizer.complete_pending()  # the last completed step's (runtime/pending.py)
         except BaseException as e:  # noqa: BLE001
             errors += [e] + self.optimizer.finish_all()
-            self._fail(e)
+            self.fail(e)
         errors += self.store.forget_failures()  # reported by the interruption, or moot after the rollback
         for e in errors:
             log.warning("offloadpp: an I/O operation of the interrupted step failed too: %s", e)
@@ -69,9 +86,9 @@ class StepTransaction:
         try:
             self.optimizer.drop_uncommitted_writes()
         except BaseException as e:  # noqa: BLE001
-            self._fail(e)
+            self.fail(e)
         refresh = []
-        for u, steps in zip(self.units, self._window_steps):
+        for u, steps in zip(self.units, self.window_steps):
             updated = u.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
             for s in u.slots:
                 s.rollback()
@@ -81,7 +98,7 @@ class StepTransaction:
             if updated and (u.device.is_cuda or self.dp is not None) and u.weights.resident:
                 refresh.append(u)
         if refresh and self.dp is not None:  # (gathering it again would need every rank here)
-            self._fail(RuntimeError(f"the step was interrupted after unit {refresh[0].name!r}, resident on the device, "
+            self.fail(RuntimeError(f"the step was interrupted after unit {refresh[0].name!r}, resident on the device, "
                                     "was updated: over several ranks its weights cannot be rolled back"))  # fmt: skip
             refresh = []
         for u in refresh:  # a resident device copy took the forgotten update: the committed one back
@@ -89,20 +106,18 @@ class StepTransaction:
         self.executor.end_backward()
         self.activations.end_backward()
         self.txn.active = False
-        self.micro_in_window = 0
-        self._boundary_override = None
-        self._micro = None
-        self._aborted = True
+        self.aborted = True
         self.accounting.reset()
         if torn:
-            self._fail(RuntimeError(
+            self.fail(RuntimeError(
                 f"the step was interrupted after unit {torn[0]!r} was updated, and that unit's optimizer state "
                 "lives in memory, where the update cannot be undone"
             ))  # fmt: skip
 
-    def _fail(self, cause: BaseException) -> None:
-        if self._failed is None:
-            self._failed = cause
+    def fail(self, cause: BaseException) -> None:
+        """The engine cannot go on (the first cause is kept)."""
+        if self.failed is None:
+            self.failed = cause
             log.error("offloadpp: the engine cannot go on: %s", cause)
 
 
