@@ -59,8 +59,11 @@ def _imports(name: str, path: Path) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            # `from pkg import name`: the submodule pkg.name where there is one, else pkg itself
+            # `from pkg import name`: the submodule pkg.name where there is one, else pkg itself;
+            # and pkg itself in any case: a package's face (its __init__) runs first, and is where
+            # a name not a submodule comes from
             out.update(f"{mod}.{a.name}" for a in node.names)
+            out.add(mod)
     return out
 
 

@@ -9,7 +9,7 @@ AsyncIOHandle is a drop-in for DeepSpeed's aio_handle. probe_backends/build_info
 `offloadpp doctor`. Errors are SwapIOError (an OSError) naming path, offset and errno.
 """
 
-from offloadpp import _C
+import offloadpp._C as _C
 
 from .aio_handle import AsyncIOHandle
 from .buffers import ALIGNMENT, BounceCache, aligned_empty, is_direct_capable, is_managed

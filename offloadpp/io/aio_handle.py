@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-from offloadpp import _C
+import offloadpp._C as _C
 
 from .buffers import ALIGNMENT, BounceCache, align_up, aligned_empty, is_direct_capable, is_managed
 from .engine import BACKENDS

@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from offloadpp import _C
+import offloadpp._C as _C
 
 from .errors import EINVAL, swap_error
 

@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from offloadpp import _C
+import offloadpp._C as _C
 
 from .config import IOConfig
 from .errors import SwapIOError, swap_error

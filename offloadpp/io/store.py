@@ -30,9 +30,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from offloadpp import _C
+import offloadpp._C as _C
+import offloadpp.io.format as fmt
 
-from . import format as fmt
 from .buffers import ALIGNMENT, BounceCache, HeaderBuffers, align_up, aligned_empty, is_direct_capable
 from .config import IOConfig
 from .engine import make_engine

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Mapping, Optional
 import torch
 from pydantic import ValidationError
 
-from offloadpp import _C
+import offloadpp._C as _C
 from offloadpp.optim.hyper import AdamHyper
 from offloadpp.optim.kernels import DTYPE_CODES, HALF_DTYPES, NO_DTYPE, _scalar, _threads, check_tensor
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from offloadpp import _C
+import offloadpp._C as _C
 from offloadpp.optim.hyper import AdamHyper
 
 # dtype codes understood by offloadpp._C (csrc/adam/adam_kernel.h, enum DType)

@@ -31,7 +31,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from . import simulate_pending as pending
+import offloadpp.planner.simulate_pending as pending
+
 from .decide import lazy_applies
 from .desim import Fifo, Pool, Ssd, done_by
 from .plan import DTYPE_BYTES, Plan

@@ -31,6 +31,9 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+import offloadpp.runtime.checkpoint as ckpt
+import offloadpp.runtime.export as export
+import offloadpp.runtime.host_heap as host_heap
 from offloadpp.io import SwapDirLock, TensorStore, aligned_empty, measure_ssd, remove_swap_files
 from offloadpp.optim import AdamHyper, default_num_threads
 from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes, io_settings, walk_peaks
@@ -39,8 +42,6 @@ from offloadpp.planner.decide import adam_threads
 from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
 
-from . import checkpoint as ckpt
-from . import export, host_heap
 from .activations.manager import ActivationManager
 from .config import RuntimeConfig, StepReport
 from .device import Device

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from offloadpp.integrations.deepspeed import surface
+import offloadpp.integrations.deepspeed.surface as surface
 from offloadpp.integrations.deepspeed.checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
 from offloadpp.runtime.transaction import holding_interrupts

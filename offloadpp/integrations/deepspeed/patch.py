@@ -25,7 +25,7 @@ import functools
 import logging
 from typing import Any, Optional
 
-from offloadpp.integrations.deepspeed import patch_save
+import offloadpp.integrations.deepspeed.patch_save as patch_save
 
 logger = logging.getLogger("offloadpp")
 

@@ -38,10 +38,10 @@ from typing import Callable, Optional
 
 import torch
 
+import offloadpp.runtime.checkpoint as ckpt
 from offloadpp.io import IOConfig, TensorStore
 from offloadpp.io.durable import fsync_dir, fsync_file
 
-from .. import checkpoint as ckpt
 from ..checkpoint import MANIFEST, STATE_DIR, CheckpointError
 from ..slots import Hold
 from ..state import init_compute_copy, to_device
