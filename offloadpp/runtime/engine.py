@@ -226,7 +226,9 @@ class OffloadEngine(StepTransaction, StepAccounting):
             ],
             lazy=not dev.is_cuda and self.dp is None,  # (runtime/pending.py: where it applies)
         )
-        self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
+        self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reclaim  # (memory.py's Note)
+        if not dev.is_cuda:  # autograd's gradients are the device's memory (optimizer._charge_grads)
+            self.optimizer.grad_pool = self.device_pool
         self.executor = Executor(self.schedule, self.units, self._grads_complete)
         self.executor.before_visit = self.optimizer.reap
         self.executor.updates_pending = lambda: self.optimizer.boundary
