@@ -15,6 +15,11 @@ backward; where it falls behind, this is what keeps the promise, pacing backward
 and the disk. If nothing comes back within RELEASE_WAIT_S the plan was wrong for this run:
 BudgetExceededError names the pool, its budget, what it holds and the request.
 
+Note: bytes outside the buffers. On the CPU device the gradients autograd leaves are device
+memory the pool did not hand out; the optimizer charges them (`charge`) until they are dropped
+(`uncharge`), so that they count against the device budget and a pool short of room waits for
+them to go (the owner's reclaim waits for the oldest drop).
+
 Note: a pace below the budget. A speculative plan's budgets hold what a step that speculates
 holds; a step of the same run that defers its updates (it clips) needs less. Where the pool is
 given a `pace_bytes` below its budget, work still under way (writes draining, the optimizer's
