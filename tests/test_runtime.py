@@ -453,7 +453,8 @@ def test_placements_run_within_their_schedules_peaks(tmp_path, monkeypatch):
             eng.close()
 
 
-def test_gradients_autograd_leaves_stay_within_the_device_budget(tmp_path, monkeypatch):
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_gradients_autograd_leaves_stay_within_the_device_budget(tmp_path, monkeypatch, clip):
     """On the CPU device autograd's gradients are device memory outside the pool. With the
     optimizer's worker slower than backward (a loaded machine), each unit's stayed alive in its
     job until absorbed: past the device budget by several units' gradients. Now backward waits at
@@ -504,8 +505,8 @@ def test_gradients_autograd_leaves_stay_within_the_device_budget(tmp_path, monke
     model = transformers.GPT2LMHeadModel(cfg)
     base = streaming_plan(unit_specs(model, None), device="cpu", compute_dtype="fp32", prefetch_depth=1,
                           optim_prefetch_depth=0)  # fmt: skip
-    plan = with_peak_budgets(replace(base))
-    rcfg = RuntimeConfig(nvme_paths=[str(tmp_path)], settings=Settings(), device="cpu", log_every=0,
+    plan = with_peak_budgets(replace(base, deferred_update=clip > 0))
+    rcfg = RuntimeConfig(nvme_paths=[str(tmp_path)], settings=Settings(gradient_clipping=clip), device="cpu", log_every=0,
                          ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
     eng = OffloadEngine(model, rcfg, plan, hyper=AdamHyper(lr=LR))
     try:
