@@ -71,6 +71,7 @@ class Run:
         self.starts: dict[tuple[int, int], tuple[int, int, float]] = {}  # (attempt, rank): (pid, step, t)
         self.done: dict[tuple[int, int], tuple[int, float]] = {}  # (attempt, rank): (last step, t)
         self.cond = threading.Condition()
+        self.ended = False
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -79,6 +80,9 @@ class Run:
             self.log.write(line)
             for m in LINE.finditer(line):  # (two ranks' lines may share one)
                 self._note(*m.groups())
+        with self.cond:  # (the job's output ended: whoever waits for a line waits no more)
+            self.ended = True
+            self.cond.notify_all()
 
     def _note(self, rank, attempt, pid, start, done, t) -> None:
         with self.cond:
@@ -90,8 +94,9 @@ class Run:
             self.cond.notify_all()
 
     def wait_for(self, pred, timeout: float) -> bool:
+        """pred() came true, or the job's output ended first (False then), or the timeout."""
         with self.cond:
-            return self.cond.wait_for(pred, timeout)
+            return self.cond.wait_for(lambda: pred() or self.ended, timeout) and pred()
 
     def finish(self, timeout: float) -> int:
         try:
@@ -128,16 +133,20 @@ def trial(args, work: str, rng: random.Random, world: int) -> dict:
         time.sleep(delay)
         pid = run.starts[(0, victim)][0]
         t_kill = time.time()
-        os.kill(pid, signal.SIGKILL)
-        back = run.wait_for(lambda: all((1, r) in run.starts for r in range(world)), args.timeout)
-        if back:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # (it had ended already)
+            pass
+        back = lambda: all((1, r) in run.starts for r in range(world))  # noqa: E731
+        if run.wait_for(back, args.timeout):
             out["restart_s"] = round(max(run.starts[(1, r)][2] for r in range(world)) - t_kill, 2)
             out["resumed_at"] = run.starts[(1, 0)][1]
         else:
-            out["restart_s"] = None
-            # the kill landed after the last step's save (the job may end without a restart)
-            out["resumed_at"] = None
+            out["restart_s"] = out["resumed_at"] = None
     out["rc"] = run.finish(args.timeout)
+    # A kill that lands once the victim's work is done (after the last step, in its exit) makes
+    # no restart: the job ends as if untouched. Such a trial tests nothing and is drawn again.
+    out["landed"] = out.get("restart_s") is not None or out["rc"] != 0 or "error" in out
     return out
 
 
@@ -170,13 +179,21 @@ def main(argv=None) -> int:
         results = []
         print(f"{'trial':>5} {'rank':>4} {'after':>5} {'delay s':>7} {'restart s':>9} {'resumed':>7} "
               f"{'rc':>3} identical")  # fmt: skip
-        for i in range(args.trials):
+        i, redrawn = 0, []
+        while len(results) < args.trials:
             work = os.path.join(root, f"trial{i}")
             os.makedirs(work)
             r = trial(args, work, rng, world)
+            i += 1
+            if not r["landed"]:
+                print(f"(drawn again: rank {r['rank']} killed {r['delay_s']} s after step {r['after_step']} had "
+                      "finished its work, no restart)", flush=True)  # fmt: skip
+                redrawn.append(r)
+                shutil.rmtree(work, ignore_errors=True)
+                continue
             r["identical"] = r["rc"] == 0 and identical(weights(work), want)
             results.append(r)
-            print(f"{i:>5} {r['rank']:>4} {r['after_step']:>5} {r['delay_s']:>7} {str(r.get('restart_s')):>9} "
+            print(f"{len(results) - 1:>5} {r['rank']:>4} {r['after_step']:>5} {r['delay_s']:>7} {str(r.get('restart_s')):>9} "
                   f"{str(r.get('resumed_at')):>7} {r['rc']:>3} {r['identical']}", flush=True)  # fmt: skip
             if not r["identical"]:
                 print(open(os.path.join(work, "log.txt")).read()[-6000:], file=sys.stderr)
@@ -186,7 +203,7 @@ def main(argv=None) -> int:
         ok = sum(r["identical"] for r in results)
         summary = {"trials": args.trials, "completed_identical": ok, "world": world, "nodes": args.nodes,
                    "restart_s_median": statistics.median(times) if times else None,
-                   "restart_s_max": max(times) if times else None, "results": results}  # fmt: skip
+                   "restart_s_max": max(times) if times else None, "results": results, "redrawn": redrawn}  # fmt: skip
         print(
             f"{ok}/{args.trials} completed with bit-identical weights; kill to restart "
             f"median {summary['restart_s_median']} s, max {summary['restart_s_max']} s (target <= 30 s)"
