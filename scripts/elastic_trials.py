@@ -7,7 +7,7 @@ seconds from the kill until every rank of the new group has resumed from its che
 (target <= 30 s), and the step it resumed at.
 
     .venv/bin/python scripts/elastic_trials.py [--trials 10] [--nproc 2] [--nodes 1] [--steps 12]
-        [--save-every 3] [--seed 0] [--json runs/elastic/trials.json]
+        [--save-every 3] [--seed 0] [--node-local] [--json runs/elastic/trials.json]
 
 make elastic-trials runs it (under the heavy-run lock: 10 trials take about 8 minutes here).
 """
@@ -47,9 +47,14 @@ def command(args, work: str) -> list[str]:
     script = [EXAMPLE, "--nvme", os.path.join(work, "nvme"), "--save", os.path.join(work, "ckpt"),
               "--out", os.path.join(work, "out"), "--steps", str(args.steps), "--save-every", str(args.save_every),
               "--batch", str(args.nproc * args.nodes * 2)]  # fmt: skip
-    if args.nodes > 1:  # each node its own swap folder at the same path; the checkpoints shared
+    if args.nodes > 1:  # each node its own swap folder at the same path; the checkpoints shared,
+        # or with --node-local each node's own too
+        binds = ["--bind", os.path.join(work, "nvme")]
+        if args.node_local:
+            binds += ["--bind", os.path.join(work, "ckpt")]
+            script.append("--node-local")
         return [os.path.join(REPO, "scripts", "multinode.sh"), "--nodes", str(args.nodes), "--nproc-per-node",
-                str(args.nproc), "--root", os.path.join(work, "nodes"), "--bind", os.path.join(work, "nvme"),
+                str(args.nproc), "--root", os.path.join(work, "nodes"), *binds,
                 "--max-restarts", "1", "--", *script]  # fmt: skip
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     # A c10d rendezvous, not the static one --master_port gives: a static group restarted reuses
@@ -155,6 +160,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--nproc", type=int, default=2, help="ranks per node")
     ap.add_argument("--nodes", type=int, default=1, help="> 1: simulated nodes (scripts/multinode.sh)")
+    ap.add_argument(
+        "--node-local", action="store_true", help="(--nodes > 1) checkpoints on each node's own disk"
+    )
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
