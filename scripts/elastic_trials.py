@@ -1,10 +1,10 @@
 """Elastic restarts, measured: examples/elastic_finetune.py under `torchrun --max-restarts 1`
 (or scripts/multinode.sh, --nodes 2), once uninterrupted and then in TRIALS runs where one
-random rank is killed with SIGKILL at a random point (after a random step, a random fraction
-of a step's time or of a checkpoint's later). Each trial must end with status 0 and final
-weights bit-identical to the uninterrupted run's; reported per trial: the rank, the point, the
-seconds from the kill until every rank of the new group has resumed from its checkpoint
-(target <= 30 s), and the step it resumed at.
+random rank is killed with SIGKILL at a random point (after a random step, a random 0-2 of the
+victim's mean step times later: in the next step or its save). Each trial must end with status
+0 and final weights bit-identical to the uninterrupted run's; reported per trial: the rank, the
+point, the seconds from the kill until every rank of the new group has resumed from its
+checkpoint (target <= 30 s), and the step it resumed at.
 
     .venv/bin/python scripts/elastic_trials.py [--trials 10] [--nproc 2] [--nodes 1] [--steps 12]
         [--save-every 3] [--seed 0] [--node-local] [--json runs/elastic/trials.json]
@@ -130,12 +130,16 @@ def trial(args, work: str, rng: random.Random, world: int) -> dict:
     run = Run(command(args, work), os.path.join(work, "log.txt"))
     victim = rng.randrange(world)
     after = rng.randrange(1, args.steps)  # kill after this step is done...
-    delay = rng.uniform(0.0, 1.0)  # ...and this many seconds later (a step, or into a save)
-    out = {"rank": victim, "after_step": after, "delay_s": round(delay, 3)}
+    # ...and a random fraction of two of its steps later (the next step, or into a save): a
+    # fixed 0-1 s put most kills past the last checkpoint of a job whose steps take 0.1-0.3 s
+    frac = rng.uniform(0.0, 2.0)
+    out = {"rank": victim, "after_step": after}
     if not run.wait_for(lambda: run.done.get((0, victim), (0, 0))[0] >= after, args.timeout):
         out["error"] = "the rank never reached the step"
     else:
-        time.sleep(delay)
+        step_s = (run.done[(0, victim)][1] - run.starts[(0, victim)][2]) / run.done[(0, victim)][0]
+        out["delay_s"] = round(frac * step_s, 3)
+        time.sleep(out["delay_s"])
         pid = run.starts[(0, victim)][0]
         t_kill = time.time()
         try:
@@ -194,14 +198,14 @@ def main(argv=None) -> int:
             r = trial(args, work, rng, world)
             i += 1
             if not r["landed"]:
-                print(f"(drawn again: rank {r['rank']} killed {r['delay_s']} s after step {r['after_step']} had "
+                print(f"(drawn again: rank {r['rank']} killed {r.get('delay_s')} s after step {r['after_step']} had "
                       "finished its work, no restart)", flush=True)  # fmt: skip
                 redrawn.append(r)
                 shutil.rmtree(work, ignore_errors=True)
                 continue
             r["identical"] = r["rc"] == 0 and identical(weights(work), want)
             results.append(r)
-            print(f"{len(results) - 1:>5} {r['rank']:>4} {r['after_step']:>5} {r['delay_s']:>7} {str(r.get('restart_s')):>9} "
+            print(f"{len(results) - 1:>5} {r['rank']:>4} {r['after_step']:>5} {str(r.get('delay_s')):>7} {str(r.get('restart_s')):>9} "
                   f"{str(r.get('resumed_at')):>7} {r['rc']:>3} {r['identical']}", flush=True)  # fmt: skip
             if not r["identical"]:
                 print(open(os.path.join(work, "log.txt")).read()[-6000:], file=sys.stderr)
