@@ -67,9 +67,10 @@ bench-regress: setup
 
 # Elastic restarts: 10 runs of examples/elastic_finetune.py under torchrun --max-restarts 1, a random rank
 # killed with SIGKILL at a random point in each; every run must end bit-identical to an uninterrupted one
-# (about 8 minutes here). NODES=2: the same over two simulated nodes (scripts/multinode.sh, root).
+# (about 8 minutes here). NODES=2: the same over two simulated nodes (scripts/multinode.sh, root);
+# NODE_LOCAL=1 with it: the checkpoints on each node's own disk.
 elastic-trials: setup
-	$(PY) scripts/elastic_trials.py --trials $(or $(TRIALS),10) --nodes $(or $(NODES),1) --json runs/elastic/trials.json
+	$(PY) scripts/elastic_trials.py --trials $(or $(TRIALS),10) --nodes $(or $(NODES),1) $(if $(NODE_LOCAL),--node-local) --json runs/elastic/trials.json
 
 clean:
 	rm -rf build *.egg-info offloadpp/_C*.so runs

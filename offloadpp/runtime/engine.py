@@ -480,13 +480,14 @@ class OffloadEngine(StepTransaction, StepAccounting):
         self.optimizer.flush_writes()
 
     def save_state(self, path: str, *, meta: Optional[dict] = None, files: tuple[str, ...] = (),
-                   rank_files: tuple[str, ...] = (), progress: bool = False) -> dict:  # fmt: skip
+                   rank_files: tuple[str, ...] = (), progress: bool = False, node_local: bool = False) -> dict:  # fmt: skip
         """Streams the training state (fp32 master weights, Adam moments, step counts, the
         hyper-parameters, the loss scaler) into the empty folder `path`, unit by unit, durably;
         `meta` and the small `files` the caller wrote there go into its manifest
         (runtime/checkpoint.py). Between steps. Returns the manifest. Over several ranks a
         collective: each rank's shards go to rank_dir(path) with the `rank_files` the caller
-        wrote there, the manifest and `files` are rank 0's (runtime/sharded_checkpoint.py)."""
+        wrote there, the manifest and `files` are rank 0's (runtime/sharded_checkpoint.py), or
+        with node_local each node's first rank's, `path` being each node's own folder."""
         self._check_open()
         self._quiesce()
         self.store.wait_all()
@@ -499,7 +500,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
         meta = {"runtime": runtime, **(meta or {})}
         if self.dp is not None:
             return save_sharded(self.units, path, dp=self.dp, io=self.store.config, meta=meta, files=files,
-                                rank_files=rank_files, progress=progress)  # fmt: skip
+                                rank_files=rank_files, node_local=node_local)  # fmt: skip
         return ckpt.save_state(self.units, path, io=self.store.config, meta=meta, files=files,
                                progress=progress)  # fmt: skip
 
