@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = byte_batches(stdlib_docstrings(), micro, seq_len, seed=args.seed)
     io0 = _proc_io()
     steps = []
-    by_kind = []  # offloadpp: each step's SSD bytes by kind (StepReport.ssd_by_kind)
+    by_kind, reports = [], []  # offloadpp: each step's SSD bytes by kind (StepReport.ssd_by_kind)
     for step in _step_turns(args.steps, args.turns):
         t0 = time.perf_counter()
         losses = []
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         steps.append({"step": step, "seconds": dt, "loss": sum(losses) / len(losses)})
         if args.side == "offloadpp" and engine.last_report is not None:
             by_kind.append(engine.last_report.ssd_by_kind)
+            reports.append(engine.last_report)
         print(
             f"[{args.side}] step {step} {dt:.3f}s loss {steps[-1]['loss']:.5f}", file=sys.stderr, flush=True
         )
@@ -159,12 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         "config": cfg,  # the JSON this side ran: the harness checks both ran the same (ab.same_json)
     }
     if args.side == "offloadpp":
-        from offloadpp.bench.harness import modelled_ssd_by_kind
+        from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
         from offloadpp.planner import traffic
 
         result["ssd_by_kind"] = traffic.median(by_kind[1:] or by_kind)  # the first step warms up
         result["modelled_ssd_by_kind"], result["modelled_from"] = modelled_ssd_by_kind(
-            engine.runtime, model.config.to_dict()
+            engine.runtime, model.config.to_dict(), steps_updates(reports[1:] or reports)
         )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -156,8 +156,6 @@ def model_bytes(rt, args) -> dict:
     """The cost model's SSD bytes per step for the plan the engine runs (its deferred step where the
     plan speculates: every step of this benchmark clips), replayed at the engine's measured SSD rates;
     the bytes hardly depend on the other rates, set here to round values."""
-    from dataclasses import replace
-
     from offloadpp.planner.cost import estimate
     from offloadpp.planner.hardware import HardwareProfile
     from offloadpp.planner.model_profile import analytic_profile
@@ -168,7 +166,7 @@ def model_bytes(rt, args) -> dict:
                          memcpy_gbps=10.0, device_flops_per_s={"fp32": 100e9}, adam_params_per_s={1: 1e9},
                          host_memory_bytes=mem, device_memory_bytes=mem)  # fmt: skip
     m = analytic_profile(_gpt2_config(args).to_dict(), micro_batch=args.batch, seq_len=args.seq)
-    e = estimate(replace(rt.plan, speculative=False), hw, m)
+    e = estimate(rt.plan, hw, m, deferred=True)
     return {"ssd_read_bytes": e.ssd_read_bytes, "ssd_write_bytes": e.ssd_write_bytes}
 
 
@@ -178,7 +176,7 @@ def _offloadpp_child(args, work: str) -> dict:
     from transformers import GPT2LMHeadModel
 
     # offloadpp.Init and offloadpp.initialize, as a user script calls them (the package face re-exports these)
-    from offloadpp.bench.harness import modelled_ssd_by_kind
+    from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
     from offloadpp.integrations.deepspeed import Init, initialize
     from offloadpp.planner import traffic
 
@@ -219,7 +217,9 @@ def _offloadpp_child(args, work: str) -> dict:
         rss_before_engine=before_engine, accounted_peaks=accounted,
         ssd_by_kind=traffic.median(r.ssd_by_kind for r in reports[1:] or reports),
     )  # fmt: skip
-    out["modelled_ssd_by_kind"], out["modelled_from"] = modelled_ssd_by_kind(rt, model.config.to_dict())
+    out["modelled_ssd_by_kind"], out["modelled_from"] = modelled_ssd_by_kind(
+        rt, model.config.to_dict(), steps_updates(reports[1:] or reports)
+    )
     if args.checkpoint:
         state_bytes = 12 * sum(u.padded_numel for u in rt.units)  # fp32 master + two moments
         rd, wr = rt.ssd_read_gbps * 1e9, rt.ssd_write_gbps * 1e9

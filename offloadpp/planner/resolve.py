@@ -218,7 +218,7 @@ def resolve(
         if est is None:
             est = estimate(plan, hardware, model, **kw)
         if plan.speculative:  # what a step that clips costs: deferred updates
-            deferred_est = estimate(replace(plan, speculative=False), hardware, model, **kw)
+            deferred_est = estimate(plan, hardware, model, deferred=True, **kw)
     return Resolved(settings, plan, est, candidates, deferred_est)
 
 
