@@ -57,17 +57,18 @@ def test_a_tagged_store_counts_its_kind(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "clip, q",
+    "clip, q, dtype",
     [
-        (0.0, None),
-        (1.0, None),
+        (0.0, None, "fp32"),
+        (1.0, None, "fp32"),
         # a speculative plan whose steps all clip (so defer), with a read-ahead short of the model:
         # the gradients go to their home on SSD and back, which the plan's own replay (of a step
         # that validates) does not move; the figure beside them must be the deferred step's
-        (1.0, 0),
+        (1.0, 0, "fp32"),
+        (1.0, 0, "bf16"),  # 16-bit gradients (Plan.grad_dtype): half the bytes, on both sides
     ],
 )
-def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip, q):
+def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip, q, dtype):
     transformers = pytest.importorskip("transformers")
     from test_runtime import batches, streaming_config, tiny_gpt2
 
@@ -76,7 +77,8 @@ def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip, q):
 
     transformers.logging.set_verbosity_error()
     m = tiny_gpt2()
-    eng = assemble_engine(m, streaming_config(tmp_path, gradient_clipping=clip, optim_prefetch_depth=q))
+    cfg = streaming_config(tmp_path, gradient_clipping=clip, optim_prefetch_depth=q, compute_dtype=dtype)
+    eng = assemble_engine(m, cfg)
     try:
         reports = []
         for x in batches(4):
@@ -89,8 +91,10 @@ def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip, q):
             assert r.updates == ("deferred" if clip else "in-backward")  # (tiny models' norms clip)
             assert r.ssd_by_kind == modelled
             assert sum(x for _, x, _ in r.ssd_by_kind) == r.ssd_read_bytes  # reads finish within their step
-        assert dict((k, w) for k, _, w in modelled)["weights"] > 0  # the fp32 master, written each step
+        assert dict((k, w) for k, _, w in modelled)["weights"] > 0  # the master (bf16: the compute copy)
         if q == 0:
-            assert dict((k, r) for k, r, _ in modelled)["gradients"] > 0
+            # every unit's but the first's (the update window, q+1 units in forward order, keeps them)
+            grads = sum(u.padded_numel for u in eng.units[1:]) * (2 if dtype == "bf16" else 4)
+            assert dict((k, (r, w)) for k, r, w in modelled)["gradients"] == (grads, grads)
     finally:
         eng.close()
