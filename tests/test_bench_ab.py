@@ -81,3 +81,7 @@ def test_capacity_runs_one_json_on_both_sides():
     ours, zero = capacity.ds_config(args, "/n", "offloadpp"), capacity.ds_config(args, "/n", "zero")
     assert ours.pop("offloadpp") == {"enabled": True} and ours == zero
     assert zero["aio"]["block_size"] == 1 << 20 and zero["aio"]["queue_depth"] == 8
+    # --offloadpp-block: keys of our side's block only (the 1.31B run with a 16 GiB host budget)
+    args = p.parse_args(["--offloadpp-block", '{"host_budget_bytes": "16GiB"}'])
+    ours, zero = capacity.ds_config(args, "/n", "offloadpp"), capacity.ds_config(args, "/n", "zero")
+    assert ours.pop("offloadpp") == {"enabled": True, "host_budget_bytes": "16GiB"} and ours == zero

@@ -64,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--zero", action="store_true", help="also train the model under ZeRO-Infinity, same session"
     )
     p.add_argument("--zero-steps", type=int, default=3)
+    p.add_argument(
+        "--offloadpp-block",
+        metavar="JSON",
+        default="{}",
+        help='more keys of the config\'s "offloadpp" block (offloadpp\'s side only; the rest of the JSON is '
+        'both sides\'), e.g. \'{"host_budget_bytes": "16GiB"}\'',
+    )
     p.add_argument("--max-rss-gib", type=float, default=BAR_RSS_GIB, help="the bar: peak RSS at most this")
     p.add_argument(
         "--dir", default=os.path.join("runs", "bench-capacity"), help="work directory (removed after)"
@@ -106,8 +113,16 @@ def ds_config(args, nvme: str, side: str) -> dict:
         "aio": dict(AIO),
     }
     if side == "offloadpp":
-        cfg["offloadpp"] = {"enabled": True}
+        cfg["offloadpp"] = {"enabled": True, **offloadpp_block(args)}
     return cfg
+
+
+def offloadpp_block(args) -> dict:
+    """--offloadpp-block: a JSON object of offloadpp block keys (docs/deepspeed.md)."""
+    block = json.loads(getattr(args, "offloadpp_block", None) or "{}")
+    if not isinstance(block, dict):
+        raise SystemExit(f"--offloadpp-block: expected a JSON object, got {block!r}")
+    return block
 
 
 def _gpt2_config(args):
@@ -302,6 +317,7 @@ def _run_child(args, side: str, work: str) -> tuple[dict, int, int]:
     argv = [sys.executable, "-m", "offloadpp.bench.capacity", "--child", side, "--result", result]
     for k in ("layers", "width", "heads", "batch", "seq", "steps", "clip", "threads", "dir", "zero_steps"):
         argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    argv += ["--offloadpp-block", args.offloadpp_block]
     for flag in ("checkpoint", "export"):
         if getattr(args, flag):
             argv.append(f"--{flag}")
