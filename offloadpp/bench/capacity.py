@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--offloadpp-block",
         metavar="JSON",
         default="{}",
-        help='more keys of the config\'s "offloadpp" block (offloadpp\'s side only; the rest of the JSON is '
+        help="more keys of the config's \"offloadpp\" block (offloadpp's side only; the rest of the JSON is "
         'both sides\'), e.g. \'{"host_budget_bytes": "16GiB"}\'',
     )
     p.add_argument("--max-rss-gib", type=float, default=BAR_RSS_GIB, help="the bar: peak RSS at most this")
