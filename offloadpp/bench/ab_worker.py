@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": cfg,  # the JSON this side ran: the harness checks both ran the same (ab.same_json)
     }
     if args.side == "offloadpp":
+        result["updates"] = [r.updates for r in reports]  # how each step ran its updates
+        result["grad_norms"] = [r.grad_norm for r in reports]
         from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
         from offloadpp.planner import traffic
 
