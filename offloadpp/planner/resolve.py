@@ -55,6 +55,7 @@ from .planfile import load_plan
 from .ranks import RankLink
 from .schedule import build_schedule
 from .search import Request, _raise_infeasible, act_planner, search
+from .simulate_pending import lazy_runtime
 from .spec import PLAN_AUTO, Budgets, Settings
 
 DEVICE_SHARE_CUDA = 0.8
@@ -292,19 +293,37 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
             f"{' and '.join(why)}: {'; '.join(then)}"
         )
         return tuple(out)
+    deferred = []
     if settings.compute_dtype == "fp16":
-        out.append(
-            "fp16: updates are deferred to the end of backward (the loss scaler's overflow check needs "
-            "every gradient first), so Adam does not overlap backward; bf16 needs no loss scaling and "
-            "keeps the overlap"
+        deferred.append(
+            "fp16: updates are deferred (the loss scaler's overflow check needs every gradient first); bf16 "
+            "needs no loss scaling and keeps the overlap of Adam with backward"
         )
     if settings.gradient_clipping > 0:
-        out.append(
-            f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred to the end of backward "
-            "(the global norm needs every gradient first), so Adam does not overlap backward (DeepSpeed's "
-            'default is 1.0: set "gradient_clipping": 0 to keep the overlap)'
+        deferred.append(
+            f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred (the global norm needs "
+            "every gradient first), so Adam does not overlap backward (DeepSpeed's default is 1.0: set "
+            '"gradient_clipping": 0 to keep the overlap)'
         )
-    return tuple(out)
+    if deferred:
+        deferred.append(f"deferred updates {deferred_where(plan)}")
+    return tuple(out + deferred)
+
+
+def deferred_where(plan: Plan) -> str:
+    """Where a plan's deferred updates run (the runtime's OptimizerPipeline.lazy), for its notes."""
+    if lazy_runtime(plan):
+        return (
+            "are applied at each unit's next visit (the next forward reads master, moments and gradients once, "
+            "updates, and computes with the new weights: runtime/pending.py)"
+        )
+    if plan.ranks > 1:
+        return (
+            f"run as a pass after backward over the {plan.ranks} ranks (each rank's shard of every unit: "
+            "gradients reduce-scattered, the global norm all-reduced, Adam on the shard; neither at the next "
+            "visit nor speculatively, both one process's)"
+        )
+    return "run as a pass after backward (not at the next visit, which is the CPU device's)"
 
 
 def _request(settings: Settings, budgets: Budgets, machine: Machine, hardware=None) -> Request:

@@ -36,6 +36,7 @@ from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes, io_set
 from offloadpp.planner.cost import StepEstimate
 from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
+from offloadpp.planner.simulate_pending import lazy_runtime
 
 from . import checkpoint as ckpt
 from . import export, host_heap
@@ -229,7 +230,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
             lazy_order=[
                 by_name[n] for n in sorted(self.schedule.forward_index, key=self.schedule.forward_index.get)
             ],
-            lazy=not dev.is_cuda and self.dp is None,  # (runtime/pending.py: where it applies)
+            lazy=lazy_runtime(self.plan),  # the planner's: runtime/pending.py, where it applies
         )
         self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
         self.executor = Executor(self.schedule, self.units, self._grads_complete)
