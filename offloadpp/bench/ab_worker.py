@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.side == "offloadpp":
         result["updates"] = [r.updates for r in reports]  # how each step ran its updates
         result["grad_norms"] = [r.grad_norm for r in reports]
+        result["reports"] = [r.as_dict() for r in reports]  # each step's terms (compute, waits, Adam, bytes)
         from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
         from offloadpp.planner import traffic
 
