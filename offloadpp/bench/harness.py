@@ -212,6 +212,13 @@ def fmt_ms(s: Optional[float]) -> str:
     return "-" if s is None else f"{s * 1e3:.0f}"
 
 
+def steady_reports(reports: list) -> list:
+    """The steps of a run whose bytes are a steady step's: not the first (it reads the initial
+    weights), nor, with deferred updates, the second (it applies the first's updates at their
+    visits with the state the first step left in memory); the last where there are no more."""
+    return reports[2:] if len(reports) > 2 else reports[-1:]
+
+
 def steps_updates(reports) -> str:
     """How most of `reports` (StepReports) ran their updates (StepReport.updates): the way the
     cost model's figure set beside their bytes must replay ("" where there are none)."""
