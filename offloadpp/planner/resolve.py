@@ -287,7 +287,7 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
         if clip:
             then.insert(0, "a step that clips is redone exactly from the previous generation of the state")
         if clip and settings.speculate == "auto":
-            then.append("while clipping keeps triggering, updates are deferred")
+            then.append(f"while clipping keeps triggering, updates are deferred: they {deferred_where(plan)}")
         out.append(
             "updates run during backward speculatively with the raw gradients and are validated at its end by "
             f"{' and '.join(why)}: {'; '.join(then)}"
