@@ -121,10 +121,10 @@ class ReplayOptions:
     activations: per unit "keep" | "host" | "ssd" | "recompute" | "recompute_host" |
     "recompute_ssd" (default: the plan's, else keep everything); act_prefetch_units: backward's
     activation read-ahead; link: over several ranks, the ranks per node and the collectives'
-    bandwidth (needed there); deferred: of a speculative plan, the step that defers its updates
-    (one that clips, which `estimate` without it, a step that validates, does not replay): the
-    plan's own schedule (its keeps and windows are sized for speculating), its updates run
-    deferred, at each unit's next visit where the runtime applies them so."""
+    bandwidth (needed there); deferred: for a speculative plan, replay a step that defers its
+    updates (one that clips) instead of one that validates: the plan's own schedule (its keeps
+    and windows are sized for speculating), its updates deferred, at each unit's next visit
+    where the runtime applies them so."""
 
     adam_threads: int = 1
     micro_batches: int = 1
