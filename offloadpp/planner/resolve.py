@@ -55,7 +55,7 @@ from .planfile import load_plan
 from .ranks import RankLink
 from .schedule import build_schedule
 from .search import Request, _raise_infeasible, act_planner, search
-from .simulate_pending import lazy_runtime
+from .simulate_pending import deferred_where
 from .spec import PLAN_AUTO, Budgets, Settings
 
 DEVICE_SHARE_CUDA = 0.8
@@ -308,22 +308,6 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
     if deferred:
         deferred.append(f"deferred updates {deferred_where(plan)}")
     return tuple(out + deferred)
-
-
-def deferred_where(plan: Plan) -> str:
-    """Where a plan's deferred updates run (the runtime's OptimizerPipeline.lazy), for its notes."""
-    if lazy_runtime(plan):
-        return (
-            "are applied at each unit's next visit (the next forward reads master, moments and gradients once, "
-            "updates, and computes with the new weights: runtime/pending.py)"
-        )
-    if plan.ranks > 1:
-        return (
-            f"run as a pass after backward over the {plan.ranks} ranks (each rank's shard of every unit: "
-            "gradients reduce-scattered, the global norm all-reduced, Adam on the shard; neither at the next "
-            "visit nor speculatively, both one process's)"
-        )
-    return "run as a pass after backward (not at the next visit, which is the CPU device's)"
 
 
 def _request(settings: Settings, budgets: Budgets, machine: Machine, hardware=None) -> Request:
