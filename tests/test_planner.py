@@ -466,7 +466,9 @@ def test_fp16_says_whether_its_updates_are_deferred_or_speculative():
     # speculation keeps a second generation of the state on SSD: where it lacks the room, "auto"
     # defers and says so, "on" refuses
     need = r.plan.ssd_footprint_bytes()
-    assert need == 2 * r.plan.ssd_bytes() - sum(u.grad_bytes for u, p in r.plan if p.grads is Tier.SSD)
+    assert need == 2 * r.plan.ssd_bytes() - sum(
+        r.plan.grad_bytes(u) for u, p in r.plan if p.grads is Tier.SSD
+    )
     short = replace(_cuda_machine(8), ssd_free_bytes=need // 2 + r.plan.ssd_bytes() // 2)
     r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), short)
     assert not r.plan.speculative and any("second generation" in n for n in r.plan.notes)

@@ -38,7 +38,7 @@ from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes
 from .ranks import RankLink, rank_share
 from .schedule import build_schedule
 from .simulate import Costs, Sim
-from .simulate_pending import lazy_applies
+from .simulate_pending import lazy_applies, lazy_runtime
 from .traffic import ByKind, by_key_kinds
 
 REPLAY_STEPS = 3  # the first steps fill the SSD queue and the moments; the last is steady
@@ -113,37 +113,40 @@ def compute_times(plan: Plan, hardware: HardwareProfile, model: ModelProfile) ->
     return fwd, bwd
 
 
-def estimate(
-    plan: Plan,
-    hardware: HardwareProfile,
-    model: ModelProfile,
-    *,
-    adam_threads: int = 1,
-    micro_batches: int = 1,
-    activations: Optional[Mapping[str, str]] = None,
-    act_prefetch_units: int = 2,
-    link: Optional[RankLink] = None,
-) -> StepEstimate:
+@dataclass(frozen=True)
+class ReplayOptions:
+    """What estimate() and replay() take beside the plan and the profiles.
+
+    adam_threads: the runtime's Adam threads; micro_batches: of one optimizer step;
+    activations: per unit "keep" | "host" | "ssd" | "recompute" | "recompute_host" |
+    "recompute_ssd" (default: the plan's, else keep everything); act_prefetch_units: backward's
+    activation read-ahead; link: over several ranks, the ranks per node and the collectives'
+    bandwidth (needed there); deferred: for a speculative plan, replay a step that defers its
+    updates (one that clips) instead of one that validates: the plan's own schedule (its keeps
+    and windows are sized for speculating), its updates deferred, at each unit's next visit
+    where the runtime applies them so."""
+
+    adam_threads: int = 1
+    micro_batches: int = 1
+    activations: Optional[Mapping[str, str]] = None
+    act_prefetch_units: int = 2
+    link: Optional[RankLink] = None
+    deferred: bool = False
+
+
+def estimate(plan: Plan, hardware: HardwareProfile, model: ModelProfile, **options) -> StepEstimate:
     """The step time `plan` takes on `hardware` for `model` (one optimizer step of
-    `micro_batches` micro-batches), and the phase that bounds it. `activations`: per unit
-    "keep" | "host" | "ssd" | "recompute" | "recompute_host" | "recompute_ssd" (default: the plan's, else keep everything). A plan
-    over several ranks needs `link`: the ranks per node and the collectives' bandwidth."""
-    return replay(plan, hardware, model, adam_threads=adam_threads, micro_batches=micro_batches,
-                  activations=activations, act_prefetch_units=act_prefetch_units, link=link)[0]  # fmt: skip
+    `micro_batches` micro-batches), and the phase that bounds it; `options`: ReplayOptions'."""
+    return replay(plan, hardware, model, **options)[0]
 
 
 def replay(
-    plan: Plan,
-    hardware: HardwareProfile,
-    model: ModelProfile,
-    *,
-    adam_threads: int = 1,
-    micro_batches: int = 1,
-    activations: Optional[Mapping[str, str]] = None,
-    act_prefetch_units: int = 2,
-    link: Optional[RankLink] = None,
+    plan: Plan, hardware: HardwareProfile, model: ModelProfile, **options
 ) -> tuple[StepEstimate, dict]:
     """estimate(), plus the SSD bytes the steady step moves per key ("<unit>.<array>")."""
+    o = ReplayOptions(**options)
+    adam_threads, micro_batches, activations, link = o.adam_threads, o.micro_batches, o.activations, o.link
+    act_prefetch_units = o.act_prefetch_units
     hardware, link = _for_rank(plan, hardware, link)
     if plan.device != hardware.device:
         raise PlanError(
@@ -187,6 +190,8 @@ def replay(
         act_inputs={a.name: a.inputs for a in act_units(model)},
         link=link,
     )
+    if o.deferred and plan.speculative:  # the step clipped: no speculation, updates deferred
+        sim.speculating, sim.lazy = False, lazy_runtime(plan)
     run(
         sim,
         sim.main(REPLAY_STEPS),

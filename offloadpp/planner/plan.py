@@ -302,6 +302,27 @@ class Plan:
         return self.accumulate_grads or self.deferred_update
 
     @property
+    def grad_dtype(self) -> str:
+        """The dtype of the gradients kept between a unit's backward and its update (their home
+        and the optimizer's buffer): the compute dtype where it is 16-bit, else fp32.
+
+        Note: why 16-bit. With bf16/fp16 compute autograd's gradients are 16-bit; the fused Adam
+        takes them as they are and upcasts each element to fp32 as it reads it (exact: every
+        16-bit value is an fp32 value), so an fp32 copy holds nothing more and costs twice the
+        bytes through host memory and the SSD. Exceptions, kept fp32: accumulation over
+        micro-batches (a sum of 16-bit gradients rounded to 16 bits at every micro-batch is not
+        the fp32 sum torch's mixed-precision recipe keeps in `param.grad` of an fp32 master) and
+        several ranks (the gradients are reduced over the ranks into fp32 shards). ZeRO-Infinity
+        upcasts to fp32 before NVMe (docs/runtime.md)."""
+        if self.compute_dtype == "fp32" or self.accumulate_grads or self.ranks > 1:
+            return "fp32"
+        return self.compute_dtype
+
+    def grad_bytes(self, u: UnitSpec) -> int:
+        """The whole unit's gradients in grad_dtype (UnitSpec.grad_bytes is their fp32 size)."""
+        return u.padded_numel * DTYPE_BYTES[self.grad_dtype]
+
+    @property
     def ranks(self) -> int:
         """Data-parallel ranks the optimizer state is partitioned over (UnitSpec.shards)."""
         return self.units[0].shards if self.units else 1
@@ -336,7 +357,7 @@ class Plan:
             return u.moments_bytes // 2
         if array == "grad_shard":
             return u.shard_grad_bytes
-        return u.master_bytes if array == "master" else u.grad_bytes
+        return u.master_bytes if array == "master" else self.grad_bytes(u)
 
     def ssd_bytes(self) -> int:
         """Bytes the store holds at most: every array whose home is SSD (`homes`)."""
@@ -350,7 +371,7 @@ class Plan:
         (master, moments, compute copy: runtime/slots.py), which a step writes before it commits."""
         total = self.ssd_bytes()
         if not self.deferred_update or self.speculative:
-            grads = sum(u.grad_bytes for u, p in self if self.persistent_grads and p.grads is Tier.SSD)
+            grads = sum(self.grad_bytes(u) for u, p in self if self.persistent_grads and p.grads is Tier.SSD)
             total = 2 * total - grads
         return total
 
@@ -391,6 +412,7 @@ class Plan:
             f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
             f"deferred_update={self.deferred_update}{' (speculative)' if self.speculative else ''} "
             f"fill_gaps={self.fill_gaps}"
+            + (f" grads={self.grad_dtype}" if self.persistent_grads or self.compute_dtype != "fp32" else "")
             + (f" ranks={self.ranks} (each keeps 1/{self.ranks} of the state)" if self.ranks > 1 else ""),
             f"  budgets: {self.describe_budgets()}; resident: device {fmt_bytes(self.resident_device_bytes())}, "
             f"host {fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",

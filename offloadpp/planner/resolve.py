@@ -55,6 +55,7 @@ from .planfile import load_plan
 from .ranks import RankLink
 from .schedule import build_schedule
 from .search import Request, _raise_infeasible, act_planner, search
+from .simulate_pending import deferred_where
 from .spec import PLAN_AUTO, Budgets, Settings
 
 DEVICE_SHARE_CUDA = 0.8
@@ -218,7 +219,7 @@ def resolve(
         if est is None:
             est = estimate(plan, hardware, model, **kw)
         if plan.speculative:  # what a step that clips costs: deferred updates
-            deferred_est = estimate(replace(plan, speculative=False), hardware, model, **kw)
+            deferred_est = estimate(plan, hardware, model, deferred=True, **kw)
     return Resolved(settings, plan, est, candidates, deferred_est)
 
 
@@ -286,25 +287,27 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
         if clip:
             then.insert(0, "a step that clips is redone exactly from the previous generation of the state")
         if clip and settings.speculate == "auto":
-            then.append("while clipping keeps triggering, updates are deferred")
+            then.append(f"while clipping keeps triggering, updates are deferred: they {deferred_where(plan)}")
         out.append(
             "updates run during backward speculatively with the raw gradients and are validated at its end by "
             f"{' and '.join(why)}: {'; '.join(then)}"
         )
         return tuple(out)
+    deferred = []
     if settings.compute_dtype == "fp16":
-        out.append(
-            "fp16: updates are deferred to the end of backward (the loss scaler's overflow check needs "
-            "every gradient first), so Adam does not overlap backward; bf16 needs no loss scaling and "
-            "keeps the overlap"
+        deferred.append(
+            "fp16: updates are deferred (the loss scaler's overflow check needs every gradient first); bf16 "
+            "needs no loss scaling and keeps the overlap of Adam with backward"
         )
     if settings.gradient_clipping > 0:
-        out.append(
-            f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred to the end of backward "
-            "(the global norm needs every gradient first), so Adam does not overlap backward (DeepSpeed's "
-            'default is 1.0: set "gradient_clipping": 0 to keep the overlap)'
+        deferred.append(
+            f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred (the global norm needs "
+            "every gradient first), so Adam does not overlap backward (DeepSpeed's default is 1.0: set "
+            '"gradient_clipping": 0 to keep the overlap)'
         )
-    return tuple(out)
+    if deferred:
+        deferred.append(f"deferred updates {deferred_where(plan)}")
+    return tuple(out + deferred)
 
 
 def _request(settings: Settings, budgets: Budgets, machine: Machine, hardware=None) -> Request:

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import psutil
 import torch
@@ -36,6 +36,7 @@ from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes, io_set
 from offloadpp.planner.cost import StepEstimate
 from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
+from offloadpp.planner.simulate_pending import lazy_runtime
 
 from . import checkpoint as ckpt
 from . import export, host_heap
@@ -90,11 +91,12 @@ class OffloadEngine(StepTransaction, StepAccounting):
         hyper: Optional[AdamHyper] = None,
         init_fn: Optional[Callable[[nn.Module], None]] = None,
         progress: bool = False,
-        predicted: Optional[StepEstimate] = None,
+        predicted: Union[StepEstimate, tuple[StepEstimate, Optional[StepEstimate]], None] = None,
         dp: Optional[DataParallel] = None,
     ):
         """plan: the finished plan for this model and config (offloadpp.assemble.resolve_for_model
-        or planner.resolve); predicted: its estimated step, for the reports. A model on the meta
+        or planner.resolve); predicted: its estimated step, for the reports (or the pair (estimate,
+        deferred_estimate) of a Resolved whose plan speculates). A model on the meta
         device (built under offloadpp.Init) gets its weights unit by unit: from the safetensors
         its from_pretrained named, else from init_fn (default: the model's own init). dp: the
         data-parallel ranks (runtime/distributed.py), each holding its shard of the state in a
@@ -127,7 +129,11 @@ class OffloadEngine(StepTransaction, StepAccounting):
         specs = shard_units([lay.spec() for lay in layouts], dp.world if dp else 1)  # one rank's
         check_plan(plan, specs, self.device.kind, s)
         self.plan = plan
-        self.predicted = predicted
+        # the plan's estimate, and for a speculative plan that of a step that defers its updates
+        # (Resolved.deferred_estimate): a step's report is set beside the one of the way it ran
+        self.predicted, self.predicted_deferred = (
+            predicted if isinstance(predicted, tuple) else (predicted, None)
+        )
         self.schedule = build_schedule(self.plan)
         self._closed = True  # until set up: close() has nothing to do
         self._lock = SwapDirLock(config.nvme_paths)  # one run per swap directory
@@ -224,7 +230,7 @@ class OffloadEngine(StepTransaction, StepAccounting):
             lazy_order=[
                 by_name[n] for n in sorted(self.schedule.forward_index, key=self.schedule.forward_index.get)
             ],
-            lazy=not dev.is_cuda and self.dp is None,  # (runtime/pending.py: where it applies)
+            lazy=lazy_runtime(self.plan),  # the planner's: runtime/pending.py, where it applies
         )
         self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reclaim  # (memory.py's Note)
         if not dev.is_cuda:  # autograd's gradients are the device's memory (optimizer._charge_grads)

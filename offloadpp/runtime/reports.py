@@ -49,6 +49,7 @@ class StepAccounting:
         comm_bytes, comm_s = comm[0] - self._comm0[0], comm[1] - self._comm0[1]
         comm_floor = comm_bytes / (self.link_gbps * 1e9) if self.link_gbps else 0.0
         now = time.perf_counter()
+        predicted = self.predicted_for(outcome.mode if outcome is not None else "in-backward")
         report = StepReport(
             step=self.global_step,
             step_s=now - (self._step_t0 if self._step_t0 is not None else now),
@@ -74,7 +75,7 @@ class StepAccounting:
             redone_units=outcome.redone if outcome is not None else 0,
             optimizer_exposed_s=exposed,
             mode_switches=self.speculation.switches,
-            predicted_s=self.predicted.step_s if self.predicted is not None else None,
+            predicted_s=predicted.step_s if predicted is not None else None,
             budgets=self.budget_report(),
             recompute_s=self.activations.recompute_s,
             ranks=self.dp.world if self.dp is not None else 1,
@@ -82,10 +83,20 @@ class StepAccounting:
             comm_s=comm_s,
             comm_floor_s=comm_floor,
             ssd_by_kind=by_kind,
-            predicted_ssd_by_kind=self.predicted.ssd_by_kind if self.predicted is not None else (),
+            predicted_ssd_by_kind=predicted.ssd_by_kind if predicted is not None else (),
         )
         self._reset_step_counters()
         return report
+
+    def predicted_for(self, updates: str):
+        """The cost model's estimate of a step whose updates ran as `updates` (StepReport.updates):
+        a speculative plan's estimate is of a step that validates, so a step that deferred (it
+        clipped) is set beside the plan's deferred estimate, which moves other bytes (the
+        gradients through their home and back, the state read at the next visit). None where
+        there is no estimate of that way."""
+        if updates == "deferred" and self.plan.speculative:
+            return self.predicted_deferred
+        return self.predicted
 
     def budget_report(self) -> tuple[BudgetUse, ...]:
         """Each budget with the most the engine held against it in the current step and since it
