@@ -333,7 +333,9 @@ def test_activation_policies_within_budget():
     fast_disk = search(
         cpu_hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0, device_flops_per_s={"fp32": 5e9}), m, tight
     )
-    assert "ssd" in fast_disk.activations.values()
+    assert {"ssd", "partial_ssd"} & set(
+        fast_disk.activations.values()
+    )  # swapped (partial: its matmuls' outputs)
     rec_only = [c.estimate.step_s for c in fast_disk.candidates
                 if {p for _, p in c.activations if p != "keep"} == {"recompute"}]  # fmt: skip
     assert all(fast_disk.best.estimate.step_s < s for s in rec_only)  # (or left out by its bound)

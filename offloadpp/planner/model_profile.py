@@ -40,11 +40,17 @@ class UnitProfile:
     output_bytes: int = 0  # the unit's output (what a recomputing unit needs kept to run again)
     borrows: tuple[str, ...] = ()
     backward_needs_weights: bool = True
+    # partial (selective recompute): the bytes of the outputs of its matmuls and attention, which a
+    # partial unit keeps or swaps, and of those the bytes autograd does not save anyway (held on
+    # top of what its backward recomputes); 0: not known, partial not offered
+    partial_bytes: int = 0
+    partial_extra_bytes: int = 0
     forward_s: Optional[float] = None  # measured, one micro-batch (see the module note)
     backward_s: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes"):
+        for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
+                     "partial_extra_bytes"):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be an int >= 0, got {v!r}")
@@ -204,9 +210,14 @@ def analytic_profile(
         # in; c_fc out, GELU's tanh-form intermediates (3) and c_proj in at the inner width
         act_elems = t * (8 * d + 5 * inner) + 2 * b * s * int(_get(config, "n_head", "num_attention_heads"))
         units = [UnitProfile("embed", vocab * d + npos * d, 0, 0, 8 * t, t * d * eb, (), False)]
+        # partial keeps the matmuls' and the attention's outputs: c_attn's (q/k/v), the attention
+        # output and its log-sum-exp, c_fc's (saved anyway) and the two projections' (not saved)
+        heads = int(_get(config, "n_head", "num_attention_heads"))
+        part, extra = (t * (3 * d + d + inner + 2 * d) + 2 * b * s * heads) * eb, 2 * t * d * eb
         units += [
             UnitProfile(f"transformer.h.{i}", block_numel, 2 * t * lin + 4 * b * s * s * d,
-                        2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb)
+                        2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb,
+                        partial_bytes=part, partial_extra_bytes=extra)
             for i in range(n_layer)
         ]  # fmt: skip
         head_numel = 2 * d + (0 if tied else vocab * d)
@@ -229,9 +240,12 @@ def analytic_profile(
         attn_flops = 4 * b * s * s * heads * hd
         act_elems = t * (6 * d + 2 * heads * hd + 2 * kv * hd + 4 * ff) + 2 * b * s * heads
         units = [UnitProfile("embed", vocab * d, 0, 0, 8 * t, t * d * eb, (), False)]
+        # partial keeps q/k/v, the attention output and statistics, gate and up (saved anyway), and
+        # o_proj's and down's outputs (not saved)
+        part = (t * (2 * heads * hd + 2 * kv * hd + 2 * ff + 2 * d) + 2 * b * s * heads) * eb
         units += [
             UnitProfile(f"model.layers.{i}", block_numel, 2 * t * lin + attn_flops, 2 * (2 * t * lin + attn_flops),
-                        act_elems * eb, t * d * eb)
+                        act_elems * eb, t * d * eb, partial_bytes=part, partial_extra_bytes=2 * t * d * eb)
             for i in range(n_layer)
         ]  # fmt: skip
         units.append(UnitProfile("head", d + (0 if tied else vocab * d), 2 * t * d * vocab, 4 * t * d * vocab,

@@ -11,6 +11,9 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
   recompute_host, recompute_ssd
              as recompute, with the checkpoint moved as host/ssd move saved bytes (copied out in
              forward, fetched back ahead of the recompute).
+  partial, partial_host, partial_ssd
+             as recompute, the outputs of the matmuls and attention held (or moved) with the
+             checkpoint; the recompute runs no matmul (only the per-visit time is added).
 Backward fetches the activations of the unit it reaches and of the next `prefetch_units` units
 (in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
 cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
@@ -31,13 +34,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Mapping, Optional
 
-from .activations import CHECKPOINT_SWAPS, recomputes
+from .activations import CHECKPOINT_SWAPS, PARTIAL, POLICIES, ActUnit, recompute_fraction, recomputes
 from .desim import When, done_by, when
 
 if TYPE_CHECKING:
     from .simulate import Sim
-
-POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
 
 
 @dataclass(eq=False)
@@ -54,14 +55,16 @@ class _Out:
 
 class ActReplay:
     def __init__(self, sim: Sim, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int,
-                 budget: Optional[int] = None, inputs: Optional[Mapping[str, int]] = None):  # fmt: skip
+                 budget: Optional[int] = None, units: Optional[Mapping[str, ActUnit]] = None):  # fmt: skip
         bad = {u: p for u, p in policies.items() if p not in POLICIES}
         if bad:
             raise ValueError(f"activation policies must be one of {POLICIES}, got {bad}")
         self.sim = sim
         self.policies = dict(policies)
         self.act_bytes = dict(act_bytes)
-        self.inputs = dict(inputs or {})
+        # per unit: its checkpoint (inputs) and partial bytes (planner/activations.py ActUnit)
+        self.units = dict(units or {})
+        self.inputs = {n: u.inputs for n, u in self.units.items()}
         self.prefetch = prefetch_units
         self.budget = budget
         self.backward_order = [v.unit for v in sim.sched.visits if v.backward]
@@ -87,7 +90,10 @@ class ActReplay:
     def recompute_s(self, unit: str) -> float:
         if not recomputes(self.policy(unit)):
             return 0.0
-        return self.sim.costs.forward_s[unit] + self.sim.costs.forward_visit_s
+        return (
+            self.sim.costs.forward_s[unit] * recompute_fraction(self.policy(unit))
+            + self.sim.costs.forward_visit_s
+        )
 
     def _add(self, n: int) -> None:
         self.device_bytes += n
@@ -98,7 +104,7 @@ class ActReplay:
         """The unit's forward saves its bytes (a recomputing one keeps its inputs): within the
         budget, waiting for the oldest copies out."""
         pol = self.policy(unit)
-        own = self.inputs.get(unit, 0) if recomputes(pol) else self.act_bytes.get(unit, 0)
+        own = self._held_in(unit) if recomputes(pol) else self.act_bytes.get(unit, 0)
         if self.budget is not None:
             t0 = self.sim.t
             while self.device_bytes + own > self.budget and self.inflight:
@@ -112,7 +118,7 @@ class ActReplay:
     def after_forward(self, unit: str) -> None:
         pol = self.policy(unit)
         to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
-        n = self.inputs.get(unit, 0) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
+        n = self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
         if to in ("host", "ssd") and n > 0:
@@ -129,7 +135,7 @@ class ActReplay:
         i = self.backward_index[unit]
         self._fetch(unit, force=True)
         if recomputes(self.policy(unit)):  # what it recomputes is counted before any prefetch
-            self._add(self._recomputed(unit) - self.inputs.get(unit, 0))  # (its inputs among them)
+            self._add(self._recomputed(unit) - self._held_in(unit))  # (its inputs among them)
         for name in self.backward_order[i + 1 : i + self.prefetch + 1]:
             # a unit still to recompute will hold all it saved at its backward, counted only
             # then: nothing beyond it is fetched now (its checkpoint is), as the runtime does
@@ -159,7 +165,17 @@ class ActReplay:
     def _recomputed(self, unit: str) -> int:
         """What a recompute holds once it ran: all the unit saved, its inputs included (as the
         runtime counts it: planner/activations.py backward_bytes)."""
-        return max(self.act_bytes.get(unit, 0), self.inputs.get(unit, 0))
+        u = self.units.get(unit)
+        extra = u.partial_extra if u is not None and self.policy(unit) in PARTIAL else 0
+        return max(self.act_bytes.get(unit, 0), self.inputs.get(unit, 0)) + extra
+
+    def _held_in(self, unit: str) -> int:
+        """What a recomputing unit holds (or moves) between its forward and its backward: its
+        inputs, and a partial unit's kept outputs."""
+        u = self.units.get(unit)
+        if u is not None and self.policy(unit) in PARTIAL:
+            return u.inputs + u.partial
+        return self.inputs.get(unit, 0)
 
     def _fetch(self, unit: str, force: bool) -> bool:
         """Starts bringing `unit`'s activations back; False when the budget has no room for

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from offloadpp.planner import ActivationSettings, fmt_bytes
 
 from .policy import ActPolicy, UnitActProfile, resolve_auto
-from .recompute import CheckpointRef, FlopCounter, RecomputeRef, Segment, SegState
+from .recompute import CheckpointRef, FlopCounter, OpLog, RecomputeRef, Recorder, Segment, SegState
 from .records import (
     ActivationError,
     ParamIndex,
@@ -177,6 +177,7 @@ class ActivationManager:
         self._order: list[UnitActivations] = []
         self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
         self._stack: list[tuple[UnitActivations, Optional[Segment]]] = []
+        self._recorders: list[Recorder] = []  # partial units' dispatch modes, innermost last
         self._consumed: list[SavedStorage] = []
         self._bw_unit: Optional[UnitActivations] = None
         self._in_backward = False
@@ -241,6 +242,8 @@ class ActivationManager:
                 with self._flops if self._flops is not None else contextlib.nullcontext():
                     yield
         finally:
+            while self._recorders:  # a forward that raised inside a partial unit
+                self._recorders.pop().__exit__(None, None, None)
             self._active = False
             self._flops = None
             self._stack.clear()
@@ -266,6 +269,12 @@ class ActivationManager:
             seg.owner = unit
             self.swapper.add_device(inputs)
             unit.segments.append(seg)
+            if unit.policy.partial:  # the expensive operators' outputs become the unit's records
+                seg.log = OpLog()
+                keep = functools.partial(self._record, unit, policy=unit.policy.checkpoint or ActPolicy.KEEP)
+                recorder = Recorder(unit.name, seg.log, keep)
+                recorder.__enter__()
+                self._recorders.append(recorder)
         if self._flops is not None:
             unit.flops -= self._flops.total
         self._stack.append((unit, seg))
@@ -276,6 +285,10 @@ class ActivationManager:
             return None
         _, seg = self._stack.pop()
         if seg is not None:
+            if seg.log is not None:
+                recorder = self._recorders.pop()
+                recorder.__exit__(None, None, None)
+                recorder.check()
             seg.close()
         if self._flops is not None:
             unit.flops += self._flops.total
@@ -303,7 +316,12 @@ class ActivationManager:
         return CheckpointRef(self._record(unit, x, unit.policy.checkpoint), x.requires_grad)
 
     def _restore(self, ckpt: list, x):
-        """The argument a CheckpointRef stands for, back on the device (waited for if in flight)."""
+        """The argument a CheckpointRef stands for, or a partial unit's kept output a SavedRef
+        stands for, back on the device (waited for if in flight)."""
+        if type(x) is SavedRef:
+            t = self._unpack_saved(x, enter=False)
+            ckpt.append(t)
+            return t
         if type(x) is not CheckpointRef:
             return x
         # (not entering the backward of the unit that saved the storage first: arguments such as
