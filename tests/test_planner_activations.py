@@ -144,3 +144,35 @@ def test_plan_command_takes_partial_and_prints_its_split(tmp_path, capsys):
 
     moved, again = fmt_bytes(blk.inputs + blk.partial), fmt_bytes(blk.saved - blk.partial + blk.partial_extra)
     assert row.rstrip().endswith(f"{moved:>10} {again:>10}"), row
+
+
+def _paper(name: str):
+    with open(os.path.join(PAPER, name)) as f:
+        return json.load(f)
+
+
+def test_paper_13b_sweep_is_planned_b32_partial_b64_recompute_with_checkpoints_in_host():
+    """GPT-3 13B on the paper machine's profile: b8-b64 planned; b32 and b64 recompute with their
+    checkpoints in host memory. Before swapped checkpoints, recompute pinned its inputs, so b32
+    recomputed only half its blocks (72 TFLOPS) and b64, where the pinned inputs no longer fit
+    beside one block, swapped whole blocks over the link (50 TFLOPS)."""
+    hw = HardwareProfile.from_json(os.path.join(PAPER, "rtx4090-12ssd.hardware.json"))
+    cfg = _paper("gpt3-13b.config.json")
+    tflops = {}
+    for b in (8, 16, 32, 64):
+        m = analytic_profile(cfg, micro_batch=b, seq_len=1024, compute_dtype="fp16")
+        machine = Machine("cuda", host_available_bytes=hw.host_memory_bytes, device_free_bytes=hw.device_memory_bytes,
+                          cores=hw.cpu_cores)  # fmt: skip
+        s = Settings(
+            plan="auto", compute_dtype="fp16", offload_params=True, offload_optimizer=True, micro_batch=b
+        )
+        r = resolve(s, m.unit_specs(), machine, hardware=hw, model=m)
+        flops = sum(u.forward_flops + u.backward_flops for u in m.units)
+        tflops[b] = flops / r.estimate.step_s / 1e12
+        if b == 32:  # selective recomputation, its kept outputs in host memory
+            assert "partial_host" in r.plan.activations, (b, r.plan.activations)
+        if b == 64:  # a partial block's backward does not fit beside the buffers: recompute
+            assert "recompute_host" in r.plan.activations, (b, r.plan.activations)
+        if b >= 32:
+            assert not {"host", "ssd"} & set(r.plan.activations), (b, r.plan.activations)
+    assert tflops[32] > 100 and tflops[64] > 80, tflops
