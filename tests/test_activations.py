@@ -158,6 +158,30 @@ def test_partial_recompute_runs_no_matmul_again(store, data):
     assert counts["recompute"] == counts["keep"] + 4 * 4 + 1, counts  # four a block, the head's
 
 
+def test_partial_pieces_hold_one_piece_at_a_time(store):
+    """A partial block is recomputed piece by piece (its norms, its attention, its MLP), so its
+    backward holds the MLP's tensors and not the whole block's: under a budget of 90% of what
+    one block saves, partial_host stays within it where recompute_host (the whole block at once)
+    cannot, with the gradients of the run without swapping (dropout on)."""
+    x = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
+    ref = tiny_gpt2(n_embd=128)
+    _, want = run_step(ref, x)
+    tokens, width = x.numel(), 128
+    block = 28 * width * tokens * 4  # what a block saves (fp32), the attention's probabilities aside
+    budget = int(0.9 * block)
+    peaks = {}
+    for policy in ("recompute_host", "partial_host"):
+        model = copy.deepcopy(ref)
+        cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0)
+        with ActivationManager.for_model(model, cfg, store=store) as mgr:
+            for _ in range(2):
+                _, got = run_step(model, x, mgr)
+                assert rel_diff(got, want) <= 1e-6, policy
+                peaks[policy] = mgr.stats().peak_device_bytes
+                mgr.reset_stats()
+    assert peaks["partial_host"] <= budget < block <= peaks["recompute_host"], (peaks, budget, block)
+
+
 def test_quarter_budget_within_peak_and_trains_like_keep(store, data):
     """8 blocks, budget 25% of the keep-all peak: the accounted peak stays within it, and three
     SGD steps give the losses and weights of keeping everything."""

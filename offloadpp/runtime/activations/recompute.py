@@ -219,6 +219,7 @@ class Segment:
         self.taken = 0
         self.recomputed_bytes = 0  # accounted from the recompute until DONE
         self.log: Optional[OpLog] = None  # partial: the forward's operators (see the Note on partial)
+        self.first_record = 0  # the unit's records from this index on were made in or after this segment
         self.state = SegState.RECORDING
 
     def pack(self, t: torch.Tensor) -> RecomputeRef:
