@@ -407,9 +407,9 @@ def test_refusal_names_the_largest_micro_batch_that_fits():
     from offloadpp.planner import InfeasibleError
 
     with pytest.raises(InfeasibleError) as e:
-        _resolve_cuda(64, device_gib=4)
+        _resolve_cuda(256, device_gib=4)
     largest = e.value.largest_micro_batch
-    assert largest is not None and 1 <= largest < 64
+    assert largest is not None and 1 <= largest < 256
     assert f"The largest micro-batch that fits is {largest}" in str(e.value)
     assert e.value.device_bytes_needed > int(0.8 * 4 * 2**30)
     r, m = _resolve_cuda(largest, device_gib=4)  # fits

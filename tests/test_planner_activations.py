@@ -77,8 +77,9 @@ def test_partial_is_offered_where_the_profile_knows_its_bytes():
 
 
 def test_replay_of_partial_moves_the_kept_outputs_and_recomputes_no_matmul():
-    """CPU device: partial_ssd writes and reads each block's checkpoint and kept outputs once per
-    step, and adds no compute (its recompute runs no matmul)."""
+    """CPU device: partial_ssd writes and reads each block's pieces' checkpoints (the inputs of
+    its two norms, its attention and its MLP) and kept outputs once per step, and adds no compute
+    (its recompute runs no matmul)."""
     m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
     r = resolve(Settings(plan="auto"), m.unit_specs(),
                 Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
@@ -87,7 +88,8 @@ def test_replay_of_partial_moves_the_kept_outputs_and_recomputes_no_matmul():
     est = {
         p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks}) for p in ("keep", "partial_ssd")
     }
-    moved = sum(a.inputs + a.partial for a in act_units(m) if a.name in blocks)
+    moved = sum(a.moved("partial_ssd") for a in act_units(m) if a.name in blocks)
+    assert moved == sum(a.partial + 4 * a.inputs for a in act_units(m) if a.name in blocks)  # four pieces
     assert est["partial_ssd"].ssd_write_bytes - est["keep"].ssd_write_bytes == moved
     assert est["partial_ssd"].ssd_read_bytes - est["keep"].ssd_read_bytes == moved
     assert abs(est["partial_ssd"].compute_s - est["keep"].compute_s) < 1e-9
@@ -151,11 +153,13 @@ def _paper(name: str):
         return json.load(f)
 
 
-def test_paper_13b_sweep_is_planned_b32_partial_b64_recompute_with_checkpoints_in_host():
-    """GPT-3 13B on the paper machine's profile: b8-b64 planned; b32 and b64 recompute with their
-    checkpoints in host memory. Before swapped checkpoints, recompute pinned its inputs, so b32
-    recomputed only half its blocks (72 TFLOPS) and b64, where the pinned inputs no longer fit
-    beside one block, swapped whole blocks over the link (50 TFLOPS)."""
+def test_paper_13b_sweep_is_planned_b32_recompute_b64_partial_with_host_memory():
+    """GPT-3 13B on the paper machine's profile: b8-b64 planned; b32 recomputes with its
+    checkpoints in host memory, b64 is partial with its kept outputs in host memory (a whole
+    block's backward, 17.5 GiB, would leave the buffers no room to prefetch), and b64's
+    throughput is at least b32's. Before swapped checkpoints, recompute pinned its inputs, so b32
+    recomputed only half its blocks (72 TFLOPS) and b64 swapped whole blocks over the link (50
+    TFLOPS); before partial pieces, b64 recomputed every block (90 TFLOPS, below b32)."""
     hw = HardwareProfile.from_json(os.path.join(PAPER, "rtx4090-12ssd.hardware.json"))
     cfg = _paper("gpt3-13b.config.json")
     tflops = {}
@@ -169,10 +173,10 @@ def test_paper_13b_sweep_is_planned_b32_partial_b64_recompute_with_checkpoints_i
         r = resolve(s, m.unit_specs(), machine, hardware=hw, model=m)
         flops = sum(u.forward_flops + u.backward_flops for u in m.units)
         tflops[b] = flops / r.estimate.step_s / 1e12
-        if b == 32:  # selective recomputation, its kept outputs in host memory
-            assert "partial_host" in r.plan.activations, (b, r.plan.activations)
-        if b == 64:  # a partial block's backward does not fit beside the buffers: recompute
+        if b == 32:  # recompute, the checkpoints in host memory
             assert "recompute_host" in r.plan.activations, (b, r.plan.activations)
+        if b == 64:  # a whole block's backward fills the budget: partial, piece by piece
+            assert "partial_host" in r.plan.activations, (b, r.plan.activations)
         if b >= 32:
             assert not {"host", "ssd"} & set(r.plan.activations), (b, r.plan.activations)
-    assert tflops[32] > 100 and tflops[64] > 80, tflops
+    assert tflops[32] > 105 and tflops[64] >= tflops[32], tflops

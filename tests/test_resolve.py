@@ -376,7 +376,7 @@ def test_plan_cli_refuses_what_cannot_fit_with_the_largest_batch(tmp_path, capsy
     def run(batch: int) -> int:
         return plan("--micro-batch", str(batch), "--seq-len", "1024")
 
-    assert run(64) == 1
+    assert run(256) == 1
     err = capsys.readouterr().err
     assert "infeasible" in err and "The largest micro-batch that fits is" in err
     largest = int(err.split("The largest micro-batch that fits is ")[1].split(";")[0])

@@ -25,8 +25,9 @@ from types import SimpleNamespace
 
 BAR = 1.3
 CONTENDERS = ("none", "keep", "host", "ssd", "recompute")
-# selectable too: the checkpoint swapped to SSD, and the planner's choice for the budget
-EXTRA = ("recompute_ssd", "plan")
+# selectable too: the checkpoint swapped to SSD, partial (selective) recompute with its kept
+# outputs on SSD, and the planner's choice for the budget
+EXTRA = ("recompute_ssd", "partial_ssd", "plan")
 PLAN_BAR = 1.15  # the planner's choice against keeping everything (no budget)
 BYTES_BAR = 0.10  # its measured activation bytes against the cost model's
 
@@ -254,7 +255,7 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
         out["modelled"] = {
             p: {**_modelled(args, env, batch, budget, p), "measured_ssd_bytes": med[p]["ssd_write_bytes"]
                 + med[p]["ssd_read_bytes"], "measured_recompute_s": med[p]["recompute_s"]}
-            for p in policies if p in ("host", "ssd", "recompute", "recompute_ssd")
+            for p in policies if p in ("host", "ssd", "recompute", "recompute_ssd", "partial_ssd")
         }  # fmt: skip
     if planned is not None:
         got = med["plan"]

@@ -89,18 +89,26 @@ class ActUnit:
     can_recompute: bool  # False where backward reads none of the unit's weights (embeddings)
     partial: int = 0  # bytes a partial unit keeps: its matmuls' and attention's outputs (0: not offered)
     partial_extra: int = 0  # of those, the bytes autograd does not save (held on top in backward)
+    # a partial unit's pieces (the children of its root), forward order: (saved, inputs, partial,
+    # partial_extra) each; () where it is one piece
+    pieces: tuple[tuple[int, int, int, int], ...] = ()
+
+    @property
+    def partial_inputs(self) -> int:
+        """A partial unit's checkpoints: every piece's inputs."""
+        return sum(p[1] for p in self.pieces) if self.pieces else self.inputs
 
     def moved(self, policy: str) -> int:
         """Bytes that leave the device between its forward and its backward (swapping policies)."""
         if policy in PARTIAL:
-            return self.inputs + self.partial
+            return self.partial_inputs + self.partial
         return self.inputs if recomputes(policy) else self.saved
 
 
 def held_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit holds from its forward to its backward."""
     if policy == "partial":
-        return u.inputs + u.partial
+        return u.partial_inputs + u.partial
     return u.saved if policy == "keep" else u.inputs if policy == "recompute" else 0
 
 
@@ -108,7 +116,22 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit holds during its backward: all it saved (a recompute's inputs are
     counted until the recompute, then what it recomputed, as the runtime counts them: the
     first operator of a block saves its input, so the checkpoint is among them; a partial
-    unit's kept outputs that autograd does not save are held on top, until the unit's end)."""
+    unit's kept outputs that autograd does not save are held on top, until the unit's end).
+
+    A partial unit with pieces holds one piece's at a time: at piece k's recompute, all piece k
+    saved and its kept outputs autograd does not save, what the pieces before it keep (partial:
+    on the device all along) or, swapped, the previous piece's records (fetched once piece k
+    recomputed); the pieces after it were released."""
+    if policy in PARTIAL and u.pieces:
+        peak = before = 0
+        prev = 0
+        for saved, inputs, part, extra in u.pieces:
+            held = before if policy == "partial" else prev
+            peak = max(peak, held + saved + extra)
+            prev = inputs + part
+            before += prev
+        # (backward runs the pieces last to first: piece k's "before" are those earlier in forward)
+        return peak
     if policy in PARTIAL:
         return max(u.saved, u.inputs) + u.partial_extra
     return max(u.saved, u.inputs) if recomputes(policy) else u.saved
@@ -121,7 +144,7 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     out = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
     if policy in PARTIAL:  # the kept outputs autograd saves anyway are not recomputed
         out["recomputed"] = max(0, u.saved - (u.partial - u.partial_extra))
-        out[{"partial": "kept", "partial_host": "host", "partial_ssd": "ssd"}[policy]] = u.inputs + u.partial
+        out[{"partial": "kept", "partial_host": "host", "partial_ssd": "ssd"}[policy]] = u.moved(policy)
     elif recomputes(policy):
         out["recomputed"] = u.saved
         out[{"recompute": "kept", "recompute_host": "host", "recompute_ssd": "ssd"}[policy]] = u.inputs
@@ -135,7 +158,7 @@ def act_units(model: ModelProfile) -> tuple[ActUnit, ...]:
     out, prev = [], 0
     for u in model.units:
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
-                           u.partial_bytes, u.partial_extra_bytes))  # fmt: skip
+                           u.partial_bytes, u.partial_extra_bytes, u.pieces))  # fmt: skip
         prev = u.output_bytes
     return tuple(out)
 
@@ -190,9 +213,22 @@ class ActPlanner:
         return self._choice("keep", {})
 
     @property
-    def least(self) -> ActChoice:
-        """The choice with the least need: every free unit swapped (what must stay stays)."""
+    def swap_all(self) -> ActChoice:
+        """Every free unit swapped whole."""
         return self._choice("swap all", {u.name: "ssd" for u in self.free})
+
+    @property
+    def least(self) -> ActChoice:
+        """The choice with the least need: every free unit swapped (what must stay stays), or
+        partial with its kept outputs swapped where that holds less in backward (a partial unit
+        is recomputed piece by piece)."""
+
+        def least_of(u: ActUnit) -> str:
+            if u.can_recompute and 0 < u.partial < u.saved:
+                return min(("ssd", "partial_ssd"), key=lambda p: backward_bytes(u, p))
+            return "ssd"
+
+        return self._choice("swap all", {u.name: least_of(u) for u in self.free})
 
     def _ranked(self) -> list[ActUnit]:
         idx = {u.name: i for i, u in enumerate(self.units)}
