@@ -235,7 +235,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # 2. the other activation choices of the best few placements
     cands.sort(key=lambda c: c.estimate.step_s)
     by_plan = {id(g[2]): g for g in groups}
-    for top in _tops(cands, ACT_TOP_PLACEMENTS - (len(units) > MANY_UNITS)):
+    many = len(units) > MANY_UNITS
+    for top in _tops(cands, ACT_TOP_PLACEMENTS - many, extra=1 if many else 2):
         _, label, plan, bounds = by_plan[id(top.plan)]
         for lb, _, c in bounds[1:]:
             if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
@@ -254,8 +255,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     return SearchResult(best, tuple(cands), total - replayed)
 
 
-def _tops(cands: list[Candidate], n: int) -> list[Candidate]:
-    """The best n placements replayed, and the best of each other activation room: a placement
+def _tops(cands: list[Candidate], n: int, extra: int) -> list[Candidate]:
+    """The best n placements replayed, and the best of up to `extra` other activation rooms: a placement
     leaving the activations little room (partial pieces fit in it) can be replayed faster with its
     first choice than one leaving more room with its first, where the latter's other choices
     (recomputing whole units) are faster still."""
@@ -263,7 +264,7 @@ def _tops(cands: list[Candidate], n: int) -> list[Candidate]:
     rooms = {c.plan.budgets.activation_bytes for c in out if c.plan.budgets is not None}
     for c in cands[n:]:
         room = c.plan.budgets.activation_bytes if c.plan.budgets is not None else None
-        if room not in rooms:
+        if room not in rooms and len(out) < n + extra:
             rooms.add(room)
             out.append(c)
     return out
