@@ -163,9 +163,11 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     if counted:
         # (and what swapping whole units needs, where partial pieces need less: the placements
         # that leave room for recomputing whole units are tried too)
+        # (not on models of many units: each reserve enumerates the placements again, and 175B
+        # must plan within 2 s)
         whole = acts.swap_all.need_bytes
-        reserves = sorted({min(req.act_cap, acts.keep_all.need_bytes), least} | ({whole} if whole <= req.act_cap else set()),
-                          reverse=True)  # fmt: skip
+        extra = {whole} if whole <= req.act_cap and len(units) <= MANY_UNITS else set()
+        reserves = sorted({min(req.act_cap, acts.keep_all.need_bytes), least} | extra, reverse=True)
     else:
         reserves = [0]
     fixed = acts._choice("settings", {})  # not counted: the settings' policies, others kept
@@ -236,7 +238,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     cands.sort(key=lambda c: c.estimate.step_s)
     by_plan = {id(g[2]): g for g in groups}
     many = len(units) > MANY_UNITS
-    for top in _tops(cands, ACT_TOP_PLACEMENTS - many, extra=1 if many else 2):
+    for top in _tops(cands, ACT_TOP_PLACEMENTS - many, extra=0 if many else 2):
         _, label, plan, bounds = by_plan[id(top.plan)]
         for lb, _, c in bounds[1:]:
             if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
