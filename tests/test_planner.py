@@ -333,7 +333,9 @@ def test_activation_policies_within_budget():
     fast_disk = search(
         cpu_hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0, device_flops_per_s={"fp32": 5e9}), m, tight
     )
-    assert "ssd" in fast_disk.activations.values()
+    assert {"ssd", "partial_ssd"} & set(
+        fast_disk.activations.values()
+    )  # swapped (partial: its matmuls' outputs)
     rec_only = [c.estimate.step_s for c in fast_disk.candidates
                 if {p for _, p in c.activations if p != "keep"} == {"recompute"}]  # fmt: skip
     assert all(fast_disk.best.estimate.step_s < s for s in rec_only)  # (or left out by its bound)
@@ -405,9 +407,9 @@ def test_refusal_names_the_largest_micro_batch_that_fits():
     from offloadpp.planner import InfeasibleError
 
     with pytest.raises(InfeasibleError) as e:
-        _resolve_cuda(64, device_gib=4)
+        _resolve_cuda(256, device_gib=4)
     largest = e.value.largest_micro_batch
-    assert largest is not None and 1 <= largest < 64
+    assert largest is not None and 1 <= largest < 256
     assert f"The largest micro-batch that fits is {largest}" in str(e.value)
     assert e.value.device_bytes_needed > int(0.8 * 4 * 2**30)
     r, m = _resolve_cuda(largest, device_gib=4)  # fits

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
-from .activations import act_units, recomputes
+from .activations import act_units, recompute_fraction, recomputes
 from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
@@ -119,7 +119,8 @@ class ReplayOptions:
 
     adam_threads: the runtime's Adam threads; micro_batches: of one optimizer step;
     activations: per unit "keep" | "host" | "ssd" | "recompute" | "recompute_host" |
-    "recompute_ssd" (default: the plan's, else keep everything); act_prefetch_units: backward's
+    "recompute_ssd" | "partial" | "partial_host" | "partial_ssd" (default: the plan's, else keep
+    everything); act_prefetch_units: backward's
     activation read-ahead; link: over several ranks, the ranks per node and the collectives'
     bandwidth (needed there); deferred: for a speculative plan, replay a step that defers its
     updates (one that clips) instead of one that validates: the plan's own schedule (its keeps
@@ -187,7 +188,7 @@ def replay(
         act_policies=policies,
         act_bytes={u.name: u.activation_bytes for u in model.units},
         act_prefetch_units=act_prefetch_units,
-        act_inputs={a.name: a.inputs for a in act_units(model)},
+        act_inputs={a.name: a for a in act_units(model)},
         link=link,
     )
     if o.deferred and plan.speculative:  # the step clipped: no speculation, updates deferred
@@ -202,7 +203,7 @@ def replay(
     )
     m = sim.marks[-1]
     sched = build_schedule(plan)
-    recompute = sum(fwd[n] for n in fwd if recomputes(policies.get(n, "keep")))
+    recompute = sum(fwd[n] * recompute_fraction(policies.get(n, "keep")) for n in fwd)
     compute = micro_batches * (sum(fwd[n] + bwd[n] for n in fwd) + recompute)
     adam = sum(u.numel for u in plan.units) / plan.ranks / costs.adam_rate
     ssd_s = m["ssd_r"] / ssd.read_bps + m["ssd_w"] / ssd.write_bps
@@ -285,7 +286,8 @@ def lower_bound(
     fwd, bwd = compute_times(plan, hardware, model)
     policies = activations if activations is not None else activation_policies(plan)
     n = len(fwd)
-    recompute = sum(fwd[u] + hardware.runtime_forward_visit_s for u, p in policies.items() if recomputes(p))
+    recompute = sum(fwd[u] * recompute_fraction(p) + hardware.runtime_forward_visit_s
+                    for u, p in policies.items() if recomputes(p))  # fmt: skip
     visits = n * (hardware.runtime_forward_visit_s + hardware.runtime_backward_visit_s)
     compute = micro_batches * (sum(fwd.values()) + sum(bwd.values()) + visits + recompute)
     numel = sum(u.numel for u in plan.units) / plan.ranks

@@ -200,7 +200,7 @@ class Plan:
     # Per unit in forward order, (bytes its forward saves, bytes of its activation checkpoint:
     # its inputs) from the model profile the plan was made with; () when none. Only for the
     # printout's per-unit split (kept, host, ssd, recomputed): the runtime measures its own.
-    activation_sizes: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    activation_sizes: tuple[tuple[int, int, int, int], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -236,10 +236,12 @@ class Plan:
 
     def _check_activations(self) -> None:
         object.__setattr__(self, "activations", tuple(self.activations))  # a plan file gives a list
-        sizes = tuple((int(a), int(b)) for a, b in self.activation_sizes)
+        # (saved, checkpoint, kept by partial, of it not saved) per unit; a pair from an older plan
+        # file: no partial
+        sizes = tuple(tuple(int(x) for x in (tuple(sz) + (0, 0))[:4]) for sz in self.activation_sizes)
         if sizes and len(sizes) != len(self.units):
             raise PlanError(
-                f"activation_sizes must give one pair per unit ({len(self.units)}), got {len(sizes)}"
+                f"activation_sizes must give one entry per unit ({len(self.units)}), got {len(sizes)}"
             )
         object.__setattr__(self, "activation_sizes", sizes)
         stripe = tuple((str(d), float(w)) for d, w in self.ssd_stripe)
@@ -452,9 +454,11 @@ class Plan:
         out = [f"  {'activations per unit':<40} {'policy':>14} {'saved':>10} {'kept':>10} {'host':>10} "
                f"{'ssd':>10} {'recomputed':>10}"]  # fmt: skip
         totals = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
-        for first, last, n, a, (saved, ckpt) in rows:
+        for first, last, n, a, (saved, ckpt, partial, extra) in rows:
             name = first if n == 1 else f"{first} .. {last} ({n})"
-            sp = split_bytes(ActUnit(first, saved, ckpt, 0, True), a if a != "auto" else "keep")
+            sp = split_bytes(
+                ActUnit(first, saved, ckpt, 0, True, partial, extra), a if a != "auto" else "keep"
+            )
             for k in totals:
                 totals[k] += n * sp[k]
             out.append(f"  {name:<40} {a:>14} {fmt_bytes(saved):>10} {fmt_bytes(sp['kept']):>10} "

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from .activations import act_units
+from .activations import act_units, recomputes
 from .cost import StepEstimate, estimate
 from .default import DEFAULT_OPTIM_PREFETCH, DEFAULT_PREFETCH, default_plan, plan_shape, streaming_plan
 from .hardware import HardwareProfile, ProfileError, default_profile_path
@@ -507,8 +507,8 @@ def load_saved_plan(settings: Settings) -> Optional[tuple[Plan, Optional[StepEst
 
 def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
     """The plan with each unit's saved and checkpoint bytes from the model profile (printout)."""
-    sizes = {a.name: (a.saved, a.inputs) for a in act_units(model)}
-    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0)) for u in plan.units))
+    sizes = {a.name: (a.saved, a.inputs, a.partial, a.partial_extra) for a in act_units(model)}
+    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0, 0, 0)) for u in plan.units))
 
 
 def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
@@ -530,7 +530,7 @@ def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     for u, p in zip(plan.units, chosen):
         if p == "auto" and unlimited:  # nothing to fit: keep (the runtime would profile first)
             p = "keep"
-        if p.startswith("recompute") and not u.backward_needs_weights:
+        if recomputes(p) and not u.backward_needs_weights:
             notes.append(
                 f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
             )

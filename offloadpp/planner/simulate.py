@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
 from . import simulate_pending as pending
+from .activations import ActUnit
 from .desim import Done, Fifo, Pool, Ssd, When, done_by
 from .plan import DTYPE_BYTES, Plan, Tier
 from .ranks import RankLink
@@ -260,7 +261,7 @@ class Costs:
 class Sim:
     def __init__(self, plan: Plan, costs: Costs, ssd: Ssd, h2d: Fifo, d2h: Fifo, *, micro_batches: int,
                  act_policies: Optional[Mapping[str, str]] = None, act_bytes: Optional[Mapping[str, int]] = None,
-                 act_prefetch_units: int = 2, act_inputs: Optional[Mapping[str, int]] = None,
+                 act_prefetch_units: int = 2, act_inputs: Optional[Mapping[str, ActUnit]] = None,
                  link: Optional[RankLink] = None):  # fmt: skip
         self.plan, self.costs = plan, costs
         self.ssd, self.h2d, self.d2h = ssd, h2d, d2h
