@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-capacity bench-capacity-2b bench-capacity-2b-export bench-regress elastic-trials gpu-check clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-ab-finetune bench-capacity bench-capacity-host16 bench-capacity-2b bench-capacity-2b-export bench-regress elastic-trials gpu-check clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -50,9 +50,17 @@ bench-step: setup
 bench-ab: setup
 	$(PY) -m offloadpp bench ab --config ds_configs/gpt2_45m.offloadpp.json --steps 10 --out runs/ab
 
+# The fine-tune of a trained model (GPT-2 45M trained 300 steps in memory on the same text first): how many steps speculate.
+bench-ab-finetune: setup
+	$(PY) -m offloadpp bench ab --config ds_configs/gpt2_45m.offloadpp.json --steps 20 --pretrain-steps 300 --out runs/ab-finetune
+
 # Larger than memory through the user's path (about 5 minutes each here with ZeRO-Infinity's run; 25 and 75 GB of disk).
 bench-capacity: setup
 	$(PY) -m offloadpp bench capacity --zero
+
+# The same with 16 GiB of host memory for offloadpp (still below ZeRO-Infinity's 19.7 GiB): issue 21's bar 0.30x.
+bench-capacity-host16: setup
+	$(PY) -m offloadpp bench capacity --zero --offloadpp-block '{"host_budget_bytes": "16GiB"}' --max-vs-zero 0.30 --max-rss-gib 19.7
 
 bench-capacity-2b: setup
 	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --checkpoint --zero
@@ -67,9 +75,10 @@ bench-regress: setup
 
 # Elastic restarts: 10 runs of examples/elastic_finetune.py under torchrun --max-restarts 1, a random rank
 # killed with SIGKILL at a random point in each; every run must end bit-identical to an uninterrupted one
-# (about 8 minutes here). NODES=2: the same over two simulated nodes (scripts/multinode.sh, root).
+# (about 8 minutes here). NODES=2: the same over two simulated nodes (scripts/multinode.sh, root);
+# NODE_LOCAL=1 with it: the checkpoints on each node's own disk.
 elastic-trials: setup
-	$(PY) scripts/elastic_trials.py --trials $(or $(TRIALS),10) --nodes $(or $(NODES),1) --json runs/elastic/trials.json
+	$(PY) scripts/elastic_trials.py --trials $(or $(TRIALS),10) --nodes $(or $(NODES),1) $(if $(NODE_LOCAL),--node-local) --json runs/elastic/trials.json
 
 clean:
 	rm -rf build *.egg-info offloadpp/_C*.so runs

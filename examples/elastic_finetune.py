@@ -38,7 +38,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--nvme", default=os.path.join("runs", "elastic", "nvme"), help="swap folder (no config given)"
     )
-    p.add_argument("--save", required=True, help="checkpoint folder (shared by every node)")
+    p.add_argument(
+        "--save", required=True, help="checkpoint folder (shared by every node, or see --node-local)"
+    )
+    p.add_argument("--node-local", action="store_true",
+                   help="(no config given) checkpoints on each node's own disk at --save: checkpoint.use_node_local_storage")  # fmt: skip
     p.add_argument("--steps", type=int, default=12, help="optimizer steps of the whole run")
     p.add_argument("--save-every", type=int, default=3, help="a checkpoint every this many steps")
     p.add_argument("--batch", type=int, default=4, help="sequences per step over every rank")
@@ -70,6 +74,7 @@ def default_config(args, world: int) -> dict:
             "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme},
         },
         "offloadpp": {"enabled": True, "ssd_read_gbps": 2.0, "ssd_write_gbps": 2.0},
+        "checkpoint": {"use_node_local_storage": args.node_local},
     }
 
 

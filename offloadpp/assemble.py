@@ -176,7 +176,7 @@ def assemble_engine(
             hyper=hyper,
             init_fn=init_fn,
             progress=progress,
-            predicted=r.estimate,
+            predicted=(r.estimate, r.deferred_estimate),
             dp=dp,
         )
     except BaseException:

@@ -26,8 +26,11 @@ PORT=""
 RESTARTS=0
 LAUNCHER=torchrun
 BINDS=()
-TORCHRUN=${TORCHRUN:-$(dirname "$(readlink -f .venv/bin/python)")/torchrun}
-[ -x "$TORCHRUN" ] || TORCHRUN=.venv/bin/torchrun
+# The repo's venv, else the python on PATH (a worktree sharing another checkout's venv)
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=$(command -v python3 || command -v python)
+TORCHRUN=${TORCHRUN:-$(dirname "$(readlink -f "$PY")")/torchrun}
+[ -x "$TORCHRUN" ] || TORCHRUN=$(dirname "$PY")/torchrun
 while [ $# -gt 0 ]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
@@ -45,7 +48,7 @@ done
 [ -n "$ROOT" ] || { echo "multinode.sh: --root DIR is required (the nodes' own folders go there)" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "multinode.sh: needs root (unshare --mount, mount --bind)" >&2; exit 2; }
 if [ -z "$PORT" ]; then
-  PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 fi
 
 pids=()
@@ -68,7 +71,7 @@ for ((i = 0; i < NODES; i++)); do
        --rdzv_endpoint "127.0.0.1:$PORT" --rdzv_id offloadpp-multinode --rdzv_conf "is_host=$host"
        --max_restarts "$RESTARTS" "$@")
   if [ "$LAUNCHER" = deepspeed ]; then
-    line=$(.venv/bin/python scripts/ds_node_cmd.py --nodes "$NODES" --nproc-per-node "$NPROC" --node-rank "$i" \
+    line=$("$PY" scripts/ds_node_cmd.py --nodes "$NODES" --nproc-per-node "$NPROC" --node-rank "$i" \
            --master-port "$PORT" -- "$@" | tail -n 1)
   elif [ "$LAUNCHER" = torchrun ]; then
     line="exec $(printf '%q ' "${cmd[@]}")"

@@ -40,6 +40,11 @@ def main() -> None:
     # Ranks other than 0 read checkpoint manifests 2 s late: a save whose commit does not wait
     # for every rank's reads has rank 0 rename the folder under them (issue 25's race, made sure).
     ap.add_argument("--slow-readers", action="store_true")
+    # Rank 1 kills itself (SIGKILL) in step N, between its forward and backward, first writing
+    # the time into OUT/died (no launcher agent: the survivors must notice on their own).
+    ap.add_argument("--die-at", type=int, default=0)
+    # (deepspeed api) checkpoints to each node's own disk: "checkpoint": {"use_node_local_storage": true}
+    ap.add_argument("--node-local", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -72,6 +77,8 @@ def main() -> None:
         }
         if args.dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
+        if args.node_local:
+            cfg["checkpoint"] = {"use_node_local_storage": True}
         engine, *_ = offloadpp.initialize(model=model, config=cfg)
         runtime = engine.runtime
     else:
@@ -98,6 +105,13 @@ def main() -> None:
         mine = batch.chunk(world)[rank]  # this rank's part of the global batch
         for x in mine.chunk(args.accum):
             loss = engine(input_ids=x, labels=x).loss
+            if args.die_at and rank == 1 and len(reports) + 1 == args.die_at:
+                import signal
+                import time
+
+                with open(os.path.join(args.out, "died"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
             engine.backward(loss)
             r = engine.step()
         reports.append(r.as_dict() if args.api == "runtime" else engine.last_report.as_dict())

@@ -74,7 +74,20 @@ MIX = {
 
 
 @pytest.mark.parametrize(
-    "policy", ["keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "auto", "mix"]
+    "policy",
+    [
+        "keep",
+        "host",
+        "ssd",
+        "recompute",
+        "recompute_host",
+        "recompute_ssd",
+        "partial",
+        "partial_host",
+        "partial_ssd",
+        "auto",
+        "mix",
+    ],
 )
 def test_gradients_equal_the_run_without_swapping(policy, store, data):
     ref = tiny_gpt2()  # dropout on: recompute must replay the RNG
@@ -98,6 +111,7 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data):
                 assert s.ssd_write_bytes > 0 and s.ssd_read_bytes > 0
             if policy == "recompute":
                 assert s.recompute_s > 0 and s.d2h_bytes == 0
+            ckpt = 6 * data.numel() * 64 * 4 + data.numel() * 8 + data.shape[1] * 8
             if policy.startswith("recompute_"):
                 # only the checkpoints moved: the inputs of the 4 blocks, of ln_f and lm_head (the
                 # head unit's two roots), and the embedding's token ids (int64)
@@ -106,9 +120,66 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data):
                 ckpt = 6 * data.numel() * 64 * 4 + data.numel() * 8 + data.shape[1] * 8
                 assert s.recompute_s > 0 and 0 < s.d2h_bytes <= ckpt and s.h2d_bytes == s.d2h_bytes
                 assert (s.ssd_write_bytes > 0) == (policy == "recompute_ssd")
+            if policy.startswith("partial"):  # the matmuls' outputs moved (or stayed), not recomputed
+                assert s.recompute_s > 0 and (s.d2h_bytes > ckpt) == (policy != "partial")
+                assert (s.ssd_write_bytes > 0) == (policy == "partial_ssd")
             mgr.reset_stats()
         if policy == "auto":
             assert set(mgr.policies().values()) <= {"keep", "host"} and "host" in mgr.policies().values()
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_partial_recompute_runs_no_matmul_again(store, data):
+    """Backward under partial runs the matmuls backward itself needs and no more (keep's
+    count): the forward's outputs of c_attn, c_proj, c_fc, the MLP's c_proj and the head's
+    projection come back instead of being computed again; recompute runs each of them again."""
+    counts = {}
+    for policy in ("keep", "recompute", "partial"):
+        model = tiny_gpt2(dropout=0.0)
+        cfg = ActivationSettings(policy=policy, min_swap_bytes=0)
+        with ActivationManager.for_model(model, cfg, store=store) as mgr:
+            with mgr.forward():
+                loss = model(input_ids=data, labels=data).loss
+            counter = _CountMatmuls()
+            with counter:
+                mgr.backward(loss)
+        counts[policy] = counter.n
+    assert counts["partial"] == counts["keep"] > 0, counts
+    assert counts["recompute"] == counts["keep"] + 4 * 4 + 1, counts  # four a block, the head's
+
+
+def test_partial_pieces_hold_one_piece_at_a_time(store):
+    """A partial block is recomputed piece by piece (its norms, its attention, its MLP), so its
+    backward holds the MLP's tensors and not the whole block's: under a budget of 90% of what
+    one block saves, partial_host stays within it where recompute_host (the whole block at once)
+    cannot, with the gradients of the run without swapping (dropout on)."""
+    x = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
+    ref = tiny_gpt2(n_embd=128)
+    _, want = run_step(ref, x)
+    tokens, width = x.numel(), 128
+    block = 28 * width * tokens * 4  # what a block saves (fp32), the attention's probabilities aside
+    budget = int(0.9 * block)
+    peaks = {}
+    for policy in ("recompute_host", "partial_host"):
+        model = copy.deepcopy(ref)
+        cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0)
+        with ActivationManager.for_model(model, cfg, store=store) as mgr:
+            for _ in range(2):
+                _, got = run_step(model, x, mgr)
+                assert rel_diff(got, want) <= 1e-6, policy
+                peaks[policy] = mgr.stats().peak_device_bytes
+                mgr.reset_stats()
+    assert peaks["partial_host"] <= budget < block <= peaks["recompute_host"], (peaks, budget, block)
 
 
 def test_quarter_budget_within_peak_and_trains_like_keep(store, data):

@@ -116,11 +116,15 @@ def _tiny(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-@pytest.mark.parametrize("policy", ["recompute_host", "recompute_ssd"])
+@pytest.mark.parametrize(
+    "policy", ["recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd"]
+)
 def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, kind, policy):
-    """Recompute with the checkpoint swapped to host / to SSD under the engine, dropout on: the
-    weights after three AdamW steps equal torch's AdamW in memory (the recompute replays the
-    RNG; the checkpoint comes back byte for byte), and the checkpoints did move."""
+    """Recompute with the checkpoint swapped to host / to SSD, and partial (selective) recompute
+    with the matmuls' and attention's outputs kept, sent to host or to SSD, under the engine,
+    dropout on: the weights after three AdamW steps equal torch's AdamW in memory (the recompute
+    replays the RNG, each dropout from its own state under partial; what was kept or swapped
+    comes back byte for byte), and the bytes did move where the policy says."""
     from numerics import compare_weights
 
     lr = 1e-3
@@ -150,7 +154,11 @@ def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, kind, policy
             got.append(loss.item())
             assert report.recompute_s > 0 and report.budget("activations").peak_bytes > 0
         for s in stats:
-            assert s.d2h_bytes > 0 and s.h2d_bytes == s.d2h_bytes and s.fetch_misses == 0
-            assert (s.ssd_write_bytes > 0 and s.ssd_read_bytes > 0) == (policy == "recompute_ssd")
+            assert (
+                (s.d2h_bytes > 0) == (policy != "partial")
+                and s.h2d_bytes == s.d2h_bytes
+                and s.fetch_misses == 0
+            )
+            assert (s.ssd_write_bytes > 0 and s.ssd_read_bytes > 0) == policy.endswith("_ssd")
         assert got == pytest.approx(want, rel=1e-5)
         assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=lr, steps=len(data)) < 1e-5

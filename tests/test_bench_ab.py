@@ -81,3 +81,29 @@ def test_capacity_runs_one_json_on_both_sides():
     ours, zero = capacity.ds_config(args, "/n", "offloadpp"), capacity.ds_config(args, "/n", "zero")
     assert ours.pop("offloadpp") == {"enabled": True} and ours == zero
     assert zero["aio"]["block_size"] == 1 << 20 and zero["aio"]["queue_depth"] == 8
+    # --offloadpp-block: keys of our side's block only (the 1.31B run with a 16 GiB host budget)
+    args = p.parse_args(["--offloadpp-block", '{"host_budget_bytes": "16GiB"}'])
+    ours, zero = capacity.ds_config(args, "/n", "offloadpp"), capacity.ds_config(args, "/n", "zero")
+    assert ours.pop("offloadpp") == {"enabled": True, "host_budget_bytes": "16GiB"} and ours == zero
+
+
+def test_pretrain_writes_weights_the_workers_load_and_the_share_of_speculating_steps(tmp_path):
+    """--pretrain-steps: the preset trained in memory, saved as the initial weights (the tied head
+    left out, as the fresh ones are); the summary says how many of offloadpp's steps speculated."""
+    torch = pytest.importorskip("torch")
+    from offloadpp.bench.ab import _write_init, updates_share
+    from offloadpp.bench.ab_worker import _build_model
+    from offloadpp.bench.pretrain import pretrain
+
+    path = str(tmp_path / "pre.safetensors")
+    out = pretrain("gpt2-tiny", 30, 0, path, log=lambda _: None)
+    assert len(out["losses"]) == 30 and out["losses"][-1] < out["losses"][0]
+    assert json.load(open(path + ".json"))["steps"] == 30
+    _, model = _build_model("gpt2-tiny", path)  # loads, or raises naming what does not match
+    _write_init("gpt2-tiny", 0, str(tmp_path / "fresh.safetensors"))  # the same seed's fresh weights
+    fresh = _build_model("gpt2-tiny", str(tmp_path / "fresh.safetensors"))[1].state_dict()
+    assert not torch.equal(model.state_dict()["transformer.wte.weight"], fresh["transformer.wte.weight"])
+    share = updates_share({"updates": ["deferred", "deferred", "speculative", "speculative"],
+                           "grad_norms": [3.0, 0.9, 0.8, None]})  # fmt: skip
+    assert share["speculative"] == 2 and share["share"] == 0.5
+    assert "2 of 4 steps speculative (50%)" in share["line"] and "0.800-3.000" in share["line"]

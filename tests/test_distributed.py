@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -360,3 +362,31 @@ def test_a_group_restarted_by_torchrun_starts_again(tmp_path):
     for attempt in (0, 1):
         for rank in (0, 1):
             assert f"attempt {attempt} rank {rank} sum 2" in r.stdout, r.stdout
+
+
+def test_survivors_of_a_dead_rank_fail_within_seconds_without_an_agent(tmp_path):
+    """Two ranks started by hand (no torchrun agent or launcher to stop the others); rank 1 is
+    killed with SIGKILL in the second step, between forward and backward. Rank 0 must fail on
+    its own, in its next collective, within seconds: not after the process group's timeout
+    (DeepSpeed's 30 minutes), and not hang in its exit."""
+    port, out = _port(), tmp_path / "out"
+    (tmp_path / "nvme").mkdir()
+    procs = []
+    for r in range(2):
+        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        cmd = [sys.executable, WORKER, str(out), "--nvme", str(tmp_path / "nvme"), "--api", "deepspeed",
+               "--steps", "3", "--die-at", "2"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
+    try:
+        assert procs[1].wait(300) == -signal.SIGKILL, procs[1].stdout.read()[-3000:]
+        rc = procs[0].wait(120)
+        took = time.time() - float((out / "died").read_text())
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
+    log = procs[0].stdout.read()
+    print(f"rank 0 failed {took:.2f} s after rank 1 died")
+    assert rc != 0, log[-3000:]
+    assert took < 30, (took, log[-3000:])

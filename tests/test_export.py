@@ -4,6 +4,7 @@ the engine's logits; the whole state dict is refused where it would not fit in m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -148,4 +149,21 @@ def test_the_whole_state_dict_is_refused_where_it_would_not_fit(tmp_path, monkey
         engine._zero3_consolidated_16bit_state_dict()
     monkeypatch.setattr(ds_export, "memory_available", lambda: int(need / ds_export.MEMORY_SHARE) + 1)
     assert len(engine._zero3_consolidated_16bit_state_dict()) == len(want)
+    engine.close()
+
+
+def test_the_whole_state_dict_is_refused_past_the_host_budget(tmp_path, monkeypatch):
+    """Free memory is not the only limit: a host budget below the model's weights is the promise
+    that the run holds no more host memory than that, however much the machine has free."""
+    monkeypatch.setattr(ds_export, "memory_available", lambda: 1 << 40)
+    engine = trained(tmp_path, "gpt2")
+    need = ds_export.weights_bytes(engine.module, torch.float32)
+    budgets = engine.runtime.plan.budgets
+    assert need <= budgets.host_bytes  # the auto budget of a small model holds it: built
+    assert len(engine._zero3_consolidated_16bit_state_dict()) == len(engine.module.state_dict())
+    engine.runtime.plan = dataclasses.replace(
+        engine.runtime.plan, budgets=dataclasses.replace(budgets, host_bytes=need - 1)
+    )
+    with pytest.raises(ds_export.WeightsDoNotFitError, match=r"host budget.*engine\.save_16bit_model\(dir\)"):
+        engine._zero3_consolidated_16bit_state_dict()
     engine.close()

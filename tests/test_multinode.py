@@ -4,7 +4,7 @@ rendezvous on the loopback, gloo. The ranks train the tiny GPT-2 of tests/dp_com
 weights of one process on the global batch, each node's disk holding only its own ranks' shards;
 a run resumed from 2 ranks (2 nodes x 1, torchrun) to 1 process to 4 ranks (2 nodes x 2, started
 as the deepspeed launcher starts several nodes) through shared checkpoints ends where one
-process ends.
+process ends; node-local checkpoints resume on their own nodes and name a missing node's shards.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import pytest
 from dp_common import LR, reference
 from numerics import compare_weights
 from test_distributed import REPO, WORKER, _env, _single_engine, _train_single, ranks, weights
+
+from offloadpp.runtime.checkpoint import CheckpointError
 
 pytest.importorskip("transformers")
 
@@ -35,17 +37,17 @@ needs_namespaces = pytest.mark.skipif(not _can_simulate(), reason="needs root an
 
 
 def multinode(root, binds, args: list[str], *, nodes: int = 2, nproc: int = 1, timeout: float = 400,
-              extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:  # fmt: skip
+              extra: tuple[str, ...] = (), fails: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
     """scripts/multinode.sh over `nodes` nodes of `nproc` ranks running tests/dp_worker.py. The
     rendezvous port is picked free and released before node 0's agent binds it: a clash (only
-    that) is retried on a new one."""
+    that) is retried on a new one. fails: the run must fail (its result returned)."""
     cmd = [SCRIPT, "--nodes", str(nodes), "--nproc-per-node", str(nproc), "--root", str(root)]
     for b in binds:
         cmd += ["--bind", str(b)]
     cmd += [*extra, "--", WORKER, *args]
     for attempt in range(3):
         r = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
-        if r.returncode == 0:
+        if (r.returncode != 0) == fails and "address already in use" not in (r.stdout + r.stderr).lower():
             return r
         if attempt == 2 or "address already in use" not in (r.stdout + r.stderr).lower():
             raise AssertionError(
@@ -112,3 +114,57 @@ def test_two_nodes_train_like_one_process_and_resume_across_world_sizes(tmp_path
         assert d["cross_rank"] == d["node"] == str(d["rank"] // 2) and d["local_size"] == "2", d
         assert d["local_rank"] == d["rank"] % 2 and d["group_rank"] is None  # (not torchrun's)
     check_node_disks(tmp_path / "nodes_b", b, nvme, world=4, nodes=2)
+
+
+@needs_namespaces
+def test_node_local_checkpoints_resume_on_their_nodes_and_name_a_missing_node(tmp_path):
+    """`"checkpoint": {"use_node_local_storage": true}` over 2 nodes x 1 rank, the checkpoint
+    folder bound to each node's own disk: each node's folder holds its rank's shards, its node's
+    manifest (naming both nodes' ranks, one save id) and `latest`, nothing of the other node's;
+    resumed on the same nodes the run ends within 1e-5 of one process that ran every step;
+    with node 1's disk emptied, the resume fails naming node 1's shard folder, and so does
+    loading node 0's folder alone into one process."""
+    nvme, ck = tmp_path / "nvme", tmp_path / "ck"
+    nodes = tmp_path / "nodes"
+    a, b = tmp_path / "a", tmp_path / "b"
+    ds = ["--api", "deepspeed", "--node-local", "--nvme", str(nvme)]
+    multinode(nodes, [nvme, ck], [str(a), *ds, "--steps", "2", "--save", str(ck)])
+    ids = set()
+    for i in range(2):
+        own = nodes / f"node{i}" / "1"  # (the second --bind: this node's checkpoint disk)
+        assert sorted(os.listdir(own)) == ["latest", "t"]
+        assert sorted(os.listdir(own / "t")) == [
+            "client_state.pt",
+            "engine.pt",
+            "manifest.json",
+            f"rank{i:05d}",
+        ]
+        m = json.load(open(own / "t" / "manifest.json"))
+        assert (
+            m["world_size"] == 2 and m["node_local"]["node"] == i and m["node_local"]["nodes"] == [[0], [1]]
+        )
+        ids.add(m["node_local"]["save_id"])
+    assert len(ids) == 1 and os.listdir(ck) == []  # one save; nothing on the shared path itself
+
+    multinode(nodes, [nvme, ck], [str(b), *ds, "--steps", "1", "--from-step", "2", "--load", str(ck)])
+    assert compare_weights(weights(b), reference(3, clip=1.0, parts=2), lr=LR, steps=3) < 1e-5
+    assert all(d["global_step"] == 3 for d in ranks(b, 2))
+
+    shutil.rmtree(nodes / "node1" / "1")  # node 1 replaced: an empty disk
+    r = multinode(
+        nodes, [nvme, ck], [str(tmp_path / "c"), *ds, "--steps", "1", "--load", str(ck)], fails=True
+    )
+    out = r.stdout + r.stderr
+    assert "rank(s) [1] on node(s) [1] lack it" in out and "t/rank00001" in out and "node-local" in out, out[
+        -3000:
+    ]
+
+    (tmp_path / "nv1").mkdir()
+    eng = _single_engine(tmp_path / "nv1")
+    try:  # one process, node 0's disk alone: node 1's shard is named
+        with pytest.raises(
+            CheckpointError, match=r"node-local: .*rank00001 \(node 1's\) is on another node's disk"
+        ):
+            eng.load_state(str(nodes / "node0" / "1" / "t"))
+    finally:
+        eng.close()

@@ -307,3 +307,22 @@ def test_persistent_grads_fill_the_host_unit_by_unit_in_the_order_updates_read_t
     assert peak_bytes(got)[1] <= req.budgets.host_bytes
     roomy = _persistent_grads(plan, SimpleNamespace(budgets=Budgets(dev, 1 << 40)))
     assert all(p.grads is Tier.HOST for p in roomy.placements)
+
+
+@pytest.mark.parametrize(
+    "dtype, accumulate, want",
+    [("fp32", False, "fp32"), ("bf16", False, "bf16"), ("fp16", False, "fp16"), ("bf16", True, "fp32")],
+)
+def test_sixteen_bit_compute_keeps_sixteen_bit_gradients(dtype, accumulate, want):
+    """bf16/fp16 compute: the gradients kept for a deferred update are the compute dtype's (the
+    update upcasts them exactly): half the bytes at their home and through the SSD; accumulation
+    keeps an fp32 sum."""
+    plan = streaming_plan(UNITS, device="cpu", compute_dtype=dtype, prefetch_depth=2, deferred_update=True,
+                          clipping=True, accumulate_grads=accumulate)  # fmt: skip
+    assert plan.grad_dtype == want
+    size = 4 if want == "fp32" else 2
+    assert all(plan.grad_bytes(u) == u.padded_numel * size for u in UNITS)
+    grads = sum(plan.array_bytes(u, "grads") for u, p in plan if plan.homes(u, p)["grads"] is Tier.SSD)
+    assert grads == sum(u.padded_numel for u in UNITS) * size
+    over_ranks = replace(plan, units=tuple(replace(u, shards=2) for u in plan.units))
+    assert over_ranks.grad_dtype == "fp32"  # reduced over the ranks into fp32 shards

@@ -334,7 +334,9 @@ def test_activation_policies_within_budget():
     fast_disk = search(
         cpu_hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0, device_flops_per_s={"fp32": 5e9}), m, tight
     )
-    assert "ssd" in fast_disk.activations.values()
+    assert {"ssd", "partial_ssd"} & set(
+        fast_disk.activations.values()
+    )  # swapped (partial: its matmuls' outputs)
     rec_only = [c.estimate.step_s for c in fast_disk.candidates
                 if {p for _, p in c.activations if p != "keep"} == {"recompute"}]  # fmt: skip
     assert all(fast_disk.best.estimate.step_s < s for s in rec_only)  # (or left out by its bound)
@@ -406,9 +408,9 @@ def test_refusal_names_the_largest_micro_batch_that_fits():
     from offloadpp.planner import InfeasibleError
 
     with pytest.raises(InfeasibleError) as e:
-        _resolve_cuda(64, device_gib=4)
+        _resolve_cuda(256, device_gib=4)
     largest = e.value.largest_micro_batch
-    assert largest is not None and 1 <= largest < 64
+    assert largest is not None and 1 <= largest < 256
     assert f"The largest micro-batch that fits is {largest}" in str(e.value)
     assert e.value.device_bytes_needed > int(0.8 * 4 * 2**30)
     r, m = _resolve_cuda(largest, device_gib=4)  # fits
@@ -467,7 +469,9 @@ def test_fp16_says_whether_its_updates_are_deferred_or_speculative():
     # speculation keeps a second generation of the state on SSD: where it lacks the room, "auto"
     # defers and says so, "on" refuses
     need = r.plan.ssd_footprint_bytes()
-    assert need == 2 * r.plan.ssd_bytes() - sum(u.grad_bytes for u, p in r.plan if p.grads is Tier.SSD)
+    assert need == 2 * r.plan.ssd_bytes() - sum(
+        r.plan.grad_bytes(u) for u, p in r.plan if p.grads is Tier.SSD
+    )
     short = replace(_cuda_machine(8), ssd_free_bytes=need // 2 + r.plan.ssd_bytes() // 2)
     r = resolve(Settings(compute_dtype="fp16"), m.unit_specs(), short)
     assert not r.plan.speculative and any("second generation" in n for n in r.plan.notes)

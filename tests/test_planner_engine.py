@@ -67,6 +67,22 @@ def test_auto_plan_runs_and_reports_the_prediction(tmp_path, hw_path, caplog):
     assert any("predicted" in rec.getMessage() for rec in caplog.records)
 
 
+def test_a_step_that_clips_is_set_beside_the_deferred_estimate(tmp_path, hw_path):
+    # the streaming plan (every array on SSD), estimated with the profiles: a speculative plan's
+    # estimate is of a step that validates; these steps clip (a fresh tiny
+    # model's norms are far above 1e-3), so each report carries the plan's deferred estimate
+    cfg = _config(tmp_path, hardware_profile=hw_path, micro_batch=2, seq_len=16, gradient_clipping=1e-3,
+                  optim_prefetch_depth=0, device_budget_bytes=None, host_budget_bytes=None)  # fmt: skip
+    with assemble_engine(tiny(), cfg, hyper=AdamHyper(lr=1e-3)) as e:
+        assert e.plan.speculative and e.predicted_deferred is not None
+        reports = _train(e)
+    assert {r.updates for r in reports} == {"deferred"}
+    assert all(r.predicted_s == pytest.approx(e.predicted_deferred.step_s) for r in reports)
+    assert reports[-1].predicted_ssd_by_kind == e.predicted_deferred.ssd_by_kind
+    assert e.predicted_deferred.ssd_by_kind != e.predicted.ssd_by_kind  # (the gradients' round trip)
+    assert reports[-1].ssd_by_kind == e.predicted_deferred.ssd_by_kind
+
+
 def test_saved_plan_file_runs(tmp_path, hw_path):
     r = resolve_for_model(
         tiny(), _config(tmp_path, plan="auto", hardware_profile=hw_path, seq_len=16).settings

@@ -169,3 +169,19 @@ def test_several_ranks_defer_instead_of_speculating():
     assert not resolve(clip, units, two).plan.speculative
     with pytest.raises(PlanError, match="one process"):
         resolve(clip.model_copy(update={"speculate": "on"}), units, two)
+
+
+def test_the_plan_says_where_deferred_updates_run():
+    """Clipping: one rank on the CPU device applies them at the next visit; over several ranks
+    (speculate "auto" turned off there) they run as a pass after backward, and the notes say so."""
+    units = _profile().unit_specs()
+    s = Settings(gradient_clipping=1.0, speculate="off")
+    node = Machine(device="cpu", host_available_bytes=64 << 30, cores=16)
+    one = resolve(s, units, node)
+    assert any("next visit (the next forward" in n for n in one.plan.notes)
+    two = resolve(
+        Settings(gradient_clipping=1.0), units, Machine(**{**node.__dict__, "ranks": 2, "local_ranks": 2})
+    )
+    assert not two.plan.speculative and two.plan.deferred_update
+    assert any("pass after backward over the 2 ranks" in n for n in two.plan.notes)
+    assert any("pass after backward over the 2 ranks" in line for line in two.plan.describe().splitlines())

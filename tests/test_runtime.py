@@ -451,3 +451,73 @@ def test_placements_run_within_their_schedules_peaks(tmp_path, monkeypatch):
             assert eng.host_pool.peak_bytes <= plan.budgets.host_bytes
         finally:
             eng.close()
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_gradients_autograd_leaves_stay_within_the_device_budget(tmp_path, monkeypatch, clip):
+    """On the CPU device autograd's gradients are device memory outside the pool. With the
+    optimizer's worker slower than backward (a loaded machine), each unit's stayed alive in its
+    job until absorbed: past the device budget by several units' gradients. Now backward waits at
+    the budget: the pool's buffers plus the live gradients never pass it by more than the
+    gradients of the visit being made (room the plan's peak holds)."""
+    import time
+    import weakref
+    from dataclasses import replace
+
+    import offloadpp.runtime.memory as memory
+    import offloadpp.runtime.optimizer as optimizer
+    from offloadpp.assemble import unit_specs
+    from offloadpp.planner import streaming_plan, with_peak_budgets
+    from offloadpp.runtime import OffloadEngine
+    from offloadpp.runtime.unit import Unit
+
+    monkeypatch.setattr(memory, "RELEASE_WAIT_S", 5.0)
+    work = optimizer._work
+
+    def slow_work(job, store):
+        time.sleep(0.05)
+        return work(job, store)
+
+    monkeypatch.setattr(optimizer, "_work", slow_work)
+    live = [0]
+
+    def dropped(n):
+        live[0] -= n
+
+    take = Unit.take_grads
+    seen = []
+
+    def take_grads(self):
+        out = take(self)
+        for _, _, g in out:
+            n = g.numel() * g.element_size()
+            live[0] += n
+            weakref.finalize(g, dropped, n)
+        pool = eng.device_pool
+        seen.append(
+            (pool.allocated_bytes - pool.charged_bytes + live[0], sum(g.numel() * 4 for _, _, g in out))
+        )
+        return out
+
+    monkeypatch.setattr(Unit, "take_grads", take_grads)
+    cfg = transformers.GPT2Config(n_layer=6, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    base = streaming_plan(unit_specs(model, None), device="cpu", compute_dtype="fp32", prefetch_depth=1,
+                          optim_prefetch_depth=0)  # fmt: skip
+    plan = with_peak_budgets(replace(base, deferred_update=clip > 0))
+    rcfg = RuntimeConfig(nvme_paths=[str(tmp_path)], settings=Settings(gradient_clipping=clip), device="cpu", log_every=0,
+                         ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
+    eng = OffloadEngine(model, rcfg, plan, hyper=AdamHyper(lr=LR))
+    try:
+        for ids in batches(2):
+            eng.backward(eng(input_ids=ids, labels=ids).loss)
+            eng.step()
+        assert seen
+        over = [held - plan.budgets.buffer_bytes - visit for held, visit in seen]
+        assert max(over) <= 0, (
+            f"the device's buffers and live gradients passed its budget by {max(over)} bytes"
+        )
+        assert eng.device_pool.charged_bytes >= 0
+    finally:
+        eng.close()

@@ -130,3 +130,36 @@ def test_every_kind_of_device_weights_is_a_weights():
         assert isinstance(getattr(kind, "state", None), property) or "self.state =" in inspect.getsource(
             kind.__init__
         ), f"{kind.__name__}.state"
+
+
+@pytest.mark.parametrize("clip", [1.0, 1000.0])  # every step clips (deferred) / speculates from the third
+def test_bf16_gradients_are_kept_bf16_and_update_as_their_fp32_upcast(tmp_path, monkeypatch, clip):
+    """bf16 compute keeps autograd's bf16 gradients (their home on SSD, the optimizer's buffer)
+    and the update upcasts them: bit for bit the weights of the same run whose gradients are
+    upcast to fp32 when they leave autograd (Plan.grad_dtype patched to fp32, the way before),
+    with half the gradient bytes through the SSD."""
+    from offloadpp.planner.plan import Plan
+
+    model = tiny_gpt2()
+    data = batches(5)
+    out = {}
+    for way in ("bf16", "fp32"):
+        if way == "fp32":
+            monkeypatch.setattr(Plan, "grad_dtype", property(lambda self: "fp32"))
+        (tmp_path / way).mkdir()
+        cfg = config(
+            tmp_path / way, "cpu", compute_dtype="bf16", gradient_clipping=clip, optim_prefetch_depth=0
+        )
+        with assemble_engine(copy.deepcopy(model), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD)) as eng:
+            assert {u.grads.dtype for u in eng.units} == {torch.bfloat16 if way == "bf16" else torch.float32}
+            reports = []
+            for x in data:
+                eng.backward(eng(input_ids=x, labels=x).loss)
+                reports.append(eng.step())
+            grads = [dict((k, (r, w)) for k, r, w in rep.ssd_by_kind)["gradients"] for rep in reports]
+            out[way] = (eng.module.state_dict(), grads, [rep.updates for rep in reports])
+    (got, grads16, ways16), (want, grads32, ways32) = out["bf16"], out["fp32"]
+    assert ways16 == ways32 and ("speculative" in ways16) == (clip > 1)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert grads32[-1][1] > 0 and grads16[-1] == (grads32[-1][0] // 2, grads32[-1][1] // 2)

@@ -56,27 +56,45 @@ def test_a_tagged_store_counts_its_kind(tmp_path):
         }
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip):
+@pytest.mark.parametrize(
+    "clip, q, dtype",
+    [
+        (0.0, None, "fp32"),
+        (1.0, None, "fp32"),
+        # a speculative plan whose steps all clip (so defer), with a read-ahead short of the model:
+        # the gradients go to their home on SSD and back, which the plan's own replay (of a step
+        # that validates) does not move; the figure beside them must be the deferred step's
+        (1.0, 0, "fp32"),
+        (1.0, 0, "bf16"),  # 16-bit gradients (Plan.grad_dtype): half the bytes, on both sides
+    ],
+)
+def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip, q, dtype):
     transformers = pytest.importorskip("transformers")
     from test_runtime import batches, streaming_config, tiny_gpt2
 
     from offloadpp.assemble import assemble_engine
-    from offloadpp.bench.harness import modelled_ssd_by_kind
+    from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
 
     transformers.logging.set_verbosity_error()
     m = tiny_gpt2()
-    eng = assemble_engine(m, streaming_config(tmp_path, gradient_clipping=clip))
+    cfg = streaming_config(tmp_path, gradient_clipping=clip, optim_prefetch_depth=q, compute_dtype=dtype)
+    eng = assemble_engine(m, cfg)
     try:
         reports = []
         for x in batches(4):
             eng.backward(eng(input_ids=x, labels=x).loss)
             reports.append(eng.step())
-        modelled, _ = modelled_ssd_by_kind(eng, m.config.to_dict())
+        assert eng.plan.speculative == (clip > 0)  # speculate "auto"
+        modelled, _ = modelled_ssd_by_kind(eng, m.config.to_dict(), steps_updates(reports[2:]))
         for r in reports[2:]:  # steady steps (the first reads the initial weights; with clipping the
             # second applies the first's update at its visits, with the state still in memory)
+            assert r.updates == ("deferred" if clip else "in-backward")  # (tiny models' norms clip)
             assert r.ssd_by_kind == modelled
             assert sum(x for _, x, _ in r.ssd_by_kind) == r.ssd_read_bytes  # reads finish within their step
-        assert dict((k, w) for k, _, w in modelled)["weights"] > 0  # the fp32 master, written each step
+        assert dict((k, w) for k, _, w in modelled)["weights"] > 0  # the master (bf16: the compute copy)
+        if q == 0:
+            # every unit's but the first's (the update window, q+1 units in forward order, keeps them)
+            grads = sum(u.padded_numel for u in eng.units[1:]) * (2 if dtype == "bf16" else 4)
+            assert dict((k, (r, w)) for k, r, w in modelled)["gradients"] == (grads, grads)
     finally:
         eng.close()

@@ -45,6 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     p.add_argument(
+        "--init", default=None, help="initial weights (safetensors) both sides load (default: fresh)"
+    )
+    p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=0,
+        help="start from a trained model: the preset trained in memory this many steps on the same text "
+        "(torch AdamW, clipping 1.0; bench/pretrain.py), saved under --out, then the A/B fine-tunes it",
+    )
+    p.add_argument(
         "--device-memory-gib",
         type=float,
         default=None,
@@ -193,6 +203,25 @@ def summarize(r: dict) -> dict:
     }
 
 
+def updates_share(ours: dict) -> dict:
+    """How offloadpp's steps ran their updates (StepReport.updates per step): the share that
+    speculated, and the gradient norms against the clipping limit."""
+    ways = ours["updates"]
+    norms = [n for n in ours.get("grad_norms", []) if n is not None]
+    spec = sum(w == "speculative" for w in ways)
+    counts = {w: ways.count(w) for w in sorted(set(ways))}
+    line = (f"offloadpp updates: {spec} of {len(ways)} steps speculative ({spec / len(ways):.0%}); "
+            + ", ".join(f"{w} {n}" for w, n in counts.items())
+            + (f"; gradient norms {min(norms):.3f}-{max(norms):.3f}" if norms else ""))  # fmt: skip
+    return {
+        "speculative": spec,
+        "steps": len(ways),
+        "share": spec / len(ways),
+        "counts": counts,
+        "line": line,
+    }
+
+
 def format_table(summ: dict[str, dict]) -> str:
     rows = [
         ("step time (s, median)", "step_s", "{:.3f}"),
@@ -246,8 +275,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--config: {args.config!r} does not exist")
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        init_path = os.path.join(tmp, "init.safetensors")
-        _write_init(args.model, args.seed, init_path)
+        pretrained = None
+        if args.init:
+            init_path = args.init
+        elif args.pretrain_steps:
+            from offloadpp.bench.pretrain import pretrain
+
+            init_path = os.path.join(args.out, "pretrained.safetensors")
+            pretrained = pretrain(args.model, args.pretrain_steps, args.seed, init_path)
+        else:
+            init_path = os.path.join(tmp, "init.safetensors")
+            _write_init(args.model, args.seed, init_path)
         results = run_sides(sides, args, init_path, args.out)
     shared = same_json(results)
     summ = {s: summarize(r) for s, r in results.items()}
@@ -275,6 +313,13 @@ def run(args: argparse.Namespace) -> int:
             f"offloadpp: SSD bytes of a step by kind (medians), the cost model's from {ours['modelled_from']}:"
         )
         print(traffic.table(ours["ssd_by_kind"], ours["modelled_ssd_by_kind"]))
+    if ours.get("updates"):
+        summ["offloadpp_updates"] = updates_share(ours)
+        print(summ["offloadpp_updates"]["line"])
+    if pretrained is not None:
+        print(f"started from {init_path}: {args.pretrain_steps} steps in memory, last loss "
+              f"{pretrained['last_loss']:.4f}, gradient norm {pretrained['last_norms_median']:.3f} (median of the last 20)")  # fmt: skip
+        summ["pretrained"] = {k: v for k, v in pretrained.items() if k not in ("losses", "grad_norms")}
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump({"config": args.config, "model": args.model, "summary": summ, "runs": results}, f, indent=2)
     _plot(results, {s: summ[s] for s in sides}, os.path.join(args.out, "ab.png"))

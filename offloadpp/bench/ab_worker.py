@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = byte_batches(stdlib_docstrings(), micro, seq_len, seed=args.seed)
     io0 = _proc_io()
     steps = []
-    by_kind = []  # offloadpp: each step's SSD bytes by kind (StepReport.ssd_by_kind)
+    reports = []  # offloadpp: each step's StepReport (its SSD bytes by kind among them)
     for step in _step_turns(args.steps, args.turns):
         t0 = time.perf_counter()
         losses = []
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         dt = time.perf_counter() - t0
         steps.append({"step": step, "seconds": dt, "loss": sum(losses) / len(losses)})
         if args.side == "offloadpp" and engine.last_report is not None:
-            by_kind.append(engine.last_report.ssd_by_kind)
+            reports.append(engine.last_report)
         print(
             f"[{args.side}] step {step} {dt:.3f}s loss {steps[-1]['loss']:.5f}", file=sys.stderr, flush=True
         )
@@ -159,12 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         "config": cfg,  # the JSON this side ran: the harness checks both ran the same (ab.same_json)
     }
     if args.side == "offloadpp":
-        from offloadpp.bench.harness import modelled_ssd_by_kind
+        result["updates"] = [r.updates for r in reports]  # how each step ran its updates
+        result["grad_norms"] = [r.grad_norm for r in reports]
+        result["reports"] = [r.as_dict() for r in reports]  # each step's terms (compute, waits, Adam, bytes)
+        from offloadpp.bench.harness import modelled_ssd_by_kind, steady_reports, steps_updates
         from offloadpp.planner import traffic
 
-        result["ssd_by_kind"] = traffic.median(by_kind[1:] or by_kind)  # the first step warms up
+        result["ssd_by_kind"] = traffic.median(r.ssd_by_kind for r in steady_reports(reports))
         result["modelled_ssd_by_kind"], result["modelled_from"] = modelled_ssd_by_kind(
-            engine.runtime, model.config.to_dict()
+            engine.runtime, model.config.to_dict(), steps_updates(steady_reports(reports))
         )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

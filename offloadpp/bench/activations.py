@@ -25,8 +25,9 @@ from types import SimpleNamespace
 
 BAR = 1.3
 CONTENDERS = ("none", "keep", "host", "ssd", "recompute")
-# selectable too: the checkpoint swapped to SSD, and the planner's choice for the budget
-EXTRA = ("recompute_ssd", "plan")
+# selectable too: the checkpoint swapped to SSD, partial (selective) recompute with its kept
+# outputs on SSD, and the planner's choice for the budget
+EXTRA = ("recompute_ssd", "partial_ssd", "plan")
 PLAN_BAR = 1.15  # the planner's choice against keeping everything (no budget)
 BYTES_BAR = 0.10  # its measured activation bytes against the cost model's
 
@@ -254,7 +255,7 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
         out["modelled"] = {
             p: {**_modelled(args, env, batch, budget, p), "measured_ssd_bytes": med[p]["ssd_write_bytes"]
                 + med[p]["ssd_read_bytes"], "measured_recompute_s": med[p]["recompute_s"]}
-            for p in policies if p in ("host", "ssd", "recompute", "recompute_ssd")
+            for p in policies if p in ("host", "ssd", "recompute", "recompute_ssd", "partial_ssd")
         }  # fmt: skip
     if planned is not None:
         got = med["plan"]
@@ -277,16 +278,17 @@ def _modelled(args, env: SimpleNamespace, batch: int, budget, policy: str) -> di
     """The cost model's activation terms for every unit under `policy` (units that cannot
     recompute keep), for the fixed contenders: what it moves to and from SSD and recomputes."""
     from offloadpp.planner import HardwareProfile, analytic_profile
+    from offloadpp.planner.activations import recomputes
     from offloadpp.planner.cost import compute_times, estimate
 
     hw = HardwareProfile.from_json(args.hardware)
     prof = analytic_profile(env.gpt2, micro_batch=batch, seq_len=args.seq, compute_dtype="fp32")
     plan = _memory_plan(prof, budget)
-    pol = {u.name: ("keep" if policy.startswith("recompute") and not u.backward_needs_weights else policy)
+    pol = {u.name: ("keep" if recomputes(policy) and not u.backward_needs_weights else policy)
            for u in prof.units}  # fmt: skip
     est = estimate(plan, hw, prof, activations=pol, act_prefetch_units=args.prefetch_units)
     fwd_s, _ = compute_times(plan, hw, prof)
-    again = [n for n, p in pol.items() if p.startswith("recompute")]
+    again = [n for n, p in pol.items() if recomputes(p)]
     return {"ssd_write_bytes": est.ssd_write_bytes, "ssd_read_bytes": est.ssd_read_bytes,
             "recompute_s": sum(fwd_s[n] + hw.runtime_forward_visit_s for n in again),
             "peak_activation_bytes": est.peak_activation_bytes}  # fmt: skip
@@ -308,7 +310,7 @@ def _plan(args, env: SimpleNamespace, batch: int, budget: int) -> dict:
     replayed by the cost model on --hardware with the model and its optimizer in memory, the
     fastest kept), with what the cost model says they move and recompute."""
     from offloadpp.planner import HardwareProfile, analytic_profile
-    from offloadpp.planner.activations import ActPlanner, act_units
+    from offloadpp.planner.activations import ActPlanner, act_units, recomputes
     from offloadpp.planner.cost import compute_times, estimate
 
     hw = HardwareProfile.from_json(args.hardware)
@@ -327,7 +329,7 @@ def _plan(args, env: SimpleNamespace, batch: int, budget: int) -> dict:
     est, best = min(scored, key=lambda x: x[0].step_s)
     flops = {u.name: u.forward_flops for u in prof.units}
     fwd_s, _ = compute_times(plan, hw, prof)
-    again = [n for n, p in best.policies if p.startswith("recompute")]
+    again = [n for n, p in best.policies if recomputes(p)]
     recompute_flops = sum(flops[n] for n in again)
     return {
         "label": best.label,

@@ -42,7 +42,7 @@ from offloadpp.bench.capacity_export import table as export_table
 
 GIB = 1 << 30
 BAR_RSS_GIB = 8.0
-BAR_VS_ZERO = 0.35
+BAR_VS_ZERO = 0.40  # issue 21's bar at clipping 1.0 and default budgets (0.30 with a 16 GiB host budget)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +64,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--zero", action="store_true", help="also train the model under ZeRO-Infinity, same session"
     )
     p.add_argument("--zero-steps", type=int, default=3)
+    p.add_argument(
+        "--offloadpp-block",
+        metavar="JSON",
+        default="{}",
+        help="more keys of the config's \"offloadpp\" block (offloadpp's side only; the rest of the JSON is "
+        'both sides\'), e.g. \'{"host_budget_bytes": "16GiB"}\'',
+    )
     p.add_argument("--max-rss-gib", type=float, default=BAR_RSS_GIB, help="the bar: peak RSS at most this")
+    p.add_argument(
+        "--max-vs-zero", type=float, default=BAR_VS_ZERO, help="the bar: steady step at most this x ZeRO's"
+    )
     p.add_argument(
         "--dir", default=os.path.join("runs", "bench-capacity"), help="work directory (removed after)"
     )
@@ -106,8 +116,16 @@ def ds_config(args, nvme: str, side: str) -> dict:
         "aio": dict(AIO),
     }
     if side == "offloadpp":
-        cfg["offloadpp"] = {"enabled": True}
+        cfg["offloadpp"] = {"enabled": True, **offloadpp_block(args)}
     return cfg
+
+
+def offloadpp_block(args) -> dict:
+    """--offloadpp-block: a JSON object of offloadpp block keys (docs/deepspeed.md)."""
+    block = json.loads(getattr(args, "offloadpp_block", None) or "{}")
+    if not isinstance(block, dict):
+        raise SystemExit(f"--offloadpp-block: expected a JSON object, got {block!r}")
+    return block
 
 
 def _gpt2_config(args):
@@ -156,8 +174,6 @@ def model_bytes(rt, args) -> dict:
     """The cost model's SSD bytes per step for the plan the engine runs (its deferred step where the
     plan speculates: every step of this benchmark clips), replayed at the engine's measured SSD rates;
     the bytes hardly depend on the other rates, set here to round values."""
-    from dataclasses import replace
-
     from offloadpp.planner.cost import estimate
     from offloadpp.planner.hardware import HardwareProfile
     from offloadpp.planner.model_profile import analytic_profile
@@ -168,7 +184,7 @@ def model_bytes(rt, args) -> dict:
                          memcpy_gbps=10.0, device_flops_per_s={"fp32": 100e9}, adam_params_per_s={1: 1e9},
                          host_memory_bytes=mem, device_memory_bytes=mem)  # fmt: skip
     m = analytic_profile(_gpt2_config(args).to_dict(), micro_batch=args.batch, seq_len=args.seq)
-    e = estimate(replace(rt.plan, speculative=False), hw, m)
+    e = estimate(rt.plan, hw, m, deferred=True)
     return {"ssd_read_bytes": e.ssd_read_bytes, "ssd_write_bytes": e.ssd_write_bytes}
 
 
@@ -178,7 +194,7 @@ def _offloadpp_child(args, work: str) -> dict:
     from transformers import GPT2LMHeadModel
 
     # offloadpp.Init and offloadpp.initialize, as a user script calls them (the package face re-exports these)
-    from offloadpp.bench.harness import modelled_ssd_by_kind
+    from offloadpp.bench.harness import modelled_ssd_by_kind, steady_reports, steps_updates
     from offloadpp.integrations.deepspeed import Init, initialize
     from offloadpp.planner import traffic
 
@@ -217,9 +233,11 @@ def _offloadpp_child(args, work: str) -> dict:
     out.update(
         step_s=steps, losses=losses, reports=[r.as_dict() for r in reports], disk_bytes=rt.disk_bytes(),
         rss_before_engine=before_engine, accounted_peaks=accounted,
-        ssd_by_kind=traffic.median(r.ssd_by_kind for r in reports[1:] or reports),
+        ssd_by_kind=traffic.median(r.ssd_by_kind for r in steady_reports(reports)),
     )  # fmt: skip
-    out["modelled_ssd_by_kind"], out["modelled_from"] = modelled_ssd_by_kind(rt, model.config.to_dict())
+    out["modelled_ssd_by_kind"], out["modelled_from"] = modelled_ssd_by_kind(
+        rt, model.config.to_dict(), steps_updates(steady_reports(reports))
+    )
     if args.checkpoint:
         state_bytes = 12 * sum(u.padded_numel for u in rt.units)  # fp32 master + two moments
         rd, wr = rt.ssd_read_gbps * 1e9, rt.ssd_write_gbps * 1e9
@@ -302,6 +320,7 @@ def _run_child(args, side: str, work: str) -> tuple[dict, int, int]:
     argv = [sys.executable, "-m", "offloadpp.bench.capacity", "--child", side, "--result", result]
     for k in ("layers", "width", "heads", "batch", "seq", "steps", "clip", "threads", "dir", "zero_steps"):
         argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    argv += ["--offloadpp-block", args.offloadpp_block]
     for flag in ("checkpoint", "export"):
         if getattr(args, flag):
             argv.append(f"--{flag}")
@@ -386,8 +405,8 @@ def run(args: argparse.Namespace) -> int:
     if "zero" in report and report["zero"].get("step_s"):
         z = report["zero"]
         z["steady_step_s"] = statistics.median(z["step_s"][1:]) if len(z["step_s"]) > 1 else z["step_s"][0]
-        report["vs_zero"] = steady / z["steady_step_s"]
-        checks.append(report["vs_zero"] <= BAR_VS_ZERO)
+        report["vs_zero"], report["max_vs_zero"] = steady / z["steady_step_s"], args.max_vs_zero
+        checks.append(report["vs_zero"] <= args.max_vs_zero)
     if "checkpoint" in o:
         checks.append(o["checkpoint"]["bit_identical"])
     if "export" in o:
@@ -460,8 +479,9 @@ def _print(r: dict) -> None:
               f"({'bit-identical' if c['bit_identical'] else 'DIFFERENT'})")  # fmt: skip
     print(f"\nbar: peak RSS <= {r['max_rss_bytes'] / GIB:.0f} GiB: {'PASS' if r['pass_rss'] else 'FAIL'}")
     if "vs_zero" in r:
-        print(f"bar: steady step <= {BAR_VS_ZERO}x ZeRO-Infinity's: {r['vs_zero']:.3f} "
-              f"({'PASS' if r['vs_zero'] <= BAR_VS_ZERO else 'FAIL'})")  # fmt: skip
+        bar = r.get("max_vs_zero", BAR_VS_ZERO)
+        print(f"bar: steady step <= {bar}x ZeRO-Infinity's: {r['vs_zero']:.3f} "
+              f"({'PASS' if r['vs_zero'] <= bar else 'FAIL'})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -215,20 +215,42 @@ def fmt_ms(s: Optional[float]) -> str:
     return "-" if s is None else f"{s * 1e3:.0f}"
 
 
-def modelled_ssd_by_kind(runtime, hf_config: Optional[dict]):
+def steady_reports(reports: list) -> list:
+    """The steps of a run whose bytes are a steady step's: not the first (it reads the initial
+    weights), nor, with deferred updates, the second (it applies the first's updates at their
+    visits with the state the first step left in memory); the last where there are no more."""
+    return reports[2:] if len(reports) > 2 else reports[-1:]
+
+
+def steps_updates(reports) -> str:
+    """How most of `reports` (StepReports) ran their updates (StepReport.updates): the way the
+    cost model's figure set beside their bytes must replay ("" where there are none)."""
+    import collections
+
+    ways = collections.Counter(r.updates for r in reports if r is not None)
+    return ways.most_common(1)[0][0] if ways else ""
+
+
+def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = ""):
     """(the cost model's SSD bytes by kind for the plan `runtime` (an OffloadEngine) runs, where
-    they come from), for a benchmark to print beside what the step measured. The engine's own
-    estimate where its plan was made with profiles; else a replay of its plan with the analytic
-    model profile and the cached hardware profile, or without one the rates the engine measured
-    at start and DESIGN.md's figures for the rest: the bytes a replay moves follow the plan's
-    schedule, not the rates. ((), why) where no model profile can be made."""
+    they come from), for a benchmark to print beside what the step measured. `updates`: how the
+    measured steps ran theirs (steps_updates): a speculative plan's steps that deferred (they
+    clipped) are set beside the replay of a deferred step, which moves other bytes under other
+    kinds (the gradients through their home and back) than the step that validates the plan's
+    own estimate replays. The engine's own estimate where its plan was made with profiles; else
+    a replay of its plan with the analytic model profile and the cached hardware profile, or
+    without one the rates the engine measured at start and DESIGN.md's figures for the rest: the
+    bytes a replay moves follow the plan's schedule, not the rates. ((), why) where no model
+    profile can be made."""
     import os as _os
 
     from offloadpp.planner import HardwareProfile, PlanError, default_profile_path, estimate
     from offloadpp.planner.resolve import model_profile_for
 
-    if runtime.predicted is not None and runtime.predicted.ssd_by_kind:
-        return runtime.predicted.ssd_by_kind, "the plan's estimate"
+    deferred = updates == "deferred" and runtime.plan.speculative
+    predicted = runtime.predicted_for(updates)
+    if predicted is not None and predicted.ssd_by_kind:
+        return predicted.ssd_by_kind, "the plan's estimate" + (" of a deferred step" if deferred else "")
     plan, s = runtime.plan, runtime.settings
     try:
         model = model_profile_for(hf_config, plan.units, s)
@@ -249,5 +271,5 @@ def modelled_ssd_by_kind(runtime, hf_config: Optional[dict]):
         )  # fmt: skip
         src = "a replay at the engine's measured SSD rates"
     est = estimate(plan, hw, model, adam_threads=s.adam_threads or 1, micro_batches=s.gradient_accumulation_steps,
-                   act_prefetch_units=s.activations.prefetch_units)  # fmt: skip
-    return est.ssd_by_kind, src
+                   act_prefetch_units=s.activations.prefetch_units, deferred=deferred)  # fmt: skip
+    return est.ssd_by_kind, src + (" (a deferred step)" if deferred else "")

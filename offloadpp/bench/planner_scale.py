@@ -23,6 +23,8 @@ import statistics
 import sys
 import time
 
+from offloadpp.planner.activations import POLICIES
+
 PAPER = os.path.join("docs", "paper")
 RUNS = (("13b", (8, 16, 32, 64, 128)), ("175b", (8, 16, 32)))
 SEQ_LEN = 1024
@@ -80,11 +82,7 @@ def plan_row(model_cfg: dict, name: str, batch: int, dtype: str, hw, config: str
         return row
     e, plan = r.estimate, r.plan
     flops = sum(u.forward_flops + u.backward_flops for u in prof.units)
-    acts = {
-        p: plan.activations.count(p)
-        for p in ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
-        if p in plan.activations
-    }
+    acts = {p: plan.activations.count(p) for p in POLICIES if p in plan.activations}
     row.update(
         step_s=e.step_s, bound=e.bound, floor_s=e.floor_s, tflops=flops / e.step_s / 1e12,
         compute_s=e.compute_s, ssd_s=e.ssd_s, link_s=e.link_s, adam_s=e.adam_s,

@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-from offloadpp.bench.harness import modelled_ssd_by_kind
+from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
 from offloadpp.planner import traffic
 
 BAR_VS_TORCH = 1.25
@@ -316,7 +316,7 @@ def _summarise(args, preset, n_params, rows, state, ssd_gbps: tuple[float, float
     ssd_write = med(r.ssd_write_bytes for r in reps)
     ssd_s = ssd_read / (read_gbps * 1e9) + ssd_write / (write_gbps * 1e9)
     floor = max(compute, ssd_s, adam_s)
-    modelled = modelled_ssd_by_kind(engine, preset.gpt2_config().to_dict())
+    modelled = modelled_ssd_by_kind(engine, preset.gpt2_config().to_dict(), steps_updates(reps))
     report = {
         "bench": "step",
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -27,6 +27,8 @@ import os
 import sys
 import time
 
+from offloadpp.planner.spec import ACTIVATION_POLICIES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="DeepSpeed JSON config (with an offloadpp block)")
@@ -43,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--activations",
-        choices=("auto", "keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd"),
+        choices=ACTIVATION_POLICIES,
         default=None,
         help="the activation policy of every unit (default: the block's, else auto)",
     )

@@ -12,6 +12,12 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              recompute, with the inputs (the activation checkpoint) swapped as host/ssd swap the
              saved bytes: nothing of the unit stays on the device between its forward and its
              backward; the checkpoint comes back ahead of the recompute (the paper's scheme).
+  partial, partial_host, partial_ssd
+             selective recomputation: the outputs of the unit's matmuls and attention (`partial`
+             bytes, from the model profile) stay with its inputs (partial) or are swapped with them
+             (partial_host, partial_ssd); backward runs only the cheap operators again (norms,
+             activation functions: no matmul FLOPs), then holds all it saved plus the kept outputs
+             autograd does not save (`partial_extra`), until its backward is done.
 
 Note: the need. Backward visits the units last to first, and releases a unit's activations once
 its backward is done. At unit j's backward every earlier unit still holds what its policy keeps
@@ -21,8 +27,9 @@ forward never holds more than the moment the last unit's backward starts with. S
 
     need = max over j of  sum_{i < j} held(i) + saved(j) [max(saved(j), inputs(j)) if j recomputes]
 
-where held(i) is saved(i) for keep, inputs(i) for recompute, and 0 for the swapping policies
-(recompute_host/ssd included).
+where held(i) is saved(i) for keep, inputs(i) for recompute, inputs(i) + partial(i) for
+partial, and 0 for the swapping policies (recompute_host/ssd and partial_host/ssd included); a
+partial unit's backward holds saved(j) + partial_extra(j).
 
 Prefetching further units is done only within the budget (the runtime's rule), so it does not
 add to the need. Swapping everything gives the least need: the largest unit's saved bytes.
@@ -34,7 +41,9 @@ later unit, which backward needs first). Then: recompute along the ranking until
 swap everything and keep along the ranking what still fits; recompute the first quarter, half or
 three quarters of the ranking, swap the rest and keep what fits; the same with the recomputing
 units' checkpoints swapped too (every recomputable unit, or the head of the ranking), keeping
-what fits and then pinning on the device the checkpoints that still fit. Swaps go to host memory on CUDA
+what fits and then pinning on the device the checkpoints that still fit; and partial in place of
+recompute in those (where the profile knows the partial bytes): every recomputable unit partial
+with its kept outputs swapped, keeping whole units what fits. Swaps go to host memory on CUDA
 (to SSD beyond the host memory left for them) and to SSD on the CPU acting as the device, where
 host memory is the device's own; SSD is tried on CUDA too.
 """
@@ -52,15 +61,29 @@ class Profiled(Protocol):
     units: Sequence
 
 
-POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
+POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
+            "partial_ssd")  # fmt: skip
 MIXES = (0.25, 0.5, 0.75)
 # nothing of the unit stays on the device between its forward and its backward
-SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd"))
-CHECKPOINT_SWAPS = {"recompute_host": "host", "recompute_ssd": "ssd"}
+SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd"))
+CHECKPOINT_SWAPS = {
+    "recompute_host": "host",
+    "recompute_ssd": "ssd",
+    "partial_host": "host",
+    "partial_ssd": "ssd",
+}
+PARTIAL = frozenset(("partial", "partial_host", "partial_ssd"))
 
 
 def recomputes(policy: str) -> bool:
-    return policy in ("recompute", "recompute_host", "recompute_ssd")
+    """Runs the unit's forward again in backward (wholly, or its cheap operators: partial)."""
+    return policy in ("recompute", "recompute_host", "recompute_ssd") or policy in PARTIAL
+
+
+def recompute_fraction(policy: str) -> float:
+    """The share of the unit's forward FLOPs its recompute runs again: all of them, or none for
+    partial (only the cheap operators, which the FLOP count does not count either)."""
+    return 0.0 if policy in PARTIAL or not recomputes(policy) else 1.0
 
 
 @dataclass(frozen=True)
@@ -70,17 +93,53 @@ class ActUnit:
     inputs: int  # bytes a recompute holds from forward to backward: its input
     flops: int  # forward FLOPs
     can_recompute: bool  # False where backward reads none of the unit's weights (embeddings)
+    partial: int = 0  # bytes a partial unit keeps: its matmuls' and attention's outputs (0: not offered)
+    partial_extra: int = 0  # of those, the bytes autograd does not save (held on top in backward)
+    # a partial unit's pieces (the children of its root), forward order: (saved, inputs, partial,
+    # partial_extra) each; () where it is one piece
+    pieces: tuple[tuple[int, int, int, int], ...] = ()
+
+    @property
+    def partial_inputs(self) -> int:
+        """A partial unit's checkpoints: every piece's inputs."""
+        return sum(p[1] for p in self.pieces) if self.pieces else self.inputs
+
+    def moved(self, policy: str) -> int:
+        """Bytes that leave the device between its forward and its backward (swapping policies)."""
+        if policy in PARTIAL:
+            return self.partial_inputs + self.partial
+        return self.inputs if recomputes(policy) else self.saved
 
 
 def held_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit holds from its forward to its backward."""
+    if policy == "partial":
+        return u.partial_inputs + u.partial
     return u.saved if policy == "keep" else u.inputs if policy == "recompute" else 0
 
 
 def backward_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit holds during its backward: all it saved (a recompute's inputs are
     counted until the recompute, then what it recomputed, as the runtime counts them: the
-    first operator of a block saves its input, so the checkpoint is among them)."""
+    first operator of a block saves its input, so the checkpoint is among them; a partial
+    unit's kept outputs that autograd does not save are held on top, until the unit's end).
+
+    A partial unit with pieces holds one piece's at a time: at piece k's recompute, all piece k
+    saved and its kept outputs autograd does not save, what the pieces before it keep (partial:
+    on the device all along) or, swapped, the previous piece's records (fetched once piece k
+    recomputed); the pieces after it were released."""
+    if policy in PARTIAL and u.pieces:
+        peak = before = 0
+        prev = 0
+        for saved, inputs, part, extra in u.pieces:
+            held = before if policy == "partial" else prev
+            peak = max(peak, held + saved + extra)
+            prev = inputs + part
+            before += prev
+        # (backward runs the pieces last to first: piece k's "before" are those earlier in forward)
+        return peak
+    if policy in PARTIAL:
+        return max(u.saved, u.inputs) + u.partial_extra
     return max(u.saved, u.inputs) if recomputes(policy) else u.saved
 
 
@@ -89,7 +148,10 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     device, swapped to host, swapped to SSD (through host), recomputed; a recomputing unit's
     checkpoint (its inputs) counts where it is kept."""
     out = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
-    if recomputes(policy):
+    if policy in PARTIAL:  # the kept outputs autograd saves anyway are not recomputed
+        out["recomputed"] = max(0, u.saved - (u.partial - u.partial_extra))
+        out[{"partial": "kept", "partial_host": "host", "partial_ssd": "ssd"}[policy]] = u.moved(policy)
+    elif recomputes(policy):
         out["recomputed"] = u.saved
         out[{"recompute": "kept", "recompute_host": "host", "recompute_ssd": "ssd"}[policy]] = u.inputs
     else:
@@ -101,7 +163,8 @@ def act_units(model: Profiled) -> tuple[ActUnit, ...]:
     """The model's units as the activation accounting sees them, in forward order."""
     out, prev = [], 0
     for u in model.units:
-        out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights))
+        out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
+                           u.partial_bytes, u.partial_extra_bytes, u.pieces))  # fmt: skip
         prev = u.output_bytes
     return tuple(out)
 
@@ -156,9 +219,22 @@ class ActPlanner:
         return self._choice("keep", {})
 
     @property
-    def least(self) -> ActChoice:
-        """The choice with the least need: every free unit swapped (what must stay stays)."""
+    def swap_all(self) -> ActChoice:
+        """Every free unit swapped whole."""
         return self._choice("swap all", {u.name: "ssd" for u in self.free})
+
+    @property
+    def least(self) -> ActChoice:
+        """The choice with the least need: every free unit swapped (what must stay stays), or
+        partial with its kept outputs swapped where that holds less in backward (a partial unit
+        is recomputed piece by piece)."""
+
+        def least_of(u: ActUnit) -> str:
+            if u.can_recompute and 0 < u.partial < u.saved:
+                return min(("ssd", "partial_ssd"), key=lambda p: backward_bytes(u, p))
+            return "ssd"
+
+        return self._choice("swap all", {u.name: least_of(u) for u in self.free})
 
     def _ranked(self) -> list[ActUnit]:
         idx = {u.name: i for i, u in enumerate(self.units)}
@@ -173,7 +249,7 @@ class ActPlanner:
         SSD read worst)."""
 
         def sent(p: str, where: str) -> str:
-            return where if p in ("host", "ssd") else f"recompute_{where}"
+            return where if p in ("host", "ssd") else f"{p.split('_')[0]}_{where}"
 
         if to != "host":
             return {n: (sent(p, to) if p in SWAPPING else p) for n, p in chosen.items()}
@@ -182,7 +258,7 @@ class ActPlanner:
         for u in self._ranked():
             p = out.get(u.name)
             if p in SWAPPING:
-                n = u.inputs if recomputes(p) else u.saved
+                n = u.moved(p)
                 if left is None or n <= left:
                     out[u.name] = sent(p, "host")
                     left = None if left is None else left - n
@@ -221,7 +297,7 @@ class ActPlanner:
         upto, after, before = maxima()
         for u in self._ranked():
             p = out.get(u.name)
-            if p in frm and (to != "recompute" or u.can_recompute):
+            if p in frm and (not recomputes(to) or u.can_recompute):
                 i = pos[u.name]
                 grow = held_bytes(u, to) - held_bytes(u, p)
                 own = before[i] + backward_bytes(u, to)
@@ -288,6 +364,18 @@ class ActPlanner:
                 kept = self._keep_what_fits(ckpt, room)
                 found.append(self._choice(f"recompute {frac:.0%} with checkpoints to {to}, swap to {to}",
                                           self._swap_to(self._pin_what_fits(kept, room), to)))  # fmt: skip
+        # selective recomputation: the recomputable units partial (the profile knows their kept
+        # bytes, and keeping them is less than all they save), their kept outputs swapped with the
+        # checkpoint; whole units kept, then partial units pinned, along the ranking while they fit
+        partial = [u for u in recomputable if 0 < u.partial < u.saved]
+        if partial:
+            for frac in (1.0,):  # (a half was never the fastest on the paper's sweep; each costs a replay)
+                head = partial[: round(frac * len(partial))]
+                base = {**{u.name: "ssd" for u in self.free}, **{u.name: "partial_ssd" for u in head}}
+                kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
+                                               frozenset(("partial_ssd",)), "partial")  # fmt: skip
+                found.append(self._choice(f"partial {frac:.0%}, swap to {swaps[0]}",
+                                          self._swap_to(kept, swaps[0])))  # fmt: skip
         seen, out = set(), []
         for c in found:
             if c.need_bytes <= room and c.policies not in seen:
@@ -305,5 +393,5 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
     return out
 
 
-__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "POLICIES", "SWAPPING", "act_units",
-           "backward_bytes", "fixed_policies", "held_bytes", "need_bytes", "recomputes", "split_bytes"]  # fmt: skip
+__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "PARTIAL", "POLICIES", "SWAPPING", "act_units",
+           "backward_bytes", "fixed_policies", "held_bytes", "need_bytes", "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

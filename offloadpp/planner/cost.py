@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
-from .activations import act_units, recomputes
-from .decide import lazy_applies
+from .activations import act_units, recompute_fraction, recomputes
+from .decide import lazy_applies, lazy_runtime
 from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
@@ -114,37 +114,41 @@ def compute_times(plan: Plan, hardware: HardwareProfile, model: ModelProfile) ->
     return fwd, bwd
 
 
-def estimate(
-    plan: Plan,
-    hardware: HardwareProfile,
-    model: ModelProfile,
-    *,
-    adam_threads: int = 1,
-    micro_batches: int = 1,
-    activations: Optional[Mapping[str, str]] = None,
-    act_prefetch_units: int = 2,
-    link: Optional[RankLink] = None,
-) -> StepEstimate:
+@dataclass(frozen=True)
+class ReplayOptions:
+    """What estimate() and replay() take beside the plan and the profiles.
+
+    adam_threads: the runtime's Adam threads; micro_batches: of one optimizer step;
+    activations: per unit "keep" | "host" | "ssd" | "recompute" | "recompute_host" |
+    "recompute_ssd" | "partial" | "partial_host" | "partial_ssd" (default: the plan's, else keep
+    everything); act_prefetch_units: backward's
+    activation read-ahead; link: over several ranks, the ranks per node and the collectives'
+    bandwidth (needed there); deferred: for a speculative plan, replay a step that defers its
+    updates (one that clips) instead of one that validates: the plan's own schedule (its keeps
+    and windows are sized for speculating), its updates deferred, at each unit's next visit
+    where the runtime applies them so."""
+
+    adam_threads: int = 1
+    micro_batches: int = 1
+    activations: Optional[Mapping[str, str]] = None
+    act_prefetch_units: int = 2
+    link: Optional[RankLink] = None
+    deferred: bool = False
+
+
+def estimate(plan: Plan, hardware: HardwareProfile, model: ModelProfile, **options) -> StepEstimate:
     """The step time `plan` takes on `hardware` for `model` (one optimizer step of
-    `micro_batches` micro-batches), and the phase that bounds it. `activations`: per unit
-    "keep" | "host" | "ssd" | "recompute" | "recompute_host" | "recompute_ssd" (default: the plan's, else keep everything). A plan
-    over several ranks needs `link`: the ranks per node and the collectives' bandwidth."""
-    return replay(plan, hardware, model, adam_threads=adam_threads, micro_batches=micro_batches,
-                  activations=activations, act_prefetch_units=act_prefetch_units, link=link)[0]  # fmt: skip
+    `micro_batches` micro-batches), and the phase that bounds it; `options`: ReplayOptions'."""
+    return replay(plan, hardware, model, **options)[0]
 
 
 def replay(
-    plan: Plan,
-    hardware: HardwareProfile,
-    model: ModelProfile,
-    *,
-    adam_threads: int = 1,
-    micro_batches: int = 1,
-    activations: Optional[Mapping[str, str]] = None,
-    act_prefetch_units: int = 2,
-    link: Optional[RankLink] = None,
+    plan: Plan, hardware: HardwareProfile, model: ModelProfile, **options
 ) -> tuple[StepEstimate, dict]:
     """estimate(), plus the SSD bytes the steady step moves per key ("<unit>.<array>")."""
+    o = ReplayOptions(**options)
+    adam_threads, micro_batches, activations, link = o.adam_threads, o.micro_batches, o.activations, o.link
+    act_prefetch_units = o.act_prefetch_units
     hardware, link = _for_rank(plan, hardware, link)
     if plan.device != hardware.device:
         raise PlanError(
@@ -185,11 +189,13 @@ def replay(
         acts=ActWork(
             policies=policies,
             saved_bytes={u.name: u.activation_bytes for u in model.units},
-            inputs={a.name: a.inputs for a in act_units(model)},
+            units={a.name: a for a in act_units(model)},
             prefetch_units=act_prefetch_units,
         ),
         link=link,
     )
+    if o.deferred and plan.speculative:  # the step clipped: no speculation, updates deferred
+        sim.speculating, sim.lazy = False, lazy_runtime(plan)
     run(
         sim,
         sim.main(REPLAY_STEPS),
@@ -200,7 +206,7 @@ def replay(
     )
     m = sim.marks[-1]
     sched = build_schedule(plan)
-    recompute = sum(fwd[n] for n in fwd if recomputes(policies.get(n, "keep")))
+    recompute = sum(fwd[n] * recompute_fraction(policies.get(n, "keep")) for n in fwd)
     compute = micro_batches * (sum(fwd[n] + bwd[n] for n in fwd) + recompute)
     adam = sum(u.numel for u in plan.units) / plan.ranks / costs.adam_rate
     ssd_s = m["ssd_r"] / ssd.read_bps + m["ssd_w"] / ssd.write_bps
@@ -283,7 +289,8 @@ def lower_bound(
     fwd, bwd = compute_times(plan, hardware, model)
     policies = activations if activations is not None else activation_policies(plan)
     n = len(fwd)
-    recompute = sum(fwd[u] + hardware.runtime_forward_visit_s for u, p in policies.items() if recomputes(p))
+    recompute = sum(fwd[u] * recompute_fraction(p) + hardware.runtime_forward_visit_s
+                    for u, p in policies.items() if recomputes(p))  # fmt: skip
     visits = n * (hardware.runtime_forward_visit_s + hardware.runtime_backward_visit_s)
     compute = micro_batches * (sum(fwd.values()) + sum(bwd.values()) + visits + recompute)
     numel = sum(u.numel for u in plan.units) / plan.ranks

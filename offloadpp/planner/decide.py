@@ -52,6 +52,22 @@ def lazy_runtime(plan) -> bool:
     return plan.deferred_update and plan.device == "cpu" and plan.ranks == 1
 
 
+def deferred_where(plan) -> str:
+    """Where a plan's deferred updates run (the runtime's OptimizerPipeline.lazy), for its notes."""
+    if lazy_runtime(plan):
+        return (
+            "are applied at each unit's next visit (the next forward reads master, moments and gradients once, "
+            "updates, and computes with the new weights: runtime/pending.py)"
+        )
+    if plan.ranks > 1:
+        return (
+            f"run as a pass after backward over the {plan.ranks} ranks (each rank's shard of every unit: "
+            "gradients reduce-scattered, the global norm all-reduced, Adam on the shard; neither at the next "
+            "visit nor speculatively, both one process's)"
+        )
+    return "run as a pass after backward (not at the next visit, which is the CPU device's)"
+
+
 def lazy_applies(plan) -> bool:
     """Where the replay does (a speculative plan's replay is of a step that validates)."""
     return lazy_runtime(plan) and not plan.speculative

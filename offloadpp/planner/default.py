@@ -116,16 +116,16 @@ def _keep_what_fits(plan: Plan, spare_dev: int, spare_host: int) -> Plan:
         placements.append(Placement(u.name, weights, master, moments, Tier.SSD))
     host_grads: set = set()
     if plan.persistent_grads:
-        total = sum(u.grad_bytes for u in plan.units)
+        total = sum(plan.grad_bytes(u) for u in plan.units)
         specs = {u.name: u for u in plan.units}
         for name in grads_order(plan) if total > spare_host else specs:
-            if specs[name].grad_bytes <= spare_host:
+            if plan.grad_bytes(specs[name]) <= spare_host:
                 host_grads.add(name)
-                spare_host -= specs[name].grad_bytes
+                spare_host -= plan.grad_bytes(specs[name])
         if not host_grads:
             notes.append(f"gradients ({fmt_bytes(total)}) do not fit the host budget's rest: kept on SSD")
         elif len(host_grads) < len(specs):
-            kept = sum(specs[n].grad_bytes for n in host_grads)
+            kept = sum(plan.grad_bytes(specs[n]) for n in host_grads)
             notes.append(
                 f"gradients ({fmt_bytes(total)}) do not all fit the host budget's rest: {len(host_grads)} of "
                 f"{len(specs)} units' ({fmt_bytes(kept)}) in host memory, the rest on SSD (first the units whose "

@@ -45,7 +45,9 @@ def _upgrades(plan: Plan, traffic: dict) -> list[tuple[float, int, str, str]]:
             out.append(((master + 1) / u.master_bytes, i, u.name, "master@host"))
         out.append(((moments + 1) / u.moments_bytes, i, u.name, "moments@host"))
         if plan.persistent_grads:
-            out.append(((traffic.get(f"{u.name}.grads", 0) + 1) / u.grad_bytes, i, u.name, "grads@host"))
+            out.append(
+                ((traffic.get(f"{u.name}.grads", 0) + 1) / plan.grad_bytes(u), i, u.name, "grads@host")
+            )
     out.sort(key=lambda x: (-x[0], x[1]))
     return out
 
@@ -201,7 +203,7 @@ def _traffic(plan: Plan) -> dict[str, int]:
     if plan.persistent_grads:  # written once per micro-batch and read back, but where kept (grads_order)
         kept = set(grads_order(plan)[-(plan.optim_prefetch_depth + 1) :]) if plan.deferred_update else set()
         for u in plan.units:
-            out[f"{u.name}.grads"] = 0 if u.name in kept else 2 * u.grad_bytes
+            out[f"{u.name}.grads"] = 0 if u.name in kept else 2 * plan.grad_bytes(u)
     return out
 
 

@@ -40,11 +40,20 @@ class UnitProfile:
     output_bytes: int = 0  # the unit's output (what a recomputing unit needs kept to run again)
     borrows: tuple[str, ...] = ()
     backward_needs_weights: bool = True
+    # partial (selective recompute): the bytes of the outputs of its matmuls and attention, which a
+    # partial unit keeps or swaps, and of those the bytes autograd does not save anyway (held on
+    # top of what its backward recomputes); 0: not known, partial not offered
+    partial_bytes: int = 0
+    partial_extra_bytes: int = 0
+    # a partial unit runs each child of its root as a piece (runtime/activations/manager.py, Note
+    # on pieces): per piece in forward order (saved, inputs, partial, partial_extra) bytes
+    pieces: tuple[tuple[int, int, int, int], ...] = ()
     forward_s: Optional[float] = None  # measured, one micro-batch (see the module note)
     backward_s: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes"):
+        for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
+                     "partial_extra_bytes"):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be an int >= 0, got {v!r}")
@@ -137,7 +146,11 @@ class ModelProfile:
         if unknown:
             raise ModelProfileError(f"model profile has unknown field(s) {unknown}")
         kw = dict(d)
-        kw["units"] = tuple(UnitProfile(**{**u, "borrows": tuple(u.get("borrows", ()))}) for u in d["units"])
+        kw["units"] = tuple(
+            UnitProfile(**{**u, "borrows": tuple(u.get("borrows", ())),
+                           "pieces": tuple(tuple(int(x) for x in p) for p in u.get("pieces", ()))})
+            for u in d["units"]
+        )  # fmt: skip
         kw["gemms"] = tuple(tuple(int(x) for x in g) for g in d.get("gemms", ()))
         return cls(**kw)
 
@@ -204,9 +217,21 @@ def analytic_profile(
         # in; c_fc out, GELU's tanh-form intermediates (3) and c_proj in at the inner width
         act_elems = t * (8 * d + 5 * inner) + 2 * b * s * int(_get(config, "n_head", "num_attention_heads"))
         units = [UnitProfile("embed", vocab * d + npos * d, 0, 0, 8 * t, t * d * eb, (), False)]
+        # partial keeps the matmuls' and the attention's outputs: c_attn's (q/k/v), the attention
+        # output and its log-sum-exp, c_fc's (saved anyway) and the two projections' (not saved)
+        # pieces: ln_1 (its input), attn (its input, q/k/v, the attention output and statistics;
+        # keeps q/k/v, the output and c_proj's), ln_2, mlp (its input, c_fc's output, GELU's
+        # intermediates, c_proj's input; keeps c_fc's and c_proj's outputs)
+        heads = int(_get(config, "n_head", "num_attention_heads"))
+        lse, x = 2 * b * s * heads * eb, t * d * eb
+        norm = (x, x, 0, 0)
+        pieces = (norm, (5 * x + lse, x, 5 * x + lse, x), norm,
+                  (x + 5 * t * inner * eb, x, x + t * inner * eb, x))  # fmt: skip
         units += [
             UnitProfile(f"transformer.h.{i}", block_numel, 2 * t * lin + 4 * b * s * s * d,
-                        2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb)
+                        2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb,
+                        partial_bytes=sum(p[2] for p in pieces), partial_extra_bytes=sum(p[3] for p in pieces),
+                        pieces=pieces)
             for i in range(n_layer)
         ]  # fmt: skip
         head_numel = 2 * d + (0 if tied else vocab * d)
@@ -229,9 +254,21 @@ def analytic_profile(
         attn_flops = 4 * b * s * s * heads * hd
         act_elems = t * (6 * d + 2 * heads * hd + 2 * kv * hd + 4 * ff) + 2 * b * s * heads
         units = [UnitProfile("embed", vocab * d, 0, 0, 8 * t, t * d * eb, (), False)]
+        # partial keeps q/k/v, the attention output and statistics, gate and up (saved anyway), and
+        # o_proj's and down's outputs (not saved)
+        # pieces: the two norms (2 x width each), self_attn (its input, rotated q/k, v, the output
+        # and statistics; keeps q/k/v's projections, the output and o_proj's: q/k's projections
+        # and o_proj's are not saved otherwise), mlp (its input, gate, up, their activation and
+        # product; keeps gate, up and down's outputs)
+        x, q, k, f = t * d * eb, t * heads * hd * eb, t * kv * hd * eb, t * ff * eb
+        lse = 2 * b * s * heads * eb
+        norm = (2 * x, x, 0, 0)
+        pieces = (norm, (x + 2 * q + 2 * k + lse, x, 2 * q + 2 * k + lse + x, q + k + x), norm,
+                  (x + 4 * f, x, 2 * f + x, x))  # fmt: skip
         units += [
             UnitProfile(f"model.layers.{i}", block_numel, 2 * t * lin + attn_flops, 2 * (2 * t * lin + attn_flops),
-                        act_elems * eb, t * d * eb)
+                        act_elems * eb, t * d * eb, partial_bytes=sum(p[2] for p in pieces),
+                        partial_extra_bytes=sum(p[3] for p in pieces), pieces=pieces)
             for i in range(n_layer)
         ]  # fmt: skip
         units.append(UnitProfile("head", d + (0 if tied else vocab * d), 2 * t * d * vocab, 4 * t * d * vocab,

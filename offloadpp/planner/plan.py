@@ -200,7 +200,7 @@ class Plan:
     # Per unit in forward order, (bytes its forward saves, bytes of its activation checkpoint:
     # its inputs) from the model profile the plan was made with; () when none. Only for the
     # printout's per-unit split (kept, host, ssd, recomputed): the runtime measures its own.
-    activation_sizes: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    activation_sizes: tuple[tuple[int, int, int, int], ...] = field(default=(), compare=False)
     # Threads of the fused CPU Adam (decide.adam_threads, filled by the resolve stage; None: a plan
     # made without it, for which the engine asks decide.adam_threads with the settings it runs).
     adam_threads: Optional[int] = None
@@ -239,10 +239,12 @@ class Plan:
 
     def _check_activations(self) -> None:
         object.__setattr__(self, "activations", tuple(self.activations))  # a plan file gives a list
-        sizes = tuple((int(a), int(b)) for a, b in self.activation_sizes)
+        # (saved, checkpoint, kept by partial, of it not saved) per unit; a pair from an older plan
+        # file: no partial
+        sizes = tuple(tuple(int(x) for x in (tuple(sz) + (0, 0))[:4]) for sz in self.activation_sizes)
         if sizes and len(sizes) != len(self.units):
             raise PlanError(
-                f"activation_sizes must give one pair per unit ({len(self.units)}), got {len(sizes)}"
+                f"activation_sizes must give one entry per unit ({len(self.units)}), got {len(sizes)}"
             )
         object.__setattr__(self, "activation_sizes", sizes)
         stripe = tuple((str(d), float(w)) for d, w in self.ssd_stripe)
@@ -305,6 +307,27 @@ class Plan:
         return self.accumulate_grads or self.deferred_update
 
     @property
+    def grad_dtype(self) -> str:
+        """The dtype of the gradients kept between a unit's backward and its update (their home
+        and the optimizer's buffer): the compute dtype where it is 16-bit, else fp32.
+
+        Note: why 16-bit. With bf16/fp16 compute autograd's gradients are 16-bit; the fused Adam
+        takes them as they are and upcasts each element to fp32 as it reads it (exact: every
+        16-bit value is an fp32 value), so an fp32 copy holds nothing more and costs twice the
+        bytes through host memory and the SSD. Exceptions, kept fp32: accumulation over
+        micro-batches (a sum of 16-bit gradients rounded to 16 bits at every micro-batch is not
+        the fp32 sum torch's mixed-precision recipe keeps in `param.grad` of an fp32 master) and
+        several ranks (the gradients are reduced over the ranks into fp32 shards). ZeRO-Infinity
+        upcasts to fp32 before NVMe (docs/runtime.md)."""
+        if self.compute_dtype == "fp32" or self.accumulate_grads or self.ranks > 1:
+            return "fp32"
+        return self.compute_dtype
+
+    def grad_bytes(self, u: UnitSpec) -> int:
+        """The whole unit's gradients in grad_dtype (UnitSpec.grad_bytes is their fp32 size)."""
+        return u.padded_numel * DTYPE_BYTES[self.grad_dtype]
+
+    @property
     def ranks(self) -> int:
         """Data-parallel ranks the optimizer state is partitioned over (UnitSpec.shards)."""
         return self.units[0].shards if self.units else 1
@@ -339,7 +362,7 @@ class Plan:
             return u.moments_bytes // 2
         if array == "grad_shard":
             return u.shard_grad_bytes
-        return u.master_bytes if array == "master" else u.grad_bytes
+        return u.master_bytes if array == "master" else self.grad_bytes(u)
 
     def ssd_bytes(self) -> int:
         """Bytes the store holds at most: every array whose home is SSD (`homes`)."""
@@ -353,7 +376,7 @@ class Plan:
         (master, moments, compute copy: runtime/slots.py), which a step writes before it commits."""
         total = self.ssd_bytes()
         if not self.deferred_update or self.speculative:
-            grads = sum(u.grad_bytes for u, p in self if self.persistent_grads and p.grads is Tier.SSD)
+            grads = sum(self.grad_bytes(u) for u, p in self if self.persistent_grads and p.grads is Tier.SSD)
             total = 2 * total - grads
         return total
 
@@ -400,6 +423,7 @@ class Plan:
             f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
             f"deferred_update={self.deferred_update}{' (speculative)' if self.speculative else ''} "
             f"fill_gaps={self.fill_gaps}"
+            + (f" grads={self.grad_dtype}" if self.persistent_grads or self.compute_dtype != "fp32" else "")
             + (f" ranks={self.ranks} (each keeps 1/{self.ranks} of the state)" if self.ranks > 1 else ""),
             f"  budgets: {self.describe_budgets()}; resident: device {fmt_bytes(self.resident_device_bytes())}, "
             f"host {fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",
@@ -439,9 +463,11 @@ class Plan:
         out = [f"  {'activations per unit':<40} {'policy':>14} {'saved':>10} {'kept':>10} {'host':>10} "
                f"{'ssd':>10} {'recomputed':>10}"]  # fmt: skip
         totals = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
-        for first, last, n, a, (saved, ckpt) in rows:
+        for first, last, n, a, (saved, ckpt, partial, extra) in rows:
             name = first if n == 1 else f"{first} .. {last} ({n})"
-            sp = split_bytes(ActUnit(first, saved, ckpt, 0, True), a if a != "auto" else "keep")
+            sp = split_bytes(
+                ActUnit(first, saved, ckpt, 0, True, partial, extra), a if a != "auto" else "keep"
+            )
             for k in totals:
                 totals[k] += n * sp[k]
             out.append(f"  {name:<40} {a:>14} {fmt_bytes(saved):>10} {fmt_bytes(sp['kept']):>10} "

@@ -43,12 +43,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from .activations import act_units
+from .activations import act_units, recomputes
 from .cost import StepEstimate, estimate
 from .decide import (
     DEFAULT_OPTIM_PREFETCH,
     adam_threads,
     clipping,
+    deferred_where,
     optim_prefetch_depth,
     prefetch_depth,
     speculates,
@@ -228,7 +229,7 @@ def resolve(
         if est is None:
             est = estimate(plan, hardware, model, **kw)
         if plan.speculative:  # what a step that clips costs: deferred updates
-            deferred_est = estimate(replace(plan, speculative=False), hardware, model, **kw)
+            deferred_est = estimate(plan, hardware, model, deferred=True, **kw)
     return Resolved(settings, plan, est, candidates, deferred_est)
 
 
@@ -296,25 +297,27 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
         if clip:
             then.insert(0, "a step that clips is redone exactly from the previous generation of the state")
         if clip and settings.speculate == "auto":
-            then.append("while clipping keeps triggering, updates are deferred")
+            then.append(f"while clipping keeps triggering, updates are deferred: they {deferred_where(plan)}")
         out.append(
             "updates run during backward speculatively with the raw gradients and are validated at its end by "
             f"{' and '.join(why)}: {'; '.join(then)}"
         )
         return tuple(out)
+    deferred = []
     if settings.compute_dtype == "fp16":
-        out.append(
-            "fp16: updates are deferred to the end of backward (the loss scaler's overflow check needs "
-            "every gradient first), so Adam does not overlap backward; bf16 needs no loss scaling and "
-            "keeps the overlap"
+        deferred.append(
+            "fp16: updates are deferred (the loss scaler's overflow check needs every gradient first); bf16 "
+            "needs no loss scaling and keeps the overlap of Adam with backward"
         )
     if clipping(settings):
-        out.append(
-            f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred to the end of backward "
-            "(the global norm needs every gradient first), so Adam does not overlap backward (DeepSpeed's "
-            'default is 1.0: set "gradient_clipping": 0 to keep the overlap)'
+        deferred.append(
+            f"gradient clipping ({settings.gradient_clipping:g}): updates are deferred (the global norm needs "
+            "every gradient first), so Adam does not overlap backward (DeepSpeed's default is 1.0: set "
+            '"gradient_clipping": 0 to keep the overlap)'
         )
-    return tuple(out)
+    if deferred:
+        deferred.append(f"deferred updates {deferred_where(plan)}")
+    return tuple(out + deferred)
 
 
 def _request(settings: Settings, budgets: Budgets, machine: Machine, hardware=None) -> Request:
@@ -515,8 +518,8 @@ def load_saved_plan(settings: Settings) -> Optional[tuple[Plan, Optional[StepEst
 
 def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
     """The plan with each unit's saved and checkpoint bytes from the model profile (printout)."""
-    sizes = {a.name: (a.saved, a.inputs) for a in act_units(model)}
-    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0)) for u in plan.units))
+    sizes = {a.name: (a.saved, a.inputs, a.partial, a.partial_extra) for a in act_units(model)}
+    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0, 0, 0)) for u in plan.units))
 
 
 def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
@@ -538,7 +541,7 @@ def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     for u, p in zip(plan.units, chosen):
         if p == "auto" and unlimited:  # nothing to fit: keep (the runtime would profile first)
             p = "keep"
-        if p.startswith("recompute") and not u.backward_needs_weights:
+        if recomputes(p) and not u.backward_needs_weights:
             notes.append(
                 f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
             )

@@ -311,9 +311,9 @@ def optim_host_bytes(plan: Plan, u, p) -> int:
         return b
     if plan.persistent_grads:
         if p.grads is Tier.SSD:
-            b += u.grad_bytes
+            b += plan.grad_bytes(u)
     elif plan.device != "cpu":
-        b += u.grad_bytes + u.padded_numel * DTYPE_BYTES[cdt]  # fp32 host grads + pinned staging
+        b += plan.grad_bytes(u) + u.padded_numel * DTYPE_BYTES[cdt]  # host grads + pinned staging
     # (on the CPU device, transient grads are the device's own: counted there)
     return b
 
@@ -413,7 +413,7 @@ def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
 def kept_grad_bytes(plan: Plan, u, p) -> int:
     """Host bytes of a unit's gradient buffer kept past its update (Holds.kept): where its home
     is SSD (a resident one is counted with the resident arrays)."""
-    return u.grad_bytes if plan.persistent_grads and p.grads is Tier.SSD else 0
+    return plan.grad_bytes(u) if plan.persistent_grads and p.grads is Tier.SSD else 0
 
 
 def fetch_host_bytes(plan: Plan, u, p) -> int:

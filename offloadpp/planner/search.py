@@ -123,7 +123,13 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     counted = req.counted
     least = acts.least.need_bytes if counted else 0
     if counted:
-        reserves = sorted({min(req.act_cap, acts.keep_all.need_bytes), least}, reverse=True)
+        # (and what swapping whole units needs, where partial pieces need less: the placements
+        # that leave room for recomputing whole units are tried too)
+        # (not on models of many units: each reserve enumerates the placements again, and 175B
+        # must plan within 2 s)
+        whole = acts.swap_all.need_bytes
+        extra = {whole} if whole <= req.act_cap and len(units) <= MANY_UNITS else set()
+        reserves = sorted({min(req.act_cap, acts.keep_all.need_bytes), least} | extra, reverse=True)
     else:
         reserves = [0]
     fixed = acts._choice("settings", {})  # not counted: the settings' policies, others kept
@@ -193,7 +199,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # 2. the other activation choices of the best few placements
     cands.sort(key=lambda c: c.estimate.step_s)
     by_plan = {id(g[2]): g for g in groups}
-    for top in cands[: ACT_TOP_PLACEMENTS - (len(units) > MANY_UNITS)]:
+    many = len(units) > MANY_UNITS
+    for top in _tops(cands, ACT_TOP_PLACEMENTS - many, extra=0 if many else 2):
         _, label, plan, bounds = by_plan[id(top.plan)]
         for lb, _, c in bounds[1:]:
             if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
@@ -210,6 +217,21 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         best_plan = replace(best_plan, activations=tuple(p for _, p in best.activations))
     best = replace(best, plan=best_plan)
     return SearchResult(best, tuple(cands), total - replayed)
+
+
+def _tops(cands: list[Candidate], n: int, extra: int) -> list[Candidate]:
+    """The best n placements replayed, and the best of up to `extra` other activation rooms: a placement
+    leaving the activations little room (partial pieces fit in it) can be replayed faster with its
+    first choice than one leaving more room with its first, where the latter's other choices
+    (recomputing whole units) are faster still."""
+    out = list(cands[:n])
+    rooms = {c.plan.budgets.activation_bytes for c in out if c.plan.budgets is not None}
+    for c in cands[n:]:
+        room = c.plan.budgets.activation_bytes if c.plan.budgets is not None else None
+        if room not in rooms and len(out) < n + extra:
+            rooms.add(room)
+            out.append(c)
+    return out
 
 
 def _bound(plan: Plan, c: ActChoice, hw: HardwareProfile, model: ModelProfile, req: Request) -> float:
@@ -322,7 +344,8 @@ def _raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, 
         if least is not None:
             top = max(acts.units, key=lambda u: u.saved)
             msg += (f" and the saved activations at least {fmt_bytes(act_need)} at micro-batch {model.micro_batch} "
-                    f"(every unit swapped that can be; the largest, {top.name!r}, saves {fmt_bytes(top.saved)})")  # fmt: skip
+                    f"(every unit swapped that can be, partial where a piece at a time holds less; the largest, "
+                    f"{top.name!r}, saves {fmt_bytes(top.saved)})")  # fmt: skip
             if req.budgets.activation_bytes is not None and act_need > req.act_cap:
                 msg += f", above the activation budget of {fmt_bytes(req.act_cap)}"
             # activations grow with the micro-batch (tokens), the buffers do not

@@ -119,7 +119,7 @@ class Sim:
         self.adam_busy_s = 0.0
         self.compute_busy_s = 0.0
         self.act = ActReplay(self, acts.policies, acts.saved_bytes, acts.prefetch_units,
-                             budgets.activation_bytes if budgets is not None else None, acts.inputs)  # fmt: skip
+                             budgets.activation_bytes if budgets is not None else None, acts.units)  # fmt: skip
 
     def helpers(self) -> list[Iterator]:
         """The replay's other threads: the optimizer's worker, and the activation mover if any."""

@@ -11,6 +11,9 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
   recompute_host, recompute_ssd
              as recompute, with the checkpoint moved as host/ssd move saved bytes (copied out in
              forward, fetched back ahead of the recompute).
+  partial, partial_host, partial_ssd
+             as recompute, the outputs of the matmuls and attention held (or moved) with the
+             checkpoint; the recompute runs no matmul (only the per-visit time is added).
 Backward fetches the activations of the unit it reaches and of the next `prefetch_units` units
 (in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
 cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
@@ -31,10 +34,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
 
-from .activations import CHECKPOINT_SWAPS, recomputes
+from .activations import (
+    CHECKPOINT_SWAPS,
+    PARTIAL,
+    POLICIES,
+    ActUnit,
+    backward_bytes,
+    recompute_fraction,
+    recomputes,
+)
 from .desim import Replay, When, done_by, when
-
-POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd")
 
 
 @dataclass(eq=False)
@@ -47,30 +56,33 @@ class _Out:
     copy_done: Optional[float] = None
     write_done: When = None
     back: bool = False  # fetched back: its bytes are on the device again
+    pieces: tuple[int, ...] = ()  # a partial unit's pieces: copied out one by one, each freed when done
 
 
 @dataclass(frozen=True)
 class ActWork:
     """What the activation replay is given (Sim passes it on): each unit's policy, the bytes its
-    forward saves, its checkpoint's (its inputs'), and how many units ahead swapped activations
+    forward saves, its checkpoint's and partial bytes (ActUnit), and how many units ahead swapped activations
     are fetched back."""
 
     policies: Mapping[str, str] = field(default_factory=dict)
     saved_bytes: Mapping[str, int] = field(default_factory=dict)
-    inputs: Mapping[str, int] = field(default_factory=dict)
+    units: Mapping[str, ActUnit] = field(default_factory=dict)  # its checkpoint and partial bytes
     prefetch_units: int = 2
 
 
 class ActReplay:
     def __init__(self, sim: Replay, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int,
-                 budget: Optional[int] = None, inputs: Optional[Mapping[str, int]] = None):  # fmt: skip
+                 budget: Optional[int] = None, units: Optional[Mapping[str, ActUnit]] = None):  # fmt: skip
         bad = {u: p for u, p in policies.items() if p not in POLICIES}
         if bad:
             raise ValueError(f"activation policies must be one of {POLICIES}, got {bad}")
         self.sim = sim
         self.policies = dict(policies)
         self.act_bytes = dict(act_bytes)
-        self.inputs = dict(inputs or {})
+        # per unit: its checkpoint (inputs) and partial bytes (planner/activations.py ActUnit)
+        self.units = dict(units or {})
+        self.inputs = {n: u.inputs for n, u in self.units.items()}
         self.prefetch = prefetch_units
         self.budget = budget
         self.backward_order = [v.unit for v in sim.sched.visits if v.backward]
@@ -85,6 +97,7 @@ class ActReplay:
         self.device_bytes = 0  # accounted on the device now (see the module docstring)
         self.peak_bytes = 0
         self.wait_s = 0.0  # forward waiting for copies out
+        self.rest: dict[str, int] = {}  # a partial unit's bytes fetched with its backward, not before
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -96,7 +109,10 @@ class ActReplay:
     def recompute_s(self, unit: str) -> float:
         if not recomputes(self.policy(unit)):
             return 0.0
-        return self.sim.costs.forward_s[unit] + self.sim.costs.forward_visit_s
+        return (
+            self.sim.costs.forward_s[unit] * recompute_fraction(self.policy(unit))
+            + self.sim.costs.forward_visit_s
+        )
 
     def _add(self, n: int) -> None:
         self.device_bytes += n
@@ -107,13 +123,15 @@ class ActReplay:
         """The unit's forward saves its bytes (a recomputing one keeps its inputs): within the
         budget, waiting for the oldest copies out."""
         pol = self.policy(unit)
-        own = self.inputs.get(unit, 0) if recomputes(pol) else self.act_bytes.get(unit, 0)
+        own = self._held_in(unit) if recomputes(pol) else self.act_bytes.get(unit, 0)
         if self.budget is not None:
             t0 = self.sim.t
             while self.device_bytes + own > self.budget and self.inflight:
                 job = self.inflight[0]
-                yield ("cond", lambda job=job: job.copy_done is not None or job.cancelled)
-                if self.inflight and self.inflight[0] is job:
+                # (a partial unit's pieces free their bytes one by one: room may come before the end)
+                yield ("cond", lambda job=job: job.copy_done is not None or job.cancelled
+                       or self.device_bytes + own <= self.budget)  # fmt: skip
+                if self.inflight and self.inflight[0] is job and (job.copy_done is not None or job.cancelled):
                     self.inflight.popleft()
             self.wait_s += self.sim.t - t0
         self._add(own)
@@ -121,11 +139,11 @@ class ActReplay:
     def after_forward(self, unit: str) -> None:
         pol = self.policy(unit)
         to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
-        n = self.inputs.get(unit, 0) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
+        n = self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
         if to in ("host", "ssd") and n > 0:
-            job = _Out(unit, n, to == "ssd")
+            job = _Out(unit, n, to == "ssd", pieces=self._piece_bytes(unit))
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
@@ -137,8 +155,18 @@ class ActReplay:
         wait for its own."""
         i = self.backward_index[unit]
         self._fetch(unit, force=True)
+        self._add(self.rest.pop(unit, 0))  # (its other pieces' bytes come back during its backward)
         if recomputes(self.policy(unit)):  # what it recomputes is counted before any prefetch
-            self._add(self._recomputed(unit) - self.inputs.get(unit, 0))  # (its inputs among them)
+            grow = self._recomputed(unit) - self._held_in(unit)  # (its inputs among them)
+            # copies out still running (the replay starts a unit's copies at its forward's end, the
+            # runtime as each tensor is saved): wait for them as the runtime's would have ended
+            while self.budget is not None and self.device_bytes + grow > self.budget and self.inflight:
+                job = self.inflight[0]
+                yield ("cond", lambda job=job: job.copy_done is not None or job.cancelled
+                       or self.device_bytes + grow <= self.budget)  # fmt: skip
+                if self.inflight and self.inflight[0] is job and (job.copy_done is not None or job.cancelled):
+                    self.inflight.popleft()
+            self._add(grow)
         for name in self.backward_order[i + 1 : i + self.prefetch + 1]:
             # a unit still to recompute will hold all it saved at its backward, counted only
             # then: nothing beyond it is fetched now (its checkpoint is), as the runtime does
@@ -168,7 +196,26 @@ class ActReplay:
     def _recomputed(self, unit: str) -> int:
         """What a recompute holds once it ran: all the unit saved, its inputs included (as the
         runtime counts it: planner/activations.py backward_bytes)."""
+        u = self.units.get(unit)
+        if u is not None and self.policy(unit) in PARTIAL:  # (piece by piece: backward_bytes)
+            return backward_bytes(u, self.policy(unit))
         return max(self.act_bytes.get(unit, 0), self.inputs.get(unit, 0))
+
+    def _piece_bytes(self, unit: str) -> tuple[int, ...]:
+        """What each piece of a partial unit moves (its inputs and kept outputs), forward order;
+        () for any other unit."""
+        u = self.units.get(unit)
+        if u is None or not u.pieces or self.policy(unit) not in PARTIAL:
+            return ()
+        return tuple(p[1] + p[2] for p in u.pieces)
+
+    def _held_in(self, unit: str) -> int:
+        """What a recomputing unit holds (or moves) between its forward and its backward: its
+        inputs, and a partial unit's kept outputs (its pieces' inputs)."""
+        u = self.units.get(unit)
+        if u is not None and self.policy(unit) in PARTIAL:
+            return u.moved(self.policy(unit))
+        return self.inputs.get(unit, 0)
 
     def _fetch(self, unit: str, force: bool) -> bool:
         """Starts bringing `unit`'s activations back; False when the budget has no room for
@@ -186,16 +233,25 @@ class ActReplay:
             return True
         if job.copy_done is None:  # copying now: continued when the copy ends (before_backward)
             return True
-        if not force and self.budget is not None and self.device_bytes + job.nbytes > self.budget:
+        # a partial unit's pieces are fetched piece by piece: its backward starts once its last
+        # piece's bytes are back (the others come back during it), a prefetch needs room for those
+        first = self._piece_bytes(unit)[-1] if self._piece_bytes(unit) else job.nbytes
+        if not force and self.budget is not None and self.device_bytes + first > self.budget:
             return False
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)
+        h2d = sim.cuda
         if on_ssd:
             done: When = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
+        elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
+            done, h2d = sim.h2d.submit(sim.t, first, write=False), False
+            if job.nbytes > first:
+                sim.h2d.submit(done, job.nbytes - first, write=False)
         else:
             done = sim.t
         job.back = True
-        self._add(job.nbytes)
-        self.ready[unit] = (done, sim.cuda, job.nbytes)
+        self._add(first)
+        self.rest[unit] = job.nbytes - first
+        self.ready[unit] = (done, h2d, job.nbytes)
         return True
 
     # ---- the activation worker -------------------------------------------------------------
@@ -209,13 +265,15 @@ class ActReplay:
             job = self.queue.popleft()
             job.started = True
             if sim.cuda:
-                done = sim.d2h.submit(sim.t, job.nbytes, write=False)
-                if done > sim.t:
-                    yield ("until", done)
+                for part in job.pieces or (job.nbytes,):
+                    done = sim.d2h.submit(sim.t, part, write=False)
+                    if done > sim.t:
+                        yield ("until", done)
+                    self.device_bytes -= part  # this piece's copy is out: its device bytes are free
             else:
                 yield ("cpu", job.nbytes / sim.costs.memcpy_bps)
+                self.device_bytes -= job.nbytes  # the copy is out: the device bytes are free
             self.swapped_bytes += job.nbytes
-            self.device_bytes -= job.nbytes  # the copy is out: the device bytes are free
             if job.to_ssd:
                 job.write_done = sim.ssd.submit(sim.t, job.nbytes, write=True, key=f"act.{job.unit}")
             job.copy_done = sim.t

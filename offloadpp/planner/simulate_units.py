@@ -151,7 +151,7 @@ class Unit:
         self.exp_avg = slot("exp_avg", n * 4, sim.host_pool)
         self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool)
         self.grads_persist = plan.persistent_grads
-        self.grads = slot("grads", n * 4, sim.host_pool)
+        self.grads = slot("grads", n * DTYPE_BYTES[plan.grad_dtype], sim.host_pool)
         if cuda:
             self.weights = CudaWeights(self.compute, resident=placement.weights is Tier.DEVICE)
             if placement.weights is Tier.DEVICE:

@@ -24,7 +24,7 @@ import os
 import time
 import weakref
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import psutil
 import torch
@@ -93,11 +93,12 @@ class OffloadEngine:
         hyper: Optional[AdamHyper] = None,
         init_fn: Optional[Callable[[nn.Module], None]] = None,
         progress: bool = False,
-        predicted: Optional[StepEstimate] = None,
+        predicted: Union[StepEstimate, tuple[StepEstimate, Optional[StepEstimate]], None] = None,
         dp: Optional[DataParallel] = None,
     ):
         """plan: the finished plan for this model and config (offloadpp.assemble.resolve_for_model
-        or planner.resolve); predicted: its estimated step, for the reports. A model on the meta
+        or planner.resolve); predicted: its estimated step, for the reports (or the pair (estimate,
+        deferred_estimate) of a Resolved whose plan speculates). A model on the meta
         device (built under offloadpp.Init) gets its weights unit by unit: from the safetensors
         its from_pretrained named, else from init_fn (default: the model's own init). dp: the
         data-parallel ranks (runtime/dp/distributed.py), each holding its shard of the state in a
@@ -132,7 +133,11 @@ class OffloadEngine:
         if plan.adam_threads is None:  # a plan made without the resolve stage (tests, benchmarks)
             plan = replace(plan, adam_threads=adam_threads(s, default_num_threads()))
         self.plan = plan
-        self.predicted = predicted
+        # the plan's estimate, and for a speculative plan that of a step that defers its updates
+        # (Resolved.deferred_estimate): a step's report is set beside the one of the way it ran
+        self.predicted, self.predicted_deferred = (
+            predicted if isinstance(predicted, tuple) else (predicted, None)
+        )
         self.schedule = build_schedule(self.plan)
         self._closed = True  # until set up: close() has nothing to do
         self._lock = SwapDirLock(config.nvme_paths)  # one run per swap directory
@@ -235,7 +240,9 @@ class OffloadEngine:
         self.optimizer = pipeline(
             self.units, self.schedule, self.plan, self.hypers, self.store, self.host_pool, dev
         )
-        self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reap_one  # (memory.py's Note)
+        self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reclaim  # (memory.py's Note)
+        if not dev.is_cuda:  # autograd's gradients are the device's memory (optimizer._charge_grads)
+            self.optimizer.grad_pool = self.device_pool
         self.executor = Executor(self.schedule, self.units, self.optimizer)
         self.executor.install(modules)
         self.activations = ActivationManager(  # after the executor's hooks: they bind weights first
@@ -481,13 +488,14 @@ class OffloadEngine:
         self.optimizer.flush_writes()
 
     def save_state(self, path: str, *, meta: Optional[dict] = None, files: tuple[str, ...] = (),
-                   rank_files: tuple[str, ...] = (), progress: bool = False) -> dict:  # fmt: skip
+                   rank_files: tuple[str, ...] = (), progress: bool = False, node_local: bool = False) -> dict:  # fmt: skip
         """Streams the training state (fp32 master weights, Adam moments, step counts, the
         hyper-parameters, the loss scaler) into the empty folder `path`, unit by unit, durably;
         `meta` and the small `files` the caller wrote there go into its manifest
         (runtime/checkpoint.py). Between steps. Returns the manifest. Over several ranks a
         collective: each rank's shards go to rank_dir(path) with the `rank_files` the caller
-        wrote there, the manifest and `files` are rank 0's (runtime/dp/sharded_checkpoint.py)."""
+        wrote there, the manifest and `files` are rank 0's (runtime/dp/sharded_checkpoint.py), or
+        with node_local each node's first rank's, `path` being each node's own folder."""
         self._check_open()
         self._quiesce()
         self.store.wait_all()
@@ -500,7 +508,7 @@ class OffloadEngine:
         meta = {"runtime": runtime, **(meta or {})}
         if self.dp is not None:
             return save_sharded(self.units, path, dp=self.dp, io=self.store.config, meta=meta, files=files,
-                                rank_files=rank_files, progress=progress)  # fmt: skip
+                                rank_files=rank_files, node_local=node_local)  # fmt: skip
         return ckpt.save_state(self.units, path, io=self.store.config, meta=meta, files=files,
                                progress=progress)  # fmt: skip
 
@@ -587,6 +595,10 @@ class OffloadEngine:
     def peak_host_bytes(self) -> int:
         """Peak bytes of the runtime's host buffers so far (optimizer state, gradients, staging)."""
         return self.accounting.peak_host_bytes()
+
+    def predicted_for(self, updates: str):
+        """The cost model's estimate of a step whose updates ran as `updates` (StepAccounting.predicted_for)."""
+        return self.accounting.predicted_for(updates)
 
     def disk_bytes(self) -> int:
         """Bytes the swap files occupy."""

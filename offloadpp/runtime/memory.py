@@ -15,6 +15,11 @@ backward; where it falls behind, this is what keeps the promise, pacing backward
 and the disk. If nothing comes back within RELEASE_WAIT_S the plan was wrong for this run:
 BudgetExceededError names the pool, its budget, what it holds and the request.
 
+Note: bytes outside the buffers. On the CPU device the gradients autograd leaves are device
+memory the pool did not hand out; the optimizer charges them (`charge`) until they are dropped
+(`uncharge`), so that they count against the device budget and a pool short of room waits for
+them to go (the owner's reclaim waits for the oldest drop).
+
 Note: a pace below the budget. A speculative plan's budgets hold what a step that speculates
 holds; a step of the same run that defers its updates (it clips) needs less. Where the pool is
 given a `pace_bytes` below its budget, work still under way (writes draining, the optimizer's
@@ -77,7 +82,8 @@ class BufferPool:
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._pending: deque[_Pending] = deque()
         self._cv = threading.Condition()
-        self.allocated_bytes = 0  # handed out + pending + free
+        self.allocated_bytes = 0  # handed out + pending + free + charged
+        self.charged_bytes = 0  # held outside the pool's buffers (charge())
         self.peak_bytes = 0
         self.step_peak_bytes = 0  # since reset_step_peak()
         self.wait_s = 0.0  # time spent waiting for pending work or a release to free a buffer
@@ -136,6 +142,46 @@ class BufferPool:
             self.step_peak_bytes = max(self.step_peak_bytes, self.allocated_bytes)
             self.allocations += 1
         return self._alloc(numel, dtype)
+
+    def charge(self, nbytes: int) -> None:
+        """Counts `nbytes` that the owner holds outside the pool's buffers against the budget
+        (on the CPU device: the gradients autograd left, until the optimizer has absorbed and
+        dropped them; uncharge() gives them back). Past the pace it waits, as get() does, for
+        work under way: pending buffers, then the owner's reclaim (the optimizer's oldest job,
+        then the oldest drop of gradients). It never refuses: the bytes exist already, and the
+        plan holds room for the gradients of the visit that made them."""
+        with self._cv:
+            t0 = time.perf_counter()
+            while True:
+                self._reclaim_done()
+                limit = self._limit()
+                self._trim_free(nbytes, limit)
+                if self.allocated_bytes + nbytes <= limit:
+                    break
+                if self._pending:
+                    p = self._pending.popleft()
+                    self._cv.release()
+                    try:
+                        p.wait()
+                    finally:
+                        self._cv.acquire()
+                    self._add_free(p.buf)
+                elif not (
+                    self.reclaim is not None and threading.get_ident() == self.owner and self._reclaim()
+                ):
+                    break
+            self.wait_s += time.perf_counter() - t0
+            self.allocated_bytes += nbytes
+            self.charged_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+            self.step_peak_bytes = max(self.step_peak_bytes, self.allocated_bytes)
+
+    def uncharge(self, nbytes: int) -> None:
+        """`nbytes` charged earlier are gone (any thread)."""
+        with self._cv:
+            self.allocated_bytes -= nbytes
+            self.charged_bytes -= nbytes
+            self._cv.notify_all()
 
     def _reclaim(self) -> bool:
         self._cv.release()

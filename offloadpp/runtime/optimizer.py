@@ -38,6 +38,7 @@ lives in memory, and a redo, are updated after backward as deferred updates are 
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -98,6 +99,10 @@ class OptimizerPipeline(PendingUpdates):
             1, thread_name_prefix="offloadpp-free", initializer=None if device.is_cuda else _yield_to_compute
         )
         self._jobs: deque[tuple[_Job, Future]] = deque()
+        self._drops: deque[Future] = deque()  # gradients handed to the freer, oldest first
+        # On the CPU device the gradients autograd leaves are the device's memory: charged to
+        # its pool until dropped (_charge_grads), set by the engine; None elsewhere.
+        self.grad_pool: Optional[BufferPool] = None
         self._queued_writes: list[tuple[Slot, torch.Tensor, int]] = []  # see flush_writes
         self.boundary = False
         self.first_micro = True
@@ -211,6 +216,9 @@ class OptimizerPipeline(PendingUpdates):
         self._advance_absorb(idx + 1)
         grads = u.take_grads()
         last = idx == len(self.order) - 1  # backward is over: Adam may take every core
+        speculate = self.speculating and u.can_speculate
+        if not speculate:
+            self._charge_grads(grads)
         job = _Job(
             u, before=[], first_micro=self.first_micro, threads=self.tail_threads if last else self.threads
         )
@@ -226,7 +234,6 @@ class OptimizerPipeline(PendingUpdates):
             self._advance_update(self._submitted + self.optim_prefetch_depth + 1)
             self._submit(job)
             return
-        speculate = self.speculating and u.can_speculate
         kept = u.name in self._kept
         if self.speculating:
             self._advance_update(idx + 1, order=self.order, sliding=True)
@@ -277,6 +284,34 @@ class OptimizerPipeline(PendingUpdates):
         self._advance_absorb(self._absorbed + self.optim_prefetch_depth + 1)
         if self.speculating:
             self._slide()
+
+    def _charge_grads(self, grads) -> None:
+        """Note: why the gradients count. On the CPU device autograd's gradients are device
+        memory outside the pool: the plan holds room for the gradients of one backward visit,
+        but where the worker falls behind backward (a loaded machine: it runs at nice 10), each
+        unit's stay alive in their job until it has absorbed them, then in the freer's queue:
+        1-3 units' more at GPT-2 2.3B, 0.3 GiB each, past the device budget. Charged to the pool
+        here and given back when dropped (whichever thread drops them), backward waits at the
+        budget for the worker and the freer instead. (A speculated unit's gradients are kept in
+        place of its host gradient buffer, which the plan counts: not charged.)"""
+        pool = self.grad_pool
+        if pool is None or not grads:
+            return
+        for _, _, g in grads:
+            weakref.finalize(g, pool.uncharge, g.numel() * g.element_size())
+        pool.charge(sum(g.numel() * g.element_size() for _, _, g in grads))
+
+    def reclaim(self) -> bool:
+        """A pool short of room (memory.py's Note): the oldest job completed, else the oldest
+        drop of gradients waited for. False when neither is under way."""
+        if self.reap_one():
+            return True
+        while self._drops:
+            f = self._drops.popleft()
+            if not f.done():
+                f.result()
+                return True
+        return False
 
     def _slide(self) -> None:
         """A speculating window: one more unit handed out, the state window moves on."""
@@ -434,7 +469,7 @@ class OptimizerPipeline(PendingUpdates):
             if u.speculated:
                 u.grads.release(Hold.OPTIM)
             if u.held_grads is not None:
-                self._freer.submit(u.held_grads.clear)
+                self._drops.append(self._freer.submit(u.held_grads.clear))
                 u.held_grads = None
 
     # ---- completion ----------------------------------------------------------------------
@@ -483,7 +518,9 @@ class OptimizerPipeline(PendingUpdates):
         ]
         job.grads = job.direct = None
         if grads:
-            self._freer.submit(grads.clear)
+            self._drops.append(self._freer.submit(grads.clear))
+            while self._drops and self._drops[0].done():
+                self._drops.popleft()
         self.adam_s += done.adam_s
         self.absorb_s += done.absorb_s
         for slot, fut, g in done.writes:

@@ -22,6 +22,7 @@ class StepAccounting:
         self.activations, self.device, self.dp = engine.activations, engine.device, engine.dp
         self.device_pool, self.host_pool = engine.device_pool, engine.host_pool
         self.plan, self.predicted, self.speculation = engine.plan, engine.predicted, engine.speculation
+        self.predicted_deferred = engine.predicted_deferred
         self.ssd_read_gbps, self.ssd_write_gbps = engine.ssd_read_gbps, engine.ssd_write_gbps
         self.link_gbps = engine.link_gbps
         self._act_run_peak = self._act_host_run_peak = 0
@@ -64,6 +65,7 @@ class StepAccounting:
         comm_bytes, comm_s = comm[0] - self._comm0[0], comm[1] - self._comm0[1]
         comm_floor = comm_bytes / (self.link_gbps * 1e9) if self.link_gbps else 0.0
         now = time.perf_counter()
+        predicted = self.predicted_for(outcome.mode if outcome is not None else "in-backward")
         report = StepReport(
             step=step,
             step_s=now - (self.step_t0 if self.step_t0 is not None else now),
@@ -89,7 +91,7 @@ class StepAccounting:
             redone_units=outcome.redone if outcome is not None else 0,
             optimizer_exposed_s=exposed,
             mode_switches=self.speculation.switches,
-            predicted_s=self.predicted.step_s if self.predicted is not None else None,
+            predicted_s=predicted.step_s if predicted is not None else None,
             budgets=self.budget_report(),
             recompute_s=self.activations.recompute_s,
             ranks=self.dp.world if self.dp is not None else 1,
@@ -97,10 +99,20 @@ class StepAccounting:
             comm_s=comm_s,
             comm_floor_s=comm_floor,
             ssd_by_kind=by_kind,
-            predicted_ssd_by_kind=self.predicted.ssd_by_kind if self.predicted is not None else (),
+            predicted_ssd_by_kind=predicted.ssd_by_kind if predicted is not None else (),
         )
         self.reset()
         return report
+
+    def predicted_for(self, updates: str):
+        """The cost model's estimate of a step whose updates ran as `updates` (StepReport.updates):
+        a speculative plan's estimate is of a step that validates, so a step that deferred (it
+        clipped) is set beside the plan's deferred estimate, which moves other bytes (the
+        gradients through their home and back, the state read at the next visit). None where
+        there is no estimate of that way."""
+        if updates == "deferred" and self.plan.speculative:
+            return self.predicted_deferred
+        return self.predicted
 
     def budget_report(self) -> tuple[BudgetUse, ...]:
         """Each budget with the most the engine held against it in the current step and since it

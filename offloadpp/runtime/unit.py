@@ -85,7 +85,7 @@ class Unit:
             self.compute = slot("weights", self.compute_dtype, device_pool if cpu else host_pool)
         self.exp_avg = slot("exp_avg", torch.float32, host_pool)
         self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool)
-        self.grads = slot("grads", torch.float32, host_pool, transactional=False)
+        self.grads = slot("grads", TORCH_DTYPES[plan.grad_dtype], host_pool, transactional=False)
         self.grads_persist = plan.persistent_grads
         self.weights: Weights
         if device.is_cuda:

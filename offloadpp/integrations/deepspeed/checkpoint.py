@@ -10,6 +10,15 @@ Over several ranks (runtime/dp/sharded_checkpoint.py) each rank writes its shard
 rng.pt into TAG/rankNNNNN/; engine.pt, client_state.pt and the global manifest are rank 0's, and
 rank 0 alone renames the folder and writes `latest`, after every rank's part is durable.
 
+With `"checkpoint": {"use_node_local_storage": true}` (DeepSpeed's key: each node writes to its
+own disk) save_dir is each node's own folder at the same path: every node's first rank (local
+rank 0) does there what rank 0 does above (its node's manifest, engine.pt, client_state.pt, the
+rename, `latest`), and each rank writes its shards on its node's disk
+(runtime/dp/sharded_checkpoint.py, Note: node-local checkpoints). Loading, the ranks agree on one
+tag every one of them holds (a kill between two nodes' renames or `latest` writes leaves the
+nodes naming different tags: the newest tag all hold is taken, with a warning), and that they
+read one save of it; a rank that holds none is named with its node and missing shard folder.
+
 Note: what a crash leaves. A checkpoint is written under `.TAG.partial`, every file fdatasync'ed,
 the folder fsync'ed, the manifest last; only then does it take the name TAG (replacing an older
 TAG atomically: the old one stays valid until the new one is in place), and only then does
@@ -21,6 +30,7 @@ resumed run continues bit for bit as one that never stopped (given the same batc
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -31,8 +41,8 @@ from typing import Any, Optional
 import torch
 
 from offloadpp.io.durable import recover_aside, swap_into_place, write_atomic
-from offloadpp.runtime.checkpoint import CheckpointError
-from offloadpp.runtime.dp.sharded_checkpoint import agreed
+from offloadpp.runtime.checkpoint import MANIFEST, CheckpointError
+from offloadpp.runtime.dp.sharded_checkpoint import NODE_LOCAL, agreed, rank_dir
 
 log = logging.getLogger("offloadpp")
 
@@ -96,10 +106,22 @@ def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, 
         raise
 
 
+def node_local(engine) -> bool:
+    """Whether checkpoints go to each node's own disk (`checkpoint.use_node_local_storage`)."""
+    return engine.runtime.dp is not None and bool(engine.use_node_local_storage())
+
+
+def _lead(dp, local: bool) -> bool:
+    """Whether this rank writes what is written once per checkpoint folder: rank 0 (one shared
+    folder), or each node's first rank (a folder per node)."""
+    return dp is None or (dp.local_rank if local else dp.rank) == 0
+
+
 def _save(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool) -> str:
     _check_tag(tag)
     dp = engine.runtime.dp
-    lead = dp is None or dp.rank == 0
+    local = node_local(engine)
+    lead = _lead(dp, local)
     final = os.path.join(save_dir, tag)
     tmp = os.path.join(save_dir, f".{tag}{PARTIAL}")
 
@@ -138,15 +160,19 @@ def _save(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool
 
     files = _together(dp, "writing the checkpoint's small files", small_files)
     engine.runtime.save_state(tmp, meta={"tag": tag, "saved_at": time.time()}, files=files,
-                              rank_files=(RNG_FILE,) if dp is not None else ())  # fmt: skip
+                              rank_files=(RNG_FILE,) if dp is not None else (), node_local=local)  # fmt: skip
 
     def commit() -> None:  # every rank has verified the folder (runtime/dp/sharded_checkpoint.py)
         if lead:
             swap_into_place(tmp, final)
-            if save_latest:
-                write_atomic(os.path.join(save_dir, "latest"), tag.encode())
 
-    _together(dp, "putting the checkpoint in place", commit)  # in place, `latest` names it, for every rank
+    def name_latest() -> None:  # (node-local: only once every node's folder is in place)
+        if lead and save_latest:
+            write_atomic(os.path.join(save_dir, "latest"), tag.encode())
+
+    _together(dp, "putting the checkpoint in place", commit)
+    # then `latest` names it, for every rank
+    _together(dp, "naming the checkpoint in `latest`", name_latest)
     return final
 
 
@@ -175,15 +201,17 @@ def _resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_optimizer_states: bool,
                            load_lr_scheduler_states: bool) -> tuple[Optional[str], Any]:  # fmt: skip
     """Returns (path, client_state), or (None, None) when there is no checkpoint, as DeepSpeed."""
-    tag = _resolve_tag(load_dir, tag)
+    dp = engine.runtime.dp
+    local = node_local(engine)
+    if dp is None:
+        tag = _resolve_tag(load_dir, tag)
+    else:
+        tag = _agree_on_tag(dp, load_dir, tag, local)
     if tag is None:
         return None, None
     path = os.path.join(load_dir, tag)
-    dp = engine.runtime.dp
-    if dp is None or dp.rank == 0:
+    if dp is None:
         recover_aside(path)
-    if dp is not None:
-        dp.barrier()
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     small: dict = {}
@@ -216,6 +244,58 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         else:
             log.warning("offloadpp: checkpoint %s has no random number generator state for this rank", path)
     return path, small["client"]
+
+
+def _holding(load_dir: str, tag: str, dp) -> Optional[dict]:
+    """What this rank holds of checkpoint `tag`: its manifest's save id and step (None where
+    the folder, its manifest or, at the saved world size, the rank's own folder is not on this
+    rank's disk; at another one the load names each saved rank folder it lacks)."""
+    path = os.path.join(load_dir, tag)
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:  # (verified in full by the load itself)
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if m.get("world_size") == dp.world and not os.path.isdir(rank_dir(path, dp.rank)):
+        return None
+    return {"save_id": m.get(NODE_LOCAL, {}).get("save_id"), "step": m.get("runtime", {}).get("global_step", -1)}  # fmt: skip
+
+
+def _agree_on_tag(dp, load_dir: str, tag: Optional[str], local: bool) -> Optional[str]:
+    """The tag every rank loads (None: no rank has a checkpoint). Every rank resolves `latest`
+    on its own disk; the ranks agree on the newest tag named that each of them holds, of one
+    save, else each raises naming the ranks, nodes and shard folders missing."""
+    named = dp.all_gather_object(
+        agreed(dp, f"reading {os.path.join(load_dir, 'latest')!r}", lambda: _resolve_tag(load_dir, tag))
+    )
+    tags = sorted({t for t in named if t is not None})
+    if not tags:
+        return None
+    lead = _lead(dp, local)  # (a kill between swap_into_place's two renames: the old folder back first)
+    agreed(dp, "recovering checkpoint folders", lambda: [recover_aside(os.path.join(load_dir, t)) for t in tags if lead])  # fmt: skip
+    held = dp.all_gather_object({t: _holding(load_dir, t, dp) for t in tags})
+    whole = [t for t in tags if all(h[t] is not None for h in held)]
+    if not whole:
+        t = named[0] if named[0] is not None else tags[-1]
+        lacking = [r for r, h in enumerate(held) if h[t] is None]
+        where = (" (a node-local checkpoint, checkpoint.use_node_local_storage: it resumes only on the nodes that "
+                 "saved it, each with its own disk at save_dir)") if local else ""  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {os.path.join(load_dir, t)!r} is not whole on this job's disks: rank(s) {lacking} on "
+            f"node(s) {sorted({r // dp.local_world for r in lacking})} lack it, and its shard folders "
+            f"{', '.join(rank_dir(t, r) for r in lacking)} are missing there{where}"
+        )
+    best = max(whole, key=lambda t: held[0][t]["step"])
+    if len({h[best]["save_id"] for h in held}) > 1:
+        raise CheckpointError(
+            f"checkpoint {os.path.join(load_dir, best)!r} is not one save on every node: its node-local folders come "
+            f"from different saves of tag {best!r} (a save killed between the nodes' renames replaced it on some "
+            "nodes only); load an older tag"
+        )
+    if len(tags) > 1:
+        log.warning("offloadpp: the ranks' `latest` name %s; resuming from %r, the newest every rank holds "
+                    "(a save interrupted between the nodes' commits)", tags, best)  # fmt: skip
+    return best
 
 
 def _load(path: str, name: str):

@@ -4,8 +4,10 @@ The first two write the current weights as files from_pretrained loads, unit by 
 memory (runtime/export.py), whatever the file name: `pytorch_model.bin` (DeepSpeed's default)
 in torch.save's format, a `.safetensors` name as safetensors, sharded with an index when large.
 The third is the whole model as one dict in memory, which is what Accelerate's get_state_dict
-and the Trainer ask DeepSpeed for on save: it is built only when it fits (MEMORY_SHARE), else it
-refuses naming the streaming calls, rather than have the kernel kill the process half way.
+and the Trainer ask DeepSpeed for on save: it is built only when it fits both in the memory
+available (MEMORY_SHARE) and in the engine's host budget (the host memory the run was promised:
+a model larger than that is why it runs out of core), else it refuses naming the streaming calls,
+rather than have the kernel kill the process half way.
 """
 
 from __future__ import annotations
@@ -86,14 +88,21 @@ def consolidated_state_dict(engine, dtype: torch.dtype, exclude_frozen_parameter
     (module Note); else WeightsDoNotFitError naming the streaming calls."""
     need = weights_bytes(engine.module, dtype, exclude_frozen_parameters)
     avail = memory_available()
+    budget = engine.runtime.plan.budgets.host_bytes
     dp = engine.runtime.dp
     if dp is not None:  # every rank builds the dict (each unit is gathered): all build it or none does
-        avail = min(dp.all_gather_object(avail))
+        avail, budget = (min(v) for v in zip(*dp.all_gather_object((avail, budget))))
     if need > avail * MEMORY_SHARE:
         raise WeightsDoNotFitError(
             f"offloadpp: the whole model's weights as one state dict would take {need / 1e9:.2f} GB ({dtype}), "
             f"more than {MEMORY_SHARE:.0%} of the {avail / 1e9:.2f} GB of memory available now; building it "
             f"would get the process killed. Write them to files unit by unit instead: {STREAMING_CALLS}"
+        )
+    if need > budget:
+        raise WeightsDoNotFitError(
+            f"offloadpp: the whole model's weights as one state dict would take {need / 1e9:.2f} GB ({dtype}), "
+            f"more than the engine's host budget of {budget / 1e9:.2f} GB (host_budget_bytes); building it would "
+            f"hold that much host memory past the budget. Write them to files unit by unit instead: {STREAMING_CALLS}"
         )
     engine._finish_micro()
     sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)

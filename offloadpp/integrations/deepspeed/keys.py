@@ -225,7 +225,10 @@ KEYS: dict[str, Key] = {
     ),
     "checkpoint": _h("the block"),
     "checkpoint.tag_validation": _i("rank 0 names the checkpoint folder; every rank writes under it"),
-    "checkpoint.use_node_local_storage": _i("one node"),
+    "checkpoint.use_node_local_storage": _h(
+        "each node's first rank writes the node's manifest and `latest` into save_dir on its own disk, every rank "
+        "its shards there; resumes on the same nodes (docs/distributed.md)"
+    ),
     "checkpoint.parallel_write": _i("every rank writes its own shards, rank 0 the rest"),
     "checkpoint.checkpoint_serialization": _i(
         "offloadpp writes its own checkpoint format (runtime/checkpoint.py)"

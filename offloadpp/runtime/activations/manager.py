@@ -22,6 +22,16 @@ unit boundary of backward (not at once: a custom Function may read ctx.saved_ten
 one node), and whatever is left at end_backward. A second backward over the same graph
 (retain_graph) is therefore refused with an error naming the unit.
 
+Note: pieces. A partial unit whose root module has children runs each child's call as its own
+segment (a piece: for a transformer block the two norms, the attention, the MLP), with its own
+checkpoint (the child's arguments) and kept outputs. In backward a piece is recomputed when
+backward reaches it, only its records are fetched (and the previous piece's within the budget),
+and the records the pieces after it consumed are released at its recompute (their backward is
+done: autograd runs a block's pieces last to first). Backward of the block then holds one
+piece's saved tensors at a time, not the block's: the MLP's 21 of a GPT-2 block's 28 x width
+values a token. Operators of the root's own forward outside its children (residual adds) save
+nothing in these blocks; what they save is kept.
+
 Note: auto. Until the planner fills `auto` in, the first forward profiles the auto units (bytes
 saved, FLOPs through a dispatch-mode counter) while sending them to host memory, which is within
 any budget; from the next forward on, resolve_auto's choice applies (policy.py).
@@ -45,7 +55,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from offloadpp.planner import ActivationSettings, fmt_bytes
 
 from .policy import ActPolicy, UnitActProfile, resolve_auto
-from .recompute import CheckpointRef, FlopCounter, RecomputeRef, Segment, SegState
+from .recompute import CheckpointRef, FlopCounter, OpLog, RecomputeRef, Recorder, Segment, SegState
 from .records import (
     ActivationError,
     ParamIndex,
@@ -176,6 +186,7 @@ class ActivationManager:
         self._order: list[UnitActivations] = []
         self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
         self._stack: list[tuple[UnitActivations, Optional[Segment]]] = []
+        self._recorders: list[Recorder] = []  # partial units' dispatch modes, innermost last
         self._consumed: list[SavedStorage] = []
         self._bw_unit: Optional[UnitActivations] = None
         self._in_backward = False
@@ -216,6 +227,11 @@ class ActivationManager:
                     m.register_forward_pre_hook(functools.partial(self._pre, u), with_kwargs=True)
                 )
                 self._handles.append(m.register_forward_hook(functools.partial(self._post, u)))
+                for c in m.children():  # a partial unit's pieces (see the Note on pieces)
+                    self._handles.append(
+                        c.register_forward_pre_hook(functools.partial(self._piece_pre, u), with_kwargs=True)
+                    )
+                    self._handles.append(c.register_forward_hook(functools.partial(self._piece_post, u)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -240,6 +256,8 @@ class ActivationManager:
                 with self._flops if self._flops is not None else contextlib.nullcontext():
                     yield
         finally:
+            while self._recorders:  # a forward that raised inside a partial unit
+                self._recorders.pop().__exit__(None, None, None)
             self._active = False
             self._flops = None
             self._stack.clear()
@@ -255,19 +273,55 @@ class ActivationManager:
             self._order.append(unit)
         unit.params.rebuild(unit.roots)
         seg = None
-        if unit.policy.recomputes:
-            if unit.policy.checkpoint is not None:  # the inputs leave the device as swapped records
-                args, kwargs = tree_map(functools.partial(self._checkpoint, unit), (args, kwargs))
-                inputs = 0  # (the records account their bytes)
-            else:
-                inputs = self._measure(tree_leaves((args, kwargs)), unit.params)
-            seg = Segment(unit.name, module.forward, args, kwargs, self.device, inputs)
-            seg.owner = unit
-            self.swapper.add_device(inputs)
-            unit.segments.append(seg)
+        if unit.policy.recomputes and not (unit.policy.partial and any(True for _ in module.children())):
+            seg = self._open_segment(unit, module, args, kwargs)
         if self._flops is not None:
             unit.flops -= self._flops.total
         self._stack.append((unit, seg))
+        return None
+
+    def _open_segment(self, unit: UnitActivations, module, args, kwargs) -> Segment:
+        first = len(unit.records)
+        if unit.policy.checkpoint is not None:  # the inputs leave the device as swapped records
+            args, kwargs = tree_map(functools.partial(self._checkpoint, unit), (args, kwargs))
+            inputs = 0  # (the records account their bytes)
+        else:
+            inputs = self._measure(tree_leaves((args, kwargs)), unit.params)
+        seg = Segment(unit.name, module.forward, args, kwargs, self.device, inputs)
+        seg.owner = unit
+        seg.first_record = first
+        self.swapper.add_device(inputs)
+        unit.segments.append(seg)
+        if unit.policy.partial:  # the expensive operators' outputs become the unit's records
+            seg.log = OpLog()
+            keep = functools.partial(self._record, unit, policy=unit.policy.checkpoint or ActPolicy.KEEP)
+            recorder = Recorder(unit.name, seg.log, keep)
+            recorder.__enter__()
+            self._recorders.append(recorder)
+        return seg
+
+    def _close_segment(self, seg: Segment) -> None:
+        if seg.log is not None:
+            recorder = self._recorders.pop()
+            recorder.__exit__(None, None, None)
+            recorder.check()
+        seg.close()
+
+    def _piece_pre(self, unit: UnitActivations, module, args, kwargs):
+        """A child of a partial unit's root: one piece, its own segment (see the Note on pieces)."""
+        if not self._active or not self._stack or self._stack[-1] != (unit, None) or not unit.policy.partial:
+            return None
+        self._stack.append((unit, self._open_segment(unit, module, args, kwargs)))
+        return None
+
+    def _piece_post(self, unit: UnitActivations, module, args, output):
+        if not self._active or not self._stack or self._stack[-1][0] is not unit:
+            return None
+        seg = self._stack[-1][1]
+        if seg is None or seg.fn != module.forward:
+            return None
+        self._stack.pop()
+        self._close_segment(seg)
         return None
 
     def _post(self, unit: UnitActivations, module, args, output):
@@ -275,7 +329,7 @@ class ActivationManager:
             return None
         _, seg = self._stack.pop()
         if seg is not None:
-            seg.close()
+            self._close_segment(seg)
         if self._flops is not None:
             unit.flops += self._flops.total
         tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -302,7 +356,12 @@ class ActivationManager:
         return CheckpointRef(self._record(unit, x, unit.policy.checkpoint), x.requires_grad)
 
     def _restore(self, ckpt: list, x):
-        """The argument a CheckpointRef stands for, back on the device (waited for if in flight)."""
+        """The argument a CheckpointRef stands for, or a partial unit's kept output a SavedRef
+        stands for, back on the device (waited for if in flight)."""
+        if type(x) is SavedRef:
+            t = self._unpack_saved(x, enter=False)
+            ckpt.append(t)
+            return t
         if type(x) is not CheckpointRef:
             return x
         # (not entering the backward of the unit that saved the storage first: arguments such as
@@ -399,6 +458,10 @@ class ActivationManager:
         unit = seg.owner
         self._enter_backward(unit)
         if seg.state is SegState.SAVED:
+            if (
+                unit.policy.partial and len(unit.segments) > 1
+            ):  # a piece: the later pieces' records are done with
+                self._release_consumed()
             t0 = time.perf_counter()
             with record_function("offloadpp::act_recompute"):
                 unit.params.rebuild(unit.roots)  # the runtime may have rebound the weights
@@ -478,20 +541,38 @@ class ActivationManager:
         cur = self._bw_unit
         start = cur.position if cur is not None else len(self._order)
         if cur is not None:
-            self._fetch_unit(cur, force=True)
-            if any(seg.state is SegState.SAVED for seg in cur.segments):
+            todo = [seg for seg in cur.segments if seg.state is SegState.SAVED]
+            # pieces: the records of the piece to recompute next (and of the one before it, within
+            # the budget), not the whole unit's (see the Note on pieces)
+            self._fetch_unit(cur, force=True, floor=self._fetch_floor(cur))
+            if cur.policy.partial and len(todo) > 1:
+                self._fetch_unit(cur, force=False, floor=self._fetch_floor(cur, 2))
+            if todo:
                 # its recompute is still to come and will hold all it saves: the units after it
                 # are fetched once that is counted (_unpack_recomputed), within what is left
                 return
         for j in range(1, self.config.prefetch_units + 1):
-            if start - j < 0 or not self._fetch_unit(self._order[start - j], force=False):
+            if start - j < 0 or not self._fetch_unit(
+                self._order[start - j], force=False, floor=self._fetch_floor(self._order[start - j])
+            ):
                 break
             if any(seg.state is SegState.SAVED for seg in self._order[start - j].segments):
                 break  # it will hold all it recomputes: nothing beyond it now (its checkpoint is fetched)
 
-    def _fetch_unit(self, u: UnitActivations, force: bool) -> bool:
+    @staticmethod
+    def _fetch_floor(u: UnitActivations, pieces: int = 1) -> int:
+        """The first of u's records its next `pieces` recomputes need: a partial unit's pieces are
+        fetched piece by piece (see the Note on pieces), any other unit's records all at once."""
+        todo = [seg for seg in u.segments if seg.state is SegState.SAVED]
+        if not u.policy.partial or len(todo) <= pieces:
+            return 0
+        return todo[len(todo) - pieces].first_record
+
+    def _fetch_unit(self, u: UnitActivations, force: bool, floor: int = 0) -> bool:
+        """Fetches u's records from the last not asked for down to index `floor`, in reverse
+        pack order; False when the budget stopped it (never with force)."""
         sw = self.swapper
-        while u.fetch_cursor > 0:
+        while u.fetch_cursor > floor:
             rec = u.records[u.fetch_cursor - 1]
             s = rec.state
             if s in (RecState.HOST, RecState.WRITING, RecState.ON_SSD) or (

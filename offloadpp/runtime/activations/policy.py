@@ -8,6 +8,13 @@
     recompute_host, recompute_ssd
                recompute, with the inputs (the activation checkpoint) swapped as host/ssd swap
                saved tensors, and fetched back ahead of the recompute.
+    partial, partial_host, partial_ssd
+               selective recomputation (Korthikanti et al. 2022): the outputs of the operators
+               expensive to run again (matmuls, attention) and of random ones (dropout) are kept
+               (partial) or swapped with the checkpoint (partial_host, partial_ssd); backward
+               runs the unit's forward again from the checkpoint, handing those outputs back
+               instead of running their operators, so only the cheap ones (norms, activation
+               functions, reshapes) are recomputed (recompute.py, Note on partial).
     auto       decided per unit (resolve_auto): keep what fits the budget, then host, then SSD.
 
 The settings (policy, per-unit overrides, budget) are planner.ActivationSettings, defined once
@@ -39,6 +46,9 @@ class ActPolicy(str, Enum):
     RECOMPUTE = "recompute"
     RECOMPUTE_HOST = "recompute_host"
     RECOMPUTE_SSD = "recompute_ssd"
+    PARTIAL = "partial"
+    PARTIAL_HOST = "partial_host"
+    PARTIAL_SSD = "partial_ssd"
     AUTO = "auto"
 
     @property
@@ -47,12 +57,30 @@ class ActPolicy(str, Enum):
 
     @property
     def recomputes(self) -> bool:
-        return self in (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
+        """Runs the unit's forward again in backward (wholly, or the cheap operators: partial)."""
+        return self in _RECOMPUTING
+
+    @property
+    def partial(self) -> bool:
+        return self in (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD)
 
     @property
     def checkpoint(self) -> Optional[ActPolicy]:
-        """Where a recomputing unit's inputs go (HOST, SSD), None where they stay."""
-        return {ActPolicy.RECOMPUTE_HOST: ActPolicy.HOST, ActPolicy.RECOMPUTE_SSD: ActPolicy.SSD}.get(self)
+        """Where a recomputing unit's inputs (and a partial unit's kept outputs) go (HOST, SSD),
+        None where they stay."""
+        return _CHECKPOINT.get(self)
+
+
+_RECOMPUTING = frozenset(
+    (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
+    + (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD)
+)
+_CHECKPOINT = {
+    ActPolicy.RECOMPUTE_HOST: ActPolicy.HOST,
+    ActPolicy.RECOMPUTE_SSD: ActPolicy.SSD,
+    ActPolicy.PARTIAL_HOST: ActPolicy.HOST,
+    ActPolicy.PARTIAL_SSD: ActPolicy.SSD,
+}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,19 @@ device bytes between forward and backward; the record is fetched back ahead of t
 like any swapped record, and `restore` rebuilds the argument (with requires_grad as it was) just
 before the forward runs again. The bytes are the same bytes, so the recompute is as exact.
 
+Note: partial (selective recomputation). A partial unit's Segment also carries an OpLog. While
+its forward runs, a dispatch mode (Recorder) logs every operator in order; the outputs of the
+operators expensive to run again (matmuls, attention: KEEP_OPS) are handed to `keep`, which
+makes them records of the unit (kept, or swapped with the checkpoint as partial_host/partial_ssd
+say); each random operator (tagged nondeterministic_seeded: dropout, in place or not) logs the
+RNG state it drew from. In backward the forward runs again under a Replayer: the i-th kept or
+random operator it meets must be the i-th logged one (a check raises otherwise; the cheap
+operators are not logged, so a forward that builds a constant once and caches it still replays); a logged output is handed back (fetched like any
+record) instead of running the operator, a random operator runs again from its own RNG state
+(the skipped operators may have drawn from the RNG too: attention's dropout on CUDA), the rest
+run. Dropout masks are therefore the forward's, bit for bit, without keeping them. A kept output changed in place before the unit's forward ended would be replayed
+with the wrong bytes: the version counters are checked when the forward ends (and raise).
+
 Note: KV caches. Hugging Face models hand each block a cache object (even in training) that the
 block appends its keys and values to: running the block again would append them twice and
 change the cache the caller gets back. The recompute therefore passes None for a cache argument
@@ -32,7 +45,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from .records import ActivationError
@@ -66,6 +79,125 @@ class CheckpointRef:
         self.requires_grad = requires_grad
 
 
+KEEP_OPS = frozenset(
+    getattr(torch.ops.aten, n)
+    for n in (
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward", "_efficient_attention_forward",
+    )
+    if hasattr(torch.ops.aten, n)
+)  # fmt: skip
+
+
+def keeps_output(func) -> bool:
+    """A partial unit keeps this operator's outputs (see the Note on partial)."""
+    return func._overloadpacket in KEEP_OPS
+
+
+def _random(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+class _Rng:
+    """The RNG state a random operator drew from in forward (CPU, and its CUDA device's)."""
+
+    __slots__ = ("cpu", "cuda", "device")
+
+    def __init__(self, args, kwargs) -> None:
+        dev = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+        dev = torch.device(kwargs.get("device") or "cpu") if dev is None else dev
+        self.device = dev if dev.type == "cuda" else None
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(dev) if self.device is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+class OpLog:
+    """A partial unit's logged operators in forward order: (operator, its outputs with each tensor
+    replaced by what `keep` returned) for the kept ones, (operator, its RNG state) for the random
+    ones; the other operators are not logged (they run again as they come)."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[Any, Any]] = []
+        self.kept: list[tuple[torch.Tensor, int]] = []  # (output, its version when kept)
+
+
+class Recorder(TorchDispatchMode):
+    """Logs a partial unit's forward (see the Note on partial); keep(t) -> what stands for t."""
+
+    def __init__(self, unit: str, log: OpLog, keep: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.unit = unit
+        self.log = log
+        self.keep = keep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _random(func):  # replayed from the same RNG state (dropout masks are not kept)
+            rng = _Rng(args, kwargs)
+            self.log.ops.append((func, rng))
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not keeps_output(func):
+            return out
+        if func._schema.is_mutable:
+            raise ActivationError(
+                f"unit {self.unit!r}: partial cannot replay the in-place operator {func} (use recompute)"
+            )
+
+        def kept(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            self.log.kept.append((t, t._version))
+            return self.keep(t)
+
+        self.log.ops.append((func, tree_map(kept, out)))
+        return out
+
+    def check(self) -> None:
+        for t, version in self.log.kept:
+            if t._version != version:
+                raise ActivationError(
+                    f"unit {self.unit!r}: an operator's output kept for the partial recompute was changed in "
+                    "place later in the unit's forward; use recompute for this unit"
+                )
+        self.log.kept.clear()
+
+
+class Replayer(TorchDispatchMode):
+    """Runs a partial unit's forward again, handing back the logged outputs (restore(x) -> the
+    tensor x stands for)."""
+
+    def __init__(self, unit: str, log: OpLog, restore: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.unit = unit
+        self.log = log
+        self.restore = restore
+        self.i = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (_random(func) or keeps_output(func)):
+            return func(*args, **(kwargs or {}))
+        if self.i >= len(self.log.ops) or self.log.ops[self.i][0] is not func:
+            want = self.log.ops[self.i][0] if self.i < len(self.log.ops) else "the end of its forward"
+            raise ActivationError(
+                f"unit {self.unit!r}: the partial recompute ran {func} as operator {self.i}, the forward "
+                f"ran {want}; partial needs a forward that runs the same operators again (use recompute)"
+            )
+        out = self.log.ops[self.i][1]
+        self.i += 1
+        if type(out) is _Rng:
+            out.restore()
+            return func(*args, **(kwargs or {}))
+        return tree_map(self.restore, out)
+
+
 class Segment:
     def __init__(
         self, unit: str, fn: Callable, args: tuple, kwargs: dict, device: torch.device, input_bytes: int
@@ -86,6 +218,8 @@ class Segment:
         self.tensors: Optional[list[Optional[torch.Tensor]]] = None
         self.taken = 0
         self.recomputed_bytes = 0  # accounted from the recompute until DONE
+        self.log: Optional[OpLog] = None  # partial: the forward's operators (see the Note on partial)
+        self.first_record = 0  # the unit's records from this index on were made in or after this segment
         self.state = SegState.RECORDING
 
     def pack(self, t: torch.Tensor) -> RecomputeRef:
@@ -122,6 +256,8 @@ class Segment:
                 torch.cuda.set_rng_state(self.rng_cuda, self.device)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(collect, never):
                 ctxs = [torch.autocast(dt, dtype=dtype, enabled=on) for dt, on, dtype in self.autocast]
+                if self.log is not None:
+                    ctxs.append(Replayer(self.unit, self.log, restore or (lambda x: x)))
                 for c in ctxs:
                     c.__enter__()
                 try:
@@ -142,9 +278,15 @@ class Segment:
                 f"{len(collected)}; recompute needs a forward that saves the same tensors when run again "
                 "(use another activation policy for this unit)"
             )
+        if self.log is not None and ctxs[-1].i != len(self.log.ops):
+            raise ActivationError(
+                f"unit {self.unit!r}: its forward ran {len(self.log.ops)} kept or random operators, the partial recompute "
+                f"{ctxs[-1].i}; partial needs a forward that runs the same operators again (use recompute)"
+            )
         self.tensors = list(collected)
         self.recomputed_bytes = measure(collected)
         self.args = self.kwargs = None  # the inputs are no longer needed
+        self.log = None
         self.state = SegState.RECOMPUTED
 
     def take(self, ref: RecomputeRef) -> torch.Tensor:
@@ -172,6 +314,7 @@ class Segment:
     def drop(self) -> None:
         self.tensors = None
         self.args = self.kwargs = None
+        self.log = None
         self.state = SegState.DONE
 
 

@@ -192,6 +192,9 @@ class DataParallel:
         self.world = dist.get_world_size()
         env = launch_env()
         self.local_world = local_world_size or (env.local_world_size if env is not None else self.world)
+        # torchrun and the deepspeed launcher give each node a contiguous block of global ranks,
+        # so a rank's node is its block (node-local checkpoints are written by each node's first)
+        self.node, self.local_rank = divmod(self.rank, self.local_world)
         self.backend = dist.get_backend()
         nccl = self.backend == "nccl"
         self.cuda_index = torch.cuda.current_device() if nccl else None

@@ -29,11 +29,21 @@ world size (one process included, and a one-process checkpoint into several rank
 reads, unit by unit, the parts of the saved ranks' shards that overlap its own range, one saved
 shard in memory at a time; every rank's folder must then be readable from every rank (one
 node, or a shared filesystem), else the load is refused naming the folder.
+
+Note: node-local checkpoints (save_sharded(node_local=True); DeepSpeed's
+`checkpoint.use_node_local_storage`). `path` is each node's own disk, at the same path on every
+node: every rank writes its folder there as above, and each node's first rank (local rank 0)
+writes the node's manifest where rank 0 writes the global one. It records what a shared one
+does for the node's own files (so it verifies on that node alone), and under "node_local"
+which node ran which ranks, every rank folder's manifest record and one save id (the same on
+every node: the ranks of a resumed job check that they read one save). Such a checkpoint
+resumes on the same nodes with the same ranks each; elsewhere the shards it lacks are named.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Callable, Optional
 
 import torch
@@ -49,6 +59,7 @@ from ..unit import Unit
 from .distributed import DataParallel
 
 RANK_DIR = "rank{:05d}"
+NODE_LOCAL = "node_local"  # the manifest's record of a node-local checkpoint's nodes
 
 
 def rank_dir(path: str, rank: int) -> str:
@@ -81,29 +92,43 @@ def agreed(dp: DataParallel, what: str, fn: Callable[[], object]):
 
 
 def save_sharded(units: list[Unit], path: str, *, dp: DataParallel, io: IOConfig, meta: dict,
-                 files: tuple[str, ...] = (), rank_files: tuple[str, ...] = (), progress: bool = False) -> dict:  # fmt: skip
+                 files: tuple[str, ...] = (), rank_files: tuple[str, ...] = (), node_local: bool = False) -> dict:  # fmt: skip
     """Every rank writes its shards into rank_dir(path, rank) (with `rank_files`, written there
     by the caller); then rank 0 the global manifest with `meta` and the small `files` it wrote
     into `path`; then every rank reads and verifies that manifest. A collective: when it returns
     on any rank, every rank has verified the checkpoint at `path` and holds its manifest, so
-    rank 0 may rename the folder (module Note: the commit). Returns the global manifest."""
+    rank 0 may rename the folder (module Note: the commit). Returns the global manifest.
+
+    node_local: `path` is each node's own folder (module Note: node-local checkpoints): each
+    node's first rank writes the node's manifest (and its `files`) where rank 0 writes the
+    global one."""
     rd = rank_dir(path, dp.rank)
 
-    def own() -> None:
+    def own() -> dict:
         os.makedirs(rd, exist_ok=True)
         shard = {"rank": dp.rank, "world_size": dp.world, "ranges": {u.name: list(_range(u)) for u in units}}
-        ckpt.save_state(units, rd, io=io, meta={"shard": shard}, files=rank_files, progress=progress)
+        ckpt.save_state(units, rd, io=io, meta={"shard": shard}, files=rank_files)
+        return ckpt._file_record(os.path.join(rd, MANIFEST), path)
 
-    agreed(dp, "saving this rank's shards", own)  # every rank's folder is durable
+    mine = agreed(dp, "saving this rank's shards", own)  # every rank's folder is durable
+    lead, extra, ranks = dp.rank == 0, {}, range(dp.world)
+    if node_local:  # each node's manifest, naming every rank's node and shard
+        gathered = dp.all_gather_object((dp.node, mine, uuid.uuid4().hex))
+        lead, ranks = dp.local_rank == 0, [r for r in ranks if gathered[r][0] == dp.node]
+        nodes: dict[int, list[int]] = {}
+        for r, (n, _, _) in enumerate(gathered):
+            nodes.setdefault(n, []).append(r)
+        extra = {NODE_LOCAL: {"node": dp.node, "nodes": [nodes[n] for n in sorted(nodes)],
+                              "rank_manifests": [rec for _, rec, _ in gathered], "save_id": gathered[0][2]}}  # fmt: skip
 
     def glob() -> None:
-        if dp.rank != 0:
+        if not lead:
             return
         records = []
         for name in files:
             fsync_file(os.path.join(path, name))
             records.append(ckpt._file_record(os.path.join(path, name), path))
-        for r in range(dp.world):  # each rank's manifest, whose own records cover its files
+        for r in ranks:  # each rank's manifest (on this node), whose own records cover its files
             records.append(ckpt._file_record(os.path.join(rank_dir(path, r), MANIFEST), path))
         manifest = {
             "format": ckpt.FORMAT,
@@ -115,13 +140,20 @@ def save_sharded(units: list[Unit], path: str, *, dp: DataParallel, io: IOConfig
             "files": records,
             "param_steps": {s.name: step for u in units for (_, s), step in zip(u.params, u.steps)},
             **meta,
+            **extra,
         }
         fsync_dir(path)
         ckpt.write_manifest(path, manifest)
 
-    agreed(dp, "writing the global manifest", glob)
+    agreed(dp, "writing the node's manifest" if node_local else "writing the global manifest", glob)
     # Every rank reads the global manifest here, at `path`, before any rank may rename it.
     return agreed(dp, "verifying the saved checkpoint", lambda: ckpt.read_manifest(path))
+
+
+def missing_shards(node_local: dict, ranks: list[int], path: str) -> str:
+    """The rank folders of a node-local checkpoint at `path`, each with the node that wrote it."""
+    node_of = {r: n for n, rs in enumerate(node_local["nodes"]) for r in rs}
+    return ", ".join(f"{rank_dir(path, r)} (node {node_of.get(r, '?')}'s)" for r in ranks)
 
 
 class _Saved:
@@ -137,6 +169,7 @@ class _Saved:
         self.io = io
         self._stores: dict[int, tuple[TensorStore, dict]] = {}
         self._single = manifest
+        self.node_local = manifest.get(NODE_LOCAL)
 
     def folder(self, k: int) -> str:
         return rank_dir(self.path, k) if self.sharded else self.path
@@ -144,6 +177,13 @@ class _Saved:
     def store(self, k: int) -> tuple[TensorStore, dict]:
         if k not in self._stores:
             folder = self.folder(k)
+            if not os.path.isdir(folder) and self.node_local:
+                raise CheckpointError(
+                    f"checkpoint {self.path!r} is node-local: {missing_shards(self.node_local, [k], self.path)} "
+                    f"is on another node's disk, not this one's; it resumes on its {len(self.node_local['nodes'])} "
+                    f"nodes of {len(self.node_local['nodes'][0])} ranks each, or at another world size once every "
+                    "node's rank folders are copied into one folder every rank sees"
+                )
             if not os.path.isdir(folder):
                 raise CheckpointError(
                     f"checkpoint {self.path!r} was saved by {self.world} ranks; loading it at another world size "
@@ -290,4 +330,13 @@ def _regather_resident(units: list[Unit], dp: DataParallel) -> None:
         u.compute.release(Hold.EXPORT)
 
 
-__all__ = ["RANK_DIR", "agreed", "load_sharded", "rank_dir", "save_sharded", "verify_sharded"]
+__all__ = [
+    "NODE_LOCAL",
+    "RANK_DIR",
+    "agreed",
+    "missing_shards",
+    "load_sharded",
+    "rank_dir",
+    "save_sharded",
+    "verify_sharded",
+]
