@@ -56,11 +56,11 @@ bench-ab-finetune: setup
 
 # Larger than memory through the user's path (about 5 minutes each here with ZeRO-Infinity's run; 25 and 75 GB of disk).
 bench-capacity: setup
-	$(PY) -m offloadpp bench capacity --zero
+	$(PY) -m offloadpp bench capacity --steps 5 --zero --zero-steps 3
 
 # The same with 16 GiB of host memory for offloadpp (still below ZeRO-Infinity's 19.7 GiB): issue 21's bar 0.30x.
 bench-capacity-host16: setup
-	$(PY) -m offloadpp bench capacity --zero --offloadpp-block '{"host_budget_bytes": "16GiB"}' --max-vs-zero 0.30 --max-rss-gib 19.7
+	$(PY) -m offloadpp bench capacity --steps 5 --zero --zero-steps 3 --offloadpp-block '{"host_budget_bytes": "16GiB"}' --max-vs-zero 0.30 --max-rss-gib 19.7
 
 bench-capacity-2b: setup
 	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --checkpoint --zero
