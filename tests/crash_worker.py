@@ -207,6 +207,11 @@ def zygote() -> None:
             root, clip, marks = args[0], float(args[1]), args[2]
             pid = os.fork()
             if pid == 0:
+                import signal
+
+                # Ctrl-C as a script run from a terminal gets it: a suite started in the background
+                # (`make test &`, nohup) inherits SIGINT ignored, and the child would never see one
+                signal.signal(signal.SIGINT, signal.default_int_handler)
                 _own_tqdm_lock()
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
