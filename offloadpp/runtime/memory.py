@@ -117,13 +117,7 @@ class BufferPool:
                     break
                 t0 = time.perf_counter()
                 if self._pending:  # work still using a returned buffer: wait for the oldest
-                    p = self._pending.popleft()
-                    self._cv.release()
-                    try:
-                        p.wait()
-                    finally:
-                        self._cv.acquire()
-                    self._add_free(p.buf)
+                    self._wait_oldest_pending()
                 elif self.reclaim is not None and threading.get_ident() == self.owner and self._reclaim():
                     pass
                 elif self.allocated_bytes + need <= self.budget_bytes:
@@ -159,13 +153,7 @@ class BufferPool:
                 if self.allocated_bytes + nbytes <= limit:
                     break
                 if self._pending:
-                    p = self._pending.popleft()
-                    self._cv.release()
-                    try:
-                        p.wait()
-                    finally:
-                        self._cv.acquire()
-                    self._add_free(p.buf)
+                    self._wait_oldest_pending()
                 elif not (
                     self.reclaim is not None and threading.get_ident() == self.owner and self._reclaim()
                 ):
@@ -224,6 +212,16 @@ class BufferPool:
     # ---- internals (lock held) -----------------------------------------------------------
     def _add_free(self, buf: torch.Tensor) -> None:
         self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+
+    def _wait_oldest_pending(self) -> None:
+        """Waits (lock released meanwhile) for the oldest work on a returned buffer, then caches it."""
+        p = self._pending.popleft()
+        self._cv.release()
+        try:
+            p.wait()
+        finally:
+            self._cv.acquire()
+        self._add_free(p.buf)
 
     def _reclaim_done(self) -> None:
         while self._pending and self._pending[0].done():
