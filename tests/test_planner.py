@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import subprocess
@@ -237,6 +238,24 @@ def test_ssd_space_is_a_budget_too():
     dev, host = _stream_needs(hw, m)
     with pytest.raises(PlanError, match="SSD space is short by"):
         plan(hw, m, request(dev, host, ssd_bytes=1 << 20))
+
+
+def test_the_search_checks_ssd_room_by_the_plans_one_rule():
+    """The search keeps only plans whose Plan.ssd_need_bytes (the second generation and the
+    margin: what resolve and the engine's preflight check) fits the free space, not the bytes of
+    their arrays alone."""
+    hw, m = cpu_hw(), gpt2_profile()
+    dev, host = _stream_needs(hw, m)
+    total = sum(u.padded_numel for u in m.unit_specs()) * 4
+    sizes = dict(host_bytes=host + total // 2)  # some of the state on SSD, not all
+    free = search(hw, m, request(dev + total // 2, **sizes)).plan
+    assert 0 < free.ssd_bytes() < free.ssd_need_bytes()
+    req = functools.partial(request, dev + total // 2, **sizes)
+    fits = search(hw, m, req(ssd_bytes=int(free.ssd_need_bytes()) + 1))
+    assert all(c.plan.ssd_need_bytes() <= free.ssd_need_bytes() + 1 for c in fits.candidates)
+    # room for its arrays but not for what it needs on SSD (a second generation, the margin): refused
+    with pytest.raises(PlanError, match="SSD space is short"):
+        search(hw, m, req(ssd_bytes=(free.ssd_bytes() + int(free.ssd_need_bytes())) // 2))
 
 
 def test_budget_errors_name_field():

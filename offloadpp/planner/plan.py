@@ -383,8 +383,10 @@ class Plan:
     def ssd_need_bytes(self, paths: int = 1) -> float:
         """The free SSD space the run needs over `paths` swap directories, the one rule the
         resolve stage (one total) and the engine's preflight (each filesystem its share) check:
-        the footprint with a margin (SSD_SPACE_MARGIN) and SSD_SPACE_MARGIN_BYTES per directory."""
-        return self.ssd_footprint_bytes() * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES * paths
+        the footprint with a margin (SSD_SPACE_MARGIN) and SSD_SPACE_MARGIN_BYTES per directory;
+        nothing where nothing lives on SSD."""
+        footprint = self.ssd_footprint_bytes()
+        return footprint * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES * paths if footprint else 0
 
     def resident_device_bytes(self) -> int:
         return sum(u.weights_bytes(self.compute_dtype) for u, p in self if p.weights is Tier.DEVICE)

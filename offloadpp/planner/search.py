@@ -150,8 +150,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
                 tried.setdefault(placements, how)
         for placements, how in tried.items():
             plan = replace(base, placements=placements, notes=())
-            if req.ssd_free_bytes is not None and plan.ssd_bytes() > req.ssd_free_bytes:
-                continue
+            if req.ssd_free_bytes is not None and plan.ssd_need_bytes() > req.ssd_free_bytes:
+                continue  # (Plan.ssd_need_bytes: the one SSD-room rule, resolve's and the preflight's)
             choices: tuple = (fixed,)
             if counted:
                 room = min(req.act_cap, b.device_bytes - peak_bytes(plan)[0])
@@ -371,7 +371,8 @@ def _raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, 
         miss = need - req.ssd_free_bytes
         parts.append(
             f"the SSD space is short by {fmt_bytes(miss)} ({miss} bytes): {fmt_bytes(req.ssd_free_bytes)} free, "
-            f"the state that does not fit in memory needs {fmt_bytes(need)}"
+            f"the state that does not fit in memory needs {fmt_bytes(need)} (with its margin, and a second "
+            "generation where updates run during backward)"
         )
     raise InfeasibleError(
         "no plan fits the budgets: " + "; ".join(parts) + f". The largest unit is {biggest.name!r} "
@@ -383,10 +384,11 @@ def _raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, 
 
 
 def _all_kept_ssd_bytes(plan: Plan, req: Request) -> int:
-    """SSD bytes of the plan that keeps the most in memory (forward fill) at these depths."""
+    """The free SSD space (Plan.ssd_need_bytes) the plan that keeps the most in memory (forward
+    fill) at these depths needs."""
     dev, host = peak_bytes(plan)
     kept = _keep_what_fits(plan, req.budgets.device_bytes - dev, req.budgets.host_bytes - host)
-    return kept.ssd_bytes()
+    return int(kept.ssd_need_bytes())
 
 
 def describe_buffers(plan: Plan) -> list[str]:
