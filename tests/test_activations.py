@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from offloadpp.io import TensorStore
-from offloadpp.planner import ActivationSettings
+from offloadpp.planner import ActivationSettings, decide
 from offloadpp.runtime.activations.manager import ActivationManager
-from offloadpp.runtime.activations.policy import ActPolicy, UnitActProfile, resolve_auto
 from offloadpp.runtime.activations.records import ActivationError
 
 transformers = pytest.importorskip("transformers")
@@ -124,8 +123,8 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data):
                 assert s.recompute_s > 0 and (s.d2h_bytes > ckpt) == (policy != "partial")
                 assert (s.ssd_write_bytes > 0) == (policy == "partial_ssd")
             mgr.reset_stats()
-        if policy == "auto":
-            assert set(mgr.policies().values()) <= {"keep", "host"} and "host" in mgr.policies().values()
+        if policy == "auto":  # on the CPU acting as the device, swaps go to SSD (planner/decide.py)
+            assert set(mgr.policies().values()) <= {"keep", "ssd"} and "ssd" in mgr.policies().values()
 
 
 class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
@@ -352,20 +351,33 @@ def test_recompute_needs_the_same_saves(store):
     mgr.close()
 
 
-def test_auto_ranks_by_flops_per_byte():
-    MB = 1 << 20
-    prof = [UnitActProfile("embed", 1 * MB, 0.0)] + [UnitActProfile(f"b{i}", 10 * MB, 1e9) for i in range(4)]
-    auto = [ActPolicy.AUTO] * 5
-    # Everything fits: all kept.
-    assert set(resolve_auto(prof, auto, budget_bytes=100 * MB, host_budget_bytes=None)) == {ActPolicy.KEEP}
-    # Room for 2 swapped blocks + one kept block + embed: embed (0 FLOPs/byte) and the last block kept.
-    got = resolve_auto(prof, auto, budget_bytes=31 * MB, host_budget_bytes=None)
-    assert got == (ActPolicy.KEEP, ActPolicy.HOST, ActPolicy.HOST, ActPolicy.HOST, ActPolicy.KEEP)
-    # Host holds one block: the rest go to SSD; explicit policies are left alone.
-    got = resolve_auto(
-        prof, [ActPolicy.RECOMPUTE] + auto[1:], budget_bytes=21 * MB, host_budget_bytes=15 * MB
+def test_auto_is_the_planners_choice_the_runtime_only_runs_it(store, data, monkeypatch):
+    """A plan that leaves "auto" (no model profile) has it decided from the first step's measured
+    sizes by the planner (planner/decide.py measured_activations), once; the runtime runs that
+    choice and has no rule of its own: here the planner's is replaced by one that sends every
+    auto unit to SSD under a budget that keeps them all, and the second step swaps them all."""
+    asked = []
+
+    def planner(measured, requested, room, *, device, host_bytes):
+        asked.append((tuple(m.name for m in measured), tuple(requested), room, device))
+        return tuple("ssd" if p == "auto" else p for p in requested)
+
+    monkeypatch.setattr(decide, "measured_activations", planner)
+    model = tiny_gpt2()
+    cfg = ActivationSettings(
+        policy="auto", overrides={"head": "recompute"}, budget_bytes=1 << 40, min_swap_bytes=0
     )
-    assert got[0] is ActPolicy.RECOMPUTE and got.count(ActPolicy.HOST) == 1 and got.count(ActPolicy.SSD) >= 2
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        names = tuple(u.name for u in mgr.units)
+        for _ in range(2):
+            mgr.reset_stats()
+            run_step(model, data, mgr)
+        assert len(asked) == 1 and asked[0][0] == names and asked[0][3] == "cpu"
+        assert asked[0][1] == tuple("recompute" if n == "head" else "auto" for n in names)
+        assert mgr.policies() == {n: "recompute" if n == "head" else "ssd" for n in names}
+        assert mgr.stats().ssd_write_bytes > 0  # (the second step ran the planner's choice)
+    with pytest.raises(ValueError, match="TensorStore"):  # the planner may send auto units to SSD
+        ActivationManager.for_model(tiny_gpt2(n_layer=1), cfg)
 
 
 def test_config_is_validated(store):

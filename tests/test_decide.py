@@ -56,3 +56,57 @@ def test_the_docs_table_names_functions_that_exist():
         assert callable(getattr(mod, fn, None)), f"{path}.py has no {fn}"
         for more in re.findall(rf"`{path}\.py` `{fn}`, `(\w+)`", table):
             assert callable(getattr(mod, more, None)), f"{path}.py has no {more}"
+
+
+def _measured(n_blocks: int = 4):
+    from offloadpp.runtime.activations.policy import UnitActProfile
+
+    mb = 1 << 20
+    return [UnitActProfile("embed", 1 * mb, 0.0)] + [
+        UnitActProfile(f"b{i}", 10 * mb, 1e9) for i in range(n_blocks)
+    ]
+
+
+def test_auto_from_what_the_first_step_measured():
+    """A plan without a model profile leaves "auto" to the first step's measured sizes:
+    decided here by the default plan's rule (activation_choice): keep what fits along the
+    FLOPs-per-byte ranking (embed first: no FLOPs), swap the rest, to SSD on the CPU device and
+    to host memory on CUDA while the host budget lasts; explicit policies stay."""
+    mb, prof = 1 << 20, _measured()
+    auto = ["auto"] * 5
+    assert decide.measured_activations(prof, auto, 100 * mb, device="cpu", host_bytes=None) == ("keep",) * 5
+    assert decide.measured_activations(prof, auto, None, device="cpu", host_bytes=None) == ("keep",) * 5
+    # b0's backward would start with embed, b1..b3 kept and its own 10 MiB: 41 MiB; 31 MiB keeps three
+    got = decide.measured_activations(prof, auto, 31 * mb, device="cpu", host_bytes=None)
+    assert got == ("keep", "ssd", "keep", "keep", "keep")
+    got = decide.measured_activations(prof, auto, 31 * mb, device="cuda", host_bytes=None)
+    assert got == ("keep", "host", "keep", "keep", "keep")
+    # host memory holds one block, the other goes to SSD; the fixed recompute stays
+    got = decide.measured_activations(
+        prof, ["recompute"] + auto[1:], 21 * mb, device="cuda", host_bytes=15 * mb
+    )
+    assert got == ("recompute", "ssd", "host", "keep", "keep")
+    # not even a swapped unit fits: all swapped but the last (backward starts with it: keeping it
+    # adds nothing to the least need); the runtime's accounting then waits or raises
+    got = decide.measured_activations(prof, auto, 1 * mb, device="cpu", host_bytes=None)
+    assert got == ("ssd",) * 4 + ("keep",)
+
+
+def test_plans_with_a_model_profile_carry_concrete_activation_policies():
+    """With a model profile the planner decides "auto" at plan time (the Plan carries it, `offloadpp
+    plan` prints it); without one the plan keeps "auto" under a budget and its note names the
+    function that decides it from the first step."""
+    from test_planner import GPT2
+
+    from offloadpp.planner.model_profile import analytic_profile
+    from offloadpp.planner.resolve import Machine, resolve
+
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
+    machine = Machine("cpu", host_available_bytes=8 << 30, cores=2)
+    budget = {"activations": {"budget_bytes": 12 << 20}}
+    r = resolve(Settings(**budget), m.unit_specs(), machine, model=m)
+    assert r.plan.activations and "auto" not in r.plan.activations and "ssd" in r.plan.activations
+    assert "activations (budget 12.00 MiB)" in r.plan.describe()
+    bare = resolve(Settings(**budget), m.unit_specs(), machine)
+    assert set(bare.plan.activations) == {"auto"}
+    assert any("measured_activations" in n for n in bare.plan.notes)

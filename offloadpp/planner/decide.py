@@ -8,6 +8,10 @@ Pure (no torch).
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
+from .activations import ActChoice, ActPlanner, ActUnit, recomputes
+
 # The prefetch depths where the settings leave them to the planner ("auto"): the deepest the
 # default plan tries first, and the optimizer read-ahead of every plan but a deferred one's
 # (resolve._streaming_need decides that one).
@@ -71,3 +75,36 @@ def deferred_where(plan) -> str:
 def lazy_applies(plan) -> bool:
     """Where the replay does (a speculative plan's replay is of a step that validates)."""
     return lazy_runtime(plan) and not plan.speculative
+
+
+def activation_choice(acts: ActPlanner, room: int) -> Optional[ActChoice]:
+    """The activation policies where the settings leave them "auto" and no search scores them
+    (plan "default"; a plan without a model profile: measured_activations): every unit kept if
+    that fits `room` device bytes; else the units the settings leave free swapped, to host
+    memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the CPU acting as
+    the device, keeping along the FLOPs-per-byte ranking what fits (planner/activations.py);
+    else the first choice that fits; None where not even the least does."""
+    choices = acts.candidates(room)
+    if not choices:
+        return None
+    swap = "host" if acts.device == "cuda" else "ssd"
+    return next((c for c in choices if c.label in ("keep", f"swap to {swap}, keep what fits")), choices[0])
+
+
+def measured_activations(measured: Sequence, requested: Sequence[str], room: Optional[int], *, device: str,
+                         host_bytes: Optional[int]) -> tuple[str, ...]:  # fmt: skip
+    """The policies of the units a plan leaves "auto" for want of a model profile, from what the
+    first step measured (`measured`: each unit's name, saved `bytes` and forward `flops`, forward
+    order; runtime/activations/policy.py UnitActProfile): activation_choice within `room` (the
+    activation budget less what no unit owns; None: no limit, all kept). The measure knows no
+    unit's checkpoint, so the free units are kept or swapped, not recomputed; where not even
+    swapping them all fits, they are all swapped (the runtime's accounting then waits or
+    raises). `requested`: each unit's policy, "auto" or the one the settings fix (kept)."""
+    fixed = {m.name: p for m, p in zip(measured, requested) if p != "auto"}
+    if room is None:
+        return tuple(fixed.get(m.name, "keep") for m in measured)
+    units = [ActUnit(m.name, m.bytes, m.bytes if recomputes(p) else 0, int(m.flops), recomputes(p))
+             for m, p in zip(measured, requested)]  # fmt: skip
+    acts = ActPlanner(units, fixed, device=device, host_bytes=host_bytes)
+    choice = activation_choice(acts, room) or activation_choice(acts, acts.least.need_bytes) or acts.least
+    return tuple(p for _, p in choice.policies)

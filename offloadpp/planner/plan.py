@@ -194,8 +194,8 @@ class Plan:
     # hardware profile's stripe_weights); () stripes evenly. The runtime matches its directories.
     ssd_stripe: tuple[tuple[str, float], ...] = ()
     # What happens to each unit's saved activations (runtime/activations/), one of
-    # ACTIVATION_POLICIES per unit in forward order; () keeps them all on the device. "auto" is
-    # resolved by the runtime from the first forward until a planner fills it in.
+    # ACTIVATION_POLICIES per unit in forward order; () keeps them all on the device. "auto" (a
+    # plan without a model profile) is decided from the first step's measure (decide.py).
     activations: tuple[str, ...] = ()
     # Per unit in forward order, (bytes its forward saves, bytes of its activation checkpoint:
     # its inputs) from the model profile the plan was made with; () when none. Only for the

@@ -47,6 +47,7 @@ from .activations import act_units, recomputes
 from .cost import StepEstimate, estimate
 from .decide import (
     DEFAULT_OPTIM_PREFETCH,
+    activation_choice,
     adam_threads,
     clipping,
     deferred_where,
@@ -364,14 +365,11 @@ def _default(settings: Settings, units, machine: Machine, budgets: Budgets, mode
     stream = streaming_plan(units, device=machine.device, prefetch_depth=k, optim_prefetch_depth=q, **shape)
     left = budgets.device_bytes - peak_bytes(stream)[0]
     room = min(req.act_cap, max(acts.least.need_bytes, min(acts.keep_all.need_bytes, left)))
-    choices = acts.candidates(room) if room < budgets.device_bytes else ()
-    if not choices:
-        smallest = streaming_plan(
-            units, device=machine.device, prefetch_depth=0, optim_prefetch_depth=0, **shape
-        )
+    choice = activation_choice(acts, room) if room < budgets.device_bytes else None
+    if choice is None:
+        smallest = streaming_plan(units, device=machine.device, prefetch_depth=0, optim_prefetch_depth=0,
+                                  **shape)  # fmt: skip
         _raise_infeasible(smallest, req, acts, model)
-    swap = "host" if machine.device == "cuda" else "ssd"
-    choice = next((c for c in choices if c.label in ("keep", f"swap to {swap}, keep what fits")), choices[0])
     budgets = Budgets(budgets.device_bytes, budgets.host_bytes, activation_bytes=room)
     plan = default_plan(units, device=machine.device, settings=settings, budgets=budgets)
     return replace(plan, activations=tuple(p for _, p in choice.policies))
@@ -524,10 +522,9 @@ def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
 
 def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     """The plan with each unit's activation policy: the plan's own if it names them, else the
-    settings' policy and per-unit overrides ("auto" is kept as it is for the runtime to resolve
-    where a budget limits the activations, and is "keep" where none does). A unit whose backward
-    reads none of its weights (embedding lookups) cannot run its forward again: "recompute" (and
-    its swapped-checkpoint forms) becomes "keep" there."""
+    settings' policy and per-unit overrides ("auto": "keep" where no budget limits them). A unit
+    whose backward reads none of its weights (embedding lookups) cannot run its forward again:
+    "recompute" (and its swapped-checkpoint forms) becomes "keep" there."""
     act = settings.activations
     names = [u.name for u in plan.units]
     unknown = sorted(set(act.overrides) - set(names))
@@ -539,7 +536,7 @@ def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
     unlimited = plan.budgets is None or plan.budgets.activation_bytes is None
     out, notes = [], []
     for u, p in zip(plan.units, chosen):
-        if p == "auto" and unlimited:  # nothing to fit: keep (the runtime would profile first)
+        if p == "auto" and unlimited:  # nothing to fit: keep
             p = "keep"
         if recomputes(p) and not u.backward_needs_weights:
             notes.append(
@@ -547,6 +544,9 @@ def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
             )
             p = "keep"
         out.append(p)
+    if "auto" in out:
+        notes.append('activations "auto": decided by planner/decide.py measured_activations from the sizes the first '
+                     "step measures (no model profile at plan time: a hardware profile brings one)")  # fmt: skip
     return replace(plan, activations=tuple(out), notes=plan.notes + tuple(notes))
 
 

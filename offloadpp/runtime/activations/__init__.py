@@ -5,11 +5,11 @@ saves in each unit's forward.
     swap.py       Swapper: device -> host -> SSD and back, within the activation budget
     records.py    what is saved (SavedStorage, SavedRef, ParamView) and its states
     recompute.py  recompute segments (a unit's forward run again in backward) and the FLOP counter
-    policy.py     the policies and resolve_auto (pure)
+    policy.py     the policies and what a step measures for auto (pure)
 """
 
 from .manager import ActivationManager, ActivationStats
-from .policy import ActPolicy, UnitActProfile, resolve_auto
+from .policy import ActPolicy, UnitActProfile
 from .records import ActivationError
 
 __all__ = [
@@ -18,5 +18,4 @@ __all__ = [
     "ActivationManager",
     "ActivationStats",
     "UnitActProfile",
-    "resolve_auto",
 ]

@@ -32,9 +32,10 @@ piece's saved tensors at a time, not the block's: the MLP's 21 of a GPT-2 block'
 values a token. Operators of the root's own forward outside its children (residual adds) save
 nothing in these blocks; what they save is kept.
 
-Note: auto. Until the planner fills `auto` in, the first forward profiles the auto units (bytes
-saved, FLOPs through a dispatch-mode counter) while sending them to host memory, which is within
-any budget; from the next forward on, resolve_auto's choice applies (policy.py).
+Note: auto. A plan made without a model profile leaves `auto` under a budget: the first forward
+measures the auto units (bytes saved, FLOPs through a dispatch-mode counter) while sending them to
+host memory, which is within any budget, and the planner decides from that (planner/decide.py
+measured_activations); from the next forward on, its choice applies. The runtime has no rule.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_leaves, tree_map
 
-from offloadpp.planner import ActivationSettings, fmt_bytes
+from offloadpp.planner import ActivationSettings, decide, fmt_bytes
 
-from .policy import ActPolicy, UnitActProfile, resolve_auto
+from .policy import ActPolicy, UnitActProfile
 from .recompute import CheckpointRef, FlopCounter, OpLog, RecomputeRef, Recorder, Segment, SegState
 from .records import (
     ActivationError,
@@ -173,9 +174,10 @@ class ActivationManager:
             )
             for i, (n, r) in enumerate(units)
         ]
-        needs_ssd = [u.name for u in self.units if u.requested in (ActPolicy.SSD, ActPolicy.RECOMPUTE_SSD)]
+        ssd = {ActPolicy.SSD, ActPolicy.RECOMPUTE_SSD} | ({ActPolicy.AUTO} if self.budget else set())
+        needs_ssd = [u.name for u in self.units if u.requested in ssd]  # (auto under a budget: may)
         if needs_ssd and store is None:
-            raise ValueError(f"units {needs_ssd} swap activations to SSD, but no TensorStore was given")
+            raise ValueError(f"units {needs_ssd} swap activations to SSD (or may), no TensorStore was given")
         self.store = store
         self.outside = UnitActivations("(outside units)", (), ActPolicy.KEEP)
         self._all = ParamIndex()
@@ -615,17 +617,13 @@ class ActivationManager:
         )
 
     def resolve(self, profiles: Sequence[UnitActProfile], outside_bytes: int = 0) -> None:
-        """Fixes the policy of every `auto` unit from per-unit profiles (forward order)."""
-        chosen = resolve_auto(
-            profiles,
-            [u.requested for u in self.units],
-            budget_bytes=self.budget,
-            host_budget_bytes=self.config.host_budget_bytes if self.store is not None else None,
-            outside_bytes=outside_bytes,
-            prefetch_units=self.config.prefetch_units,
-        )
+        """Fixes the policy of every `auto` unit from per-unit profiles (forward order), as the
+        planner decides it (the Note on auto)."""
+        room = None if self.budget is None else self.budget - outside_bytes  # (outside: always kept)
+        chosen = decide.measured_activations(profiles, [u.requested.value for u in self.units], room,
+                                             device=self.device.type, host_bytes=self.config.host_budget_bytes)  # fmt: skip
         for u, p in zip(self.units, chosen):
-            u.policy = p
+            u.policy = ActPolicy(p)
         self.profiles = tuple(profiles)
         self._probing = False
         log.info("activation policies (auto resolved):\n%s", self.describe(profiles))

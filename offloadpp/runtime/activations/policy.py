@@ -15,28 +15,19 @@
                runs the unit's forward again from the checkpoint, handing those outputs back
                instead of running their operators, so only the cheap ones (norms, activation
                functions, reshapes) are recomputed (recompute.py, Note on partial).
-    auto       decided per unit (resolve_auto): keep what fits the budget, then host, then SSD.
+    auto       decided per unit by the planner (planner/decide.py): in the plan where it had a
+               model profile, else from what the first step measures (the manager's Note on
+               auto: measured_activations).
 
 The settings (policy, per-unit overrides, budget) are planner.ActivationSettings, defined once
-with the rest of a run's settings; the plan carries each unit's resolved policy. resolve_auto is
-pure (no torch).
-
-Note: how auto ranks units. A swapped unit costs nothing when the copies hide behind compute:
-the unit's time is proportional to its FLOPs, the copies to its activation bytes, so units with
-many FLOPs per byte hide their swaps best and units with few hide them worst. Auto therefore
-keeps units in ascending order of FLOPs per activation byte while the budget allows (ties: the
-units run last in forward first, since backward needs them first and a swap-out followed at
-once by a swap-in hides behind nothing). Of what is left, the units with the fewest FLOPs per
-byte go to host memory (the faster tier) while the host budget allows; the rest go to SSD.
-Room is reserved on the device for the swapped units' working set: the unit backward is using
-plus one prefetched, 2 x the largest swapped unit (1 x with prefetch_units=0).
+with the rest of a run's settings; the plan carries each unit's resolved policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Sequence
+from typing import Optional
 
 
 class ActPolicy(str, Enum):
@@ -85,65 +76,9 @@ _CHECKPOINT = {
 
 @dataclass(frozen=True)
 class UnitActProfile:
-    """What auto needs to know about a unit: its saved activation bytes and forward FLOPs."""
+    """What the first step measures of an auto unit, for the planner to decide its policy
+    (planner/decide.py measured_activations): its saved activation bytes and forward FLOPs."""
 
     name: str
     bytes: int
     flops: float
-
-
-def resolve_auto(
-    profiles: Sequence[UnitActProfile],
-    requested: Sequence[ActPolicy],
-    *,
-    budget_bytes: Optional[int],
-    host_budget_bytes: Optional[int],
-    outside_bytes: int = 0,
-    prefetch_units: int = 2,
-) -> tuple[ActPolicy, ...]:
-    """Concrete policies for units whose requested policy is AUTO (see the module Note).
-
-    profiles and requested are in forward order; outside_bytes are saved tensors no unit owns
-    (the loss), always kept. Explicit policies are left as they are.
-    """
-    if len(profiles) != len(requested):
-        raise ValueError(f"{len(profiles)} profiles for {len(requested)} policies")
-    out = list(requested)
-    auto = [i for i, p in enumerate(requested) if p is ActPolicy.AUTO]
-    if not auto:
-        return tuple(out)
-    fixed_keep = sum(profiles[i].bytes for i, p in enumerate(requested) if p is ActPolicy.KEEP)
-    total_auto = sum(profiles[i].bytes for i in auto)
-    if budget_bytes is None or outside_bytes + fixed_keep + total_auto <= budget_bytes:
-        for i in auto:
-            out[i] = ActPolicy.KEEP
-        return tuple(out)
-
-    def ratio(i: int) -> float:
-        b = profiles[i].bytes
-        return profiles[i].flops / b if b > 0 else 0.0
-
-    # Ascending FLOPs per byte; among equals the later unit (needed sooner in backward) first.
-    ranked = sorted(auto, key=lambda i: (ratio(i), -i))
-    swapped_fixed = [profiles[i].bytes for i, p in enumerate(requested) if p.swaps]
-    working = 2 if prefetch_units > 0 else 1
-    kept = outside_bytes + fixed_keep
-    keep_set: set[int] = set()
-    for i in ranked:
-        # Every other auto unit not kept so far may end up swapped: reserve for the largest.
-        rest = [profiles[j].bytes for j in auto if j != i and j not in keep_set] + swapped_fixed
-        reserve = working * max(rest, default=0)
-        if kept + profiles[i].bytes + reserve <= budget_bytes:
-            keep_set.add(i)
-            kept += profiles[i].bytes
-    host_left = host_budget_bytes
-    for i in ranked:
-        if i in keep_set:
-            out[i] = ActPolicy.KEEP
-        elif host_left is None or profiles[i].bytes <= host_left:
-            out[i] = ActPolicy.HOST
-            if host_left is not None:
-                host_left -= profiles[i].bytes
-        else:
-            out[i] = ActPolicy.SSD
-    return tuple(out)
