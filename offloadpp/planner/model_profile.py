@@ -50,10 +50,11 @@ class UnitProfile:
     pieces: tuple[tuple[int, int, int, int], ...] = ()
     forward_s: Optional[float] = None  # measured, one micro-batch (see the module note)
     backward_s: Optional[float] = None
+    frozen_numel: int = 0  # frozen parameters owned, apart from numel (UnitSpec.frozen_numel)
 
     def __post_init__(self) -> None:
         for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
-                     "partial_extra_bytes"):  # fmt: skip
+                     "partial_extra_bytes", "frozen_numel"):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be an int >= 0, got {v!r}")
@@ -63,7 +64,8 @@ class UnitProfile:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be None or seconds >= 0, got {v!r}")
 
     def spec(self) -> UnitSpec:
-        return UnitSpec(self.name, self.numel, tuple(self.borrows), self.backward_needs_weights)
+        return UnitSpec(self.name, self.numel, tuple(self.borrows), self.backward_needs_weights,
+                        frozen_numel=self.frozen_numel)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -417,8 +417,12 @@ def kept_grad_bytes(plan: Plan, u, p) -> int:
 
 
 def fetch_host_bytes(plan: Plan, u, p) -> int:
-    """Host bytes of a unit's weights being fetched (staged_fetch): its home, read from SSD."""
-    return u.weights_home_bytes(plan.compute_dtype) if staged_fetch(plan) and p.weights is Tier.SSD else 0
+    """Host bytes of a unit's weights being fetched (staged_fetch): its home, read from SSD, and
+    its frozen segment, staged the same way wherever the unit's weights are not resident."""
+    if not staged_fetch(plan):
+        return 0
+    frozen = u.frozen_bytes(plan.compute_dtype) if u.frozen_numel and plan.frozen_home(p) is Tier.SSD else 0
+    return (u.weights_home_bytes(plan.compute_dtype) if p.weights is Tier.SSD else 0) + frozen
 
 
 def kept_host_bytes(plan: Plan, u, p) -> int:

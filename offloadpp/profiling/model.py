@@ -230,6 +230,7 @@ class ModelProfiler:
                 UnitProfile(
                     name=spec.name,
                     numel=spec.numel,
+                    frozen_numel=spec.frozen_numel,
                     forward_flops=int(self.fflops[i]),
                     backward_flops=int(self.bflops[i]),
                     activation_bytes=int(self.saved[i]),

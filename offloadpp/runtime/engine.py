@@ -127,7 +127,8 @@ class OffloadEngine:
         self.replaced_params = replace_meta_params(model, self.device.placeholder)  # {id(old): new}
         meta = bool(self.replaced_params)
         check_buffers(model, self.device.torch_device)
-        layouts = layout_units(model, find_units(model, s.units))
+        # frozen parameters get a segment of their own on one rank (docs/frozen.md)
+        layouts = layout_units(model, find_units(model, s.units), split_frozen=dp is None)
         specs = shard_units([lay.spec() for lay in layouts], dp.world if dp else 1)  # one rank's
         check_plan(plan, specs, self.device.kind, s)
         if plan.adam_threads is None:  # a plan made without the resolve stage (tests, benchmarks)

@@ -89,7 +89,7 @@ def export_weights(
         before()  # the optimizer quiet: the masters are final
     owner = {}
     for u in units:
-        for p, s in u.params:
+        for p, s in u.layout.all_params:
             owner[id(p)] = (u, s)
     entries = []  # (name, unit, slot) in unit order
     seen: set[int] = set()
@@ -157,7 +157,7 @@ def export_weights(
                         if held is not u:
                             bar.update(1)
                         buf = master_of(u)
-                        w.write(name, buf[s.offset : s.offset + s.numel].view(s.shape).to(dtype))
+                        w.write(name, u.exported(s, buf).to(dtype))
                     else:
                         name, b = buffers[i - len(entries)]
                         w.write(name, b)
