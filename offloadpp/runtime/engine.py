@@ -584,6 +584,12 @@ class OffloadEngine:
         return export.export_weights(self.units, self.module, save_dir, fmt, before=self._quiesce,
                                      progress=progress, write=self.dp is None or self.dp.rank == 0)  # fmt: skip
 
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters' values by name (runtime/export.py), without reading the
+        frozen base: what an adapter's save needs. Between steps."""
+        self._check_open()
+        return export.trainable_state_dict(self.units, self._quiesce)
+
     def budget_report(self):
         """Each budget with the most the engine held against it in this step and since it started
         (StepAccounting.budget_report)."""

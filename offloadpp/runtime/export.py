@@ -195,3 +195,27 @@ def _remove_stale(save_dir: str, filename: str, names: list[str]) -> None:
             continue
         if f in (filename, index) or shard.fullmatch(f):
             os.unlink(os.path.join(save_dir, f))
+
+
+def trainable_state_dict(
+    units: list[Unit], before: Optional[Callable[[], None]] = None
+) -> dict[str, torch.Tensor]:
+    """The trainable parameters' current values by every name they have, in the model's dtypes
+    (an adapter's state: peft's save_pretrained filters its keys from this), one unit's master
+    at a time; the frozen segments are not read (docs/frozen.md). Over several ranks every rank
+    calls it (each unit's master is gathered)."""
+    if before is not None:
+        before()
+    out: dict[str, torch.Tensor] = {}
+    for u in units:
+        if not any(s.requires_grad for _, s in u.params):
+            continue
+        master = u.export_master(with_frozen=False)
+        try:
+            for _, s in u.params:
+                if s.requires_grad:
+                    v = u.exported(s, master).to(s.dtype, copy=True)
+                    out.update(dict.fromkeys(s.names, v))
+        finally:
+            u.end_export()
+    return out

@@ -125,6 +125,7 @@ class Unit:
         self.frozen_slot: Optional[Slot] = None
         self.frozen_crc: Optional[int] = None
         self._frozen_flat: Optional[torch.Tensor] = None
+        self._exporting_frozen = False
         self.compute_dtype = TORCH_DTYPES[plan.compute_dtype]
         self.phase = UnitPhase.IDLE
         self.steps = [0] * len(self.params)  # Adam step count per parameter (torch.optim semantics)
@@ -152,10 +153,11 @@ class Unit:
         return tuple(uniq)
 
     # ---- the whole fp32 master, for exports (runtime/dp/sharded.py gathers it over ranks) ---------
-    def export_master(self) -> torch.Tensor:
-        """The unit's fp32 master weights, held until end_export() (the frozen segment too:
-        export_frozen)."""
-        if self.frozen_slot is not None:
+    def export_master(self, with_frozen: bool = True) -> torch.Tensor:
+        """The unit's fp32 master weights, held until end_export() (and with_frozen, the frozen
+        segment: export_frozen)."""
+        self._exporting_frozen = with_frozen and self.frozen_slot is not None
+        if self._exporting_frozen:
             self.frozen_slot.acquire(Hold.EXPORT)
         self.master.acquire(Hold.EXPORT)
         return self.master.wait()
@@ -172,8 +174,9 @@ class Unit:
 
     def end_export(self) -> None:
         self.master.release(Hold.EXPORT)
-        if self.frozen_slot is not None:
+        if self._exporting_frozen:
             self.frozen_slot.release(Hold.EXPORT)
+            self._exporting_frozen = False
 
     # ---- binding parameters to device weights -------------------------------------------------
     def bind(self) -> None:

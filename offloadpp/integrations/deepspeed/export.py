@@ -46,7 +46,18 @@ def save_weights(engine, save_dir: str, save_filename: str, exclude_frozen_param
 def save_pretrained(engine, save_dir: str, safe_serialization: bool = True,
                     max_shard_bytes: Optional[int] = None) -> list[str]:  # fmt: skip
     """A Hugging Face model folder: the weights (sharded with an index when large), config.json
-    and generation_config.json when the model has them."""
+    and generation_config.json when the model has them. A peft model (LoRA and the rest) writes
+    what its own save_pretrained writes, its adapters, from the trainable parameters alone
+    (docs/frozen.md); save_16bit_model exports the whole model, base and adapters."""
+    module = engine.module
+    if _is_peft(module):
+        state = engine.runtime.trainable_state_dict()  # (every rank takes part)
+        dp = engine.runtime.dp
+        if dp is None or dp.rank == 0:
+            module.save_pretrained(save_dir, state_dict=state, safe_serialization=safe_serialization)
+        return (
+            sorted(os.path.join(save_dir, f) for f in os.listdir(save_dir)) if os.path.isdir(save_dir) else []
+        )
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     files = save_weights(
         engine, save_dir, name, exclude_frozen_parameters=False, max_shard_bytes=max_shard_bytes
@@ -54,7 +65,6 @@ def save_pretrained(engine, save_dir: str, safe_serialization: bool = True,
     dp = engine.runtime.dp
     if dp is not None and dp.rank != 0:
         return files  # (over several ranks rank 0 writes the folder; the others took part in gathering)
-    module = engine.module
     cfg = getattr(module, "config", None)
     if cfg is not None and hasattr(cfg, "save_pretrained"):
         cfg.save_pretrained(save_dir)
@@ -63,6 +73,11 @@ def save_pretrained(engine, save_dir: str, safe_serialization: bool = True,
     if gen is not None and hasattr(gen, "save_pretrained"):
         gen.save_pretrained(save_dir)
     return files
+
+
+def _is_peft(module) -> bool:
+    """A peft model (PeftModel and its task classes), without importing peft where it is absent."""
+    return hasattr(module, "peft_config") and hasattr(module, "get_base_model")
 
 
 def memory_available() -> int:
