@@ -196,3 +196,30 @@ def test_gradient_checkpointing_enable_trains_as_plain_peft(tmp_path, reentrant)
         assert all(not torch.equal(got[k], init[k]) for k in init)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_merged_export_streams_the_base_with_its_adapters_folded_in(tmp_path, kind):
+    """engine.save_merged writes the base model's own folder with each LoRA layer's delta added,
+    unit by unit: from_pretrained of the plain model class gives peft's merge_and_unload."""
+    ref = lora_model(kind)
+    model = copy.deepcopy(ref)
+    engine, *_ = offloadpp.initialize(
+        model=model, model_parameters=trainable(model), config=ds_config(tmp_path / "nvme")
+    )
+    try:
+        data = batches(3)
+        reference(ref, data)
+        train(engine, data)
+        engine.save_merged(str(tmp_path / "merged"))
+    finally:
+        engine.close()
+    cls = transformers.GPT2LMHeadModel if kind == "gpt2" else transformers.LlamaForCausalLM
+    loaded = cls.from_pretrained(str(tmp_path / "merged"), local_files_only=True).eval()
+    want = ref.merge_and_unload().eval()
+    assert set(loaded.state_dict()) == set(want.state_dict())
+    assert rel(loaded.state_dict(), want.state_dict()) < 1e-5
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(input_ids=data[0]).logits, want(input_ids=data[0]).logits, rtol=1e-4, atol=1e-5
+        )

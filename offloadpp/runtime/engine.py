@@ -574,13 +574,14 @@ class OffloadEngine:
 
     def export_weights(self, save_dir: str, *, dtype: Optional[torch.dtype] = None, filename: str = "model.safetensors",
                        max_shard_bytes: Optional[int] = None, exclude_frozen: bool = False,
-                       progress: bool = False) -> list[str]:  # fmt: skip
+                       progress: bool = False, merge: Optional[export.Merge] = None) -> list[str]:  # fmt: skip
         """The current weights as files from_pretrained loads (safetensors, or torch.save's format
         for another name), unit by unit at bounded memory (runtime/export.py); dtype: the compute
-        dtype unless given; max_shard_bytes: export.DEFAULT_SHARD_BYTES unless given. Between steps."""
+        dtype unless given; max_shard_bytes: export.DEFAULT_SHARD_BYTES unless given; merge:
+        adapters folded into their weights (export.Merge). Between steps."""
         self._check_open()
         dtype = dtype or TORCH_DTYPES[self.settings.compute_dtype]
-        fmt = export.ExportFormat(dtype, filename, max_shard_bytes, exclude_frozen)
+        fmt = export.ExportFormat(dtype, filename, max_shard_bytes, exclude_frozen, merge=merge)
         return export.export_weights(self.units, self.module, save_dir, fmt, before=self._quiesce,
                                      progress=progress, write=self.dp is None or self.dp.rank == 0)  # fmt: skip
 

@@ -18,7 +18,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -57,6 +57,18 @@ def _writer(path: str, filename: str, decl: list, direct: bool):
 
 
 @dataclass(frozen=True)
+class Merge:
+    """Adapters folded into the weights they adapt as an export writes them (docs/frozen.md),
+    unit by unit: `rename` gives each parameter's and buffer's written name (None: not written,
+    an adapter's own weights); `deltas`, by written name, the low-rank pairs added to that weight:
+    (A's name, B's name, scale, transposed) for W + scale * B @ A (transposed: its transpose), in
+    fp32. A pair must belong to its weight's unit (a LoRA layer lives in its base layer's block)."""
+
+    rename: Callable[[str], Optional[str]]
+    deltas: Mapping[str, tuple[tuple[str, str, float, bool], ...]]
+
+
+@dataclass(frozen=True)
 class ExportFormat:
     """What an export writes: the weights in `dtype`, as safetensors or (another file name)
     torch.save's format, in shards of at most max_shard_bytes (None: DEFAULT_SHARD_BYTES at the
@@ -68,6 +80,7 @@ class ExportFormat:
     max_shard_bytes: Optional[int] = None
     exclude_frozen: bool = False
     direct: bool = True
+    merge: Optional[Merge] = None
 
 
 def export_weights(
@@ -94,8 +107,13 @@ def export_weights(
     entries = []  # (name, unit, slot) in unit order
     seen: set[int] = set()
     by_unit: dict[str, list] = {u.name: [] for u in units}
+    merge = fmt.merge
+    named = {}  # every parameter name -> (unit, slot): the adapters a merge reads
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen or (exclude_frozen and not p.requires_grad):
+        named[name] = owner[id(p)]
+        if merge is not None:
+            name = merge.rename(name)
+        if id(p) in seen or name is None or (exclude_frozen and not p.requires_grad):
             seen.add(id(p))
             continue
         seen.add(id(p))
@@ -110,6 +128,8 @@ def export_weights(
                 u.end_export()
         return []
     buffers = _persistent_buffers(model)
+    if merge is not None:
+        buffers = [(merge.rename(n), b) for n, b in buffers if merge.rename(n) is not None]
     sizes = [s.numel * dtype.itemsize for _, _, s in entries] + [
         b.numel() * b.element_size() for _, b in buffers
     ]
@@ -157,7 +177,10 @@ def export_weights(
                         if held is not u:
                             bar.update(1)
                         buf = master_of(u)
-                        w.write(name, u.exported(s, buf).to(dtype))
+                        value = u.exported(s, buf)
+                        if merge is not None and name in merge.deltas:
+                            value = _merged(value, u, buf, merge.deltas[name], named)
+                        w.write(name, value.to(dtype))
                     else:
                         name, b = buffers[i - len(entries)]
                         w.write(name, b)
@@ -180,6 +203,18 @@ def export_weights(
     _remove_stale(save_dir, filename, names)
     fsync_dir(save_dir)
     return written
+
+
+def _merged(value: torch.Tensor, u: Unit, master: torch.Tensor, deltas, named: dict) -> torch.Tensor:
+    """A weight with its adapters' deltas added (Merge), in fp32."""
+    out = value.float().clone()
+    for a, b, scale, transposed in deltas:
+        (ua, sa), (ub, sb) = named[a], named[b]
+        if ua is not u or ub is not u:
+            raise ValueError(f"merging {a!r} and {b!r}: an adapter outside its weight's unit {u.name!r}")
+        delta = u.exported(sb, master).float() @ u.exported(sa, master).float()
+        out += (delta.t() if transposed else delta) * scale
+    return out
 
 
 def _remove_stale(save_dir: str, filename: str, names: list[str]) -> None:
