@@ -285,3 +285,41 @@ def test_cost_model_counts_frozen_reads_and_no_frozen_writes(tmp_path):
         assert eng.plan.frozen_ssd_bytes() == sum(u.frozen_slot.nbytes for u in eng.units if u.frozen_slot)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_offloadpp_plan_with_lora_shows_trainable_and_frozen_per_unit(tmp_path, auto):
+    """`offloadpp plan --model gpt2-45m --lora 8`: each block's adapters trainable, its base and the
+    embeddings frozen; with a hardware profile (an estimate, plan "auto") the analytic profile
+    takes the model's split."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("peft")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    off = {"device": "nvme", "nvme_path": str(nvme)}
+    ds = {"train_micro_batch_size_per_gpu": 2, "offloadpp": {"enabled": True, **({"plan": "auto"} if auto else {})},
+          "zero_optimization": {"stage": 3, "offload_param": off, "offload_optimizer": off}}  # fmt: skip
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    argv = [sys.executable, "-m", "offloadpp", "plan", "--config", str(tmp_path / "ds.json"), "--model", "gpt2-45m",
+            "--lora", "8"]  # fmt: skip
+    if auto:
+        hw(device_flops_per_s={"fp32": 100e9}).to_json(str(tmp_path / "hw.json"))
+        argv += ["--hardware", str(tmp_path / "hw.json")]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [
+        ln.split() for ln in r.stdout.splitlines() if ln.strip().startswith(("embed", "base_model", "head"))
+    ]
+    blocks = [row for row in rows if "transformer.h." in row[0]]
+    assert len(blocks) == 6
+    # r * (in + out) per adapted projection: c_attn 512->1536, attn c_proj 512->512, c_fc 512->2048, mlp c_proj 2048->512
+    assert all(
+        row[1] == f"{8 * (2048 + 1024 + 2560 + 2560):,}" and row[2] == f"{3_152_384:,}" for row in blocks
+    )
+    assert rows[0][0] == "embed" and rows[0][1] == "0"
+    assert "frozen: 44,777,984 parameters" in r.stdout
+    if auto:
+        assert "estimate" in r.stdout or "s/step" in r.stdout

@@ -466,6 +466,7 @@ class Plan:
 
     def describe(self) -> str:
         """A table for humans: one line per unit."""
+        w = max([28] + [len(u.name) for u in self.units])
         lines = [
             f"plan: device={self.device} compute={self.compute_dtype} prefetch_depth={self.prefetch_depth} "
             f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
@@ -475,14 +476,14 @@ class Plan:
             + (f" ranks={self.ranks} (each keeps 1/{self.ranks} of the state)" if self.ranks > 1 else ""),
             f"  budgets: {self.describe_budgets()}; resident: device {fmt_bytes(self.resident_device_bytes())}, "
             f"host {fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",
-            f"  {'unit':<28} {'trainable':>12} {'frozen':>12} {'weights':>8} {'master':>8} {'moments':>8} "
+            f"  {'unit':<{w}} {'trainable':>12} {'frozen':>12} {'weights':>8} {'master':>8} {'moments':>8} "
             f"{'grads':>8} {'frozen at':>9}",
         ]
         for u, p in self:
             grads = p.grads.value if self.persistent_grads else "-"
             frozen_at = self.frozen_home(p).value if u.frozen_numel else "-"
             lines.append(
-                f"  {u.name:<28} {u.numel:>12,} {u.frozen_numel:>12,} {p.weights.value:>8} {p.master.value:>8} "
+                f"  {u.name:<{w}} {u.numel:>12,} {u.frozen_numel:>12,} {p.weights.value:>8} {p.master.value:>8} "
                 f"{p.moments.value:>8} {grads:>8} {frozen_at:>9}"
             )
         frozen = sum(u.frozen_numel for u in self.units)
