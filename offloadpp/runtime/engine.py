@@ -113,7 +113,9 @@ class OffloadEngine:
         self.device = Device(config.device)
         # on the CPU device the step's freed memory is the device's: returned to the OS where
         # memory is short (host_heap's Notes)
-        state = sum(u.numel for u in plan.units) * 16
+        state = sum(
+            u.numel * 16 + u.frozen_bytes(plan.compute_dtype) for u in plan.units
+        )  # (frozen: docs/frozen.md)
         self._return_heap = not self.device.is_cuda and host_heap.needed(
             state, psutil.virtual_memory().available
         )
@@ -128,7 +130,7 @@ class OffloadEngine:
         meta = bool(self.replaced_params)
         check_buffers(model, self.device.torch_device)
         # frozen parameters get a segment of their own on one rank (docs/frozen.md)
-        layouts = layout_units(model, find_units(model, s.units), split_frozen=dp is None)
+        layouts = layout_units(model, find_units(model, s.units), split_frozen=plan.ranks == 1)
         specs = shard_units([lay.spec() for lay in layouts], dp.world if dp else 1)  # one rank's
         check_plan(plan, specs, self.device.kind, s)
         if plan.adam_threads is None:  # a plan made without the resolve stage (tests, benchmarks)
