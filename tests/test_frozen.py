@@ -323,3 +323,14 @@ def test_offloadpp_plan_with_lora_shows_trainable_and_frozen_per_unit(tmp_path, 
     assert "frozen: 44,777,984 parameters" in r.stdout
     if auto:
         assert "estimate" in r.stdout or "s/step" in r.stdout
+
+
+def test_a_measured_profile_records_the_frozen_split():
+    from offloadpp.profiling.model import profile_model
+
+    m = frozen_net()
+    prof = profile_model(m, {"x": data(1)[0]}, loss_fn=lambda out: out, repeats=1, runtime_layout=True)
+    by = {u.name: u for u in prof.units}
+    assert by["blocks.0"].numel == 0 and by["blocks.0"].frozen_numel > 0
+    assert sum(u.frozen_numel for u in prof.units) == frozen_numel(m)
+    assert sum(u.numel for u in prof.units) == trainable_numel(m)
