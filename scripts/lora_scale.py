@@ -91,10 +91,7 @@ def main() -> int:
     out["save_adapters_s"] = time.perf_counter() - t
     saved = load_file(os.path.join(adapters, "adapter_model.safetensors"))
     mine = {k.replace(".default", ""): v for k, v in rt.trainable_state_dict().items()}
-    out["adapters_reloaded_equal"] = bool(saved) and all(
-        torch.equal(v, mine[k if k in mine else "base_model.model." + k.removeprefix("base_model.model.")])
-        for k, v in saved.items()
-    )
+    out["adapters_reloaded_equal"] = bool(saved) and all(torch.equal(v, mine[k]) for k, v in saved.items())
     out["adapter_files_bytes"] = sum(os.path.getsize(os.path.join(adapters, f)) for f in os.listdir(adapters))
     engine.close()
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
