@@ -334,3 +334,33 @@ def test_a_measured_profile_records_the_frozen_split():
     assert by["blocks.0"].numel == 0 and by["blocks.0"].frozen_numel > 0
     assert sum(u.frozen_numel for u in prof.units) == frozen_numel(m)
     assert sum(u.numel for u in prof.units) == trainable_numel(m)
+
+
+@pytest.mark.parametrize("accum, clip", [(2, 0.0), (1, 0.05), (2, 0.05)])
+def test_frozen_parameters_with_accumulation_and_clipping(tmp_path, accum, clip):
+    """Accumulation and clipping by the global norm (of the trainable gradients only, as torch
+    clips the parameters it is given): as torch AdamW, the frozen parameters untouched."""
+    ref = frozen_net()
+    init = copy.deepcopy(ref.state_dict())
+    eng = assemble_engine(copy.deepcopy(ref), config(tmp_path, gradient_accumulation_steps=accum, gradient_clipping=clip),
+                          hyper=AdamHyper(lr=LR, weight_decay=WD))  # fmt: skip
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+    try:
+        xs = data(4 * accum)
+        for step in range(4):
+            for m in range(accum):
+                x = xs[step * accum + m]
+                (ref(x) / accum).backward()
+                eng.backward(eng(x))
+                eng.step()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            opt.step()
+            opt.zero_grad()
+        sd, want = eng.module.state_dict(), ref.state_dict()
+        assert max(((sd[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want) < 1e-5
+        for name, p in ref.named_parameters():
+            assert torch.equal(sd[name], init[name]) == (not p.requires_grad), name
+    finally:
+        eng.close()
