@@ -223,3 +223,33 @@ def test_merged_export_streams_the_base_with_its_adapters_folded_in(tmp_path, ki
         torch.testing.assert_close(
             loaded(input_ids=data[0]).logits, want(input_ids=data[0]).logits, rtol=1e-4, atol=1e-5
         )
+
+
+def test_lora_over_a_base_streamed_under_init_starts_as_the_base(tmp_path):
+    """get_peft_model over a model built under offloadpp.Init with from_pretrained: the base's
+    weights come from its safetensors unit by unit, the adapters get peft's init (lora_B zero),
+    so the first loss is the base model's; training moves only the adapters."""
+    base = base_model("llama")
+    base.save_pretrained(str(tmp_path / "base"))
+    x = batches(1)[0]
+    with torch.no_grad():
+        want = base(input_ids=x, labels=x).loss.item()
+    cfg = ds_config(tmp_path / "nvme")
+    with offloadpp.Init(config=cfg):
+        empty = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "base"))
+        model = peft.get_peft_model(empty, peft.LoraConfig(r=8, target_modules=TARGETS["llama"]))
+    assert any(p.is_meta for p in model.parameters())
+    engine, *_ = offloadpp.initialize(model=model, model_parameters=trainable(model), config=cfg)
+    try:
+        sd = engine.module.state_dict()
+        assert all(not sd[k].any() for k in sd if "lora_B" in k)
+        assert all(sd[k].abs().max() > 0 for k in sd if "lora_A" in k)
+        base_sd = base.state_dict()
+        for k, v in sd.items():
+            name = k.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            if "lora_" not in k:
+                assert torch.equal(v, base_sd[name]), k
+        losses = train(engine, [x, x])
+        assert losses[0] == pytest.approx(want, rel=1e-6) and losses[1] < losses[0]
+    finally:
+        engine.close()

@@ -161,16 +161,38 @@ def close_frozen(u: Unit) -> None:
 
 def default_init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
     """The model's own initialisation, applied module by module: Hugging Face's _init_weights,
-    else each module's reset_parameters (torch's convention)."""
+    else each module's reset_parameters (torch's convention); then, in a peft model, each LoRA
+    layer's own init of its adapters (docs/frozen.md)."""
     init = getattr(model, "_init_weights", None)
-    if callable(init):
+    if not callable(init):
+
+        def init(m: nn.Module) -> None:
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    adapters = _lora_inits(model)
+    if not adapters:
         return init
 
-    def reset(m: nn.Module) -> None:
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    def with_adapters(m: nn.Module) -> None:
+        init(m)
+        # Note: a LoRA layer's adapters were made on the meta device with its base layer (peft
+        # moves them there), so their values are gone; Hugging Face's init would draw lora_B at
+        # random, and the model would not start as its base does. module.apply runs the children
+        # (lora_A, lora_B) first, so this, on the LoRA layer, has the last word.
+        if hasattr(m, "reset_lora_parameters") and hasattr(m, "lora_A"):
+            for a in m.lora_A:
+                m.reset_lora_parameters(a, adapters.get(a, True))
 
-    return reset
+    return with_adapters
+
+
+def _lora_inits(model: nn.Module) -> dict:
+    """{adapter: its init_lora_weights} of a peft model's LoRA adapters ({} for other models)."""
+    cfg = getattr(model, "peft_config", None)
+    if not isinstance(cfg, dict):
+        return {}
+    return {name: getattr(c, "init_lora_weights", True) for name, c in cfg.items()}
 
 
 def to_device(u: Unit) -> None:
