@@ -171,18 +171,23 @@ def test_lora_checkpoint_resumes_bit_identically(tmp_path):
         b.close()
 
 
-@pytest.mark.parametrize("reentrant", [None, True, False])
-def test_gradient_checkpointing_enable_trains_as_plain_peft(tmp_path, reentrant):
+@pytest.mark.parametrize(
+    "reentrant, policy",
+    [(None, None), (True, None), (False, None), (None, "recompute"), (False, "partial_host")],
+)
+def test_gradient_checkpointing_enable_trains_as_plain_peft(tmp_path, reentrant, policy):
     """Hugging Face's gradient checkpointing (the model runs each block's forward again in
-    backward) on a LoRA model: the engine follows the recompute (executor._recompute)."""
+    backward) on a LoRA model: the engine follows the recompute (executor._recompute), with the
+    default activation policy and beside one of its own that recomputes too."""
     ref = lora_model("llama")
     kw = {} if reentrant is None else {"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}}
     ref.gradient_checkpointing_enable(**kw)
     init = {k: v.clone() for k, v in ref.state_dict().items() if "lora_" in k}
     model = copy.deepcopy(ref)
-    engine, *_ = offloadpp.initialize(
-        model=model, model_parameters=trainable(model), config=ds_config(tmp_path / "nvme")
-    )
+    cfg = ds_config(tmp_path / "nvme")
+    if policy is not None:
+        cfg["offloadpp"]["activations"] = {"policy": policy}
+    engine, *_ = offloadpp.initialize(model=model, model_parameters=trainable(model), config=cfg)
     try:
         data = batches(4)
         ref.train()
