@@ -17,6 +17,7 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("deepspeed")
 
 import offloadpp  # noqa: E402
+from offloadpp.planner.plan import flat_numel  # noqa: E402
 
 VOCAB = 96
 LR = 1e-3
@@ -130,6 +131,10 @@ def test_lora_through_initialize_trains_as_plain_peft(tmp_path, kind):
         want_losses = reference(ref, data)
         losses = train(engine, data)
         assert losses == pytest.approx(want_losses, rel=1e-5)
+        # SSD bytes written by a step: the adapters' master and moments, nothing of the base
+        r = engine.last_report
+        assert r.ssd_write_bytes == 12 * sum(flat_numel(u.numel) for u in rt.units)
+        assert dict((k, rd) for k, rd, _ in r.ssd_by_kind)["weights"] >= rt.plan.frozen_ssd_bytes()
         got, want = engine.module.state_dict(), ref.state_dict()
         assert rel(got, want) < 1e-5
         assert frozen_files(tmp_path / "nvme") == before  # the base's swap files byte-identical
