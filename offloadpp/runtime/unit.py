@@ -118,8 +118,9 @@ class Unit:
         self.device = device
         self.params: list[tuple[nn.Parameter, ParamSlot]] = layout.params
         self.numel = layout.numel
-        # the frozen segment (docs/frozen.md): its parameters, its slot (set by the subclass that
-        # builds the slots) and the CRC-32C of its contents, the reference checkpoints record
+        # the frozen segment (docs/frozen.md): its parameters, its slot (built with the others in
+        # Unit.__init__; over ranks there is none) and the CRC-32C of its contents (set when the
+        # first weights are stored: state.close_frozen), the reference checkpoints record
         self.frozen: list[tuple[nn.Parameter, ParamSlot]] = layout.frozen
         self.frozen_numel = layout.frozen_numel
         self.frozen_slot: Optional[Slot] = None
