@@ -313,6 +313,7 @@ def test_offloadpp_plan_with_lora_shows_trainable_and_frozen_per_unit(tmp_path, 
     rows = [
         ln.split() for ln in r.stdout.splitlines() if ln.strip().startswith(("embed", "base_model", "head"))
     ]
+    rows = [row for row in rows if len(row) == 8]  # the plan's table (not the activations' lines)
     blocks = [row for row in rows if "transformer.h." in row[0]]
     assert len(blocks) == 6
     # r * (in + out) per adapted projection: c_attn 512->1536, attn c_proj 512->512, c_fc 512->2048, mlp c_proj 2048->512
