@@ -110,6 +110,23 @@ class ModelProfile:
     def unit_specs(self) -> tuple[UnitSpec, ...]:
         return tuple(u.spec() for u in self.units)
 
+    def with_frozen_split(self, units) -> ModelProfile:
+        """This (analytic) profile's units as a model with frozen parameters has them (a peft
+        model: its blocks under a prefix, the adapters trainable, the base frozen; docs/frozen.md):
+        the same units in the same order take the model's names and trainable/frozen split and keep
+        the analytic FLOPs and activations of the base (the adapters' are small; a frozen weight's
+        backward computes no weight gradient, which the analytic FLOPs still count). Otherwise
+        the profile as it is."""
+        if len(self.units) != len(units) or not any(u.frozen_numel for u in units):
+            return self
+        if not all(u.name == p.name or u.name.endswith("." + p.name) for p, u in zip(self.units, units)):
+            return self
+        return replace(self, units=tuple(
+            replace(p, name=u.name, numel=u.numel, frozen_numel=u.frozen_numel, borrows=tuple(u.borrows),
+                    backward_needs_weights=u.backward_needs_weights)
+            for p, u in zip(self.units, units)
+        ))  # fmt: skip
+
     def unit(self, name: str) -> UnitProfile:
         for u in self.units:
             if u.name == name:

@@ -590,7 +590,7 @@ def model_profile_for(
                                     compute_dtype=settings.compute_dtype, name=name)  # fmt: skip
         except ModelProfileError as e:
             raise PlanError(str(e)) from None
-        prof = _with_frozen_split(prof, units)
+        prof = prof.with_frozen_split(units)
     got = list(prof.unit_specs())
     if got != list(units):
         raise PlanError(
@@ -598,23 +598,6 @@ def model_profile_for(
             f"{[(u.name, u.numel) for u in got]}, the model {[(u.name, u.numel) for u in units]}"
         )
     return prof
-
-
-def _with_frozen_split(prof: ModelProfile, units: Sequence[UnitSpec]) -> ModelProfile:
-    """An analytic profile's units as a model with frozen parameters has them (a peft model: its
-    blocks under a prefix, the adapters trainable, the base frozen; docs/frozen.md): the same
-    units in the same order take the model's names and trainable/frozen split, and keep the
-    analytic FLOPs and activations of the base (the adapters' are small; a frozen weight's
-    backward computes no weight gradient, which the analytic FLOPs still count)."""
-    if len(prof.units) != len(units) or not any(u.frozen_numel for u in units):
-        return prof
-    if not all(u.name == p.name or u.name.endswith("." + p.name) for p, u in zip(prof.units, units)):
-        return prof
-    return replace(prof, units=tuple(
-        replace(p, name=u.name, numel=u.numel, frozen_numel=u.frozen_numel, borrows=tuple(u.borrows),
-                backward_needs_weights=u.backward_needs_weights)
-        for p, u in zip(prof.units, units)
-    ))  # fmt: skip
 
 
 def _unsharded(units) -> list:
