@@ -124,7 +124,9 @@ def resolve_for_model(
     name, through planner.resolve. The model may live on the meta device (nothing is read).
     io_set: the I/O settings the run fixes itself (RuntimeConfig.io_set)."""
     s = settings
-    units = unit_specs(model, s.units)
+    units = unit_specs(
+        model, s.units, split_frozen=dp is None
+    )  # frozen segments on one rank (docs/frozen.md)
     machine = machine or probe_machine(device, nvme_paths, dp)
     hardware = profile = None
     if s.plan == PLAN_AUTO or s.hardware_profile:

@@ -10,13 +10,18 @@ GLOBAL_BATCH = 4  # sequences per optimizer step, over every rank and micro-batc
 SEQ = 16
 
 
-def tiny_gpt2(seed: int = 0):
+def tiny_gpt2(seed: int = 0, freeze: bool = False):
+    """freeze: the position embeddings and the first block's MLP frozen (requires_grad False)."""
     import transformers
 
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
     torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(cfg)
+    model = transformers.GPT2LMHeadModel(cfg)
+    if freeze:
+        model.transformer.wpe.requires_grad_(False)
+        model.transformer.h[0].mlp.requires_grad_(False)
+    return model
 
 
 def global_batches(n: int, seed: int = 1) -> list[torch.Tensor]:
@@ -24,13 +29,13 @@ def global_batches(n: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(n)]
 
 
-def reference(steps: int, *, clip: float, parts=1) -> dict:
+def reference(steps: int, *, clip: float, parts=1, freeze: bool = False) -> dict:
     """One process, torch AdamW stepping on each global batch's mean loss, clipped by global
     norm; parts > 1: the batch's gradient accumulated over that many equal parts, as the ranks
     sum theirs (the same gradient, summed in the ranks' order); a sequence: each step's parts (a
     run resumed at other world sizes)."""
-    model = tiny_gpt2()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    model = tiny_gpt2(freeze=freeze)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     per_step = [parts] * steps if isinstance(parts, int) else list(parts)
     for x, n in zip(global_batches(steps), per_step, strict=True):
         for part in x.chunk(n):

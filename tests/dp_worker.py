@@ -45,10 +45,11 @@ def main() -> None:
     ap.add_argument("--die-at", type=int, default=0)
     # (deepspeed api) checkpoints to each node's own disk: "checkpoint": {"use_node_local_storage": true}
     ap.add_argument("--node-local", action="store_true")
+    ap.add_argument("--freeze", action="store_true")  # dp_common.tiny_gpt2's frozen parameters
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model = tiny_gpt2()
+    model = tiny_gpt2(freeze=args.freeze)
     if args.own_group:
         torch.distributed.init_process_group("gloo")
     if args.slow_readers and rank != 0:

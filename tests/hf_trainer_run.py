@@ -4,7 +4,7 @@ Trainer and Accelerate keep process-wide state (AcceleratorState, the DeepSpeed 
 environment variables), so a run with DeepSpeed and one without cannot share a process. Reads a
 JSON spec (argv[1]), writes a JSON result (argv[2]) and the final weights (spec["weights"]).
 
-spec: model ("gpt2" | "llama"), out (Trainer's output_dir), steps, gas, deepspeed (a config dict
+spec: model ("gpt2" | "llama"), lora (peft's LoRA over it), out (Trainer's output_dir), steps, gas, deepspeed (a config dict
 or null), save_steps, resume (a checkpoint folder), save_model (a folder), loop ("trainer" |
 "accelerate"), samples, small_memory (the whole state dict would not fit: offloadpp's check is
 told so, and result["get_state_dict"] says what Accelerate's get_state_dict did).
@@ -23,9 +23,22 @@ VOCAB = 96
 LOGITS_INPUT = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
 
 
-def build_model(kind: str):
+def build_model(kind: str, lora: bool = False):
     import transformers
 
+    if lora:  # peft's LoRA r=8 on the attention and MLP projections, lora_B drawn non-zero
+        import peft
+
+        targets = ["c_attn", "c_proj", "c_fc"] if kind == "gpt2" else ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                       "gate_proj", "up_proj", "down_proj"]  # fmt: skip
+        cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, fan_in_fan_out=kind == "gpt2")
+        model = peft.get_peft_model(build_model(kind), cfg)
+        torch.manual_seed(100)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+        return model
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=VOCAB,
@@ -50,7 +63,7 @@ class Tokens(torch.utils.data.Dataset):
 def trainer_run(spec: dict, result: dict) -> torch.nn.Module:
     from transformers import Trainer, TrainingArguments
 
-    model = build_model(spec["model"])
+    model = build_model(spec["model"], spec.get("lora", False))
     args = TrainingArguments(
         output_dir=spec["out"],
         deepspeed=spec["deepspeed"],

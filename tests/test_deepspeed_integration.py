@@ -275,11 +275,18 @@ def test_client_optimizer_groups_and_scheduler(tmp_path, as_callable):
 
 
 def test_checkpoint_with_frozen_parameters(tmp_path):
-    """A model with a frozen parameter (not given to the optimizer): the checkpoint holds it (its
-    arrays are whole units, exclude_frozen_parameters or not), and loading gives back every value."""
+    """A model with a frozen parameter (not given to the optimizer): the checkpoint holds the
+    trainable state and a reference to the frozen base (docs/frozen.md, exclude_frozen_parameters
+    or not); loading over the same base gives back every value, over another base is refused."""
+    from offloadpp.runtime.checkpoint import CheckpointError
 
-    def frozen_model(seed):
+    base = tiny_gpt2(0).transformer.wpe.weight.detach().clone()
+
+    def frozen_model(seed, same_base=True):
         m = tiny_gpt2(seed)
+        if same_base:
+            with torch.no_grad():
+                m.transformer.wpe.weight.copy_(base)
         m.transformer.wpe.weight.requires_grad_(False)
         return m
 
@@ -303,6 +310,14 @@ def test_checkpoint_with_frozen_parameters(tmp_path):
     got = resumed.module.state_dict()
     assert all(torch.equal(got[k], saved[k]) for k in saved)
     resumed.close()
+
+    another = frozen_model(7, same_base=False)
+    refused, *_ = offloadpp.initialize(
+        model=another, model_parameters=trainable(another), config=ds_config(tmp_path / "nvme3")
+    )
+    with pytest.raises(CheckpointError, match="frozen parameters' values differ"):
+        refused.load_checkpoint(str(tmp_path / "ckpt"), load_module_strict=False)
+    refused.close()
 
 
 def test_a_port_taken_between_probe_and_bind_is_probed_again():

@@ -119,6 +119,20 @@ def test_two_ranks_train_like_one_process_and_keep_half_the_state_each(tmp_path)
         assert 0.5 * single_plan <= d["plan_ssd_bytes"] <= 0.6 * single_plan
 
 
+def test_two_ranks_with_frozen_parameters_train_like_one_process(tmp_path):
+    """Frozen parameters over several ranks stay in the units' flat buffers (docs/frozen.md:
+    the frozen segment is one rank's): they are not updated, the rest trains as torch does."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "out"
+    torchrun([str(out), "--nvme", str(nvme), "--steps", "3", "--clip", "1.0", "--freeze"])
+    got, want = weights(out), reference(3, clip=1.0, parts=2, freeze=True)
+    assert compare_weights(got, want, lr=LR, steps=3) < 1e-5
+    first = reference(0, clip=1.0, freeze=True)
+    assert torch.equal(got["transformer.wpe.weight"], first["transformer.wpe.weight"])
+    assert torch.equal(got["transformer.h.0.mlp.c_fc.weight"], first["transformer.h.0.mlp.c_fc.weight"])
+
+
 def test_save_16bit_model_over_two_ranks(tmp_path):
     """Every rank takes part in gathering each unit, rank 0 writes the shards; the whole dict is
     refused on every rank when one rank is short of memory (a rank building it alone would wait

@@ -56,8 +56,10 @@ def run(tmp: Path, name: str, **spec) -> tuple[dict, dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
         env.pop(k, None)  # plain `python train.py`, as a user starts it
+    # runner "offloadpp": under `python -m offloadpp run` (the unchanged script, patched by the runner)
+    runner = ["-m", "offloadpp", "run"] if spec.get("runner") == "offloadpp" else []
     p = subprocess.run(
-        [sys.executable, str(HERE / "hf_trainer_run.py"), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
+        [sys.executable, *runner, str(HERE / "hf_trainer_run.py"), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-4000:]
@@ -149,3 +151,28 @@ def test_save_model_streams_where_the_whole_state_dict_would_not_fit(tmp_path, l
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 2
     assert torch.equal(_logits_of(out, kind), torch.tensor(ours["logits"]))
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_trainer_with_lora_under_offloadpp_run_matches_plain_trainer(tmp_path, model):
+    """peft's LoRA through Trainer under `python -m offloadpp run` with a ZeRO-Infinity config and
+    the offloadpp block, 20 steps: the plain Trainer + peft run's weights within 1e-5, the frozen
+    base unchanged; save_model writes the adapters, which PeftModel.from_pretrained loads
+    (docs/frozen.md; tests/test_peft.py checks the base's swap files byte for byte)."""
+    peft = pytest.importorskip("peft")
+    from hf_trainer_run import build_model
+
+    spec = {"model": model, "lora": True, "steps": 20, "gas": 1, "samples": 40}
+    plain, want = run(tmp_path, "plain", **spec)
+    ds = zero_infinity(tmp_path / "nvme")
+    ours, got = run(
+        tmp_path, "ours", runner="offloadpp", deepspeed=ds, save_model=str(tmp_path / "adapters"), **spec
+    )
+    assert ours["engine"] == "OffloadppEngine" and ours["losses"] == pytest.approx(plain["losses"], rel=1e-4)
+    assert compare_weights(got, want, lr=LR, steps=20) < 1e-5
+    frozen = {k for k, v in got.items() if "lora_" not in k}
+    assert all(torch.equal(got[k], want[k]) for k in frozen if "weight" in k or "bias" in k)
+    loaded = peft.PeftModel.from_pretrained(build_model(model), str(tmp_path / "adapters"))
+    lsd = loaded.state_dict()
+    lora = [k for k in got if "lora_" in k]
+    assert lora and all(torch.equal(lsd[k], got[k]) for k in lora)

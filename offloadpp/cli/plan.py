@@ -11,6 +11,8 @@ settings come from the config as `offloadpp.initialize` reads them, through the 
 stage (offloadpp/assemble.py), so the plan printed is the plan that runs. The estimate needs a
 hardware profile: --hardware, else the cache `offloadpp profile` writes when there is one.
 --json saves the plan (budgets inside) for `"plan": "PATH"` in the config's offloadpp block.
+--lora R plans peft's LoRA of rank R over the frozen model (each unit's trainable and frozen
+parameters; docs/frozen.md).
 --machine-from-hardware plans for the machine the hardware profile describes (its memory, cores
 and SSD space) instead of this one: what a hand-written profile of another machine is for.
 --ranks N plans one of N data-parallel ranks (--ranks-per-node of them share each node's memory,
@@ -79,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="override the block's speculate (clipping, fp16: updates during backward, validated after it)",
     )
     p.add_argument("--json", metavar="PATH", help="save the plan and its estimate here")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="plan peft's LoRA of rank R on the attention and MLP projections over the frozen model "
+                        "(docs/frozen.md)")  # fmt: skip
 
 
 def _estimate_table(e) -> str:
@@ -173,6 +178,8 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
 
         cfg, _preset = hf_config_dict(args.model)
         model = meta_model(cfg)
+        if args.lora:
+            model = with_lora(model, args.lora)
         t0 = time.perf_counter()
         r = resolve_for_model(model, settings, device=args.device, nvme_paths=paths, machine=machine,
                               io_set=io_set_of(block.io))  # fmt: skip
@@ -183,6 +190,24 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
     r = resolve(settings, profile.unit_specs(), machine, hardware=hw, model=profile if hw else None,
                 saved=load_saved_plan(settings), io_set=io_set_of(block.io))  # fmt: skip
     return r, hw, time.perf_counter() - t0
+
+
+# the attention and MLP projections LoRA adapts, by the names the supported model types give them
+LORA_TARGETS = ["c_attn", "c_proj", "c_fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                "down_proj", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "fc1", "fc2", "out_proj"]  # fmt: skip
+
+
+def with_lora(model, r: int):
+    """`model` (on the meta device) under peft's LoRA of rank r: its base frozen, the adapters
+    trainable, as a user's get_peft_model makes it."""
+    import peft
+
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    targets = [t for t in LORA_TARGETS if t in present]
+    fan_in_fan_out = getattr(getattr(model, "config", None), "model_type", None) == "gpt2"  # Conv1D
+    return peft.get_peft_model(
+        model, peft.LoraConfig(r=r, target_modules=targets, fan_in_fan_out=fan_in_fan_out)
+    )
 
 
 def run(args: argparse.Namespace) -> int:

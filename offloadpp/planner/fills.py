@@ -30,24 +30,28 @@ def _upgrades(plan: Plan, traffic: dict) -> list[tuple[float, int, str, str]]:
     out = []
     cpu = plan.device == "cpu"
     cdt = plan.compute_dtype
+
+    def per(moved: float, nbytes: int) -> float:  # (an empty array: a unit without trainable parameters)
+        return (moved + 1) / max(nbytes, 1)
+
     for i, (u, _) in enumerate(plan):
         master = traffic.get(f"{u.name}.master", 0)
         moments = traffic.get(f"{u.name}.exp_avg", 0) + traffic.get(f"{u.name}.exp_avg_sq", 0)
         weights = traffic.get(f"{u.name}.weights", 0)
+        # weights resident on the CPU device keep the frozen segment there too (Plan.frozen_home)
+        frozen = traffic.get(f"{u.name}.frozen", 0) if cpu else 0
+        frozen_bytes = u.frozen_bytes(cdt) if cpu else 0
         if plan.separate_weights:
-            out.append(((weights + 1) / u.weights_bytes(cdt), i, u.name, "weights@device"))
-            out.append(((weights + 1) / u.weights_bytes(cdt), i, u.name, "weights@host"))
-            out.append(((master + 1) / u.master_bytes, i, u.name, "master@host"))
+            out.append((per(weights + frozen, u.weights_bytes(cdt)), i, u.name, "weights@device"))
+            out.append((per(weights, u.weights_bytes(cdt)), i, u.name, "weights@host"))
+            out.append((per(master, u.master_bytes), i, u.name, "master@host"))
         else:
-            out.append(
-                ((master + 1) / u.master_bytes, i, u.name, "master@device" if cpu else "weights@device")
-            )
-            out.append(((master + 1) / u.master_bytes, i, u.name, "master@host"))
-        out.append(((moments + 1) / u.moments_bytes, i, u.name, "moments@host"))
+            dev = per(master + frozen, u.master_bytes + frozen_bytes)  # (frozen: 0 but on the CPU device)
+            out.append((dev, i, u.name, "master@device" if cpu else "weights@device"))
+            out.append((per(master, u.master_bytes), i, u.name, "master@host"))
+        out.append((per(moments, u.moments_bytes), i, u.name, "moments@host"))
         if plan.persistent_grads:
-            out.append(
-                ((traffic.get(f"{u.name}.grads", 0) + 1) / plan.grad_bytes(u), i, u.name, "grads@host")
-            )
+            out.append((per(traffic.get(f"{u.name}.grads", 0), plan.grad_bytes(u)), i, u.name, "grads@host"))
     out.sort(key=lambda x: (-x[0], x[1]))
     return out
 
@@ -194,12 +198,15 @@ def _traffic(plan: Plan) -> dict[str, int]:
     cdt = plan.compute_dtype
     for u in plan.units:
         f = fetches[u.name]
+        frozen = u.frozen_bytes(cdt)  # read at every fetch, never written (docs/frozen.md)
         if plan.separate_weights:
-            out[f"{u.name}.weights"] = (f + 1) * u.weights_bytes(cdt)
+            out[f"{u.name}.weights"] = (f + 1) * (u.weights_bytes(cdt) - frozen)
             out[f"{u.name}.master"] = 2 * u.master_bytes
         else:
             out[f"{u.name}.master"] = (f + 1) * u.master_bytes
         out[f"{u.name}.exp_avg"] = out[f"{u.name}.exp_avg_sq"] = u.moments_bytes
+        if frozen:
+            out[f"{u.name}.frozen"] = f * frozen
     if plan.persistent_grads:  # written once per micro-batch and read back, but where kept (grads_order)
         kept = set(grads_order(plan)[-(plan.optim_prefetch_depth + 1) :]) if plan.deferred_update else set()
         for u in plan.units:

@@ -50,10 +50,11 @@ class UnitProfile:
     pieces: tuple[tuple[int, int, int, int], ...] = ()
     forward_s: Optional[float] = None  # measured, one micro-batch (see the module note)
     backward_s: Optional[float] = None
+    frozen_numel: int = 0  # frozen parameters owned, apart from numel (UnitSpec.frozen_numel)
 
     def __post_init__(self) -> None:
         for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
-                     "partial_extra_bytes"):  # fmt: skip
+                     "partial_extra_bytes", "frozen_numel"):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be an int >= 0, got {v!r}")
@@ -63,7 +64,8 @@ class UnitProfile:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be None or seconds >= 0, got {v!r}")
 
     def spec(self) -> UnitSpec:
-        return UnitSpec(self.name, self.numel, tuple(self.borrows), self.backward_needs_weights)
+        return UnitSpec(self.name, self.numel, tuple(self.borrows), self.backward_needs_weights,
+                        frozen_numel=self.frozen_numel)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,23 @@ class ModelProfile:
 
     def unit_specs(self) -> tuple[UnitSpec, ...]:
         return tuple(u.spec() for u in self.units)
+
+    def with_frozen_split(self, units) -> ModelProfile:
+        """This (analytic) profile's units as a model with frozen parameters has them (a peft
+        model: its blocks under a prefix, the adapters trainable, the base frozen; docs/frozen.md):
+        the same units in the same order take the model's names and trainable/frozen split and keep
+        the analytic FLOPs and activations of the base (the adapters' are small; a frozen weight's
+        backward computes no weight gradient, which the analytic FLOPs still count). Otherwise
+        the profile as it is."""
+        if len(self.units) != len(units) or not any(u.frozen_numel for u in units):
+            return self
+        if not all(u.name == p.name or u.name.endswith("." + p.name) for p, u in zip(self.units, units)):
+            return self
+        return replace(self, units=tuple(
+            replace(p, name=u.name, numel=u.numel, frozen_numel=u.frozen_numel, borrows=tuple(u.borrows),
+                    backward_needs_weights=u.backward_needs_weights)
+            for p, u in zip(self.units, units)
+        ))  # fmt: skip
 
     def unit(self, name: str) -> UnitProfile:
         for u in self.units:

@@ -27,6 +27,7 @@ from .schedule import (
     drain_device_bytes,
     drain_host_bytes,
     fetch_host_bytes,
+    held_weights_bytes,
     holds,
     kept_grad_bytes,
     kept_host_bytes,
@@ -77,12 +78,14 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     hs = _holds_for(plan)
     cdt = plan.compute_dtype
     device_w = {}
+    trainable_w = {}  # held for the optimizer or the next forward: no frozen segment (Holds.computing)
     ssd_w = {}
     ob = {}
     kb = {}
     sb = {}
     for u, p in plan:
         device_w[u.name] = 0 if p.weights is Tier.DEVICE else u.weights_bytes(cdt)
+        trainable_w[u.name] = 0 if p.weights is Tier.DEVICE else held_weights_bytes(plan, u, False)
         ssd_w[u.name] = fetch_host_bytes(plan, u, p)
         ob[u.name] = optim_host_bytes(plan, u, p)
         kb[u.name] = kept_grad_bytes(plan, u, p)
@@ -91,7 +94,7 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     for h in hs:
         d = h.grads
         for n in h.device:
-            d += device_w[n]
+            d += device_w[n] if n in h.computing else trainable_w[n]
         x = 0
         for n in h.window:
             x += ob[n]

@@ -102,6 +102,10 @@ class UnitSpec:
     # Data-parallel ranks the unit's state is partitioned over (ZeRO-style, see the Note on
     # shards below); the sizes are one rank's.
     shards: int = 1
+    # Frozen parameters (requires_grad False) kept apart from `numel`: stored once in the compute
+    # dtype, read for forward and backward, never written; no master, moments, gradients or Adam
+    # work (see the Note on frozen parameters below). `numel` counts the trainable ones only.
+    frozen_numel: int = 0
 
     # Note: shards. With N data-parallel ranks each rank owns one N-th of the unit's flat buffer
     # (`shard_numel` elements): its fp32 master, its Adam moments and, at home, its part of the
@@ -110,9 +114,29 @@ class UnitSpec:
     # (reduced over the ranks into each rank's shard at the accumulation boundary). One rank:
     # every size is the unit's.
 
+    # Note: frozen parameters (docs/frozen.md). A unit's frozen segment is its own flat buffer of
+    # `frozen_numel` elements in the compute dtype, not sharded and never written after the first
+    # weights: its home is the store ("frozen" in Plan.homes), or the device for a unit whose
+    # weights are resident on the CPU device. The device holds it with the unit's weights while
+    # the unit computes (weights_bytes counts both); its reads are weights traffic, and it has no
+    # other array.
+
     def __post_init__(self) -> None:
         if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
             raise PlanError(f"unit {self.name!r}: shards must be an int >= 1, got {self.shards!r}")
+        if (
+            isinstance(self.frozen_numel, bool)
+            or not isinstance(self.frozen_numel, int)
+            or self.frozen_numel < 0
+        ):
+            raise PlanError(
+                f"unit {self.name!r}: frozen_numel must be an int >= 0, got {self.frozen_numel!r}"
+            )
+        if self.frozen_numel and self.shards > 1:
+            raise PlanError(
+                f"unit {self.name!r}: a frozen segment over {self.shards} ranks; over several ranks frozen "
+                "parameters stay in the unit's flat buffer (docs/frozen.md)"
+            )
 
     @cached_property  # (the planner asks millions of times; the dataclass is frozen)
     def shard_numel(self) -> int:
@@ -124,8 +148,13 @@ class UnitSpec:
         return self.shard_numel * self.shards
 
     def weights_bytes(self, compute_dtype: str) -> int:
-        """The whole unit's compute weights (on the device)."""
-        return self.padded_numel * DTYPE_BYTES[compute_dtype]
+        """The whole unit's compute weights on the device: the trainable ones and the frozen
+        segment, which the device holds together while the unit computes."""
+        return self.padded_numel * DTYPE_BYTES[compute_dtype] + self.frozen_bytes(compute_dtype)
+
+    def frozen_bytes(self, compute_dtype: str) -> int:
+        """The frozen segment (see the Note), padded as every flat buffer is."""
+        return flat_numel(self.frozen_numel) * DTYPE_BYTES[compute_dtype]
 
     def weights_home_bytes(self, compute_dtype: str) -> int:
         """This rank's part of the compute weights at their home (HOST or SSD)."""
@@ -353,9 +382,20 @@ class Plan:
             h["grad_shard"] = p.grads if self.deferred_update else None
         else:
             h["grads"] = p.grads if self.persistent_grads else None
+        if u.frozen_numel:
+            h["frozen"] = self.frozen_home(p)
         return h
 
+    def frozen_home(self, p: Placement) -> Tier:
+        """Where a unit's frozen segment lives (UnitSpec's Note on frozen parameters): with the
+        weights where they are resident on the CPU device (memory the device budget counts),
+        else on SSD, read at each fetch of the unit's weights (on CUDA too: a device-resident
+        frozen copy is not built yet)."""
+        return Tier.DEVICE if (p.weights is Tier.DEVICE and self.device == "cpu") else Tier.SSD
+
     def array_bytes(self, u: UnitSpec, array: str) -> int:
+        if array == "frozen":
+            return u.frozen_bytes(self.compute_dtype)
         if array == "weights":
             return u.weights_home_bytes(self.compute_dtype)
         if array in ("exp_avg", "exp_avg_sq"):
@@ -377,8 +417,16 @@ class Plan:
         total = self.ssd_bytes()
         if not self.deferred_update or self.speculative:
             grads = sum(self.grad_bytes(u) for u, p in self if self.persistent_grads and p.grads is Tier.SSD)
-            total = 2 * total - grads
+            total = 2 * total - grads - self.frozen_ssd_bytes()  # (one generation of what is never written)
         return total
+
+    def frozen_ssd_bytes(self) -> int:
+        """The frozen segments on SSD: written once, read-only after."""
+        return sum(
+            u.frozen_bytes(self.compute_dtype)
+            for u, p in self
+            if u.frozen_numel and self.frozen_home(p) is Tier.SSD
+        )
 
     def ssd_need_bytes(self, paths: int = 1) -> float:
         """The free SSD space the run needs over `paths` swap directories, the one rule the
@@ -420,6 +468,7 @@ class Plan:
 
     def describe(self) -> str:
         """A table for humans: one line per unit."""
+        w = max([28] + [len(u.name) for u in self.units])
         lines = [
             f"plan: device={self.device} compute={self.compute_dtype} prefetch_depth={self.prefetch_depth} "
             f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
@@ -429,13 +478,22 @@ class Plan:
             + (f" ranks={self.ranks} (each keeps 1/{self.ranks} of the state)" if self.ranks > 1 else ""),
             f"  budgets: {self.describe_budgets()}; resident: device {fmt_bytes(self.resident_device_bytes())}, "
             f"host {fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",
-            f"  {'unit':<28} {'params':>12} {'weights':>8} {'master':>8} {'moments':>8} {'grads':>8}",
+            f"  {'unit':<{w}} {'trainable':>12} {'frozen':>12} {'weights':>8} {'master':>8} {'moments':>8} "
+            f"{'grads':>8} {'frozen at':>9}",
         ]
         for u, p in self:
             grads = p.grads.value if self.persistent_grads else "-"
+            frozen_at = self.frozen_home(p).value if u.frozen_numel else "-"
             lines.append(
-                f"  {u.name:<28} {u.numel:>12,} {p.weights.value:>8} {p.master.value:>8} "
-                f"{p.moments.value:>8} {grads:>8}"
+                f"  {u.name:<{w}} {u.numel:>12,} {u.frozen_numel:>12,} {p.weights.value:>8} {p.master.value:>8} "
+                f"{p.moments.value:>8} {grads:>8} {frozen_at:>9}"
+            )
+        frozen = sum(u.frozen_numel for u in self.units)
+        if frozen:
+            lines.append(
+                f"  frozen: {frozen:,} parameters, {fmt_bytes(sum(u.frozen_bytes(self.compute_dtype) for u in self.units))} "
+                f"read-only ({fmt_bytes(self.frozen_ssd_bytes())} on SSD); trainable: "
+                f"{sum(u.numel for u in self.units):,} parameters with master, moments and gradients"
             )
         if self.activations and set(self.activations) != {"keep"}:
             act = self.budgets.activation_bytes if self.budgets is not None else None

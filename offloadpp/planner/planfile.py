@@ -32,6 +32,7 @@ def plan_to_dict(plan: Plan, estimate: Optional[StepEstimate] = None) -> dict:
             "numel": u.numel,
             "borrows": list(u.borrows),
             "backward_needs_weights": u.backward_needs_weights,
+            "frozen_numel": u.frozen_numel,
         }
         for u in plan.units
     ]
@@ -69,6 +70,7 @@ def plan_from_dict(d: Mapping[str, Any]) -> tuple[Plan, Optional[StepEstimate]]:
                 int(u["numel"]),
                 tuple(u.get("borrows", ())),
                 bool(u.get("backward_needs_weights", True)),
+                frozen_numel=int(u.get("frozen_numel", 0)),
             )
             for u in d["units"]
         )

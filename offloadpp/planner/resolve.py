@@ -590,6 +590,7 @@ def model_profile_for(
                                     compute_dtype=settings.compute_dtype, name=name)  # fmt: skip
         except ModelProfileError as e:
             raise PlanError(str(e)) from None
+        prof = prof.with_frozen_split(units)
     got = list(prof.unit_specs())
     if got != list(units):
         raise PlanError(

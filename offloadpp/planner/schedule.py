@@ -335,6 +335,17 @@ class Holds:
     visit: int = 0
     speculative: bool = False  # of a speculative plan's walk of a step that speculates
     kept_shards: frozenset[str] = frozenset()  # over several ranks: updated shards kept for the next forward
+    # the units of `device` held for computing (alive): their frozen segment too; the others (the
+    # optimizer's masters, updated weights kept for the next forward) hold the trainable weights
+    # only (UnitSpec's Note on frozen parameters)
+    computing: frozenset[str] = frozenset()
+
+
+def held_weights_bytes(plan: Plan, u, computing: bool) -> int:
+    """Device bytes of unit u's weights held at a visit: both segments where it computes (or is
+    fetched for it), else its trainable weights only (held for the optimizer or the next forward)."""
+    wb = u.weights_bytes(plan.compute_dtype)
+    return wb if computing else wb - u.frozen_bytes(plan.compute_dtype)
 
 
 def holds(plan: Plan, sched: Schedule) -> list[Holds]:
@@ -373,7 +384,8 @@ def holds(plan: Plan, sched: Schedule) -> list[Holds]:
         grads = specs[v.unit].padded_numel * DTYPE_BYTES[cdt] if v.backward else 0
         fetching = sched.alive[v.index] if staged_fetch(plan) else frozenset()
         shards = frozenset(kept) if plan.ranks > 1 else frozenset()
-        out.append(Holds(frozenset(held), tuple(window), fetching, grads, visit=v.index, kept_shards=shards))
+        out.append(Holds(frozenset(held), tuple(window), fetching, grads, visit=v.index, kept_shards=shards,
+                         computing=frozenset(sched.alive[v.index])))  # fmt: skip
     if plan.speculative:
         out += _speculative_holds(plan, sched)
     return out
@@ -406,7 +418,8 @@ def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
         kept = tuple(n for n in absorb if n in updated and n in keep and n not in window)
         grads = specs[v.unit].padded_numel * DTYPE_BYTES[plan.compute_dtype]
         fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()
-        out.append(Holds(frozenset(held), tuple(window), fetching, grads, kept, v.index, speculative=True))
+        out.append(Holds(frozenset(held), tuple(window), fetching, grads, kept, v.index, speculative=True,
+                         computing=frozenset(sched.alive[v.index])))  # fmt: skip
     return out
 
 
@@ -417,8 +430,12 @@ def kept_grad_bytes(plan: Plan, u, p) -> int:
 
 
 def fetch_host_bytes(plan: Plan, u, p) -> int:
-    """Host bytes of a unit's weights being fetched (staged_fetch): its home, read from SSD."""
-    return u.weights_home_bytes(plan.compute_dtype) if staged_fetch(plan) and p.weights is Tier.SSD else 0
+    """Host bytes of a unit's weights being fetched (staged_fetch): its home, read from SSD, and
+    its frozen segment, staged the same way wherever the unit's weights are not resident."""
+    if not staged_fetch(plan):
+        return 0
+    frozen = u.frozen_bytes(plan.compute_dtype) if u.frozen_numel and plan.frozen_home(p) is Tier.SSD else 0
+    return (u.weights_home_bytes(plan.compute_dtype) if p.weights is Tier.SSD else 0) + frozen
 
 
 def kept_host_bytes(plan: Plan, u, p) -> int:
@@ -434,6 +451,7 @@ def _walk(plan: Plan, sched: Schedule, which: Optional[str] = None) -> tuple[lis
     cdt = plan.compute_dtype
     place = {p.unit: p for p in plan.placements}
     wb = {u.name: u.weights_bytes(cdt) for u in plan.units}
+    tb = {u.name: held_weights_bytes(plan, u, False) for u in plan.units}  # (no frozen segment)
     ob = {u.name: optim_host_bytes(plan, u, place[u.name]) for u in plan.units}
     fb = {u.name: fetch_host_bytes(plan, u, place[u.name]) for u in plan.units}
     kb = {u.name: kept_grad_bytes(plan, u, place[u.name]) for u in plan.units}
@@ -445,7 +463,7 @@ def _walk(plan: Plan, sched: Schedule, which: Optional[str] = None) -> tuple[lis
             continue
         held = {x for x in h.device if place[x].weights is not Tier.DEVICE}
         i = h.visit
-        devs[i] = max(devs[i], sum(wb[x] for x in held) + h.grads)
+        devs[i] = max(devs[i], sum(wb[x] if x in h.computing else tb[x] for x in held) + h.grads)
         host = sum(ob[x] for x in h.window) + sum(kb[x] for x in h.kept) + sum(sb[x] for x in h.kept_shards)
         host += sum(fb[x] for x in h.fetching)
         hosts[i] = max(hosts[i], host)

@@ -414,9 +414,12 @@ class Sim:
             u.compute.release(self, OPTIM)
         elif job.update:
             after = 0.0
-            if self.cuda and isinstance(u.weights, CudaWeights) and u.weights.resident:
-                u.weights.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
-                after = u.weights.copy_done
+            w = getattr(
+                u.weights, "trainable", u.weights
+            )  # (PairWeights: the frozen segment takes no update)
+            if self.cuda and isinstance(w, CudaWeights) and w.resident:
+                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
+                after = w.copy_done
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.holds.add(NEXT)
             for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):

@@ -83,6 +83,32 @@ class CpuWeights:
         self.source.release(sim, COMPUTE)
 
 
+class PairWeights:
+    """runtime/device.py PairWeights: a unit's weights and its frozen segment, fetched together."""
+
+    def __init__(self, trainable, frozen):
+        self.trainable, self.frozen = trainable, frozen
+
+    def acquire(self, sim: Replay) -> Iterator:
+        yield from self.trainable.acquire(sim)
+        yield from self.frozen.acquire(sim)
+
+    def pump(self, sim: Replay) -> None:
+        self.trainable.pump(sim)
+        self.frozen.pump(sim)
+
+    def wait(self, sim: Replay) -> Iterator:
+        yield from self.frozen.wait(sim)
+        yield from self.trainable.wait(sim)
+
+    def release(self, sim: Replay) -> None:
+        self.trainable.release(sim)
+        self.frozen.release(sim)
+
+    def __getattr__(self, name):  # resident, copy_done: the trainable weights'
+        return getattr(self.__dict__["trainable"], name)
+
+
 class CudaWeights:
     def __init__(self, source: Slot, resident: bool):
         self.source, self.resident = source, resident
@@ -158,6 +184,16 @@ class Unit:
                 sim.resident_device_bytes += n * cdt
         else:
             self.weights = CpuWeights(self.compute)
+        if spec.frozen_numel:  # read with the weights, never written (runtime Unit.frozen_slot)
+            fb = spec.frozen_bytes(plan.compute_dtype)
+            resident = homes["frozen"] is Tier.DEVICE
+            fs = Slot(f"{spec.name}.frozen", fb, sim.device_pool if not cuda else sim.host_pool, resident,
+                      on_disk=not resident, stored=False)  # fmt: skip
+            if resident:
+                sim.device_pool.allocated += fb
+                sim.device_pool.peak = max(sim.device_pool.peak, sim.device_pool.allocated)
+                fs.state = READY
+            self.weights = PairWeights(self.weights, CudaWeights(fs, False) if cuda else CpuWeights(fs))
         self.bound = False
         self.phase = "idle"
         # updated speculatively only where its state all lives on SSD (runtime Unit.can_speculate)
@@ -169,7 +205,7 @@ class Unit:
     def slot_for(sim: Replay, spec, homes):
         def slot(array: str, nbytes: int, pool: Pool) -> Slot:
             home = homes[array]
-            resident = home is Tier.HOST or home is Tier.DEVICE
+            resident = home is Tier.HOST or home is Tier.DEVICE or nbytes == 0  # (runtime Unit: empty arrays)
             # master and compute copies are on SSD from the start (written at initialisation)
             s = Slot(f"{spec.name}.{array}", nbytes, pool, resident,
                      on_disk=home is Tier.SSD and array in ("master", "weights"), stored=home is Tier.SSD)  # fmt: skip

@@ -19,6 +19,7 @@ from .plan import fmt_bytes
 KINDS = ("weights", "gradients", "optimizer_state", "activations")
 ARRAY_KINDS = {
     "weights": "weights",
+    "frozen": "weights",  # a unit's frozen segment: read with its weights, never written
     "master": "optimizer_state",
     "exp_avg": "optimizer_state",
     "exp_avg_sq": "optimizer_state",

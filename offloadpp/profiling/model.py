@@ -230,6 +230,7 @@ class ModelProfiler:
                 UnitProfile(
                     name=spec.name,
                     numel=spec.numel,
+                    frozen_numel=spec.frozen_numel,
                     forward_flops=int(self.fflops[i]),
                     backward_flops=int(self.bflops[i]),
                     activation_bytes=int(self.saved[i]),
@@ -266,14 +267,20 @@ def _flatten_like_runtime(layouts) -> None:
 
     with torch.no_grad():
         for lay in layouts:
-            p0 = lay.params[0][0]
-            if p0.device.type != "cpu":
-                return
-            flat = aligned_empty(flat_numel(lay.numel), dtype=p0.dtype, pin=False)
-            for p, s in lay.params:
-                view = flat[s.offset : s.offset + s.numel].view(s.shape)
-                view.copy_(p.detach())
-                p.data = view
+            for params, numel in (
+                (lay.params, lay.numel),
+                (lay.frozen, lay.frozen_numel),
+            ):  # (docs/frozen.md)
+                if not params:
+                    continue
+                p0 = params[0][0]
+                if p0.device.type != "cpu":
+                    return
+                flat = aligned_empty(flat_numel(numel), dtype=p0.dtype, pin=False)
+                for p, s in params:
+                    view = flat[s.offset : s.offset + s.numel].view(s.shape)
+                    view.copy_(p.detach())
+                    p.data = view
 
 
 def profile_model(

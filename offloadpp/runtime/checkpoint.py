@@ -4,7 +4,8 @@
                             CRC-32C, step counts, hyper-parameters, the loss scaler, and what
                             the caller adds (the DeepSpeed adapter: counters, scheduler, ...)
     CKPT/state/*.oswp       fp32 master weights and Adam moments, one key per unit and array,
-                            in the TensorStore's format (headers, payload CRC)
+                            in the TensorStore's format (headers, payload CRC); of the trainable
+                            parameters only: frozen ones are recorded by reference (model_layout)
 
 Note: bounded memory, disk speed. One unit's array is read from its home (SSD or memory) into
 a buffer of the engine's own pools, and written to the checkpoint's store while the next one is
@@ -63,25 +64,51 @@ def _slots(u: Unit):
     return u.master, u.exp_avg, u.exp_avg_sq
 
 
+def _param_record(s) -> dict:
+    return {"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch."),
+            "offset": s.offset, "numel": s.numel}  # fmt: skip
+
+
 def model_layout(units: list[Unit]) -> list[dict]:
-    """The model as the checkpoint records it: units, and each parameter's place and shape."""
-    return [
-        {
+    """The model as the checkpoint records it: units, and each parameter's place and shape; for
+    a unit with frozen parameters, the reference to its frozen segment (docs/frozen.md): their
+    names, shapes and dtypes and the segment's CRC-32C, which proves the base a checkpoint is
+    loaded over is the one it was trained on (the segment itself is not in the checkpoint)."""
+    out = []
+    for u in units:
+        d = {
             "unit": u.name,
             "padded_numel": u.padded_numel,
-            "params": [
-                {
-                    "name": s.name,
-                    "shape": list(s.shape),
-                    "dtype": str(s.dtype).removeprefix("torch."),
-                    "offset": s.offset,
-                    "numel": s.numel,
-                }  # fmt: skip
-                for _, s in u.params
-            ],
+            "params": [_param_record(s) for _, s in u.params],
         }
-        for u in units
-    ]
+        if u.frozen:
+            d["frozen"] = {"params": [_param_record(s) for _, s in u.frozen], "crc32c": u.frozen_crc,
+                           "dtype": str(u.compute_dtype).removeprefix("torch.")}  # fmt: skip
+        out.append(d)
+    return out
+
+
+def _check_frozen(got: Optional[dict], want: Optional[dict], unit: str) -> None:
+    """The checkpoint's reference to unit's frozen segment against the engine's (model_layout)."""
+    if got == want:
+        return
+    if got is None or want is None:
+        has, lacks = ("the checkpoint", "the model") if want is None else ("the model", "the checkpoint")
+        raise CheckpointError(
+            f"unit {unit!r}: {has} has frozen parameters, {lacks} none: the parameters frozen "
+            "(requires_grad=False) must be the same when a checkpoint is loaded"
+        )
+    names = ([p["name"] for p in got["params"]], [p["name"] for p in want["params"]])
+    if names[0] != names[1] or got["params"] != want["params"] or got["dtype"] != want["dtype"]:
+        raise CheckpointError(
+            f"unit {unit!r}: the frozen parameters differ (checkpoint {names[0]}, {got['dtype']}; model {names[1]}, "
+            f"{want['dtype']}): the parameters frozen must be the same when a checkpoint is loaded"
+        )
+    raise CheckpointError(
+        f"unit {unit!r}: the frozen parameters' values differ from the base the checkpoint was trained on "
+        f"(CRC-32C {got['crc32c']:#010x} in the checkpoint, {want['crc32c']:#010x} here): load the same base "
+        "model (checkpoints hold the trainable state only)"
+    )
 
 
 def check_layout(saved: list[dict], units: list[Unit]) -> None:
@@ -110,6 +137,7 @@ def check_layout(saved: list[dict], units: list[Unit]) -> None:
             raise CheckpointError(
                 f"the checkpoint's unit {u.name!r} has parameters the model lacks: {sorted(extra)}"
             )
+        _check_frozen(got.get("frozen"), want.get("frozen"), u.name)
     extra_units = set(have) - {u.name for u in units}
     if extra_units:
         raise CheckpointError(f"the checkpoint has units the model lacks: {sorted(extra_units)}")
@@ -151,7 +179,7 @@ def save_state(units: list[Unit], path: str, *, io: IOConfig, meta: dict, files:
     cfg = io.model_copy(update={"checksum": True})  # a checkpoint is always checksummed
     with TensorStore([state_dir], config=cfg, create=False) as ck:
         for u in tqdm(units, desc="offloadpp: saving", disable=not progress, leave=False):
-            for array, slot in zip(ARRAYS, _slots(u)):
+            for array, slot in zip(ARRAYS, _slots(u)) if u.numel else ():  # (no trainable parameter: nothing)
                 slot.acquire(Hold.EXPORT)
                 buf = slot.wait()
                 key = f"{u.name}.{array}"
@@ -259,6 +287,8 @@ def _record(manifest: dict, ck: TensorStore, key: str, where: str) -> dict:
 
 
 def _taken(u: Unit, optimizer_states: bool):
+    if not u.numel:  # no trainable parameter: no state (its frozen segment is checked by reference)
+        return []
     return [(a, s) for a, s in zip(ARRAYS, _slots(u)) if a == "master" or optimizer_states]
 
 

@@ -144,6 +144,46 @@ class CpuWeights:
         pass  # the update wrote the buffer the device computes with
 
 
+class PairWeights:
+    """A unit's weights and its frozen segment (docs/frozen.md), fetched, waited on and given
+    back together; everything else (refresh after an update, residency, the device tensor) is
+    the trainable weights': the frozen segment is never written.
+
+    Both start their reads at acquire(), so the frozen segment's read overlaps the other's."""
+
+    def __init__(self, trainable, frozen):
+        self.trainable = trainable
+        self.frozen = frozen
+
+    @property
+    def state(self) -> SlotState:
+        a, b = self.trainable.state, self.frozen.state
+        return a if a is b else SlotState.LOADING
+
+    def acquire(self) -> None:
+        self.trainable.acquire()
+        self.frozen.acquire()
+
+    def pump(self) -> None:
+        self.trainable.pump()
+        self.frozen.pump()
+
+    def wait(self) -> torch.Tensor:
+        self.frozen.wait()
+        return self.trainable.wait()
+
+    def frozen_tensor(self) -> torch.Tensor:
+        """The frozen segment on the device (after wait())."""
+        return self.frozen.wait()
+
+    def release(self) -> None:
+        self.trainable.release()
+        self.frozen.release()
+
+    def __getattr__(self, name):  # resident, tensor, last_copy, refresh, load_resident: the trainable's
+        return getattr(self.__dict__["trainable"], name)
+
+
 class CudaWeights:
     """A unit's device weights on a GPU: a device buffer filled from the pinned compute copy.
 

@@ -113,7 +113,9 @@ class OffloadEngine:
         self.device = Device(config.device)
         # on the CPU device the step's freed memory is the device's: returned to the OS where
         # memory is short (host_heap's Notes)
-        state = sum(u.numel for u in plan.units) * 16
+        state = sum(
+            u.numel * 16 + u.frozen_bytes(plan.compute_dtype) for u in plan.units
+        )  # (frozen: docs/frozen.md)
         self._return_heap = not self.device.is_cuda and host_heap.needed(
             state, psutil.virtual_memory().available
         )
@@ -127,7 +129,8 @@ class OffloadEngine:
         self.replaced_params = replace_meta_params(model, self.device.placeholder)  # {id(old): new}
         meta = bool(self.replaced_params)
         check_buffers(model, self.device.torch_device)
-        layouts = layout_units(model, find_units(model, s.units))
+        # frozen parameters get a segment of their own on one rank (docs/frozen.md)
+        layouts = layout_units(model, find_units(model, s.units), split_frozen=plan.ranks == 1)
         specs = shard_units([lay.spec() for lay in layouts], dp.world if dp else 1)  # one rank's
         check_plan(plan, specs, self.device.kind, s)
         if plan.adam_threads is None:  # a plan made without the resolve stage (tests, benchmarks)
@@ -573,15 +576,22 @@ class OffloadEngine:
 
     def export_weights(self, save_dir: str, *, dtype: Optional[torch.dtype] = None, filename: str = "model.safetensors",
                        max_shard_bytes: Optional[int] = None, exclude_frozen: bool = False,
-                       progress: bool = False) -> list[str]:  # fmt: skip
+                       progress: bool = False, merge: Optional[export.Merge] = None) -> list[str]:  # fmt: skip
         """The current weights as files from_pretrained loads (safetensors, or torch.save's format
         for another name), unit by unit at bounded memory (runtime/export.py); dtype: the compute
-        dtype unless given; max_shard_bytes: export.DEFAULT_SHARD_BYTES unless given. Between steps."""
+        dtype unless given; max_shard_bytes: export.DEFAULT_SHARD_BYTES unless given; merge:
+        adapters folded into their weights (export.Merge). Between steps."""
         self._check_open()
         dtype = dtype or TORCH_DTYPES[self.settings.compute_dtype]
-        fmt = export.ExportFormat(dtype, filename, max_shard_bytes, exclude_frozen)
+        fmt = export.ExportFormat(dtype, filename, max_shard_bytes, exclude_frozen, merge=merge)
         return export.export_weights(self.units, self.module, save_dir, fmt, before=self._quiesce,
                                      progress=progress, write=self.dp is None or self.dp.rank == 0)  # fmt: skip
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters' values by name (runtime/export.py), without reading the
+        frozen base: what an adapter's save needs. Between steps."""
+        self._check_open()
+        return export.trainable_state_dict(self.units, self._quiesce)
 
     def budget_report(self):
         """Each budget with the most the engine held against it in this step and since it started

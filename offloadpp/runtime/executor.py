@@ -39,13 +39,14 @@ log = logging.getLogger("offloadpp.runtime")
 class ParamRef:
     """A saved tensor that is a view of a unit's weights, by position rather than by buffer."""
 
-    __slots__ = ("unit", "offset", "size", "stride")
+    __slots__ = ("unit", "offset", "size", "stride", "frozen")
 
-    def __init__(self, unit: Unit, offset: int, size, stride):
+    def __init__(self, unit: Unit, offset: int, size, stride, frozen: bool = False):
         self.unit = unit
         self.offset = offset
         self.size = size
         self.stride = stride
+        self.frozen = frozen  # a view of the unit's frozen segment (docs/frozen.md)
 
 
 def _param_hook(executor: Executor, unit: str):
@@ -80,7 +81,7 @@ class Executor:
         self.cursor = -1
         self.in_backward = False
         self.held: list[Unit] = []  # units with a COMPUTE hold on their weights
-        self.bound: list[tuple[int, int, Unit]] = []  # (start, end) addresses of bound weights
+        self.bound: list[tuple[int, int, Unit, bool]] = []  # (start, end) addresses of bound weights, frozen?
         self.wait_s = 0.0
         self.misses = 0
         self._warned_order = False
@@ -176,8 +177,7 @@ class Executor:
         if not u.bound:
             self.optimizer.wait_pending(u)
             u.bind()
-            start, end = u.flat_range()
-            self.bound.append((start, end, u))
+            self.bound.extend((start, end, u, frozen) for start, end, frozen in u.flat_ranges())
 
     def _drop(self, u: Unit) -> None:
         if (
@@ -197,9 +197,13 @@ class Executor:
         u.weights.release()
         self.held = [h for h in self.held if h is not u]
 
-    def ensure(self, u: Unit) -> torch.Tensor:
-        """The unit's weights for backward, fetched now if the schedule has not (a miss)."""
-        u.check_usable_in_backward()
+    def ensure(self, u: Unit, frozen: bool = False) -> torch.Tensor:
+        """The unit's weights for backward (its frozen segment's, if `frozen`), fetched now if
+        the schedule has not (a miss). The frozen segment may be read after the unit's update
+        started (a frozen weight's input gradient after the adapter's gradients): no update
+        writes it."""
+        if not frozen:
+            u.check_usable_in_backward()
         if not u.bound:
             self.misses += 1
             if not self._warned_order:
@@ -215,7 +219,7 @@ class Executor:
                 self.held.append(u)
             self._bind(u)
             self.wait_s += time.perf_counter() - t0
-        return u.flat
+        return u.flat_of(frozen)
 
     # ---- hooks ---------------------------------------------------------------------------
     def _root_pre_forward(self, module, args):
@@ -304,15 +308,15 @@ class Executor:
     def pack(self, t: torch.Tensor):
         if self.bound and t.dtype.is_floating_point:
             ptr = t.data_ptr()
-            for start, end, u in self.bound:
+            for start, end, u, frozen in self.bound:
                 if start <= ptr < end:
-                    if t.dtype != u.flat.dtype:
+                    if t.dtype != u.flat_of(frozen).dtype:
                         return t
-                    return ParamRef(u, (ptr - start) // t.element_size(), t.size(), t.stride())
+                    return ParamRef(u, (ptr - start) // t.element_size(), t.size(), t.stride(), frozen)
         return t
 
     def unpack(self, x):
         if type(x) is ParamRef:
-            flat = self.ensure(x.unit)
+            flat = self.ensure(x.unit, x.frozen)
             return torch.as_strided(flat, x.size, x.stride, flat.storage_offset() + x.offset)
         return x

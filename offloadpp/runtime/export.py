@@ -18,7 +18,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -57,6 +57,18 @@ def _writer(path: str, filename: str, decl: list, direct: bool):
 
 
 @dataclass(frozen=True)
+class Merge:
+    """Adapters folded into the weights they adapt as an export writes them (docs/frozen.md),
+    unit by unit: `rename` gives each parameter's and buffer's written name (None: not written,
+    an adapter's own weights); `deltas`, by written name, the low-rank pairs added to that weight:
+    (A's name, B's name, scale, transposed) for W + scale * B @ A (transposed: its transpose), in
+    fp32. A pair must belong to its weight's unit (a LoRA layer lives in its base layer's block)."""
+
+    rename: Callable[[str], Optional[str]]
+    deltas: Mapping[str, tuple[tuple[str, str, float, bool], ...]]
+
+
+@dataclass(frozen=True)
 class ExportFormat:
     """What an export writes: the weights in `dtype`, as safetensors or (another file name)
     torch.save's format, in shards of at most max_shard_bytes (None: DEFAULT_SHARD_BYTES at the
@@ -68,6 +80,7 @@ class ExportFormat:
     max_shard_bytes: Optional[int] = None
     exclude_frozen: bool = False
     direct: bool = True
+    merge: Optional[Merge] = None
 
 
 def export_weights(
@@ -89,13 +102,18 @@ def export_weights(
         before()  # the optimizer quiet: the masters are final
     owner = {}
     for u in units:
-        for p, s in u.params:
+        for p, s in u.layout.all_params:
             owner[id(p)] = (u, s)
     entries = []  # (name, unit, slot) in unit order
     seen: set[int] = set()
     by_unit: dict[str, list] = {u.name: [] for u in units}
+    merge = fmt.merge
+    named = {}  # every parameter name -> (unit, slot): the adapters a merge reads
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen or (exclude_frozen and not p.requires_grad):
+        named[name] = owner[id(p)]
+        if merge is not None:
+            name = merge.rename(name)
+        if id(p) in seen or name is None or (exclude_frozen and not p.requires_grad):
             seen.add(id(p))
             continue
         seen.add(id(p))
@@ -110,6 +128,8 @@ def export_weights(
                 u.end_export()
         return []
     buffers = _persistent_buffers(model)
+    if merge is not None:
+        buffers = [(merge.rename(n), b) for n, b in buffers if merge.rename(n) is not None]
     sizes = [s.numel * dtype.itemsize for _, _, s in entries] + [
         b.numel() * b.element_size() for _, b in buffers
     ]
@@ -157,7 +177,10 @@ def export_weights(
                         if held is not u:
                             bar.update(1)
                         buf = master_of(u)
-                        w.write(name, buf[s.offset : s.offset + s.numel].view(s.shape).to(dtype))
+                        value = u.exported(s, buf)
+                        if merge is not None and name in merge.deltas:
+                            value = _merged(value, u, buf, merge.deltas[name], named)
+                        w.write(name, value.to(dtype))
                     else:
                         name, b = buffers[i - len(entries)]
                         w.write(name, b)
@@ -182,6 +205,18 @@ def export_weights(
     return written
 
 
+def _merged(value: torch.Tensor, u: Unit, master: torch.Tensor, deltas, named: dict) -> torch.Tensor:
+    """A weight with its adapters' deltas added (Merge), in fp32."""
+    out = value.float().clone()
+    for a, b, scale, transposed in deltas:
+        (ua, sa), (ub, sb) = named[a], named[b]
+        if ua is not u or ub is not u:
+            raise ValueError(f"merging {a!r} and {b!r}: an adapter outside its weight's unit {u.name!r}")
+        delta = u.exported(sb, master).float() @ u.exported(sa, master).float()
+        out += (delta.t() if transposed else delta) * scale
+    return out
+
+
 def _remove_stale(save_dir: str, filename: str, names: list[str]) -> None:
     """Removes what an earlier export of the same name left that this one did not write: its
     single file, shards or index. from_pretrained prefers a single file to an index, so an old
@@ -195,3 +230,27 @@ def _remove_stale(save_dir: str, filename: str, names: list[str]) -> None:
             continue
         if f in (filename, index) or shard.fullmatch(f):
             os.unlink(os.path.join(save_dir, f))
+
+
+def trainable_state_dict(
+    units: list[Unit], before: Optional[Callable[[], None]] = None
+) -> dict[str, torch.Tensor]:
+    """The trainable parameters' current values by every name they have, in the model's dtypes
+    (an adapter's state: peft's save_pretrained filters its keys from this), one unit's master
+    at a time; the frozen segments are not read (docs/frozen.md). Over several ranks every rank
+    calls it (each unit's master is gathered)."""
+    if before is not None:
+        before()
+    out: dict[str, torch.Tensor] = {}
+    for u in units:
+        if not any(s.requires_grad for _, s in u.params):
+            continue
+        master = u.export_master(with_frozen=False)
+        try:
+            for _, s in u.params:
+                if s.requires_grad:
+                    v = u.exported(s, master).to(s.dtype, copy=True)
+                    out.update(dict.fromkeys(s.names, v))
+        finally:
+            u.end_export()
+    return out

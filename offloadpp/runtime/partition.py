@@ -18,7 +18,7 @@ unit *borrows* it: its weights are fetched with it, and its gradient reaches the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -49,9 +49,11 @@ class ParamSlot:
     names: tuple[str, ...]  # qualified names; several when tied
     shape: torch.Size
     dtype: torch.dtype  # as the model created it
-    offset: int  # elements into the flat buffer
+    offset: int  # elements into the flat buffer (the frozen segment's, when `frozen`)
     numel: int
     requires_grad: bool
+    frozen: bool = False  # in the unit's frozen segment (UnitLayout.frozen), not its trainable flat buffer
+    index: int = 0  # its place among all the unit's parameters, in registration order
 
     @property
     def name(self) -> str:
@@ -60,19 +62,34 @@ class ParamSlot:
 
 @dataclass
 class UnitLayout:
-    """A unit's definition, its owned parameters (the objects and their slots) and its borrows."""
+    """A unit's definition, its owned parameters (the objects and their slots) and its borrows.
+
+    params: the parameters of the unit's flat buffer (master, moments, gradients); `frozen`:
+    those of its frozen segment (docs/frozen.md), stored once, read-only, no optimizer state.
+    Over several data-parallel ranks every parameter stays in `params` (split_frozen False)."""
 
     unit: UnitDef
     params: list[tuple[nn.Parameter, ParamSlot]]
     borrows: tuple[str, ...]
     backward_needs_weights: bool
+    frozen: list[tuple[nn.Parameter, ParamSlot]] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
         return sum(s.numel for _, s in self.params)
 
+    @property
+    def frozen_numel(self) -> int:
+        return sum(s.numel for _, s in self.frozen)
+
+    @property
+    def all_params(self) -> list[tuple[nn.Parameter, ParamSlot]]:
+        """Every parameter the unit owns, in the order it registers them (both segments)."""
+        return sorted(self.params + self.frozen, key=lambda ps: ps[1].index)
+
     def spec(self) -> UnitSpec:
-        return UnitSpec(self.unit.name, self.numel, self.borrows, self.backward_needs_weights)
+        return UnitSpec(self.unit.name, self.numel, self.borrows, self.backward_needs_weights,
+                        frozen_numel=self.frozen_numel)  # fmt: skip
 
 
 def _has_params(m: nn.Module) -> bool:
@@ -174,9 +191,10 @@ def _split_at(model: nn.Module, blocks: str) -> list[UnitDef]:
     return units
 
 
-def layout_units(model: nn.Module, defs: list[UnitDef]) -> list[UnitLayout]:
+def layout_units(model: nn.Module, defs: list[UnitDef], split_frozen: bool = True) -> list[UnitLayout]:
     """Assigns every parameter to one unit (first in forward order wins) and lays each unit's
-    parameters out back to back in its flat buffer. Raises if a parameter has no unit."""
+    parameters out back to back in its flat buffer; with split_frozen, the frozen ones
+    (requires_grad False) in the unit's frozen segment instead. Raises if a parameter has no unit."""
     modules = dict(model.named_modules())
     all_names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -185,8 +203,9 @@ def layout_units(model: nn.Module, defs: list[UnitDef]) -> list[UnitLayout]:
     layouts = []
     for d in defs:
         params: list[tuple[nn.Parameter, ParamSlot]] = []
+        frozen: list[tuple[nn.Parameter, ParamSlot]] = []
         borrows: list[str] = []
-        offset = 0
+        offset = frozen_offset = 0
         only_embeddings = True
         for q in d.modules:
             root = modules[q]
@@ -200,16 +219,24 @@ def layout_units(model: nn.Module, defs: list[UnitDef]) -> list[UnitLayout]:
                     continue
                 owner[id(p)] = d.name
                 names = tuple(all_names[id(p)])
-                params.append((p, ParamSlot(names, p.shape, p.dtype, offset, p.numel(), p.requires_grad)))
-                offset += p.numel()
-        if not params:
+                index = len(params) + len(frozen)
+                if split_frozen and not p.requires_grad:
+                    slot = ParamSlot(names, p.shape, p.dtype, frozen_offset, p.numel(), False, True, index)
+                    frozen.append((p, slot))
+                    frozen_offset += p.numel()
+                else:
+                    params.append((p, ParamSlot(names, p.shape, p.dtype, offset, p.numel(), p.requires_grad,
+                                                False, index)))  # fmt: skip
+                    offset += p.numel()
+        params_all = params + frozen
+        if not params_all:
             raise UnitDiscoveryError(f"unit {d.name!r} owns no parameters (modules {list(d.modules)})")
-        if any(not p.dtype.is_floating_point for p, _ in params):
-            bad = next(s.name for p, s in params if not p.dtype.is_floating_point)
+        if any(not p.dtype.is_floating_point for p, _ in params_all):
+            bad = next(s.name for p, s in params_all if not p.dtype.is_floating_point)
             raise UnitDiscoveryError(
                 f"parameter {bad!r} is not floating point; the runtime trains float parameters"
             )
-        layouts.append(UnitLayout(d, params, tuple(borrows), not only_embeddings))
+        layouts.append(UnitLayout(d, params, tuple(borrows), not only_embeddings, frozen))
     for name, p in model.named_parameters():
         if id(p) not in owner:
             raise UnitDiscoveryError(
@@ -219,6 +246,7 @@ def layout_units(model: nn.Module, defs: list[UnitDef]) -> list[UnitLayout]:
     return layouts
 
 
-def unit_specs(model: nn.Module, override: tuple[tuple[str, ...], ...] | None = None) -> list[UnitSpec]:
+def unit_specs(model: nn.Module, override: tuple[tuple[str, ...], ...] | None = None,
+               split_frozen: bool = True) -> list[UnitSpec]:  # fmt: skip
     """The planner's view of `model`'s units (what resolve and the engine's plan check compare)."""
-    return [lay.spec() for lay in layout_units(model, find_units(model, override))]
+    return [lay.spec() for lay in layout_units(model, find_units(model, override), split_frozen)]

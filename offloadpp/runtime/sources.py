@@ -36,11 +36,23 @@ class SafetensorsSource:
 
     def tensor(self, names: Sequence[str], prefix: str = "") -> Optional[torch.Tensor]:
         """The stored tensor under any of `names` (also without or with the model's base prefix,
-        as Hugging Face checkpoints of a base model name them), or None."""
-        for n in names:
+        as Hugging Face checkpoints of a base model name them; and as the base model names a
+        parameter that peft's wrapper calls `base_model.model.<name>` or `<layer>.base_layer.<w>`:
+        docs/frozen.md), or None."""
+        for n in _with_base_names(names):
             for cand in (n, n.removeprefix(prefix + "."), f"{prefix}.{n}" if prefix else n):
                 h = self._where.get(cand)
                 if h is not None:
                     self.used.add(cand)
                     return h.get_tensor(cand)
         return None
+
+
+def _with_base_names(names: Sequence[str]) -> list[str]:
+    """`names`, then each as the base model under a peft wrapper names it."""
+    out = list(names)
+    for n in names:
+        base = n.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if base not in out:
+            out.append(base)
+    return out

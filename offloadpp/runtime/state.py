@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from offloadpp.io.engine import crc32c
 from offloadpp.optim import convert_
 
 from .partition import ParamSlot
@@ -82,7 +83,10 @@ def initialize_units(
             master.acquire(Hold.EXPORT, overwrite=True)
         buf = master.buffer
         buf[u.numel :].zero_()
+        frozen = open_frozen(u)
         missing += fill_unit(u, buf, modules, init_fn, meta, source, prefix)
+        if frozen is not None:
+            close_frozen(u)
         if not master.resident:
             g = master.write_generation()
             master.wrote(master.store.put(master.key_of(g), buf), g)
@@ -103,8 +107,14 @@ def fill_unit(u: Unit, buf: torch.Tensor, modules: dict, init_fn: Optional[Calla
     is, or (on the meta device) from `source` and, for what the source lacks, the module's own
     init; points the parameters at placeholders after. Returns the parameters the source lacked."""
     missing: list[str] = []
+    params = u.layout.all_params
+    frozen = u.frozen_slot.buffer if u.frozen else None  # (held by initialize_units: open_frozen)
+
+    def dest(s: ParamSlot) -> torch.Tensor:
+        return (frozen if s.frozen else buf)[s.offset : s.offset + s.numel]
+
     if meta and source is not None:
-        loaded = [(s, source.tensor(s.names, prefix)) for _, s in u.params]
+        loaded = [(s, source.tensor(s.names, prefix)) for _, s in params]
         if any(t is None for _, t in loaded):
             missing.extend(s.name for s, t in loaded if t is None)
             _run_init(u, buf, modules, init_fn)
@@ -114,29 +124,75 @@ def fill_unit(u: Unit, buf: torch.Tensor, modules: dict, init_fn: Optional[Calla
                     raise ValueError(
                         f"{s.name!r}: the checkpoint's tensor has shape {tuple(t.shape)}, the model's {tuple(s.shape)}"
                     )
-                buf[s.offset : s.offset + s.numel].copy_(t.reshape(-1))
+                dest(s).copy_(t.reshape(-1))
     elif meta:
         _run_init(u, buf, modules, init_fn)
     else:
-        for p, s in u.params:
-            buf[s.offset : s.offset + s.numel].copy_(p.detach().reshape(-1))
-    for p, s in u.params:
+        for p, s in params:
+            dest(s).copy_(p.detach().reshape(-1))
+    for p, s in params:
         p.data = u.device.placeholder(s.shape, u.compute_dtype)
     return missing
 
 
+def open_frozen(u: Unit) -> Optional[torch.Tensor]:
+    """The buffer fill_unit writes u's frozen segment into (held), or None: u has none."""
+    f = u.frozen_slot
+    if f is None:
+        return None
+    if f.resident:
+        f.make_resident()
+    else:
+        f.acquire(Hold.EXPORT, overwrite=True)
+    f.buffer[u.frozen_numel :].zero_()
+    return f.buffer
+
+
+def close_frozen(u: Unit) -> None:
+    """u's frozen segment, filled by fill_unit: its CRC-32C kept (the reference checkpoints
+    record, docs/frozen.md), written to its home once, and given back."""
+    f = u.frozen_slot
+    buf = f.buffer
+    u.frozen_crc = crc32c(buf.data_ptr(), buf.numel() * buf.element_size())
+    if f.stored:
+        f.wrote(f.store.put(f.key_of(0), buf), 0)
+    f.release(Hold.EXPORT)
+
+
 def default_init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
     """The model's own initialisation, applied module by module: Hugging Face's _init_weights,
-    else each module's reset_parameters (torch's convention)."""
+    else each module's reset_parameters (torch's convention); then, in a peft model, each LoRA
+    layer's own init of its adapters (docs/frozen.md)."""
     init = getattr(model, "_init_weights", None)
-    if callable(init):
+    if not callable(init):
+
+        def init(m: nn.Module) -> None:
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    adapters = _lora_inits(model)
+    if not adapters:
         return init
 
-    def reset(m: nn.Module) -> None:
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+    def with_adapters(m: nn.Module) -> None:
+        init(m)
+        # Note: a LoRA layer's adapters were made on the meta device with its base layer (peft
+        # moves them there), so their values are gone; Hugging Face's init would draw lora_B at
+        # random, and the model would not start as its base does. module.apply runs the children
+        # (lora_A, lora_B) first, so this, on the LoRA layer, has the last word.
+        if hasattr(m, "reset_lora_parameters") and hasattr(m, "lora_A"):
+            for a in m.lora_A:
+                m.reset_lora_parameters(a, adapters.get(a, True))
 
-    return reset
+    return with_adapters
+
+
+def _lora_inits(model: nn.Module) -> dict:
+    """{adapter: its init_lora_weights} of a peft model's LoRA adapters ({} for other models)."""
+    cfg = getattr(model, "peft_config", None)
+    if not isinstance(cfg, dict):
+        return {}
+    return {name: getattr(c, "init_lora_weights", True) for name, c in cfg.items()}
 
 
 def to_device(u: Unit) -> None:
@@ -172,13 +228,15 @@ def init_compute_copy(u: Unit) -> None:
 def _run_init(u: Unit, buf: torch.Tensor, modules: dict, init_fn: Optional[Callable]) -> None:
     if init_fn is None:
         raise ValueError(
-            f"parameter {u.params[0][1].name!r} is on the meta device and no init_fn was given: pass "
+            f"parameter {u.layout.all_params[0][1].name!r} is on the meta device and no init_fn was given: pass "
             "init_fn (for Hugging Face models, model._init_weights) to initialise units one by one"
         )
-    owned = {id(p) for p, _ in u.params}
+    owned = {id(p) for p, _ in u.layout.all_params}
     scratch = []
     for p, s in u.params:
         p.data = buf[s.offset : s.offset + s.numel].view(s.shape)
+    for p, s in u.frozen:  # (initialised in the compute dtype, where they stay)
+        p.data = u.frozen_slot.buffer[s.offset : s.offset + s.numel].view(s.shape)
     for q in u.layout.unit.modules:
         for p in modules[q].parameters():
             if id(p) not in owned:  # borrowed from another unit: let init write into scratch
@@ -207,7 +265,7 @@ class Exporter:
     def install(self, model: nn.Module, modules: dict) -> None:
         owner_of = {}
         for u in self.units:
-            for p, s in u.params:
+            for p, s in u.layout.all_params:
                 owner_of[id(p)] = (u, s)
         self._handles.append(model.register_state_dict_pre_hook(functools.partial(self._open)))
         self._handles.append(model.register_state_dict_post_hook(functools.partial(self._close)))
@@ -252,8 +310,7 @@ class Exporter:
     def value(self, u: Unit, s: ParamSlot) -> torch.Tensor:
         if s.name in self._values:
             return self._values[s.name]
-        master = self.master(u)
-        v = master[s.offset : s.offset + s.numel].view(s.shape).to(s.dtype, copy=True)
+        v = u.exported(s, self.master(u)).to(s.dtype, copy=True)
         if self._session:
             self._values[s.name] = v
         return v

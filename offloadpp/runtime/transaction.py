@@ -81,7 +81,7 @@ class StepTransaction:
             log.warning("offloadpp: an I/O operation of the interrupted step failed too: %s", e)
         torn = [
             u.name for u in self.units if self.txn.active and u.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED)
-            and any(s.resident and s.txn is not None for s in u.slots)
+            and any(s.resident and s.txn is not None and s.numel for s in u.slots)
         ]  # fmt: skip
         try:
             self.optimizer.drop_uncommitted_writes()

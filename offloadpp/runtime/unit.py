@@ -15,7 +15,7 @@ from torch import nn
 
 from offloadpp.planner import Placement, Plan, Tier, flat_numel
 
-from .device import CpuWeights, CudaWeights, Device, Weights
+from .device import CpuWeights, CudaWeights, Device, PairWeights, Weights
 from .memory import BufferPool
 from .partition import ParamSlot, UnitLayout
 from .slots import Hold, Slot, Txn, tagged
@@ -59,7 +59,8 @@ class Unit:
 
         def slot(array: str, dtype: torch.dtype, pool: BufferPool, transactional: bool = True) -> Slot:
             home = homes[array]
-            resident = home is Tier.HOST or home is Tier.DEVICE
+            # (a unit with no trainable parameter: empty arrays, kept in memory, never read or written)
+            resident = home is Tier.HOST or home is Tier.DEVICE or n == 0
             t = txn if transactional else None  # gradients: a new window overwrites them anyway
             return Slot(
                 f"{self.name}.{array}",
@@ -92,6 +93,17 @@ class Unit:
             self.weights = CudaWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)
         else:
             self.weights = CpuWeights(self.compute, device)
+        if layout.frozen:  # the frozen segment, fetched with the weights (docs/frozen.md)
+            home = homes["frozen"]
+            self.frozen_slot = Slot(f"{self.name}.frozen", flat_numel(self.frozen_numel), self.compute_dtype,
+                                    device_pool if cpu else host_pool, tagged(store, "frozen", plan),
+                                    resident=home is Tier.DEVICE, stored=home is Tier.SSD)  # fmt: skip
+            frozen = (
+                CudaWeights(self.frozen_slot, device, resident=False)
+                if device.is_cuda
+                else CpuWeights(self.frozen_slot, device)
+            )
+            self.weights = PairWeights(self.weights, frozen)
         # Only a unit whose optimizer state all lives on SSD can be updated speculatively: the
         # previous generation there is what a redo starts from (an array resident in memory is
         # updated in place, and so is a compute copy with no home).
@@ -106,6 +118,15 @@ class Unit:
         self.device = device
         self.params: list[tuple[nn.Parameter, ParamSlot]] = layout.params
         self.numel = layout.numel
+        # the frozen segment (docs/frozen.md): its parameters, its slot (built with the others in
+        # Unit.__init__; over ranks there is none) and the CRC-32C of its contents (set when the
+        # first weights are stored: state.close_frozen), the reference checkpoints record
+        self.frozen: list[tuple[nn.Parameter, ParamSlot]] = layout.frozen
+        self.frozen_numel = layout.frozen_numel
+        self.frozen_slot: Optional[Slot] = None
+        self.frozen_crc: Optional[int] = None
+        self._frozen_flat: Optional[torch.Tensor] = None
+        self._exporting_frozen = False
         self.compute_dtype = TORCH_DTYPES[plan.compute_dtype]
         self.phase = UnitPhase.IDLE
         self.steps = [0] * len(self.params)  # Adam step count per parameter (torch.optim semantics)
@@ -127,19 +148,36 @@ class Unit:
     @property
     def slots(self) -> tuple[Slot, ...]:
         uniq = []
-        for s in (self.master, self.compute, self.exp_avg, self.exp_avg_sq, self.grads):
-            if all(s is not u for u in uniq):
+        for s in (self.master, self.compute, self.exp_avg, self.exp_avg_sq, self.grads, self.frozen_slot):
+            if s is not None and all(s is not u for u in uniq):
                 uniq.append(s)
         return tuple(uniq)
 
     # ---- the whole fp32 master, for exports (runtime/dp/sharded.py gathers it over ranks) ---------
-    def export_master(self) -> torch.Tensor:
-        """The unit's fp32 master weights, held until end_export()."""
+    def export_master(self, with_frozen: bool = True) -> torch.Tensor:
+        """The unit's fp32 master weights, held until end_export() (and with_frozen, the frozen
+        segment: export_frozen)."""
+        self._exporting_frozen = with_frozen and self.frozen_slot is not None
+        if self._exporting_frozen:
+            self.frozen_slot.acquire(Hold.EXPORT)
         self.master.acquire(Hold.EXPORT)
         return self.master.wait()
 
+    def export_frozen(self) -> torch.Tensor:
+        """The frozen segment, between export_master() and end_export()."""
+        return self.frozen_slot.wait()
+
+    def exported(self, s: ParamSlot, master: torch.Tensor) -> torch.Tensor:
+        """Parameter `s`'s values (a view) between export_master(), which gave `master`, and
+        end_export()."""
+        flat = self.export_frozen() if s.frozen else master
+        return flat[s.offset : s.offset + s.numel].view(s.shape)
+
     def end_export(self) -> None:
         self.master.release(Hold.EXPORT)
+        if self._exporting_frozen:
+            self.frozen_slot.release(Hold.EXPORT)
+            self._exporting_frozen = False
 
     # ---- binding parameters to device weights -------------------------------------------------
     def bind(self) -> None:
@@ -150,21 +188,29 @@ class Unit:
         for p, s in self.params:
             p.data = flat[s.offset : s.offset + s.numel].view(s.shape)
         self._flat = flat
+        if self.frozen:
+            self._frozen_flat = fz = self.weights.frozen_tensor()
+            for p, s in self.frozen:
+                p.data = fz[s.offset : s.offset + s.numel].view(s.shape)
         self.bound = True
 
     def unbind(self) -> None:
         if not self.bound:
             return
-        for p, s in self.params:
+        for p, s in self.params + self.frozen:
             p.data = self.device.placeholder(s.shape, self.compute_dtype)
-        self._flat = None
+        self._flat = self._frozen_flat = None
         self.bound = False
 
-    def flat_range(self) -> tuple[int, int]:
-        """[start, end) data addresses of the bound device weights (for the saved-tensor hooks)."""
-        f = self._flat
-        start = f.data_ptr()
-        return start, start + f.numel() * f.element_size()
+    def flat_ranges(self) -> list[tuple[int, int, bool]]:
+        """[start, end) data addresses of the bound device weights, and whether they are the
+        frozen segment's (for the saved-tensor hooks)."""
+        out = []
+        for f, frozen in ((self._flat, False), (self._frozen_flat, True)):
+            if f is not None and f.numel():
+                start = f.data_ptr()
+                out.append((start, start + f.numel() * f.element_size(), frozen))
+        return out
 
     @property
     def flat(self) -> torch.Tensor:
@@ -172,10 +218,18 @@ class Unit:
             raise UnitStateError(f"unit {self.name!r}: weights are not bound")
         return self._flat
 
+    def flat_of(self, frozen: bool) -> torch.Tensor:
+        """The bound device weights of the trainable flat buffer or of the frozen segment."""
+        if frozen:
+            if self._frozen_flat is None:
+                raise UnitStateError(f"unit {self.name!r}: weights are not bound")
+            return self._frozen_flat
+        return self.flat
+
     def check_usable_in_backward(self) -> None:
         if self.phase in (UnitPhase.UPDATING, UnitPhase.UPDATED):
             raise UnitStateError(
-                f"unit {self.name!r} (parameter {self.params[0][1].name!r}, ...): its weights were read by "
+                f"unit {self.name!r} (parameter {self.layout.all_params[0][1].name!r}, ...): its weights were read by "
                 "backward after its gradients were complete and its update had started; the runtime "
                 "updates a unit as soon as all its parameters have gradients"
             )

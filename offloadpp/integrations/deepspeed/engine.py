@@ -325,6 +325,14 @@ class OffloadppEngine(DeepSpeedEngine):
 
     save_fp16_model = save_16bit_model
 
+    def save_merged(self, save_dir: str, safe_serialization: bool = True) -> bool:
+        """A peft LoRA model's base with its adapters merged, as the base model's own folder,
+        streamed unit by unit (export.save_merged; docs/frozen.md)."""
+        from offloadpp.integrations.deepspeed.export import save_merged
+
+        save_merged(self, save_dir, safe_serialization)
+        return True
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
         """A crash-consistent checkpoint (checkpoint.py). Its arrays are whole units, so frozen

@@ -46,7 +46,18 @@ def save_weights(engine, save_dir: str, save_filename: str, exclude_frozen_param
 def save_pretrained(engine, save_dir: str, safe_serialization: bool = True,
                     max_shard_bytes: Optional[int] = None) -> list[str]:  # fmt: skip
     """A Hugging Face model folder: the weights (sharded with an index when large), config.json
-    and generation_config.json when the model has them."""
+    and generation_config.json when the model has them. A peft model (LoRA and the rest) writes
+    what its own save_pretrained writes, its adapters, from the trainable parameters alone
+    (docs/frozen.md); save_16bit_model exports the whole model, base and adapters."""
+    module = engine.module
+    if _is_peft(module):
+        state = engine.runtime.trainable_state_dict()  # (every rank takes part)
+        dp = engine.runtime.dp
+        if dp is None or dp.rank == 0:
+            module.save_pretrained(save_dir, state_dict=state, safe_serialization=safe_serialization)
+        return (
+            sorted(os.path.join(save_dir, f) for f in os.listdir(save_dir)) if os.path.isdir(save_dir) else []
+        )
     name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     files = save_weights(
         engine, save_dir, name, exclude_frozen_parameters=False, max_shard_bytes=max_shard_bytes
@@ -54,7 +65,6 @@ def save_pretrained(engine, save_dir: str, safe_serialization: bool = True,
     dp = engine.runtime.dp
     if dp is not None and dp.rank != 0:
         return files  # (over several ranks rank 0 writes the folder; the others took part in gathering)
-    module = engine.module
     cfg = getattr(module, "config", None)
     if cfg is not None and hasattr(cfg, "save_pretrained"):
         cfg.save_pretrained(save_dir)
@@ -63,6 +73,69 @@ def save_pretrained(engine, save_dir: str, safe_serialization: bool = True,
     if gen is not None and hasattr(gen, "save_pretrained"):
         gen.save_pretrained(save_dir)
     return files
+
+
+def save_merged(engine, save_dir: str, safe_serialization: bool = True,
+                 max_shard_bytes: Optional[int] = None) -> list[str]:  # fmt: skip
+    """A peft LoRA model's base with its adapters merged (peft's merge_and_unload, written as
+    the base model's own folder: its names, its config.json), streamed unit by unit: each LoRA
+    layer's weight W + scale * B @ A is made from the unit's frozen segment and adapters as the
+    unit is exported (runtime/export.py Merge; docs/frozen.md)."""
+    module = engine.module
+    if not _is_peft(module):
+        raise TypeError(f"save_merged: the engine's model ({type(module).__name__}) is not a peft model")
+    engine._finish_micro()
+    name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    files = engine.runtime.export_weights(save_dir, filename=name, merge=lora_merge(module), **kw)
+    dp = engine.runtime.dp
+    if dp is None or dp.rank == 0:
+        base = module.get_base_model()
+        for what in (getattr(base, "config", None), getattr(base, "generation_config", None)):
+            if what is not None and hasattr(what, "save_pretrained"):
+                what.save_pretrained(save_dir)
+    return files
+
+
+def lora_merge(module):
+    """The Merge of a peft LoRA model: names as in its base model (no `base_model.model.`, no
+    `.base_layer`, the adapters' own weights dropped, a modules_to_save copy in its module's
+    place) and each LoRA layer's active adapters as deltas. DoRA and other tuners are refused."""
+    from offloadpp.runtime.export import Merge
+
+    prefix = "base_model.model."
+    adapters = module.active_adapters if isinstance(module.active_adapters, list) else [module.active_adapter]
+
+    def rename(name: str) -> Optional[str]:
+        if ".lora_" in name or ".original_module." in name:
+            return None
+        name = name.removeprefix(prefix).replace(".base_layer.", ".")
+        for a in adapters:
+            name = name.replace(f".modules_to_save.{a}.", ".")
+        return None if ".modules_to_save." in name else name
+
+    deltas = {}
+    for mname, m in module.named_modules():
+        if not (hasattr(m, "lora_A") and hasattr(m, "base_layer")):
+            continue
+        pairs = []
+        for a in adapters:
+            if a not in m.lora_A:
+                continue
+            if getattr(m, "use_dora", {}).get(a):
+                raise NotImplementedError(
+                    f"save_merged: {mname!r} uses DoRA, which the streamed merge does not fold"
+                )
+            pairs.append((f"{mname}.lora_A.{a}.weight", f"{mname}.lora_B.{a}.weight", float(m.scaling[a]),
+                          bool(getattr(m, "fan_in_fan_out", False))))  # fmt: skip
+        if pairs:
+            deltas[rename(f"{mname}.base_layer.weight")] = tuple(pairs)
+    return Merge(rename, deltas)
+
+
+def _is_peft(module) -> bool:
+    """A peft model (PeftModel and its task classes), without importing peft where it is absent."""
+    return hasattr(module, "peft_config") and hasattr(module, "get_base_model")
 
 
 def memory_available() -> int:

@@ -221,7 +221,7 @@ class ShardedUnit(Unit):
         return runs
 
     # ---- the whole master, for exports (a collective: every rank calls it, unit by unit) --------
-    def export_master(self) -> torch.Tensor:
+    def export_master(self, with_frozen: bool = True) -> torch.Tensor:  # (no frozen segment over ranks)
         self.master.acquire(Hold.EXPORT)
         shard = self.master.wait()
         full = self.master.pool.get(self.padded_numel, torch.float32)
