@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from offloadpp.planner import Schedule
 
+from .memory import timed_elsewhere
 from .optimizer import OptimizerPipeline
 from .slots import Hold
 from .unit import Unit, UnitPhase, UnitStateError
@@ -141,6 +142,12 @@ class Executor:
     def enter(self, i: int) -> None:
         """Visit i starts: hold alive[i] (fetching what is new), bind what visit i needs."""
         t_enter = time.perf_counter()
+        with timed_elsewhere():  # (the pools' waits in here are this hook's)
+            self._enter(i)
+        self.wait_s += time.perf_counter() - t_enter  # all of it is time the device did not compute
+        self.cursor = i
+
+    def _enter(self, i: int) -> None:
         self.optimizer.reap()
         v = self.schedule.visits[i]
         want = self.schedule.alive[i]
@@ -169,8 +176,6 @@ class Executor:
         with record_function("offloadpp::wait_weights"):
             for name in v.needs:
                 self._bind(self._by_name[name])
-        self.wait_s += time.perf_counter() - t_enter  # all of it is time the device did not compute
-        self.cursor = i
 
     def _bind(self, u: Unit) -> None:
         if not u.bound:
@@ -210,10 +215,11 @@ class Executor:
                 )
                 self._warned_order = True
             t0 = time.perf_counter()
-            if all(u is not h for h in self.held):
-                u.weights.acquire()
-                self.held.append(u)
-            self._bind(u)
+            with timed_elsewhere():
+                if all(u is not h for h in self.held):
+                    u.weights.acquire()
+                    self.held.append(u)
+                self._bind(u)
             self.wait_s += time.perf_counter() - t0
         return u.flat
 
