@@ -155,14 +155,19 @@ class Executor:
             for u in list(self.held):
                 if u.name not in want:
                     self._drop(u)
-            self.optimizer.apply_pending(
-                self._fetch_order[i]
-            )  # (after the drops: its buffers are the fetch's)
-            for name in self._fetch_order[i]:
-                u = self._by_name[name]
-                if all(u is not h for h in self.held):
-                    u.weights.acquire()
-                    self.held.append(u)
+            # The pending updates go after the drops (their buffers are the fetch's). A master
+            # that is the weights is one slot: the fetch holds it first, else an update holding
+            # it alone could finish, write it and give it back before the fetch held it, and the
+            # fetch would read it again (a read the schedule and the cost model do not make). A
+            # separate compute copy is the update's product: fetched after it.
+            fetch = [self._by_name[n] for n in self._fetch_order[i]]
+            for aliased in (True, False):
+                for u in fetch:
+                    if (u.master is u.compute) == aliased and all(u is not h for h in self.held):
+                        u.weights.acquire()
+                        self.held.append(u)
+                if aliased:
+                    self.optimizer.apply_pending(self._fetch_order[i])
             for u in self.held:
                 u.weights.pump()
         if self.in_backward or i >= min(self.schedule.prefetch_depth, self.schedule.num_forward - 1):
