@@ -521,18 +521,3 @@ def test_gradients_autograd_leaves_stay_within_the_device_budget(tmp_path, monke
         assert eng.device_pool.charged_bytes >= 0
     finally:
         eng.close()
-
-
-def test_the_checksum_threads_yield_to_compute_on_the_cpu_device(tmp_path):
-    """On the CPU acting as the device the I/O engines' verifier threads (CRC-32C of every read,
-    the headers of every write) run at the Adam worker's nice value: at equal priority they take a
-    core from torch's threads mid-GEMM (runtime/jobs.py, ADAM_NICE)."""
-    import os
-
-    from offloadpp.assemble import assemble_engine
-    from offloadpp.runtime.jobs import ADAM_NICE
-
-    with assemble_engine(tiny_gpt2(), streaming_config(tmp_path)) as eng:
-        tids = eng.store.verifier_tids()
-        assert tids and all(os.path.exists(f"/proc/self/task/{t}") for t in tids)
-        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {max(ADAM_NICE, os.nice(0))}

@@ -2,9 +2,6 @@
 
 #include "io/aligned_buffer.h"
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -101,13 +98,6 @@ Engine::Engine(BackendKind kind, uint64_t block_size, unsigned queue_depth, unsi
     w->thread = std::thread([this, wp] { worker_main(*wp); });
   }
   verifier_ = std::thread([this] { verifier_main(); });
-  std::unique_lock<std::mutex> lock(mu_);
-  verify_cv_.wait(lock, [&] { return verifier_tid_ != 0; });  // (verifier_tid() is valid from here)
-}
-
-long Engine::verifier_tid() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return verifier_tid_;
 }
 
 Engine::~Engine() { close(); }
@@ -507,11 +497,6 @@ static uint32_t crc32_ieee(const char* p, uint64_t n) {
 }
 
 void Engine::verifier_main() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    verifier_tid_ = static_cast<long>(::syscall(SYS_gettid));
-  }
-  verify_cv_.notify_all();
   std::vector<std::shared_ptr<Handle>> fin;
   for (;;) {
     VerifyWork w;

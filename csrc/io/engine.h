@@ -157,10 +157,6 @@ class Engine {
   // Convenience: one request.
   std::shared_ptr<Handle> submit_one(const RequestSpec& spec);
 
-  // The verifier thread's Linux thread id (for its caller to set its scheduling priority: the
-  // runtime lowers it on the CPU acting as the device, where the CRC's cycles are compute's).
-  long verifier_tid() const;
-
   void wait_all();  // until no submission is outstanding
   void close();     // drains outstanding work, stops the workers; idempotent
   EngineStats stats() const;
@@ -240,7 +236,6 @@ class Engine {
   size_t sealing_ = 0;  // chains handed to the verifier to seal, not yet queued again
   std::condition_variable verify_cv_;
   bool verifier_stop_ = false;
-  long verifier_tid_ = 0;  // set by the verifier as it starts (under mu_; verify_cv_ signals it)
 
   EngineStats stats_;
   std::shared_ptr<BusyClock> clock_;

@@ -231,8 +231,6 @@ void register_io(py::module_& m) {
           "file"_a, "ptr"_a, "nbytes"_a, "offset"_a = 0)
       .def("wait_all", &Engine::wait_all, py::call_guard<py::gil_scoped_release>())
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
-      .def("verifier_tid", &Engine::verifier_tid,
-           "The Linux thread id of the engine's verifier thread (CRC-32C of reads, headers of writes).")
       .def("stats", [](const Engine& e) { return stats_dict(e.stats()); })
       .def("_inject_fault", &Engine::inject_fault, "after_blocks"_a, "err"_a, "short_bytes"_a = 0,
            "Test hook: make a future block completion fail (err > 0) or come back short.");

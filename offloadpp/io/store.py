@@ -378,11 +378,6 @@ class TensorStore:
             live = self._index.get(key)
         return self._track(live if live is not None else snap, fut, out)
 
-    def verifier_tids(self) -> list[int]:
-        """The Linux thread ids of the engines' verifier threads, which checksum reads and seal
-        writes' headers (the runtime lowers their priority where they share the compute's cores)."""
-        return [e.verifier_tid() for e in self._engines if hasattr(e, "verifier_tid")]
-
     def sync(self) -> None:
         """Waits for every put, then makes every file of the store durable (fdatasync) and
         the directories' entries too (fsync): what a checkpoint needs before it is named."""

@@ -50,7 +50,6 @@ from .dp.sharded import ShardedUnit, initialize_sharded_units
 from .dp.sharded_checkpoint import agreed, load_sharded, rank_dir, save_sharded, verify_sharded
 from .dp.sharded_optimizer import ShardedOptimizerPipeline
 from .executor import Executor
-from .jobs import _yield_to_compute
 from .lifetime import close_at_exit, closed
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
@@ -153,8 +152,6 @@ class OffloadEngine:
             check_free_space(config.nvme_paths, self.plan)
             self.store = TensorStore(list(config.nvme_paths), config=self._io_config(), create=True,
                                      weights=stripe_weights(config.nvme_paths, plan.ssd_stripe))  # fmt: skip
-            for tid in self.store.verifier_tids() if not self.device.is_cuda else ():
-                _yield_to_compute(tid)  # the checksums' cycles are compute's (jobs.py, ADAM_NICE)
             self._setup(model, layouts, init_fn, meta, progress)
         except BaseException:
             if self.store is not None:

@@ -73,11 +73,9 @@ class _Job:
 ADAM_NICE = 10
 
 
-def _yield_to_compute(tid: Optional[int] = None) -> None:
-    """This thread (or thread `tid`) at ADAM_NICE. Also the I/O engine's verifier threads on the
-    CPU-as-device (their CRC-32C passes are the same kind of work as Adam's: runtime/engine.py)."""
+def _yield_to_compute() -> None:
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if tid is None else tid, ADAM_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ADAM_NICE)
     except (OSError, AttributeError):
         pass  # not permitted, or not Linux: run at normal priority
 
