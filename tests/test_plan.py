@@ -288,11 +288,9 @@ def test_peak_bytes_equal_the_built_schedules_over_random_placements():
 
 def test_persistent_grads_fill_the_host_unit_by_unit_in_the_order_updates_read_them():
     """Where not every unit's gradients fit the host budget, those of the units the pending updates
-    read first get a home there and the rest go to SSD, rather than all to SSD: first the
-    optimizer's window (q+1 units in forward order, which holds theirs anyway), then forward order."""
-    from types import SimpleNamespace
-
-    from offloadpp.planner.fills import _persistent_grads
+    read first get a home there and the rest go to SSD, rather than all to SSD: forward order past
+    the optimizer's window (q+1 units, which holds theirs anyway: nothing to save there)."""
+    from offloadpp.planner.keep import keep
     from offloadpp.planner.peaks import peak_bytes
     from offloadpp.planner.schedule import grads_order
 
@@ -301,11 +299,12 @@ def test_persistent_grads_fill_the_host_unit_by_unit_in_the_order_updates_read_t
                           deferred_update=True, clipping=True)  # fmt: skip
     assert grads_order(plan)[:2] == ["h.1", "h.2"] and grads_order(plan)[-2:] == ["embed", "h.0"]
     dev, host = peak_bytes(plan)
-    req = SimpleNamespace(budgets=Budgets(dev, host + 3 * units[1].grad_bytes))
-    got = _persistent_grads(plan, req)
-    assert [p.unit for p in got.placements if p.grads is Tier.HOST] == ["embed", "h.0", "h.1", "h.2", "h.3"]
-    assert peak_bytes(got)[1] <= req.budgets.host_bytes
-    roomy = _persistent_grads(plan, SimpleNamespace(budgets=Budgets(dev, 1 << 40)))
+    budget = host + 3 * units[1].grad_bytes
+    got = keep(plan, dev, budget, ("grads@host",))
+    assert [p.unit for p in got.placements if p.grads is Tier.HOST][:3] == ["h.1", "h.2", "h.3"]
+    assert all(p.grads is Tier.SSD for p in got.placements[5:])
+    assert peak_bytes(got)[1] <= budget
+    roomy = keep(plan, dev, 1 << 40, ("grads@host",))
     assert all(p.grads is Tier.HOST for p in roomy.placements)
 
 

@@ -3,6 +3,8 @@ I/O calls by their kind tag and by the cost model's replay by its keys, and the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_cost import hw, model, stream
@@ -96,5 +98,61 @@ def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip, q, dtype
             # every unit's but the first's (the update window, q+1 units in forward order, keeps them)
             grads = sum(u.padded_numel for u in eng.units[1:]) * (2 if dtype == "bf16" else 4)
             assert dict((k, (r, w)) for k, r, w in modelled)["gradients"] == (grads, grads)
+    finally:
+        eng.close()
+
+
+def test_a_pending_update_and_the_fetch_of_the_same_master_read_it_once(tmp_path):
+    """With updates applied at the next visit, a unit whose master is its weights (fp32 on the CPU)
+    and lives on SSD is read once a step at its forward fetch, its pending update sharing the read,
+    also where other units keep theirs in memory: the runtime's bytes are the cost model's. (The
+    executor submitted the update before the fetch held the slot; a quick update wrote it back
+    and gave it up, and the fetch read it again: one unit's master more than the model.)"""
+    transformers = pytest.importorskip("transformers")
+    from test_runtime import batches
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
+    from offloadpp.planner import Budgets, Placement, Settings, Tier
+    from offloadpp.planner.planfile import save_plan
+    from offloadpp.runtime.config import RuntimeConfig
+
+    transformers.logging.set_verbosity_error()
+
+    def model():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=8, n_embd=128, n_head=4, vocab_size=4096, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg)
+
+    def config(**kw):
+        settings = Settings(gradient_clipping=1.0, optim_prefetch_depth=1, **kw)
+        return RuntimeConfig(nvme_paths=[str(tmp_path)], settings=settings, device="cpu", ssd_read_gbps=2.0,
+                             ssd_write_gbps=2.0)  # fmt: skip
+
+    eng = assemble_engine(model(), config())
+    plan = eng.plan
+    eng.close()
+    kept = {"embed", "transformer.h.0", "transformer.h.1", "head"}  # masters (and embed's moments) in memory
+    placements = tuple(
+        Placement(p.unit, Tier.HOST, Tier.HOST, Tier.HOST if p.unit == "embed" else Tier.SSD,
+                  Tier.HOST if p.unit == "head" else Tier.SSD)
+        if p.unit in kept
+        else p
+        for p in plan.placements
+    )  # fmt: skip
+    path = str(tmp_path / "plan.json")
+    save_plan(path, replace(plan, placements=placements, budgets=Budgets(1 << 30, 1 << 30)))
+    m = model()
+    eng = assemble_engine(m, config(plan=path))
+    try:
+        reports = []
+        for x in batches(5):
+            eng.backward(eng(input_ids=x, labels=x).loss)
+            reports.append(eng.step())
+        modelled, _ = modelled_ssd_by_kind(eng, m.config.to_dict(), steps_updates(reports[2:]))
+        assert dict((k, r) for k, r, _ in modelled)["weights"] > 0
+        for r in reports[2:]:
+            assert r.updates == "deferred" and r.ssd_by_kind == modelled
     finally:
         eng.close()

@@ -6,12 +6,11 @@ The rule:
 1. The streaming working set (everything on SSD) must fit the budgets with some prefetch depth:
    k = 2, else 1, else 0 (no look-ahead), unless the caller fixed k. If even k = 0 does not fit,
    the budget is too small for one unit: a PlanError names the unit and the bytes.
-2. What is left of the device budget keeps units' weights resident on the device, in forward
-   order (first come, first kept).
-3. What is left of the host budget keeps, unit by unit in forward order, the master weights
-   (with fp32 compute these are also the weights, the most-read array), then the moments.
-4. Gradients that must persist (accumulation, deferred update) stay in host memory if the rest
-   of the host budget holds them all, else all go to SSD.
+2. What is left of the budgets keeps arrays in memory by planner/keep.py's rule, the one the
+   search's fills use too: by the SSD bytes per step each saves per byte it holds (masters, the
+   most-read arrays, first; then persistent gradients, unit by unit in the order the pending
+   updates read them, and moments), while the schedule's peaks fit. The plan's notes say which
+   and why.
 """
 
 from __future__ import annotations
@@ -20,8 +19,9 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from .decide import DEFAULT_OPTIM_PREFETCH, clipping, optim_prefetch_depth, prefetch_depth, speculates
-from .plan import InfeasibleError, Placement, Plan, PlanError, Tier, UnitSpec, all_on_ssd, fmt_bytes
-from .schedule import build_schedule, grads_order
+from .keep import keep_and_explain
+from .plan import InfeasibleError, Plan, PlanError, UnitSpec, all_on_ssd, fmt_bytes
+from .schedule import build_schedule
 from .spec import Budgets, Settings
 
 
@@ -83,56 +83,13 @@ def default_plan(units: Sequence[UnitSpec], *, device: str, settings: Settings, 
             plan = streaming_plan(units, prefetch_depth=k, optim_prefetch_depth=q_try, **base)
             sched = build_schedule(plan)
             if sched.peak_device_bytes <= dev_b and sched.peak_host_bytes <= host_b:
-                return _keep_what_fits(plan, dev_b - sched.peak_device_bytes, host_b - sched.peak_host_bytes)
+                return keep_and_explain(plan, dev_b, host_b)
     smallest = streaming_plan(units, prefetch_depth=ks[-1], optim_prefetch_depth=qs[-1], **base)
     sched = build_schedule(smallest)
     if sched.peak_device_bytes > dev_b:
         _raise_device_too_small(units, smallest, sched.peak_device_bytes)
     _raise_host_too_small(units, smallest, sched.peak_host_bytes)
     raise AssertionError("unreachable")
-
-
-def _keep_what_fits(plan: Plan, spare_dev: int, spare_host: int) -> Plan:
-    cdt = plan.compute_dtype
-    cpu = plan.device == "cpu"
-    placements = []
-    notes = []
-    for u, p in plan:
-        weights, master, moments = p.weights, p.master, p.moments
-        wb = u.weights_bytes(cdt)
-        fp32_cpu = cpu and not plan.separate_weights
-        if wb <= spare_dev:
-            weights, spare_dev = Tier.DEVICE, spare_dev - wb
-            if fp32_cpu:
-                master = Tier.HOST  # the resident weights are the master itself
-        if master is Tier.SSD and u.master_bytes <= spare_host:
-            master, spare_host = Tier.HOST, spare_host - u.master_bytes
-            if not plan.separate_weights and weights is not Tier.DEVICE:
-                weights = Tier.HOST
-        if plan.separate_weights and weights is Tier.SSD and wb <= spare_host:
-            weights, spare_host = Tier.HOST, spare_host - wb
-        if u.moments_bytes <= spare_host:
-            moments, spare_host = Tier.HOST, spare_host - u.moments_bytes
-        placements.append(Placement(u.name, weights, master, moments, Tier.SSD))
-    host_grads: set = set()
-    if plan.persistent_grads:
-        total = sum(plan.grad_bytes(u) for u in plan.units)
-        specs = {u.name: u for u in plan.units}
-        for name in grads_order(plan) if total > spare_host else specs:
-            if plan.grad_bytes(specs[name]) <= spare_host:
-                host_grads.add(name)
-                spare_host -= plan.grad_bytes(specs[name])
-        if not host_grads:
-            notes.append(f"gradients ({fmt_bytes(total)}) do not fit the host budget's rest: kept on SSD")
-        elif len(host_grads) < len(specs):
-            kept = sum(plan.grad_bytes(specs[n]) for n in host_grads)
-            notes.append(
-                f"gradients ({fmt_bytes(total)}) do not all fit the host budget's rest: {len(host_grads)} of "
-                f"{len(specs)} units' ({fmt_bytes(kept)}) in host memory, the rest on SSD (first the units whose "
-                "gradients the pending updates read first, after those the optimizer keeps anyway)"
-            )
-    placements = [replace(p, grads=Tier.HOST if p.unit in host_grads else Tier.SSD) for p in placements]
-    return replace(plan, placements=tuple(placements), notes=tuple(notes))
 
 
 def _raise_device_too_small(units: Sequence[UnitSpec], plan: Plan, need: int) -> None:

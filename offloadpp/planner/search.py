@@ -40,12 +40,13 @@ from typing import Optional
 
 from .activations import ActChoice, ActPlanner, act_units, fixed_policies
 from .cost import StepEstimate, lower_bound, replay
-from .default import _keep_what_fits, plan_shape, streaming_plan
+from .default import plan_shape, streaming_plan
 from .fills import _placements
 from .hardware import HardwareProfile, IOPoint
+from .keep import explain, keep
 from .model_profile import ModelProfile
 from .peaks import peak_bytes
-from .plan import InfeasibleError, Plan, PlanError, Tier, fmt_bytes, shard_units
+from .plan import InfeasibleError, Plan, PlanError, Tier, all_on_ssd, fmt_bytes, shard_units
 from .request import Request
 from .schedule import build_schedule
 from .spec import Budgets
@@ -212,7 +213,9 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     best = _robust_pick(cands, hardware, model, req, slow_s)
     notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
              f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound)",)  # fmt: skip
-    best_plan = replace(best.plan, notes=notes)
+    best_plan = replace(
+        best.plan, notes=notes + explain(replace(best.plan, placements=all_on_ssd(units)), best.plan)
+    )
     if counted:
         best_plan = replace(best_plan, activations=tuple(p for _, p in best.activations))
     best = replace(best, plan=best_plan)
@@ -384,11 +387,9 @@ def _raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, 
 
 
 def _all_kept_ssd_bytes(plan: Plan, req: Request) -> int:
-    """The free SSD space (Plan.ssd_need_bytes) the plan that keeps the most in memory (forward
-    fill) at these depths needs."""
-    dev, host = peak_bytes(plan)
-    kept = _keep_what_fits(plan, req.budgets.device_bytes - dev, req.budgets.host_bytes - host)
-    return int(kept.ssd_need_bytes())
+    """The free SSD space (Plan.ssd_need_bytes) the plan that keeps the most in memory (keep.py's
+    rule) at these depths needs."""
+    return int(keep(plan, req.budgets.device_bytes, req.budgets.host_bytes).ssd_need_bytes())
 
 
 def describe_buffers(plan: Plan) -> list[str]:

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from offloadpp.planner import Schedule
 
+from .memory import timed_elsewhere
 from .optimizer import OptimizerPipeline
 from .slots import Hold
 from .unit import Unit, UnitPhase, UnitStateError
@@ -142,6 +143,12 @@ class Executor:
     def enter(self, i: int) -> None:
         """Visit i starts: hold alive[i] (fetching what is new), bind what visit i needs."""
         t_enter = time.perf_counter()
+        with timed_elsewhere():  # (the pools' waits in here are this hook's)
+            self._enter(i)
+        self.wait_s += time.perf_counter() - t_enter  # all of it is time the device did not compute
+        self.cursor = i
+
+    def _enter(self, i: int) -> None:
         self.optimizer.reap()
         v = self.schedule.visits[i]
         want = self.schedule.alive[i]
@@ -149,14 +156,19 @@ class Executor:
             for u in list(self.held):
                 if u.name not in want:
                     self._drop(u)
-            self.optimizer.apply_pending(
-                self._fetch_order[i]
-            )  # (after the drops: its buffers are the fetch's)
-            for name in self._fetch_order[i]:
-                u = self._by_name[name]
-                if all(u is not h for h in self.held):
-                    u.weights.acquire()
-                    self.held.append(u)
+            # The pending updates go after the drops (their buffers are the fetch's). A master
+            # that is the weights is one slot: the fetch holds it first, else an update holding
+            # it alone could finish, write it and give it back before the fetch held it, and the
+            # fetch would read it again (a read the schedule and the cost model do not make). A
+            # separate compute copy is the update's product: fetched after it.
+            fetch = [self._by_name[n] for n in self._fetch_order[i]]
+            for aliased in (True, False):
+                for u in fetch:
+                    if (u.master is u.compute) == aliased and all(u is not h for h in self.held):
+                        u.weights.acquire()
+                        self.held.append(u)
+                if aliased:
+                    self.optimizer.apply_pending(self._fetch_order[i])
             for u in self.held:
                 u.weights.pump()
         if self.in_backward or i >= min(self.schedule.prefetch_depth, self.schedule.num_forward - 1):
@@ -170,8 +182,6 @@ class Executor:
         with record_function("offloadpp::wait_weights"):
             for name in v.needs:
                 self._bind(self._by_name[name])
-        self.wait_s += time.perf_counter() - t_enter  # all of it is time the device did not compute
-        self.cursor = i
 
     def _bind(self, u: Unit) -> None:
         if not u.bound:
@@ -214,10 +224,11 @@ class Executor:
                 )
                 self._warned_order = True
             t0 = time.perf_counter()
-            if all(u is not h for h in self.held):
-                u.weights.acquire()
-                self.held.append(u)
-            self._bind(u)
+            with timed_elsewhere():
+                if all(u is not h for h in self.held):
+                    u.weights.acquire()
+                    self.held.append(u)
+                self._bind(u)
             self.wait_s += time.perf_counter() - t0
         return u.flat_of(frozen)
 

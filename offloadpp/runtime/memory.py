@@ -20,6 +20,13 @@ memory the pool did not hand out; the optimizer charges them (`charge`) until th
 (`uncharge`), so that they count against the device budget and a pool short of room waits for
 them to go (the owner's reclaim waits for the oldest drop).
 
+Note: whose waits count. `wait_s` is time the compute thread did not compute (the StepReport
+subtracts it from forward and backward): only the owner's waits count, and not those inside
+a wait already being timed on that thread (an executor hook, `timed_elsewhere`). The
+optimizer's worker waiting for a buffer while it applies pending updates is not the device
+idling; counting it made a deferred step's `compute` 0.000 (the worker's waits outran forward
+and backward).
+
 Note: a pace below the budget. A speculative plan's budgets hold what a step that speculates
 holds; a step of the same run that defers its updates (it clips) needs less. Where the pool is
 given a `pace_bytes` below its budget, work still under way (writes draining, the optimizer's
@@ -44,6 +51,19 @@ from offloadpp.planner import fmt_bytes
 log = logging.getLogger("offloadpp.runtime")
 
 RELEASE_WAIT_S = 60.0
+
+_timed = threading.local()  # this thread's waits already timed by an enclosing hook: depth
+
+
+class timed_elsewhere:
+    """`with timed_elsewhere():` the pools' waits on this thread inside are timed by the caller
+    (the module Note, whose waits count)."""
+
+    def __enter__(self) -> None:
+        _timed.depth = getattr(_timed, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        _timed.depth -= 1
 
 
 class BudgetExceededError(RuntimeError):
@@ -94,6 +114,10 @@ class BufferPool:
         self.reclaim: Optional[Callable[[], bool]] = None
         self.owner = threading.get_ident()
 
+    def _count_wait(self, t0: float) -> None:
+        if threading.get_ident() == self.owner and not getattr(_timed, "depth", 0):
+            self.wait_s += time.perf_counter() - t0
+
     @staticmethod
     def _nbytes(numel: int, dtype: torch.dtype) -> int:
         return numel * dtype.itemsize
@@ -123,14 +147,14 @@ class BufferPool:
                 elif self.allocated_bytes + need <= self.budget_bytes:
                     break  # nothing under way to pace on: the budget holds
                 elif not self._cv.wait(self.release_wait_s):  # a buffer handed out must come back
-                    self.wait_s += time.perf_counter() - t0
+                    self._count_wait(t0)
                     raise BudgetExceededError(
                         f"{self.name} pool: {fmt_bytes(need)} ({need} bytes) more would pass the {self.name} budget "
                         f"of {fmt_bytes(self.budget_bytes)} ({self.budget_bytes} bytes): {fmt_bytes(self.allocated_bytes)} "
                         f"held and nothing was given back for {self.release_wait_s:.0f} s. The plan does not fit "
                         "this run: raise the budget, or report the model and config as a bug"
                     )
-                self.wait_s += time.perf_counter() - t0
+                self._count_wait(t0)
             self.allocated_bytes += need
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
             self.step_peak_bytes = max(self.step_peak_bytes, self.allocated_bytes)
@@ -158,7 +182,7 @@ class BufferPool:
                     self.reclaim is not None and threading.get_ident() == self.owner and self._reclaim()
                 ):
                     break
-            self.wait_s += time.perf_counter() - t0
+            self._count_wait(t0)
             self.allocated_bytes += nbytes
             self.charged_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
