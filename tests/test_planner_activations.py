@@ -64,6 +64,31 @@ def test_partial_holds_its_kept_outputs_and_recomputes_the_rest():
     assert need_bytes(us, {x.name: "partial_host" for x in us}) == 1050
 
 
+def test_need_counts_a_partial_units_forward_when_it_holds_more_than_its_backward():
+    """A partial unit's forward holds every piece's checkpoint and kept outputs until their copies
+    end (the replay's account); with small pieces that is more than its backward holds piece by
+    piece, and the need (and so the largest micro-batch) must count it: the replay's peak stays
+    within the need."""
+    from dataclasses import replace
+
+    from offloadpp.planner.activations import backward_bytes, forward_bytes
+
+    pieces = ((10, 100, 0, 0), (300, 100, 250, 50), (10, 100, 0, 0), (200, 100, 150, 50))
+    u = ActUnit("b", 520, 100, 1, True, partial=400, partial_extra=100, pieces=pieces)
+    assert forward_bytes(u, "partial_host") == 800 > backward_bytes(u, "partial_host") == 450
+    us = [ActUnit(f"u{i}", 520, 100, 1, True, 400, 100, pieces) for i in range(3)]
+    assert need_bytes(us, {x.name: "partial_host" for x in us}) == 800
+    assert need_bytes(us, {x.name: "partial" for x in us}) == 3 * 800  # (backward: 800 too)
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
+    r = resolve(Settings(plan="auto"), m.unit_specs(),
+                Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
+                hardware=cpu_hw(), model=m)  # fmt: skip
+    blocks = {u.name: "partial_host" for u in m.units if u.name.startswith("transformer.h.")}
+    need = need_bytes(act_units(m), blocks)
+    plan = replace(r.plan, budgets=replace(r.plan.budgets, activation_bytes=need))  # a budget that binds
+    assert estimate(plan, cpu_hw(), m, activations=blocks).peak_activation_bytes <= need
+
+
 def test_partial_is_offered_where_the_profile_knows_its_bytes():
     us = [ActUnit(f"u{i}", 1000, 100, 10_000, True, 400, 50) for i in range(10)]
     room = 2600  # keeping all (10000) or pinning every checkpoint and kept output (5550) does not fit

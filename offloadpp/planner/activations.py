@@ -22,10 +22,12 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
 Note: the need. Backward visits the units last to first, and releases a unit's activations once
 its backward is done. At unit j's backward every earlier unit still holds what its policy keeps
 (all of it, its inputs, or nothing) and unit j holds all it saved, fetched back or recomputed
-(a recompute's inputs are counted until the recompute, then replaced by what it recomputed);
-forward never holds more than the moment the last unit's backward starts with. So
+(a recompute's inputs are counted until the recompute, then replaced by what it recomputed).
+Unit j's forward holds what earlier units hold and, until its copies out are done, all it saves
+or moves at once (a partial unit: every piece's checkpoint and kept outputs, which can pass what
+its backward holds piece by piece). So
 
-    need = max over j of  sum_{i < j} held(i) + saved(j) [max(saved(j), inputs(j)) if j recomputes]
+    need = max over j of  sum_{i < j} held(i) + max(forward(j), backward(j))
 
 where held(i) is saved(i) for keep, inputs(i) for recompute, inputs(i) + partial(i) for
 partial, and 0 for the swapping policies (recompute_host/ssd and partial_host/ssd included); a
@@ -143,6 +145,22 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
     return max(u.saved, u.inputs) if recomputes(policy) else u.saved
 
 
+def forward_bytes(u: ActUnit, policy: str) -> int:
+    """Device bytes the unit's forward holds at once until its copies out are done: all it saves
+    (keep, host, ssd), or what a recomputing unit holds or moves (its inputs; a partial unit's
+    checkpoints and kept outputs), as the replay counts them (simulate_act.py before_forward)."""
+    if policy in PARTIAL:
+        return u.moved(policy)
+    return u.inputs if recomputes(policy) else u.saved
+
+
+def peak_bytes_at(u: ActUnit, policy: str) -> int:
+    """The unit's own share of the need at its visits: its forward's or its backward's, the
+    larger (a partial unit's checkpoints and kept outputs all together can pass what its
+    backward holds piece by piece)."""
+    return max(forward_bytes(u, policy), backward_bytes(u, policy))
+
+
 def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     """Where the unit's activation bytes are between its forward and its backward: kept on the
     device, swapped to host, swapped to SSD (through host), recomputed; a recomputing unit's
@@ -175,7 +193,7 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
     held = peak = 0
     for u in units:
         p = policies.get(u.name, "keep")
-        peak = max(peak, held + backward_bytes(u, p))
+        peak = max(peak, held + peak_bytes_at(u, p))
         held += held_bytes(u, p)
     return peak
 
@@ -231,7 +249,7 @@ class ActPlanner:
 
         def least_of(u: ActUnit) -> str:
             if u.can_recompute and 0 < u.partial < u.saved:
-                return min(("ssd", "partial_ssd"), key=lambda p: backward_bytes(u, p))
+                return min(("ssd", "partial_ssd"), key=lambda p: peak_bytes_at(u, p))
             return "ssd"
 
         return self._choice("swap all", {u.name: least_of(u) for u in self.free})
@@ -285,7 +303,7 @@ class ActPlanner:
             for u in units:
                 p = out.get(u.name, "keep")
                 before.append(held)
-                at.append(held + backward_bytes(u, p))
+                at.append(held + peak_bytes_at(u, p))
                 held += held_bytes(u, p)
             upto, after = [0] * (len(at) + 1), [0] * (len(at) + 1)
             for i, x in enumerate(at):
@@ -300,7 +318,7 @@ class ActPlanner:
             if p in frm and (not recomputes(to) or u.can_recompute):
                 i = pos[u.name]
                 grow = held_bytes(u, to) - held_bytes(u, p)
-                own = before[i] + backward_bytes(u, to)
+                own = before[i] + peak_bytes_at(u, to)
                 if max(upto[i], own, after[i + 1] + grow) <= room:
                     out[u.name] = to
                     upto, after, before = maxima()
@@ -394,4 +412,5 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
 
 
 __all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "PARTIAL", "POLICIES", "SWAPPING", "act_units",
-           "backward_bytes", "fixed_policies", "held_bytes", "need_bytes", "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip
+           "backward_bytes", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at",
+           "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip
