@@ -24,8 +24,8 @@ its backward is done. At unit j's backward every earlier unit still holds what i
 (all of it, its inputs, or nothing) and unit j holds all it saved, fetched back or recomputed
 (a recompute's inputs are counted until the recompute, then replaced by what it recomputed).
 Unit j's forward holds what earlier units hold and, until its copies out are done, all it saves
-or moves at once (a partial unit: every piece's checkpoint and kept outputs, which can pass what
-its backward holds piece by piece). So
+or moves at once (a partial unit kept on the device: every piece's checkpoint and kept outputs,
+which can pass what its backward holds piece by piece; swapped, one piece's at a time). So
 
     need = max over j of  sum_{i < j} held(i) + max(forward(j), backward(j))
 
@@ -131,24 +131,30 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
     on the device all along) or, swapped, the previous piece's records (fetched once piece k
     recomputed); the pieces after it were released."""
     if policy in PARTIAL and u.pieces:
-        peak = before = 0
-        prev = 0
-        for saved, inputs, part, extra in u.pieces:
-            held = before if policy == "partial" else prev
-            peak = max(peak, held + saved + extra)
-            prev = inputs + part
-            before += prev
-        # (backward runs the pieces last to first: piece k's "before" are those earlier in forward)
-        return peak
+        return max(piece_peaks(u, policy))
     if policy in PARTIAL:
         return max(u.saved, u.inputs) + u.partial_extra
     return max(u.saved, u.inputs) if recomputes(policy) else u.saved
 
 
+def piece_peaks(u: ActUnit, policy: str) -> list[int]:
+    """A partial unit's device bytes at each piece's recompute, forward order (backward_bytes)."""
+    out, before, prev = [], 0, 0
+    for saved, inputs, part, extra in u.pieces:
+        out.append((before if policy == "partial" else prev) + saved + extra)
+        prev = inputs + part
+        before += prev
+    # (backward runs the pieces last to first: piece k's "before" are those earlier in forward)
+    return out
+
+
 def forward_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit's forward holds at once until its copies out are done: all it saves
     (keep, host, ssd), or what a recomputing unit holds or moves (its inputs; a partial unit's
-    checkpoints and kept outputs), as the replay counts them (simulate_act.py before_forward)."""
+    checkpoints and kept outputs: a swapped one's piece by piece, each piece's waiting for the
+    earlier ones' copies), as the replay counts them (simulate_act.py forward_parts)."""
+    if policy in PARTIAL and policy in CHECKPOINT_SWAPS and u.pieces:
+        return max(p[1] + p[2] for p in u.pieces)
     if policy in PARTIAL:
         return u.moved(policy)
     return u.inputs if recomputes(policy) else u.saved
@@ -412,5 +418,5 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
 
 
 __all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "PARTIAL", "POLICIES", "SWAPPING", "act_units",
-           "backward_bytes", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at",
+           "backward_bytes", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

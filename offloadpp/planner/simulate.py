@@ -140,9 +140,10 @@ class Sim:
                 nf = self.sched.num_forward
                 for v in self.sched.visits[:nf]:
                     yield from self.enter(v.index)
-                    yield from self.act.before_forward(v.unit)
-                    yield ("cpu", self.costs.forward_s[v.unit] + self.costs.forward_visit_s)
-                    self.act.after_forward(v.unit)
+                    for k, (share, saved) in enumerate(self.act.forward_parts(v.unit)):
+                        yield from self.act.before_forward(v.unit, saved)
+                        yield ("cpu", (self.costs.forward_s[v.unit] + self.costs.forward_visit_s) * share)
+                        self.act.after_forward(v.unit, k)
                 m.setdefault("forward_end", []).append(self.t)
                 for u in self.units:
                     u.grads_pending = True
@@ -157,7 +158,10 @@ class Sim:
                         + self.costs.backward_visit_s
                         + self.act.recompute_s(v.unit)
                     )
-                    yield ("cpu", work)
+                    for k, share in enumerate(self.act.backward_parts(v.unit)):
+                        if k:
+                            self.act.next_piece(v.unit, k)
+                        yield ("cpu", work * share)
                     self.act.after_backward(v.unit)
                     yield from self.on_grads(self.by_name[v.unit])
                 self.in_backward = False
