@@ -25,7 +25,6 @@ from .schedule import (
     _first_alive,
     build_schedule,
     drain_device_bytes,
-    drain_host_bytes,
     fetch_host_bytes,
     holds,
     kept_grad_bytes,
@@ -59,8 +58,31 @@ def _holds_for(plan: Plan) -> tuple:
 
 
 def clear_cache() -> None:
-    """Forgets the holds found so far (benchmarks time planning from nothing)."""
+    """Forgets the holds and unit terms found so far (benchmarks time planning from nothing)."""
     _HOLDS.clear()
+    _TERMS.clear()
+
+
+# (device, dtype, accumulation, deferral, unit, placement) -> the unit's bytes in peak_bytes: what
+# schedule's fetch/optim/kept byte functions read of the plan (the ranks are the unit's shards).
+# The placements searched differ in a few units at a time: each unit's terms are priced once.
+_TERMS: dict[tuple, tuple[int, ...]] = {}
+_TERMS_MAX = 1 << 16
+
+
+def _terms(plan: Plan, u, p) -> tuple[int, ...]:
+    """(device weights, fetching, optimizer window, kept gradients, kept shard, resident host)."""
+    key = (plan.device, plan.compute_dtype, plan.accumulate_grads, plan.deferred_update, u, p)
+    t = _TERMS.get(key)
+    if t is None:
+        cdt = plan.compute_dtype
+        t = (0 if p.weights is Tier.DEVICE else u.weights_bytes(cdt), fetch_host_bytes(plan, u, p),
+             optim_host_bytes(plan, u, p), kept_grad_bytes(plan, u, p), kept_host_bytes(plan, u, p),
+             plan.unit_resident_host_bytes(u, p))  # fmt: skip
+        if len(_TERMS) >= _TERMS_MAX:
+            _TERMS.clear()
+        _TERMS[key] = t
+    return t
 
 
 def peak_bytes(plan: Plan) -> tuple[int, int]:
@@ -75,18 +97,15 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
         s = build_schedule(plan)
         return s.peak_device_bytes, s.peak_host_bytes
     hs = _holds_for(plan)
-    cdt = plan.compute_dtype
     device_w = {}
     ssd_w = {}
     ob = {}
     kb = {}
     sb = {}
+    resident_host = 0
     for u, p in plan:
-        device_w[u.name] = 0 if p.weights is Tier.DEVICE else u.weights_bytes(cdt)
-        ssd_w[u.name] = fetch_host_bytes(plan, u, p)
-        ob[u.name] = optim_host_bytes(plan, u, p)
-        kb[u.name] = kept_grad_bytes(plan, u, p)
-        sb[u.name] = kept_host_bytes(plan, u, p)
+        device_w[u.name], ssd_w[u.name], ob[u.name], kb[u.name], sb[u.name], rh = _terms(plan, u, p)
+        resident_host += rh
     dev = host = 0
     for h in hs:
         d = h.grads
@@ -103,7 +122,9 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
             x += sb[n]
         dev = d if d > dev else dev
         host = x if x > host else host
-    return dev + drain_device_bytes(plan), host + drain_host_bytes(plan)
+    # (schedule.drain_host_bytes(plan), from the terms at hand: the largest window's and the
+    # resident host arrays)
+    return dev + drain_device_bytes(plan), host + max(ob.values(), default=0) + resident_host
 
 
 __all__ = ["clear_cache", "peak_bytes"]

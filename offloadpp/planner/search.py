@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .activations import ActChoice, ActPlanner, act_units, fixed_policies
-from .cost import StepEstimate, lower_bound, replay
+from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .default import _keep_what_fits, plan_shape, streaming_plan
 from .fills import _placements
 from .hardware import HardwareProfile, IOPoint
@@ -55,7 +55,7 @@ MAX_OPTIM = 3
 TIE_FRAC = 0.01
 ROBUST_WINDOW = 0.25  # candidates this far above the best estimate are scored on a slow SSD too
 ROBUST_MAX = 24
-MANY_UNITS = 64  # beyond this many units (a replay walks every visit of three steps) at most
+# beyond MANY_UNITS units (cost.py: a replay walks every visit of each step) at most
 MANY_REPLAYS = 10  # placements are replayed, and the robust pick looks at MANY_NEAR candidates
 MANY_NEAR = 6
 RESCORE_GAIN = 0.05  # a new best is replayed on the slow SSD when it beats the last one by this
@@ -200,7 +200,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     cands.sort(key=lambda c: c.estimate.step_s)
     by_plan = {id(g[2]): g for g in groups}
     many = len(units) > MANY_UNITS
-    for top in _tops(cands, ACT_TOP_PLACEMENTS - many, extra=0 if many else 2):
+    for top in _tops(cands, 1 if many else ACT_TOP_PLACEMENTS, extra=0 if many else 2):
         _, label, plan, bounds = by_plan[id(top.plan)]
         for lb, _, c in bounds[1:]:
             if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
