@@ -24,6 +24,7 @@ from .plan import Plan, Tier
 from .schedule import (
     _first_alive,
     build_schedule,
+    clear_schedules,
     drain_device_bytes,
     fetch_host_bytes,
     holds,
@@ -58,9 +59,11 @@ def _holds_for(plan: Plan) -> tuple:
 
 
 def clear_cache() -> None:
-    """Forgets the holds and unit terms found so far (benchmarks time planning from nothing)."""
+    """Forgets the holds, unit terms and schedules found so far (benchmarks time planning from
+    nothing)."""
     _HOLDS.clear()
     _TERMS.clear()
+    clear_schedules()
 
 
 # (device, dtype, accumulation, deferral, unit, placement) -> the unit's bytes in peak_bytes: what

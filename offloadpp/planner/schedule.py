@@ -261,6 +261,27 @@ def staged_fetch(plan: Plan) -> bool:
     return plan.device != "cpu" or plan.ranks > 1
 
 
+# plan -> its schedule: the search replays one plan with several activation choices and on a slow
+# SSD (search.py), and building a 175B schedule is a third of its replay's time
+_SCHEDULES: dict[Plan, Schedule] = {}
+_SCHEDULES_MAX = 8
+
+
+def cached_schedule(plan: Plan) -> Schedule:
+    """build_schedule(plan), remembered for the last few plans (a Schedule is frozen)."""
+    s = _SCHEDULES.get(plan)
+    if s is None:
+        s = build_schedule(plan)
+        if len(_SCHEDULES) >= _SCHEDULES_MAX:
+            _SCHEDULES.pop(next(iter(_SCHEDULES)))
+        _SCHEDULES[plan] = s
+    return s
+
+
+def clear_schedules() -> None:
+    _SCHEDULES.clear()
+
+
 def _peaks(plan: Plan, sched: Schedule) -> tuple[int, int]:
     """Peak device and host bytes of the runtime's buffers over one step (an accumulation
     boundary, the heavier case), by walking the visits as the runtime does (see _walk)."""
