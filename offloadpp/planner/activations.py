@@ -45,7 +45,9 @@ three quarters of the ranking, swap the rest and keep what fits; the same with t
 units' checkpoints swapped too (every recomputable unit, or the head of the ranking), keeping
 what fits and then pinning on the device the checkpoints that still fit; and partial in place of
 recompute in those (where the profile knows the partial bytes): every recomputable unit partial
-with its kept outputs swapped, keeping whole units what fits. Swaps go to host memory on CUDA
+with its kept outputs swapped, keeping whole units what fits; and a quarter, half or three
+quarters of them partial, spread evenly, the rest recomputed with swapped checkpoints (not on
+models of many units: each choice costs a replay). Swaps go to host memory on CUDA
 (to SSD beyond the host memory left for them) and to SSD on the CPU acting as the device, where
 host memory is the device's own; SSD is tried on CUDA too.
 """
@@ -219,11 +221,13 @@ class ActPlanner:
 
     fixed: policies the settings fix (per-unit overrides; every unit when the settings' policy is
     not "auto"); the others are the planner's to choose. host_bytes: host memory swapped
-    activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu"."""
+    activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu".
+    mixes: offer partial and recompute mixed (search.py: not on models of many units)."""
 
     def __init__(self, units: Sequence[ActUnit], fixed: Mapping[str, str], *, device: str,
-                 host_bytes: Optional[int] = None):  # fmt: skip
+                 host_bytes: Optional[int] = None, mixes: bool = True):  # fmt: skip
         self.units = tuple(units)
+        self.mixes = mixes  # partial and recompute mixed (each costs a replay: off on 175B)
         self.fixed = {n: ("keep" if recomputes(p) and not self._unit(n).can_recompute else p)
                       for n, p in fixed.items() if p != "auto"}  # fmt: skip
         self.free = [u for u in self.units if u.name not in self.fixed]
@@ -400,6 +404,18 @@ class ActPlanner:
                                                frozenset(("partial_ssd",)), "partial")  # fmt: skip
                 found.append(self._choice(f"partial {frac:.0%}, swap to {swaps[0]}",
                                           self._swap_to(kept, swaps[0])))  # fmt: skip
+            # a mix: partial moves its kept outputs (14 x width a token for a GPT-2 block) over
+            # the link, recompute only its checkpoint but runs its forward again; spread evenly
+            # (every other unit at a half) so that neither the link nor the compute queues up
+            rest = [u for u in recomputable if u not in partial]
+            for frac in MIXES if self.mixes else ():
+                head = [u for i, u in enumerate(partial) if int((i + 1) * frac) > int(i * frac)]
+                base = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute_ssd" for u in partial + rest},
+                        **{u.name: "partial_ssd" for u in head}}  # fmt: skip
+                kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
+                                               frozenset(("partial_ssd",)), "partial")  # fmt: skip
+                found.append(self._choice(f"partial {frac:.0%}, recompute the rest with checkpoints to {swaps[0]}",
+                                          self._swap_to(self._pin_what_fits(kept, room), swaps[0])))  # fmt: skip
         seen, out = set(), []
         for c in found:
             if c.need_bytes <= room and c.policies not in seen:
