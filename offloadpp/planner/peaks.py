@@ -66,16 +66,19 @@ def clear_cache() -> None:
     clear_schedules()
 
 
-# (device, dtype, accumulation, deferral, unit, placement) -> the unit's bytes in peak_bytes: what
-# schedule's fetch/optim/kept byte functions read of the plan (the ranks are the unit's shards).
-# The placements searched differ in a few units at a time: each unit's terms are priced once.
+# (what schedule's fetch/optim/kept byte functions and Plan.unit_resident_host_bytes read of the
+# plan, unit, placement) -> the unit's bytes in peak_bytes. The placements searched differ in a
+# few units at a time: each unit's terms are priced once. (The plan's derived properties are in
+# the key as read, not the fields they derive from: a property changed (a test patches
+# grad_dtype) is a new key.)
 _TERMS: dict[tuple, tuple[int, ...]] = {}
 _TERMS_MAX = 1 << 16
 
 
 def _terms(plan: Plan, u, p) -> tuple[int, ...]:
     """(device weights, fetching, optimizer window, kept gradients, kept shard, resident host)."""
-    key = (plan.device, plan.compute_dtype, plan.accumulate_grads, plan.deferred_update, u, p)
+    key = (plan.device, plan.compute_dtype, plan.grad_dtype, plan.persistent_grads, plan.separate_weights,
+           plan.accumulate_grads, plan.deferred_update, plan.ranks, u, p)  # fmt: skip
     t = _TERMS.get(key)
     if t is None:
         cdt = plan.compute_dtype
