@@ -75,10 +75,15 @@ _TERMS: dict[tuple, tuple[int, ...]] = {}
 _TERMS_MAX = 1 << 16
 
 
-def _terms(plan: Plan, u, p) -> tuple[int, ...]:
-    """(device weights, fetching, optimizer window, kept gradients, kept shard, resident host)."""
-    key = (plan.device, plan.compute_dtype, plan.grad_dtype, plan.persistent_grads, plan.separate_weights,
-           plan.accumulate_grads, plan.deferred_update, plan.ranks, u, p)  # fmt: skip
+def _shape_of(plan: Plan) -> tuple:
+    return (plan.device, plan.compute_dtype, plan.grad_dtype, plan.persistent_grads, plan.separate_weights,
+            plan.accumulate_grads, plan.deferred_update, plan.ranks)  # fmt: skip
+
+
+def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
+    """(device weights, fetching, optimizer window, kept gradients, kept shard, resident host);
+    shape: _shape_of(plan)."""
+    key = (shape, u, p)
     t = _TERMS.get(key)
     if t is None:
         cdt = plan.compute_dtype
@@ -109,8 +114,9 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     kb = {}
     sb = {}
     resident_host = 0
+    shape = _shape_of(plan)
     for u, p in plan:
-        device_w[u.name], ssd_w[u.name], ob[u.name], kb[u.name], sb[u.name], rh = _terms(plan, u, p)
+        device_w[u.name], ssd_w[u.name], ob[u.name], kb[u.name], sb[u.name], rh = _terms(plan, shape, u, p)
         resident_host += rh
     dev = host = 0
     for h in hs:
