@@ -159,6 +159,9 @@ def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, kind, policy
                 and s.h2d_bytes == s.d2h_bytes
                 and s.fetch_misses == 0
             )
-            assert (s.ssd_write_bytes > 0 and s.ssd_read_bytes > 0) == policy.endswith("_ssd")
+            # (a record whose SSD write has not ended when backward wants it comes back from its
+            # host buffer: on a loaded machine a step may read nothing back from the SSD)
+            assert (s.ssd_write_bytes > 0) == policy.endswith("_ssd")
+            assert s.ssd_read_bytes <= s.ssd_write_bytes
         assert got == pytest.approx(want, rel=1e-5)
         assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=lr, steps=len(data)) < 1e-5

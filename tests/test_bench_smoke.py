@@ -76,13 +76,14 @@ def test_bench_capacity_export_smoke(tmp_path, capsys):
 
 
 def test_bench_planner_scale_smoke(tmp_path, capsys):
-    """The paper-scale planning benchmark: 175B plans at batch 8 and 16 and is refused at 32
-    (its activations cannot fit one RTX 4090) with the largest micro-batch that would."""
+    """The paper-scale planning benchmark: 175B plans at batch 8, 16 and 32 (the paper's system
+    runs out of memory at 32; here a partial block's backward holds one piece, its GELU saving
+    only its input) and is refused at 64 with the largest micro-batch that would fit."""
     from offloadpp.bench import planner_scale
 
     out = tmp_path / "scale.json"
     assert _run(planner_scale, ["--only", "175b", "--dtype", "bf16", "--json", str(out)]) == 0
     rows = {r["micro_batch"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows[8]["step_s"] > 0 and rows[16]["step_s"] > 0
-    assert "refused" in rows[32] and 16 <= rows[32]["largest_micro_batch"] < 32
-    assert "| GPT-3 175B | 32 | bf16 | refused" in capsys.readouterr().out
+    assert rows[8]["step_s"] > 0 and rows[16]["step_s"] > 0 and rows[32]["step_s"] > 0
+    assert "refused" in rows[64] and 32 <= rows[64]["largest_micro_batch"] < 64
+    assert "| GPT-3 175B | 64 | bf16 | refused" in capsys.readouterr().out

@@ -278,7 +278,7 @@ def _modelled(args, env: SimpleNamespace, batch: int, budget, policy: str) -> di
     """The cost model's activation terms for every unit under `policy` (units that cannot
     recompute keep), for the fixed contenders: what it moves to and from SSD and recomputes."""
     from offloadpp.planner import HardwareProfile, analytic_profile
-    from offloadpp.planner.activations import recomputes
+    from offloadpp.planner.activations import recompute_fraction, recomputes
     from offloadpp.planner.cost import compute_times, estimate
 
     hw = HardwareProfile.from_json(args.hardware)
@@ -289,8 +289,9 @@ def _modelled(args, env: SimpleNamespace, batch: int, budget, policy: str) -> di
     est = estimate(plan, hw, prof, activations=pol, act_prefetch_units=args.prefetch_units)
     fwd_s, _ = compute_times(plan, hw, prof)
     again = [n for n, p in pol.items() if recomputes(p)]
+    # as the replay charges it (simulate_act.py recompute_s): partial runs no matmul again
     return {"ssd_write_bytes": est.ssd_write_bytes, "ssd_read_bytes": est.ssd_read_bytes,
-            "recompute_s": sum(fwd_s[n] + hw.runtime_forward_visit_s for n in again),
+            "recompute_s": sum(fwd_s[n] * recompute_fraction(pol[n]) + hw.runtime_forward_visit_s for n in again),
             "peak_activation_bytes": est.peak_activation_bytes}  # fmt: skip
 
 

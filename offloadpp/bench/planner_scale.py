@@ -26,7 +26,7 @@ import time
 from offloadpp.planner.activations import POLICIES
 
 PAPER = os.path.join("docs", "paper")
-RUNS = (("13b", (8, 16, 32, 64, 128)), ("175b", (8, 16, 32)))
+RUNS = (("13b", (8, 16, 32, 64, 128)), ("175b", (8, 16, 32, 64)))
 SEQ_LEN = 1024
 
 

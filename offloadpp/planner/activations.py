@@ -22,10 +22,12 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
 Note: the need. Backward visits the units last to first, and releases a unit's activations once
 its backward is done. At unit j's backward every earlier unit still holds what its policy keeps
 (all of it, its inputs, or nothing) and unit j holds all it saved, fetched back or recomputed
-(a recompute's inputs are counted until the recompute, then replaced by what it recomputed);
-forward never holds more than the moment the last unit's backward starts with. So
+(a recompute's inputs are counted until the recompute, then replaced by what it recomputed).
+Unit j's forward holds what earlier units hold and, until its copies out are done, all it saves
+or moves at once (a partial unit kept on the device: every piece's checkpoint and kept outputs,
+which can pass what its backward holds piece by piece; swapped, one piece's at a time). So
 
-    need = max over j of  sum_{i < j} held(i) + saved(j) [max(saved(j), inputs(j)) if j recomputes]
+    need = max over j of  sum_{i < j} held(i) + max(forward(j), backward(j))
 
 where held(i) is saved(i) for keep, inputs(i) for recompute, inputs(i) + partial(i) for
 partial, and 0 for the swapping policies (recompute_host/ssd and partial_host/ssd included); a
@@ -43,7 +45,9 @@ three quarters of the ranking, swap the rest and keep what fits; the same with t
 units' checkpoints swapped too (every recomputable unit, or the head of the ranking), keeping
 what fits and then pinning on the device the checkpoints that still fit; and partial in place of
 recompute in those (where the profile knows the partial bytes): every recomputable unit partial
-with its kept outputs swapped, keeping whole units what fits. Swaps go to host memory on CUDA
+with its kept outputs swapped, keeping whole units what fits; and a quarter, half or three
+quarters of them partial, spread evenly, the rest recomputed with swapped checkpoints (not on
+models of many units: each choice costs a replay). Swaps go to host memory on CUDA
 (to SSD beyond the host memory left for them) and to SSD on the CPU acting as the device, where
 host memory is the device's own; SSD is tried on CUDA too.
 """
@@ -129,18 +133,40 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
     on the device all along) or, swapped, the previous piece's records (fetched once piece k
     recomputed); the pieces after it were released."""
     if policy in PARTIAL and u.pieces:
-        peak = before = 0
-        prev = 0
-        for saved, inputs, part, extra in u.pieces:
-            held = before if policy == "partial" else prev
-            peak = max(peak, held + saved + extra)
-            prev = inputs + part
-            before += prev
-        # (backward runs the pieces last to first: piece k's "before" are those earlier in forward)
-        return peak
+        return max(piece_peaks(u, policy))
     if policy in PARTIAL:
         return max(u.saved, u.inputs) + u.partial_extra
     return max(u.saved, u.inputs) if recomputes(policy) else u.saved
+
+
+def piece_peaks(u: ActUnit, policy: str) -> list[int]:
+    """A partial unit's device bytes at each piece's recompute, forward order (backward_bytes)."""
+    out, before, prev = [], 0, 0
+    for saved, inputs, part, extra in u.pieces:
+        out.append((before if policy == "partial" else prev) + saved + extra)
+        prev = inputs + part
+        before += prev
+    # (backward runs the pieces last to first: piece k's "before" are those earlier in forward)
+    return out
+
+
+def forward_bytes(u: ActUnit, policy: str) -> int:
+    """Device bytes the unit's forward holds at once until its copies out are done: all it saves
+    (keep, host, ssd), or what a recomputing unit holds or moves (its inputs; a partial unit's
+    checkpoints and kept outputs: a swapped one's piece by piece, each piece's waiting for the
+    earlier ones' copies), as the replay counts them (simulate_act.py forward_parts)."""
+    if policy in PARTIAL and policy in CHECKPOINT_SWAPS and u.pieces:
+        return max(p[1] + p[2] for p in u.pieces)
+    if policy in PARTIAL:
+        return u.moved(policy)
+    return u.inputs if recomputes(policy) else u.saved
+
+
+def peak_bytes_at(u: ActUnit, policy: str) -> int:
+    """The unit's own share of the need at its visits: its forward's or its backward's, the
+    larger (a partial unit's checkpoints and kept outputs all together can pass what its
+    backward holds piece by piece)."""
+    return max(forward_bytes(u, policy), backward_bytes(u, policy))
 
 
 def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
@@ -175,7 +201,7 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
     held = peak = 0
     for u in units:
         p = policies.get(u.name, "keep")
-        peak = max(peak, held + backward_bytes(u, p))
+        peak = max(peak, held + peak_bytes_at(u, p))
         held += held_bytes(u, p)
     return peak
 
@@ -195,11 +221,13 @@ class ActPlanner:
 
     fixed: policies the settings fix (per-unit overrides; every unit when the settings' policy is
     not "auto"); the others are the planner's to choose. host_bytes: host memory swapped
-    activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu"."""
+    activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu".
+    mixes: offer partial and recompute mixed (search.py: not on models of many units)."""
 
     def __init__(self, units: Sequence[ActUnit], fixed: Mapping[str, str], *, device: str,
-                 host_bytes: Optional[int] = None):  # fmt: skip
+                 host_bytes: Optional[int] = None, mixes: bool = True):  # fmt: skip
         self.units = tuple(units)
+        self.mixes = mixes  # partial and recompute mixed (each costs a replay: off on 175B)
         self.fixed = {n: ("keep" if recomputes(p) and not self._unit(n).can_recompute else p)
                       for n, p in fixed.items() if p != "auto"}  # fmt: skip
         self.free = [u for u in self.units if u.name not in self.fixed]
@@ -231,7 +259,7 @@ class ActPlanner:
 
         def least_of(u: ActUnit) -> str:
             if u.can_recompute and 0 < u.partial < u.saved:
-                return min(("ssd", "partial_ssd"), key=lambda p: backward_bytes(u, p))
+                return min(("ssd", "partial_ssd"), key=lambda p: peak_bytes_at(u, p))
             return "ssd"
 
         return self._choice("swap all", {u.name: least_of(u) for u in self.free})
@@ -285,7 +313,7 @@ class ActPlanner:
             for u in units:
                 p = out.get(u.name, "keep")
                 before.append(held)
-                at.append(held + backward_bytes(u, p))
+                at.append(held + peak_bytes_at(u, p))
                 held += held_bytes(u, p)
             upto, after = [0] * (len(at) + 1), [0] * (len(at) + 1)
             for i, x in enumerate(at):
@@ -300,7 +328,7 @@ class ActPlanner:
             if p in frm and (not recomputes(to) or u.can_recompute):
                 i = pos[u.name]
                 grow = held_bytes(u, to) - held_bytes(u, p)
-                own = before[i] + backward_bytes(u, to)
+                own = before[i] + peak_bytes_at(u, to)
                 if max(upto[i], own, after[i + 1] + grow) <= room:
                     out[u.name] = to
                     upto, after, before = maxima()
@@ -376,6 +404,18 @@ class ActPlanner:
                                                frozenset(("partial_ssd",)), "partial")  # fmt: skip
                 found.append(self._choice(f"partial {frac:.0%}, swap to {swaps[0]}",
                                           self._swap_to(kept, swaps[0])))  # fmt: skip
+            # a mix: partial moves its kept outputs (14 x width a token for a GPT-2 block) over
+            # the link, recompute only its checkpoint but runs its forward again; spread evenly
+            # (every other unit at a half) so that neither the link nor the compute queues up
+            rest = [u for u in recomputable if u not in partial]
+            for frac in MIXES if self.mixes else ():
+                head = [u for i, u in enumerate(partial) if int((i + 1) * frac) > int(i * frac)]
+                base = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute_ssd" for u in partial + rest},
+                        **{u.name: "partial_ssd" for u in head}}  # fmt: skip
+                kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
+                                               frozenset(("partial_ssd",)), "partial")  # fmt: skip
+                found.append(self._choice(f"partial {frac:.0%}, recompute the rest with checkpoints to {swaps[0]}",
+                                          self._swap_to(self._pin_what_fits(kept, room), swaps[0])))  # fmt: skip
         seen, out = set(), []
         for c in found:
             if c.need_bytes <= room and c.policies not in seen:
@@ -394,4 +434,5 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
 
 
 __all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "PARTIAL", "POLICIES", "SWAPPING", "act_units",
-           "backward_bytes", "fixed_policies", "held_bytes", "need_bytes", "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip
+           "backward_bytes", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
+           "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

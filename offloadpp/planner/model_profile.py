@@ -201,6 +201,17 @@ class ModelProfile:
 
 
 # ---- the analytic path ----------------------------------------------------------------------
+# A GPT-2 MLP's tensors saved at the inner width, from c_fc's output to c_proj's input, by the
+# config's `activation_function` (Hugging Face's ACT2FN names). The tanh-form formulas
+# (`gelu_new`, GPT-2's default; `gelu_fast`; `gelu_python_tanh`) save four such tensors under
+# plain autograd, but the runtime replaces them by a Function saving only its input
+# (offloadpp/runtime/activations/gelu.py), and torch's own GELUs save only their input: c_fc's
+# output (the activation's input) and c_proj's input (its output). Any other function: its
+# formula's count unknown here, the tanh form's plain count as a bound (profile the model).
+MLP_SAVED = {name: 2 for name in ("gelu_new", "gelu_fast", "gelu_python_tanh", "gelu", "gelu_pytorch_tanh")}
+MLP_SAVED_OTHER = 5
+
+
 def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     for n in names:
         if cfg.get(n) is not None:
@@ -233,19 +244,25 @@ def analytic_profile(
         block_numel = 4 * d + 3 * d * d + 3 * d + d * d + d + 2 * d * inner + inner + d
         lin = 3 * d * d + d * d + 2 * d * inner
         # saved: ln_1 in and out, q/k/v, attention out and its log-sum-exp, ln_2 in and out, c_fc
-        # in; c_fc out, GELU's tanh-form intermediates (3) and c_proj in at the inner width
-        act_elems = t * (8 * d + 5 * inner) + 2 * b * s * int(_get(config, "n_head", "num_attention_heads"))
+        # in, the cache's copies of k and v; at the inner width what the activation function
+        # saves (MLP_SAVED). With use_cache (GPT-2's default, in training too) the block appends
+        # its keys and values to a cache by torch.cat: the attention saves those copies, not
+        # views of c_attn's output.
+        wide = MLP_SAVED.get(str(config.get("activation_function") or "gelu_new"), MLP_SAVED_OTHER)
+        cache = 2 if config.get("use_cache", True) else 0
+        heads = int(_get(config, "n_head", "num_attention_heads"))
+        act_elems = t * ((8 + cache) * d + wide * inner) + 2 * b * s * heads
         units = [UnitProfile("embed", vocab * d + npos * d, 0, 0, 8 * t, t * d * eb, (), False)]
         # partial keeps the matmuls' and the attention's outputs: c_attn's (q/k/v), the attention
         # output and its log-sum-exp, c_fc's (saved anyway) and the two projections' (not saved)
-        # pieces: ln_1 (its input), attn (its input, q/k/v, the attention output and statistics;
-        # keeps q/k/v, the output and c_proj's), ln_2, mlp (its input, c_fc's output, GELU's
-        # intermediates, c_proj's input; keeps c_fc's and c_proj's outputs)
-        heads = int(_get(config, "n_head", "num_attention_heads"))
+        # pieces: ln_1 (its input), attn (its input, q/k/v, the attention output and statistics:
+        # recomputed without the cache, so no copies of k and v; keeps q/k/v, the output and
+        # c_proj's), ln_2, mlp (its input, c_fc's output and what the activation function saves
+        # at the inner width; keeps c_fc's and c_proj's outputs)
         lse, x = 2 * b * s * heads * eb, t * d * eb
         norm = (x, x, 0, 0)
         pieces = (norm, (5 * x + lse, x, 5 * x + lse, x), norm,
-                  (x + 5 * t * inner * eb, x, x + t * inner * eb, x))  # fmt: skip
+                  (x + wide * t * inner * eb, x, x + t * inner * eb, x))  # fmt: skip
         units += [
             UnitProfile(f"transformer.h.{i}", block_numel, 2 * t * lin + 4 * b * s * s * d,
                         2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb,

@@ -24,8 +24,8 @@ from .plan import Plan, Tier
 from .schedule import (
     _first_alive,
     build_schedule,
+    clear_schedules,
     drain_device_bytes,
-    drain_host_bytes,
     fetch_host_bytes,
     held_weights_bytes,
     holds,
@@ -60,8 +60,43 @@ def _holds_for(plan: Plan) -> tuple:
 
 
 def clear_cache() -> None:
-    """Forgets the holds found so far (benchmarks time planning from nothing)."""
+    """Forgets the holds, unit terms and schedules found so far (benchmarks time planning from
+    nothing)."""
     _HOLDS.clear()
+    _TERMS.clear()
+    clear_schedules()
+
+
+# (what schedule's fetch/optim/kept byte functions and Plan.unit_resident_host_bytes read of the
+# plan, unit, placement) -> the unit's bytes in peak_bytes. The placements searched differ in a
+# few units at a time: each unit's terms are priced once. (The plan's derived properties are in
+# the key as read, not the fields they derive from: a property changed (a test patches
+# grad_dtype) is a new key.)
+_TERMS: dict[tuple, tuple[int, ...]] = {}
+_TERMS_MAX = 1 << 16
+
+
+def _shape_of(plan: Plan) -> tuple:
+    return (plan.device, plan.compute_dtype, plan.grad_dtype, plan.persistent_grads, plan.separate_weights,
+            plan.accumulate_grads, plan.deferred_update, plan.ranks)  # fmt: skip
+
+
+def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
+    """(device weights, the trainable weights alone (held for the optimizer or the next forward:
+    Holds.computing), fetching, optimizer window, kept gradients, kept shard, resident host);
+    shape: _shape_of(plan)."""
+    key = (shape, u, p)
+    t = _TERMS.get(key)
+    if t is None:
+        cdt, dev = plan.compute_dtype, p.weights is Tier.DEVICE
+        t = (0 if dev else u.weights_bytes(cdt), 0 if dev else held_weights_bytes(plan, u, False),
+             fetch_host_bytes(plan, u, p),
+             optim_host_bytes(plan, u, p), kept_grad_bytes(plan, u, p), kept_host_bytes(plan, u, p),
+             plan.unit_resident_host_bytes(u, p))  # fmt: skip
+        if len(_TERMS) >= _TERMS_MAX:
+            _TERMS.clear()
+        _TERMS[key] = t
+    return t
 
 
 def peak_bytes(plan: Plan) -> tuple[int, int]:
@@ -76,20 +111,18 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
         s = build_schedule(plan)
         return s.peak_device_bytes, s.peak_host_bytes
     hs = _holds_for(plan)
-    cdt = plan.compute_dtype
     device_w = {}
     trainable_w = {}  # held for the optimizer or the next forward: no frozen segment (Holds.computing)
     ssd_w = {}
     ob = {}
     kb = {}
     sb = {}
+    resident_host = 0
+    shape = _shape_of(plan)
     for u, p in plan:
-        device_w[u.name] = 0 if p.weights is Tier.DEVICE else u.weights_bytes(cdt)
-        trainable_w[u.name] = 0 if p.weights is Tier.DEVICE else held_weights_bytes(plan, u, False)
-        ssd_w[u.name] = fetch_host_bytes(plan, u, p)
-        ob[u.name] = optim_host_bytes(plan, u, p)
-        kb[u.name] = kept_grad_bytes(plan, u, p)
-        sb[u.name] = kept_host_bytes(plan, u, p)
+        (device_w[u.name], trainable_w[u.name], ssd_w[u.name], ob[u.name], kb[u.name], sb[u.name],
+         rh) = _terms(plan, shape, u, p)  # fmt: skip
+        resident_host += rh
     dev = host = 0
     for h in hs:
         d = h.grads
@@ -106,7 +139,9 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
             x += sb[n]
         dev = d if d > dev else dev
         host = x if x > host else host
-    return dev + drain_device_bytes(plan), host + drain_host_bytes(plan)
+    # (schedule.drain_host_bytes(plan), from the terms at hand: the largest window's and the
+    # resident host arrays)
+    return dev + drain_device_bytes(plan), host + max(ob.values(), default=0) + resident_host
 
 
 __all__ = ["clear_cache", "peak_bytes"]

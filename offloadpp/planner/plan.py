@@ -442,14 +442,17 @@ class Plan:
     def resident_host_bytes(self) -> int:
         """Host memory of the arrays whose home is HOST (`homes`), less the masters counted with
         the device (device_is_master)."""
+        return sum(self.unit_resident_host_bytes(u, p) for u, p in self)
+
+    def unit_resident_host_bytes(self, u: UnitSpec, p: Placement) -> int:
+        """resident_host_bytes' share of one unit."""
         total = 0
-        for u, p in self:
-            for array, tier in self.homes(u, p).items():
-                if tier is not Tier.HOST:
-                    continue
-                if array == "master" and self.device_is_master(p):
-                    continue
-                total += self.array_bytes(u, array)
+        for array, tier in self.homes(u, p).items():
+            if tier is not Tier.HOST:
+                continue
+            if array == "master" and self.device_is_master(p):
+                continue
+            total += self.array_bytes(u, array)
         return total
 
     def device_is_master(self, p: Placement) -> bool:

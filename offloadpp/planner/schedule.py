@@ -261,6 +261,29 @@ def staged_fetch(plan: Plan) -> bool:
     return plan.device != "cpu" or plan.ranks > 1
 
 
+# plan -> its schedule: the search replays one plan with several activation choices and on a slow
+# SSD (search.py), and building a 175B schedule is a third of its replay's time
+_SCHEDULES: dict[tuple, Schedule] = {}
+_SCHEDULES_MAX = 8
+
+
+def cached_schedule(plan: Plan) -> Schedule:
+    """build_schedule(plan), remembered for the last few plans (a Schedule is frozen; the plan's
+    derived properties are in the key as read: one changed, as a test may patch, is a new key)."""
+    key = (plan, plan.grad_dtype, plan.persistent_grads, plan.separate_weights, plan.ranks)
+    s = _SCHEDULES.get(key)
+    if s is None:
+        s = build_schedule(plan)
+        if len(_SCHEDULES) >= _SCHEDULES_MAX:
+            _SCHEDULES.pop(next(iter(_SCHEDULES)))
+        _SCHEDULES[key] = s
+    return s
+
+
+def clear_schedules() -> None:
+    _SCHEDULES.clear()
+
+
 def _peaks(plan: Plan, sched: Schedule) -> tuple[int, int]:
     """Peak device and host bytes of the runtime's buffers over one step (an accumulation
     boundary, the heavier case), by walking the visits as the runtime does (see _walk)."""

@@ -37,7 +37,7 @@ from .decide import lazy_applies
 from .desim import Fifo, Pool, Ssd, done_by
 from .plan import DTYPE_BYTES, Plan
 from .ranks import RankLink
-from .schedule import Schedule, build_schedule, flush_rank
+from .schedule import Schedule, cached_schedule, flush_rank
 from .simulate_act import ActReplay, ActWork
 from .simulate_dp import dp_grads, dp_unit
 from .simulate_units import LOADING, NEXT, OPTIM, WRITE, CudaWeights, Job, Slot, Unit, _late
@@ -77,7 +77,7 @@ class Sim:
         self.host_pool = Pool(budgets.host_bytes if budgets is not None else 0)
         self.resident_device_bytes = 0
         self.pool_wait_s = 0.0
-        self.sched: Schedule = build_schedule(plan)
+        self.sched: Schedule = cached_schedule(plan)
         self.units = [dp_unit(Unit, self, u, p, plan) if self.dp else Unit(self, u, p, plan) for u, p in plan]
         self.by_name = {u.name: u for u in self.units}
         self.order = [self.by_name[n] for n in self.sched.absorb_order]  # as gradients complete
@@ -140,9 +140,10 @@ class Sim:
                 nf = self.sched.num_forward
                 for v in self.sched.visits[:nf]:
                     yield from self.enter(v.index)
-                    yield from self.act.before_forward(v.unit)
-                    yield ("cpu", self.costs.forward_s[v.unit] + self.costs.forward_visit_s)
-                    self.act.after_forward(v.unit)
+                    for k, (share, saved) in enumerate(self.act.forward_parts(v.unit)):
+                        yield from self.act.before_forward(v.unit, saved)
+                        yield ("cpu", (self.costs.forward_s[v.unit] + self.costs.forward_visit_s) * share)
+                        self.act.after_forward(v.unit, k)
                 m.setdefault("forward_end", []).append(self.t)
                 for u in self.units:
                     u.grads_pending = True
@@ -157,7 +158,10 @@ class Sim:
                         + self.costs.backward_visit_s
                         + self.act.recompute_s(v.unit)
                     )
-                    yield ("cpu", work)
+                    for k, share in enumerate(self.act.backward_parts(v.unit)):
+                        if k:
+                            self.act.next_piece(v.unit, k)
+                        yield ("cpu", work * share)
                     self.act.after_backward(v.unit)
                     yield from self.on_grads(self.by_name[v.unit])
                 self.in_backward = False

@@ -40,6 +40,7 @@ from .activations import (
     POLICIES,
     ActUnit,
     backward_bytes,
+    piece_peaks,
     recompute_fraction,
     recomputes,
 )
@@ -57,6 +58,8 @@ class _Out:
     write_done: When = None
     back: bool = False  # fetched back: its bytes are on the device again
     pieces: tuple[int, ...] = ()  # a partial unit's pieces: copied out one by one, each freed when done
+    produced: int = 1  # of those, how many its forward has saved so far
+    copied: int = 0  # and how many are copied out
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class ActReplay:
         self.peak_bytes = 0
         self.wait_s = 0.0  # forward waiting for copies out
         self.rest: dict[str, int] = {}  # a partial unit's bytes fetched with its backward, not before
+        self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -119,24 +123,49 @@ class ActReplay:
         self.peak_bytes = max(self.peak_bytes, self.device_bytes)
 
     # ---- forward -------------------------------------------------------------------------
-    def before_forward(self, unit: str) -> Iterator:
-        """The unit's forward saves its bytes (a recomputing one keeps its inputs): within the
-        budget, waiting for the oldest copies out."""
+    def forward_parts(self, unit: str) -> tuple[tuple[float, int], ...]:
+        """The unit's forward as (share of its compute, bytes it saves) parts: one, or a swapped
+        partial unit's pieces, each entering the budget as it runs (the runtime's pack hook waits
+        per saved tensor: the previous unit's pieces leave while this one's first pieces run).
+        The pieces' FLOPs are not in the profile: a piece's share of the compute is its share of
+        the bytes it moves (its input and its matmuls' outputs, which grow with its FLOPs)."""
         pol = self.policy(unit)
-        own = self._held_in(unit) if recomputes(pol) else self.act_bytes.get(unit, 0)
+        pieces = self._piece_bytes(unit)
+        if pol in CHECKPOINT_SWAPS and pol in PARTIAL and sum(pieces) > 0:
+            return tuple((p / sum(pieces), p) for p in pieces)
+        return ((1.0, self._held_in(unit) if recomputes(pol) else self.act_bytes.get(unit, 0)),)
+
+    def before_forward(self, unit: str, own: int) -> Iterator:
+        """A part of the unit's forward saves `own` bytes (a recomputing one keeps its inputs):
+        within the budget, waiting for the oldest copies out."""
         if self.budget is not None:
             t0 = self.sim.t
             while self.device_bytes + own > self.budget and self.inflight:
                 job = self.inflight[0]
+                if self._stalled(job):  # this unit's own: its earlier pieces are out as far as they go
+                    break
                 # (a partial unit's pieces free their bytes one by one: room may come before the end)
                 yield ("cond", lambda job=job: job.copy_done is not None or job.cancelled
-                       or self.device_bytes + own <= self.budget)  # fmt: skip
+                       or self.device_bytes + own <= self.budget
+                       or self._stalled(job))  # fmt: skip
                 if self.inflight and self.inflight[0] is job and (job.copy_done is not None or job.cancelled):
                     self.inflight.popleft()
             self.wait_s += self.sim.t - t0
         self._add(own)
 
-    def after_forward(self, unit: str) -> None:
+    def _stalled(self, job: _Out) -> bool:
+        """The worker cannot copy more of `job` until the forward saves its next piece (on CUDA
+        pieces are copied as they come, on the CPU the unit's bytes in one memmove)."""
+        return job.produced < len(job.pieces) and (not self.sim.cuda or job.copied >= job.produced)
+
+    def after_forward(self, unit: str, part: int = 0) -> None:
+        """Part `part` of the unit's forward (forward_parts) is done: at the first, its copy out
+        is queued; a later part's bytes join it (the worker copies each once it exists)."""
+        if part:
+            job = self.out.get(unit)
+            if job is not None:
+                job.produced += 1
+            return
         pol = self.policy(unit)
         to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
         n = self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
@@ -153,11 +182,14 @@ class ActReplay:
     def before_backward(self, unit: str) -> Iterator:
         """At the unit's backward visit: fetch it and the next units' (within the budget), then
         wait for its own."""
-        i = self.backward_index[unit]
         self._fetch(unit, force=True)
-        self._add(self.rest.pop(unit, 0))  # (its other pieces' bytes come back during its backward)
-        if recomputes(self.policy(unit)):  # what it recomputes is counted before any prefetch
-            grow = self._recomputed(unit) - self._held_in(unit)  # (its inputs among them)
+        rest = self.rest.pop(unit, 0)  # (its other pieces' bytes come back during its backward)
+        if not recomputes(self.policy(unit)):
+            self._add(rest)
+        else:  # what it recomputes is counted before any prefetch
+            # (its inputs among them; a partial unit's pieces, fetched and recomputed one by one,
+            # can hold less than all they moved: counted as one change, no passing peak)
+            grow = rest + self._recomputed(unit) - self._held_in(unit)
             # copies out still running (the replay starts a unit's copies at its forward's end, the
             # runtime as each tensor is saved): wait for them as the runtime's would have ended
             while self.budget is not None and self.device_bytes + grow > self.budget and self.inflight:
@@ -167,11 +199,10 @@ class ActReplay:
                 if self.inflight and self.inflight[0] is job and (job.copy_done is not None or job.cancelled):
                     self.inflight.popleft()
             self._add(grow)
-        for name in self.backward_order[i + 1 : i + self.prefetch + 1]:
-            # a unit still to recompute will hold all it saved at its backward, counted only
-            # then: nothing beyond it is fetched now (its checkpoint is), as the runtime does
-            if not self._fetch(name, force=False) or recomputes(self.policy(name)):
-                break
+        self.counted[unit] = (
+            self._recomputed(unit) if recomputes(self.policy(unit)) else self.act_bytes.get(unit, 0)
+        )
+        self._prefetch_after(unit)
         r = self.ready.get(unit)
         if r is None and unit in self.out:  # fetched while its copy was running: ready when it ends
             yield ("cond", lambda: self.out[unit].copy_done is not None)
@@ -188,10 +219,36 @@ class ActReplay:
         self.out.pop(unit, None)
         self.ready.pop(unit, None)
 
+    def _prefetch_after(self, unit: str) -> None:
+        for name in self.backward_order[
+            self.backward_index[unit] + 1 : self.backward_index[unit] + self.prefetch + 1
+        ]:
+            # a unit still to recompute will hold all it saved at its backward, counted only
+            # then: nothing beyond it is fetched now (its checkpoint is), as the runtime does
+            if not self._fetch(name, force=False) or recomputes(self.policy(name)):
+                break
+
+    def backward_parts(self, unit: str) -> tuple[float, ...]:
+        """The unit's backward as shares of its compute: one, or a partial unit's pieces last to
+        first (their shares as in forward_parts), between which `next_piece` releases what the
+        pieces done held."""
+        return tuple(share for share, _ in reversed(self.forward_parts(unit)))
+
+    def next_piece(self, unit: str, done: int) -> None:
+        """`done` pieces of a partial unit's backward are done (the last ones in forward order):
+        it now holds the most any piece left holds (backward_bytes piece by piece), and the
+        room freed lets the next units' activations come back, as the runtime releases a
+        piece's records at the next piece's recompute."""
+        u = self.units[unit]
+        left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
+        now = max(left) if left else 0
+        self.device_bytes -= self.counted[unit] - now
+        self.counted[unit] = now
+        self._prefetch_after(unit)
+
     def after_backward(self, unit: str) -> None:
         """The unit's backward is done: its activations (and a recompute's inputs) are released."""
-        rec = recomputes(self.policy(unit))
-        self.device_bytes -= self._recomputed(unit) if rec else self.act_bytes.get(unit, 0)
+        self.device_bytes -= self.counted.pop(unit)
 
     def _recomputed(self, unit: str) -> int:
         """What a recompute holds once it ran: all the unit saved, its inputs included (as the
@@ -265,12 +322,17 @@ class ActReplay:
             job = self.queue.popleft()
             job.started = True
             if sim.cuda:
-                for part in job.pieces or (job.nbytes,):
+                for k, part in enumerate(job.pieces or (job.nbytes,)):
+                    if k >= job.produced:  # this piece's forward has not run yet
+                        yield ("cond", lambda job=job, k=k: job.produced > k)
                     done = sim.d2h.submit(sim.t, part, write=False)
                     if done > sim.t:
                         yield ("until", done)
                     self.device_bytes -= part  # this piece's copy is out: its device bytes are free
+                    job.copied += 1
             else:
+                if job.produced < len(job.pieces):
+                    yield ("cond", lambda job=job: job.produced >= len(job.pieces))
                 yield ("cpu", job.nbytes / sim.costs.memcpy_bps)
                 self.device_bytes -= job.nbytes  # the copy is out: the device bytes are free
             self.swapped_bytes += job.nbytes

@@ -7,7 +7,8 @@ Note: what is measured, and how.
              running total is read at each unit boundary and the difference charged to the unit.
   activation bytes  a saved_tensors_hooks pack hook charges every tensor autograd saves to the
              unit running, once per storage, parameters (and views of them) excluded: what the
-             unit keeps alive from its forward to its backward.
+             unit keeps alive from its forward to its backward, with the runtime's tanh-form
+             GELU in place (offloadpp/runtime/activations/gelu.py: it saves only its input).
   output bytes  the unit's output tensors (what stays if the unit is recomputed).
   time       `repeats` further iterations with only the boundary hooks: forward visit j runs
              from unit j's first module to unit j+1's (the last includes the loss), backward
@@ -110,6 +111,7 @@ class ModelProfiler:
                  runtime_layout: bool = False):  # fmt: skip
         import torch
 
+        from offloadpp.runtime.activations.gelu import substitute_gelu
         from offloadpp.runtime.partition import find_units, layout_units
 
         self.model, self.batch, self.compute_dtype, self.name = model, batch, compute_dtype, name
@@ -118,7 +120,11 @@ class ModelProfiler:
         if runtime_layout:
             _flatten_like_runtime(self.layouts)
         self.n = n = len(defs)
-        self.rec = _Recorder([d.name for d in defs], dict(model.named_modules()), defs)
+        modules = dict(model.named_modules())
+        self.rec = _Recorder([d.name for d in defs], modules, defs)
+        # measure what the runtime saves: its GELU saving only its input
+        # (offloadpp/runtime/activations/gelu.py)
+        self.gelus = substitute_gelu(modules[q] for d in defs for q in d.modules)
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.loss_of = loss_fn or (lambda out: out.loss if hasattr(out, "loss") else out[0])
         self.cuda = next(model.parameters()).device.type == "cuda"
@@ -136,7 +142,11 @@ class ModelProfiler:
         self.close()
 
     def close(self) -> None:
+        from offloadpp.runtime.activations.gelu import restore_gelu
+
         self.rec.remove()
+        restore_gelu(self.gelus)
+        self.gelus = []
 
     def _sync(self) -> None:
         if self.cuda:

@@ -28,8 +28,9 @@ checkpoint (the child's arguments) and kept outputs. In backward a piece is reco
 backward reaches it, only its records are fetched (and the previous piece's within the budget),
 and the records the pieces after it consumed are released at its recompute (their backward is
 done: autograd runs a block's pieces last to first). Backward of the block then holds one
-piece's saved tensors at a time, not the block's: the MLP's 21 of a GPT-2 block's 28 x width
-values a token. Operators of the root's own forward outside its children (residual adds) save
+piece's saved tensors at a time, not the block's: the MLP's 9 of a GPT-2 block's 16 x width
+values a token (its GELU saving only its input: offloadpp/runtime/activations/gelu.py).
+Operators of the root's own forward outside its children (residual adds) save
 nothing in these blocks; what they save is kept.
 
 Note: auto. A plan made without a model profile leaves `auto` under a budget: the first forward
@@ -55,6 +56,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from offloadpp.planner import ActivationSettings, decide, fmt_bytes
 
+from .gelu import restore_gelu, substitute_gelu
 from .policy import ActPolicy, UnitActProfile
 from .recompute import CheckpointRef, FlopCounter, OpLog, RecomputeRef, Recorder, Segment, SegState
 from .records import (
@@ -185,6 +187,7 @@ class ActivationManager:
         self._ext = (params.pack, params.unpack, params.handle) if params is not None else None
         self.swapper = Swapper(self.device, store, key_prefix=key_prefix, host_budget_bytes=None)
         self._handles: list = []
+        self._gelus: list[nn.Module] = []
         self._order: list[UnitActivations] = []
         self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
         self._stack: list[tuple[UnitActivations, Optional[Segment]]] = []
@@ -223,6 +226,8 @@ class ActivationManager:
 
     # ---- hooks ---------------------------------------------------------------------------
     def install(self) -> None:
+        # GELU's formula saving only its input (gelu.py's Note); undone by remove()
+        self._gelus = substitute_gelu(m for u in self.units for m in u.roots)
         for u in self.units:
             for m in u.roots:
                 self._handles.append(
@@ -239,6 +244,8 @@ class ActivationManager:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        restore_gelu(self._gelus)
+        self._gelus = []
 
     @contextlib.contextmanager
     def forward(self):
