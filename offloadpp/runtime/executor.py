@@ -160,8 +160,15 @@ class Executor:
             # that is the weights is one slot: the fetch holds it first, else an update holding
             # it alone could finish, write it and give it back before the fetch held it, and the
             # fetch would read it again (a read the schedule and the cost model do not make). A
-            # separate compute copy is the update's product: fetched after it.
+            # separate compute copy is the update's product: fetched after it. Where the update
+            # is still to be submitted here (u.pending), the copy's buffer is taken first and
+            # marked as one the update overwrites whole (no read; the update fills it and the
+            # bind waits for it), for the same reason: a quick update could otherwise write it
+            # back and give it up before the fetch held it.
             fetch = [self._by_name[n] for n in self._fetch_order[i]]
+            made = [u for u in fetch if u.master is not u.compute and u.pending is not None]
+            for u in made:
+                u.compute.acquire(Hold.NEXT, overwrite=True)
             for aliased in (True, False):
                 for u in fetch:
                     if (u.master is u.compute) == aliased and all(u is not h for h in self.held):
@@ -169,6 +176,8 @@ class Executor:
                         self.held.append(u)
                 if aliased:
                     self.optimizer.apply_pending(self._fetch_order[i])
+            for u in made:
+                u.compute.release(Hold.NEXT)  # (held now by the fetch and the update)
             for u in self.held:
                 u.weights.pump()
         if self.in_backward or i >= min(self.schedule.prefetch_depth, self.schedule.num_forward - 1):
