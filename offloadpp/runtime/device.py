@@ -91,6 +91,16 @@ class Device:
     def compute_stream(self):
         return torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
 
+    def use_on_compute(self, tensor: torch.Tensor, event) -> torch.Tensor:
+        """CUDA: `tensor`, filled by work that records `event` (None: already ordered), made safe
+        for the compute stream: it waits for the event, and the allocator keeps the memory until
+        the stream is past it (the module Note)."""
+        stream = self.compute_stream()
+        if event is not None:
+            stream.wait_event(event)
+        tensor.record_stream(stream)
+        return tensor
+
 
 class Weights(Protocol):
     """A unit's weights on the device, as the executor and the optimizer use them: held from the
@@ -240,11 +250,7 @@ class CudaWeights:
                 self.source.wait()
                 self.pump()
             self.state = SlotState.READY
-        stream = self.device.compute_stream()
-        if self._event is not None:
-            stream.wait_event(self._event)
-        self.tensor.record_stream(stream)
-        return self.tensor
+        return self.device.use_on_compute(self.tensor, self._event)
 
     def release(self) -> None:
         if self.resident or self.state is SlotState.EMPTY:

@@ -75,10 +75,7 @@ class GatheredWeights:
         if self.state is SlotState.LOADING:
             self._settle()
         if self.device.is_cuda:
-            stream = self.device.compute_stream()
-            if self._event is not None:
-                stream.wait_event(self._event)
-            self.tensor.record_stream(stream)
+            return self.device.use_on_compute(self.tensor, self._event)
         return self.tensor
 
     def release(self) -> None:

@@ -214,6 +214,21 @@ def _overlaps(u: Unit, so: int):
             yield k, a, b
 
 
+def _saved_parts(saved: _Saved, slot, u: Unit, so: int, key: str):
+    """Each saved shard of `key` overlapping this rank's range of `u` (_overlaps), read and checked
+    into a buffer of the slot's pool: (its [a, b) part, a, b); the buffer goes back to the pool as
+    the caller moves on."""
+    for k, a, b in _overlaps(u, so):
+        st, m = saved.store(k)
+        rec = ckpt._record(m, st, key, saved.folder(k))
+        part = slot.pool.get(so, torch.float32)
+        try:
+            ckpt.read_array(st, key, part, rec, saved.folder(k))
+            yield part[a - k * so : b - k * so], a, b
+        finally:
+            slot.pool.put(part)
+
+
 def _own(units: list[Unit], path: str, rank: int) -> tuple[str, dict]:
     """This rank's folder and manifest where the world sizes agree, its ranges checked."""
     rd = rank_dir(path, rank)
@@ -244,15 +259,8 @@ def verify_sharded(units: list[Unit], path: str, manifest: dict, *, dp: Optional
         for u in units:
             so = int(saved.shard_numel[u.name])
             for array, slot in ckpt._taken(u, optimizer_states):
-                key = f"{u.name}.{array}"
-                for k, _, _ in _overlaps(u, so):
-                    st, m = saved.store(k)
-                    rec = ckpt._record(m, st, key, saved.folder(k))
-                    part = slot.pool.get(so, torch.float32)
-                    try:
-                        ckpt.read_array(st, key, part, rec, saved.folder(k))
-                    finally:
-                        slot.pool.put(part)
+                for _ in _saved_parts(saved, slot, u, so, f"{u.name}.{array}"):
+                    pass  # (read_array checks each part)
     finally:
         saved.close()
 
@@ -292,16 +300,8 @@ def _reshard(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, opti
                 try:
                     buf = slot.wait()
                     buf.zero_()
-                    key = f"{u.name}.{array}"
-                    for k, a, b in _overlaps(u, so):
-                        st, m = saved.store(k)
-                        rec = ckpt._record(m, st, key, saved.folder(k))
-                        part = slot.pool.get(so, torch.float32)
-                        try:
-                            ckpt.read_array(st, key, part, rec, saved.folder(k))
-                            buf[a - lo : b - lo].copy_(part[a - k * so : b - k * so])
-                        finally:
-                            slot.pool.put(part)
+                    for part, a, b in _saved_parts(saved, slot, u, so, f"{u.name}.{array}"):
+                        buf[a - lo : b - lo].copy_(part)
                     if slot.stored:
                         g = slot.write_generation()
                         slot.wrote(slot.store.put(slot.key_of(g), buf), g)
