@@ -21,8 +21,9 @@ pytest.importorskip("deepspeed")
 VOCAB = 96
 
 
-def tiny(kind: str):
-    torch.manual_seed(0)
+def tiny(kind: str, seed: int = 0):
+    """A 2-layer GPT-2 or Llama of width 32 (tests/test_peft.py builds its bases with it too)."""
+    torch.manual_seed(seed)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=VOCAB,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip

@@ -16,10 +16,11 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("deepspeed")
 
+from test_export import VOCAB, tiny  # noqa: E402  (the same tiny bases)
+
 import offloadpp  # noqa: E402
 from offloadpp.planner.plan import flat_numel  # noqa: E402
 
-VOCAB = 96
 LR = 1e-3
 TARGETS = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],  # attention and MLP projections (Conv1D: fan_in_fan_out)
@@ -27,23 +28,12 @@ TARGETS = {
 }
 
 
-def base_model(kind: str, seed: int = 0):
-    torch.manual_seed(seed)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=VOCAB,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-        return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                   num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32)  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg)
-
-
 def lora_model(kind: str, seed: int = 0):
     """LoRA r=8 on the attention and MLP projections; lora_B drawn non-zero so the adapters'
     gradients and updates are not trivially zero from the first step."""
     cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS[kind], lora_dropout=0.0,
                           fan_in_fan_out=kind == "gpt2")  # fmt: skip
-    m = peft.get_peft_model(base_model(kind, seed), cfg)
+    m = peft.get_peft_model(tiny(kind, seed), cfg)
     torch.manual_seed(seed + 100)
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -141,7 +131,7 @@ def test_lora_through_initialize_trains_as_plain_peft(tmp_path, kind):
         assert frozen_files(tmp_path / "nvme") == before  # the base's swap files byte-identical
         # the adapters, as peft writes them, load into a fresh base with PeftModel.from_pretrained
         engine.module.save_pretrained(str(tmp_path / "adapters"))
-        loaded = peft.PeftModel.from_pretrained(base_model(kind), str(tmp_path / "adapters"))
+        loaded = peft.PeftModel.from_pretrained(tiny(kind), str(tmp_path / "adapters"))
         lsd = loaded.state_dict()
         lora = [k for k in got if "lora_" in k]
         assert lora and all(torch.equal(lsd[k], got[k]) for k in lora)
@@ -240,7 +230,7 @@ def test_lora_over_a_base_streamed_under_init_starts_as_the_base(tmp_path):
     """get_peft_model over a model built under offloadpp.Init with from_pretrained: the base's
     weights come from its safetensors unit by unit, the adapters get peft's init (lora_B zero),
     so the first loss is the base model's; training moves only the adapters."""
-    base = base_model("llama")
+    base = tiny("llama")
     base.save_pretrained(str(tmp_path / "base"))
     x = batches(1)[0]
     with torch.no_grad():

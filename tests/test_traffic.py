@@ -58,6 +58,22 @@ def test_a_tagged_store_counts_its_kind(tmp_path):
         }
 
 
+def _steady_steps(eng, model, n: int) -> tuple[list, tuple]:
+    """Trains n steps; the reports of the steady ones (from the third: the first reads the
+    initial weights, the second applies the first's deferred update with the state still in
+    memory) and the cost model's SSD bytes by kind for them."""
+    from test_runtime import batches
+
+    from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
+
+    reports = []
+    for x in batches(n):
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        reports.append(eng.step())
+    modelled, _ = modelled_ssd_by_kind(eng, model.config.to_dict(), steps_updates(reports[2:]))
+    return reports[2:], modelled
+
+
 @pytest.mark.parametrize(
     "clip, q, dtype",
     [
@@ -72,24 +88,18 @@ def test_a_tagged_store_counts_its_kind(tmp_path):
 )
 def test_the_runtimes_bytes_by_kind_are_the_cost_models(tmp_path, clip, q, dtype):
     transformers = pytest.importorskip("transformers")
-    from test_runtime import batches, streaming_config, tiny_gpt2
+    from test_runtime import streaming_config, tiny_gpt2
 
     from offloadpp.assemble import assemble_engine
-    from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
 
     transformers.logging.set_verbosity_error()
     m = tiny_gpt2()
     cfg = streaming_config(tmp_path, gradient_clipping=clip, optim_prefetch_depth=q, compute_dtype=dtype)
     eng = assemble_engine(m, cfg)
     try:
-        reports = []
-        for x in batches(4):
-            eng.backward(eng(input_ids=x, labels=x).loss)
-            reports.append(eng.step())
+        steady, modelled = _steady_steps(eng, m, 4)
         assert eng.plan.speculative == (clip > 0)  # speculate "auto"
-        modelled, _ = modelled_ssd_by_kind(eng, m.config.to_dict(), steps_updates(reports[2:]))
-        for r in reports[2:]:  # steady steps (the first reads the initial weights; with clipping the
-            # second applies the first's update at its visits, with the state still in memory)
+        for r in steady:
             assert r.updates == ("deferred" if clip else "in-backward")  # (tiny models' norms clip)
             assert r.ssd_by_kind == modelled
             assert sum(x for _, x, _ in r.ssd_by_kind) == r.ssd_read_bytes  # reads finish within their step
@@ -109,10 +119,9 @@ def test_a_quick_pending_update_of_a_compute_copy_leaves_it_to_the_fetch(tmp_pat
     update is done and reaped as soon as it is handed over (under load this happened by itself,
     to the embeddings' copy, in about one run in three)."""
     transformers = pytest.importorskip("transformers")
-    from test_runtime import batches, streaming_config, tiny_gpt2
+    from test_runtime import streaming_config, tiny_gpt2
 
     from offloadpp.assemble import assemble_engine
-    from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
 
     transformers.logging.set_verbosity_error()
     m = tiny_gpt2()
@@ -128,12 +137,8 @@ def test_a_quick_pending_update_of_a_compute_copy_leaves_it_to_the_fetch(tmp_pat
 
     monkeypatch.setattr(opt, "apply_pending", apply_and_finish)
     try:
-        reports = []
-        for x in batches(4):
-            eng.backward(eng(input_ids=x, labels=x).loss)
-            reports.append(eng.step())
-        modelled, _ = modelled_ssd_by_kind(eng, m.config.to_dict(), steps_updates(reports[2:]))
-        for r in reports[2:]:
+        steady, modelled = _steady_steps(eng, m, 4)
+        for r in steady:
             assert r.updates == "deferred" and r.ssd_by_kind == modelled
     finally:
         eng.close()
@@ -146,10 +151,8 @@ def test_a_pending_update_and_the_fetch_of_the_same_master_read_it_once(tmp_path
     executor submitted the update before the fetch held the slot; a quick update wrote it back
     and gave it up, and the fetch read it again: one unit's master more than the model.)"""
     transformers = pytest.importorskip("transformers")
-    from test_runtime import batches
 
     from offloadpp.assemble import assemble_engine
-    from offloadpp.bench.harness import modelled_ssd_by_kind, steps_updates
     from offloadpp.planner import Budgets, Placement, Settings, Tier
     from offloadpp.planner.planfile import save_plan
     from offloadpp.runtime.config import RuntimeConfig
@@ -183,13 +186,9 @@ def test_a_pending_update_and_the_fetch_of_the_same_master_read_it_once(tmp_path
     m = model()
     eng = assemble_engine(m, config(plan=path))
     try:
-        reports = []
-        for x in batches(5):
-            eng.backward(eng(input_ids=x, labels=x).loss)
-            reports.append(eng.step())
-        modelled, _ = modelled_ssd_by_kind(eng, m.config.to_dict(), steps_updates(reports[2:]))
+        steady, modelled = _steady_steps(eng, m, 5)
         assert dict((k, r) for k, r, _ in modelled)["weights"] > 0
-        for r in reports[2:]:
+        for r in steady:
             assert r.updates == "deferred" and r.ssd_by_kind == modelled
     finally:
         eng.close()
