@@ -27,6 +27,30 @@ def test_clipping_and_speculation():
     assert shape["clipping"] and shape["speculative"] and shape["deferred_update"]
 
 
+def test_updates_overlap_backward_only_where_that_can_pay():
+    """overlap_share bounds what running updates during backward can save by the optimizer's
+    share of a step's bytes; overlap_pays holds it to the cost model's prediction error (the
+    accuracy bench's bar), for speculate "auto" only."""
+    assert decide.overlap_share(UNITS, "fp32") == 28 / 36  # no frozen parameters: 28 B against 2 x 4
+    assert decide.overlap_share(UNITS, "bf16") == 30 / 34  # (its 16-bit copy written; weights 2 x 2)
+    lora = tuple(UnitSpec(u.name, u.numel // 100, frozen_numel=u.numel) for u in UNITS)
+    assert decide.overlap_share(lora, "fp32") < 0.04 < decide.PREDICTION_ERROR
+    for s in (Settings(), Settings(gradient_clipping=1.0), Settings(compute_dtype="fp16")):
+        assert decide.overlap_pays(s, UNITS)
+        assert not decide.overlap_pays(s, lora)
+    assert decide.overlap_pays(Settings(gradient_clipping=1.0, speculate="on"), lora)
+    assert decide.overlap_pays(Settings(speculate="off"), lora)  # (the settings decide, not the planner)
+    # where the share crosses the error: trainable state about 5% of the base's parameters in fp32
+    edge = tuple(UnitSpec(u.name, u.numel // 20, frozen_numel=u.numel) for u in UNITS)
+    assert decide.overlap_pays(Settings(), edge) == (decide.overlap_share(edge, "fp32") >= 0.15)
+    from offloadpp.bench.planner_accuracy import BAR
+
+    assert decide.PREDICTION_ERROR == BAR
+    # updates deferred on purpose never speculate
+    assert not decide.speculates(Settings(gradient_clipping=1.0, defer_updates=True))
+    assert Settings(defer_updates=True).deferred_update and not Settings().deferred_update
+
+
 def test_defaults_where_the_settings_leave_them():
     assert decide.prefetch_depth(Settings()) == decide.DEFAULT_PREFETCH
     assert decide.prefetch_depth(Settings(prefetch_depth=1)) == 1

@@ -293,6 +293,7 @@ def test_offloadpp_plan_with_lora_shows_trainable_and_frozen_per_unit(tmp_path, 
     embeddings frozen; with a hardware profile (an estimate, plan "auto") the analytic profile
     takes the model's split."""
     import json
+    import re
     import subprocess
     import sys
 
@@ -322,6 +323,13 @@ def test_offloadpp_plan_with_lora_shows_trainable_and_frozen_per_unit(tmp_path, 
     )
     assert rows[0][0] == "embed" and rows[0][1] == "0"
     assert "frozen: 44,777,984 parameters" in r.stdout
+    # the adapters' state has one generation on SSD, and the plan says why (decide.overlap_pays)
+    per_param = float(
+        re.search(r"the frozen base and ([0-9.]+) B per trainable parameter", r.stdout).group(1)
+    )
+    assert per_param <= 16
+    assert 'speculate "auto": updates run after backward' in r.stdout
+    assert "below the cost model's prediction error (15%)" in r.stdout
     if auto:
         assert "estimate" in r.stdout or "s/step" in r.stdout
 

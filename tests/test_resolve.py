@@ -138,6 +138,30 @@ def test_plan_cli_and_initialize_agree(tmp_path, capsys):
         engine.close()
 
 
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_lora_plan_runs_its_updates_after_backward_with_one_generation(clip):
+    """speculate "auto" over units whose trainable state is 1% of their base (LoRA): updates
+    deferred, not speculative, the plan's footprint the base and at most 16 B per trainable
+    parameter, and a note that says why; the same units fully trainable plan as before."""
+    from offloadpp.planner.plan import flat_numel
+
+    lora = tuple(UnitSpec(u.name, u.numel // 100, frozen_numel=u.numel, backward_needs_weights=u.backward_needs_weights)
+                 for u in UNITS if not u.borrows)  # fmt: skip
+    machine = Machine("cpu", host_available_bytes=16 << 30, ssd_free_bytes=1 << 40, cores=2)
+    p = resolve(Settings(gradient_clipping=clip), lora, machine).plan
+    assert p.deferred_update and not p.speculative
+    trainable = sum(flat_numel(u.numel) for u in lora)
+    assert p.frozen_ssd_bytes() < p.ssd_footprint_bytes() <= p.frozen_ssd_bytes() + 16 * trainable
+    assert any("below the cost model's prediction error (15%)" in n for n in p.notes), p.notes
+    assert "below the cost model's prediction error" in p.describe()
+    on = resolve(Settings(gradient_clipping=clip, speculate="on"), lora, machine).plan
+    assert on.deferred_update == (clip > 0) and on.speculative == (clip > 0)
+    assert on.ssd_footprint_bytes() >= on.frozen_ssd_bytes() + 24 * trainable
+    full = resolve(Settings(gradient_clipping=clip), UNITS, machine).plan
+    assert full.deferred_update == (clip > 0) and full.speculative == (clip > 0)
+    assert not any("prediction error" in n for n in full.notes)
+
+
 # ---- budgets are promises -----------------------------------------------------------------------
 def _gpt2(n_layer=6, seed=0):
     cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=128, n_head=4, vocab_size=128, n_positions=64,

@@ -32,7 +32,9 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-BAR = 0.15
+from offloadpp.planner.decide import PREDICTION_ERROR
+
+BAR = PREDICTION_ERROR  # (the planner holds the updates' overlap to it: decide.overlap_pays)
 MEASURE_S = 12.0
 
 

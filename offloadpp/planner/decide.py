@@ -11,12 +11,19 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .activations import ActChoice, ActPlanner, ActUnit, recomputes
+from .spec import DTYPE_BYTES
 
 # The prefetch depths where the settings leave them to the planner ("auto"): the deepest the
 # default plan tries first, and the optimizer read-ahead of every plan but a deferred one's
 # (resolve._streaming_need decides that one).
 DEFAULT_PREFETCH = 2
 DEFAULT_OPTIM_PREFETCH = 2
+
+# The cost model's prediction error: the bar every configuration of `offloadpp bench
+# planner-accuracy` meets (|predicted - measured| / measured; the worst measured is 10%,
+# docs/performance.md "Prediction error"). A gain the model predicts below it is one it cannot
+# tell from nothing: overlap_pays.
+PREDICTION_ERROR = 0.15
 
 
 def clipping(settings) -> bool:
@@ -28,8 +35,43 @@ def clipping(settings) -> bool:
 def speculates(settings) -> bool:
     """Plans are shaped for speculative updates: updates are deferred (clipping, fp16) and the
     settings do not turn speculation off. Whether the plan finally speculates (room on the SSDs
-    for the second generation, one rank) is resolve.with_speculation's, carried in Plan.speculative."""
-    return settings.deferred_update and settings.speculate != "off"
+    for the second generation, one rank) is resolve.with_speculation's, carried in Plan.speculative.
+    Updates deferred on purpose (Settings.defer_updates) run after backward, never speculatively."""
+    return settings.deferred_update and settings.speculate != "off" and not settings.defer_updates
+
+
+def overlap_share(units: Sequence, compute_dtype: str) -> float:
+    """The largest share of a step that running the updates during backward can hide: the
+    optimizer's bytes per step against those and the weights forward and backward read.
+
+    Note: why bytes bound it. Per parameter a step's optimizer does a constant amount of work
+    (each trainable parameter's gradient out, 4 B; master and moments read and written, 24 B;
+    with 16-bit compute its new compute copy written), while forward and backward read every
+    parameter's weights, frozen or not (2 x the compute dtype's bytes) and compute with each once
+    per token. Only where both stream from the SSD is the optimizer's cost per parameter of the
+    same order as the rest, so its share of the bytes is the most its overlap can save; in
+    memory its FLOPs are a smaller share still (one Adam pass against 6 FLOPs per parameter per
+    token). Placement aside, so it holds for every plan of these units (`units`: UnitSpec, each
+    with its trainable `numel` and `frozen_numel`)."""
+    d = DTYPE_BYTES[compute_dtype]
+    trainable = sum(u.numel for u in units)
+    frozen = sum(u.frozen_numel for u in units)
+    optimizer = trainable * (4 + 24 + (d if d != 4 else 0))
+    weights = 2 * d * (trainable + frozen)
+    return optimizer / (optimizer + weights) if optimizer else 0.0
+
+
+def overlap_pays(settings, units: Sequence) -> bool:
+    """Updates may run during backward (not deferred, or speculatively): where the settings leave
+    it to the planner (speculate "auto"), only if what that can save, overlap_share, reaches the
+    cost model's prediction error. Running them during backward keeps a second generation of the
+    optimizer state on SSD (runtime/slots.py: a step that is interrupted must vanish); a gain the
+    model cannot tell from its own error is not worth a second copy of the state. A model with no
+    frozen parameters always overlaps (its share is at least 28 / 36 B per parameter); a LoRA
+    run's trainable state is about 1% of its base's bytes, and its updates run after backward,
+    in place (resolve: Settings.defer_updates, speculate "off"). "on" and "off" keep their
+    meaning (spec.py)."""
+    return settings.speculate != "auto" or overlap_share(units, settings.compute_dtype) >= PREDICTION_ERROR
 
 
 def prefetch_depth(settings) -> int:

@@ -493,10 +493,13 @@ class Plan:
             )
         frozen = sum(u.frozen_numel for u in self.units)
         if frozen:
+            trainable = sum(u.numel for u in self.units)
+            rest = self.ssd_footprint_bytes() - self.frozen_ssd_bytes()
             lines.append(
                 f"  frozen: {frozen:,} parameters, {fmt_bytes(sum(u.frozen_bytes(self.compute_dtype) for u in self.units))} "
-                f"read-only ({fmt_bytes(self.frozen_ssd_bytes())} on SSD); trainable: "
-                f"{sum(u.numel for u in self.units):,} parameters with master, moments and gradients"
+                f"read-only ({fmt_bytes(self.frozen_ssd_bytes())} on SSD); trainable: {trainable:,} parameters with "
+                f"master, moments and gradients; on SSD in all {fmt_bytes(self.ssd_footprint_bytes())}: the frozen "
+                f"base and {rest / max(1, trainable):.1f} B per trainable parameter"
             )
         if self.activations and set(self.activations) != {"keep"}:
             act = self.budgets.activation_bytes if self.budgets is not None else None

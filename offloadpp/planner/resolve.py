@@ -47,11 +47,14 @@ from .activations import act_units, recomputes
 from .cost import StepEstimate, estimate
 from .decide import (
     DEFAULT_OPTIM_PREFETCH,
+    PREDICTION_ERROR,
     activation_choice,
     adam_threads,
     clipping,
     deferred_where,
     optim_prefetch_depth,
+    overlap_pays,
+    overlap_share,
     prefetch_depth,
     speculates,
 )
@@ -191,6 +194,16 @@ def resolve(
                 'set speculate "auto" or "off"'
             )
         settings = settings.model_copy(update={"speculate": "off"})
+    deferral = ()
+    if (
+        units
+        and settings.plan_path is None
+        and not settings.defer_updates
+        and not overlap_pays(settings, units)
+    ):
+        # (a plan file keeps the deferral it was made with: check_plan)
+        settings = settings.model_copy(update={"defer_updates": True})
+        deferral = (_deferral_note(units, settings),)
     check_asked_budgets(settings, machine)
     units = shard_units(units, machine.ranks)
     if not units:
@@ -216,7 +229,7 @@ def resolve(
     speculative = with_speculation(plan, settings, machine)
     if speculative.speculative != plan.speculative:
         est = None  # estimated as it was made: estimated again below, as it runs
-    plan = replace(speculative, notes=speculative.notes + settings_notes(settings, speculative))
+    plan = replace(speculative, notes=speculative.notes + deferral + settings_notes(settings, speculative))
     plan = with_io(plan, hardware, io_set or {})
     plan = replace(plan, adam_threads=settings.adam_threads)  # (decided above: decide.adam_threads)
     if hardware is not None and not plan.ssd_stripe:
@@ -286,6 +299,20 @@ def with_speculation(plan: Plan, settings: Settings, machine: Machine) -> Plan:
     return replace(plan, speculative=False, notes=plan.notes + (f"{msg}: updates are deferred",))
 
 
+def _deferral_note(units, settings: Settings) -> str:
+    """Why speculate "auto" runs the updates after backward (decide.overlap_pays)."""
+    trainable = sum(u.numel for u in units)
+    total = trainable + sum(u.frozen_numel for u in units)
+    share = overlap_share(units, settings.compute_dtype)
+    return (
+        f'speculate "auto": updates run after backward, in place (neither during it nor speculatively): the '
+        f"optimizer's work ({trainable:,} trainable of {total:,} parameters) is at most {share:.1%} of a step's "
+        f"bytes, below the cost model's prediction error ({PREDICTION_ERROR:.0%}), so overlapping it with "
+        "backward would buy less than the model can tell and keep a second generation of the optimizer state on "
+        'SSD; the state keeps one (speculate "on" overlaps them)'
+    )
+
+
 def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
     """What the settings imply that the plan's table does not show."""
     out = []
@@ -305,6 +332,8 @@ def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:
         )
         return tuple(out)
     deferred = []
+    if settings.defer_updates:  # (the deferral note says why, where resolve decided it)
+        return tuple(out + [f"deferred updates {deferred_where(plan)}"]) if plan.deferred_update else ()
     if settings.compute_dtype == "fp16":
         deferred.append(
             "fp16: updates are deferred (the loss scaler's overflow check needs every gradient first); bf16 "

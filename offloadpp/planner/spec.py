@@ -110,7 +110,14 @@ class Settings(_Frozen):
         on overflow), exactly; "off" defers every update to the end of backward; "auto"
         speculates while recent steps validated (with clipping: from the third step in a row
         within the limit) and defers while clipping keeps triggering (docs/runtime.md). Speculation keeps a second generation of the optimizer state on SSD;
-        "auto" defers where the SSDs lack the room, "on" is then an error.
+        "auto" defers where the SSDs lack the room, "on" is then an error. "auto" also defers
+        where overlapping the updates with backward cannot buy what the cost model can tell
+        (planner/decide.py overlap_pays: a LoRA run's trainable state is about 1% of a step's
+        bytes), clipping or not: the optimizer state then has one generation on SSD.
+    defer_updates: run every update after backward (at each unit's next visit on the CPU
+        device), even without clipping or fp16: one generation of the optimizer state on SSD
+        instead of two, no overlap of Adam with backward. The resolve stage sets it where
+        speculate "auto" finds the overlap not worth it (decide.overlap_pays).
     prefetch_depth: weights of the unit k visits ahead are fetched while one computes (None: the
         plan picks the deepest that fits, up to 2 for the default plan).
     optim_prefetch_depth: optimizer state is read this many units ahead of the one updating (None:
@@ -150,6 +157,7 @@ class Settings(_Frozen):
     gradient_accumulation_steps: int = Field(1, ge=1)
     gradient_clipping: float = Field(0.0, ge=0.0)
     speculate: Literal["auto", "on", "off"] = "auto"
+    defer_updates: bool = False
     prefetch_depth: Optional[int] = Field(None, ge=0)
     optim_prefetch_depth: Optional[int] = Field(None, ge=0)
     fill_gaps: bool = True
@@ -180,8 +188,9 @@ class Settings(_Frozen):
 
     @property
     def deferred_update(self) -> bool:
-        """Updates need a global quantity first (clip norm, fp16 overflow) and wait for backward."""
-        return self.gradient_clipping > 0 or self.compute_dtype == "fp16"
+        """Updates need a global quantity first (clip norm, fp16 overflow), or are asked to
+        (defer_updates), and wait for backward."""
+        return self.gradient_clipping > 0 or self.compute_dtype == "fp16" or self.defer_updates
 
     @property
     def accumulate_grads(self) -> bool:
