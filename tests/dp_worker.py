@@ -46,10 +46,11 @@ def main() -> None:
     # (deepspeed api) checkpoints to each node's own disk: "checkpoint": {"use_node_local_storage": true}
     ap.add_argument("--node-local", action="store_true")
     ap.add_argument("--freeze", action="store_true")  # dp_common.tiny_gpt2's frozen parameters
+    ap.add_argument("--lora", action="store_true")  # dp_common.tiny_gpt2's peft LoRA model
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model = tiny_gpt2(freeze=args.freeze)
+    model = tiny_gpt2(freeze=args.freeze, lora=args.lora)
     if args.own_group:
         torch.distributed.init_process_group("gloo")
     if args.slow_readers and rank != 0:

@@ -133,6 +133,23 @@ def test_two_ranks_with_frozen_parameters_train_like_one_process(tmp_path):
     assert torch.equal(got["transformer.h.0.mlp.c_fc.weight"], first["transformer.h.0.mlp.c_fc.weight"])
 
 
+def test_two_ranks_train_a_peft_lora_model_like_one_process(tmp_path):
+    """A get_peft_model model through offloadpp.initialize over two ranks: the adapters train as
+    torch + peft on the global batch, the base is never changed (its parameters stay in the
+    units' flat buffers over ranks: docs/frozen.md "Over several data-parallel ranks")."""
+    pytest.importorskip("peft")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "out"
+    torchrun([str(out), "--nvme", str(nvme), "--steps", "3", "--clip", "1.0", "--lora", "--api", "deepspeed"])
+    got, want = weights(out), reference(3, clip=1.0, parts=2, lora=True)
+    assert compare_weights(got, want, lr=LR, steps=3) < 1e-5
+    first = reference(0, clip=1.0, lora=True)
+    base = [k for k in first if "lora_" not in k]
+    assert base and all(torch.equal(got[k], first[k]) for k in base)
+    assert any(not torch.equal(got[k], first[k]) for k in first if "lora_" in k)
+
+
 def test_save_16bit_model_over_two_ranks(tmp_path):
     """Every rank takes part in gathering each unit, rank 0 writes the shards; the whole dict is
     refused on every rank when one rank is short of memory (a rank building it alone would wait
