@@ -167,6 +167,52 @@ def test_frozen_parameters_train_like_adamw_and_are_never_written(tmp_path, wher
         eng.close()
 
 
+@pytest.mark.parametrize("where", ["ssd", "memory"])
+def test_a_bf16_base_under_fp32_compute_stays_bf16_and_trains_exactly(tmp_path, where):
+    """A 16-bit frozen base trained with fp32 compute is stored as the model gives it (2 B per
+    parameter on disk, UnitSpec.frozen_dtype) and upcast at each fetch: exact, so the run equals
+    torch on the same model with the base upcast to fp32 (within the 1e-5 of the fp32 runs);
+    the frozen parameters come back bf16, bit for bit."""
+    ref = frozen_net()
+    for p in ref.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16).float()  # the values a bf16 base holds
+    model = copy.deepcopy(ref)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    settings = {} if where == "ssd" else {"offload_params": False, "offload_optimizer": False}
+    eng = assemble_engine(model, config(tmp_path, **settings), hyper=AdamHyper(lr=LR, weight_decay=WD))
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    try:
+        assert eng.plan.compute_dtype == "fp32"
+        mixed = eng.plan.unit("blocks.1")
+        assert (
+            mixed.frozen_dtype == "bf16" and mixed.frozen_bytes("fp32") == flat_numel(mixed.frozen_numel) * 2
+        )
+        assert all(u.frozen_slot.dtype == torch.bfloat16 for u in eng.units if u.frozen_slot is not None)
+        before = frozen_files(tmp_path)
+        if where == "ssd":
+            assert sum(len(b) for b in before.values()) <= eng.plan.frozen_ssd_bytes() + 4 * 4096
+            assert eng.plan.frozen_ssd_bytes() == sum(flat_numel(u.frozen_numel) * 2 for u in eng.units)
+        for x in data(4):
+            ref(x).backward()
+            opt.step()
+            opt.zero_grad()
+            eng.backward(eng(x))
+            eng.step()
+        sd, want = eng.module.state_dict(), ref.state_dict()
+        worst = max(((sd[k].float() - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
+        assert worst < 1e-5
+        for name, p in ref.named_parameters():
+            if not p.requires_grad:
+                assert sd[name].dtype == torch.bfloat16 and torch.equal(sd[name], init[name]), name
+        assert frozen_files(tmp_path) == before
+    finally:
+        eng.close()
+
+
 def test_disk_footprint_is_the_frozen_base_and_the_trainable_state(tmp_path):
     m = frozen_net()
     eng = assemble_engine(m, config(tmp_path), hyper=AdamHyper(lr=LR))

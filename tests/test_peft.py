@@ -312,3 +312,40 @@ def test_lora_swap_dir_is_the_base_and_16_bytes_per_trainable_parameter(tmp_path
             assert on_disk > base + 16 * n + headers and rt.plan.ssd_footprint_bytes() >= base + 24 * n
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("plan", [None, "auto"])
+def test_lora_over_a_bf16_base_with_fp32_compute_keeps_the_base_bf16(tmp_path, plan):
+    """A bf16 base (peft's adapters fp32) trained with fp32 compute: the frozen segments are
+    stored bf16 (2 B per parameter on disk) and upcast at each fetch, so the run equals plain
+    peft on the same model with its base upcast to fp32, and the base comes back bf16 bit for bit.
+    plan "auto": the analytic model profile carries the frozen dtype to the search."""
+    model = lora_model("llama")
+    for n, p in model.named_parameters():
+        if "lora_" not in n:
+            p.data = p.data.to(torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in trainable(model))
+    ref = copy.deepcopy(model).float()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = ds_config(tmp_path / "nvme")
+    if plan is not None:
+        from test_cost import hw
+
+        hw(device_flops_per_s={"fp32": 100e9}).to_json(str(tmp_path / "hw.json"))
+        cfg["offloadpp"].update(plan=plan, hardware_profile=str(tmp_path / "hw.json"))
+    engine, *_ = offloadpp.initialize(model=model, model_parameters=trainable(model), config=cfg)
+    try:
+        rt = engine.runtime
+        assert rt.plan.compute_dtype == "fp32"
+        assert all(u.frozen_dtype == "bf16" for u in rt.plan.units if u.frozen_numel)
+        assert all(u.frozen_slot.dtype == torch.bfloat16 for u in rt.units if u.frozen_slot is not None)
+        if plan is None:  # (the search keeps this tiny model in memory)
+            assert rt.plan.frozen_ssd_bytes() == sum(flat_numel(u.frozen_numel) * 2 for u in rt.units)
+        data = batches(5)
+        assert train(engine, data) == pytest.approx(reference(ref, data), rel=1e-5)
+        got = engine.module.state_dict()
+        assert rel(got, ref.state_dict()) < 1e-5
+        base = [k for k in init if "lora_" not in k]
+        assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], init[k]) for k in base)
+    finally:
+        engine.close()

@@ -325,3 +325,23 @@ def test_sixteen_bit_compute_keeps_sixteen_bit_gradients(dtype, accumulate, want
     assert grads == sum(u.padded_numel for u in UNITS) * size
     over_ranks = replace(plan, units=tuple(replace(u, shards=2) for u in plan.units))
     assert over_ranks.grad_dtype == "fp32"  # reduced over the ranks into fp32 shards
+
+
+def test_a_16bit_frozen_segment_stays_16bit_under_fp32_compute():
+    """UnitSpec.frozen_dtype (the model's 16-bit dtype of its frozen parameters): stored in it
+    under fp32 compute, upcast at each fetch (the device holds both: weights_bytes), and in the
+    compute dtype under 16-bit compute; a plan file keeps it."""
+    from offloadpp.planner.planfile import plan_from_dict, plan_to_dict
+
+    u = UnitSpec("h.0", 1000, frozen_numel=100_000, frozen_dtype="bf16")
+    f = flat_numel(100_000)
+    assert u.frozen_dtype_under("fp32") == "bf16" and u.frozen_bytes("fp32") == 2 * f
+    assert u.weights_bytes("fp32") == flat_numel(1000) * 4 + 2 * f + 4 * f
+    assert u.frozen_dtype_under("fp16") == "fp16" and u.weights_bytes("fp16") == flat_numel(1000) * 2 + 2 * f
+    plain = UnitSpec("h.0", 1000, frozen_numel=100_000)
+    assert plain.frozen_bytes("fp32") == 4 * f and plain.weights_bytes("fp32") == flat_numel(1000) * 4 + 4 * f
+    with pytest.raises(PlanError, match="frozen_dtype"):
+        UnitSpec("h.0", 1000, frozen_numel=10, frozen_dtype="fp32")
+    plan = streaming_plan((u,), device="cpu", prefetch_depth=0, optim_prefetch_depth=0, compute_dtype="fp32")
+    assert plan.frozen_ssd_bytes() == 2 * f
+    assert plan_from_dict(plan_to_dict(plan))[0].units == (u,)

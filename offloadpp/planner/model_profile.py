@@ -51,6 +51,7 @@ class UnitProfile:
     forward_s: Optional[float] = None  # measured, one micro-batch (see the module note)
     backward_s: Optional[float] = None
     frozen_numel: int = 0  # frozen parameters owned, apart from numel (UnitSpec.frozen_numel)
+    frozen_dtype: Optional[str] = None  # their 16-bit dtype where they have one (UnitSpec.frozen_dtype)
 
     def __post_init__(self) -> None:
         for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
@@ -65,7 +66,7 @@ class UnitProfile:
 
     def spec(self) -> UnitSpec:
         return UnitSpec(self.name, self.numel, tuple(self.borrows), self.backward_needs_weights,
-                        frozen_numel=self.frozen_numel)  # fmt: skip
+                        frozen_numel=self.frozen_numel, frozen_dtype=self.frozen_dtype)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -122,8 +123,8 @@ class ModelProfile:
         if not all(u.name == p.name or u.name.endswith("." + p.name) for p, u in zip(self.units, units)):
             return self
         return replace(self, units=tuple(
-            replace(p, name=u.name, numel=u.numel, frozen_numel=u.frozen_numel, borrows=tuple(u.borrows),
-                    backward_needs_weights=u.backward_needs_weights)
+            replace(p, name=u.name, numel=u.numel, frozen_numel=u.frozen_numel, frozen_dtype=u.frozen_dtype,
+                    borrows=tuple(u.borrows), backward_needs_weights=u.backward_needs_weights)
             for p, u in zip(self.units, units)
         ))  # fmt: skip
 

@@ -106,6 +106,10 @@ class UnitSpec:
     # dtype, read for forward and backward, never written; no master, moments, gradients or Adam
     # work (see the Note on frozen parameters below). `numel` counts the trainable ones only.
     frozen_numel: int = 0
+    # The dtype the model gives its frozen parameters where it is 16-bit ("bf16", "fp16"; None:
+    # fp32 or mixed): under fp32 compute the frozen segment stays in it (frozen_dtype_under) and
+    # is upcast at each fetch, exactly; under 16-bit compute it is stored in the compute dtype.
+    frozen_dtype: Optional[str] = None
 
     # Note: shards. With N data-parallel ranks each rank owns one N-th of the unit's flat buffer
     # (`shard_numel` elements): its fp32 master, its Adam moments and, at home, its part of the
@@ -132,6 +136,10 @@ class UnitSpec:
             raise PlanError(
                 f"unit {self.name!r}: frozen_numel must be an int >= 0, got {self.frozen_numel!r}"
             )
+        if self.frozen_dtype is not None and self.frozen_dtype not in ("bf16", "fp16"):
+            raise PlanError(
+                f"unit {self.name!r}: frozen_dtype must be 'bf16', 'fp16' or None, got {self.frozen_dtype!r}"
+            )
         if self.frozen_numel and self.shards > 1:
             raise PlanError(
                 f"unit {self.name!r}: a frozen segment over {self.shards} ranks; over several ranks frozen "
@@ -149,12 +157,21 @@ class UnitSpec:
 
     def weights_bytes(self, compute_dtype: str) -> int:
         """The whole unit's compute weights on the device: the trainable ones and the frozen
-        segment, which the device holds together while the unit computes."""
-        return self.padded_numel * DTYPE_BYTES[compute_dtype] + self.frozen_bytes(compute_dtype)
+        segment, which the device holds together while the unit computes (a segment stored in
+        a narrower dtype as it is read and as its upcast copy: frozen_dtype_under)."""
+        frozen = self.frozen_bytes(compute_dtype)
+        if self.frozen_dtype_under(compute_dtype) != compute_dtype:
+            frozen += flat_numel(self.frozen_numel) * DTYPE_BYTES[compute_dtype]
+        return self.padded_numel * DTYPE_BYTES[compute_dtype] + frozen
+
+    def frozen_dtype_under(self, compute_dtype: str) -> str:
+        """The dtype the frozen segment is stored in: the model's 16-bit dtype under fp32
+        compute (a 16-bit base stays 16-bit, upcast at each fetch), else the compute dtype."""
+        return self.frozen_dtype if (self.frozen_dtype and compute_dtype == "fp32") else compute_dtype
 
     def frozen_bytes(self, compute_dtype: str) -> int:
-        """The frozen segment (see the Note), padded as every flat buffer is."""
-        return flat_numel(self.frozen_numel) * DTYPE_BYTES[compute_dtype]
+        """The frozen segment as stored (see the Note), padded as every flat buffer is."""
+        return flat_numel(self.frozen_numel) * DTYPE_BYTES[self.frozen_dtype_under(compute_dtype)]
 
     def weights_home_bytes(self, compute_dtype: str) -> int:
         """This rank's part of the compute weights at their home (HOST or SSD)."""

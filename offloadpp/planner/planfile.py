@@ -33,6 +33,7 @@ def plan_to_dict(plan: Plan, estimate: Optional[StepEstimate] = None) -> dict:
             "borrows": list(u.borrows),
             "backward_needs_weights": u.backward_needs_weights,
             "frozen_numel": u.frozen_numel,
+            "frozen_dtype": u.frozen_dtype,
         }
         for u in plan.units
     ]
@@ -71,6 +72,7 @@ def plan_from_dict(d: Mapping[str, Any]) -> tuple[Plan, Optional[StepEstimate]]:
                 tuple(u.get("borrows", ())),
                 bool(u.get("backward_needs_weights", True)),
                 frozen_numel=int(u.get("frozen_numel", 0)),
+                frozen_dtype=u.get("frozen_dtype"),
             )
             for u in d["units"]
         )

@@ -241,6 +241,7 @@ class ModelProfiler:
                     name=spec.name,
                     numel=spec.numel,
                     frozen_numel=spec.frozen_numel,
+                    frozen_dtype=spec.frozen_dtype,
                     forward_flops=int(self.fflops[i]),
                     backward_flops=int(self.bflops[i]),
                     activation_bytes=int(self.saved[i]),

@@ -83,7 +83,7 @@ def model_layout(units: list[Unit]) -> list[dict]:
         }
         if u.frozen:
             d["frozen"] = {"params": [_param_record(s) for _, s in u.frozen], "crc32c": u.frozen_crc,
-                           "dtype": str(u.compute_dtype).removeprefix("torch.")}  # fmt: skip
+                           "dtype": str(u.frozen_slot.dtype).removeprefix("torch.")}  # fmt: skip
         out.append(d)
     return out
 

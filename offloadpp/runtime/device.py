@@ -194,6 +194,55 @@ class PairWeights:
         return getattr(self.__dict__["trainable"], name)
 
 
+class UpcastWeights:
+    """A frozen segment stored in a narrower dtype than the device computes in (a 16-bit base
+    under fp32 compute: docs/frozen.md, UnitSpec.frozen_dtype_under): `inner` fetches it as
+    stored (CpuWeights or CudaWeights); wait() upcasts it into a compute-dtype buffer, held until
+    release(). Exact: every bf16 and fp16 value is an fp32 value. The plan counts both buffers
+    (UnitSpec.weights_bytes): on the CPU device the copy comes from the device pool, on CUDA it
+    is accounted as CudaWeights' buffers are (Device.reserve)."""
+
+    def __init__(self, inner, device: Device, pool, dtype: torch.dtype):
+        self.inner = inner
+        self.device = device
+        self.pool = pool
+        self.dtype = dtype
+        self.tensor: Optional[torch.Tensor] = None
+
+    @property
+    def state(self) -> SlotState:
+        return self.inner.state
+
+    def acquire(self) -> None:
+        self.inner.acquire()
+
+    def pump(self) -> None:
+        self.inner.pump()
+
+    def wait(self) -> torch.Tensor:
+        if self.tensor is None:
+            src = self.inner.wait()  # (CUDA: the compute stream waits for its copy)
+            if self.device.is_cuda:
+                self.device.reserve(src.numel() * self.dtype.itemsize, "a frozen segment's upcast copy")
+                self.tensor = torch.empty(src.numel(), dtype=self.dtype, device=self.device.torch_device)
+            else:
+                self.tensor = self.pool.get(src.numel(), self.dtype)
+            self.tensor.copy_(src)  # (CUDA: on the compute stream, which reads it next)
+        return self.tensor
+
+    def release(self) -> None:
+        if self.tensor is not None:
+            if self.device.is_cuda:  # (the allocator keeps it until the compute stream is past it)
+                self.device.unreserve(self.tensor.numel() * self.tensor.element_size())
+            else:
+                self.pool.put(self.tensor)
+            self.tensor = None
+        self.inner.release()
+
+    def refresh(self) -> None:
+        pass  # never written
+
+
 class CudaWeights:
     """A unit's device weights on a GPU: a device buffer filled from the pinned compute copy.
 

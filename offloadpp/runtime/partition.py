@@ -87,9 +87,15 @@ class UnitLayout:
         """Every parameter the unit owns, in the order it registers them (both segments)."""
         return sorted(self.params + self.frozen, key=lambda ps: ps[1].index)
 
+    @property
+    def frozen_dtype(self) -> str | None:
+        """The frozen parameters' dtype where they are all one 16-bit dtype (UnitSpec.frozen_dtype)."""
+        dtypes = {p.dtype for p, _ in self.frozen}
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtypes.pop()) if len(dtypes) == 1 else None
+
     def spec(self) -> UnitSpec:
         return UnitSpec(self.unit.name, self.numel, self.borrows, self.backward_needs_weights,
-                        frozen_numel=self.frozen_numel)  # fmt: skip
+                        frozen_numel=self.frozen_numel, frozen_dtype=self.frozen_dtype)  # fmt: skip
 
 
 def _has_params(m: nn.Module) -> bool:

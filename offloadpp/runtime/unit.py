@@ -15,7 +15,7 @@ from torch import nn
 
 from offloadpp.planner import Placement, Plan, Tier, flat_numel
 
-from .device import CpuWeights, CudaWeights, Device, PairWeights, Weights
+from .device import CpuWeights, CudaWeights, Device, PairWeights, UpcastWeights, Weights
 from .memory import BufferPool
 from .partition import ParamSlot, UnitLayout
 from .slots import Hold, Slot, Txn, tagged
@@ -95,7 +95,8 @@ class Unit:
             self.weights = CpuWeights(self.compute, device)
         if layout.frozen:  # the frozen segment, fetched with the weights (docs/frozen.md)
             home = homes["frozen"]
-            self.frozen_slot = Slot(f"{self.name}.frozen", flat_numel(self.frozen_numel), self.compute_dtype,
+            stored = TORCH_DTYPES[plan.unit(self.name).frozen_dtype_under(plan.compute_dtype)]
+            self.frozen_slot = Slot(f"{self.name}.frozen", flat_numel(self.frozen_numel), stored,
                                     device_pool if cpu else host_pool, tagged(store, "frozen", plan),
                                     resident=home is Tier.DEVICE, stored=home is Tier.SSD)  # fmt: skip
             frozen = (
@@ -103,6 +104,8 @@ class Unit:
                 if device.is_cuda
                 else CpuWeights(self.frozen_slot, device)
             )
+            if stored != self.compute_dtype:  # a 16-bit base under fp32 compute: upcast at each fetch
+                frozen = UpcastWeights(frozen, device, device_pool, self.compute_dtype)
             self.weights = PairWeights(self.weights, frozen)
         # Only a unit whose optimizer state all lives on SSD can be updated speculatively: the
         # previous generation there is what a redo starts from (an array resident in memory is
