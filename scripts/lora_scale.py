@@ -158,6 +158,12 @@ def _offloadpp_child(args, prog: _Progress) -> None:
                     frozen_ssd_bytes=rt.plan.frozen_ssd_bytes(), read_gbps=rt.ssd_read_gbps,
                     write_gbps=rt.ssd_write_gbps, budgets=rt.plan.describe_budgets())  # fmt: skip
     _steps(args, engine, prog, _offloadpp_report)
+    # the swap directory after the steps (the base and the adapters' state, every file: issue 22's
+    # disk bar, docs/frozen.md "On disk"), each trainable parameter's bytes beyond the base
+    nvme = cfg["zero_optimization"]["offload_param"]["nvme_path"]  # (the block's default nvme_paths)
+    swap = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(nvme) for f in fs)
+    prog.out.update(swap_dir_bytes_after_steps=swap,
+                    swap_bytes_per_trainable=(swap - rt.plan.frozen_ssd_bytes()) / max(1, n_train))  # fmt: skip
     prog.phase("save_pretrained")
     t = time.perf_counter()
     adapters = os.path.join(args.dir, "offloadpp", "adapters")
