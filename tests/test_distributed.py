@@ -150,6 +150,39 @@ def test_two_ranks_train_a_peft_lora_model_like_one_process(tmp_path):
     assert any(not torch.equal(got[k], first[k]) for k in first if "lora_" in k)
 
 
+def test_a_lora_checkpoint_between_one_process_and_two_ranks_is_refused_saying_how_to_resume(tmp_path):
+    """One process keeps frozen parameters by reference (a frozen segment), several ranks as state
+    in the flat buffers (docs/frozen.md): a checkpoint of either does not load into the other,
+    and the refusal says which saved it and how to resume, both ways."""
+    pytest.importorskip("peft")
+    from dp_common import tiny_gpt2
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+    from offloadpp.runtime.checkpoint import CheckpointError
+
+    (tmp_path / "nvme2").mkdir()
+    ranks_ckpt, one_ckpt = tmp_path / "ranks_ckpt", tmp_path / "one_ckpt"
+    torchrun([str(tmp_path / "out"), "--nvme", str(tmp_path / "nvme2"), "--steps", "1", "--clip", "1.0", "--lora",
+              "--save", str(ranks_ckpt)])  # fmt: skip
+    cfg = RuntimeConfig(nvme_paths=[str(tmp_path / "nvme1")], settings=Settings(gradient_clipping=1.0), device="cpu",
+                        ssd_read_gbps=2.0, ssd_write_gbps=2.0, log_every=0)  # fmt: skip
+    (tmp_path / "nvme1").mkdir()
+    with assemble_engine(tiny_gpt2(lora=True), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD)) as eng:
+        assert any(u.frozen_numel for u in eng.plan.units)
+        with pytest.raises(
+            CheckpointError, match="saved by 2 data-parallel ranks and this run is one process"
+        ):
+            eng.load_state(str(ranks_ckpt))
+        one_ckpt.mkdir()
+        eng.save_state(str(one_ckpt))
+    with pytest.raises(AssertionError, match="saved by one process and this run is 2 data-parallel ranks"):
+        torchrun([str(tmp_path / "out2"), "--nvme", str(tmp_path / "nvme2"), "--steps", "1", "--clip", "1.0",
+                  "--lora", "--load", str(one_ckpt)])  # fmt: skip
+
+
 def test_save_16bit_model_over_two_ranks(tmp_path):
     """Every rank takes part in gathering each unit, rank 0 writes the shards; the whole dict is
     refused on every rank when one rank is short of memory (a rank building it alone would wait

@@ -69,9 +69,22 @@ def overlap_pays(settings, units: Sequence) -> bool:
     model cannot tell from its own error is not worth a second copy of the state. A model with no
     frozen parameters always overlaps (its share is at least 28 / 36 B per parameter); a LoRA
     run's trainable state is about 1% of its base's bytes, and its updates run after backward,
-    in place (resolve: Settings.defer_updates, speculate "off"). "on" and "off" keep their
-    meaning (spec.py)."""
+    in place (resolve sets Settings.defer_updates, and the plan's notes say why: deferral_note).
+    "on" and "off" keep their meaning (spec.py)."""
     return settings.speculate != "auto" or overlap_share(units, settings.compute_dtype) >= PREDICTION_ERROR
+
+
+def deferral_note(units: Sequence, compute_dtype: str) -> str:
+    """The plan's note where overlap_pays says no."""
+    trainable = sum(u.numel for u in units)
+    total = trainable + sum(u.frozen_numel for u in units)
+    return (
+        f'speculate "auto": updates run after backward, in place (neither during it nor speculatively): the '
+        f"optimizer's work ({trainable:,} trainable of {total:,} parameters) is at most "
+        f"{overlap_share(units, compute_dtype):.1%} of a step's bytes, below the cost model's prediction error "
+        f"({PREDICTION_ERROR:.0%}), so overlapping it with backward would buy less than the model can tell and keep "
+        'a second generation of the optimizer state on SSD; the state keeps one (speculate "on" overlaps them)'
+    )
 
 
 def prefetch_depth(settings) -> int:

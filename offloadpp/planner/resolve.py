@@ -47,14 +47,13 @@ from .activations import act_units, recomputes
 from .cost import StepEstimate, estimate
 from .decide import (
     DEFAULT_OPTIM_PREFETCH,
-    PREDICTION_ERROR,
     activation_choice,
     adam_threads,
     clipping,
+    deferral_note,
     deferred_where,
     optim_prefetch_depth,
     overlap_pays,
-    overlap_share,
     prefetch_depth,
     speculates,
 )
@@ -203,7 +202,7 @@ def resolve(
     ):
         # (a plan file keeps the deferral it was made with: check_plan)
         settings = settings.model_copy(update={"defer_updates": True})
-        deferral = (_deferral_note(units, settings),)
+        deferral = (deferral_note(units, settings.compute_dtype),)
     check_asked_budgets(settings, machine)
     units = shard_units(units, machine.ranks)
     if not units:
@@ -297,20 +296,6 @@ def with_speculation(plan: Plan, settings: Settings, machine: Machine) -> Plan:
     if settings.speculate == "on":
         raise PlanError(f'{msg}; free {fmt_bytes(need - free)} or set speculate "auto" or "off"')
     return replace(plan, speculative=False, notes=plan.notes + (f"{msg}: updates are deferred",))
-
-
-def _deferral_note(units, settings: Settings) -> str:
-    """Why speculate "auto" runs the updates after backward (decide.overlap_pays)."""
-    trainable = sum(u.numel for u in units)
-    total = trainable + sum(u.frozen_numel for u in units)
-    share = overlap_share(units, settings.compute_dtype)
-    return (
-        f'speculate "auto": updates run after backward, in place (neither during it nor speculatively): the '
-        f"optimizer's work ({trainable:,} trainable of {total:,} parameters) is at most {share:.1%} of a step's "
-        f"bytes, below the cost model's prediction error ({PREDICTION_ERROR:.0%}), so overlapping it with "
-        "backward would buy less than the model can tell and keep a second generation of the optimizer state on "
-        'SSD; the state keeps one (speculate "on" overlaps them)'
-    )
 
 
 def settings_notes(settings: Settings, plan: Plan) -> tuple[str, ...]:

@@ -111,13 +111,40 @@ def _check_frozen(got: Optional[dict], want: Optional[dict], unit: str) -> None:
     )
 
 
-def check_layout(saved: list[dict], units: list[Unit]) -> None:
-    """Refuses a checkpoint of another model, naming the first difference."""
+def _check_split(got: dict, want: dict, unit: str, worlds: tuple[int, int]) -> None:
+    """A checkpoint saved on the other side of one process / several ranks from this run, for a
+    model with frozen parameters (docs/frozen.md: one process keeps them in a frozen segment,
+    recorded by reference only; several data-parallel ranks in the units' flat buffers, as
+    state): refused, saying how to resume it. worlds: (the checkpoint's world size, this run's)."""
+    saved, run = worlds
+    if (saved > 1) == (run > 1):
+        return
+    saved_frozen = {p["name"] for p in (got.get("frozen") or {}).get("params", ())}
+    run_frozen = {p["name"] for p in (want.get("frozen") or {}).get("params", ())}
+    if saved_frozen & {p["name"] for p in want["params"]} or run_frozen & {p["name"] for p in got["params"]}:
+        then, now = (
+            (f"{saved} data-parallel ranks" if saved > 1 else "one process"),
+            (f"{run} data-parallel ranks" if run > 1 else "one process"),
+        )
+        raise CheckpointError(
+            f"unit {unit!r}: the checkpoint was saved by {then} and this run is {now}: one process keeps frozen "
+            "parameters (requires_grad=False, e.g. a LoRA base) in a read-only segment recorded by reference only, "
+            "several ranks keep them in the units' flat buffers as state (docs/frozen.md), so the two do not "
+            f"load into each other. Resume it with {'several ranks' if saved > 1 else 'one process'}, or start "
+            "this run from the base model and the trained weights (peft: save_pretrained, then "
+            "PeftModel.from_pretrained)"
+        )
+
+
+def check_layout(saved: list[dict], units: list[Unit], worlds: tuple[int, int] = (1, 1)) -> None:
+    """Refuses a checkpoint of another model, naming the first difference. worlds: the
+    checkpoint's world size and this run's (a model with frozen parameters: _check_split)."""
     have = {d["unit"]: d for d in saved}
     for u, want in zip(units, model_layout(units)):
         got = have.get(u.name)
         if got is None:
             raise CheckpointError(f"the checkpoint has no unit {u.name!r}; it has {list(have)}")
+        _check_split(got, want, u.name, worlds)
         gp = {p["name"]: p for p in got["params"]}
         for p in want["params"]:
             q = gp.get(p["name"])

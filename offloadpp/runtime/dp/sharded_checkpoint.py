@@ -247,9 +247,9 @@ def verify_sharded(units: list[Unit], path: str, manifest: dict, *, dp: Optional
     """Everything load_sharded will take on this rank, checked and nothing changed (checkpoint.py's
     Note: all or nothing): its own folder where the world sizes agree, else every saved shard
     part its range overlaps. Not a collective (load_sharded makes the ranks agree)."""
-    ckpt.check_layout(manifest["layout"], units)
-    ckpt.check_steps(manifest, units)
     world, rank = (dp.world, dp.rank) if dp is not None else (1, 0)
+    ckpt.check_layout(manifest["layout"], units, (int(manifest.get("world_size", 1)), world))
+    ckpt.check_steps(manifest, units)
     if int(manifest.get("world_size", 1)) == world and "world_size" in manifest:
         rd, own = _own(units, path, rank)
         ckpt.verify_state(units, rd, own, io=io, optimizer_states=optimizer_states, progress=progress)
