@@ -5,12 +5,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "adam/adam_kernel.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+#pragma GCC target("avx2,fma,f16c,sse4.2")
 
 namespace offloadpp {
 namespace adam {
@@ -85,6 +86,7 @@ struct V {
   }
 };
 
+#include "adam/adam_crc_hw.h"
 #include "adam/adam_impl.h"
 
 }  // namespace isa_avx2
@@ -97,7 +99,8 @@ namespace offloadpp {
 namespace adam {
 // Compiled for the baseline ISA: callable on any CPU, only the kernels it points at need AVX2.
 const IsaTable& avx2_table() {
-  static const IsaTable table{"avx2", &isa_avx2::lookup_adam, &isa_avx2::lookup_finite,
+  static const IsaTable table{"avx2", &isa_avx2::lookup_adam, &isa_avx2::lookup_adam_crc,
+                              &isa_avx2::lookup_finite,
                               &isa_avx2::lookup_sqnorm, &isa_avx2::lookup_convert, &isa_avx2::floor_range};
   return table;
 }

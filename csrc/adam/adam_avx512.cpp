@@ -5,12 +5,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "adam/adam_kernel.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,sse4.2")
 // GCC 12 flags the _mm512_undefined_* placeholders inside its own intrinsics headers.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -80,6 +81,7 @@ struct V {
   static double dsum(D a) { return _mm512_reduce_add_pd(_mm512_add_pd(a.lo, a.hi)); }
 };
 
+#include "adam/adam_crc_hw.h"
 #include "adam/adam_impl.h"
 
 }  // namespace isa_avx512
@@ -93,7 +95,8 @@ namespace offloadpp {
 namespace adam {
 // Compiled for the baseline ISA: callable on any CPU, only the kernels it points at need AVX-512.
 const IsaTable& avx512_table() {
-  static const IsaTable table{"avx512", &isa_avx512::lookup_adam, &isa_avx512::lookup_finite,
+  static const IsaTable table{"avx512", &isa_avx512::lookup_adam, &isa_avx512::lookup_adam_crc,
+                              &isa_avx512::lookup_finite,
                               &isa_avx512::lookup_sqnorm, &isa_avx512::lookup_convert,
                               &isa_avx512::floor_range};
   return table;
