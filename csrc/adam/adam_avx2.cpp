@@ -70,6 +70,10 @@ struct V {
   static void stream(bf16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
   static void stream(f16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(x)); }
   static void fence() { _mm_sfence(); }
+  static constexpr bool kFold = false;  // (see adam_avx512.cpp)
+  using FoldAcc = S::FoldAcc;
+  static void fold_block(FoldAcc&, uint32_t&, const void*, const uint64_t*) {}
+  static void fold_flush(FoldAcc&, uint32_t&) {}
 
   static D dzero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
   static D dacc_sq(D acc, F x) {

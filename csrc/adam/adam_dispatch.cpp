@@ -142,6 +142,15 @@ int default_threads() {
 
 const char* active_isa_name() { return active_table().name; }
 
+const uint64_t* crc_fold_constants() {
+  // x^(8*64+32) and x^(8*64-32) mod P, bit-reflected and shifted left by one: the registers of
+  // the CRC's reflected domain (io::crc32c_shift gives x^(8n)) as the carry-less multiply wants
+  // them (adam_avx512.cpp, the folding Note).
+  static const uint64_t k[2] = {static_cast<uint64_t>(io::crc32c_shift(68)) << 1,
+                                static_cast<uint64_t>(io::crc32c_shift(60)) << 1};
+  return k;
+}
+
 namespace {
 // What adam_step_crc asks of run_adam: the streams, and where each segment's CRCs go.
 struct CrcRequest {
@@ -248,6 +257,8 @@ bool run_adam(const std::vector<Segment>& segments, const Types& types, const Hy
     // The SIMD files' _crc kernels use the crc32 instruction; a CPU without SSE4.2 (none with
     // AVX2 is known, but nothing is assumed) runs the scalar file's, which checksums by table.
     const IsaTable& ct = io::crc32c_hardware() ? isa : scalar_table();
+    CrcRequest req = *crc;
+    if (&ct == &avx512_table() && crc_fold_available()) req.mask |= 1u << kCrcFold;
     const AdamCrcRangeFn ckernel = ct.adam_crc(types);
     if (ckernel == nullptr) bad("unsupported dtype combination for the CRC kernel");
     const SqNormRangeFn sq = grad_sq != nullptr ? isa.sqnorm(types.grad) : nullptr;
@@ -260,7 +271,7 @@ bool run_adam(const std::vector<Segment>& segments, const Types& types, const Hy
       layout.for_chunk(chunk, [&](size_t s, size_t b, size_t e) {
         if (sq != nullptr) sum += sq(segments[s].grad, b, e);
         CrcPiece pc{s, e - b, {}};
-        ckernel(segments[s], b, e, c, crc->mask, pc.crc);
+        ckernel(segments[s], b, e, c, req.mask, pc.crc);
         per_chunk[chunk].push_back(pc);
       });
       partial[chunk] = sum;

@@ -102,8 +102,27 @@ void adam_range_impl(const Segment& s, size_t begin, size_t end, const StepConst
   const bool p_apart = (mask & (1u << kCrcParamOut)) && sizeof(P) != sizeof(St);
   for (unsigned k = kCrcParamOut; k <= kCrcExpAvgSqOut; ++k)
     if ((mask & (1u << k)) && !(k == kCrcParamOut && p_apart)) out_regs[n_out++] = &r[k];
+  // Folding (adam_avx512.cpp, the folding Note): whole blocks of fp32 streams, where allowed.
+  const bool fold = V::kFold && (mask & (1u << kCrcFold)) && sizeof(St) == 4 && B * sizeof(St) == 256;
+  const bool fold_p = fold && sizeof(P) == 4;
+  const uint64_t* fk = fold ? crc_fold_constants() : nullptr;
+  typename V::FoldAcc fa[kCrcStreams] = {};
+  auto flush = [&]() {
+    if constexpr (kCrc) {
+      for (unsigned s = 0; s < kCrcStreams; ++s) V::fold_flush(fa[s], r[s]);
+    }
+  };
+  auto fold_one = [&](unsigned s, const void* p_) {
+    if (mask & (1u << s)) V::fold_block(fa[s], r[s], p_, fk);
+  };
   auto in = [&](size_t i, size_t k) {
     if constexpr (kCrc) {
+      if (fold && k == B) {
+        fold_one(kCrcExpAvgIn, m + i);
+        fold_one(kCrcExpAvgSqIn, v + i);
+        return;
+      }
+      flush();
       const void* src[2] = {};
       int j = 0;
       if (mask & (1u << kCrcExpAvgIn)) src[j++] = m + i;
@@ -114,6 +133,14 @@ void adam_range_impl(const Segment& s, size_t begin, size_t end, const StepConst
   };
   auto out = [&](size_t i, size_t k) {
     if constexpr (kCrc) {
+      if (fold && k == B) {
+        if (fold_p) fold_one(kCrcParamOut, p + i);
+        else if (mask & (1u << kCrcParamOut)) r[kCrcParamOut] = crc_raw(r[kCrcParamOut], p + i, k * sizeof(P));
+        fold_one(kCrcExpAvgOut, m + i);
+        fold_one(kCrcExpAvgSqOut, v + i);
+        return;
+      }
+      flush();
       const void* src[3] = {};
       int j = 0;
       if ((mask & (1u << kCrcParamOut)) && !p_apart) src[j++] = p + i;
@@ -168,6 +195,7 @@ void adam_range_impl(const Segment& s, size_t begin, size_t end, const StepConst
     }
   }
   if constexpr (kCrc) {
+    flush();
     for (unsigned k = 0; k < kCrcStreams; ++k) crc[k] = ~r[k];
   }
 }

@@ -76,7 +76,12 @@ enum CrcStream : unsigned {
   kCrcExpAvgOut = 3,
   kCrcExpAvgSqOut = 4,
   kCrcStreams = 5,
+  // Not a stream: set by the dispatcher where the CPU has VPCLMULQDQ and the kernel can fold
+  // (adam_avx512.cpp, the folding Note): whole blocks of fp32 streams are folded, not crc32'd.
+  kCrcFold = 5,
 };
+// The fold-by-64-bytes constants of the folding kernels, computed once (adam_dispatch.cpp).
+const uint64_t* crc_fold_constants();
 // crc[kCrcStreams]: the CRC of each stream whose bit (1 << CrcStream) is set in mask.
 using AdamCrcRangeFn = void (*)(const Segment& seg, size_t begin, size_t end, const StepConsts& c, unsigned mask,
                                 uint32_t* crc);
