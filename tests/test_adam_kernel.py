@@ -549,7 +549,9 @@ def _crc(t: torch.Tensor) -> int:
 @pytest.mark.parametrize("pieces", [False, True], ids=["flat", "pieces"])
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "crc32"])
 @pytest.mark.parametrize("half", [None, torch.bfloat16], ids=["fp32", "half_out"])
-def test_crc_in_the_adam_pass_is_the_buffers_crc_and_changes_nothing(simd, n, pieces, fold, half, monkeypatch):
+def test_crc_in_the_adam_pass_is_the_buffers_crc_and_changes_nothing(
+    simd, n, pieces, fold, half, monkeypatch
+):
     """The fused Adam's CRC-32Cs (csrc/adam/adam_kernel.h, the CRC Note) equal crc32c of the
     moments as read and of the master and moments as written, over the whole buffers (elements
     no call covered included), and the update is bit for bit the one without them; with the
