@@ -209,6 +209,8 @@ class Slot:
         """Makes sure a buffer is (being) filled with the current data; `overwrite`: the caller
         replaces every element, so nothing is read."""
         self.holds |= hold
+        if overwrite:
+            self.check = None  # nothing of a read is used: nothing of it to check
         if self.state is not SlotState.EMPTY:
             return
         with record_function("offloadpp::pool_get"):
