@@ -34,6 +34,12 @@ SimdLevel detect() {
   if (ymm_ok && avx2 && fma && f16c) return SimdLevel::kAVX2;
   return SimdLevel::kScalar;
 }
+
+bool detect_vpclmulqdq() {
+  unsigned int eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  return ecx & (1u << 10);
+}
 }  // namespace
 
 SimdLevel detected_simd_level() {
@@ -52,6 +58,12 @@ SimdLevel active_simd_level() {
   else if (std::strcmp(forced, "avx512") == 0) want = SimdLevel::kAVX512;
   // Never raise above what the CPU supports.
   return static_cast<int>(want) < static_cast<int>(level) ? want : level;
+}
+
+bool crc_fold_available() {
+  static const bool has = detect_vpclmulqdq();
+  const char* env = std::getenv("OFFLOADPP_CRC_FOLD");
+  return has && active_simd_level() == SimdLevel::kAVX512 && !(env != nullptr && std::strcmp(env, "0") == 0);
 }
 
 const char* simd_level_name(SimdLevel level) {

@@ -538,3 +538,58 @@ def test_works_in_a_forked_child():
         child.kill()
     assert child.exitcode == 0
     assert q.get(timeout=5) == float(p.numpy().astype("float64").sum())
+
+
+def _crc(t: torch.Tensor) -> int:
+    return _C.crc32c(t.data_ptr(), t.numel() * t.element_size())
+
+
+# (2.1M: a bf16 copy of 4 MiB or more is written with non-temporal stores, after an aligning head)
+@pytest.mark.parametrize("n", [1, 17, 1000, 100_003, 2_100_001])
+@pytest.mark.parametrize("pieces", [False, True], ids=["flat", "pieces"])
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "crc32"])
+@pytest.mark.parametrize("half", [None, torch.bfloat16], ids=["fp32", "half_out"])
+def test_crc_in_the_adam_pass_is_the_buffers_crc_and_changes_nothing(
+    simd, n, pieces, fold, half, monkeypatch
+):
+    """The fused Adam's CRC-32Cs (csrc/adam/adam_kernel.h, the CRC Note) equal crc32c of the
+    moments as read and of the master and moments as written, over the whole buffers (elements
+    no call covered included), and the update is bit for bit the one without them; with the
+    AVX-512 kernels' folding (VPCLMULQDQ, where the CPU has it) and without."""
+    from offloadpp.optim.kernels import CRC_STREAMS, StateCrcs
+
+    monkeypatch.setenv("OFFLOADPP_CRC_FOLD", "1" if fold else "0")
+
+    gen = torch.Generator().manual_seed(n)
+    p, m = torch.randn(n + 64, generator=gen), torch.randn(n + 64, generator=gen)
+    v, g = torch.rand(n + 64, generator=gen), torch.randn(n + 64, generator=gen)
+    how = AdamStep(3, AdamHyper(lr=1e-2, weight_decay=0.1), clip_coef=0.5)
+    ref = [t.clone() for t in (p, m, v)]
+    m_in, v_in = _crc(m), _crc(v)
+    # two ranges with a gap between them and untouched elements at both ends
+    ranges = [(3, 3 + n // 2), (5 + n // 2, n + 40)] if n > 1 else [(3, 4)]
+    out = torch.zeros(n + 64, dtype=half) if half is not None else None
+    ref_out = torch.zeros(n + 64, dtype=half) if half is not None else None
+    crcs = StateCrcs(p, m, v, CRC_STREAMS)
+    if pieces:
+        adam_step_pieces(p, m, v, [(a, b, g[a:b]) for a, b in ranges], how, half_out=out, crcs=crcs)
+    else:
+        for a, b in ranges:
+            o = out[a:b] if out is not None else None
+            adam_step_flat(p[a:b], g[a:b], m[a:b], v[a:b], how, half_out=o, crcs=crcs)
+    for a, b in ranges:
+        o = ref_out[a:b] if ref_out is not None else None
+        adam_step_flat(ref[0][a:b], g[a:b], ref[1][a:b], ref[2][a:b], how, half_out=o)
+    for got, want in zip((p, m, v, out), ref + [ref_out]):
+        assert got is None or torch.equal(bits(got), bits(want))
+    assert [crcs.whole(s) for s in CRC_STREAMS] == [m_in, v_in, _crc(p), _crc(m), _crc(v)]
+    only_out = StateCrcs(p, m, v, ["master_out"])
+    adam_step_flat(p, g, m, v, how, crcs=only_out)
+    assert only_out.whole("master_out") == _crc(p)
+    with pytest.raises(ValueError, match="not asked for"):
+        only_out.whole("exp_avg_in")
+
+
+def test_crc32c_combine_joins_pieces():
+    a, b = torch.randn(1001), torch.randn(77)
+    assert _C.crc32c_combine(_crc(a), _crc(b), b.numel() * 4) == _crc(torch.cat([a, b]))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from offloadpp.io import SwapIOError
-from offloadpp.runtime.checkpoint import MANIFEST
+from offloadpp.runtime.checkpoint import ARRAYS, MANIFEST
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -209,6 +209,45 @@ def test_damaged_swap_file(tmp_path, how):
     finally:
         eng.close()
     _checkpoint_loads(tmp_path)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0], ids=["updates-in-backward", "deferred-updates"])
+def test_a_moment_corrupted_on_disk_is_caught_by_the_adam_pass_before_any_write(tmp_path, clip):
+    """The moments' CRC-32C is taken in the Adam pass (runtime/jobs.py, the Note): a flipped
+    byte fails the step with the store's error, and nothing computed from the bad bytes is
+    written: every master and moment file of a unit whose moments were corrupted is byte for
+    byte what it was before the step (a unit whose moments the plan keeps in memory may update)."""
+    nvme = tmp_path / "nvme"
+    eng = engine(nvme, clip=clip)
+    try:
+        for i in range(2):
+            step(eng, i)
+        eng._quiesce()  # the last step's pending updates applied and its queued writes started
+        eng.store.wait_all()
+        hit = sorted(nvme.glob("*exp_avg_sq*.oswp"))  # both generations of every unit on SSD
+        assert hit
+        for path in hit:
+            with open(path, "r+b") as f:
+                f.seek(4096 + 1000)
+                b = f.read(1)
+                f.seek(4096 + 1000)
+                f.write(bytes([b[0] ^ 0x10]))
+        units = {p.name.split(".exp_avg_sq")[0] + "." for p in hit}
+        state = [p for p in nvme.glob("*.oswp") if any(k in p.name for k in ARRAYS)]
+        state = sorted(p for p in state if any(p.name.startswith(u) for u in units))
+        before = {p: p.read_bytes() for p in state}
+        with pytest.raises(SwapIOError) as e:
+            step(eng, 2)
+            step(eng, 3)  # (deferred updates are applied at the next forward's visit)
+        assert e.value.errno == errno.EBADMSG
+        assert "exp_avg_sq" in str(e.value) and "found by the Adam pass" in str(e.value)
+        eng.store.wait_all()
+        assert {p: p.read_bytes() for p in state} == before
+    finally:
+        try:
+            eng.close()
+        except SwapIOError:
+            pass  # close() completes what is pending: the same corrupted read
 
 
 def test_a_swap_folder_removed_under_the_run_is_named_at_every_later_step(tmp_path):

@@ -391,3 +391,59 @@ def test_a_read_only_store_reads_and_never_writes(tmp_path):
         with pytest.raises(SwapIOError):
             ro.delete("k")
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def _flip(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(1)
+        f.seek(at)
+        f.write(bytes([old[0] ^ 1]))
+
+
+def test_a_put_sealed_with_the_callers_crc(tmp_path):
+    """put(crc=): the header carries the caller's CRC-32C (the Adam pass's) and the store makes
+    no pass of its own; a get checks the payload against it as against its own."""
+    from offloadpp import _C
+
+    with TensorStore(str(tmp_path / "a"), IOConfig(checksum=True)) as s:
+        t = _rand((3001,), torch.float32)
+        s.put("k", t, crc=_C.crc32c(t.data_ptr(), t.numel() * 4)).wait()
+        assert torch.equal(s.get("k").result(), t)
+        s.put("k", t, crc=12345).wait()  # a wrong CRC is what the header says: the get refuses
+        with pytest.raises(SwapIOError, match="checksum mismatch"):
+            s.get("k").wait()
+
+
+@pytest.mark.parametrize("numel", [3 << 20, 3001])
+def test_a_deferred_check_never_lets_bad_bytes_pass(tmp_path, numel):
+    """get(defer_check=True): the store does not checksum the payload; its DeferredCheck carries
+    the header's CRC to the first user: the Adam pass claims and settles it with its own CRC, any
+    other user verifies it by a pass first. A corrupted payload fails either way, and for good."""
+    from offloadpp import _C
+
+    with TensorStore(str(tmp_path / "a"), IOConfig(checksum=True)) as s:
+        t = _rand((numel,), torch.float32)
+        s.put("k", t).wait()
+        good = s.get("k", defer_check=True)
+        out = good.result()
+        crc = _C.crc32c(out.data_ptr(), out.numel() * 4)
+        assert good.check.claim() and good.check.expected() == crc
+        good.check.settle(crc)
+        good.check.verify(out.data_ptr())  # settled: nothing left to do
+        assert not good.check.claim()
+        _flip(_only_file(tmp_path), 4096 + 100)
+        for claimant in (True, False):
+            bad = s.get("k", defer_check=True)
+            out = bad.result()  # the read itself completes: the check is the user's
+            if claimant:
+                assert bad.check.claim()
+                with pytest.raises(SwapIOError, match="checksum mismatch, found by the Adam pass"):
+                    bad.check.settle(_C.crc32c(out.data_ptr(), out.numel() * 4))
+            with pytest.raises(SwapIOError) as ei:
+                bad.check.verify(out.data_ptr())
+            assert ei.value.errno == errno.EBADMSG and "checksum mismatch" in str(ei.value)
+            with pytest.raises(SwapIOError):
+                bad.check.claim()
+        with pytest.raises(SwapIOError, match="checksum mismatch"):
+            s.get("k").wait()  # without deferring: the store's own check, as before

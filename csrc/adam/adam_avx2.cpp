@@ -5,12 +5,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "adam/adam_kernel.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+#pragma GCC target("avx2,fma,f16c,sse4.2")
 
 namespace offloadpp {
 namespace adam {
@@ -69,6 +70,10 @@ struct V {
   static void stream(bf16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
   static void stream(f16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(x)); }
   static void fence() { _mm_sfence(); }
+  static constexpr bool kFold = false;  // (see adam_avx512.cpp)
+  using FoldAcc = S::FoldAcc;
+  static void fold_block(FoldAcc&, uint32_t&, const void*, const uint64_t*) {}
+  static void fold_flush(FoldAcc&, uint32_t&) {}
 
   static D dzero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
   static D dacc_sq(D acc, F x) {
@@ -85,6 +90,7 @@ struct V {
   }
 };
 
+#include "adam/adam_crc_hw.h"
 #include "adam/adam_impl.h"
 
 }  // namespace isa_avx2
@@ -97,7 +103,8 @@ namespace offloadpp {
 namespace adam {
 // Compiled for the baseline ISA: callable on any CPU, only the kernels it points at need AVX2.
 const IsaTable& avx2_table() {
-  static const IsaTable table{"avx2", &isa_avx2::lookup_adam, &isa_avx2::lookup_finite,
+  static const IsaTable table{"avx2", &isa_avx2::lookup_adam, &isa_avx2::lookup_adam_crc,
+                              &isa_avx2::lookup_finite,
                               &isa_avx2::lookup_sqnorm, &isa_avx2::lookup_convert, &isa_avx2::floor_range};
   return table;
 }

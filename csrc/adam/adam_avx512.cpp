@@ -5,12 +5,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "adam/adam_kernel.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+// vpclmulqdq: only the CRC folding below uses it, and the dispatcher runs that only on a CPU that
+// has it (the kCrcFold bit of the mask, adam_dispatch.cpp); no other code here emits it.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,sse4.2,vpclmulqdq")
 // GCC 12 flags the _mm512_undefined_* placeholders inside its own intrinsics headers.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -78,8 +81,44 @@ struct V {
   }
   static D dadd(D a, D b) { return {_mm512_add_pd(a.lo, b.lo), _mm512_add_pd(a.hi, b.hi)}; }
   static double dsum(D a) { return _mm512_reduce_add_pd(_mm512_add_pd(a.lo, a.hi)); }
+
+  // Note: CRC-32C by folding (the _crc kernels, with kCrcFold). A 256-byte block of one fp32
+  // stream is folded into a 64-byte accumulator with carry-less multiplies (two VPCLMULQDQ and a
+  // ternary xor per 64 bytes, on the vector ports, about 2.5x the crc32 instruction's bytes per
+  // cycle here), the register's running CRC xored into the first 4 bytes where folding starts.
+  // The accumulator then stands for every byte folded so far as a 64-byte message of CRC
+  // register 0; fold_flush checksums it with crc32 before bytes that are not a whole block.
+  // k: the fold-by-64-bytes constants (x^(8*64+32), x^(8*64-32) mod P, bit-reflected, << 1).
+  static constexpr bool kFold = true;
+  struct FoldAcc {
+    __m512i a;
+    bool on = false;
+  };
+  static void fold_block(FoldAcc& f, uint32_t& reg, const void* data, const uint64_t* k) {
+    const char* b = static_cast<const char*>(data);
+    const __m512i K = _mm512_broadcast_i32x4(_mm_set_epi64x(static_cast<long long>(k[1]), static_cast<long long>(k[0])));
+    int u = 0;
+    if (!f.on) {
+      f.a = _mm512_xor_si512(_mm512_loadu_si512(b), _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(reg))));
+      f.on = true;
+      u = 1;
+    }
+    for (; u < kUnroll; ++u)
+      f.a = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(f.a, K, 0x00), _mm512_clmulepi64_epi128(f.a, K, 0x11),
+                                      _mm512_loadu_si512(b + 64 * u), 0x96);
+  }
+  static void fold_flush(FoldAcc& f, uint32_t& reg) {
+    if (!f.on) return;
+    alignas(64) uint64_t w[8];
+    _mm512_store_si512(w, f.a);
+    uint64_t c = 0;
+    for (int i = 0; i < 8; ++i) c = _mm_crc32_u64(c, w[i]);
+    reg = static_cast<uint32_t>(c);
+    f.on = false;
+  }
 };
 
+#include "adam/adam_crc_hw.h"
 #include "adam/adam_impl.h"
 
 }  // namespace isa_avx512
@@ -93,7 +132,8 @@ namespace offloadpp {
 namespace adam {
 // Compiled for the baseline ISA: callable on any CPU, only the kernels it points at need AVX-512.
 const IsaTable& avx512_table() {
-  static const IsaTable table{"avx512", &isa_avx512::lookup_adam, &isa_avx512::lookup_finite,
+  static const IsaTable table{"avx512", &isa_avx512::lookup_adam, &isa_avx512::lookup_adam_crc,
+                              &isa_avx512::lookup_finite,
                               &isa_avx512::lookup_sqnorm, &isa_avx512::lookup_convert,
                               &isa_avx512::floor_range};
   return table;

@@ -93,6 +93,34 @@ void register_adam(py::module_& m) {
       "adam_step (no finite check) returning the sum of squares of the raw grads, exactly as "
       "adam_squared_norm over the segments' grads gives it.");
   m.def(
+      "adam_step_crc",
+      [](const std::vector<uint64_t>& segments, int param_dtype, int grad_dtype, int state_dtype, int out_dtype,
+         double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
+         bool bias_correction, int64_t step, double grad_mult, int num_threads, int stream_out,
+         unsigned crc_mask, bool with_norm) {
+        const std::vector<Segment> segs = to_segments(segments);
+        const adam::Types types{to_dtype(param_dtype, false, "param_dtype"), to_dtype(grad_dtype, false, "grad_dtype"),
+                                to_dtype(state_dtype, false, "state_dtype"), to_dtype(out_dtype, true, "out_dtype")};
+        const adam::Hyper hyper{lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction};
+        std::vector<uint32_t> crcs;
+        double sq = 0.0;
+        {
+          py::gil_scoped_release release;
+          sq = adam::adam_step_crc(segs, types, hyper, step, grad_mult, adam::RunOptions{num_threads, stream_out},
+                                   crc_mask, with_norm, &crcs);
+        }
+        return py::make_tuple(sq, crcs);
+      },
+      py::arg("segments"), py::arg("param_dtype"), py::arg("grad_dtype"), py::arg("state_dtype"),
+      py::arg("out_dtype"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("bias_correction"), py::arg("step"),
+      py::arg("grad_mult"), py::arg("num_threads"), py::arg("stream_out"), py::arg("crc_mask"),
+      py::arg("with_norm"),
+      "adam_step (no finite check) taking in the same pass the CRC-32C of the streams crc_mask names "
+      "(bit k: 0 exp_avg read, 1 exp_avg_sq read, 2 params written, 3 exp_avg written, 4 exp_avg_sq "
+      "written) over each segment; with_norm also the raw grads' sum of squares. Returns (sum of "
+      "squares or 0, [5 CRCs per segment]).");
+  m.def(
       "adam_all_finite",
       [](const std::vector<uint64_t>& buffers, double mult, int num_threads) {
         const std::vector<Buffer> bufs = to_buffers(buffers);

@@ -13,6 +13,7 @@
 
 #include "adam/thread_pool.h"
 #include "cpu_features.h"
+#include "io/aligned_buffer.h"
 
 namespace offloadpp {
 namespace adam {
@@ -141,10 +142,65 @@ int default_threads() {
 
 const char* active_isa_name() { return active_table().name; }
 
+const uint64_t* crc_fold_constants() {
+  // x^(8*64+32) and x^(8*64-32) mod P, bit-reflected and shifted left by one: the registers of
+  // the CRC's reflected domain (io::crc32c_shift gives x^(8n)) as the carry-less multiply wants
+  // them (adam_avx512.cpp, the folding Note).
+  static const uint64_t k[2] = {static_cast<uint64_t>(io::crc32c_shift(68)) << 1,
+                                static_cast<uint64_t>(io::crc32c_shift(60)) << 1};
+  return k;
+}
+
 namespace {
-// adam_step and adam_step_norm: grad_sq non-null takes the grads' squared norm chunk by chunk.
+// What adam_step_crc asks of run_adam: the streams, and where each segment's CRCs go.
+struct CrcRequest {
+  unsigned mask = 0;
+  std::vector<uint32_t>* out = nullptr;  // kCrcStreams per segment
+};
+
+// One piece of a chunk (a segment's elements inside it) and its CRCs, joined in order after
+// the chunks ran (they may run on any thread, in any order).
+struct CrcPiece {
+  size_t seg, n;
+  uint32_t crc[kCrcStreams];
+};
+
+void join_crcs(const std::vector<std::vector<CrcPiece>>& per_chunk, const Types& types, size_t nseg,
+               const CrcRequest& req) {
+  const size_t bytes[kCrcStreams] = {elem_size(types.state), elem_size(types.state), elem_size(types.param),
+                                     elem_size(types.state), elem_size(types.state)};
+  std::vector<uint32_t>& out = *req.out;
+  out.assign(nseg * kCrcStreams, 0u);
+  std::vector<bool> started(nseg, false);
+  // Most pieces are one chunk long: the shift for a length is computed once per length.
+  uint64_t last_len[kCrcStreams] = {};
+  uint32_t last_shift[kCrcStreams] = {};
+  for (const auto& pieces : per_chunk) {
+    for (const CrcPiece& pc : pieces) {
+      for (unsigned k = 0; k < kCrcStreams; ++k) {
+        if (!(req.mask & (1u << k))) continue;
+        uint32_t& dst = out[pc.seg * kCrcStreams + k];
+        if (!started[pc.seg]) {
+          dst = pc.crc[k];
+          continue;
+        }
+        const uint64_t len = pc.n * bytes[k];
+        if (len != last_len[k]) {
+          last_len[k] = len;
+          last_shift[k] = io::crc32c_shift(len);
+        }
+        dst = io::crc32c_combine(dst, pc.crc[k], last_shift[k]);
+      }
+      started[pc.seg] = true;
+    }
+  }
+}
+
+// adam_step, adam_step_norm and adam_step_crc: grad_sq non-null takes the grads' squared norm
+// chunk by chunk; crc non-null takes the CRCs it asks for in the same pass.
 bool run_adam(const std::vector<Segment>& segments, const Types& types, const Hyper& h, int64_t step,
-              double grad_mult, bool check_finite, const RunOptions& run, double* grad_sq) {
+              double grad_mult, bool check_finite, const RunOptions& run, double* grad_sq,
+              const CrcRequest* crc = nullptr) {
   check_hyper(h, step, grad_mult);
   const IsaTable& isa = active_table();
   const AdamRangeFn kernel = isa.adam(types);
@@ -197,6 +253,37 @@ bool run_adam(const std::vector<Segment>& segments, const Types& types, const Hy
   // the end, so a shard whose grads fit in the last-level cache reads them from DRAM only once.
   const Layout layout(sizes);
   const size_t chunks = layout.chunks();
+  if (crc != nullptr) {
+    // The SIMD files' _crc kernels use the crc32 instruction; a CPU without SSE4.2 (none with
+    // AVX2 is known, but nothing is assumed) runs the scalar file's, which checksums by table.
+    const IsaTable& ct = io::crc32c_hardware() ? isa : scalar_table();
+    CrcRequest req = *crc;
+    if (&ct == &avx512_table() && crc_fold_available()) req.mask |= 1u << kCrcFold;
+    const AdamCrcRangeFn ckernel = ct.adam_crc(types);
+    if (ckernel == nullptr) bad("unsupported dtype combination for the CRC kernel");
+    const SqNormRangeFn sq = grad_sq != nullptr ? isa.sqnorm(types.grad) : nullptr;
+    if (grad_sq != nullptr && sq == nullptr)
+      bad("unsupported dtype for squared_norm: " + std::string(dtype_name(types.grad)));
+    std::vector<std::vector<CrcPiece>> per_chunk(chunks);
+    std::vector<double> partial(chunks, 0.0);
+    run_chunks(chunks, threads_of(run.num_threads), [&](size_t chunk) {
+      double sum = 0.0;
+      layout.for_chunk(chunk, [&](size_t s, size_t b, size_t e) {
+        if (sq != nullptr) sum += sq(segments[s].grad, b, e);
+        CrcPiece pc{s, e - b, {}};
+        ckernel(segments[s], b, e, c, req.mask, pc.crc);
+        per_chunk[chunk].push_back(pc);
+      });
+      partial[chunk] = sum;
+    });
+    join_crcs(per_chunk, types, segments.size(), *crc);
+    if (grad_sq != nullptr) {
+      double total = 0.0;
+      for (double x : partial) total += x;
+      *grad_sq = total;
+    }
+    return true;
+  }
   if (grad_sq != nullptr) {
     const SqNormRangeFn sq = isa.sqnorm(types.grad);
     if (sq == nullptr) bad("unsupported dtype for squared_norm: " + std::string(dtype_name(types.grad)));
@@ -232,6 +319,16 @@ double adam_step_norm(const std::vector<Segment>& segments, const Types& types, 
                       double grad_mult, const RunOptions& run) {
   double sq = 0.0;
   run_adam(segments, types, h, step, grad_mult, false, run, &sq);
+  return sq;
+}
+
+double adam_step_crc(const std::vector<Segment>& segments, const Types& types, const Hyper& h, int64_t step,
+                     double grad_mult, const RunOptions& run, unsigned crc_mask, bool with_norm,
+                     std::vector<uint32_t>* crc_out) {
+  if (crc_mask >= (1u << kCrcStreams)) bad("crc_mask names a stream that does not exist: " + std::to_string(crc_mask));
+  const CrcRequest req{crc_mask, crc_out};
+  double sq = 0.0;
+  run_adam(segments, types, h, step, grad_mult, false, run, with_norm ? &sq : nullptr, &req);
   return sq;
 }
 

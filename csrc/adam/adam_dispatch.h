@@ -41,6 +41,14 @@ bool adam_step(const std::vector<Segment>& segments, const Types& types, const H
 double adam_step_norm(const std::vector<Segment>& segments, const Types& types, const Hyper& hyper, int64_t step,
                       double grad_mult, const RunOptions& run);
 
+// adam_step (no finite check) taking, in the same pass, the CRC-32C of the streams crc_mask
+// names (1 << CrcStream, adam_kernel.h) over each segment: crc_out gets kCrcStreams values per
+// segment, in segment order (0 where the mask's bit is off). With grad_sq non-null it also takes
+// the grads' squared norm as adam_step_norm does. Returns the sum of squares (0 without).
+double adam_step_crc(const std::vector<Segment>& segments, const Types& types, const Hyper& hyper, int64_t step,
+                     double grad_mult, const RunOptions& run, unsigned crc_mask, bool with_norm,
+                     std::vector<uint32_t>* crc_out);
+
 // True if every element of every buffer times mult is finite.
 struct Buffer {
   const void* data = nullptr;

@@ -76,8 +76,10 @@ __attribute__((always_inline)) inline void adam_block(P* p, const G* g, St* m, S
   }
 }
 
-template <class P, class G, class St, class Out>
-void adam_range(const Segment& s, size_t begin, size_t end, const StepConsts& c) {
+// kCrc: the _crc kernel (see the CRC Note in adam_kernel.h); crc_raw is the includer's raw
+// CRC-32C register update (the crc32 instruction, or a table in the scalar file).
+template <class P, class G, class St, class Out, bool kCrc>
+void adam_range_impl(const Segment& s, size_t begin, size_t end, const StepConsts& c, unsigned mask, uint32_t* crc) {
   P* p = static_cast<P*>(s.param);
   const G* g = static_cast<const G*>(s.grad);
   St* m = static_cast<St*>(s.exp_avg);
@@ -88,22 +90,124 @@ void adam_range(const Segment& s, size_t begin, size_t end, const StepConsts& c)
   const bool l2 = c.use_l2;
   constexpr int U = V::kUnroll;
   constexpr size_t B = U * V::W;  // elements per block
+  uint32_t r[kCrcStreams] = {~0u, ~0u, ~0u, ~0u, ~0u};
+  // The streams the mask names, walked side by side where they have the same length (the
+  // Note in adam_crc_hw.h); a lone stream, or params of another width, on its own.
+  uint32_t* in_regs[2];
+  int n_in = 0;
+  for (unsigned k = kCrcExpAvgIn; k <= kCrcExpAvgSqIn; ++k)
+    if (mask & (1u << k)) in_regs[n_in++] = &r[k];
+  uint32_t* out_regs[3];
+  int n_out = 0;
+  const bool p_apart = (mask & (1u << kCrcParamOut)) && sizeof(P) != sizeof(St);
+  for (unsigned k = kCrcParamOut; k <= kCrcExpAvgSqOut; ++k)
+    if ((mask & (1u << k)) && !(k == kCrcParamOut && p_apart)) out_regs[n_out++] = &r[k];
+  // Folding (adam_avx512.cpp, the folding Note): whole blocks of fp32 streams, where allowed.
+  const bool fold = V::kFold && (mask & (1u << kCrcFold)) && sizeof(St) == 4 && B * sizeof(St) == 256;
+  const bool fold_p = fold && sizeof(P) == 4;
+  const uint64_t* fk = fold ? crc_fold_constants() : nullptr;
+  typename V::FoldAcc fa[kCrcStreams] = {};
+  auto flush = [&]() {
+    if constexpr (kCrc) {
+      for (unsigned s = 0; s < kCrcStreams; ++s) V::fold_flush(fa[s], r[s]);
+    }
+  };
+  auto fold_one = [&](unsigned s, const void* p_) {
+    if (mask & (1u << s)) V::fold_block(fa[s], r[s], p_, fk);
+  };
+  auto in = [&](size_t i, size_t k) {
+    if constexpr (kCrc) {
+      if (fold && k == B) {
+        fold_one(kCrcExpAvgIn, m + i);
+        fold_one(kCrcExpAvgSqIn, v + i);
+        return;
+      }
+      flush();
+      const void* src[2] = {};
+      int j = 0;
+      if (mask & (1u << kCrcExpAvgIn)) src[j++] = m + i;
+      if (mask & (1u << kCrcExpAvgSqIn)) src[j++] = v + i;
+      if (n_in == 2) crc_raw_n<2>(in_regs, src, k * sizeof(St));
+      if (n_in == 1) crc_raw_n<1>(in_regs, src, k * sizeof(St));
+    }
+  };
+  auto out = [&](size_t i, size_t k) {
+    if constexpr (kCrc) {
+      if (fold && k == B) {
+        if (fold_p) fold_one(kCrcParamOut, p + i);
+        else if (mask & (1u << kCrcParamOut)) r[kCrcParamOut] = crc_raw(r[kCrcParamOut], p + i, k * sizeof(P));
+        fold_one(kCrcExpAvgOut, m + i);
+        fold_one(kCrcExpAvgSqOut, v + i);
+        return;
+      }
+      flush();
+      const void* src[3] = {};
+      int j = 0;
+      if ((mask & (1u << kCrcParamOut)) && !p_apart) src[j++] = p + i;
+      if (mask & (1u << kCrcExpAvgOut)) src[j++] = m + i;
+      if (mask & (1u << kCrcExpAvgSqOut)) src[j++] = v + i;
+      if (n_out == 3) crc_raw_n<3>(out_regs, src, k * sizeof(St));
+      if (n_out == 2) crc_raw_n<2>(out_regs, src, k * sizeof(St));
+      if (n_out == 1) crc_raw_n<1>(out_regs, src, k * sizeof(St));
+      if (p_apart) r[kCrcParamOut] = crc_raw(r[kCrcParamOut], p + i, k * sizeof(P));
+    }
+  };
   size_t i = begin;
+  bool done = false;
   if constexpr (!std::is_same<Out, NoOut>::value) {
     if (c.stream_out && V::W > 1) {
       // Non-temporal stores want whole, aligned cache lines of the copy: align `o + i` to 64 B
       // element by element; a block then writes whole lines (B * 2 bytes, a multiple of 64).
-      for (; i < end && (reinterpret_cast<uintptr_t>(o + i) & 63u) != 0; ++i)
+      for (; i < end && (reinterpret_cast<uintptr_t>(o + i) & 63u) != 0; ++i) {
+        in(i, 1);
         adam_block<S, 1, false>(p + i, g + i, m + i, v + i, o + i, ks, l2);
-      for (; i + B <= end; i += B) adam_block<V, U, true>(p + i, g + i, m + i, v + i, o + i, kv, l2);
-      for (; i < end; ++i) adam_block<S, 1, false>(p + i, g + i, m + i, v + i, o + i, ks, l2);
+        out(i, 1);
+      }
+      for (; i + B <= end; i += B) {
+        in(i, B);
+        adam_block<V, U, true>(p + i, g + i, m + i, v + i, o + i, kv, l2);
+        out(i, B);
+      }
+      for (; i < end; ++i) {
+        in(i, 1);
+        adam_block<S, 1, false>(p + i, g + i, m + i, v + i, o + i, ks, l2);
+        out(i, 1);
+      }
       V::fence();
-      return;
+      done = true;
     }
   }
-  for (; i + B <= end; i += B) adam_block<V, U, false>(p + i, g + i, m + i, v + i, o + i, kv, l2);
-  for (; i + V::W <= end; i += V::W) adam_block<V, 1, false>(p + i, g + i, m + i, v + i, o + i, kv, l2);
-  for (; i < end; ++i) adam_block<S, 1, false>(p + i, g + i, m + i, v + i, o + i, ks, l2);
+  if (!done) {
+    for (; i + B <= end; i += B) {
+      in(i, B);
+      adam_block<V, U, false>(p + i, g + i, m + i, v + i, o + i, kv, l2);
+      out(i, B);
+    }
+    for (; i + V::W <= end; i += V::W) {
+      in(i, V::W);
+      adam_block<V, 1, false>(p + i, g + i, m + i, v + i, o + i, kv, l2);
+      out(i, V::W);
+    }
+    for (; i < end; ++i) {
+      in(i, 1);
+      adam_block<S, 1, false>(p + i, g + i, m + i, v + i, o + i, ks, l2);
+      out(i, 1);
+    }
+  }
+  if constexpr (kCrc) {
+    flush();
+    for (unsigned k = 0; k < kCrcStreams; ++k) crc[k] = ~r[k];
+  }
+}
+
+template <class P, class G, class St, class Out>
+void adam_range(const Segment& s, size_t begin, size_t end, const StepConsts& c) {
+  adam_range_impl<P, G, St, Out, false>(s, begin, end, c, 0u, nullptr);
+}
+
+template <class P, class G, class St, class Out>
+void adam_range_crc(const Segment& s, size_t begin, size_t end, const StepConsts& c, unsigned mask, uint32_t* crc) {
+  adam_range_impl<P, G, St, Out, true>(s, begin, end, c, mask, crc);
 }
 
 // ---- finiteness, squared norm, conversion, bandwidth floor ----
@@ -223,44 +327,60 @@ static void floor_range(const Segment& s, size_t begin, size_t end, bool stream_
 
 // ---- lookup tables ----
 
-template <class P, class G, class St>
-AdamRangeFn pick_out(DType out) {
+template <bool kCrc>
+using RangeFn = typename std::conditional<kCrc, AdamCrcRangeFn, AdamRangeFn>::type;
+
+template <bool kCrc, class P, class G, class St, class Out>
+RangeFn<kCrc> range_fn() {
+  if constexpr (kCrc) {
+    return &adam_range_crc<P, G, St, Out>;
+  } else {
+    return &adam_range<P, G, St, Out>;
+  }
+}
+
+template <bool kCrc, class P, class G, class St>
+RangeFn<kCrc> pick_out(DType out) {
   switch (out) {
-    case DType::kNone: return &adam_range<P, G, St, NoOut>;
-    case DType::kBF16: return &adam_range<P, G, St, bf16_t>;
-    case DType::kF16: return &adam_range<P, G, St, f16_t>;
+    case DType::kNone: return range_fn<kCrc, P, G, St, NoOut>();
+    case DType::kBF16: return range_fn<kCrc, P, G, St, bf16_t>();
+    case DType::kF16: return range_fn<kCrc, P, G, St, f16_t>();
     default: return nullptr;
   }
 }
 
-template <class P, class G>
-AdamRangeFn pick_state(DType state, DType out) {
-  if (state == DType::kF32) return pick_out<P, G, float>(out);
+template <bool kCrc, class P, class G>
+RangeFn<kCrc> pick_state(DType state, DType out) {
+  if (state == DType::kF32) return pick_out<kCrc, P, G, float>(out);
   // Moments in the params' own 16-bit type (DeepSpeed's fp32_optimizer_states=False); no copy.
   if (out != DType::kNone) return nullptr;
-  if (state == DType::kBF16 && std::is_same<P, bf16_t>::value) return &adam_range<P, G, P, NoOut>;
-  if (state == DType::kF16 && std::is_same<P, f16_t>::value) return &adam_range<P, G, P, NoOut>;
+  if (state == DType::kBF16 && std::is_same<P, bf16_t>::value) return range_fn<kCrc, P, G, P, NoOut>();
+  if (state == DType::kF16 && std::is_same<P, f16_t>::value) return range_fn<kCrc, P, G, P, NoOut>();
   return nullptr;
 }
 
-template <class P>
-AdamRangeFn pick_grad(const Types& t) {
+template <bool kCrc, class P>
+RangeFn<kCrc> pick_grad(const Types& t) {
   switch (t.grad) {
-    case DType::kF32: return pick_state<P, float>(t.state, t.out);
-    case DType::kBF16: return pick_state<P, bf16_t>(t.state, t.out);
-    case DType::kF16: return pick_state<P, f16_t>(t.state, t.out);
+    case DType::kF32: return pick_state<kCrc, P, float>(t.state, t.out);
+    case DType::kBF16: return pick_state<kCrc, P, bf16_t>(t.state, t.out);
+    case DType::kF16: return pick_state<kCrc, P, f16_t>(t.state, t.out);
     default: return nullptr;
   }
 }
 
-static AdamRangeFn lookup_adam(const Types& t) {
+template <bool kCrc>
+RangeFn<kCrc> lookup_range(const Types& t) {
   switch (t.param) {
-    case DType::kF32: return pick_grad<float>(t);
-    case DType::kBF16: return pick_grad<bf16_t>(t);
-    case DType::kF16: return pick_grad<f16_t>(t);
+    case DType::kF32: return pick_grad<kCrc, float>(t);
+    case DType::kBF16: return pick_grad<kCrc, bf16_t>(t);
+    case DType::kF16: return pick_grad<kCrc, f16_t>(t);
     default: return nullptr;
   }
 }
+
+static AdamRangeFn lookup_adam(const Types& t) { return lookup_range<false>(t); }
+static AdamCrcRangeFn lookup_adam_crc(const Types& t) { return lookup_range<true>(t); }
 
 static FiniteRangeFn lookup_finite(DType g) {
   switch (g) {

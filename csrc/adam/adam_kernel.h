@@ -59,6 +59,32 @@ struct StepConsts {
 
 // Kernels over the elements [begin, end) of one segment / buffer.
 using AdamRangeFn = void (*)(const Segment& seg, size_t begin, size_t end, const StepConsts& c);
+
+// Note: CRC-32C in the Adam pass. The store checksums every payload it reads and writes
+// (docs/io.md); for optimizer state that is a second pass over bytes the Adam kernel reads and
+// writes anyway. The _crc kernels take, in the same loop, the CRC-32C (standard: init ~0, final
+// ~) of the range's bytes of each stream the mask names: the moments as they were read (before
+// the update: what the store's header of the read must match) and the params and moments as
+// they are written (what the header of the put is sealed with). Each block's input bytes are
+// checksummed just before the block loads them and its output bytes just after it stores them,
+// from L1, so the CRC instructions (integer port) overlap the update's memory stalls; measured
+// on the dev machine it costs a fraction of a separate pass (docs/performance.md).
+enum CrcStream : unsigned {
+  kCrcExpAvgIn = 0,
+  kCrcExpAvgSqIn = 1,
+  kCrcParamOut = 2,
+  kCrcExpAvgOut = 3,
+  kCrcExpAvgSqOut = 4,
+  kCrcStreams = 5,
+  // Not a stream: set by the dispatcher where the CPU has VPCLMULQDQ and the kernel can fold
+  // (adam_avx512.cpp, the folding Note): whole blocks of fp32 streams are folded, not crc32'd.
+  kCrcFold = 5,
+};
+// The fold-by-64-bytes constants of the folding kernels, computed once (adam_dispatch.cpp).
+const uint64_t* crc_fold_constants();
+// crc[kCrcStreams]: the CRC of each stream whose bit (1 << CrcStream) is set in mask.
+using AdamCrcRangeFn = void (*)(const Segment& seg, size_t begin, size_t end, const StepConsts& c, unsigned mask,
+                                uint32_t* crc);
 // Returns false if any grad * mult is inf or nan.
 using FiniteRangeFn = bool (*)(const void* grad, size_t begin, size_t end, float mult);
 // Sum of squares in fp64.
@@ -73,6 +99,7 @@ using FloorRangeFn = void (*)(const Segment& seg, size_t begin, size_t end, bool
 struct IsaTable {
   const char* name;
   AdamRangeFn (*adam)(const Types& t);
+  AdamCrcRangeFn (*adam_crc)(const Types& t);
   FiniteRangeFn (*finite)(DType grad);
   SqNormRangeFn (*sqnorm)(DType x);
   ConvertRangeFn (*convert)(DType src, DType dst);

@@ -37,6 +37,13 @@ struct S {
     store(p, x);
   }
   static void fence() {}
+  // No CRC folding here (adam_avx512.cpp has it): the _crc kernels use crc_raw alone.
+  static constexpr bool kFold = false;
+  struct FoldAcc {
+    bool on = false;
+  };
+  static void fold_block(FoldAcc&, uint32_t&, const void*, const uint64_t*) {}
+  static void fold_flush(FoldAcc&, uint32_t&) {}
 
   static D dzero() { return 0.0; }
   static D dacc_sq(D acc, F x) {

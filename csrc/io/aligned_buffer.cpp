@@ -162,6 +162,12 @@ bool crc32c_hardware() {
 #endif
 }
 
+uint32_t crc32c_shift(uint64_t nbytes) { return x_8n_mod_p(nbytes); }
+
+// With the standard pre- and post-inversion the two inversions cancel: crc(A|B) is
+// crc(A) * x^(8|B|) + crc(B) (zlib's formula), the raw-register identity above.
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint32_t shift_b) { return mul_mod_p(shift_b, crc_a) ^ crc_b; }
+
 uint32_t crc32c(const void* data, uint64_t n, uint32_t seed) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint32_t crc = ~seed;

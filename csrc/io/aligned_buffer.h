@@ -30,6 +30,11 @@ class AlignedBuffer {
 // CRC-32C (Castagnoli), SSE4.2 instruction when the CPU has it, table otherwise.
 uint32_t crc32c(const void* data, uint64_t n, uint32_t seed = 0);
 bool crc32c_hardware();
+// Joining the CRC-32Cs of consecutive pieces A and B computed apart (zlib's crc32_combine):
+// crc(A|B) = crc32c_combine(crc(A), crc(B), crc32c_shift(|B|)). The shift depends on |B| only,
+// so a caller joining many pieces of one length computes it once.
+uint32_t crc32c_shift(uint64_t nbytes);
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint32_t shift_b);
 
 }  // namespace io
 }  // namespace offloadpp

@@ -113,6 +113,10 @@ void register_io(py::module_& m) {
   m.def(
       "crc32c", [](uint64_t ptr, uint64_t nbytes, uint32_t seed) { return io::crc32c(as_ptr(ptr), nbytes, seed); },
       "ptr"_a, "nbytes"_a, "seed"_a = 0, py::call_guard<py::gil_scoped_release>(), "CRC-32C of raw memory.");
+  m.def(
+      "crc32c_combine",
+      [](uint32_t crc_a, uint32_t crc_b, uint64_t len_b) { return io::crc32c_combine(crc_a, crc_b, io::crc32c_shift(len_b)); },
+      "crc_a"_a, "crc_b"_a, "len_b"_a, "The CRC-32C of A followed by B, from crc(A), crc(B) and B's length in bytes.");
 
   py::class_<AlignedBuffer, std::shared_ptr<AlignedBuffer>>(m, "AlignedBuffer", py::buffer_protocol(),
                                                            "Host memory aligned to ALIGNMENT bytes, capacity "

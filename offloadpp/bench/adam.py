@@ -12,6 +12,12 @@ pages; each repeat runs every contender once, in an order rotated per repeat, so
 hits them alike; the table shows medians (and the ratios also per repeat, paired). Ratios are the bar the kernel is held to: fp32 step
 <= 1.0x the faster peer, step + bf16 copy <= 0.8x the faster peer's step followed by its copy.
 
+--crc adds a third task: offloadpp's step alone, followed and preceded by separate CRC-32C
+passes over the moments as read and the params and moments as written (what the store's
+checksums cost when they are a pass of their own, docs/io.md), and with the same CRCs taken in
+the Adam pass (csrc/adam/adam_kernel.h, the CRC Note). The CRC passes run on the calling thread,
+as the I/O engine's verifier thread runs them; the Adam calls on the bench's threads.
+
 DeepSpeed's cpu_adam op is JIT-compiled on first use (about a minute on a 2-core machine, then
 cached under ~/.cache/torch_extensions); the bench builds it once and says so, and carries on
 without it if it cannot be built.
@@ -57,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
     p.add_argument("--no-torch", action="store_true", help="skip torch.optim.AdamW(fused=True)")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON to PATH")
+    p.add_argument(
+        "--crc", action="store_true", help="also time CRC-32C in the Adam pass against separate passes"
+    )
 
 
 def _log(msg: str) -> None:
@@ -169,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
         Contender("offloadpp fused step+copy", "bf16", BYTES_FUSED, ours_fused, "ours"),
     ]  # fmt: skip
 
+    if args.crc:
+        contenders += _crc_contenders(p, g, m, v, lambda: AdamStep(step=step[0], hyper=hyper, num_threads=threads),
+                                      step)  # fmt: skip
     if not args.no_deepspeed:
         ds, why = _deepspeed_optimizer(p, m, v, lr, wd)
         if ds is None:
@@ -221,6 +233,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+BYTES_CRC = 20  # CRC-32C of the moments as read (8 B) and of params and moments as written (12 B)
+
+
+def _crc_contenders(p, g, m, v, how, step) -> list:
+    from offloadpp.io.engine import crc32c
+    from offloadpp.optim.kernels import CRC_STREAMS, StateCrcs, adam_step_flat
+
+    def crc(t) -> int:
+        return crc32c(t.data_ptr(), t.numel() * t.element_size())
+
+    def plain() -> None:
+        step[0] += 1
+        adam_step_flat(p, g, m, v, how())
+
+    def separate() -> None:
+        step[0] += 1
+        crc(m), crc(v)
+        adam_step_flat(p, g, m, v, how())
+        crc(p), crc(m), crc(v)
+
+    def fused() -> None:
+        step[0] += 1
+        adam_step_flat(p, g, m, v, how(), crcs=StateCrcs(p, m, v, CRC_STREAMS))
+
+    return [
+        Contender("offloadpp CPUAdam, no CRC", "crc", BYTES_STEP, plain, "crc-base"),
+        Contender("+ separate CRC-32C passes", "crc", BYTES_STEP + BYTES_CRC, separate, "crc-separate"),
+        Contender("CRC-32C in the Adam pass", "crc", BYTES_STEP, fused, "crc-fused"),
+    ]
+
+
 def _report(args, n, threads, isa, torch_version, contenders, skipped) -> dict:
     rows = []
     for c in contenders:
@@ -249,10 +292,19 @@ def _report(args, n, threads, isa, torch_version, contenders, skipped) -> dict:
             )
             ratios[task] = {"ours": ours["name"], "best_peer": best["name"], "ratio": x, "paired_ratio": paired,
                             "bar": bar, "met": x <= bar}  # fmt: skip
+    by_kind = {r["kind"]: r for r in rows if r["task"] == "crc"}
+    crc = {}
+    if by_kind:
+        base = by_kind["crc-base"]["median_ms"]
+        sep, fus = by_kind["crc-separate"]["median_ms"] - base, by_kind["crc-fused"]["median_ms"] - base
+        crc = {"adam_ms": base, "separate_extra_ms": sep, "fused_extra_ms": fus,
+               "saved_frac": 1 - fus / sep if sep > 0 else None}  # fmt: skip
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": f"offloadpp bench adam --params {n} --repeats {args.repeats}"
-        + (f" --threads {args.threads}" if args.threads else ""),
+        + (f" --threads {args.threads}" if args.threads else "")
+        + (" --crc" if getattr(args, "crc", False) else ""),
+        "crc": crc,
         "machine": _machine(),
         "config": {"params": n, "threads": threads, "repeats": args.repeats, "kernel": isa, "torch": torch_version,
                    "dtype": "fp32 params/grads/moments", "lr": 1e-3, "weight_decay": 0.01, "adamw": True},
@@ -264,14 +316,18 @@ def _report(args, n, threads, isa, torch_version, contenders, skipped) -> dict:
 
 def _print_table(report: dict) -> None:
     m, cfg = report["machine"], report["config"]
-    titles = {"fp32": "fp32 step", "bf16": "step + bf16 param copy"}
+    titles = {
+        "fp32": "fp32 step",
+        "bf16": "step + bf16 param copy",
+        "crc": "CRC-32C of the state read and written",
+    }
     print()
     print(f"{report['date']}  {m['cpu']} x{m['cpus']}, kernel {m['kernel']}")
     print(
         f"{cfg['params']:,} params, {cfg['threads']} threads, medians of {cfg['repeats']}, kernel {cfg['kernel']}"
     )
     head = f"{'':<36} {'B/param':>7} {'median ms':>10} {'Gparam/s':>9} {'GB/s':>7} {'x floor':>8}"
-    for task in ("fp32", "bf16"):
+    for task in ("fp32", "bf16", "crc") if report["crc"] else ("fp32", "bf16"):
         print(f"\n{titles[task]:<36}" + head[36:])
         for r in report["results"]:
             if r["task"] != task:
@@ -284,6 +340,11 @@ def _print_table(report: dict) -> None:
         verdict = "met" if x["met"] else "NOT MET"
         print(f"{titles[task]}: {x['ours']} / {x['best_peer']} = {x['ratio']:.2f} (paired per repeat "
               f"{x['paired_ratio']:.2f}); bar <= {x['bar']:.1f}: {verdict}")  # fmt: skip
+    if report["crc"]:
+        c = report["crc"]
+        print(f"CRC-32C over Adam's {c['adam_ms']:.1f} ms: separate passes +{c['separate_extra_ms']:.1f} ms, "
+              f"in the Adam pass +{c['fused_extra_ms']:.1f} ms ({c['saved_frac']:.0%} of the separate passes' "
+              "time saved)")  # fmt: skip
     for name, why in report["skipped"].items():
         print(f"skipped {name}: {why}")
 

@@ -37,7 +37,7 @@ from .buffers import ALIGNMENT, BounceCache, HeaderBuffers, align_up, aligned_em
 from .config import IOConfig
 from .engine import make_engine
 from .errors import EINVAL, EIO, ESTALE, SwapIOError, swap_error
-from .future import IOFuture
+from .future import DeferredCheck, IOFuture
 from .layout import SUFFIX, _file_stem, _stripe
 
 # An extension built before its engine checksummed reads and sealed headers (csrc/io/engine.h,
@@ -174,10 +174,13 @@ class TensorStore:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor, kind: str = "other") -> IOFuture:
+    def put(self, key: str, tensor: torch.Tensor, kind: str = "other", crc: Optional[int] = None) -> IOFuture:
         """Starts writing `tensor` under `key`; it must stay alive and unchanged until the future
         completes. A put to a key waits for that key's in-flight operations first. kind: what the
-        bytes are, for bytes_by_kind (the runtime's tags: planner/traffic.py)."""
+        bytes are, for bytes_by_kind (the runtime's tags: planner/traffic.py). crc: the payload's
+        CRC-32C, computed by the caller in a pass it made anyway (the fused Adam's): the header
+        is sealed with it instead of a pass of the store's (a key stored in one part; a striped
+        key's parts each need their own, and are checksummed as without)."""
         self._check_open()
         self._check_writable(f"put({key!r})")
         self._check_key(key)
@@ -213,8 +216,13 @@ class TensorStore:
                 elif size > need:
                     f.truncate(need)
                 # with the engine's verifier, it fills the CRC into the final header (engine.h)
-                seal = self.config.checksum and _ENGINE_CRC
-                checksum = _C.crc32c(src + p.offset, p.nbytes) if self.config.checksum and not seal else 0
+                given = crc is not None and len(parts) == 1
+                seal = self.config.checksum and _ENGINE_CRC and not given
+                checksum = 0
+                if given:
+                    checksum = crc
+                elif self.config.checksum and not seal:
+                    checksum = _C.crc32c(src + p.offset, p.nbytes)
                 stages = []
                 if size > 0:  # an old header may read as valid: mark it incomplete first
                     stages.append([self._header_req(entry.header(p, complete=False), f, held, write=True)])
@@ -255,9 +263,14 @@ class TensorStore:
             entry, IOFuture("put", key, nbytes, handles, None, release, nbytes, self._retire), t
         )
 
-    def get(self, key: str, out: Optional[torch.Tensor] = None, kind: str = "other") -> IOFuture:
+    def get(
+        self, key: str, out: Optional[torch.Tensor] = None, kind: str = "other", defer_check: bool = False
+    ) -> IOFuture:
         """Starts reading `key` into `out` (same dtype and numel as stored; None allocates an
-        aligned tensor of the stored shape). result() returns the tensor. kind: as for put."""
+        aligned tensor of the stored shape). result() returns the tensor. kind: as for put.
+        defer_check: the payload's CRC-32C is not checked by the store; the future's `check` (a
+        DeferredCheck, future.py) carries the header CRCs to whoever uses the bytes first, who
+        must claim and settle it, or verify it, before using them (the fused Adam: docs/io.md)."""
         self._check_open()
         with self._lock:
             if key not in self._index:
@@ -301,7 +314,8 @@ class TensorStore:
             chains: dict[int, list] = {}
             checks = []  # (part, header buffer, tail buffer or None, body bytes, engine CRC or None)
             crcs: dict[int, int] = {}  # directory -> reads of its handle the engine checksums
-            verify = self.config.checksum and _ENGINE_CRC
+            check = DeferredCheck(key) if defer_check and self.config.checksum else None
+            verify = self.config.checksum and _ENGINE_CRC and check is None
             for p in snap.parts:
                 f = self._file(p, create=False)
                 need = H + align_up(p.nbytes)
@@ -355,7 +369,15 @@ class TensorStore:
                 fmt.check(fmt.unpack(memoryview(hb), p.path), snap.header(p), p.path)
                 if tail is not None:
                     ctypes.memmove(dst + p.offset + body, tail.ptr, p.nbytes - body)
-            for p, hb, _, _, slot in checks:
+            left = checks
+            if check is not None:
+                heads = [(p, fmt.unpack(memoryview(hb), p.path)) for p, hb, _, _, _ in checks]
+                if all(h.has_checksum for _, h in heads):  # left to the user of the bytes
+                    check.parts = [(p.path, p.offset, p.nbytes, h.checksum) for p, h in heads]
+                    left = []
+                else:  # a part written without one: no CRC for the whole, the others checked here
+                    check.nothing_left()
+            for p, hb, _, _, slot in left:
                 h = fmt.unpack(memoryview(hb), p.path)
                 if not h.has_checksum:
                     continue
@@ -374,6 +396,7 @@ class TensorStore:
 
         release = lambda: self._give_back(held, bounce)  # noqa: E731
         fut = IOFuture("get", key, snap.nbytes, handles, finish, release, out, self._retire)
+        fut.check = check
         with self._lock:
             live = self._index.get(key)
         return self._track(live if live is not None else snap, fut, out)

@@ -19,11 +19,11 @@ class TaggedStore:
         self.store = store
         self.kind = kind
 
-    def put(self, key: str, tensor: torch.Tensor) -> IOFuture:
-        return self.store.put(key, tensor, kind=self.kind)
+    def put(self, key: str, tensor: torch.Tensor, crc: Optional[int] = None) -> IOFuture:
+        return self.store.put(key, tensor, kind=self.kind, crc=crc)
 
-    def get(self, key: str, out: Optional[torch.Tensor] = None) -> IOFuture:
-        return self.store.get(key, out, kind=self.kind)
+    def get(self, key: str, out: Optional[torch.Tensor] = None, defer_check: bool = False) -> IOFuture:
+        return self.store.get(key, out, kind=self.kind, defer_check=defer_check)
 
     def __getattr__(self, name: str):
         return getattr(self.store, name)

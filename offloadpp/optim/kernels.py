@@ -24,6 +24,7 @@ NO_DTYPE = 3
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 __all__ = [
+    "StateCrcs",
     "adam_step_flat",
     "adam_step_pieces",
     "squared_norm",
@@ -104,6 +105,62 @@ class AdamStep:
     num_threads: Optional[int] = None
 
 
+# The streams the fused Adam can checksum as it goes (csrc/adam/adam_kernel.h, the CRC Note):
+# bit k of the kernel's mask is CRC_STREAMS[k]; each names (buffer, as read or as written).
+CRC_STREAMS = ("exp_avg_in", "exp_avg_sq_in", "master_out", "exp_avg_out", "exp_avg_sq_out")
+
+
+class StateCrcs:
+    """The CRC-32C of flat master and moment buffers as the fused Adam reads and writes them.
+
+    Handed to adam_step_flat / adam_step_pieces (`crcs=`), which take the CRCs of the streams
+    named here in their own pass and record them by element range (found from the segments'
+    addresses). whole() joins them over the whole buffer; elements no Adam call covered (a
+    parameter without a gradient, padding) are unchanged by the update, so their bytes,
+    checksummed there, are the same as read and as written."""
+
+    def __init__(self, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, streams):
+        self.buffers = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        self.mask = 0
+        for name in streams:
+            self.mask |= 1 << CRC_STREAMS.index(name)
+        self._pieces: list[tuple[int, int, list[int]]] = []  # (start, end, CRCs by stream)
+
+    def _add(self, seg: list, crcs: list) -> None:
+        base, size = self.buffers["master"].data_ptr(), self.buffers["master"].element_size()
+        for i in range(len(seg) // 6):
+            start = (seg[6 * i] - base) // size
+            self._pieces.append((start, start + seg[6 * i + 5], crcs[5 * i : 5 * i + 5]))
+
+    def whole(self, stream: str) -> int:
+        k = CRC_STREAMS.index(stream)
+        if not self.mask & (1 << k):
+            raise ValueError(f"{stream} was not asked for (streams: {self.mask:#x})")
+        buf = self.buffers[stream.rsplit("_", 1)[0]]
+        size, ptr = buf.element_size(), buf.data_ptr()
+        crc, at = 0, 0
+
+        def join(c: int, n: int) -> int:
+            return c if at == 0 else _C.crc32c_combine(crc, c, n * size)
+
+        for a, b, crcs in sorted(self._pieces):
+            if a < at:
+                raise ValueError(f"the Adam calls' ranges overlap at element {a}")
+            if a > at:  # not updated: the same bytes before and after
+                crc, at = join(_C.crc32c(ptr + at * size, (a - at) * size), a - at), a
+            if b > a:
+                crc, at = join(crcs[k], b - a), b
+        if buf.numel() > at:
+            crc = join(_C.crc32c(ptr + at * size, (buf.numel() - at) * size), buf.numel() - at)
+        return crc
+
+
+def _run_crc(seg: list, codes: tuple, how_args: tuple, crcs: StateCrcs, with_norm: bool) -> float:
+    sq, got = _C.adam_step_crc(seg, *codes, *how_args, -1, crcs.mask, with_norm)
+    crcs._add(seg, got)
+    return float(sq)
+
+
 def _checked(how: AdamStep) -> tuple[int, float, int]:
     """(step, clip_coef / grad_scale, threads) of `how`, each checked."""
     if not isinstance(how, AdamStep):
@@ -125,6 +182,7 @@ def adam_step_flat(
     *,
     half_out: Optional[torch.Tensor] = None,
     check_finite: bool = False,
+    crcs: Optional[StateCrcs] = None,
 ) -> bool:
     """One fused Adam step, in place, over flat buffers (e.g. one shard of many parameters).
 
@@ -133,7 +191,8 @@ def adam_step_flat(
     Grads are used as ``grad * clip_coef / grad_scale`` (`how`). ``half_out`` (bf16/fp16) receives a
     copy of the updated params in the same pass. With ``check_finite``, the grads are scanned first
     (one extra read of them) and, if any is inf/nan, nothing is written and False is returned.
-    Runs on ``how.num_threads`` threads (default: all cores) without the GIL.
+    Runs on ``how.num_threads`` threads (default: all cores) without the GIL. ``crcs``: the
+    pass also takes the CRC-32Cs it names (params must be a range of its master: StateCrcs).
     """
     step, coef, threads = _checked(how)
     check_tensor(params, "params", tuple(DTYPE_CODES))
@@ -149,6 +208,12 @@ def adam_step_flat(
             raise ValueError("half_out needs fp32 exp_avg/exp_avg_sq")
         out_code, out_ptr = DTYPE_CODES[half_out.dtype], half_out.data_ptr()
     seg = [params.data_ptr(), grads.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), out_ptr, n]
+    codes = (DTYPE_CODES[params.dtype], DTYPE_CODES[grads.dtype], DTYPE_CODES[exp_avg.dtype], out_code)
+    if crcs is not None:
+        if check_finite:
+            raise ValueError("crcs and check_finite together are not supported")
+        _run_crc(seg, codes, (*how.hyper.kernel_args(), step, coef, threads), crcs, False)
+        return True
     return bool(
         _C.adam_step(
             seg,
@@ -174,6 +239,7 @@ def adam_step_pieces(
     how: AdamStep,
     *,
     half_out: Optional[torch.Tensor] = None,
+    crcs: Optional[StateCrcs] = None,
 ) -> float:
     """One fused Adam step over the pieces ``(start, end, grad)`` of flat fp32 params and moments
     (``grad`` holds ``end - start`` elements, fp32/bf16/fp16, all of one dtype; the pieces need not
@@ -182,7 +248,8 @@ def adam_step_pieces(
     The sum is bit for bit ``squared_norm([g for _, _, g in pieces])`` (the same chunks and
     partial sums), and each updated element is bit for bit what ``adam_step_flat`` gives: a
     caller may take a norm one way and update the other. Grads are used as ``grad * clip_coef /
-    grad_scale`` (`how`); ``half_out`` (bf16/fp16, as long as params) receives the updated values."""
+    grad_scale`` (`how`); ``half_out`` (bf16/fp16, as long as params) receives the updated values;
+    ``crcs``: the pass also takes the CRC-32Cs it names (StateCrcs over these params and moments)."""
     step, coef, threads = _checked(how)
     check_tensor(params, "params", (torch.float32,))
     n = params.numel()
@@ -211,6 +278,9 @@ def adam_step_pieces(
             out,
             b - a,
         ]
+    if crcs is not None:
+        codes = (DTYPE_CODES[torch.float32], DTYPE_CODES[gdt], DTYPE_CODES[torch.float32], out_code)
+        return _run_crc(seg, codes, (*how.hyper.kernel_args(), step, coef, threads), crcs, True)
     return float(
         _C.adam_step_norm(
             seg,

@@ -19,6 +19,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from offloadpp.optim import AdamStep, adam_step_flat, adam_step_pieces, convert_, squared_norm
+from offloadpp.optim.kernels import StateCrcs
 
 from .device import CudaEventWaitable
 from .slots import Slot
@@ -56,6 +57,10 @@ class _Job:
     keep_grads: bool = False  # keep the gradient buffer held after absorbing (update soon)
     speculative: bool = False  # an update during backward, to be validated (speculation.py)
     lazy: bool = False  # a deferred update applied at the unit's next visit (pending.py)
+    # CRC-32C in the Adam pass (the Note below): the moments' reads left to it [(stream, check)],
+    # and whether the master's and moments' writes are sealed with the CRCs it takes.
+    checks: list = field(default_factory=list)
+    seal: bool = False
     threads: int = 1
     # Data parallel (runtime/dp/sharded_optimizer.py): run on the worker after the absorb, before
     # Adam (the gradients reduced over the ranks; returns this rank's squared norm or None), and
@@ -84,17 +89,69 @@ def _late(job: _Job, slot: Slot) -> bool:
     return job.defer_moments and (slot is job.unit.exp_avg or slot is job.unit.exp_avg_sq)
 
 
+# Note: CRC-32C in the Adam pass. The moments are read only for the update, so their reads
+# leave the payload CRC to it (TensorStore.get(defer_check=True)): the job claims each read's
+# check, the fused kernel takes the CRC of the moments as it loads them and of the master and
+# moments as it stores them, and the job settles the checks before anything else: on a mismatch
+# it raises there, before any write is started and before the main thread, which waits for the
+# job before the unit's weights are used (reap; a pending update: wait_pending), sees the
+# result, so nothing computed from bad bytes is written or used; the step fails with the
+# store's error (SwapIOError, EBADMSG, naming the key and file). The writes of the master and
+# moments are then sealed with the CRCs of the bytes as written (put(crc=)), with no pass of
+# the store's. Weights the forward fetches keep the store's own check (the verifier thread).
+_SEALS = (("master", "master_out"), ("exp_avg", "exp_avg_out"), ("exp_avg_sq", "exp_avg_sq_out"))
+
+
+def _state_crcs(job: _Job) -> Optional[StateCrcs]:
+    """Claims the job's checks; the CRCs its Adam pass is to take (None: none)."""
+    streams = [name for name, check in job.checks if check.claim()]
+    job.checks = [(n, c) for n, c in job.checks if n in streams]
+    if job.seal and job.after_update is None:  # (data parallel re-gathers after Adam: not sealed)
+        streams += [out for _, out in _SEALS]
+    if not streams:
+        return None
+    return StateCrcs(job.master, job.exp_avg, job.exp_avg_sq, streams)
+
+
+def _seal_of(job: _Job, crcs: Optional[StateCrcs], slot: Slot) -> Optional[int]:
+    if crcs is None or not job.seal or job.after_update is not None:
+        return None
+    u = job.unit
+    for name, out in _SEALS:
+        if slot is getattr(u, name):
+            return crcs.whole(out)
+    return None
+
+
+def put(slot: Slot, generation: int, buf: torch.Tensor, crc: Optional[int]):
+    """The write of a slot's buffer (its kind tag: slots.tagged), sealed with `crc` if given."""
+    if crc is None:
+        return slot.store.put(slot.key_of(generation), buf)
+    return slot.store.put(slot.key_of(generation), buf, crc=crc)
+
+
 @dataclass
 class _Done:
     writes: list  # [(Slot, future, generation)]
     sq_norm: Optional[float]
     adam_s: float
     absorb_s: float
+    seals: dict = field(default_factory=dict)  # id(Slot) -> CRC for the writes left to flush_writes
 
 
 def _work(job: _Job, store) -> _Done:
     for w in job.before:
         w.wait()
+    crcs = _state_crcs(job) if job.update else None
+    try:
+        return _update(job, crcs)
+    except BaseException as e:
+        for _, check in job.checks if crcs is not None else ():
+            check.fail(e)  # claimed and not settled: the bytes are not known to be good
+        raise
+
+
+def _update(job: _Job, crcs: Optional[StateCrcs]) -> _Done:
     sq = None
     t0 = time.perf_counter()
     if job.grads is not None:
@@ -123,7 +180,9 @@ def _work(job: _Job, store) -> _Done:
         with record_function("offloadpp::adam"):
             pieces, step, grp = job.fused
             how = AdamStep(step + 1, job.hypers[grp], num_threads=job.threads, **job.step_args)
-            sq = adam_step_pieces(job.master, job.exp_avg, job.exp_avg_sq, pieces, how, half_out=job.half)
+            sq = adam_step_pieces(
+                job.master, job.exp_avg, job.exp_avg_sq, pieces, how, half_out=job.half, crcs=crcs
+            )
             for a, b, _, upd, _ in job.segments if job.half is not None else ():
                 if not upd:
                     convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
@@ -138,6 +197,7 @@ def _work(job: _Job, store) -> _Done:
                         job.exp_avg_sq[a:b],
                         AdamStep(step + 1, job.hypers[grp], num_threads=job.threads, **job.step_args),
                         half_out=job.half[a:b] if job.half is not None else None,
+                        crcs=crcs,
                     )
                 elif job.half is not None:
                     convert_(job.half[a:b], job.master[a:b], num_threads=job.threads)
@@ -151,18 +211,22 @@ def _work(job: _Job, store) -> _Done:
                         job.exp_avg_sq[a:b],
                         AdamStep(step + 1, job.hypers[grp], num_threads=job.threads, **job.step_args),
                         half_out=half,
+                        crcs=crcs,
                     )
                 elif half is not None:
                     convert_(half, job.master[a:b], num_threads=job.threads)
+    for name, check in job.checks if crcs is not None else ():
+        check.settle(crcs.whole(name))  # raises on a mismatch: before any write (the Note)
     if job.update and job.after_update is not None:
         job.after_update(job)
     t2 = time.perf_counter()
     futs = []
+    seals = {id(slot): _seal_of(job, crcs, slot) for slot, _, _ in job.writes}
     if not job.defer_writes:
         with record_function("offloadpp::write_state"):
             futs = [
-                (slot, slot.store.put(slot.key_of(g), buf), g)  # its kind tag (slots.tagged)
+                (slot, put(slot, g, buf, seals[id(slot)]), g)
                 for slot, buf, g in job.writes
                 if not _late(job, slot)
             ]
-    return _Done(futs, sq, t2 - t1, t1 - t0)
+    return _Done(futs, sq, t2 - t1, t1 - t0, seals)

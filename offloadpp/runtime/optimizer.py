@@ -52,7 +52,7 @@ from offloadpp.planner.plan import Plan
 from offloadpp.planner.schedule import Schedule, flush_rank
 
 from .device import CudaEventWaitable, Device
-from .jobs import _Done, _Job, _late, _work, _yield_to_compute
+from .jobs import _Done, _Job, _late, _work, _yield_to_compute, put
 from .memory import BufferPool
 from .pending import PendingUpdates
 from .slots import Hold, Slot
@@ -103,7 +103,7 @@ class OptimizerPipeline(PendingUpdates):
         # On the CPU device the gradients autograd leaves are the device's memory: charged to
         # its pool until dropped (_charge_grads), set by the engine; None elsewhere.
         self.grad_pool: Optional[BufferPool] = None
-        self._queued_writes: list[tuple[Slot, torch.Tensor, int]] = []  # see flush_writes
+        self._queued_writes: list[tuple[Slot, torch.Tensor, int, Optional[int]]] = []  # see flush_writes
         self.boundary = False
         self.first_micro = True
         self.speculating = False  # this window's deferred updates run speculatively (speculation.py)
@@ -382,6 +382,11 @@ class OptimizerPipeline(PendingUpdates):
         job.master = u.master.buffer
         job.exp_avg, job.exp_avg_sq = u.exp_avg.buffer, u.exp_avg_sq.buffer
         self._add_before(job, u.master, u.exp_avg, u.exp_avg_sq)
+        # CRC-32C in the Adam pass (jobs.py, the Note): the moments' reads, and the writes' seals
+        job.checks = [
+            (f"{s.name.rsplit('.', 1)[1]}_in", s.check) for s in (u.exp_avg, u.exp_avg_sq) if s.check
+        ]
+        job.seal = bool(getattr(getattr(self.store, "config", None), "checksum", False))
         if self.device.is_cuda and u.weights.last_copy is not None:
             job.before.append(u.weights.last_copy)  # a copy to the device may still read the buffer
         if self.separate:
@@ -529,7 +534,7 @@ class OptimizerPipeline(PendingUpdates):
             if job.defer_writes or _late(job, slot):  # left to flush_writes
                 slot.acquire(Hold.WRITE)
                 slot.will_write(g)
-                self._queued_writes.append((slot, buf, g))
+                self._queued_writes.append((slot, buf, g, done.seals.get(id(slot))))
         if job.staging is not None:
             self.host_pool.put(job.staging)
         if done.sq_norm is not None:
@@ -571,8 +576,8 @@ class OptimizerPipeline(PendingUpdates):
         queued, self._queued_writes = self._queued_writes, []
         queued.sort(key=lambda w: flush_rank(w[0].name))  # weights first (schedule.flush_rank)
         with record_function("offloadpp::write_state"):
-            for slot, buf, g in queued:
-                slot.wrote(slot.store.put(slot.key_of(g), buf), g)  # its kind tag (slots.tagged)
+            for slot, buf, g, crc in queued:
+                slot.wrote(put(slot, g, buf, crc), g)  # sealed with the Adam pass's CRC (jobs.py)
                 slot.release(Hold.WRITE)
 
     def drop_uncommitted_writes(self) -> None:

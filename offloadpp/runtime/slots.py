@@ -140,6 +140,10 @@ class Slot:
         self._read: Optional[Waitable] = None
         self._write: Optional[Waitable] = None
         self.bytes_read = 0
+        # The moments' reads leave their CRC-32C to the fused Adam (set by the unit; docs/io.md
+        # "Checksums in the Adam pass"); `check` is the read's DeferredCheck until the buffer goes.
+        self.check_in_adam = False
+        self.check = None
 
     @property
     def nbytes(self) -> int:
@@ -185,6 +189,7 @@ class Slot:
         self.pool.put(self.buffer, after=(self._read,))
         self.buffer = None
         self._read = None
+        self.check = None
         self.state = SlotState.EMPTY
 
     def __repr__(self) -> str:
@@ -204,6 +209,8 @@ class Slot:
         """Makes sure a buffer is (being) filled with the current data; `overwrite`: the caller
         replaces every element, so nothing is read."""
         self.holds |= hold
+        if overwrite:
+            self.check = None  # nothing of a read is used: nothing of it to check
         if self.state is not SlotState.EMPTY:
             return
         with record_function("offloadpp::pool_get"):
@@ -219,19 +226,25 @@ class Slot:
                 if write is not None:  # our own write of this key is still draining: read after it
                     key, buf = self.key, self.buffer
                     self._read = _ReadAfterWrite(write, lambda: self.store.get(key, out=buf))
+                elif self.check_in_adam:
+                    self._read = self.store.get(self.key, out=self.buffer, defer_check=True)
+                    self.check = getattr(self._read, "check", None)
                 else:
                     self._read = self.store.get(self.key, out=self.buffer)
             self.bytes_read += self.nbytes
             self.state = SlotState.LOADING
 
     def wait(self) -> torch.Tensor:
-        """The buffer, once its data is there."""
+        """The buffer, once its data is there (and checked: a read whose CRC was left to the
+        Adam pass is checked here by a pass of its own if no Adam pass has claimed it)."""
         if self.state is SlotState.EMPTY:
             raise SlotError(f"{self.name}: wait() on a slot that was not acquired")
         if self.state is SlotState.LOADING:
             self._read.wait()
             self._read = None
             self.state = SlotState.READY
+        if self.check is not None:
+            self.check.verify(self.buffer.data_ptr())
         return self.buffer
 
     @property
@@ -265,6 +278,7 @@ class Slot:
         self.pool.put(self.buffer, after=(self._read, self._write, *after))
         self.buffer = None
         self._read = None
+        self.check = None
         self.state = SlotState.EMPTY
 
     def flush(self) -> None:

@@ -86,6 +86,8 @@ class Unit:
             self.compute = slot("weights", self.compute_dtype, device_pool if cpu else host_pool)
         self.exp_avg = slot("exp_avg", torch.float32, host_pool)
         self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool)
+        # read only for the update: their CRC-32C is taken in the Adam pass (runtime/jobs.py)
+        self.exp_avg.check_in_adam = self.exp_avg_sq.check_in_adam = True
         self.grads = slot("grads", TORCH_DTYPES[plan.grad_dtype], host_pool, transactional=False)
         self.grads_persist = plan.persistent_grads
         self.weights: Weights
