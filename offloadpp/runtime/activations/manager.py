@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from offloadpp.planner import ActivationSettings, decide, fmt_bytes
 
 from .gelu import restore_gelu, substitute_gelu
+from .loss import restore_loss, substitute_loss
 from .policy import ActPolicy, UnitActProfile
 from .recompute import (
     CheckpointRef,
@@ -199,6 +200,7 @@ class ActivationManager:
         self.swapper = Swapper(self.device, store, key_prefix=key_prefix, host_budget_bytes=None)
         self._handles: list = []
         self._gelus: list[nn.Module] = []
+        self._loss = None
         self._order: list[UnitActivations] = []
         self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
         self._stack: list[tuple[UnitActivations, Optional[Segment]]] = []
@@ -239,6 +241,9 @@ class ActivationManager:
     def install(self) -> None:
         # GELU's formula saving only its input (gelu.py's Note); undone by remove()
         self._gelus = substitute_gelu(m for u in self.units for m in u.roots)
+        self._loss = substitute_loss(
+            self._model
+        )  # the loss saving the logits only (offloadpp/runtime/activations/loss.py)
         for u in self.units:
             for m in u.roots:
                 self._handles.append(
@@ -257,6 +262,8 @@ class ActivationManager:
         self._handles.clear()
         restore_gelu(self._gelus)
         self._gelus = []
+        restore_loss(self._loss)
+        self._loss = None
 
     @contextlib.contextmanager
     def forward(self):
