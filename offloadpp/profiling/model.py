@@ -126,9 +126,8 @@ class ModelProfiler:
         # measure what the runtime saves: its GELU saving only its input
         # (offloadpp/runtime/activations/gelu.py)
         self.gelus = substitute_gelu(modules[q] for d in defs for q in d.modules)
-        self.loss = substitute_loss(
-            model
-        )  # and its loss saving the logits only (offloadpp/runtime/activations/loss.py)
+        # and its loss saving the logits only (offloadpp/runtime/activations/loss.py)
+        self.loss = substitute_loss(model)
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.loss_of = loss_fn or (lambda out: out.loss if hasattr(out, "loss") else out[0])
         self.cuda = next(model.parameters()).device.type == "cuda"

@@ -48,19 +48,18 @@ class _CrossEntropy(torch.autograd.Function):
         ctx.ignore_index, ctx.divisor = ignore_index, divisor
         reduction = "sum" if divisor is not None else "mean"
         parts = _chunks(logits.shape[0], logits.shape[1])
+        ctx.total = (target != ignore_index).sum().float()  # (nll_loss's total weight)
         if len(parts) == 1:
             loss = torch.nn.functional.cross_entropy(
                 logits.float(), target, ignore_index=ignore_index, reduction=reduction
             )
-            ctx.total = (target != ignore_index).sum().float()
         else:
             loss = sum(
                 torch.nn.functional.cross_entropy(
                     logits[a:b].float(), target[a:b], ignore_index=ignore_index, reduction="sum"
-                )  # fmt: skip
+                )
                 for a, b in parts
             )
-            ctx.total = (target != ignore_index).sum().float()
             if divisor is None:
                 loss = loss / ctx.total
         if divisor is not None:

@@ -241,9 +241,8 @@ class ActivationManager:
     def install(self) -> None:
         # GELU's formula saving only its input (gelu.py's Note); undone by remove()
         self._gelus = substitute_gelu(m for u in self.units for m in u.roots)
-        self._loss = substitute_loss(
-            self._model
-        )  # the loss saving the logits only (offloadpp/runtime/activations/loss.py)
+        # the loss saving the logits only (offloadpp/runtime/activations/loss.py)
+        self._loss = substitute_loss(self._model)
         for u in self.units:
             for m in u.roots:
                 self._handles.append(

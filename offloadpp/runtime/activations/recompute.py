@@ -240,9 +240,8 @@ class Segment:
         self.recomputed_bytes = 0  # accounted from the recompute until DONE
         self.log: Optional[OpLog] = None  # partial: the forward's operators (see the Note on partial)
         self.first_record = 0  # the unit's records from this index on were made in or after this segment
-        self.output: Optional[weakref.ref] = (
-            None  # a piece's output tensor (see the Note on derived checkpoints)
-        )
+        # a piece's output tensor (see the Note on derived checkpoints)
+        self.output: Optional[weakref.ref] = None
         self.state = SegState.RECORDING
 
     def pack(self, t: torch.Tensor) -> RecomputeRef:
