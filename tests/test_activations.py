@@ -226,6 +226,42 @@ def test_partial_derives_the_norms_outputs_instead_of_keeping_them(store, data, 
         assert moved[False] - moved[True] == 2 * x * blocks, moved
 
 
+class _NormThenScaled(nn.Module):
+    """A root whose own forward changes the norm's output in place before the next piece."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.norm(x)
+        h.mul_(2.0)  # (LayerNorm's backward does not need its output)
+        return self.lin(h).relu()
+
+
+@pytest.mark.parametrize("policy", ["partial", "partial_host", "partial_ssd"])
+def test_a_norm_output_changed_in_place_is_not_derived(store, policy):
+    """The next piece's argument is derived only while it is the norm's output unchanged: here
+    the root doubles it in place first, so it is kept as a checkpoint, and the gradients are
+    the plain run's."""
+    torch.manual_seed(0)
+    ref = _NormThenScaled()
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 16)
+    ref(x).sum().backward()
+    mgr = ActivationManager(
+        [("blk", [model])], ActivationSettings(policy=policy, min_swap_bytes=0), store=store
+    )
+    mgr.install()
+    with mgr.forward():
+        out = model(x)
+    mgr.backward(out.sum())
+    mgr.close()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
 def test_quarter_budget_within_peak_and_trains_like_keep(store, data):
     """8 blocks, budget 25% of the keep-all peak: the accounted peak stays within it, and three
     SGD steps give the losses and weights of keeping everything."""

@@ -33,7 +33,9 @@ Note: derived checkpoints. A piece's tensor argument that is the output of the p
 it, where that piece ran no kept and no random operator (a norm: its Segment logged nothing), is
 neither kept nor moved: the argument becomes a DerivedRef, and the recompute gets it by running
 that piece's forward again, without grad, from its own checkpoint (which its own recompute, later
-in backward, still needs, so it is read without being unpacked). A transformer block's attention
+in backward, still needs, so it is read without being unpacked), and only while it is unchanged
+(its version counter: a root that changes it in place before the next piece keeps it as a
+checkpoint). A transformer block's attention
 and MLP take the two norms' outputs: a GPT-2 block moves 12 x width values a token, not 14. The
 norm runs the same operators on the same bytes, so the argument is the forward's, bit for bit.
 
@@ -242,6 +244,7 @@ class Segment:
         self.first_record = 0  # the unit's records from this index on were made in or after this segment
         # a piece's output tensor (see the Note on derived checkpoints)
         self.output: Optional[weakref.ref] = None
+        self.output_version = -1
         self.state = SegState.RECORDING
 
     def pack(self, t: torch.Tensor) -> RecomputeRef:
@@ -252,6 +255,7 @@ class Segment:
     def close(self, output: Any = None) -> None:
         self.state = SegState.SAVED
         self.output = weakref.ref(output) if isinstance(output, torch.Tensor) else None
+        self.output_version = output._version if isinstance(output, torch.Tensor) else -1
 
     def derives(self, x: Any) -> bool:
         """x is this closed piece's output, and the piece ran no kept nor random operator: the
@@ -260,6 +264,7 @@ class Segment:
             self.state is SegState.SAVED
             and self.output is not None
             and self.output() is x
+            and x._version == self.output_version  # (not changed in place since)
             and self.log is not None
             and not self.log.ops
         )
