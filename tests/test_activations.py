@@ -184,6 +184,84 @@ def test_partial_pieces_hold_one_piece_at_a_time(store):
     assert peaks["partial_host"] <= budget < block <= peaks["recompute_host"], (peaks, budget, block)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("policy", ["partial", "partial_host", "partial_ssd"])
+def test_partial_derives_the_norms_outputs_instead_of_keeping_them(store, data, monkeypatch, kind, policy):
+    """A partial block's attention and MLP take the two norms' outputs: those are derived again
+    from the norms' own checkpoints in backward, not kept nor moved (recompute.py, Note on
+    derived checkpoints): the run moves (or, partial, holds) two width-sized tensors a block
+    less than the same run deriving nothing, with the same gradients, dropout on."""
+    from offloadpp.runtime.activations.recompute import Segment
+
+    if kind == "gpt2":
+        ref, width = tiny_gpt2(), 64
+    else:
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, attention_dropout=0.1,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        ref, width = transformers.LlamaForCausalLM(cfg), 64
+    blocks = ref.config.num_hidden_layers
+    _, want = run_step(ref, data)
+    moved, held = {}, {}
+    for derive in (True, False):
+        if not derive:
+            monkeypatch.setattr(Segment, "derives", lambda self, x: False)
+        model = copy.deepcopy(ref)
+        cfg = ActivationSettings(policy=policy, min_swap_bytes=0)
+        with ActivationManager.for_model(model, cfg, store=store) as mgr:
+            names = [u.name for u in mgr.units]
+            for _ in range(2):
+                _, got = run_step(model, data, mgr)
+                assert rel_diff(got, want) <= 1e-6, (derive, policy)
+                s = mgr.stats()
+                moved[derive], held[derive] = s.saved_bytes, s.peak_device_bytes
+                mgr.reset_stats()
+        assert names[1:-1] and all("layers" in n or ".h." in n for n in names[1:-1])
+    x = data.numel() * width * 4  # one fp32 width-sized tensor
+    if policy == "partial":  # (its checkpoints stay with its segments, not in records)
+        assert held[False] - held[True] >= 2 * x * (blocks - 1), held
+    else:
+        assert moved[False] - moved[True] == 2 * x * blocks, moved
+
+
+class _NormThenScaled(nn.Module):
+    """A root whose own forward changes the norm's output in place before the next piece."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.norm(x)
+        h.mul_(2.0)  # (LayerNorm's backward does not need its output)
+        return self.lin(h).relu()
+
+
+@pytest.mark.parametrize("policy", ["partial", "partial_host", "partial_ssd"])
+def test_a_norm_output_changed_in_place_is_not_derived(store, policy):
+    """The next piece's argument is derived only while it is the norm's output unchanged: here
+    the root doubles it in place first, so it is kept as a checkpoint, and the gradients are
+    the plain run's."""
+    torch.manual_seed(0)
+    ref = _NormThenScaled()
+    model = copy.deepcopy(ref)
+    x = torch.randn(8, 16)
+    ref(x).sum().backward()
+    mgr = ActivationManager(
+        [("blk", [model])], ActivationSettings(policy=policy, min_swap_bytes=0), store=store
+    )
+    mgr.install()
+    with mgr.forward():
+        out = model(x)
+    mgr.backward(out.sum())
+    mgr.close()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
 def test_quarter_budget_within_peak_and_trains_like_keep(store, data):
     """8 blocks, budget 25% of the keep-all peak: the accounted peak stays within it, and three
     SGD steps give the losses and weights of keeping everything."""

@@ -259,11 +259,13 @@ def analytic_profile(
         # pieces: ln_1 (its input), attn (its input, q/k/v, the attention output and statistics:
         # recomputed without the cache, so no copies of k and v; keeps q/k/v, the output and
         # c_proj's), ln_2, mlp (its input, c_fc's output and what the activation function saves
-        # at the inner width; keeps c_fc's and c_proj's outputs)
+        # at the inner width; keeps c_fc's and c_proj's outputs). The attention's and the MLP's
+        # inputs are the norms' outputs: no checkpoint of their own, the norm runs again from
+        # its own (runtime/activations/recompute.py, Note on derived checkpoints)
         lse, x = 2 * b * s * heads * eb, t * d * eb
         norm = (x, x, 0, 0)
-        pieces = (norm, (5 * x + lse, x, 5 * x + lse, x), norm,
-                  (x + wide * t * inner * eb, x, x + t * inner * eb, x))  # fmt: skip
+        pieces = (norm, (5 * x + lse, 0, 5 * x + lse, x), norm,
+                  (x + wide * t * inner * eb, 0, x + t * inner * eb, x))  # fmt: skip
         units += [
             UnitProfile(f"transformer.h.{i}", block_numel, 2 * t * lin + 4 * b * s * s * d,
                         2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb,
@@ -296,12 +298,13 @@ def analytic_profile(
         # pieces: the two norms (2 x width each), self_attn (its input, rotated q/k, v, the output
         # and statistics; keeps q/k/v's projections, the output and o_proj's: q/k's projections
         # and o_proj's are not saved otherwise), mlp (its input, gate, up, their activation and
-        # product; keeps gate, up and down's outputs)
+        # product; keeps gate, up and down's outputs); the attention's and the MLP's inputs are
+        # the norms' outputs, derived again (as for GPT-2 above)
         x, q, k, f = t * d * eb, t * heads * hd * eb, t * kv * hd * eb, t * ff * eb
         lse = 2 * b * s * heads * eb
         norm = (2 * x, x, 0, 0)
-        pieces = (norm, (x + 2 * q + 2 * k + lse, x, 2 * q + 2 * k + lse + x, q + k + x), norm,
-                  (x + 4 * f, x, 2 * f + x, x))  # fmt: skip
+        pieces = (norm, (x + 2 * q + 2 * k + lse, 0, 2 * q + 2 * k + lse + x, q + k + x), norm,
+                  (x + 4 * f, 0, 2 * f + x, x))  # fmt: skip
         units += [
             UnitProfile(f"model.layers.{i}", block_numel, 2 * t * lin + attn_flops, 2 * (2 * t * lin + attn_flops),
                         act_elems * eb, t * d * eb, partial_bytes=sum(p[2] for p in pieces),

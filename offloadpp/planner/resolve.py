@@ -529,8 +529,11 @@ def load_saved_plan(settings: Settings) -> Optional[tuple[Plan, Optional[StepEst
 
 
 def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
-    """The plan with each unit's saved and checkpoint bytes from the model profile (printout)."""
-    sizes = {a.name: (a.saved, a.inputs, a.partial, a.partial_extra) for a in act_units(model)}
+    """The plan with each unit's saved and checkpoint bytes from the model profile (printout);
+    a partial unit's kept bytes count its pieces' checkpoints beyond its own inputs (the second
+    norm's: what it moves is inputs + kept)."""
+    sizes = {a.name: (a.saved, a.inputs, a.partial + a.partial_inputs - a.inputs if a.partial else 0, a.partial_extra)
+             for a in act_units(model)}  # fmt: skip
     return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0, 0, 0)) for u in plan.units))
 
 

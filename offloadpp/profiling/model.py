@@ -112,6 +112,7 @@ class ModelProfiler:
         import torch
 
         from offloadpp.runtime.activations.gelu import substitute_gelu
+        from offloadpp.runtime.activations.loss import substitute_loss
         from offloadpp.runtime.partition import find_units, layout_units
 
         self.model, self.batch, self.compute_dtype, self.name = model, batch, compute_dtype, name
@@ -125,6 +126,8 @@ class ModelProfiler:
         # measure what the runtime saves: its GELU saving only its input
         # (offloadpp/runtime/activations/gelu.py)
         self.gelus = substitute_gelu(modules[q] for d in defs for q in d.modules)
+        # and its loss saving the logits only (offloadpp/runtime/activations/loss.py)
+        self.loss = substitute_loss(model)
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.loss_of = loss_fn or (lambda out: out.loss if hasattr(out, "loss") else out[0])
         self.cuda = next(model.parameters()).device.type == "cuda"
@@ -143,10 +146,13 @@ class ModelProfiler:
 
     def close(self) -> None:
         from offloadpp.runtime.activations.gelu import restore_gelu
+        from offloadpp.runtime.activations.loss import restore_loss
 
         self.rec.remove()
         restore_gelu(self.gelus)
         self.gelus = []
+        restore_loss(self.loss)
+        self.loss = None
 
     def _sync(self) -> None:
         if self.cuda:

@@ -31,7 +31,9 @@ done: autograd runs a block's pieces last to first). Backward of the block then 
 piece's saved tensors at a time, not the block's: the MLP's 9 of a GPT-2 block's 16 x width
 values a token (its GELU saving only its input: offloadpp/runtime/activations/gelu.py).
 Operators of the root's own forward outside its children (residual adds) save
-nothing in these blocks; what they save is kept.
+nothing in these blocks; what they save is kept. A piece whose argument is the previous piece's
+output, where that piece is a norm, takes no checkpoint for it: the norm runs again (recompute.py,
+Note on derived checkpoints).
 
 Note: auto. A plan made without a model profile leaves `auto` under a budget: the first forward
 measures the auto units (bytes saved, FLOPs through a dispatch-mode counter) while sending them to
@@ -57,8 +59,18 @@ from torch.utils._pytree import tree_leaves, tree_map
 from offloadpp.planner import ActivationSettings, decide, fmt_bytes
 
 from .gelu import restore_gelu, substitute_gelu
+from .loss import restore_loss, substitute_loss
 from .policy import ActPolicy, UnitActProfile
-from .recompute import CheckpointRef, FlopCounter, OpLog, RecomputeRef, Recorder, Segment, SegState
+from .recompute import (
+    CheckpointRef,
+    DerivedRef,
+    FlopCounter,
+    OpLog,
+    RecomputeRef,
+    Recorder,
+    Segment,
+    SegState,
+)
 from .records import (
     ActivationError,
     ParamIndex,
@@ -188,6 +200,7 @@ class ActivationManager:
         self.swapper = Swapper(self.device, store, key_prefix=key_prefix, host_budget_bytes=None)
         self._handles: list = []
         self._gelus: list[nn.Module] = []
+        self._loss = None
         self._order: list[UnitActivations] = []
         self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
         self._stack: list[tuple[UnitActivations, Optional[Segment]]] = []
@@ -228,6 +241,8 @@ class ActivationManager:
     def install(self) -> None:
         # GELU's formula saving only its input (gelu.py's Note); undone by remove()
         self._gelus = substitute_gelu(m for u in self.units for m in u.roots)
+        # the loss saving the logits only (offloadpp/runtime/activations/loss.py)
+        self._loss = substitute_loss(self._model)
         for u in self.units:
             for m in u.roots:
                 self._handles.append(
@@ -246,6 +261,8 @@ class ActivationManager:
         self._handles.clear()
         restore_gelu(self._gelus)
         self._gelus = []
+        restore_loss(self._loss)
+        self._loss = None
 
     @contextlib.contextmanager
     def forward(self):
@@ -291,6 +308,11 @@ class ActivationManager:
 
     def _open_segment(self, unit: UnitActivations, module, args, kwargs) -> Segment:
         first = len(unit.records)
+        if unit.policy.partial and unit.segments:  # the previous piece's output, derived again
+            prev = unit.segments[-1]
+            args, kwargs = tree_map(
+                lambda x: DerivedRef(prev, x.requires_grad) if prev.derives(x) else x, (args, kwargs)
+            )
         if unit.policy.checkpoint is not None:  # the inputs leave the device as swapped records
             args, kwargs = tree_map(functools.partial(self._checkpoint, unit), (args, kwargs))
             inputs = 0  # (the records account their bytes)
@@ -309,12 +331,12 @@ class ActivationManager:
             self._recorders.append(recorder)
         return seg
 
-    def _close_segment(self, seg: Segment) -> None:
+    def _close_segment(self, seg: Segment, output=None) -> None:
         if seg.log is not None:
             recorder = self._recorders.pop()
             recorder.__exit__(None, None, None)
             recorder.check()
-        seg.close()
+        seg.close(output)
 
     def _piece_pre(self, unit: UnitActivations, module, args, kwargs):
         """A child of a partial unit's root: one piece, its own segment (see the Note on pieces)."""
@@ -330,7 +352,7 @@ class ActivationManager:
         if seg is None or seg.fn != module.forward:
             return None
         self._stack.pop()
-        self._close_segment(seg)
+        self._close_segment(seg, output)
         return None
 
     def _post(self, unit: UnitActivations, module, args, output):
@@ -371,6 +393,9 @@ class ActivationManager:
             t = self._unpack_saved(x, enter=False)
             ckpt.append(t)
             return t
+        if type(x) is DerivedRef:  # (not in ckpt: no record counts it, the recompute's bytes do)
+            t = x.seg.output_again(self._peek)
+            return t.requires_grad_(x.requires_grad) if x.requires_grad else t
         if type(x) is not CheckpointRef:
             return x
         # (not entering the backward of the unit that saved the storage first: arguments such as
@@ -379,6 +404,21 @@ class ActivationManager:
         t = self._unpack_saved(x.ref, enter=False)
         ckpt.append(t)
         return t.detach().requires_grad_(x.requires_grad) if x.requires_grad else t
+
+    def _peek(self, x):
+        """An argument of a piece run again to derive the next piece's (see the Note on derived
+        checkpoints in recompute.py): a swapped checkpoint is brought back and read, not
+        unpacked (the piece's own recompute unpacks it later in backward)."""
+        if type(x) is DerivedRef:
+            return x.seg.output_again(self._peek)
+        if type(x) is not CheckpointRef:
+            return x
+        rec = x.ref.rec
+        if rec.state is RecState.RELEASED:
+            raise ActivationError(f"unit {rec.owner!r}: a checkpoint was read after backward released it")
+        if rec.state is not RecState.READY and rec.state is not RecState.DEVICE:
+            self.swapper.wait_ready(rec)
+        return x.ref.view()
 
     # ---- pack / unpack -------------------------------------------------------------------
     def pack(self, t: torch.Tensor):

@@ -29,6 +29,16 @@ record) instead of running the operator, a random operator runs again from its o
 run. Dropout masks are therefore the forward's, bit for bit, without keeping them. A kept output changed in place before the unit's forward ended would be replayed
 with the wrong bytes: the version counters are checked when the forward ends (and raise).
 
+Note: derived checkpoints. A piece's tensor argument that is the output of the piece just before
+it, where that piece ran no kept and no random operator (a norm: its Segment logged nothing), is
+neither kept nor moved: the argument becomes a DerivedRef, and the recompute gets it by running
+that piece's forward again, without grad, from its own checkpoint (which its own recompute, later
+in backward, still needs, so it is read without being unpacked), and only while it is unchanged
+(its version counter: a root that changes it in place before the next piece keeps it as a
+checkpoint). A transformer block's attention
+and MLP take the two norms' outputs: a GPT-2 block moves 12 x width values a token, not 14. The
+norm runs the same operators on the same bytes, so the argument is the forward's, bit for bit.
+
 Note: KV caches. Hugging Face models hand each block a cache object (even in training) that the
 block appends its keys and values to: running the block again would append them twice and
 change the cache the caller gets back. The recompute therefore passes None for a cache argument
@@ -41,6 +51,7 @@ against the forward's, so that case raises instead of computing wrong gradients.
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -76,6 +87,17 @@ class CheckpointRef:
 
     def __init__(self, ref, requires_grad: bool):
         self.ref = ref
+        self.requires_grad = requires_grad
+
+
+class DerivedRef:
+    """A piece's argument while it is the previous piece's output (see the Note on derived
+    checkpoints): that piece's Segment, and whether the argument required grad."""
+
+    __slots__ = ("seg", "requires_grad")
+
+    def __init__(self, seg: Segment, requires_grad: bool):
+        self.seg = seg
         self.requires_grad = requires_grad
 
 
@@ -220,6 +242,9 @@ class Segment:
         self.recomputed_bytes = 0  # accounted from the recompute until DONE
         self.log: Optional[OpLog] = None  # partial: the forward's operators (see the Note on partial)
         self.first_record = 0  # the unit's records from this index on were made in or after this segment
+        # a piece's output tensor (see the Note on derived checkpoints)
+        self.output: Optional[weakref.ref] = None
+        self.output_version = -1
         self.state = SegState.RECORDING
 
     def pack(self, t: torch.Tensor) -> RecomputeRef:
@@ -227,8 +252,40 @@ class Segment:
         self.count += 1
         return ref
 
-    def close(self) -> None:
+    def close(self, output: Any = None) -> None:
         self.state = SegState.SAVED
+        self.output = weakref.ref(output) if isinstance(output, torch.Tensor) else None
+        self.output_version = output._version if isinstance(output, torch.Tensor) else -1
+
+    def derives(self, x: Any) -> bool:
+        """x is this closed piece's output, and the piece ran no kept nor random operator: the
+        next piece's argument x can be derived (see the Note on derived checkpoints)."""
+        return (
+            self.state is SegState.SAVED
+            and self.output is not None
+            and self.output() is x
+            and x._version == self.output_version  # (not changed in place since)
+            and self.log is not None
+            and not self.log.ops
+        )
+
+    def output_again(self, restore: Callable) -> torch.Tensor:
+        """Its forward run again without grad, from its arguments (restore: an argument leaf ->
+        the tensor it stands for): a derived argument of the next piece."""
+        if self.state is not SegState.SAVED:
+            raise ActivationError(
+                f"unit {self.unit!r}: a piece's argument was derived after the piece before it was recomputed"
+            )
+        args, kwargs = tree_map(restore, (self.args, self.kwargs))
+        ctxs = [torch.autocast(dt, dtype=dtype, enabled=on) for dt, on, dtype in self.autocast]
+        with torch.no_grad():
+            for c in ctxs:
+                c.__enter__()
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                for c in reversed(ctxs):
+                    c.__exit__(None, None, None)
 
     def recompute(
         self, measure: Callable[[list[torch.Tensor]], int], restore: Optional[Callable] = None
@@ -315,6 +372,7 @@ class Segment:
         self.tensors = None
         self.args = self.kwargs = None
         self.log = None
+        self.output = None
         self.state = SegState.DONE
 
 
