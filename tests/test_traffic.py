@@ -33,6 +33,14 @@ def test_the_kinds_of_a_units_arrays():
     assert "| total | 5 B | 5 B |" in traffic.table(t)
 
 
+def test_a_table_has_as_many_cells_in_each_row_as_its_header():
+    # the plan printout (no cost model's figure beside) printed 5 cells under a 3-cell header
+    t = traffic.tally([("weights", False, 5), ("gradients", True, 3)])
+    for predicted, cells in (((), 3), (t, 5)):
+        rows = traffic.table(t, predicted).splitlines()
+        assert {r.count("|") - 1 for r in rows} == {cells}
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_estimate_splits_its_bytes_by_kind(dtype):
     m = model()

@@ -73,13 +73,15 @@ def describe(by_kind: ByKind) -> str:
 def table(measured: ByKind, predicted: ByKind = ()) -> str:
     """A Markdown table of a step's SSD bytes by kind, the cost model's beside where given."""
     pred = {k: (r, w) for k, r, w in predicted}
-    head = "| SSD bytes per step | read | written |" + (" cost model read | written |" if pred else "")
-    lines = [head, "|---" * (3 + 2 * bool(pred)) + "|"]
+    # decided before "total" goes into pred: a table without a cost model's figure has 3 columns
+    with_pred = bool(pred)
+    head = "| SSD bytes per step | read | written |" + (" cost model read | written |" if with_pred else "")
+    lines = [head, "|---" * (3 + 2 * with_pred) + "|"]
     rows = list(measured) + [("total", sum(r for _, r, _ in measured), sum(w for _, _, w in measured))]
-    pred["total"] = (sum(r for r, _ in pred.values()), sum(w for _, w in pred.values())) if pred else (0, 0)
+    pred["total"] = (sum(r for r, _ in pred.values()), sum(w for _, w in pred.values()))
     for k, r, w in rows:
         line = f"| {k} | {fmt_bytes(r)} | {fmt_bytes(w)} |"
-        if pred:
+        if with_pred:
             pr, pw = pred.get(k, (0, 0))
             line += f" {fmt_bytes(pr)} | {fmt_bytes(pw)} |"
         lines.append(line)
