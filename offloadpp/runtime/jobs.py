@@ -124,9 +124,8 @@ def _seal_of(job: _Job, crcs: Optional[StateCrcs], slot: Slot) -> Optional[int]:
 
 
 def put(slot: Slot, generation: int, buf: torch.Tensor, crc: Optional[int]):
-    """The write of a slot's buffer (its kind tag: slots.tagged), sealed with `crc` if given."""
-    if crc is None:
-        return slot.store.put(slot.key_of(generation), buf)
+    """The write of a slot's buffer (its kind tag: slots.tagged), sealed with `crc` if given
+    (None: the store checksums it itself)."""
     return slot.store.put(slot.key_of(generation), buf, crc=crc)
 
 
