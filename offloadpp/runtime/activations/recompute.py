@@ -50,6 +50,7 @@ against the forward's, so that case raises instead of computing wrong gradients.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
 from typing import Any, Callable, Optional
@@ -277,15 +278,14 @@ class Segment:
                 f"unit {self.unit!r}: a piece's argument was derived after the piece before it was recomputed"
             )
         args, kwargs = tree_map(restore, (self.args, self.kwargs))
-        ctxs = [torch.autocast(dt, dtype=dtype, enabled=on) for dt, on, dtype in self.autocast]
-        with torch.no_grad():
-            for c in ctxs:
-                c.__enter__()
-            try:
-                return self.fn(*args, **kwargs)
-            finally:
-                for c in reversed(ctxs):
-                    c.__exit__(None, None, None)
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for c in self._autocasts():
+                stack.enter_context(c)
+            return self.fn(*args, **kwargs)
+
+    def _autocasts(self) -> list:
+        """The forward's autocast state, as contexts to run its piece again under."""
+        return [torch.autocast(dt, dtype=dtype, enabled=on) for dt, on, dtype in self.autocast]
 
     def recompute(
         self, measure: Callable[[list[torch.Tensor]], int], restore: Optional[Callable] = None
@@ -312,7 +312,7 @@ class Segment:
             if self.rng_cuda is not None:
                 torch.cuda.set_rng_state(self.rng_cuda, self.device)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(collect, never):
-                ctxs = [torch.autocast(dt, dtype=dtype, enabled=on) for dt, on, dtype in self.autocast]
+                ctxs = self._autocasts()
                 if self.log is not None:
                     ctxs.append(Replayer(self.unit, self.log, restore or (lambda x: x)))
                 for c in ctxs:
