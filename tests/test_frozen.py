@@ -100,6 +100,23 @@ def train(eng, xs):
     return reports
 
 
+def train_beside(ref, opt, eng, xs):
+    """The same batches through torch (ref, opt) and the engine; the engine's step reports."""
+    reports = []
+    for x in xs:
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+        eng.backward(eng(x))
+        reports.append(eng.step())
+    return reports
+
+
+def worst_relative(sd, want) -> float:
+    """The largest difference of the engine's state dict from torch's, relative to each tensor's size."""
+    return max(((sd[k].float() - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
+
+
 def test_layout_splits_frozen_parameters_into_their_own_segment():
     from offloadpp.runtime.partition import find_units, layout_units
 
@@ -138,16 +155,9 @@ def test_frozen_parameters_train_like_adamw_and_are_never_written(tmp_path, wher
         before = frozen_files(tmp_path)
         if where == "ssd":
             assert len(before) == 4  # blocks.0, blocks.1, blocks.2, inp
-        reports = []
-        for x in data(6):
-            ref(x).backward()
-            opt.step()
-            opt.zero_grad()
-            eng.backward(eng(x))
-            reports.append(eng.step())
+        reports = train_beside(ref, opt, eng, data(6))
         sd, want = eng.module.state_dict(), ref.state_dict()
-        worst = max(((sd[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
-        assert worst < 1e-5
+        assert worst_relative(sd, want) < 1e-5
         for name, p in ref.named_parameters():
             assert torch.equal(sd[name], init[name]) == (not p.requires_grad), name
         assert frozen_files(tmp_path) == before
@@ -196,15 +206,9 @@ def test_a_bf16_base_under_fp32_compute_stays_bf16_and_trains_exactly(tmp_path, 
         if where == "ssd":
             assert sum(len(b) for b in before.values()) <= eng.plan.frozen_ssd_bytes() + 4 * 4096
             assert eng.plan.frozen_ssd_bytes() == sum(flat_numel(u.frozen_numel) * 2 for u in eng.units)
-        for x in data(4):
-            ref(x).backward()
-            opt.step()
-            opt.zero_grad()
-            eng.backward(eng(x))
-            eng.step()
+        train_beside(ref, opt, eng, data(4))
         sd, want = eng.module.state_dict(), ref.state_dict()
-        worst = max(((sd[k].float() - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
-        assert worst < 1e-5
+        assert worst_relative(sd, want) < 1e-5
         for name, p in ref.named_parameters():
             if not p.requires_grad:
                 assert sd[name].dtype == torch.bfloat16 and torch.equal(sd[name], init[name]), name
@@ -414,7 +418,7 @@ def test_frozen_parameters_with_accumulation_and_clipping(tmp_path, accum, clip)
             opt.step()
             opt.zero_grad()
         sd, want = eng.module.state_dict(), ref.state_dict()
-        assert max(((sd[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want) < 1e-5
+        assert worst_relative(sd, want) < 1e-5
         for name, p in ref.named_parameters():
             assert torch.equal(sd[name], init[name]) == (not p.requires_grad), name
     finally:
