@@ -65,6 +65,21 @@ class Profiled(Protocol):
     units: Sequence
 
 
+# The fused causal-LM loss (runtime/activations/loss.py, Note on the fused head): the logits are
+# computed, and in backward their gradient taken and applied to the head's matmul, this many
+# elements (rows x vocabulary) at a time; while it runs it holds about this many bytes per element
+# of a chunk (the chunk's logits in the compute dtype and in fp32, its log-softmax, its gradient in
+# fp32 and in the compute dtype). Nothing of the size of the whole logits exists but the logits
+# the head keeps for backward, where its policy keeps them.
+LOSS_CHUNK_ELEMS = 1 << 24
+LOSS_WORKSPACE_BYTES_PER_ELEM = 24
+
+
+def loss_workspace_bytes(rows: int, vocab: int) -> int:
+    """Device bytes the fused loss holds at once besides what it saves (see LOSS_CHUNK_ELEMS)."""
+    return min(rows * vocab, max(vocab, LOSS_CHUNK_ELEMS)) * LOSS_WORKSPACE_BYTES_PER_ELEM
+
+
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
             "partial_ssd")  # fmt: skip
 MIXES = (0.25, 0.5, 0.75)
@@ -433,6 +448,7 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
     return out
 
 
-__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "PARTIAL", "POLICIES", "SWAPPING", "act_units",
+__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "LOSS_CHUNK_ELEMS", "LOSS_WORKSPACE_BYTES_PER_ELEM",
+           "PARTIAL", "POLICIES", "SWAPPING", "act_units", "loss_workspace_bytes",
            "backward_bytes", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip
