@@ -36,6 +36,19 @@ partial unit's backward holds saved(j) + partial_extra(j).
 Prefetching further units is done only within the budget (the runtime's rule), so it does not
 add to the need. Swapping everything gives the least need: the largest unit's saved bytes.
 
+Note: the head's loss. A causal LM's head saves the final norm's output (the loss's input) and
+the logits, tokens x vocabulary: at GPT-3 13B micro-batch 128 in 16-bit 12.3 GiB, most of a
+4090's activation budget. With the runtime's fused head and loss (ActivationSettings.fused_loss,
+runtime/activations/loss.py) the logits are made chunk by chunk and their gradient is never whole,
+so the head's backward holds what it saved (and a chunk's temporaries, see LOSS_CHUNK_ELEMS); a head whose
+policy recomputes keeps (or swaps) its checkpoint and the loss's input and computes the logits
+again chunk by chunk in backward (the head's forward FLOPs again): it holds 2 x width a token
+from its forward to its backward, not width + vocabulary. The model's own loss instead holds the
+logits' whole gradient beside them in backward (`grad`). The candidates are made twice where a
+fused head is free to choose and its logits are a large share of the room (HEAD_TWIN_SHARE): as
+below, and with the head recomputing, its checkpoint pinned (it is the last unit of forward and
+the first of backward: its checkpoint would come straight back).
+
 Note: the candidates (`candidates`). When keeping everything does not fit the room a placement
 leaves, units are ranked by forward FLOPs per saved byte, lowest first (the paper's rule: the
 cheapest to recompute per byte freed, and the hardest to hide a swap behind; among equals the
@@ -54,7 +67,7 @@ host memory is the device's own; SSD is tried on CUDA too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Protocol, Sequence
 
 
@@ -65,24 +78,24 @@ class Profiled(Protocol):
     units: Sequence
 
 
-# The fused causal-LM loss (runtime/activations/loss.py, Note on the fused head): the logits are
-# computed, and in backward their gradient taken and applied to the head's matmul, this many
-# elements (rows x vocabulary) at a time; while it runs it holds about this many bytes per element
-# of a chunk (the chunk's logits in the compute dtype and in fp32, its log-softmax, its gradient in
-# fp32 and in the compute dtype). Nothing of the size of the whole logits exists but the logits
-# the head keeps for backward, where its policy keeps them.
+# The fused causal-LM loss (runtime/activations/loss.py) computes the logits, and in backward their
+# gradient and its products with the head's weight and input, this many elements (rows x
+# vocabulary) at a time: nothing of the size of the whole logits exists but the logits the head
+# keeps for backward where its policy keeps them. A chunk's temporaries (its logits in fp32, their
+# log-softmax and gradient: about 20 B an element, 320 MiB at most) are an operator's working
+# memory, which the need counts for no operator (a block's MLP makes 4 x width a token).
 LOSS_CHUNK_ELEMS = 1 << 24
-LOSS_WORKSPACE_BYTES_PER_ELEM = 24
-
-
-def loss_workspace_bytes(rows: int, vocab: int) -> int:
-    """Device bytes the fused loss holds at once besides what it saves (see LOSS_CHUNK_ELEMS)."""
-    return min(rows * vocab, max(vocab, LOSS_CHUNK_ELEMS)) * LOSS_WORKSPACE_BYTES_PER_ELEM
 
 
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
             "partial_ssd")  # fmt: skip
 MIXES = (0.25, 0.5, 0.75)
+# the candidates are made again with a fused head recomputing (see the Note on the head's loss)
+# where its logits take at least this share of the room: below it the logits free too little
+# to pay for the head's forward again, and each twin costs a replay (paper sweep, 13B fp16: at
+# micro-batch 8-64, logits 5-40% of the room, the twin never won; at 128, 80%, it did; twinning
+# every batch made planning 1.6x slower)
+HEAD_TWIN_SHARE = 0.25
 # nothing of the unit stays on the device between its forward and its backward
 SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd"))
 CHECKPOINT_SWAPS = {
@@ -117,24 +130,41 @@ class ActUnit:
     # a partial unit's pieces (the children of its root), forward order: (saved, inputs, partial,
     # partial_extra) each; () where it is one piece
     pieces: tuple[tuple[int, int, int, int], ...] = ()
+    # a causal LM's head (see the Note on the head's loss): of `saved`, the logits a recompute
+    # computes again chunk by chunk, and the loss's input, kept beside the checkpoint; the
+    # logits' gradient its backward holds whole (the model's own loss, not fused); 0 elsewhere
+    logits: int = 0
+    loss_input: int = 0
+    grad: int = 0
 
     @property
     def partial_inputs(self) -> int:
         """A partial unit's checkpoints: every piece's inputs."""
         return sum(p[1] for p in self.pieces) if self.pieces else self.inputs
 
+    @property
+    def checkpoint(self) -> int:
+        """What a recomputing unit holds or moves between its forward and its backward: its
+        inputs, and a fused head's loss input."""
+        return self.inputs + self.loss_input
+
     def moved(self, policy: str) -> int:
         """Bytes that leave the device between its forward and its backward (swapping policies)."""
         if policy in PARTIAL:
             return self.partial_inputs + self.partial
-        return self.inputs if recomputes(policy) else self.saved
+        return self.checkpoint if recomputes(policy) else self.saved
+
+    def recomputed(self) -> int:
+        """What a (whole) recompute holds once it ran: all the unit saved, its inputs among them,
+        but a fused head's logits, which come one chunk at a time."""
+        return max(self.saved - self.logits, self.checkpoint)
 
 
 def held_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit holds from its forward to its backward."""
     if policy == "partial":
         return u.partial_inputs + u.partial
-    return u.saved if policy == "keep" else u.inputs if policy == "recompute" else 0
+    return u.saved if policy == "keep" else u.checkpoint if policy == "recompute" else 0
 
 
 def backward_bytes(u: ActUnit, policy: str) -> int:
@@ -151,7 +181,7 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
         return max(piece_peaks(u, policy))
     if policy in PARTIAL:
         return max(u.saved, u.inputs) + u.partial_extra
-    return max(u.saved, u.inputs) if recomputes(policy) else u.saved
+    return (u.recomputed() if recomputes(policy) else u.saved) + u.grad
 
 
 def piece_peaks(u: ActUnit, policy: str) -> list[int]:
@@ -174,7 +204,7 @@ def forward_bytes(u: ActUnit, policy: str) -> int:
         return max(p[1] + p[2] for p in u.pieces)
     if policy in PARTIAL:
         return u.moved(policy)
-    return u.inputs if recomputes(policy) else u.saved
+    return u.checkpoint if recomputes(policy) else u.saved
 
 
 def peak_bytes_at(u: ActUnit, policy: str) -> int:
@@ -194,7 +224,7 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
         out[{"partial": "kept", "partial_host": "host", "partial_ssd": "ssd"}[policy]] = u.moved(policy)
     elif recomputes(policy):
         out["recomputed"] = u.saved
-        out[{"recompute": "kept", "recompute_host": "host", "recompute_ssd": "ssd"}[policy]] = u.inputs
+        out[{"recompute": "kept", "recompute_host": "host", "recompute_ssd": "ssd"}[policy]] = u.checkpoint
     else:
         out[{"keep": "kept", "host": "host", "ssd": "ssd"}[policy]] = u.saved
     return out
@@ -204,8 +234,10 @@ def act_units(model: Profiled) -> tuple[ActUnit, ...]:
     """The model's units as the activation accounting sees them, in forward order."""
     out, prev = [], 0
     for u in model.units:
+        loss = ({"logits": u.logits_bytes, "loss_input": u.loss_input_bytes} if u.fused_loss
+                else {"grad": u.logits_bytes})  # fmt: skip
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
-                           u.partial_bytes, u.partial_extra_bytes, u.pieces))  # fmt: skip
+                           u.partial_bytes, u.partial_extra_bytes, u.pieces, **loss))  # fmt: skip
         prev = u.output_bytes
     return tuple(out)
 
@@ -275,6 +307,8 @@ class ActPlanner:
         def least_of(u: ActUnit) -> str:
             if u.can_recompute and 0 < u.partial < u.saved:
                 return min(("ssd", "partial_ssd"), key=lambda p: peak_bytes_at(u, p))
+            if u.can_recompute and u.logits:
+                return min(("ssd", "recompute_ssd"), key=lambda p: peak_bytes_at(u, p))
             return "ssd"
 
         return self._choice("swap all", {u.name: least_of(u) for u in self.free})
@@ -374,6 +408,22 @@ class ActPlanner:
         return out
 
     def _candidates(self, room: int) -> tuple[ActChoice, ...]:
+        found = self._family(room)
+        heads = {
+            u.name: "recompute" for u in self.free if u.can_recompute and u.logits >= HEAD_TWIN_SHARE * room
+        }
+        if heads:  # (see the Note on the head's loss)
+            twin = ActPlanner(self.units, {**self.fixed, **heads}, device=self.device, host_bytes=self.host_bytes,
+                              mixes=self.mixes)  # fmt: skip
+            found += [replace(c, label=f"{c.label}, head recomputed") for c in twin._family(room)]
+        seen, out = set(), []
+        for c in found:
+            if c.need_bytes <= room and c.policies not in seen:
+                seen.add(c.policies)
+                out.append(c)
+        return tuple(out)
+
+    def _family(self, room: int) -> list[ActChoice]:
         ranked = self._ranked()
         found: list[ActChoice] = []
         rec: dict[str, str] = {}
@@ -431,12 +481,7 @@ class ActPlanner:
                                                frozenset(("partial_ssd",)), "partial")  # fmt: skip
                 found.append(self._choice(f"partial {frac:.0%}, recompute the rest with checkpoints to {swaps[0]}",
                                           self._swap_to(self._pin_what_fits(kept, room), swaps[0])))  # fmt: skip
-        seen, out = set(), []
-        for c in found:
-            if c.need_bytes <= room and c.policies not in seen:
-                seen.add(c.policies)
-                out.append(c)
-        return tuple(out)
+        return found
 
 
 def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]:
@@ -448,7 +493,7 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
     return out
 
 
-__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "LOSS_CHUNK_ELEMS", "LOSS_WORKSPACE_BYTES_PER_ELEM",
-           "PARTIAL", "POLICIES", "SWAPPING", "act_units", "loss_workspace_bytes",
+__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "LOSS_CHUNK_ELEMS", "PARTIAL",
+           "POLICIES", "SWAPPING", "act_units",
            "backward_bytes", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

@@ -52,10 +52,18 @@ class UnitProfile:
     backward_s: Optional[float] = None
     frozen_numel: int = 0  # frozen parameters owned, apart from numel (UnitSpec.frozen_numel)
     frozen_dtype: Optional[str] = None  # their 16-bit dtype where they have one (UnitSpec.frozen_dtype)
+    # a causal LM's head (analytic profiles): of activation_bytes, the logits its loss reads and
+    # the loss's input (the final norm's output, in the compute dtype); fused_loss: the runtime's fused
+    # head and loss run it (ActivationSettings.fused_loss), so a recomputing head computes its
+    # logits again chunk by chunk and no backward holds their whole gradient; else the model's
+    # own loss, whose backward holds the logits' gradient beside them. 0: not a causal-LM head
+    logits_bytes: int = 0
+    loss_input_bytes: int = 0
+    fused_loss: bool = True
 
     def __post_init__(self) -> None:
         for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
-                     "partial_extra_bytes", "frozen_numel"):  # fmt: skip
+                     "partial_extra_bytes", "frozen_numel", "logits_bytes", "loss_input_bytes"):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be an int >= 0, got {v!r}")
@@ -127,6 +135,12 @@ class ModelProfile:
                     borrows=tuple(u.borrows), backward_needs_weights=u.backward_needs_weights)
             for p, u in zip(self.units, units)
         ))  # fmt: skip
+
+    def with_fused_loss(self, fused: bool) -> ModelProfile:
+        """This profile with its head's loss fused or not (ActivationSettings.fused_loss)."""
+        if all(u.fused_loss == fused for u in self.units):
+            return self
+        return replace(self, units=tuple(replace(u, fused_loss=fused) for u in self.units))
 
     def unit(self, name: str) -> UnitProfile:
         for u in self.units:
@@ -222,6 +236,11 @@ def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     raise ModelProfileError(f"model config lacks {names[0]!r} (also looked for {list(names[1:])})")
 
 
+def _loss_bytes(tokens: int, width: int, vocab: int, eb: int) -> dict[str, int]:
+    """A causal-LM head's loss fields (UnitProfile.logits_bytes and friends)."""
+    return {"logits_bytes": tokens * vocab * eb, "loss_input_bytes": tokens * width * eb}
+
+
 def analytic_profile(
     config: Mapping[str, Any], *, micro_batch: int, seq_len: int, compute_dtype: str = "fp32", name: str = ""
 ) -> ModelProfile:
@@ -274,8 +293,10 @@ def analytic_profile(
             for i in range(n_layer)
         ]  # fmt: skip
         head_numel = 2 * d + (0 if tied else vocab * d)
+        # saved: ln_f's input, its output (the loss's input) and the logits (runtime/activations/loss.py)
         units.append(UnitProfile("head", head_numel, 2 * t * d * vocab, 4 * t * d * vocab,
-                                 (2 * t * d + t * vocab) * eb, t * vocab * eb, ("embed",) if tied else ()))  # fmt: skip
+                                 (2 * t * d + t * vocab) * eb, t * vocab * eb, ("embed",) if tied else (),
+                                 **_loss_bytes(t, d, vocab, eb)))  # fmt: skip
         gemms = ((t, d, 3 * d), (t, d, d), (t, d, inner), (t, inner, d), (t, d, vocab))
     elif mtype in ("llama", "qwen2", "mistral"):
         d = int(_get(config, "hidden_size"))
@@ -312,7 +333,8 @@ def analytic_profile(
             for i in range(n_layer)
         ]  # fmt: skip
         units.append(UnitProfile("head", d + (0 if tied else vocab * d), 2 * t * d * vocab, 4 * t * d * vocab,
-                                 (3 * t * d + t * vocab) * eb, t * vocab * eb, ("embed",) if tied else ()))  # fmt: skip
+                                 (3 * t * d + t * vocab) * eb, t * vocab * eb, ("embed",) if tied else (),
+                                 **_loss_bytes(t, d, vocab, eb)))  # fmt: skip
         gemms = ((t, d, heads * hd), (t, d, kv * hd), (t, d, ff), (t, ff, d), (t, d, vocab))
     else:
         raise ModelProfileError(

@@ -211,6 +211,7 @@ def resolve(
     settings = settings.model_copy(update={"adam_threads": adam_threads(settings, machine.cores)})
     if model is not None:
         _check_units(model, units)
+        model = model.with_fused_loss(settings.activations.fused_loss)
     budgets, settings = _budgets(settings, units, machine, model)
     try:
         plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved)
@@ -532,7 +533,7 @@ def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
     """The plan with each unit's saved and checkpoint bytes from the model profile (printout);
     a partial unit's kept bytes count its pieces' checkpoints beyond its own inputs (the second
     norm's: what it moves is inputs + kept)."""
-    sizes = {a.name: (a.saved, a.inputs, a.partial + a.partial_inputs - a.inputs if a.partial else 0, a.partial_extra)
+    sizes = {a.name: (a.saved, a.checkpoint, a.partial + a.partial_inputs - a.inputs if a.partial else 0, a.partial_extra)
              for a in act_units(model)}  # fmt: skip
     return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0, 0, 0)) for u in plan.units))
 

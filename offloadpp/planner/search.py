@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .activations import ActChoice, ActPlanner, act_units, fixed_policies
+from .activations import ActChoice, ActPlanner, act_units, fixed_policies, peak_bytes_at
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .default import plan_shape, streaming_plan
 from .fills import _placements
@@ -347,10 +347,13 @@ def _raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, 
         msg = (f"the device budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(b.device_bytes)}, "
                f"streaming with prefetch depth {smallest.prefetch_depth} needs {fmt_bytes(dev0)} of buffers")  # fmt: skip
         if least is not None:
-            top = max(acts.units, key=lambda u: u.saved)
+            # the unit that holds the most at once under that choice (a head's logits and their
+            # gradient can pass a block's saved bytes: planner/activations.py, Note on the head's loss)
+            pol = least.as_dict()
+            top = max(acts.units, key=lambda u: peak_bytes_at(u, pol[u.name]))
             msg += (f" and the saved activations at least {fmt_bytes(act_need)} at micro-batch {model.micro_batch} "
                     f"(every unit swapped that can be, partial where a piece at a time holds less; the largest, "
-                    f"{top.name!r}, saves {fmt_bytes(top.saved)})")  # fmt: skip
+                    f"{top.name!r}, holds {fmt_bytes(peak_bytes_at(top, pol[top.name]))} at once)")  # fmt: skip
             if req.budgets.activation_bytes is not None and act_need > req.act_cap:
                 msg += f", above the activation budget of {fmt_bytes(req.act_cap)}"
             # activations grow with the micro-batch (tokens), the buffers do not

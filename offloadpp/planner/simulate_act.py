@@ -256,6 +256,8 @@ class ActReplay:
         u = self.units.get(unit)
         if u is not None and self.policy(unit) in PARTIAL:  # (piece by piece: backward_bytes)
             return backward_bytes(u, self.policy(unit))
+        if u is not None:  # (a fused head's logits come one chunk at a time: ActUnit.recomputed)
+            return u.recomputed()
         return max(self.act_bytes.get(unit, 0), self.inputs.get(unit, 0))
 
     def _piece_bytes(self, unit: str) -> tuple[int, ...]:
@@ -270,7 +272,7 @@ class ActReplay:
         """What a recomputing unit holds (or moves) between its forward and its backward: its
         inputs, and a partial unit's kept outputs (its pieces' inputs)."""
         u = self.units.get(unit)
-        if u is not None and self.policy(unit) in PARTIAL:
+        if u is not None:  # (a fused head's: its inputs and the loss's input, ActUnit.checkpoint)
             return u.moved(self.policy(unit))
         return self.inputs.get(unit, 0)
 
