@@ -210,3 +210,23 @@ def test_fused_head_trains_like_torch_adamw(tmp_path, data, monkeypatch, kind, h
                 assert saved == (2 * h if head == "recompute_ssd" else h), saved
         assert got == pytest.approx(want, rel=1e-5)
         assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=lr, steps=len(data)) < 1e-5
+
+
+def test_fused_head_backward_starts_in_the_heads_backward_visit(tmp_path, data, monkeypatch):
+    """The head's backward visit (weights of the next units fetched ahead, the head's records
+    fetched) is entered when backward reaches the fused loss, before its matmuls run, as it was
+    at the logits' gradient before the head was fused; not only once h got its gradient."""
+    from offloadpp.runtime.activations import head as headmod
+
+    fused = headmod.FusedLinearCrossEntropy
+    seen = []
+
+    def backward(ctx, g):
+        seen.append((eng.executor.cursor, eng.activations._bw_unit.name))
+        return original(ctx, g)
+
+    original = fused.backward
+    monkeypatch.setattr(fused, "backward", staticmethod(backward))
+    with assemble_engine(gpt2(n_layer=2), config(tmp_path, policy="keep")) as eng:
+        train(eng, data[:1])
+        assert seen == [(eng.executor.schedule.backward_index["head"], "head")]

@@ -61,14 +61,14 @@ def chunk_rows(vocab: int) -> int:
 
 class _Source:
     """What a placeholder stands for: the head's input, weight and bias, the dtype of its
-    logits, whether the head keeps them for backward, and the scope its saved tensors are made
-    in (the activation manager's: records of the head unit)."""
+    logits, whether the head keeps them for backward, and the FusedHead that made it (its
+    scope and backward callback)."""
 
-    __slots__ = ("h", "weight", "bias", "dtype", "keep", "scope")
+    __slots__ = ("h", "weight", "bias", "dtype", "keep", "head")
 
-    def __init__(self, h, weight, bias, dtype, keep: bool, scope: Callable[[], ContextManager]):
+    def __init__(self, h, weight, bias, dtype, keep: bool, head: FusedHead):
         self.h, self.weight, self.bias = h, weight, bias
-        self.dtype, self.keep, self.scope = dtype, keep, scope
+        self.dtype, self.keep, self.head = dtype, keep, head
 
 
 class LazyLogits(torch.Tensor):
@@ -206,10 +206,21 @@ def fused_loss(logits: LazyLogits, target: torch.Tensor, ignore_index: int, divi
     if src is None or src.h is None:
         raise ActivationError(f"the fused head's logits were used for a loss twice, or are a copy: {_WHY}")
     logits.source = None  # (the placeholder no longer holds h and W)
-    with src.scope():
+    with src.head.scope():
         loss = FusedLinearCrossEntropy.apply(src.h, src.weight, src.bias, target, ignore_index, divisor, src)
     src.h = src.weight = src.bias = None
+    if src.head.on_backward is not None and loss.requires_grad:
+        loss.register_hook(_calling(src.head.on_backward))
     return loss
+
+
+def _calling(fn: Callable[[], None]):
+    """A tensor hook that calls fn() and leaves the gradient as it is."""
+
+    def hook(grad):
+        fn()
+
+    return hook
 
 
 def fusable_head(model: Optional[nn.Module]) -> Optional[nn.Linear]:
@@ -231,12 +242,16 @@ class FusedHead:
 
     scope: the context the loss's saved tensors are made in; keep_logits: whether the head keeps
     its logits for backward (else recomputes them); gate: whether this forward is one to fuse
-    (the activation manager's: inside its forward())."""
+    (the activation manager's: inside its forward()); on_backward: called when backward reaches
+    the loss, before the fused backward runs (where the head's backward starts: the grad hooks on
+    the head's outputs fire only once the fused backward gave h its gradient)."""
 
     def __init__(self, model: nn.Module, linear: nn.Linear, *, scope: Callable[[], ContextManager],
-                 keep_logits: Callable[[], bool], gate: Callable[[], bool] = lambda: True):  # fmt: skip
+                 keep_logits: Callable[[], bool], gate: Callable[[], bool] = lambda: True,
+                 on_backward: Optional[Callable[[], None]] = None):  # fmt: skip
         self.model, self.linear = model, linear
         self.scope, self.keep_logits, self.gate = scope, keep_logits, gate
+        self.on_backward = on_backward
         self.armed = False  # the next call of `linear` in this forward returns a placeholder
         self._handles: list = []
         try:
@@ -286,7 +301,7 @@ class FusedHead:
             return nn.Linear.forward(lin, x)
         self.armed = False  # (one placeholder a forward)
         dtype = compute_dtype(x, lin.weight)
-        src = _Source(x, lin.weight, lin.bias, dtype, self.keep_logits(), self.scope)
+        src = _Source(x, lin.weight, lin.bias, dtype, self.keep_logits(), self)
         return LazyLogits((*x.shape[:-1], lin.out_features), dtype, x.device, src)
 
 

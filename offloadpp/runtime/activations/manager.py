@@ -58,7 +58,7 @@ import functools
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -212,6 +212,8 @@ class ActivationManager:
         self._gelus: list[nn.Module] = []
         self._loss = None
         self._fused: Optional[FusedHead] = None  # the fused head (head.py), where it applies
+        # the runtime's: called with the head unit's name when backward reaches the fused loss
+        self.on_head_backward: Optional[Callable[[str], None]] = None
         self._order: list[UnitActivations] = []
         self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
         # (unit, its open Segment, None, or the policy the fused head's saves take: _head_scope)
@@ -290,8 +292,17 @@ class ActivationManager:
         if owner is None:
             return
         self._fused = FusedHead(self._model, lin, scope=functools.partial(self._head_scope, owner),
-                                keep_logits=lambda: not owner.policy.recomputes, gate=lambda: self._active)  # fmt: skip
+                                keep_logits=lambda: not owner.policy.recomputes, gate=lambda: self._active,
+                                on_backward=functools.partial(self._head_backward, owner))  # fmt: skip
         self._fused.install()
+
+    def _head_backward(self, unit: UnitActivations) -> None:
+        """Backward reached the fused loss: the head's backward starts here (its records are
+        fetched, and the runtime's hook enters its backward visit) as it did at the logits'
+        gradient before the head was fused."""
+        self._enter_backward(unit)
+        if self.on_head_backward is not None:
+            self.on_head_backward(unit.name)
 
     @contextlib.contextmanager
     def _head_scope(self, unit: UnitActivations):
