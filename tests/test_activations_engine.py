@@ -230,3 +230,16 @@ def test_fused_head_backward_starts_in_the_heads_backward_visit(tmp_path, data, 
     with assemble_engine(gpt2(n_layer=2), config(tmp_path, policy="keep")) as eng:
         train(eng, data[:1])
         assert seen == [(eng.executor.schedule.backward_index["head"], "head")]
+
+
+def test_fused_loss_false_under_the_engine_gives_the_logits(tmp_path, data):
+    """`activations.fused_loss: false` reaches the runtime through the settings: Hugging Face's
+    own head, outputs.logits the logits."""
+    ref = gpt2(n_layer=2)
+    with assemble_engine(copy.deepcopy(ref), config(tmp_path, policy="keep", fused_loss=False)) as eng:
+        out = eng(input_ids=data[0], labels=data[0])
+        assert type(out.logits) is torch.Tensor and eng.activations._fused is None
+        with torch.no_grad():
+            assert torch.equal(out.logits, ref(input_ids=data[0]).logits)
+        eng.backward(out.loss)
+        eng.step()
