@@ -30,9 +30,14 @@ def _model(kind: str, seed: int = 0):
         cfg = transformers.GPT2Config(n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=64,
                                       resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=64, num_attention_heads=2,
-                                   num_key_value_heads=1, vocab_size=VOCAB, attention_dropout=0.1)  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg)
+    config, model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[kind]
+    cfg = config(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=64, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=VOCAB, attention_dropout=0.1)  # fmt: skip
+    return model(cfg)
 
 
 @pytest.fixture
@@ -91,6 +96,17 @@ def test_gradients_are_hugging_faces(store, x, kind, policy, items):
         assert isinstance(out.logits, headmod.LazyLogits)
     assert torch.allclose(loss, want_loss, rtol=1e-6, atol=0)
     assert _worst(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_the_other_supported_models(store, x, kind):
+    ref = _model(kind)
+    want_loss, want, _ = _step(ref, x)
+    model = copy.deepcopy(ref)
+    with ActivationManager.for_model(model, ActivationSettings(policy="recompute"), store=store) as mgr:
+        loss, got, out = _step(model, x, mgr)
+    assert isinstance(out.logits, headmod.LazyLogits)
+    assert torch.allclose(loss, want_loss, rtol=1e-6, atol=0) and _worst(got, want) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -226,4 +242,18 @@ def test_labels_given_positionally_are_seen(store, x):
         with mgr.forward():
             out = model(*args)
         assert isinstance(out.logits, headmod.LazyLogits)
+        mgr.backward(out.loss)
+
+
+def test_a_model_type_not_listed_keeps_its_own_head(store, x):
+    """Only the listed model types are fused (their forward hands lm_head's output straight to
+    the loss): another causal LM keeps its head and its logits."""
+    cfg = transformers.GPTNeoXConfig(num_hidden_layers=1, hidden_size=WIDTH, intermediate_size=64,
+                                     num_attention_heads=2, vocab_size=VOCAB)  # fmt: skip
+    model = transformers.GPTNeoXForCausalLM(cfg)
+    assert cfg.model_type not in headmod.SUPPORTED_MODEL_TYPES and headmod.fusable_head(model) is None
+    with ActivationManager.for_model(model, ActivationSettings(policy="keep"), store=store) as mgr:
+        with mgr.forward():
+            out = model(input_ids=x, labels=x)
+        assert type(out.logits) is torch.Tensor and mgr._fused is None
         mgr.backward(out.loss)
