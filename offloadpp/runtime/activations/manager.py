@@ -42,7 +42,9 @@ made under _head_scope, as records of the unit that owns the output embedding (f
 module): h and the logits with the head's policy (keep, host, ssd), or h alone with the head's
 checkpoint policy where the head recomputes (recompute*, partial*: backward computes the logits
 again). The placeholder's own call opens no recompute segment; the norm before it is treated as
-always, and its output's grad hook fires when the fused backward gave it its gradient.
+always. A hook on the loss starts the head's backward (_head_backward, and the runtime's
+on_head_backward) before the fused backward runs; the grad hooks on the norm's output fire once
+the fused backward gave it its gradient.
 
 Note: auto. A plan made without a model profile leaves `auto` under a budget: the first forward
 measures the auto units (bytes saved, FLOPs through a dispatch-mode counter) while sending them to
