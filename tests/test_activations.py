@@ -145,6 +145,7 @@ def test_partial_recompute_runs_no_matmul_again(store, data):
     counts = {}
     for policy in ("keep", "recompute", "partial"):
         model = tiny_gpt2(dropout=0.0)
+        # (the fused head keeps its logits under partial: the output of its matmul)
         cfg = ActivationSettings(policy=policy, min_swap_bytes=0)
         with ActivationManager.for_model(model, cfg, store=store) as mgr:
             with mgr.forward():

@@ -165,3 +165,81 @@ def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, kind, policy
             assert s.ssd_read_bytes <= s.ssd_write_bytes
         assert got == pytest.approx(want, rel=1e-5)
         assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=lr, steps=len(data)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("head", ["keep", "host", "ssd", "recompute", "recompute_ssd"])
+def test_fused_head_trains_like_torch_adamw(tmp_path, data, monkeypatch, kind, head):
+    """The fused head (runtime/activations/head.py) under the engine, the head unit's policy
+    `head`, dropout on, GPT-2's lm_head tied to the embeddings and Llama's not, in chunks of
+    48 rows (6 a batch): the weights after three AdamW steps equal torch's AdamW on the plain
+    model with Hugging Face's own head and loss; the logits are a placeholder; the head kept
+    its logits or only their input, as its policy says."""
+    from numerics import compare_weights
+
+    from offloadpp.runtime.activations import head as headmod
+
+    monkeypatch.setattr(headmod, "LOSS_CHUNK_ELEMS", 48 * VOCAB)
+    lr = 1e-3
+    ref = _tiny(kind)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+    want = []
+    for i, x in enumerate(data):
+        torch.manual_seed(100 + i)
+        loss = ref(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    cfg = config(tmp_path, policy="keep", overrides={"head": head})
+    with assemble_engine(model, cfg, hyper=AdamHyper(lr=lr, weight_decay=0.01)) as eng:
+        got = []
+        for i, x in enumerate(data):
+            torch.manual_seed(100 + i)
+            out = eng(input_ids=x, labels=x)
+            assert isinstance(out.logits, headmod.LazyLogits)
+            saved = {u.name: u.saved_bytes for u in eng.activations.units}["head"]
+            eng.backward(out.loss)
+            eng.step()
+            got.append(out.loss.item())
+            h, logits = x.numel() * model.config.hidden_size * 4, x.numel() * VOCAB * 4
+            if head in ("keep", "host", "ssd"):  # the norm's saves (its input at least), h, the logits
+                assert saved >= h + h + logits, saved
+            else:  # h only, and the norm's input where recompute_ssd swaps it (a checkpoint record)
+                assert saved == (2 * h if head == "recompute_ssd" else h), saved
+        assert got == pytest.approx(want, rel=1e-5)
+        assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=lr, steps=len(data)) < 1e-5
+
+
+def test_fused_head_backward_starts_in_the_heads_backward_visit(tmp_path, data, monkeypatch):
+    """The head's backward visit (weights of the next units fetched ahead, the head's records
+    fetched) is entered when backward reaches the fused loss, before its matmuls run, as it was
+    at the logits' gradient before the head was fused; not only once h got its gradient."""
+    from offloadpp.runtime.activations import head as headmod
+
+    fused = headmod.FusedLinearCrossEntropy
+    seen = []
+
+    def backward(ctx, g):
+        seen.append((eng.executor.cursor, eng.activations._bw_unit.name))
+        return original(ctx, g)
+
+    original = fused.backward
+    monkeypatch.setattr(fused, "backward", staticmethod(backward))
+    with assemble_engine(gpt2(n_layer=2), config(tmp_path, policy="keep")) as eng:
+        train(eng, data[:1])
+        assert seen == [(eng.executor.schedule.backward_index["head"], "head")]
+
+
+def test_fused_loss_false_under_the_engine_gives_the_logits(tmp_path, data):
+    """`activations.fused_loss: false` reaches the runtime through the settings: Hugging Face's
+    own head, outputs.logits the logits."""
+    ref = gpt2(n_layer=2)
+    with assemble_engine(copy.deepcopy(ref), config(tmp_path, policy="keep", fused_loss=False)) as eng:
+        out = eng(input_ids=data[0], labels=data[0])
+        assert type(out.logits) is torch.Tensor and eng.activations._fused is None
+        with torch.no_grad():
+            assert torch.equal(out.logits, ref(input_ids=data[0]).logits)
+        eng.backward(out.loss)
+        eng.step()

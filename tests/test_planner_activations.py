@@ -260,6 +260,9 @@ def test_a_fused_head_recomputes_its_logits_and_a_plain_heads_gradient_is_counte
     assert held_bytes(head, "recompute") == head.inputs + head.loss_input == 2 * t * width * 4
     assert backward_bytes(head, "recompute") == head.saved - head.logits
     assert backward_bytes(head, "keep") == head.saved and held_bytes(head, "keep") == head.saved
+    # partial keeps its matmul's output, the logits: as keep / ssd would
+    assert held_bytes(head, "partial") == head.saved and head.moved("partial_ssd") == head.saved
+    assert split_bytes(head, "partial_host") == split_bytes(head, "host")
     assert (
         head.moved("recompute_ssd") == head.checkpoint
         and split_bytes(head, "recompute_host")["host"] == head.checkpoint

@@ -39,15 +39,17 @@ add to the need. Swapping everything gives the least need: the largest unit's sa
 Note: the head's loss. A causal LM's head saves the final norm's output (the loss's input) and
 the logits, tokens x vocabulary: at GPT-3 13B micro-batch 128 in 16-bit 12.3 GiB, most of a
 4090's activation budget. With the runtime's fused head and loss (ActivationSettings.fused_loss,
-runtime/activations/loss.py) the logits are made chunk by chunk and their gradient is never whole,
-so the head's backward holds what it saved (and a chunk's temporaries, see LOSS_CHUNK_ELEMS); a head whose
-policy recomputes keeps (or swaps) its checkpoint and the loss's input and computes the logits
-again chunk by chunk in backward (the head's forward FLOPs again): it holds 2 x width a token
-from its forward to its backward, not width + vocabulary. The model's own loss instead holds the
-logits' whole gradient beside them in backward (`grad`). The candidates are made twice where a
-fused head is free to choose and its logits are a large share of the room (HEAD_TWIN_SHARE): as
-below, and with the head recomputing, its checkpoint pinned (it is the last unit of forward and
-the first of backward: its checkpoint would come straight back).
+runtime/activations/head.py) the logits are made chunk by chunk and their gradient is never
+whole, so the head's backward holds what it saved (and a chunk's temporaries, see
+LOSS_CHUNK_ELEMS). A head whose policy recomputes (recompute*) keeps (or swaps) its checkpoint
+and the loss's input and computes the logits again chunk by chunk in backward (the head's
+forward FLOPs again): it holds 2 x width a token from its forward to its backward, not width +
+vocabulary. Under partial* the logits, its matmul's output, are kept (or swapped with the
+checkpoint): it holds and moves what keep, host or ssd would (`_head`). The model's own loss
+instead holds the logits' whole gradient beside them in backward (`grad`). The candidates are
+made twice where a fused head is free to choose and its logits are a large share of the room
+(HEAD_TWIN_SHARE): as below, and with the head recomputing, its checkpoint pinned (it is the
+last unit of forward and the first of backward: its checkpoint would come straight back).
 
 Note: the candidates (`candidates`). When keeping everything does not fit the room a placement
 leaves, units are ranked by forward FLOPs per saved byte, lowest first (the paper's rule: the
@@ -150,6 +152,7 @@ class ActUnit:
 
     def moved(self, policy: str) -> int:
         """Bytes that leave the device between its forward and its backward (swapping policies)."""
+        policy = _head(self, policy)
         if policy in PARTIAL:
             return self.partial_inputs + self.partial
         return self.checkpoint if recomputes(policy) else self.saved
@@ -160,8 +163,18 @@ class ActUnit:
         return max(self.saved - self.logits, self.checkpoint)
 
 
+def _head(u: ActUnit, policy: str) -> str:
+    """A fused head's partial policy as it runs: the logits are its matmul's output, which partial
+    keeps (with the checkpoint's policy), so it holds and moves what keep / host / ssd would."""
+    return _PARTIAL_HEAD.get(policy, policy) if u.logits else policy
+
+
+_PARTIAL_HEAD = {"partial": "keep", "partial_host": "host", "partial_ssd": "ssd"}
+
+
 def held_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit holds from its forward to its backward."""
+    policy = _head(u, policy)
     if policy == "partial":
         return u.partial_inputs + u.partial
     return u.saved if policy == "keep" else u.checkpoint if policy == "recompute" else 0
@@ -177,10 +190,11 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
     saved and its kept outputs autograd does not save, what the pieces before it keep (partial:
     on the device all along) or, swapped, the previous piece's records (fetched once piece k
     recomputed); the pieces after it were released."""
+    policy = _head(u, policy)
     if policy in PARTIAL and u.pieces:
         return max(piece_peaks(u, policy))
     if policy in PARTIAL:
-        return max(u.saved, u.inputs) + u.partial_extra
+        return max(u.saved, u.inputs) + u.partial_extra + u.grad
     return (u.recomputed() if recomputes(policy) else u.saved) + u.grad
 
 
@@ -200,6 +214,7 @@ def forward_bytes(u: ActUnit, policy: str) -> int:
     (keep, host, ssd), or what a recomputing unit holds or moves (its inputs; a partial unit's
     checkpoints and kept outputs: a swapped one's piece by piece, each piece's waiting for the
     earlier ones' copies), as the replay counts them (simulate_act.py forward_parts)."""
+    policy = _head(u, policy)
     if policy in PARTIAL and policy in CHECKPOINT_SWAPS and u.pieces:
         return max(p[1] + p[2] for p in u.pieces)
     if policy in PARTIAL:
@@ -219,6 +234,7 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     device, swapped to host, swapped to SSD (through host), recomputed; a recomputing unit's
     checkpoint (its inputs) counts where it is kept."""
     out = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
+    policy = _head(u, policy)
     if policy in PARTIAL:  # the kept outputs autograd saves anyway are not recomputed
         out["recomputed"] = max(0, u.saved - (u.partial - u.partial_extra))
         out[{"partial": "kept", "partial_host": "host", "partial_ssd": "ssd"}[policy]] = u.moved(policy)

@@ -77,7 +77,7 @@ class ActivationSettings(_Frozen):
     prefetch_units: backward fetches the activations of this many units ahead of the one it runs.
     min_swap_bytes: saved storages smaller than this are kept (an I/O costs more than it saves).
     fused_loss: a Hugging Face causal LM's head matmul and loss run fused, chunk by chunk
-        (runtime/activations/loss.py): in training with labels the whole logits are never made,
+        (runtime/activations/head.py): in training with labels the whole logits are never made,
         nor their gradient; the head keeps its logits for backward or, where its policy
         recomputes, computes them again chunk by chunk. `outputs.logits` is then a placeholder
         that refuses to be read; false: the model's own head and loss, logits returned.

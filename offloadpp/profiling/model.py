@@ -19,6 +19,7 @@ Note: what is measured, and how.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -112,7 +113,8 @@ class ModelProfiler:
         import torch
 
         from offloadpp.runtime.activations.gelu import substitute_gelu
-        from offloadpp.runtime.activations.loss import substitute_loss
+        from offloadpp.runtime.activations.head import FusedHead, fusable_head
+        from offloadpp.runtime.activations.loss import causal_lm, substitute_loss, uses_causal_lm_loss
         from offloadpp.runtime.partition import find_units, layout_units
 
         self.model, self.batch, self.compute_dtype, self.name = model, batch, compute_dtype, name
@@ -126,8 +128,16 @@ class ModelProfiler:
         # measure what the runtime saves: its GELU saving only its input
         # (offloadpp/runtime/activations/gelu.py)
         self.gelus = substitute_gelu(modules[q] for d in defs for q in d.modules)
-        # and its loss saving the logits only (offloadpp/runtime/activations/loss.py)
+        # and its loss saving the logits only (offloadpp/runtime/activations/loss.py), fused with
+        # the head's matmul (head.py) where the runtime fuses them: the head's saved bytes are its
+        # input and the logits (its policy keeping them), its FLOPs the matmul's, both charged to it
         self.loss = substitute_loss(model)
+        lin = fusable_head(causal_lm(model)) if loss_fn is None and uses_causal_lm_loss(model) else None
+        self.fused = (
+            FusedHead(model, lin, scope=contextlib.nullcontext, keep_logits=lambda: True) if lin else None
+        )
+        if self.fused is not None:
+            self.fused.install()
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.loss_of = loss_fn or (lambda out: out.loss if hasattr(out, "loss") else out[0])
         self.cuda = next(model.parameters()).device.type == "cuda"
@@ -151,6 +161,9 @@ class ModelProfiler:
         self.rec.remove()
         restore_gelu(self.gelus)
         self.gelus = []
+        if self.fused is not None:
+            self.fused.remove()
+            self.fused = None
         restore_loss(self.loss)
         self.loss = None
 

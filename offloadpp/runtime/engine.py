@@ -258,6 +258,7 @@ class OffloadEngine:
             params=self.executor,
         )
         self.activations.install()
+        self.activations.on_head_backward = self.executor.backward_reaches  # (the fused head's backward)
         self.exporter = Exporter(self.units, self._quiesce)
         self.exporter.install(model, modules)
         self.loss_scaler = LossScaler(s.loss_scaling) if s.compute_dtype == "fp16" else None

@@ -319,6 +319,11 @@ class Executor:
             self.enter(pos)
             u.phase = UnitPhase.BACKWARD
 
+    def backward_reaches(self, name: str) -> None:
+        """Backward reached unit `name` other than through its outputs' gradient (the fused
+        head: runtime/activations/head.py): its backward visit is entered now."""
+        self._pre_backward(self._by_name[name], None)
+
     def _on_param_grad(self, u: Unit, param) -> None:
         u.grads_pending -= 1
         if u.grads_pending == 0:

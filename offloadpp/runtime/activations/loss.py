@@ -18,7 +18,14 @@ bit; several: the chunks' sums over the count, which rounds differently by an ul
 saves only the logits and the labels; backward runs each chunk's log-softmax again and applies
 the backward formulas autograd would (`nll_loss_backward`, `_log_softmax_backward_data` with the
 whole count, the cast back to the logits' dtype): a row's gradient does not depend on the
-others, so the gradients are autograd's bit for bit (tests/test_activations.py).
+others, so the gradients are autograd's bit for bit (tests/test_loss.py).
+
+Note: the fused head. Where the activation manager (or the profiler) made the output embedding
+return a placeholder (head.py `LazyLogits`: training with labels, `activations.fused_loss`, a
+supported model), causal_lm_loss gets that placeholder and hands it, with the same shifted and
+flattened labels, to head.py's FusedLinearCrossEntropy: the head's matmul and this loss chunk by
+chunk (planner/activations.py LOSS_CHUNK_ELEMS elements at once), the logits kept for backward
+or computed again there as the head unit's policy says, their whole gradient never made.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from .head import LazyLogits, fused_loss
 
 # rows of fp32 log-softmax computed at once: 256 MiB (a 50257-word vocabulary: 1335 tokens)
 CHUNK_ELEMS = 1 << 26
@@ -97,12 +106,13 @@ def causal_lm_loss(
     if shift_labels is None:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
-    flat = logits.reshape(-1, vocab_size)
     target = shift_labels.reshape(-1).to(logits.device)
     divisor = num_items_in_batch
     if torch.is_tensor(divisor):
         divisor = divisor.to(logits.device)
-    return _CrossEntropy.apply(flat, target, ignore_index, divisor)
+    if isinstance(logits, LazyLogits):  # the fused head (see the Note on it)
+        return fused_loss(logits, target, ignore_index, divisor)
+    return _CrossEntropy.apply(logits.reshape(-1, vocab_size), target, ignore_index, divisor)
 
 
 def substitute_loss(model) -> Optional[weakref.ref]:
@@ -112,6 +122,7 @@ def substitute_loss(model) -> Optional[weakref.ref]:
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
         return None
+    model = causal_lm(model)
     if model is None or "_loss_function" in vars(model):
         return None
     try:
@@ -124,10 +135,30 @@ def substitute_loss(model) -> Optional[weakref.ref]:
     return weakref.ref(model)
 
 
+def causal_lm(model):
+    """The module whose forward computes the loss: a peft model's base model (peft calls its
+    forward directly), else the model itself."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def uses_causal_lm_loss(model) -> bool:
+    """substitute_loss gave `model` causal_lm_loss (and it is still in place)."""
+    model = causal_lm(model)
+    return model is not None and vars(model).get("_loss_function") is causal_lm_loss
+
+
 def restore_loss(ref: Optional[weakref.ref]) -> None:
     model = ref() if ref is not None else None
     if model is not None and vars(model).get("_loss_function") is causal_lm_loss:
         del model._loss_function
 
 
-__all__ = ["CHUNK_ELEMS", "causal_lm_loss", "restore_loss", "substitute_loss"]
+__all__ = [
+    "CHUNK_ELEMS",
+    "causal_lm",
+    "causal_lm_loss",
+    "restore_loss",
+    "substitute_loss",
+    "uses_causal_lm_loss",
+]

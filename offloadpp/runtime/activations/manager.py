@@ -35,6 +35,18 @@ nothing in these blocks; what they save is kept. A piece whose argument is the p
 output, where that piece is a norm, takes no checkpoint for it: the norm runs again (recompute.py,
 Note on derived checkpoints).
 
+Note: the fused head. Where it applies (head.py: config.fused_loss, a supported Hugging Face
+causal LM, training with labels), the output embedding returns a placeholder and the loss runs the
+head's matmul chunk by chunk after the head unit's forward hook closed it. Its saved tensors are
+made under _head_scope, as records of the unit that owns the output embedding (found by the
+module): h and the logits with the head's policy (keep, host, ssd) or its checkpoint's (partial,
+partial_host, partial_ssd: the logits are the output of its matmul, which partial keeps), or h
+alone with the checkpoint's policy where the head recomputes (recompute*: backward computes the
+logits again). The planner counts the same (planner/activations.py, Note on the head's loss). The placeholder's own call opens no recompute segment; the norm before it is treated as
+always. A hook on the loss starts the head's backward (_head_backward, and the runtime's
+on_head_backward) before the fused backward runs; the grad hooks on the norm's output fire once
+the fused backward gave it its gradient.
+
 Note: auto. A plan made without a model profile leaves `auto` under a budget: the first forward
 measures the auto units (bytes saved, FLOPs through a dispatch-mode counter) while sending them to
 host memory, which is within any budget, and the planner decides from that (planner/decide.py
@@ -49,7 +61,7 @@ import functools
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -59,7 +71,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from offloadpp.planner import ActivationSettings, decide, fmt_bytes
 
 from .gelu import restore_gelu, substitute_gelu
-from .loss import restore_loss, substitute_loss
+from .head import FusedHead, fusable_head
+from .loss import causal_lm, restore_loss, substitute_loss, uses_causal_lm_loss
 from .policy import ActPolicy, UnitActProfile
 from .recompute import (
     CheckpointRef,
@@ -201,9 +214,13 @@ class ActivationManager:
         self._handles: list = []
         self._gelus: list[nn.Module] = []
         self._loss = None
+        self._fused: Optional[FusedHead] = None  # the fused head (head.py), where it applies
+        # the runtime's: called with the head unit's name when backward reaches the fused loss
+        self.on_head_backward: Optional[Callable[[str], None]] = None
         self._order: list[UnitActivations] = []
         self._index: dict = {}  # StorageWeakRef -> SavedStorage, this forward's dedup index
-        self._stack: list[tuple[UnitActivations, Optional[Segment]]] = []
+        # (unit, its open Segment, None, or the policy the fused head's saves take: _head_scope)
+        self._stack: list[tuple[UnitActivations, Optional[Segment | ActPolicy]]] = []
         self._recorders: list[Recorder] = []  # partial units' dispatch modes, innermost last
         self._consumed: list[SavedStorage] = []
         self._bw_unit: Optional[UnitActivations] = None
@@ -243,6 +260,7 @@ class ActivationManager:
         self._gelus = substitute_gelu(m for u in self.units for m in u.roots)
         # the loss saving the logits only (offloadpp/runtime/activations/loss.py)
         self._loss = substitute_loss(self._model)
+        self._install_fused_head()
         for u in self.units:
             for m in u.roots:
                 self._handles.append(
@@ -261,8 +279,49 @@ class ActivationManager:
         self._handles.clear()
         restore_gelu(self._gelus)
         self._gelus = []
+        if self._fused is not None:
+            self._fused.remove()
+            self._fused = None
         restore_loss(self._loss)
         self._loss = None
+
+    def _install_fused_head(self) -> None:
+        """The head's matmul and the loss fused (head.py), where config.fused_loss asks for it,
+        the loss is the substituted causal_lm_loss and a unit owns the output embedding."""
+        lin = fusable_head(causal_lm(self._model)) if self.config.fused_loss else None
+        if lin is None or not uses_causal_lm_loss(self._model):
+            return
+        owner = next((u for u in self.units if any(m is lin for r in u.roots for m in r.modules())), None)
+        if owner is None:
+            return
+        self._fused = FusedHead(self._model, lin, scope=functools.partial(self._head_scope, owner),
+                                keep_logits=lambda: owner.policy.partial or not owner.policy.recomputes, gate=lambda: self._active,
+                                on_backward=functools.partial(self._head_backward, owner))  # fmt: skip
+        self._fused.install()
+
+    def _head_backward(self, unit: UnitActivations) -> None:
+        """Backward reached the fused loss: the head's backward starts here (its records are
+        fetched, and the runtime's hook enters its backward visit) as it did at the logits'
+        gradient before the head was fused."""
+        self._enter_backward(unit)
+        if self.on_head_backward is not None:
+            self.on_head_backward(unit.name)
+
+    @contextlib.contextmanager
+    def _head_scope(self, unit: UnitActivations):
+        """The fused loss runs after the head unit's forward closed (see the Note on the fused
+        head): what it saves becomes the head's records, with the head's policy (keep, host, ssd),
+        else its checkpoint's (partial*: h and the logits; recompute*: h only)."""
+        policy = (unit.policy.checkpoint or ActPolicy.KEEP) if unit.policy.recomputes else unit.policy
+        if self._flops is not None:
+            unit.flops -= self._flops.total
+        self._stack.append((unit, policy))
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            if self._flops is not None:
+                unit.flops += self._flops.total
 
     @contextlib.contextmanager
     def forward(self):
@@ -282,6 +341,8 @@ class ActivationManager:
                 with self._flops if self._flops is not None else contextlib.nullcontext():
                     yield
         finally:
+            if self._fused is not None:
+                self._fused.armed = False  # (a forward that raised before the head)
             while self._recorders:  # a forward that raised inside a partial unit
                 self._recorders.pop().__exit__(None, None, None)
             self._active = False
@@ -299,7 +360,12 @@ class ActivationManager:
             self._order.append(unit)
         unit.params.rebuild(unit.roots)
         seg = None
-        if unit.policy.recomputes and not (unit.policy.partial and any(True for _ in module.children())):
+        fused = self._fused is not None and self._fused.armed and module is self._fused.linear
+        if (
+            unit.policy.recomputes
+            and not fused  # (the fused head's placeholder saves nothing; the loss saves for it)
+            and not (unit.policy.partial and any(True for _ in module.children()))
+        ):
             seg = self._open_segment(unit, module, args, kwargs)
         if self._flops is not None:
             unit.flops -= self._flops.total
@@ -349,7 +415,7 @@ class ActivationManager:
         if not self._active or not self._stack or self._stack[-1][0] is not unit:
             return None
         seg = self._stack[-1][1]
-        if seg is None or seg.fn != module.forward:
+        if type(seg) is not Segment or seg.fn != module.forward:
             return None
         self._stack.pop()
         self._close_segment(seg, output)
@@ -359,7 +425,7 @@ class ActivationManager:
         if not self._active or not self._stack or self._stack[-1][0] is not unit:
             return None
         _, seg = self._stack.pop()
-        if seg is not None:
+        if type(seg) is Segment:
             self._close_segment(seg)
         if self._flops is not None:
             unit.flops += self._flops.total
@@ -423,8 +489,11 @@ class ActivationManager:
     # ---- pack / unpack -------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
         unit, seg = self._stack[-1] if self._stack else (self.outside, None)
-        if seg is not None:  # everything, weights too: the recompute saves them again, in this order
+        policy = unit.policy
+        if type(seg) is Segment:  # everything, weights too: the recompute saves them again, in this order
             return seg.pack(t)
+        if seg is not None:  # the fused head's saves (_head_scope)
+            policy = seg
         if self._ext is not None:
             h = self._ext[0](t)
             if h is not t:
@@ -436,7 +505,7 @@ class ActivationManager:
             return m
         if not swappable(t, self.device):
             return t
-        return self._record(unit, t, unit.policy)
+        return self._record(unit, t, policy)
 
     def _record(self, unit: UnitActivations, t: torch.Tensor, policy: ActPolicy) -> SavedRef:
         """t saved into a record of `unit` (a new one, or the one holding its storage already):
