@@ -124,6 +124,22 @@ def test_autocast_is_close_to_hugging_faces(store, x, dtype):
     assert _worst(got, want) < 1e-2
 
 
+def test_under_autocast_the_loss_saves_h_as_the_matmul_reads_it(store, x):
+    """The norm's output is fp32 under autocast; the fused loss saves it cast to the compute dtype
+    (as autocast's linear saves it), the loss input the planner counts: a recomputing head's only
+    record is t x width x 2 bytes in bf16, not x 4."""
+    model = _model("gpt2")
+    with ActivationManager.for_model(model, ActivationSettings(policy="recompute"), store=store) as mgr:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with mgr.forward():
+                loss = model(input_ids=x, labels=x).loss
+            head = next(u for u in mgr.units if u.name == "head")
+            records = [r.nbytes for r in head.records]
+            mgr.backward(loss)
+    assert records == [x.numel() * WIDTH * 2], records
+    assert model.transformer.ln_f.weight.grad is not None and model.lm_head.weight.grad.dtype == torch.float32
+
+
 class _Largest(TorchDispatchMode):
     """The largest storage an operator allocated while it was active, in bytes (a view of an
     argument, such as unpack rebuilding a saved tensor, allocates none)."""

@@ -122,9 +122,14 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, target, ignore_index: int, divisor, src: _Source):
         dt = src.dtype
-        rows = h.reshape(-1, h.shape[-1])
+        # h as the matmul reads it (autocast's linear saves the same cast): under autocast the
+        # norm's fp32 output would be twice what the planner counts (its loss input, 2 B a value
+        # in 16-bit compute); saved in this dtype, its gradient given back in h's
+        hs = h.to(dt)
+        rows = hs.reshape(-1, h.shape[-1])
         n, vocab = rows.shape[0], weight.shape[0]
         ctx.ignore_index, ctx.divisor, ctx.dtype, ctx.h_shape = ignore_index, divisor, dt, h.shape
+        ctx.h_dtype = h.dtype
         ctx.target = target  # (integers, kept on the device like the caller's labels)
         ctx.total = (target != ignore_index).sum().float()  # (nll_loss's total weight)
         with torch.autocast(h.device.type, enabled=False):
@@ -132,13 +137,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             logits = torch.empty(n, vocab, dtype=dt, device=h.device) if src.keep else None
             loss = 0
             for a, e in _chunks(n, vocab):
-                x = _linear(rows[a:e].to(dt), w, b, out=logits[a:e] if logits is not None else None)
+                x = _linear(rows[a:e], w, b, out=logits[a:e] if logits is not None else None)
                 loss = loss + torch.nn.functional.cross_entropy(
                     x.float(), target[a:e], ignore_index=ignore_index, reduction="sum"
                 )
             loss = loss / ctx.total if divisor is None else loss / divisor
         ctx.keep = src.keep
-        ctx.save_for_backward(h, weight, bias, logits)
+        ctx.save_for_backward(hs, weight, bias, logits)
         return loss
 
     @staticmethod
@@ -156,11 +161,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(dt)
             b = bias.to(dt) if bias is not None else None
-            gh = torch.empty_like(rows) if need_h else None
+            gh = torch.empty(rows.shape, dtype=ctx.h_dtype, device=rows.device) if need_h else None
             gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
             gb = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_b else None
             for a, e in _chunks(n, vocab):
-                hc = rows[a:e].to(dt)
+                hc = rows[a:e]
                 x = (logits[a:e] if ctx.keep else _linear(hc, w, b)).float()
                 lsm = torch.log_softmax(x, 1)
                 del x
