@@ -267,6 +267,11 @@ def test_a_fused_head_recomputes_its_logits_and_a_plain_heads_gradient_is_counte
         head.moved("recompute_ssd") == head.checkpoint
         and split_bytes(head, "recompute_host")["host"] == head.checkpoint
     )
+    # fp32: W's gradient sums in place (out=); 16-bit: in an fp32 sum of W's size beside it
+    assert head.workspace == 0 and backward_bytes(head, "keep") == head.saved
+    head16 = act_units(analytic_profile(GPT2, micro_batch=4, seq_len=64, compute_dtype="bf16"))[-1]
+    assert head16.workspace == vocab * width * 4
+    assert backward_bytes(head16, "recompute") == head16.saved - head16.logits + head16.workspace
     plain = act_units(m.with_fused_loss(False))[-1]
     assert (plain.logits, plain.loss_input, plain.grad) == (0, 0, head.logits)
     for p in ("keep", "ssd", "recompute"):

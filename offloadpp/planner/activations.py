@@ -46,7 +46,8 @@ and the loss's input and computes the logits again chunk by chunk in backward (t
 forward FLOPs again): it holds 2 x width a token from its forward to its backward, not width +
 vocabulary. Under partial* the logits, its matmul's output, are kept (or swapped with the
 checkpoint): it holds and moves what keep, host or ssd would (`_head`). The model's own loss
-instead holds the logits' whole gradient beside them in backward (`grad`). The candidates are
+instead holds the logits' whole gradient beside them in backward (`grad`); the fused one, with
+16-bit compute, the head's weight gradient summed in fp32 (`workspace`). The candidates are
 made twice where a fused head is free to choose and its logits are a large share of the room
 (HEAD_TWIN_SHARE): as below, and with the head recomputing, its checkpoint pinned (it is the
 last unit of forward and the first of backward: its checkpoint would come straight back).
@@ -138,6 +139,7 @@ class ActUnit:
     logits: int = 0
     loss_input: int = 0
     grad: int = 0
+    workspace: int = 0  # the fused loss's backward beyond the gradients the buffers count
 
     @property
     def partial_inputs(self) -> int:
@@ -194,8 +196,8 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
     if policy in PARTIAL and u.pieces:
         return max(piece_peaks(u, policy))
     if policy in PARTIAL:
-        return max(u.saved, u.inputs) + u.partial_extra + u.grad
-    return (u.recomputed() if recomputes(policy) else u.saved) + u.grad
+        return max(u.saved, u.inputs) + u.partial_extra + u.grad + u.workspace
+    return (u.recomputed() if recomputes(policy) else u.saved) + u.grad + u.workspace
 
 
 def piece_peaks(u: ActUnit, policy: str) -> list[int]:
@@ -250,8 +252,8 @@ def act_units(model: Profiled) -> tuple[ActUnit, ...]:
     """The model's units as the activation accounting sees them, in forward order."""
     out, prev = [], 0
     for u in model.units:
-        loss = ({"logits": u.logits_bytes, "loss_input": u.loss_input_bytes} if u.fused_loss
-                else {"grad": u.logits_bytes})  # fmt: skip
+        loss = ({"logits": u.logits_bytes, "loss_input": u.loss_input_bytes, "workspace": u.loss_workspace_bytes}
+                if u.fused_loss else {"grad": u.logits_bytes})  # fmt: skip
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
                            u.partial_bytes, u.partial_extra_bytes, u.pieces, **loss))  # fmt: skip
         prev = u.output_bytes
