@@ -115,6 +115,21 @@ def _tiny(kind: str):
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _torch_adamw(ref, data, lr: float) -> list[float]:
+    """The reference: `ref` trained in memory by torch's AdamW (weight decay 0.01), one step a
+    batch, dropout seeded as the engine's runs seed it; its losses."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+    want = []
+    for i, x in enumerate(data):
+        torch.manual_seed(100 + i)
+        loss = ref(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    return want
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize(
     "policy", ["recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd"]
@@ -130,15 +145,7 @@ def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, kind, policy
     lr = 1e-3
     ref = _tiny(kind)
     model = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
-    want = []
-    for i, x in enumerate(data):
-        torch.manual_seed(100 + i)
-        loss = ref(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want = _torch_adamw(ref, data, lr)
     with assemble_engine(
         model, config(tmp_path, policy=policy), hyper=AdamHyper(lr=lr, weight_decay=0.01)
     ) as eng:
@@ -183,15 +190,7 @@ def test_fused_head_trains_like_torch_adamw(tmp_path, data, monkeypatch, kind, h
     lr = 1e-3
     ref = _tiny(kind)
     model = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
-    want = []
-    for i, x in enumerate(data):
-        torch.manual_seed(100 + i)
-        loss = ref(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.item())
+    want = _torch_adamw(ref, data, lr)
     cfg = config(tmp_path, policy="keep", overrides={"head": head})
     with assemble_engine(model, cfg, hyper=AdamHyper(lr=lr, weight_decay=0.01)) as eng:
         got = []
