@@ -81,7 +81,7 @@ class Profiled(Protocol):
     units: Sequence
 
 
-# The fused causal-LM loss (runtime/activations/loss.py) computes the logits, and in backward their
+# The fused causal-LM loss (runtime/activations/head.py) computes the logits, and in backward their
 # gradient and its products with the head's weight and input, this many elements (rows x
 # vocabulary) at a time: nothing of the size of the whole logits exists but the logits the head
 # keeps for backward where its policy keeps them. A chunk's temporaries (its logits in fp32, their
@@ -168,10 +168,7 @@ class ActUnit:
 def _head(u: ActUnit, policy: str) -> str:
     """A fused head's partial policy as it runs: the logits are its matmul's output, which partial
     keeps (with the checkpoint's policy), so it holds and moves what keep / host / ssd would."""
-    return _PARTIAL_HEAD.get(policy, policy) if u.logits else policy
-
-
-_PARTIAL_HEAD = {"partial": "keep", "partial_host": "host", "partial_ssd": "ssd"}
+    return CHECKPOINT_SWAPS.get(policy, "keep") if u.logits and policy in PARTIAL else policy
 
 
 def held_bytes(u: ActUnit, policy: str) -> int:
