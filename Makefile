@@ -67,7 +67,7 @@ bench-capacity-2b: setup
 
 # The same model exported the two ways users export it, each loaded back with from_pretrained (about 56 GB of disk).
 bench-capacity-2b-export: setup
-	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --export
+	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --export --export-checkpoint
 
 # bench step and bench ab of an older commit and of this tree, alternately: make bench-regress OLD=<commit>
 bench-regress: setup
