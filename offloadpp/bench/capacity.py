@@ -284,7 +284,7 @@ def _offloadpp_child(args, work: str) -> dict:
             f"checkpoint: save {save_s:.1f}s, load {load_s:.1f}s, export {export_s:.1f}s; loss {loss_a} / {loss_b}"
         )
     if args.export or args.export_checkpoint:
-        from offloadpp.bench import capacity_export as cx
+        import offloadpp.bench.capacity_export as cx
 
         cx.reference(engine, work, data[0])
         peaks["reference logits"] = _phase_peak()
