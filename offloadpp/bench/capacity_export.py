@@ -226,7 +226,7 @@ def table(
         )
     ok = all(verify.get(name, {}).get("close", False) for name in names)
     lines.append(
-        f"bar: every export loads with from_pretrained and gives the engine's logits: {'PASS' if ok else 'FAIL'}"
+        f"bar: the exports load with from_pretrained and give the engine's logits: {'PASS' if ok else 'FAIL'}"
     )
     if cli is not None:
         lines.append(
