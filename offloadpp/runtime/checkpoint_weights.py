@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -289,7 +288,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, tag: Optional[str] =
     except BaseException:
         w.abort()
         raise
-    config = _copy_config(cw.path, out_dir, dtype)
+    config = _copy_config(cw, out_dir, dtype)
     if not config:
         say(
             f"offloadpp export: config.json is missing: {cw.path!r} was saved without the model's Hugging Face "
@@ -302,22 +301,23 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, tag: Optional[str] =
     return ExportResult(files, w.total_bytes, bound, config)
 
 
-def _copy_config(path: str, out_dir: str, dtype: Optional[torch.dtype]) -> bool:
-    """The checkpoint's config.json into out_dir (its dtype made the exported one's, as
-    save_pretrained records the weights' dtype); False where the checkpoint has none."""
-    src = os.path.join(path, CONFIG_FILE)
+def _copy_config(cw: CheckpointWeights, out_dir: str, dtype: Optional[torch.dtype]) -> bool:
+    """The checkpoint's config.json into out_dir, its "dtype" the weights' (as save_pretrained
+    records the model's: the export's, else the parameters' most common floating dtype); False
+    where the checkpoint has none."""
+    src = os.path.join(cw.path, CONFIG_FILE)
     if not os.path.isfile(src):
         return False
-    dst = os.path.join(out_dir, CONFIG_FILE)
     if dtype is None:
-        shutil.copyfile(src, dst)
-        return True
+        floats = [p.dtype for p in cw.params if p.dtype.is_floating_point]
+        dtype = max(set(floats), key=floats.count) if floats else None
     with open(src) as f:
         cfg = json.load(f)
-    for key in ("dtype", "torch_dtype"):  # (transformers 5 writes "dtype", 4 "torch_dtype")
-        if key in cfg:
-            cfg[key] = str(dtype).removeprefix("torch.")
-    with open(dst, "w") as f:
+    if dtype is not None:
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+        if "torch_dtype" in cfg:  # (transformers 4's name)
+            cfg["torch_dtype"] = cfg["dtype"]
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
     return True
