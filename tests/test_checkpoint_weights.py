@@ -159,21 +159,43 @@ def test_frozen_parameters_not_in_a_one_process_checkpoint_are_refused(tmp_path)
 
 def test_a_checkpoint_saved_by_two_ranks_exports_the_gathered_weights(tmp_path):
     """The ranks' shards of each unit put together: the export and the dict equal the weights
-    the two ranks end with (their gathered state_dict)."""
+    the two ranks end with (their gathered state_dict). Frozen parameters (dp_common's: the
+    position embeddings, the first block's MLP) are state over several ranks, so they export;
+    exclude_frozen_parameters leaves them out by the names the manifest records."""
     from test_distributed import torchrun
 
     ck = tmp_path / "ck"
     (tmp_path / "nv").mkdir()
     torchrun([str(tmp_path / "out"), "--nvme", str(tmp_path / "nv"), "--steps", "2", "--api", "deepspeed",
-              "--save", str(ck)])  # fmt: skip
+              "--freeze", "--save", str(ck)])  # fmt: skip
     want = torch.load(tmp_path / "out" / "weights.pt")
     assert json.load(open(ck / "t" / "manifest.json"))["world_size"] == 2
     got = offloadpp.get_fp32_state_dict_from_checkpoint(str(ck))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    trained_only = offloadpp.get_fp32_state_dict_from_checkpoint(str(ck), exclude_frozen_parameters=True)
+    frozen = {"transformer.wpe.weight", *(k for k in want if k.startswith("transformer.h.0.mlp."))}
+    assert len(frozen) == 5 and set(trained_only) == set(want) - frozen
     r = export_cli(ck, tmp_path / "hf")
     assert r.returncode == 0 and "2 rank(s)" in r.stderr, r.stderr
     sd = load(tmp_path / "hf").state_dict()
     assert all(torch.equal(sd[k], want[k]) for k in want)
+
+
+def test_a_peft_checkpoint_is_refused_by_the_export_and_its_adapters_come_as_a_dict(tmp_path):
+    from test_export import config
+    from test_peft import lora_model
+
+    engine, *_ = offloadpp.initialize(model=lora_model("gpt2"), config=config(tmp_path / "nvme"))
+    engine.backward(engine(input_ids=X, labels=X).loss)
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "ck"))
+    want = engine.runtime.trainable_state_dict()
+    engine.close()
+    r = export_cli(tmp_path / "ck", tmp_path / "hf")
+    assert r.returncode == 1 and "is of a peft model" in r.stderr and "lora_" in r.stderr
+    got = offloadpp.get_fp32_state_dict_from_checkpoint(str(tmp_path / "ck"), exclude_frozen_parameters=True)
+    assert set(got) == set(want) and all("lora_" in k for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_missing_tag_or_folder_is_named(tmp_path):

@@ -248,6 +248,15 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, tag: Optional[str] =
     when the checkpoint kept one. dtype: each parameter's own (the model's) unless given.
     Refuses when the memory bound passes max_memory_bytes (None: what is available now)."""
     cw = CheckpointWeights(resolve(checkpoint_dir, tag))
+    peft = cw.peft_names()
+    if peft:
+        raise CheckpointError(
+            f"checkpoint {cw.path!r} is of a peft model (e.g. {peft[0]!r}): its adapters are merged with peft's "
+            "own config, which a checkpoint does not keep, and its names are not a model from_pretrained "
+            "builds. Use offloadpp.get_fp32_state_dict_from_checkpoint(dir) (exclude_frozen_parameters=True where "
+            "one process trained it: its base is not in the checkpoint) and load the dict into the PeftModel, or "
+            "engine.save_pretrained / save_16bit_model in the training script"
+        )
     if cw.absent:
         raise CheckpointError(
             f"checkpoint {cw.path!r} does not hold its {len(cw.absent)} frozen parameters (e.g. {cw.absent[0]!r}): "
@@ -255,14 +264,6 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, *, tag: Optional[str] =
             "exported from it. In the training script, engine.save_pretrained(dir) writes the adapters and "
             "save_16bit_model(dir) the whole model; offloadpp.get_fp32_state_dict_from_checkpoint(dir, "
             "exclude_frozen_parameters=True) gives the trained parameters"
-        )
-    peft = cw.peft_names()
-    if peft:
-        raise CheckpointError(
-            f"checkpoint {cw.path!r} is of a peft model (e.g. {peft[0]!r}): its adapters are merged with peft's "
-            "own config, which a checkpoint does not keep, and its names are not a model from_pretrained "
-            "builds. Use offloadpp.get_fp32_state_dict_from_checkpoint(dir) and load the dict into the "
-            "PeftModel, or engine.save_pretrained / save_16bit_model in the training script"
         )
     parts = memory_bound(cw, dtype)
     bound = sum(parts.values())
