@@ -111,6 +111,14 @@ def checkpoint_phase(engine, work: str, phase_peak) -> dict:
     and written once); `offloadpp export` runs on it after this process ends (cli_export)."""
     rt = engine.runtime
     state_bytes = 12 * sum(u.padded_numel for u in rt.units)
+    free = shutil.disk_usage(work).free
+    if free < 1.05 * state_bytes + 4 * sum(
+        u.padded_numel for u in rt.units
+    ):  # (the checkpoint, then the export)
+        raise SystemExit(
+            f"offloadpp bench: --export-checkpoint needs {state_bytes / 1e9:.1f} GB for the checkpoint and a third of "
+            f"that for the export, {free / 1e9:.1f} GB are free in {work!r} (with --export, run it on its own)"
+        )
     t = time.perf_counter()
     engine.save_checkpoint(os.path.join(work, CKPT_DIR))
     s = time.perf_counter() - t
