@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-ab-finetune bench-capacity bench-capacity-host16 bench-capacity-2b bench-capacity-2b-export bench-regress elastic-trials gpu-check clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-ab-finetune bench-capacity bench-capacity-host16 bench-capacity-2b bench-capacity-2b-export bench-capacity-2b-export-checkpoint bench-regress elastic-trials gpu-check clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -68,6 +68,11 @@ bench-capacity-2b: setup
 # The same model exported the two ways users export it, each loaded back with from_pretrained (about 56 GB of disk).
 bench-capacity-2b-export: setup
 	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --export
+
+# The same model saved with save_checkpoint, then `offloadpp export` on it in a process of its own after the
+# run, its peak RSS measured, the folder loaded back with from_pretrained (about 75 GB of disk at the peak).
+bench-capacity-2b-export-checkpoint: setup
+	$(PY) -m offloadpp bench capacity --layers 28 --width 2560 --heads 20 --export-checkpoint
 
 # bench step and bench ab of an older commit and of this tree, alternately: make bench-regress OLD=<commit>
 bench-regress: setup

@@ -38,3 +38,13 @@ def unpatch_deepspeed() -> None:
     from offloadpp.integrations.deepspeed import unpatch_deepspeed as _unpatch
 
     _unpatch()
+
+
+def __getattr__(name: str):
+    # get_fp32_state_dict_from_checkpoint (zero_to_fp32's counterpart) is the function itself,
+    # imported on first use (torch stays out of `import offloadpp`)
+    if name == "get_fp32_state_dict_from_checkpoint":
+        from offloadpp.runtime.checkpoint_weights import get_fp32_state_dict_from_checkpoint
+
+        return get_fp32_state_dict_from_checkpoint
+    raise AttributeError(f"module 'offloadpp' has no attribute {name!r}")

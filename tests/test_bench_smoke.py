@@ -56,13 +56,18 @@ def test_bench_capacity_smoke(tmp_path, capsys):
 
 
 def test_bench_capacity_export_smoke(tmp_path, capsys):
-    """--export: save_16bit_model (default name) and a Trainer's save_model of the trained engine,
-    both loaded back with from_pretrained in a process of their own, their logits compared."""
+    """--export: save_16bit_model (default name) and a Trainer's save_model of the trained engine;
+    --export-checkpoint: `offloadpp export` of a checkpoint in a process of its own after the run;
+    each loaded back with from_pretrained in a process of their own, their logits compared."""
     from offloadpp.bench import capacity
 
     out = tmp_path / "cap.json"
     rc = _run(capacity, ["--layers", "2", "--width", "64", "--heads", "2", "--steps", "1", "--threads", "1",
-                         "--export", "--dir", str(tmp_path / "work"), "--json", str(out)])  # fmt: skip
+                         "--export", "--export-checkpoint", "--dir", str(tmp_path / "work"), "--json", str(out)])  # fmt: skip
+    cli = json.loads(out.read_text())["cli_export"]
+    assert cli["exit_status"] == 0 and 0 < cli["peak_rss_bytes"] < 8 << 30
+    assert cli["files"] == ["config.json", "model.safetensors"]
+    assert json.loads(out.read_text())["verify"]["offloadpp_export"]["close"]
     report = json.loads(out.read_text())
     e, v = report["offloadpp"]["export"], report["verify"]
     assert rc == 0 and report["pass"]
@@ -72,7 +77,8 @@ def test_bench_capacity_export_smoke(tmp_path, capsys):
     )
     assert v["save_16bit_model"]["close"] and v["trainer_save_model"]["close"] and e["page_cache"]["s"] > 0
     assert {"save_16bit_model", "trainer save_model"} <= set(report["offloadpp"]["phase_peak_rss"])
-    assert "give the engine's logits: PASS" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "give the engine's logits: PASS" in text and "`offloadpp export` peak RSS" in text
 
 
 def test_bench_planner_scale_smoke(tmp_path, capsys):

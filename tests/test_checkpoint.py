@@ -87,7 +87,8 @@ def test_checkpoint_folder_is_durable_and_verified(tmp_path):
     ckpt = tmp_path / "ckpt" / "t1"
     manifest = json.loads((ckpt / MANIFEST).read_text())
     assert manifest["format"] == 3 and (tmp_path / "ckpt" / "latest").read_text() == "t1"
-    assert {r["file"] for r in manifest["files"]} == {"engine.pt", "rng.pt", "client_state.pt"}
+    assert {r["file"] for r in manifest["files"]} == {"engine.pt", "rng.pt", "client_state.pt", "config.json"}
+    assert json.loads((ckpt / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
     assert all(a["crc32c"] for a in manifest["arrays"].values())
     assert not [p for p in os.listdir(tmp_path / "ckpt") if p.endswith(".partial")]
     # a flipped byte in a moment's payload is an error naming the file, never other numbers

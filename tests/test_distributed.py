@@ -238,6 +238,7 @@ def test_two_rank_save_checkpoint_commits_after_every_rank_read_it(tmp_path):
     assert sorted(os.listdir(ck)) == ["latest", "t"]
     assert sorted(os.listdir(ck / "t")) == [
         "client_state.pt",
+        "config.json",
         "engine.pt",
         "manifest.json",
         "rank00000",

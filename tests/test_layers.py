@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "offloadpp"
 RANKS = {
     "offloadpp": 9,  # the package face: initialize() and friends
     "offloadpp.__main__": 9,
+    "offloadpp.checkpoint_utils": 9,  # the package face's checkpoint functions (zero_to_fp32's counterpart)
     "offloadpp.cli": 8,
     "offloadpp.bench": 7,
     "offloadpp.profiling": 6,

@@ -135,6 +135,7 @@ def test_node_local_checkpoints_resume_on_their_nodes_and_name_a_missing_node(tm
         assert sorted(os.listdir(own)) == ["latest", "t"]
         assert sorted(os.listdir(own / "t")) == [
             "client_state.pt",
+            "config.json",
             "engine.pt",
             "manifest.json",
             f"rank{i:05d}",

@@ -10,7 +10,10 @@ Hugging Face export, each timed against the disk-bandwidth floor. `--export` add
 users export a model: save_16bit_model(dir) with DeepSpeed's default name and a Trainer's
 save_model of the same engine, each timed against the disk floor with its own peak, both then
 loaded with from_pretrained in a process of their own and compared with the engine's logits
-(capacity_export.py). `--zero` then trains the same
+(capacity_export.py). `--export-checkpoint` saves a checkpoint after the steps and, once the
+training process has ended, runs `offloadpp export` on it as a user does after the job (a
+process of its own, its peak RSS from the kernel), the folder then checked the same way.
+`--zero` then trains the same
 model under ZeRO-Infinity in the same session (deepspeed.zero.Init, with the two settings it
 needs for a model this size: an offload buffer larger than the largest parameter and a 1e8
 sub-group), for the step-time ratio.
@@ -59,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--export",
         action="store_true",
         help="save_16bit_model(dir) and a Trainer's save_model, each loaded with from_pretrained and compared",
+    )
+    p.add_argument(
+        "--export-checkpoint",
+        action="store_true",
+        help="save_checkpoint, then `offloadpp export` on it in a process of its own after the run, its peak RSS "
+        "measured, the folder loaded with from_pretrained and compared",
     )
     p.add_argument(
         "--zero", action="store_true", help="also train the model under ZeRO-Infinity, same session"
@@ -274,11 +283,16 @@ def _offloadpp_child(args, work: str) -> dict:
         _log(
             f"checkpoint: save {save_s:.1f}s, load {load_s:.1f}s, export {export_s:.1f}s; loss {loss_a} / {loss_b}"
         )
-    if args.export:
-        from offloadpp.bench.capacity_export import export_phase
+    if args.export or args.export_checkpoint:
+        import offloadpp.bench.capacity_export as cx
 
-        out["export"] = export_phase(engine, args, work, data[0], _phase_peak)
-        peaks.update(out["export"].pop("peaks"))
+        cx.reference(engine, work, data[0])
+        peaks["reference logits"] = _phase_peak()
+        if args.export:
+            out["export"] = cx.export_phase(engine, args, work, data[0], _phase_peak)
+            peaks.update(out["export"].pop("peaks"))
+        if args.export_checkpoint:
+            out["checkpoint_export"] = cx.checkpoint_phase(engine, work, _phase_peak)
     engine.close()
     out["phase_peak_rss"] = peaks
     del torch
@@ -321,9 +335,9 @@ def _run_child(args, side: str, work: str) -> tuple[dict, int, int]:
     for k in ("layers", "width", "heads", "batch", "seq", "steps", "clip", "threads", "dir", "zero_steps"):
         argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     argv += ["--offloadpp-block", args.offloadpp_block]
-    for flag in ("checkpoint", "export"):
+    for flag in ("checkpoint", "export", "export_checkpoint"):
         if getattr(args, flag):
-            argv.append(f"--{flag}")
+            argv.append(f"--{flag.replace('_', '-')}")
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(29500 + os.getpid() % 1000))  # fmt: skip
     try:
@@ -377,10 +391,17 @@ def run(args: argparse.Namespace) -> int:
         # keeps one high-water mark): the run's peak is the largest of the phases' and the last's
         rss = max(rss, *ours.get("phase_peak_rss", {}).values())
         report["offloadpp"] = {**ours, "peak_rss_bytes": rss, "wall_s": time.perf_counter() - t0}
-        if args.export:
+        if args.export or args.export_checkpoint:
             shutil.rmtree(
                 os.path.join(args.dir, "offloadpp", "nvme"), ignore_errors=True
             )  # (disk for the check)
+            if args.export_checkpoint:
+                from offloadpp.bench.capacity_export import cli_export
+
+                _log("offloadpp export on the checkpoint, a process of its own:")
+                report["cli_export"] = cli_export(
+                    os.path.join(args.dir, "offloadpp"), ours["checkpoint_export"]
+                )
             verify, vrss, vrc = _run_child(args, "verify", args.dir)
             report["verify"] = {**verify, "peak_rss_bytes": vrss, "exit_status": vrc}
         if not args.keep:
@@ -412,6 +433,11 @@ def run(args: argparse.Namespace) -> int:
     if "export" in o:
         v = report["verify"]
         checks.append(all(v.get(name, {}).get("close", False) for name in EXPORTS))
+    if "cli_export" in report:
+        from offloadpp.bench.capacity_export import CLI_EXPORT, cli_ok
+
+        checks.append(cli_ok(report["cli_export"], args.max_rss_gib))
+        checks.append(report["verify"].get(CLI_EXPORT, {}).get("close", False))
     report["pass"] = all(checks)
     report["max_rss_bytes"] = int(args.max_rss_gib * GIB)
     _print(report)
@@ -466,9 +492,11 @@ def _print(r: dict) -> None:
 
         print(f"\nSSD bytes of a steady step by kind, the cost model's from {o['modelled_from']}:")
         print(traffic.table(o["ssd_by_kind"], o["modelled_ssd_by_kind"]))
-    if "export" in o:
+    if "export" in o or "cli_export" in r:
         v = r["verify"]
-        print("\n".join(export_table(o, v, v["peak_rss_bytes"])))
+        print(
+            "\n".join(export_table(o, v, v["peak_rss_bytes"], r.get("cli_export"), r["max_rss_bytes"] / GIB))
+        )
     if "checkpoint" in o:
         c = o["checkpoint"]
         print(f"\ncheckpoint of {c['state_bytes'] / 1e9:.1f} GB of state ({c['checkpoint_bytes'] / 1e9:.1f} GB on disk), "

@@ -16,20 +16,34 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import time
+from typing import Optional
 
 EXPORTS = ("save_16bit_model", "trainer_save_model")
+CKPT_DIR = "checkpoint"  # save_checkpoint's save_dir (--export-checkpoint)
+CLI_EXPORT = "offloadpp_export"  # `offloadpp export`'s folder
 
 
 def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-def export_phase(engine, args, work: str, batch, phase_peak) -> dict:
-    """Runs the two exports on `engine` (between steps); returns their numbers. phase_peak():
-    the process's peak RSS since the last call (capacity._phase_peak)."""
+def reference(engine, work: str, batch) -> None:
+    """The engine's logits on `batch`, saved for verify_child."""
     import torch
+
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=batch).logits
+    engine.train()
+    torch.save({"input_ids": batch, "logits": logits}, os.path.join(work, "reference.pt"))
+
+
+def export_phase(engine, args, work: str, batch, phase_peak) -> dict:
+    """Runs the two exports on `engine` (between steps; reference() ran); returns their numbers.
+    phase_peak(): the process's peak RSS since the last call (capacity._phase_peak)."""
     from transformers import Trainer, TrainingArguments
 
     from offloadpp.integrations.deepspeed import patch_deepspeed
@@ -37,13 +51,7 @@ def export_phase(engine, args, work: str, batch, phase_peak) -> dict:
     rt = engine.runtime
     rd, wr = rt.ssd_read_gbps * 1e9, rt.ssd_write_gbps * 1e9
     master_bytes = 4 * sum(u.padded_numel for u in rt.units)
-    engine.eval()
-    with torch.no_grad():
-        logits = engine(input_ids=batch).logits
-    engine.train()
-    torch.save({"input_ids": batch, "logits": logits}, os.path.join(work, "reference.pt"))
-    del logits
-    out: dict = {"peaks": {"reference logits": phase_peak()}}
+    out: dict = {"peaks": {}}
 
     d = os.path.join(work, "save_16bit_model")
     t = time.perf_counter()
@@ -98,6 +106,53 @@ def _page_cache_export(rt, d: str, read_floor_s: float, wr: float) -> dict:
     return pc
 
 
+def checkpoint_phase(engine, work: str, phase_peak) -> dict:
+    """save_checkpoint into work/CKPT_DIR, timed against the disk floor (master and moments read
+    and written once); `offloadpp export` runs on it after this process ends (cli_export)."""
+    rt = engine.runtime
+    state_bytes = 12 * sum(u.padded_numel for u in rt.units)
+    free = shutil.disk_usage(work).free
+    if free < 1.05 * state_bytes + 4 * sum(
+        u.padded_numel for u in rt.units
+    ):  # (the checkpoint, then the export)
+        raise SystemExit(
+            f"offloadpp bench: --export-checkpoint needs {state_bytes / 1e9:.1f} GB for the checkpoint and a third of "
+            f"that for the export, {free / 1e9:.1f} GB are free in {work!r} (with --export, run it on its own)"
+        )
+    t = time.perf_counter()
+    engine.save_checkpoint(os.path.join(work, CKPT_DIR))
+    s = time.perf_counter() - t
+    out = {"save_s": s, "state_bytes": state_bytes, "master_bytes": state_bytes // 3,
+           "save_floor_s": state_bytes / (rt.ssd_read_gbps * 1e9) + state_bytes / (rt.ssd_write_gbps * 1e9),
+           "ssd_read_gbps": rt.ssd_read_gbps, "ssd_write_gbps": rt.ssd_write_gbps}  # fmt: skip
+    phase_peak()
+    return out
+
+
+def cli_export(work: str, saved: dict) -> dict:
+    """`offloadpp export CKPT OUT` as a user runs it after the job: a process of its own (the
+    training process has ended), its peak RSS from the kernel (wait4's ru_maxrss), timed against
+    the disk floor (the fp32 masters read once, the folder written once); the checkpoint is then
+    removed (disk for the check)."""
+    out_dir = os.path.join(work, CLI_EXPORT)
+    argv = [sys.executable, "-m", "offloadpp", "export", os.path.join(work, CKPT_DIR), out_dir]
+    t = time.perf_counter()
+    proc = subprocess.Popen(argv)
+    _, status, usage = os.wait4(proc.pid, 0)
+    s = time.perf_counter() - t
+    res = {"exit_status": os.waitstatus_to_exitcode(status), "s": s, "peak_rss_bytes": usage.ru_maxrss * 1024,
+           "argv": " ".join(["offloadpp", "export", "CKPT", "OUT"])}  # fmt: skip
+    if os.path.isdir(out_dir):
+        res["files"] = sorted(os.listdir(out_dir))
+        res["bytes"] = _folder_bytes(out_dir)
+        res["floor_s"] = saved["master_bytes"] / (saved["ssd_read_gbps"] * 1e9) + res["bytes"] / (
+            saved["ssd_write_gbps"] * 1e9
+        )
+        res["vs_floor"] = s / res["floor_s"]
+    shutil.rmtree(os.path.join(work, CKPT_DIR), ignore_errors=True)
+    return res
+
+
 def verify_child(work: str) -> dict:
     """Loads each export with from_pretrained (fp32, plain transformers) and compares its logits
     on the reference batch with the engine's; one model in memory at a time."""
@@ -108,7 +163,7 @@ def verify_child(work: str) -> dict:
 
     ref = torch.load(os.path.join(work, "reference.pt"))
     res = {}
-    for name in EXPORTS:
+    for name in [n for n in (*EXPORTS, CLI_EXPORT) if os.path.isdir(os.path.join(work, n))]:
         t = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(os.path.join(work, name), dtype=torch.float32).eval()
         load_s = time.perf_counter() - t
@@ -127,39 +182,67 @@ def verify_child(work: str) -> dict:
     return res
 
 
-def table(o: dict, verify: dict, rss_verify: int) -> list[str]:
-    """Markdown lines for capacity's report."""
+def _match(v: dict) -> str:
+    return (
+        "not verified" if not v else ("identical" if v["equal"] else f"max abs diff {v['max_abs_diff']:.3g}")
+    )
+
+
+def _row(name: str, x: dict, peak: int, v: dict) -> str:
+    weights = [f for f in x["files"] if f.endswith((".bin", ".safetensors")) and f != "training_args.bin"]
+    index = " + index" if any(f.endswith(".index.json") for f in x["files"]) else ""
+    return (f"| {name} | {len(weights)} weight files{index} | {x['bytes'] / 1e9:.1f} GB | {x['s']:.1f} | "
+            f"{x['floor_s']:.1f} | {x['vs_floor']:.2f} | {peak / (1 << 30):.2f} GiB | {_match(v)} |")  # fmt: skip
+
+
+def table(
+    o: dict, verify: dict, rss_verify: int, cli: Optional[dict] = None, max_rss_gib: float = 8.0
+) -> list[str]:
+    """Markdown lines for capacity's report: the exports of --export (in the training process)
+    and `offloadpp export` of --export-checkpoint (a process of its own, after the job)."""
     gib = 1 << 30
-    e = o["export"]
     lines = ["", "| export | files | size | time s | disk floor s | x floor | peak RSS | from_pretrained logits |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     ph = o["phase_peak_rss"]
-    peaks = {"save_16bit_model": ph["save_16bit_model"], "trainer_save_model": ph["trainer save_model"]}
-    for name in EXPORTS:
-        x, v = e[name], verify.get(name, {})
-        weights = [f for f in x["files"] if f.endswith((".bin", ".safetensors")) and f != "training_args.bin"]
-        match = (
-            "not verified"
-            if not v
-            else ("identical" if v["equal"] else f"max abs diff {v['max_abs_diff']:.3g}")
-        )
+    names = []
+    if "export" in o:
+        e = o["export"]
+        peaks = {"save_16bit_model": ph["save_16bit_model"], "trainer_save_model": ph["trainer save_model"]}
+        names += list(EXPORTS)
+        lines += [_row(name, e[name], peaks[name], verify.get(name, {})) for name in EXPORTS]
+        if "page_cache" in e:
+            pc = e["page_cache"]
+            lines.append(
+                f"| save_16bit_model through the page cache (as before O_DIRECT) | | {pc['bytes'] / 1e9:.1f} GB | {pc['s']:.1f} | "
+                f"{pc['floor_s']:.1f} | {pc['vs_floor']:.2f} | {ph['save_16bit_model, page cache'] / gib:.2f} GiB | |"
+            )
+    if cli is not None:
+        names.append(CLI_EXPORT)
+        if "files" in cli:
+            lines.append(_row("`offloadpp export` of the checkpoint (own process)", cli, cli["peak_rss_bytes"],
+                              verify.get(CLI_EXPORT, {})))  # fmt: skip
+        else:
+            lines.append(f"| `offloadpp export` | failed (exit {cli['exit_status']}) | | | | | | |")
+        c = o["checkpoint_export"]
         lines.append(
-            f"| {name} | {len(weights)} weight files{' + index' if any(f.endswith('.index.json') for f in x['files']) else ''} "
-            f"| {x['bytes'] / 1e9:.1f} GB | {x['s']:.1f} | {x['floor_s']:.1f} | {x['vs_floor']:.2f} | "
-            f"{peaks[name] / gib:.2f} GiB | {match} |"
-        )
-    if "page_cache" in e:
-        pc = e["page_cache"]
-        lines.append(
-            f"| save_16bit_model through the page cache (as before O_DIRECT) | | {pc['bytes'] / 1e9:.1f} GB | {pc['s']:.1f} | "
-            f"{pc['floor_s']:.1f} | {pc['vs_floor']:.2f} | {o['phase_peak_rss']['save_16bit_model, page cache'] / gib:.2f} GiB | |"
+            f"(save_checkpoint before it: {c['state_bytes'] / 1e9:.1f} GB of state in {c['save_s']:.1f} s, disk floor "
+            f"{c['save_floor_s']:.1f} s)"
         )
     if verify:
         lines.append(
             f"(the from_pretrained check ran in a process of its own: peak RSS {rss_verify / gib:.2f} GiB)"
         )
-    ok = all(verify.get(name, {}).get("close", False) for name in EXPORTS)
+    ok = all(verify.get(name, {}).get("close", False) for name in names)
     lines.append(
-        f"bar: both exports load with from_pretrained and give the engine's logits: {'PASS' if ok else 'FAIL'}"
+        f"bar: the exports load with from_pretrained and give the engine's logits: {'PASS' if ok else 'FAIL'}"
     )
+    if cli is not None:
+        lines.append(
+            f"bar: `offloadpp export` peak RSS {cli['peak_rss_bytes'] / gib:.2f} GiB <= {max_rss_gib:.0f} GiB: "
+            f"{'PASS' if cli_ok(cli, max_rss_gib) else 'FAIL'}"
+        )
     return lines
+
+
+def cli_ok(cli: dict, max_rss_gib: float) -> bool:
+    return cli.get("exit_status") == 0 and cli["peak_rss_bytes"] <= max_rss_gib * (1 << 30)

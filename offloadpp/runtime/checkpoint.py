@@ -136,6 +136,16 @@ def _check_split(got: dict, want: dict, unit: str, worlds: tuple[int, int]) -> N
         )
 
 
+def names_meta(units: list[Unit]) -> dict:
+    """What the layout does not say and an export without the model needs
+    (runtime/checkpoint_weights.py): "tied", each tied parameter's first name -> its other names
+    (the layout records the first); "frozen_params", the names of the parameters that were not
+    trained (requires_grad=False; over several ranks they are in the layout with the others)."""
+    tied = {s.name: list(s.names[1:]) for u in units for _, s in u.params + u.frozen if len(s.names) > 1}
+    frozen = [n for u in units for _, s in u.params + u.frozen if not s.requires_grad for n in s.names]
+    return {"tied": tied, "frozen_params": frozen}
+
+
 def check_layout(saved: list[dict], units: list[Unit], worlds: tuple[int, int] = (1, 1)) -> None:
     """Refuses a checkpoint of another model, naming the first difference. worlds: the
     checkpoint's world size and this run's (a model with frozen parameters: _check_split)."""

@@ -509,7 +509,7 @@ class OffloadEngine:
             "hypers": [h.model_dump() for h in self.hypers],  # one per param group
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
-        meta = {"runtime": runtime, **(meta or {})}
+        meta = {"runtime": runtime, **ckpt.names_meta(self.units), **(meta or {})}
         if self.dp is not None:
             return save_sharded(self.units, path, dp=self.dp, io=self.store.config, meta=meta, files=files,
                                 rank_files=rank_files, node_local=node_local)  # fmt: skip

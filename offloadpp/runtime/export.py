@@ -14,9 +14,6 @@ Files are written under temporary names and renamed when complete, the index las
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -24,14 +21,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from offloadpp.io.durable import fsync_dir, write_atomic
-from offloadpp.io.safetensors_stream import SafetensorsWriter
-from offloadpp.io.torch_stream import TorchSaveWriter
+from offloadpp.io.hf_shards import DEFAULT_SHARD_BYTES, ShardedWriter
 
 from .unit import Unit
 
-DEFAULT_SHARD_BYTES = 5 * 10**9
-INDEX_SUFFIX = ".index.json"
+__all__ = ["DEFAULT_SHARD_BYTES", "ExportFormat", "Merge", "export_weights", "trainable_state_dict"]
 
 
 def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -41,19 +35,6 @@ def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if b is not None and bname not in mod._non_persistent_buffers_set:
                 out.append((f"{mname}.{bname}" if mname else bname, b))
     return out
-
-
-def _shard_names(filename: str, n: int) -> list[str]:
-    if n == 1:
-        return [filename]
-    stem, ext = os.path.splitext(filename)
-    return [f"{stem}-{i + 1:05d}-of-{n:05d}{ext}" for i in range(n)]
-
-
-def _writer(path: str, filename: str, decl: list, direct: bool):
-    if filename.endswith(".safetensors"):
-        return SafetensorsWriter(path, decl, {"format": "pt"}, direct=direct)
-    return TorchSaveWriter(path, decl, direct=direct)
 
 
 @dataclass(frozen=True)
@@ -130,79 +111,36 @@ def export_weights(
     buffers = _persistent_buffers(model)
     if merge is not None:
         buffers = [(merge.rename(n), b) for n, b in buffers if merge.rename(n) is not None]
-    sizes = [s.numel * dtype.itemsize for _, _, s in entries] + [
-        b.numel() * b.element_size() for _, b in buffers
+    decl = [(name, dtype, tuple(s.shape)) for name, _, s in entries] + [
+        (name, b.dtype, tuple(b.shape)) for name, b in buffers
     ]
-    shards: list[list[int]] = [[]]
-    total = 0
-    for i, n in enumerate(sizes):
-        if shards[-1] and total + n > max_shard_bytes:
-            shards.append([])
-            total = 0
-        shards[-1].append(i)
-        total += n
-    names = _shard_names(filename, len(shards))
-    os.makedirs(save_dir, exist_ok=True)
-    written, weight_map = [], {}
+    w = ShardedWriter(save_dir, decl, filename=filename, max_shard_bytes=max_shard_bytes, direct=direct)
     held: Optional[Unit] = None
-
     master: Optional[torch.Tensor] = None
-
-    def master_of(u: Unit) -> torch.Tensor:
-        nonlocal held, master
-        if held is not u:
-            if held is not None:
-                held.end_export()
-            master = u.export_master()
-            held = u
-        return master
-
     try:
-        bar = tqdm(total=len(units), desc="offloadpp: exporting", disable=not progress, leave=False)
-        for shard, fname in zip(shards, names):
-            decl = []
-            for i in shard:
-                if i < len(entries):
-                    name, _, s = entries[i]
-                    decl.append((name, dtype, tuple(s.shape)))
-                else:
-                    name, b = buffers[i - len(entries)]
-                    decl.append((name, b.dtype, tuple(b.shape)))
-            tmp = os.path.join(save_dir, f".{fname}.tmp")
-            w = _writer(tmp, filename, decl, direct)
-            try:
-                for i in shard:
-                    if i < len(entries):
-                        name, u, s = entries[i]
-                        if held is not u:
-                            bar.update(1)
-                        buf = master_of(u)
-                        value = u.exported(s, buf)
-                        if merge is not None and name in merge.deltas:
-                            value = _merged(value, u, buf, merge.deltas[name], named)
-                        w.write(name, value.to(dtype))
-                    else:
-                        name, b = buffers[i - len(entries)]
-                        w.write(name, b)
-                    weight_map[name] = fname
-                w.close()
-            except BaseException:
-                w.abort()
-                raise
-            os.replace(tmp, os.path.join(save_dir, fname))
-            written.append(os.path.join(save_dir, fname))
-        bar.close()
+        for name, u, s in tqdm(entries, desc="offloadpp: exporting", disable=not progress, leave=False):
+            if held is not u:
+                if held is not None:
+                    held.end_export()
+                held = None
+                master = u.export_master()
+                held = u
+            value = u.exported(s, master)
+            if merge is not None and name in merge.deltas:
+                value = _merged(value, u, master, merge.deltas[name], named)
+            w.write(name, value.to(dtype))
+        if held is not None:
+            held.end_export()
+            held = None
+        for name, b in buffers:
+            w.write(name, b)
+        return w.close()
+    except BaseException:
+        w.abort()
+        raise
     finally:
         if held is not None:
             held.end_export()
-    if len(names) > 1:
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        path = os.path.join(save_dir, filename + INDEX_SUFFIX)
-        write_atomic(path, json.dumps(index, indent=2).encode())
-        written.append(path)
-    _remove_stale(save_dir, filename, names)
-    fsync_dir(save_dir)
-    return written
 
 
 def _merged(value: torch.Tensor, u: Unit, master: torch.Tensor, deltas, named: dict) -> torch.Tensor:
@@ -215,21 +153,6 @@ def _merged(value: torch.Tensor, u: Unit, master: torch.Tensor, deltas, named: d
         delta = u.exported(sb, master).float() @ u.exported(sa, master).float()
         out += (delta.t() if transposed else delta) * scale
     return out
-
-
-def _remove_stale(save_dir: str, filename: str, names: list[str]) -> None:
-    """Removes what an earlier export of the same name left that this one did not write: its
-    single file, shards or index. from_pretrained prefers a single file to an index, so an old
-    `pytorch_model.bin` beside new shards would load the old weights. Removed only after the new
-    files and index are durable: until then the old export is whole."""
-    stem, ext = os.path.splitext(filename)
-    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}" + re.escape(ext))
-    index = filename + INDEX_SUFFIX
-    for f in os.listdir(save_dir):
-        if f in names or (f == index and len(names) > 1):
-            continue
-        if f in (filename, index) or shard.fullmatch(f):
-            os.unlink(os.path.join(save_dir, f))
 
 
 def trainable_state_dict(

@@ -49,6 +49,7 @@ log = logging.getLogger("offloadpp")
 ENGINE_FILE = "engine.pt"
 RNG_FILE = "rng.pt"
 CLIENT_FILE = "client_state.pt"
+CONFIG_FILE = "config.json"  # the model's Hugging Face config (runtime/checkpoint_weights.py reads it)
 PARTIAL = ".partial"
 
 
@@ -152,7 +153,7 @@ def _save(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool
                 os.path.join(tmp, ENGINE_FILE),
             )
             torch.save(client_state, os.path.join(tmp, CLIENT_FILE))
-            files = (ENGINE_FILE, CLIENT_FILE)
+            files = (ENGINE_FILE, CLIENT_FILE) + _hf_config(engine.module, tmp)
         own = engine.runtime.rank_dir(tmp)  # (tmp itself for one process)
         os.makedirs(own, exist_ok=True)
         torch.save(rng_states(), os.path.join(own, RNG_FILE))
@@ -174,6 +175,22 @@ def _save(engine, save_dir: str, tag: str, client_state: dict, save_latest: bool
     # then `latest` names it, for every rank
     _together(dp, "naming the checkpoint in `latest`", name_latest)
     return final
+
+
+def _hf_config(module, folder: str) -> tuple[str, ...]:
+    """The model's Hugging Face config.json in the checkpoint folder, where it has one, so that
+    `offloadpp export` makes a folder from_pretrained loads without the model's code
+    (runtime/checkpoint_weights.py); a peft model's is its base model's."""
+    cfg = getattr(module, "config", None)
+    if cfg is None or not hasattr(cfg, "to_json_string"):
+        return ()
+    d = json.loads(cfg.to_json_string())  # (the differences from the defaults, as save_pretrained writes)
+    if not d.get("architectures") and getattr(module, "peft_config", None) is None:
+        d["architectures"] = [type(module).__name__]  # (save_pretrained records the model's class)
+    with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+        json.dump(d, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return (CONFIG_FILE,)
 
 
 def _together(dp, what: str, fn):

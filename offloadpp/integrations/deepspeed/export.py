@@ -17,6 +17,9 @@ from typing import Optional
 
 import torch
 
+# (one error for every whole-model dict that would not fit: the engine's and a checkpoint's)
+from offloadpp.runtime.checkpoint_weights import WeightsDoNotFitError
+
 # The consolidated dict may take at most this share of the memory available when it is asked
 # for (the same rule as the engine's __del__ giving the model its weights back): the rest is
 # for the process going on (the next step's buffers, the caller's copy as it writes the file).
@@ -27,10 +30,6 @@ STREAMING_CALLS = (
     "engine.save_pretrained(dir) (safetensors and config.json); after offloadpp.patch_deepspeed(), "
     "Trainer.save_model and Accelerator.save_model stream the same way"
 )
-
-
-class WeightsDoNotFitError(MemoryError):
-    """The whole model's weights were asked for as one state dict and do not fit in memory."""
 
 
 def save_weights(engine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool,
