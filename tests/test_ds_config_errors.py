@@ -27,7 +27,14 @@ def _with(cfg: dict, path: str, value) -> dict:
     return cfg
 
 
-_DELETE = object()
+class _Delete:
+    """The key removed from the config (a stable repr: pytest-xdist workers must agree on test ids)."""
+
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_DELETE = _Delete()
 
 BAD = [
     ("optimizer.params.betas", [0.9], r"optimizer\.params\.betas: expected two numbers"),
