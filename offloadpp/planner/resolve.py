@@ -223,6 +223,7 @@ def resolve(
                                            budgets, hardware, model, saved)  # fmt: skip
         plan = replace(plan, notes=plan.notes + (
             "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
+    plan = replace(plan, micro_batches=settings.gradient_accumulation_steps) if not plan.vertical else plan
     plan = with_activation_policies(plan, settings)
     if model is not None:
         plan = with_activation_sizes(plan, model)
@@ -500,6 +501,8 @@ def check_plan(plan: Plan, units: Sequence[UnitSpec], device: str, settings: Set
         accumulate_grads=settings.accumulate_grads or plan.accumulate_grads,
         deferred_update=settings.deferred_update or plan.deferred_update,
     )
+    if plan.vertical:  # (a vertical window holds micro_batches micro-batches' activations at once)
+        want["micro_batches"] = settings.gradient_accumulation_steps
     if plan.speculative:  # (the runtime reads Plan.clipping: whether a speculative step may be redone)
         want["clipping"] = clipping(settings)
     for k, v in want.items():
