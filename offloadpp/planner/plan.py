@@ -407,8 +407,9 @@ class Plan:
         micro-batches (a sum of 16-bit gradients rounded to 16 bits at every micro-batch is not
         the fp32 sum torch's mixed-precision recipe keeps in `param.grad` of an fp32 master) and
         several ranks (the gradients are reduced over the ranks into fp32 shards). ZeRO-Infinity
-        upcasts to fp32 before NVMe (docs/runtime.md)."""
-        if self.compute_dtype == "fp32" or self.accumulate_grads or self.ranks > 1:
+        upcasts to fp32 before NVMe (docs/runtime.md). A vertical window's gradients, summed over
+        its micro_batches on the device, are handed out in fp32 for the same reason."""
+        if self.compute_dtype == "fp32" or self.accumulate_grads or self.ranks > 1 or self.micro_batches > 1:
             return "fp32"
         return self.compute_dtype
 
