@@ -16,11 +16,15 @@ the link, the peaks and the activation policies all come out of the same replay 
 Gradients handed out after a sum over micro-batches are fp32 (Plan.grad_dtype), as
 accumulation in their home keeps them: a 16-bit sum is not the sum torch keeps in `param.grad`.
 
-What this does not see: the runtime recomputes and runs backward one micro-batch at a time
-within a unit's visit, so a recomputing unit's backward holds one micro-batch's recomputed
-tensors beside the G checkpoints, where the window profile counts G of them (the need is
-over-counted by (G - 1) x what the unit saves: conservative); the runtime's per-visit cost is
-counted once per visit, not per micro-batch (at most G x 1.5 ms a visit on the CPU device).
+A visit runs its micro-batches one at a time, so what a unit holds at once is what its policy
+keeps of the others and one micro-batch's forward or backward (a recompute's G checkpoints and
+one micro-batch's recomputed tensors; a swapped unit's one micro-batch fetched back): the
+activation need counts that (activations.window_bytes, ModelProfile.window), and so do the
+choices and the refusal's largest micro-batch. What this does not see: the replay moves a
+unit's G micro-batches' swapped bytes as one copy (out after its forward, back before its
+backward) and counts them on the device together, where the runtime pipelines them micro-batch
+by micro-batch (the replay is conservative there); the runtime's per-visit cost is counted
+once per visit, not per micro-batch (at most G x 1.5 ms a visit on the CPU device).
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def window_profile(model: ModelProfile, micro_batches: int) -> ModelProfile:
         kw["backward_s"] = u.backward_s * g if u.backward_s is not None else None
         return replace(u, **kw)
 
-    return replace(model, micro_batch=model.micro_batch * g, units=tuple(unit(u) for u in model.units))
+    return replace(model, micro_batch=model.micro_batch * g, window=model.window * g,
+                   units=tuple(unit(u) for u in model.units))  # fmt: skip
 
 
 def window_settings(settings):
