@@ -167,6 +167,8 @@ class Resolved:
     # for the printout; and why a vertical window cannot run, where it cannot
     other: Optional[Resolved] = None
     vertical_why_not: Optional[str] = None
+    # a vertical plan: the estimate of a window of it run by a per-micro-batch loop (horizontally)
+    loop_estimate: Optional[StepEstimate] = None
 
     @property
     def budgets(self) -> Budgets:
@@ -298,7 +300,12 @@ def _with_window(one: Resolved, settings: Settings, units, machine: Machine, har
         return replace(horizontal, plan=plan, other=v if why is None else None, vertical_why_not=why)
     assert v is not None
     plan = replace(v.plan, window_s=window_s, notes=v.plan.notes + (note,))
-    return replace(v, plan=plan, other=horizontal)
+    loop = None
+    if hardware is not None and model is not None:  # (this plan's placement, its micro-batches one by one)
+        loop = estimate(plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
+                        act_prefetch_units=settings.activations.prefetch_units,
+                        link=rank_link(settings, machine, hardware))  # fmt: skip
+    return replace(v, plan=plan, other=horizontal, loop_estimate=loop)
 
 
 def _fits_per_micro_batch(plan: Plan, settings: Settings) -> tuple[Plan, Optional[str]]:
