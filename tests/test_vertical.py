@@ -229,7 +229,7 @@ def test_the_replay_copies_a_window_units_micro_batches_out_one_at_a_time():
 def test_a_vertical_plan_also_holds_a_per_micro_batch_loop_or_says_why_not():
     from offloadpp.planner import Budgets, Tier
     from offloadpp.planner.peaks import peak_bytes
-    from offloadpp.planner.resolve import _fits_per_micro_batch
+    from offloadpp.planner.vertical import fits_per_micro_batch
 
     units = _model().unit_specs()
     kw = dict(device="cuda", compute_dtype="bf16", prefetch_depth=1, optim_prefetch_depth=1, micro_batches=G)
@@ -239,7 +239,7 @@ def test_a_vertical_plan_also_holds_a_per_micro_batch_loop_or_says_why_not():
     window = replace(window, placements=tuple(replace(p, grads=Tier.HOST) for p in window.placements))
     need_dev, need_host = peak_bytes(as_vertical(window, G))
     plan = as_vertical(replace(window, budgets=Budgets(need_dev, need_host - 1, activation_bytes=1 << 20)), G)
-    fitted, why = _fits_per_micro_batch(plan, Settings())
+    fitted, why = fits_per_micro_batch(plan, Settings())
     assert why is None and fitted.budgets.host_bytes >= need_host and fitted.budgets.buffer_bytes >= need_dev
-    _, why = _fits_per_micro_batch(plan, Settings(host_budget_bytes=need_host - 1))
+    _, why = fits_per_micro_batch(plan, Settings(host_budget_bytes=need_host - 1))
     assert "per-micro-batch loop" in why and "host_budget_bytes" in why

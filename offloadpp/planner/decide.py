@@ -15,7 +15,7 @@ from .spec import DTYPE_BYTES
 
 # The prefetch depths where the settings leave them to the planner ("auto"): the deepest the
 # default plan tries first, and the optimizer read-ahead of every plan but a deferred one's
-# (resolve._streaming_need decides that one).
+# (budgets._streaming_need decides that one).
 DEFAULT_PREFETCH = 2
 DEFAULT_OPTIM_PREFETCH = 2
 
@@ -95,7 +95,7 @@ def prefetch_depth(settings) -> int:
 
 def optim_prefetch_depth(settings) -> int:
     """The optimizer read-ahead the plans start from (the streaming minimum's budgets may fix it
-    first: resolve._budgets writes its choice into the settings)."""
+    first: budgets.budgets_for writes its choice into the settings)."""
     return DEFAULT_OPTIM_PREFETCH if settings.optim_prefetch_depth is None else settings.optim_prefetch_depth
 
 

@@ -33,7 +33,9 @@ from dataclasses import replace
 from typing import Optional
 
 from .model_profile import ModelProfile, UnitProfile
-from .plan import Plan, PlanError
+from .peaks import peak_bytes
+from .plan import Plan, PlanError, fmt_bytes
+from .spec import Budgets, Settings
 
 # The scaled sizes of a unit: the bytes its forward saves and what they are made of, its FLOPs.
 _PER_TOKEN = ("forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
@@ -85,6 +87,48 @@ def window_plan(plan: Plan) -> Plan:
     return replace(plan, accumulate_grads=False, vertical=False, activations=plan.vertical_activations)
 
 
+def fits_per_micro_batch(plan: Plan, settings: Settings) -> tuple[Plan, Optional[str]]:
+    """A vertical plan also runs a per-micro-batch loop, horizontally, its gradients accumulated
+    in their tier: budgets the settings left "auto" grow to what that needs (the schedule's
+    peaks); asked budgets it does not fit make the plan horizontal (the reason)."""
+    b = plan.budgets
+    assert b is not None
+    dev, host = peak_bytes(plan)
+    if dev <= b.buffer_bytes and host <= b.host_bytes:
+        return plan, None
+    asked = [n for n, v, need, have in (("device_budget_bytes", settings.device_budget_bytes, dev, b.buffer_bytes),
+                                        ("host_budget_bytes", settings.host_budget_bytes, host, b.host_bytes))
+             if v is not None and need > have]  # fmt: skip
+    if asked:
+        return plan, (
+            f"a per-micro-batch loop with its plan (gradients accumulated in their tier) needs {fmt_bytes(dev)} of "
+            f"device buffers and {fmt_bytes(host)} of host buffers, beyond the asked {' and '.join(asked)}"
+        )
+    act = b.activation_bytes
+    dev_b = max(b.device_bytes, dev + (act or 0))
+    if act is not None and act >= dev_b:
+        dev_b = act + dev
+    return replace(plan, budgets=Budgets(dev_b, max(b.host_bytes, host), activation_bytes=act)), None
+
+
+def window_note(
+    g: int, vertical: bool, h_s: Optional[float], v_s: Optional[float], why: Optional[str]
+) -> str:
+    """The plan's note on how a window of g micro-batches runs."""
+    if why is not None:
+        return f"a window of {g} micro-batches runs horizontally (train_batch too): vertical is impossible: {why}"
+    if h_s is None or v_s is None:
+        return (f"a window of {g} micro-batches driven whole (train_batch) runs "
+                f"{'vertically' if vertical else 'horizontally'} (no estimate to compare the two)")  # fmt: skip
+    gain = h_s / v_s
+    if vertical:
+        return (f"a window of {g} micro-batches driven whole (train_batch, the Trainer's window) runs vertically: "
+                f"{v_s:.3f} s against {h_s:.3f} s horizontally ({gain:.2f}x); a per-micro-batch loop "
+                "(forward/backward/step) runs horizontally")  # fmt: skip
+    return (f"a window of {g} micro-batches runs horizontally: {h_s:.3f} s against {v_s:.3f} s vertically "
+            f"({1 / gain:.2f}x)")  # fmt: skip
+
+
 def window_gain(horizontal_s: Optional[float], vertical_s: Optional[float]) -> Optional[float]:
     """How many times faster the vertical window is estimated (None: not both estimated)."""
     if horizontal_s is None or vertical_s is None or vertical_s <= 0:
@@ -92,4 +136,5 @@ def window_gain(horizontal_s: Optional[float], vertical_s: Optional[float]) -> O
     return horizontal_s / vertical_s
 
 
-__all__ = ["as_vertical", "window_gain", "window_plan", "window_profile", "window_settings"]
+__all__ = ["as_vertical", "fits_per_micro_batch", "window_gain", "window_note", "window_plan", "window_profile",
+           "window_settings"]  # fmt: skip
