@@ -171,14 +171,28 @@ def resolve(
     if model is not None:
         _check_units(model, units)
         model = model.with_fused_loss(settings.activations.fused_loss)
-    one = _resolve_one(settings, units, machine, hardware, model, saved, io_set, deferral)
-    return _with_window(one, settings, units, machine, hardware, model, io_set, deferral)
+    given = _Given(units, machine, hardware, model, io_set, deferral)
+    return _with_window(_resolve_one(settings, given, saved), settings, given)
 
 
-def _resolve_one(settings: Settings, units, machine: Machine, hardware, model, saved, io_set, deferral,
-                 window: int = 1) -> Resolved:  # fmt: skip
+@dataclass(frozen=True)
+class _Given:
+    """What resolve() was given, made ready (units sharded, the rank's share of the machine, the
+    model's loss as it runs), and the deferral note it decided: what each schedule's plan reads."""
+
+    units: tuple
+    machine: Machine
+    hardware: Optional[HardwareProfile]
+    model: Optional[ModelProfile]
+    io_set: Optional[Mapping[str, int]]
+    deferral: tuple
+
+
+def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1) -> Resolved:
     """resolve() for one schedule: a step of the settings' micro-batches, or (window > 1) a
     vertical window of that many planned as one step (planner/vertical.py)."""
+    units, machine, hardware, model = given.units, given.machine, given.hardware, given.model
+    io_set, deferral = given.io_set, given.deferral
     budgets, settings = budgets_for(settings, units, machine, model, window)
     try:
         plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved, window)
@@ -214,8 +228,7 @@ def _resolve_one(settings: Settings, units, machine: Machine, hardware, model, s
     return Resolved(settings, plan, est, candidates, deferred_est)
 
 
-def _with_window(one: Resolved, settings: Settings, units, machine: Machine, hardware, model, io_set,
-                 deferral) -> Resolved:  # fmt: skip
+def _with_window(one: Resolved, settings: Settings, given: _Given) -> Resolved:
     """`one` (the horizontal schedule's resolve) and, with accumulation, the vertical window's,
     and the choice between them (decide.accumulation): the Resolved of the plan chosen, the
     other in `other`. A plan file keeps the choice it was made with."""
@@ -224,6 +237,7 @@ def _with_window(one: Resolved, settings: Settings, units, machine: Machine, har
         return one if one.plan.micro_batches == g or settings.plan_path is not None else replace(
             one, plan=replace(one.plan, micro_batches=g))  # fmt: skip
     horizontal = replace(one, plan=replace(one.plan, micro_batches=g))
+    hardware, model = given.hardware, given.model
     if settings.accumulation == "horizontal" or (
         settings.accumulation == "auto" and (hardware is None or model is None)
     ):  # (no estimates: nothing to choose by, decide.accumulation)
@@ -231,8 +245,8 @@ def _with_window(one: Resolved, settings: Settings, units, machine: Machine, har
     v: Optional[Resolved] = None
     why: Optional[str] = None
     try:
-        v = _resolve_one(window_settings(settings), units, machine, hardware,
-                         window_profile(model, g) if model is not None else None, None, io_set, deferral, window=g)  # fmt: skip
+        window = replace(given, model=window_profile(model, g) if model is not None else None)
+        v = _resolve_one(window_settings(settings), window, None, window=g)
     except InfeasibleError as e:
         why = f"the activations of its {g} micro-batches held at once do not fit: {e}"
     except PlanError as e:
@@ -256,7 +270,7 @@ def _with_window(one: Resolved, settings: Settings, units, machine: Machine, har
     if hardware is not None and model is not None:  # (this plan's placement, its micro-batches one by one)
         loop = estimate(plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
                         act_prefetch_units=settings.activations.prefetch_units,
-                        link=rank_link(settings, machine, hardware))  # fmt: skip
+                        link=rank_link(settings, given.machine, hardware))  # fmt: skip
     return replace(v, plan=plan, other=horizontal, loop_estimate=loop)
 
 
