@@ -105,9 +105,7 @@ def fits_per_micro_batch(plan: Plan, settings: Settings) -> tuple[Plan, Optional
             f"device buffers and {fmt_bytes(host)} of host buffers, beyond the asked {' and '.join(asked)}"
         )
     act = b.activation_bytes
-    dev_b = max(b.device_bytes, dev + (act or 0))
-    if act is not None and act >= dev_b:
-        dev_b = act + dev
+    dev_b = max(b.device_bytes, dev + (act or 0))  # (the activations' part as planned, the buffers the rest)
     return replace(plan, budgets=Budgets(dev_b, max(b.host_bytes, host), activation_bytes=act)), None
 
 
@@ -129,12 +127,11 @@ def window_note(
             f"({1 / gain:.2f}x)")  # fmt: skip
 
 
-def window_gain(horizontal_s: Optional[float], vertical_s: Optional[float]) -> Optional[float]:
-    """How many times faster the vertical window is estimated (None: not both estimated)."""
-    if horizontal_s is None or vertical_s is None or vertical_s <= 0:
-        return None
-    return horizontal_s / vertical_s
-
-
-__all__ = ["as_vertical", "fits_per_micro_batch", "window_gain", "window_note", "window_plan", "window_profile",
-           "window_settings"]  # fmt: skip
+__all__ = [
+    "as_vertical",
+    "fits_per_micro_batch",
+    "window_note",
+    "window_plan",
+    "window_profile",
+    "window_settings",
+]
