@@ -243,3 +243,26 @@ def test_a_vertical_plan_also_holds_a_per_micro_batch_loop_or_says_why_not():
     assert why is None and fitted.budgets.host_bytes >= need_host and fitted.budgets.buffer_bytes >= need_dev
     _, why = fits_per_micro_batch(plan, Settings(host_budget_bytes=need_host - 1))
     assert "per-micro-batch loop" in why and "host_budget_bytes" in why
+
+
+def test_a_vertical_plan_file_runs_as_it_was_made_for_its_window(tmp_path):
+    from offloadpp.planner import save_plan
+    from offloadpp.planner.resolve import load_saved_plan
+
+    m = _model()
+    r = _resolve(m)
+    assert r.plan.vertical
+    path = str(tmp_path / "plan.json")
+    save_plan(path, r.plan, r.estimate)
+
+    def again(g: int):
+        s = Settings(compute_dtype="bf16", plan=path, gradient_accumulation_steps=g, micro_batch=1)
+        return resolve(
+            s, m.unit_specs(), _cuda_machine(8), hardware=_slow_ssd(), model=m, saved=load_saved_plan(s)
+        )
+
+    back = again(G)
+    assert back.plan.vertical and back.plan.vertical_activations == r.plan.vertical_activations
+    assert back.plan.placements == r.plan.placements and back.plan.micro_batches == G
+    with pytest.raises(PlanError, match="plan.micro_batches is 4 but the settings need 8"):
+        again(8)
