@@ -125,7 +125,7 @@ def test_every_setting_is_reachable_from_the_block(tmp_path):
         "device_budget_bytes": "1GiB", "host_budget_bytes": 3 << 30, "prefetch_depth": 1, "optim_prefetch_depth": 3,
         "fill_gaps": False, "adam_threads": 1, "units": [["transformer.wte", "transformer.wpe"], ["lm_head"]],
         "plan": "auto", "hardware_profile": "/hw.json", "model_profile": "/m.json", "seq_len": 77, "speculate": "off",
-        "defer_updates": True, "collective_gbps": 12.5, "network_gbps": 3.0,
+        "defer_updates": True, "collective_gbps": 12.5, "network_gbps": 3.0, "accumulation": "vertical",
         "activations": {"policy": "ssd", "overrides": {"embed": "keep"}, "budget_bytes": "64MiB",
                         "host_budget_bytes": "1GB", "prefetch_units": 1, "min_swap_bytes": "4KiB"},
     }  # fmt: skip
@@ -143,6 +143,7 @@ def test_every_setting_is_reachable_from_the_block(tmp_path):
     assert (s.prefetch_depth, s.optim_prefetch_depth, s.fill_gaps, s.adam_threads) == (1, 3, False, 1)
     assert s.units == (("transformer.wte", "transformer.wpe"), ("lm_head",)) and s.plan == "auto"
     assert (s.hardware_profile, s.model_profile, s.speculate) == ("/hw.json", "/m.json", "off")
+    assert s.accumulation == "vertical"
     assert s.defer_updates and s.deferred_update
     a = s.activations
     assert (a.policy, dict(a.overrides), a.budget_bytes, a.host_budget_bytes) == (

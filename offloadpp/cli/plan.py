@@ -80,6 +80,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="override the block's speculate (clipping, fp16: updates during backward, validated after it)",
     )
+    p.add_argument(
+        "--accumulation",
+        choices=("auto", "vertical", "horizontal"),
+        default=None,
+        help="override the block's accumulation: how a window driven whole (train_batch) runs",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        metavar="G",
+        help="override the config's gradient_accumulation_steps (micro-batches per step)",
+    )
     p.add_argument("--json", metavar="PATH", help="save the plan and its estimate here")
     p.add_argument("--lora", type=int, default=None, metavar="R",
                    help="plan peft's LoRA of rank R on the attention and MLP projections over the frozen model "
@@ -114,6 +127,53 @@ def _estimate_table(e) -> str:
     ]
     w = max(len(a) for a, _ in rows)
     return "\n".join(f"  {a:<{w}}  {b}" for a, b in rows)
+
+
+def window_lines(r) -> list[str]:
+    """With accumulation: a window of G micro-batches run horizontally against vertically (time,
+    throughput, SSD bytes by kind, bound; planner/vertical.py), and which way train_batch and a
+    per-micro-batch loop run it. [] without accumulation or estimates."""
+    plan, g = r.plan, r.settings.gradient_accumulation_steps
+    if g == 1 or r.estimate is None:
+        return []
+    rows = [(r, plan.vertical, r.estimate, r.deferred_estimate)]
+    if r.other is not None and r.other.estimate is not None:
+        rows.append((r.other, not plan.vertical, r.other.estimate, r.other.deferred_estimate))
+    if r.loop_estimate is not None:
+        rows.append((None, False, r.loop_estimate, None))
+    rows.sort(key=lambda x: (x[1], x[0] is not None))  # horizontal first, the loop's first
+    seqs = g * (r.settings.micro_batch or 1)
+    seq_len = r.settings.seq_len
+    unit = "tokens/s" if seq_len else "sequences/s"
+    per = seqs * seq_len if seq_len else seqs
+    out = [f"a window of {g} micro-batches ({seqs} sequences{f', {per:,} tokens' if seq_len else ''}), each way "
+           f"(SSD GiB read / written):",  # fmt: skip
+           f"| schedule | s per window | {unit} | weights | gradients | optimizer state | activations | bound |",
+           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    times = {}
+    for rr, vertical, e, d in rows:
+        name = "vertical" if vertical else "horizontal"
+        times.setdefault(name, e.step_s)
+        kinds = {k: f"{rd / 2**30:,.0f} / {w / 2**30:,.0f}" for k, rd, w in e.ssd_by_kind}
+        deferred = f" ({d.step_s:.1f} deferred)" if d is not None else ""
+        chosen = (" (the plan's)" if rr is r else " (a per-micro-batch loop with the plan)" if rr is None else
+                  " (its own plan: accumulation \"horizontal\")" if plan.vertical else "")  # fmt: skip
+        out.append(f"| {name}{chosen} | {e.step_s:.1f}{deferred} | {per / e.step_s:,.1f} | {kinds.get('weights', '-')} | "
+                   f"{kinds.get('gradients', '-')} | {kinds.get('optimizer_state', '-')} | "
+                   f"{kinds.get('activations', '-')} | {e.bound} ({e.floor_s:.1f} s) |")  # fmt: skip
+    if plan.vertical and "horizontal" in times:
+        out.append(f"train_batch (and the Trainer's window) runs it vertically, {times['horizontal'] / times['vertical']:.2f}x "
+                   "faster than a per-micro-batch loop (forward/backward/step), which runs it horizontally")  # fmt: skip
+    elif plan.vertical:
+        out.append(
+            "train_batch (and the Trainer's window) runs it vertically; a per-micro-batch loop runs it horizontally"
+        )
+    elif r.vertical_why_not is not None:
+        out.append(f"both run it horizontally: vertical is impossible: {r.vertical_why_not}")
+    else:
+        out.append("both train_batch and a per-micro-batch loop run it horizontally"
+                   + (" (accumulation \"horizontal\")" if r.settings.accumulation == "horizontal" else ""))  # fmt: skip
+    return out
 
 
 def plan_for_config(ds: dict, args: argparse.Namespace):
@@ -151,6 +211,10 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
             update[k] = getattr(args, k)
     if args.speculate is not None:
         update["speculate"] = args.speculate
+    if getattr(args, "accumulation", None) is not None:
+        update["accumulation"] = args.accumulation
+    if getattr(args, "grad_accum", None) is not None:
+        update["gradient_accumulation_steps"] = args.grad_accum
     hw_path = args.hardware or settings.hardware_profile
     if hw_path is None and os.path.isfile(default_profile_path()):
         hw_path = default_profile_path()
@@ -261,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
             d = r.deferred_estimate
             print(f"  (a step whose updates validate; one that clips, or with speculate off, runs them deferred: "
                   f"{d.step_s:.3f} s, optimizer wait {d.optimizer_wait_s:.3f} s)")  # fmt: skip
+        for line in window_lines(r):
+            print(f"  {line}")
     else:
         print("  (no hardware profile: run `offloadpp profile` for a step-time estimate)")
     print(f"  planned in {took:.2f} s (the resolve stage)")

@@ -41,12 +41,21 @@ largest micro-batch that would.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from .activations import act_units, recomputes
+from .budgets import (  # noqa: F401 (re-exported: what "auto" budgets are, named where resolve is)
+    DEFERRED_PARTIAL_PREFETCH,
+    DEVICE_SHARE_CPU,
+    DEVICE_SHARE_CUDA,
+    HOST_SHARE,
+    READ_AHEAD_HOST_SHARE,
+    budgets_for,
+    check_asked_budgets,
+)
 from .cost import StepEstimate, estimate
 from .decide import (
-    DEFAULT_OPTIM_PREFETCH,
+    accumulation,
     activation_choice,
     adam_threads,
     clipping,
@@ -58,83 +67,26 @@ from .decide import (
     speculates,
 )
 from .default import default_plan, plan_shape, streaming_plan
-from .hardware import HardwareProfile, ProfileError, default_profile_path
+from .hardware import HardwareProfile
 from .io_settings import with_io
-from .model_profile import ModelProfile, ModelProfileError, analytic_profile
+from .machine import Machine
+from .model_profile import ModelProfile
 from .peaks import peak_bytes
-from .plan import Plan, PlanError, UnitSpec, fmt_bytes, shard_units
+from .plan import InfeasibleError, Plan, PlanError, UnitSpec, fmt_bytes, shard_units
 from .planfile import load_plan
+from .profiles import (  # noqa: F401 (re-exported: assemble.py and the CLI read them here)
+    CONTEXT_KEYS,
+    _check_profiles,
+    _check_units,
+    load_hardware,
+    model_profile_for,
+)
 from .ranks import RankLink
 from .request import Request
 from .schedule import build_schedule
 from .search import _raise_infeasible, act_planner, search
 from .spec import PLAN_AUTO, Budgets, Settings
-
-DEVICE_SHARE_CUDA = 0.8
-DEVICE_SHARE_CPU = 0.25
-HOST_SHARE = 0.5
-READ_AHEAD_HOST_SHARE = 0.25
-DEFERRED_PARTIAL_PREFETCH = 0
-CONTEXT_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "seq_length", "max_sequence_length")
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the machine has when the run is planned (offloadpp/assemble.py measures it).
-
-    device: "cpu" (the CPU acting as the device) or "cuda".
-    host_available_bytes: host memory available now (psutil's `available`).
-    device_free_bytes: free device memory (CUDA only).
-    ssd_free_bytes: free space on the swap directories' filesystems (None: not known).
-    cores: cores this process may run on (the Adam threads' default).
-    ranks: data-parallel ranks of the run (each keeps 1/ranks of the optimizer state);
-    local_ranks: of them, how many run on this node and share its host memory, SSDs and cores
-        (and, on the CPU acting as the device, its compute). Host memory, SSD space and cores
-        above are the node's; resolve plans each rank for its share (`rank_share`).
-    collective_gbps: the ranks' collectives' bus bandwidth, measured over them all (None: not).
-    host_total_bytes / device_total_bytes: the node's RAM and the device's memory in all (None:
-        not known); a budget asked above them is refused (check_asked_budgets).
-    """
-
-    device: str
-    host_available_bytes: int
-    device_free_bytes: Optional[int] = None
-    ssd_free_bytes: Optional[int] = None
-    cores: int = 1
-    ranks: int = 1
-    local_ranks: int = 1
-    collective_gbps: Optional[float] = None  # the ranks' all-gather bus bandwidth, measured at start
-    host_total_bytes: Optional[int] = None
-    device_total_bytes: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda"):
-            raise PlanError(f"Machine.device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.host_available_bytes <= 0:
-            raise PlanError(f"Machine.host_available_bytes must be > 0, got {self.host_available_bytes!r}")
-        if self.device == "cuda" and not self.device_free_bytes:
-            raise PlanError("Machine.device_free_bytes is needed for device 'cuda'")
-        if not 1 <= self.local_ranks <= self.ranks:
-            raise PlanError(
-                f"Machine: need 1 <= local_ranks <= ranks, got {self.local_ranks} and {self.ranks}"
-            )
-
-    @property
-    def nodes(self) -> int:
-        return -(-self.ranks // self.local_ranks)
-
-    def rank_share(self) -> Machine:
-        """What one of the node's `local_ranks` ranks may plan with: an equal share of its host
-        memory, SSD space and cores (each GPU is a rank's own: its free memory is not shared)."""
-        n = self.local_ranks
-        if n == 1:
-            return self
-        return replace(
-            self,
-            host_available_bytes=self.host_available_bytes // n,
-            ssd_free_bytes=self.ssd_free_bytes // n if self.ssd_free_bytes is not None else None,
-            cores=max(1, self.cores // n),
-        )
+from .vertical import as_vertical, fits_per_micro_batch, window_note, window_profile, window_settings
 
 
 def machine_for(hw: HardwareProfile) -> Machine:
@@ -160,6 +112,13 @@ class Resolved:
     # a speculative plan: the estimate of a step that runs its updates deferred (one that clips,
     # or every step with speculation off); `estimate` is that of a step that validates
     deferred_estimate: Optional[StepEstimate] = None
+    # with accumulation: the resolve of the schedule not chosen for a window driven whole (the
+    # horizontal one where the plan is vertical, the vertical one where it is not and could run),
+    # for the printout; and why a vertical window cannot run, where it cannot
+    other: Optional[Resolved] = None
+    vertical_why_not: Optional[str] = None
+    # a vertical plan: the estimate of a window of it run by a per-micro-batch loop (horizontally)
+    loop_estimate: Optional[StepEstimate] = None
 
     @property
     def budgets(self) -> Budgets:
@@ -212,15 +171,37 @@ def resolve(
     if model is not None:
         _check_units(model, units)
         model = model.with_fused_loss(settings.activations.fused_loss)
-    budgets, settings = _budgets(settings, units, machine, model)
+    given = _Given(units, machine, hardware, model, io_set, deferral)
+    return _with_window(_resolve_one(settings, given, saved), settings, given)
+
+
+@dataclass(frozen=True)
+class _Given:
+    """What resolve() was given, made ready (units sharded, the rank's share of the machine, the
+    model's loss as it runs), and the deferral note it decided: what each schedule's plan reads."""
+
+    units: tuple
+    machine: Machine
+    hardware: Optional[HardwareProfile]
+    model: Optional[ModelProfile]
+    io_set: Optional[Mapping[str, int]]
+    deferral: tuple
+
+
+def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1) -> Resolved:
+    """resolve() for one schedule: a step of the settings' micro-batches, or (window > 1) a
+    vertical window of that many planned as one step (planner/vertical.py)."""
+    units, machine, hardware, model = given.units, given.machine, given.hardware, given.model
+    io_set, deferral = given.io_set, given.deferral
+    budgets, settings = budgets_for(settings, units, machine, model, window)
     try:
-        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved)
+        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved, window)
     except PlanError:
         if settings.plan_path is not None or not speculates(settings) or settings.speculate != "auto":
             raise
         # the budgets were set for deferred updates: what speculation holds more does not fit
         plan, est, candidates = _make_plan(settings.model_copy(update={"speculate": "off"}), units, machine,
-                                           budgets, hardware, model, saved)  # fmt: skip
+                                           budgets, hardware, model, saved, window)  # fmt: skip
         plan = replace(plan, notes=plan.notes + (
             "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
     plan = with_activation_policies(plan, settings)
@@ -247,9 +228,56 @@ def resolve(
     return Resolved(settings, plan, est, candidates, deferred_est)
 
 
-def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved):
+def _with_window(one: Resolved, settings: Settings, given: _Given) -> Resolved:
+    """`one` (the horizontal schedule's resolve) and, with accumulation, the vertical window's,
+    and the choice between them (decide.accumulation): the Resolved of the plan chosen, the
+    other in `other`. A plan file keeps the choice it was made with."""
+    g = settings.gradient_accumulation_steps
+    if g == 1 or settings.plan_path is not None:
+        return one if one.plan.micro_batches == g or settings.plan_path is not None else replace(
+            one, plan=replace(one.plan, micro_batches=g))  # fmt: skip
+    horizontal = replace(one, plan=replace(one.plan, micro_batches=g))
+    hardware, model = given.hardware, given.model
+    if settings.accumulation == "horizontal" or (
+        settings.accumulation == "auto" and (hardware is None or model is None)
+    ):  # (no estimates: nothing to choose by, decide.accumulation)
+        return horizontal
+    v: Optional[Resolved] = None
+    why: Optional[str] = None
+    try:
+        window = replace(given, model=window_profile(model, g) if model is not None else None)
+        v = _resolve_one(window_settings(settings), window, None, window=g)
+    except InfeasibleError as e:
+        why = f"the activations of its {g} micro-batches held at once do not fit: {e}"
+    except PlanError as e:
+        why = str(e)
+    if v is not None:
+        vplan = as_vertical(v.plan, g)
+        vplan, why = fits_per_micro_batch(vplan, settings)
+        v = replace(v, plan=vplan, settings=v.settings.model_copy(
+            update={"gradient_accumulation_steps": g, "accumulation": settings.accumulation}))  # fmt: skip
+    h_s = horizontal.estimate.step_s if horizontal.estimate is not None else None
+    v_s = v.estimate.step_s if v is not None and v.estimate is not None and why is None else None
+    vertical = accumulation(settings, h_s, v_s, why)
+    window_s = tuple((k, t) for k, t in (("horizontal", h_s), ("vertical", v_s)) if t is not None)
+    note = window_note(g, vertical, h_s, v_s, why)
+    if not vertical:
+        plan = replace(horizontal.plan, window_s=window_s, notes=horizontal.plan.notes + (note,))
+        return replace(horizontal, plan=plan, other=v if why is None else None, vertical_why_not=why)
+    assert v is not None
+    plan = replace(v.plan, window_s=window_s, notes=v.plan.notes + (note,))
+    loop = None
+    if hardware is not None and model is not None:  # (this plan's placement, its micro-batches one by one)
+        loop = estimate(plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
+                        act_prefetch_units=settings.activations.prefetch_units,
+                        link=rank_link(settings, given.machine, hardware))  # fmt: skip
+    return replace(v, plan=plan, other=horizontal, loop_estimate=loop)
+
+
+def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved,
+               window: int = 1):  # fmt: skip
     """(plan, estimate or None, candidates) for the settings: the plan file's, the search's or
-    the default plan."""
+    the default plan (window: Request.window, a vertical window's micro-batches)."""
     est: Optional[StepEstimate] = None
     candidates: tuple = ()
     if settings.plan_path is not None:
@@ -265,11 +293,11 @@ def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, ha
             missing = "a hardware profile" if hardware is None else "a model profile"
             raise PlanError(f"plan 'auto' needs {missing}")
         _check_profiles(hardware, model, units, machine.device)
-        req = _request(settings, budgets, machine, hardware)
+        req = replace(_request(settings, budgets, machine, hardware), window=window)
         result = search(hardware, model, req)
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
-        plan = _default(settings, units, machine, budgets, model)
+        plan = replace(_default(settings, units, machine, budgets, model), micro_batches=window)
     return plan, est, candidates
 
 
@@ -390,102 +418,6 @@ def _default(settings: Settings, units, machine: Machine, budgets: Budgets, mode
     return replace(plan, activations=tuple(p for _, p in choice.policies))
 
 
-# ---- budgets ------------------------------------------------------------------------------
-def check_asked_budgets(settings: Settings, m: Machine) -> None:
-    """A budget is a promise the engine keeps by waiting or raising rather than allocating past
-    it, so one above what the machine has in all (1e30, "999TiB") is no limit at all: the run
-    would page or be killed instead. Refused, naming the field, the value and the machine's
-    memory; a budget above what is free now but within the total is the user's call."""
-    host_total = m.host_total_bytes
-    dev_total = m.device_total_bytes if m.device == "cuda" else host_total
-    dev_what = "device memory" if m.device == "cuda" else "RAM (the CPU is the device)"
-    dev_free = m.device_free_bytes if m.device == "cuda" else m.host_available_bytes
-    asked = (
-        ("device_budget_bytes", settings.device_budget_bytes, dev_total, dev_what, dev_free),
-        ("host_budget_bytes", settings.host_budget_bytes, host_total, "RAM", m.host_available_bytes),
-        ("activations.budget_bytes", settings.activations.budget_bytes, dev_total, dev_what, dev_free),
-        ("activations.host_budget_bytes", settings.activations.host_budget_bytes, host_total, "RAM",
-         m.host_available_bytes),
-    )  # fmt: skip
-    for name, value, total, what, free in asked:
-        if value is not None and total is not None and value > total:
-            free_s = f", {fmt_bytes(free)} free now" if free is not None else ""
-            raise PlanError(
-                f"{name}: {value} bytes ({fmt_bytes(value)}) is more than this machine has: {fmt_bytes(total)} of "
-                f'{what}{free_s}; set it at most that, or "auto"'
-            )
-
-
-def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
-             model: Optional[ModelProfile]) -> tuple[Budgets, Settings]:  # fmt: skip
-    """The budgets for the settings' requests (the module Note), and the settings with the
-    optimizer read-ahead they were sized for. With a model profile the device budget counts the
-    activations; activation_bytes is then left for the planner to split (None here) unless the
-    settings cap it."""
-    dev, host = settings.device_budget_bytes, settings.host_budget_bytes
-    cap = settings.activations.budget_bytes
-    machine_dev = (
-        int(m.device_free_bytes * DEVICE_SHARE_CUDA)
-        if m.device == "cuda"
-        else int(m.host_available_bytes * DEVICE_SHARE_CPU)
-    )
-    stream_dev = dev is None and settings.offload_params
-    stream_host = host is None and settings.offload_optimizer
-    if stream_dev or stream_host:
-        k = prefetch_depth(settings)
-        need_dev, need_host, q = _streaming_need(settings, units, m, k)
-        if settings.optim_prefetch_depth is None and stream_host:
-            settings = settings.model_copy(update={"optim_prefetch_depth": q})
-        if stream_dev:
-            if model is None:
-                dev = need_dev + (cap or 0)
-            else:
-                # the buffers streaming needs, and room for keeping every activation (within
-                # the activation budget), as far as the device has it
-                acts = act_planner(model, Request(Budgets(1, 1), settings), m.device)
-                want = min(cap if cap is not None else acts.keep_all.need_bytes, acts.keep_all.need_bytes)
-                dev = min(need_dev + want, max(machine_dev, need_dev + 1))
-        if stream_host:
-            host = need_host
-    if dev is None:
-        dev = machine_dev
-    if host is None:
-        host = int(m.host_available_bytes * HOST_SHARE)
-    if cap is not None and cap >= dev:
-        raise PlanError(
-            f"activations.budget_bytes ({cap}) must be less than the device budget ({dev} bytes): the saved "
-            "activations are a part of the device budget, the runtime's buffers need the rest"
-        )
-    budgets = Budgets(device_bytes=dev, host_bytes=host, activation_bytes=cap)
-    return budgets, settings
-
-
-def _streaming_need(settings: Settings, units, m: Machine, k: int) -> tuple[int, int, int]:
-    """(device, host, q): the streaming plan's peaks at the read-ahead q resolve picks (the
-    module Note: every unit when that fits READ_AHEAD_HOST_SHARE of host memory, else
-    DEFERRED_PARTIAL_PREFETCH, for deferred updates; DEFAULT_OPTIM_PREFETCH otherwise)."""
-    top = max(0, len(units) - 1)
-    shape = plan_shape(settings)
-
-    def needs(q: int) -> tuple[int, int]:
-        return peak_bytes(
-            streaming_plan(units, device=m.device, prefetch_depth=k, optim_prefetch_depth=q, **shape)
-        )
-
-    if settings.optim_prefetch_depth is not None:
-        q = settings.optim_prefetch_depth
-    elif settings.deferred_update:
-        q = (
-            top
-            if needs(top)[1] <= m.host_available_bytes * READ_AHEAD_HOST_SHARE
-            else min(DEFERRED_PARTIAL_PREFETCH, top)
-        )
-    else:
-        q = min(DEFAULT_OPTIM_PREFETCH, top)
-    dev, host = needs(q)
-    return dev, host, q
-
-
 # ---- plans from elsewhere ---------------------------------------------------------------------
 def check_plan(plan: Plan, units: Sequence[UnitSpec], device: str, settings: Settings) -> None:
     """A plan made elsewhere (a file, a caller) must be for these units and these settings."""
@@ -500,6 +432,8 @@ def check_plan(plan: Plan, units: Sequence[UnitSpec], device: str, settings: Set
         accumulate_grads=settings.accumulate_grads or plan.accumulate_grads,
         deferred_update=settings.deferred_update or plan.deferred_update,
     )
+    if plan.vertical:  # (a vertical window holds micro_batches micro-batches' activations at once)
+        want["micro_batches"] = settings.gradient_accumulation_steps
     if plan.speculative:  # (the runtime reads Plan.clipping: whether a speculative step may be redone)
         want["clipping"] = clipping(settings)
     for k, v in want.items():
@@ -566,75 +500,6 @@ def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
         notes.append('activations "auto": decided by planner/decide.py measured_activations from the sizes the first '
                      "step measures (no model profile at plan time: a hardware profile brings one)")  # fmt: skip
     return replace(plan, activations=tuple(out), notes=plan.notes + tuple(notes))
-
-
-# ---- profiles ---------------------------------------------------------------------------------
-def load_hardware(path: Optional[str]) -> HardwareProfile:
-    """The hardware profile at `path`, else the one `offloadpp profile` cached."""
-    path = path or default_profile_path()
-    try:
-        return HardwareProfile.from_json(path)
-    except ProfileError as e:
-        raise PlanError(f"a hardware profile is needed (plan 'auto', or an estimate): {e}") from None
-
-
-def model_profile_for(
-    hf_config: Optional[Mapping[str, Any]],
-    units: Sequence[UnitSpec],
-    settings: Settings,
-    *,
-    name: str = "",
-) -> ModelProfile:
-    """The model profile: measured (settings.model_profile) or analytic from the model's
-    Hugging Face config at settings' micro-batch and sequence length (default: the model's
-    context length); its units must be `units`."""
-    if settings.model_profile:
-        prof = ModelProfile.from_json(settings.model_profile)
-    else:
-        if hf_config is None:
-            raise PlanError(
-                "a model profile is needed for a model without a Hugging Face config: write one with "
-                "`offloadpp profile --dir DIR --model ... --model-json PATH` and set model_profile to its path"
-            )
-        ctx = next((hf_config[k] for k in CONTEXT_KEYS if hf_config.get(k)), None)
-        if settings.seq_len is None and ctx is None:
-            raise PlanError(
-                f"the model's config names no context length (none of {list(CONTEXT_KEYS)}): set seq_len "
-                "(`offloadpp plan --seq-len N`, or seq_len in the offloadpp block)"
-            )
-        seq = settings.seq_len or int(ctx)
-        try:
-            prof = analytic_profile(hf_config, micro_batch=settings.micro_batch or 1, seq_len=seq,
-                                    compute_dtype=settings.compute_dtype, name=name)  # fmt: skip
-        except ModelProfileError as e:
-            raise PlanError(str(e)) from None
-        prof = prof.with_frozen_split(units)
-    got = list(prof.unit_specs())
-    if got != list(units):
-        raise PlanError(
-            "the model profile's units do not match the model's: profile has "
-            f"{[(u.name, u.numel) for u in got]}, the model {[(u.name, u.numel) for u in units]}"
-        )
-    return prof
-
-
-def _unsharded(units) -> list:
-    return [replace(u, shards=1) for u in units]
-
-
-def _check_units(model: ModelProfile, units) -> None:
-    if list(model.unit_specs()) != _unsharded(units):
-        raise PlanError("the model profile's units do not match the model's")
-
-
-def _check_profiles(hw: HardwareProfile, model: ModelProfile, units, device: str) -> None:
-    if hw.device != device:
-        raise PlanError(
-            f"the hardware profile was measured for device {hw.device!r}, the run is on {device!r}: "
-            "re-run `offloadpp profile` on this machine"
-        )
-    if list(model.unit_specs()) != _unsharded(units):
-        raise PlanError("the model profile's units do not match the model's")
 
 
 __all__ = [
