@@ -119,12 +119,12 @@ def test_every_kind_of_device_weights_is_a_weights():
     weights, which all three kinds provide (`state` a property, or set in the constructor)."""
     import inspect
 
-    from offloadpp.runtime.device import CpuWeights, CudaWeights, Weights
+    from offloadpp.runtime.device import CopyWeights, CpuWeights, Weights
     from offloadpp.runtime.dp.sharded import GatheredWeights
 
     members = {n for n in dir(Weights) if not n.startswith("_")}
     assert members == {"state", "acquire", "pump", "wait", "release", "refresh"}
-    for kind in (CpuWeights, CudaWeights, GatheredWeights):
+    for kind in (CpuWeights, CopyWeights, GatheredWeights):
         for name in members - {"state"}:
             assert callable(getattr(kind, name, None)), f"{kind.__name__}.{name}"
         assert isinstance(getattr(kind, "state", None), property) or "self.state =" in inspect.getsource(
