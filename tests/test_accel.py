@@ -198,12 +198,15 @@ def test_a_device_to_host_copy_waits_for_compute(standin):
 
 def test_memory_freed_before_its_stream_gets_there_is_caught(standin):
     a = standin
-    d2h = a.new_stream()
+    d2h, h2d = a.new_stream(), a.new_stream()
     a.wait_stream(d2h, a.compute_stream(), site="test.after_compute")
-    host = torch.empty(1 << 10)
+    host = torch.zeros(1 << 10)
     a.copy(host, torch.randn(1 << 10), d2h)  # nothing keeps the source (no record_use)
+    a.synchronize(a.record(d2h), site="test.sync")
+    assert torch.isnan(host).all()  # someone else's bytes
+    a.copy(a.empty(1 << 10, torch.float32, h2d), host, h2d)  # nor the destination
     with pytest.raises(RuntimeError, match="work on a stream failed") as e:
-        a.synchronize(a.record(d2h), site="test.sync")
+        a.synchronize(a.record(h2d), site="test.sync")
     assert isinstance(e.value.__cause__, StandinUseAfterFreeError)
 
 

@@ -88,7 +88,7 @@ MIX = {
         "mix",
     ],
 )
-def test_gradients_equal_the_run_without_swapping(policy, store, data):
+def test_gradients_equal_the_run_without_swapping(policy, store, data, on_device):
     ref = tiny_gpt2()  # dropout on: recompute must replay the RNG
     _, want = run_step(ref, data)
     model = copy.deepcopy(ref)
@@ -123,8 +123,9 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data):
                 assert s.recompute_s > 0 and (s.d2h_bytes > ckpt) == (policy != "partial")
                 assert (s.ssd_write_bytes > 0) == (policy == "partial_ssd")
             mgr.reset_stats()
-        if policy == "auto":  # on the CPU acting as the device, swaps go to SSD (planner/decide.py)
-            assert set(mgr.policies().values()) <= {"keep", "ssd"} and "ssd" in mgr.policies().values()
+        if policy == "auto":  # on the CPU acting as the device swaps go to SSD, else to host (decide.py)
+            swap = "ssd" if on_device == "cpu" else "host"
+            assert set(mgr.policies().values()) <= {"keep", swap} and swap in mgr.policies().values()
 
 
 class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
@@ -263,7 +264,7 @@ def test_a_norm_output_changed_in_place_is_not_derived(store, policy):
         assert torch.equal(a.grad, b.grad), n
 
 
-def test_quarter_budget_within_peak_and_trains_like_keep(store, data):
+def test_quarter_budget_within_peak_and_trains_like_keep(store, data, on_device):
     """8 blocks, budget 25% of the keep-all peak: the accounted peak stays within it, and three
     SGD steps give the losses and weights of keeping everything."""
     ref = tiny_gpt2(n_layer=8, dropout=0.0)

@@ -198,7 +198,9 @@ class OffloadEngine:
         self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
         if self.device.copies:
             self.device.budget_bytes = budgets.buffer_bytes
-        self.device.accel.set_capacity(budgets.device_bytes)  # (the stand-in's, unless set)
+        # the stand-in's capacity, unless set: the device budget where it counts everything the
+        # device holds (with the activations' part; without, activations are not bounded)
+        self.device.accel.set_capacity(budgets.device_bytes if budgets.activation_bytes is not None else None)
         # a speculative plan's budgets hold a speculating step; a step that defers (it clips)
         # is paced to what the plan's deferred walk holds (runtime/memory.py, the pace Note)
         self.deferred_pace = walk_peaks(self.plan, self.schedule, "base") if self.plan.speculative else None

@@ -13,8 +13,8 @@ wait made visible:
   (seeded: OFFLOADPP_STANDIN_SEED, printed), so a copy lands well after the call that queued it;
   an event is done only when its stream has got there;
 - a queued copy holds its tensors' memory weakly, as a GPU does: memory nothing else holds (no
-  record_use for the stream) may be gone when the stream gets there, which raises
-  StandinUseAfterFreeError;
+  record_use for the stream) may be gone when the stream gets there: a source gone gives NaN
+  (on a GPU: whatever took its memory), a destination gone raises StandinUseAfterFreeError;
 - compute is the calling thread: its work is done when the call returns, and the compute stream
   waiting on an event blocks the caller until the event is done;
 - a copy on a side stream into (or out of) memory the compute stream used, without that stream
@@ -56,9 +56,12 @@ def _weak_view(t: torch.Tensor) -> tuple:
     return StorageWeakRef(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
-def _revive(view: tuple, stream: str, what: str) -> torch.Tensor:
+def _revive(view: tuple, stream: str, what: str) -> Optional[torch.Tensor]:
+    """The tensor of `view` if its memory is still there; a source gone: None."""
     ref, offset, shape, stride, dtype = view
     storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    if storage is None and what == "source":
+        return None
     if storage is None:
         raise StandinUseAfterFreeError(
             f"stand-in device: {stream} got to a copy whose {what} had been freed meanwhile (on a GPU the "
@@ -280,6 +283,18 @@ class StandinAccelerator(Accelerator):
                         self._blocks.pop(b.ptr, None)
                         self._bytes -= b.nbytes
                 self._cache.clear()
+                if self._bytes + need > self.capacity_bytes and self._pending:
+                    # (as CUDA's allocator does before giving up: waits for the streams holding
+                    # freed memory, and takes it back)
+                    for b in self._pending:
+                        for st, pos in b.free_at:
+                            st.wait_for(pos)
+                    self._reap()
+                    for blocks in self._cache.values():
+                        for b in blocks:
+                            self._blocks.pop(b.ptr, None)
+                            self._bytes -= b.nbytes
+                    self._cache.clear()
                 if self._bytes + need > self.capacity_bytes:
                     raise torch.OutOfMemoryError(
                         f"stand-in device out of memory: tried to allocate {need} bytes with {self._bytes} in use "
@@ -364,7 +379,11 @@ class StandinAccelerator(Accelerator):
         d, s, name = _weak_view(dst), _weak_view(src), stream.name
 
         def run() -> None:
-            _revive(d, name, "destination").copy_(_revive(s, name, "source"))
+            dst, src = _revive(d, name, "destination"), _revive(s, name, "source")
+            if src is None:
+                _nan_fill(dst)  # its memory was freed: on a GPU, the copy reads someone else's bytes
+            else:
+                dst.copy_(src)
 
         stream.submit(run)
 

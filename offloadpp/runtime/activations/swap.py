@@ -14,7 +14,9 @@ are released when it is done), a swap-in of a host copy hands that buffer to bac
 memory without a copy, and an SSD read lands directly in the buffer backward will use.
 
 Note: accounting. A SavedStorage counts its bytes on the device while its bytes there are held
-by the manager (DEVICE, MOVING_OUT, MOVING_IN, READY; READING on the CPU device), and on the host
+by the manager (DEVICE, MOVING_OUT, MOVING_IN, READY) or are on their way there (READING: the
+budget check that started the read counted them; without it a GPU's swap-ins of several reads
+finished at once went past the budget, which the stand-in accelerator showed), and on the host
 while it holds a host buffer that is not serving as device memory. `peak_device_bytes` is what
 the activation budget bounds.
 """
@@ -138,9 +140,16 @@ class Swapper:
     # ---- accounting ----------------------------------------------------------------------
     def _set(self, rec: SavedStorage, state: RecState) -> None:
         rec.state = state
-        reading_into_device = state is RecState.READING and not self.mover.copies
-        dev = rec.nbytes if state in _DEVICE_STATES or reading_into_device else 0
-        host = rec.nbytes if rec.host is not None and state in _HOST_STATES and not reading_into_device else 0
+        # A read from SSD is bound for the device: its bytes count there from its start (the
+        # budget check that started it counted them), and with copies on the host as well,
+        # where it lands first; on the CPU device it lands in the buffer backward will use.
+        reading = state is RecState.READING
+        dev = rec.nbytes if state in _DEVICE_STATES or reading else 0
+        host = (
+            rec.nbytes
+            if rec.host is not None and state in _HOST_STATES and not (reading and not self.mover.copies)
+            else 0
+        )
         self.add_device(dev - rec.held_device)
         self.host_bytes += host - rec.held_host
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
