@@ -32,6 +32,7 @@ ACCEL = PKG / "runtime" / "accel"
 # the stand-in cases of exactness tests (parametrized over cpu and standin), fastest first; the
 # data-parallel sites (dp.*, gathered.*) are reached only by two ranks: DP_SUBSET alone
 SUBSET = [
+    "tests/test_activations.py::test_on_the_standin_a_swap_in_released_in_flight_keeps_its_memory_for_the_copy",
     "tests/test_runtime.py::test_all_state_on_ssd_trains_like_adamw[standin]",
     "tests/test_runtime.py::test_accumulation_and_clipping_train_like_adamw[standin]",
     "tests/test_runtime_device.py::test_fp32_trains_like_adamw[tiny_gpt2-standin]",

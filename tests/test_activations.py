@@ -604,3 +604,36 @@ def test_recompute_frees_its_graphs(data):
             run_step(model, data, mgr)
         gc.collect()
         assert sum(type(o) is Segment for o in gc.get_objects()) == 0
+
+
+def test_on_the_standin_a_swap_in_released_in_flight_keeps_its_memory_for_the_copy():
+    """A record brought back to the device and released before backward used it (a step that
+    stops early): its device buffer goes with the record, but the copy into it is still queued
+    on the h2d stream: the buffer must outlive that copy (swap.py's record_use, site act.in_keep).
+    On the stand-in, with long delays, memory freed under a queued copy raises."""
+    from types import SimpleNamespace
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from offloadpp.runtime.accel import StandinAccelerator
+    from offloadpp.runtime.activations.policy import ActPolicy
+    from offloadpp.runtime.activations.records import RecState, SavedStorage
+    from offloadpp.runtime.activations.swap import Swapper
+
+    accel = StandinAccelerator(seed=3, delay_ms=30.0)  # (OFFLOADPP_STANDIN_SKIP applies)
+    sw = Swapper(accel, None, key_prefix="t", host_budget_bytes=None)
+    try:
+        x = torch.arange(4096.0)  # what compute saved
+        rec = SavedStorage(SimpleNamespace(name="u"), ActPolicy.HOST, x.untyped_storage(),
+                           StorageWeakRef(x.untyped_storage()), 0)  # fmt: skip
+        sw.hold(rec)
+        sw.swap_out(rec)
+        sw.make_room(1 << 40, 0)  # (waits for the swap-out)
+        assert rec.state is RecState.HOST
+        sw.fetch(rec)
+        assert rec.state is RecState.MOVING_IN and not rec.event.done()
+        sw.release(rec)
+        accel.synchronize_device()  # raises if the copy found its destination freed
+    finally:
+        sw.close()
+        accel.close()
