@@ -31,7 +31,7 @@ from offloadpp.planner import PLAN_AUTO, Machine, Resolved, Settings, resolve
 from offloadpp.planner.planfile import plan_to_dict
 from offloadpp.planner.resolve import load_hardware, load_saved_plan, model_profile_for
 from offloadpp.runtime import OffloadEngine, RuntimeConfig, unit_specs
-from offloadpp.runtime.device import device_kind
+from offloadpp.runtime.accel import device_memory, launch_kind, plan_device
 from offloadpp.runtime.dp.distributed import DataParallel, init_from_env
 
 
@@ -54,12 +54,12 @@ def probe_machine(
     """What the machine has free now, for the resolve stage (with `dp`: the node's, as every
     rank sees it, and the ranks: Machine.rank_share)."""
     import psutil
-    import torch
 
-    kind = device_kind(device)
+    kind = plan_device(device)  # (the stand-in plans as a device with memory of its own)
     dev_free = dev_total = None
-    if kind == "cuda":
-        dev_free, dev_total = torch.cuda.mem_get_info(torch.device(device or "cuda"))
+    mem = device_memory(device)
+    if mem is not None:
+        dev_free, dev_total = mem
     vm = psutil.virtual_memory()
     m = Machine(
         device=kind,
@@ -96,7 +96,7 @@ def agreed_machine(m: Machine, dp: DataParallel) -> Machine:
 def data_parallel(device: Optional[str]) -> Optional[DataParallel]:
     """The data-parallel ranks of this run: torch.distributed started from the launcher's
     environment if it says so (runtime/dp/distributed.py), None when this process is alone."""
-    init_from_env(device_kind(device))
+    init_from_env(launch_kind(device))
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -69,3 +69,22 @@ def small_fs(tmp_path):
         yield str(mnt)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture(params=["cpu", "standin"])
+def on_device(request, monkeypatch) -> str:
+    """The test on the CPU acting as the device, then on the stand-in accelerator
+    (runtime/accel/standin.py: OFFLOADPP_DEVICE=standin turns every "cpu" engine and activation
+    manager of the test into one taking the GPU's copy path, with its streams' asynchrony).
+    scripts/standin_mutations.py runs the `standin` cases."""
+    set_device(monkeypatch, request.param)
+    return request.param
+
+
+def set_device(monkeypatch, device: str) -> None:
+    """The test's "cpu" engines and managers on `device`: "cpu", or "standin" (on_device's Note);
+    for tests that take the stand-in in a few of their parametrized cases only."""
+    if device == "standin":
+        monkeypatch.setenv("OFFLOADPP_DEVICE", "standin")
+    else:
+        monkeypatch.delenv("OFFLOADPP_DEVICE", raising=False)

@@ -88,7 +88,7 @@ MIX = {
         "mix",
     ],
 )
-def test_gradients_equal_the_run_without_swapping(policy, store, data):
+def test_gradients_equal_the_run_without_swapping(policy, store, data, on_device):
     ref = tiny_gpt2()  # dropout on: recompute must replay the RNG
     _, want = run_step(ref, data)
     model = copy.deepcopy(ref)
@@ -123,8 +123,9 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data):
                 assert s.recompute_s > 0 and (s.d2h_bytes > ckpt) == (policy != "partial")
                 assert (s.ssd_write_bytes > 0) == (policy == "partial_ssd")
             mgr.reset_stats()
-        if policy == "auto":  # on the CPU acting as the device, swaps go to SSD (planner/decide.py)
-            assert set(mgr.policies().values()) <= {"keep", "ssd"} and "ssd" in mgr.policies().values()
+        if policy == "auto":  # on the CPU acting as the device swaps go to SSD, else to host (decide.py)
+            swap = "ssd" if on_device == "cpu" else "host"
+            assert set(mgr.policies().values()) <= {"keep", swap} and swap in mgr.policies().values()
 
 
 class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
@@ -263,7 +264,7 @@ def test_a_norm_output_changed_in_place_is_not_derived(store, policy):
         assert torch.equal(a.grad, b.grad), n
 
 
-def test_quarter_budget_within_peak_and_trains_like_keep(store, data):
+def test_quarter_budget_within_peak_and_trains_like_keep(store, data, on_device):
     """8 blocks, budget 25% of the keep-all peak: the accounted peak stays within it, and three
     SGD steps give the losses and weights of keeping everything."""
     ref = tiny_gpt2(n_layer=8, dropout=0.0)
@@ -603,3 +604,36 @@ def test_recompute_frees_its_graphs(data):
             run_step(model, data, mgr)
         gc.collect()
         assert sum(type(o) is Segment for o in gc.get_objects()) == 0
+
+
+def test_on_the_standin_a_swap_in_released_in_flight_keeps_its_memory_for_the_copy():
+    """A record brought back to the device and released before backward used it (a step that
+    stops early): its device buffer goes with the record, but the copy into it is still queued
+    on the h2d stream: the buffer must outlive that copy (swap.py's record_use, site act.in_keep).
+    On the stand-in, with long delays, memory freed under a queued copy raises."""
+    from types import SimpleNamespace
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from offloadpp.runtime.accel import StandinAccelerator
+    from offloadpp.runtime.activations.policy import ActPolicy
+    from offloadpp.runtime.activations.records import RecState, SavedStorage
+    from offloadpp.runtime.activations.swap import Swapper
+
+    accel = StandinAccelerator(seed=3, delay_ms=30.0)  # (OFFLOADPP_STANDIN_SKIP applies)
+    sw = Swapper(accel, None, key_prefix="t", host_budget_bytes=None)
+    try:
+        x = torch.arange(4096.0)  # what compute saved
+        rec = SavedStorage(SimpleNamespace(name="u"), ActPolicy.HOST, x.untyped_storage(),
+                           StorageWeakRef(x.untyped_storage()), 0)  # fmt: skip
+        sw.hold(rec)
+        sw.swap_out(rec)
+        sw.make_room(1 << 40, 0)  # (waits for the swap-out)
+        assert rec.state is RecState.HOST
+        sw.fetch(rec)
+        assert rec.state is RecState.MOVING_IN and not rec.event.done()
+        sw.release(rec)
+        accel.synchronize_device()  # raises if the copy found its destination freed
+    finally:
+        sw.close()
+        accel.close()

@@ -58,7 +58,7 @@ def data():
     return [torch.randint(0, VOCAB, (4, 64), generator=g) for _ in range(3)]  # tensors above min_swap_bytes
 
 
-def test_quarter_budget_trains_like_keep_within_the_peak(tmp_path, data):
+def test_quarter_budget_trains_like_keep_within_the_peak(tmp_path, data, on_device):
     ref = gpt2()
     hyper = AdamHyper(lr=1e-3, weight_decay=0.01)
     with assemble_engine(copy.deepcopy(ref), config(tmp_path / "keep"), hyper=hyper) as keep:
@@ -130,18 +130,20 @@ def _torch_adamw(ref, data, lr: float) -> list[float]:
     return want
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind,device", [("gpt2", "cpu"), ("llama", "cpu"), ("gpt2", "standin")])
 @pytest.mark.parametrize(
     "policy", ["recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd"]
 )
-def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, kind, policy):
+def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, monkeypatch, kind, device, policy):
     """Recompute with the checkpoint swapped to host / to SSD, and partial (selective) recompute
     with the matmuls' and attention's outputs kept, sent to host or to SSD, under the engine,
     dropout on: the weights after three AdamW steps equal torch's AdamW in memory (the recompute
     replays the RNG, each dropout from its own state under partial; what was kept or swapped
     comes back byte for byte), and the bytes did move where the policy says."""
+    from conftest import set_device
     from numerics import compare_weights
 
+    set_device(monkeypatch, device)
     lr = 1e-3
     ref = _tiny(kind)
     model = copy.deepcopy(ref)
@@ -174,18 +176,20 @@ def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, kind, policy
         assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=lr, steps=len(data)) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind,device", [("gpt2", "cpu"), ("llama", "cpu"), ("gpt2", "standin")])
 @pytest.mark.parametrize("head", ["keep", "host", "ssd", "recompute", "recompute_ssd"])
-def test_fused_head_trains_like_torch_adamw(tmp_path, data, monkeypatch, kind, head):
+def test_fused_head_trains_like_torch_adamw(tmp_path, data, monkeypatch, kind, device, head):
     """The fused head (runtime/activations/head.py) under the engine, the head unit's policy
     `head`, dropout on, GPT-2's lm_head tied to the embeddings and Llama's not, in chunks of
     48 rows (6 a batch): the weights after three AdamW steps equal torch's AdamW on the plain
     model with Hugging Face's own head and loss; the logits are a placeholder; the head kept
     its logits or only their input, as its policy says."""
+    from conftest import set_device
     from numerics import compare_weights
 
     from offloadpp.runtime.activations import head as headmod
 
+    set_device(monkeypatch, device)
     monkeypatch.setattr(headmod, "LOSS_CHUNK_ELEMS", 48 * VOCAB)
     lr = 1e-3
     ref = _tiny(kind)

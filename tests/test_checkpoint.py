@@ -61,7 +61,7 @@ def weights(engine):
     return {k: v.clone() for k, v in engine.module.state_dict().items()}
 
 
-def test_resume_is_bit_identical(tmp_path):
+def test_resume_is_bit_identical(tmp_path, on_device):
     a, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / "a"))
     steps(a, 0, 3)
     a.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 7, "note": "x"})

@@ -80,7 +80,7 @@ def weights(out) -> dict:
     return torch.load(os.path.join(out, "weights.pt"))
 
 
-def test_two_ranks_train_like_one_process_and_keep_half_the_state_each(tmp_path):
+def test_two_ranks_train_like_one_process_and_keep_half_the_state_each(tmp_path, on_device):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     out = tmp_path / "out"

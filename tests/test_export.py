@@ -120,7 +120,7 @@ def _overhead(path) -> int:
     return path.stat().st_size - sum(v.numel() * v.element_size() for v in sd.values())
 
 
-def test_an_export_replaces_the_earlier_one_of_the_same_name(tmp_path, monkeypatch):
+def test_an_export_replaces_the_earlier_one_of_the_same_name(tmp_path, monkeypatch, on_device):
     """from_pretrained prefers a single file to an index: an old single file beside new shards
     (or old shards beside a new single file) must not survive."""
     engine = trained(tmp_path, "gpt2")

@@ -85,8 +85,12 @@ def _worst(got: dict, want: dict) -> float:
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("policy", ["keep", "ssd", "recompute", "recompute_host", "partial_ssd"])
-@pytest.mark.parametrize("items", [None, 37])  # mean; the Trainer's sum over num_items_in_batch
-def test_gradients_are_hugging_faces(store, x, kind, policy, items):
+# items: None, the mean; 37, the Trainer's sum over num_items_in_batch. device: the stand-in too
+@pytest.mark.parametrize("items,device", [(None, "cpu"), (37, "cpu"), (None, "standin")])
+def test_gradients_are_hugging_faces(store, x, monkeypatch, kind, policy, items, device):
+    from conftest import set_device
+
+    set_device(monkeypatch, device)
     ref = _model(kind)
     kw = {"num_items_in_batch": torch.tensor(items)} if items else {}
     want_loss, want, _ = _step(ref, x, **kw)

@@ -106,7 +106,7 @@ def train_pair(ref, eng, data, *, accum: int = 1, clip: float = 0.0, check_every
     return reports
 
 
-def test_all_state_on_ssd_trains_like_adamw(tmp_path):
+def test_all_state_on_ssd_trains_like_adamw(tmp_path, on_device):
     ref = tiny_gpt2()
     eng = assemble_engine(
         copy.deepcopy(ref), streaming_config(tmp_path), hyper=AdamHyper(lr=LR, weight_decay=WD)
@@ -126,7 +126,7 @@ def test_all_state_on_ssd_trains_like_adamw(tmp_path):
         eng.close()
 
 
-def test_accumulation_and_clipping_train_like_adamw(tmp_path):
+def test_accumulation_and_clipping_train_like_adamw(tmp_path, on_device):
     ref = tiny_gpt2()
     cfg = streaming_config(tmp_path, gradient_accumulation_steps=2, gradient_clipping=1.0)
     eng = assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=WD))
@@ -140,7 +140,7 @@ def test_accumulation_and_clipping_train_like_adamw(tmp_path):
         eng.close()
 
 
-def test_llama_trains_like_adamw(tmp_path):
+def test_llama_trains_like_adamw(tmp_path, on_device):
     ref = tiny_llama()
     eng = assemble_engine(
         copy.deepcopy(ref), streaming_config(tmp_path), hyper=AdamHyper(lr=LR, weight_decay=WD)
@@ -196,7 +196,7 @@ def test_too_little_free_space(small_fs):
         assemble_engine(model, cfg)
 
 
-def test_checkpoint_round_trip(tmp_path):
+def test_checkpoint_round_trip(tmp_path, on_device):
     ref = tiny_gpt2()
     data = batches(6)
     hyper = AdamHyper(lr=LR, weight_decay=WD)

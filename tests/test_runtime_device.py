@@ -27,6 +27,7 @@ from offloadpp.runtime import RuntimeConfig
 LR, WD = 1e-3, 0.01
 DEVICES = [
     "cpu",
+    "standin",  # the CPU with a GPU's asynchrony (runtime/accel/standin.py): the copy path
     pytest.param(
         "cuda",
         marks=[
@@ -37,6 +38,11 @@ DEVICES = [
 ]
 
 
+def torch_device(device: str) -> str:
+    """Where torch's reference computes: the stand-in's device memory is the CPU's."""
+    return "cpu" if device == "standin" else device
+
+
 def config(path, device: str, **settings) -> RuntimeConfig:
     return RuntimeConfig(nvme_paths=[str(path)], settings=Settings(**settings), device=device,
                          ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
@@ -45,12 +51,12 @@ def config(path, device: str, **settings) -> RuntimeConfig:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
 def test_fp32_trains_like_adamw(tmp_path, device, make):
-    ref = make().to(device)
+    ref = make().to(torch_device(device))
     eng = assemble_engine(copy.deepcopy(ref), config(tmp_path, device, gradient_clipping=1.0),
                           hyper=AdamHyper(lr=LR, weight_decay=WD))  # fmt: skip
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     with eng:
-        assert eng.device.torch_device.type == device
+        assert eng.device.torch_device.type == torch_device(device) and eng.device.accel.kind == device
         for x in batches(4):
             x = x.to(eng.device.torch_device)
             ref(input_ids=x, labels=x).loss.backward()
@@ -66,6 +72,7 @@ def test_fp32_trains_like_adamw(tmp_path, device, make):
 def mixed_precision_reference(model, data, device: str):
     """torch's bf16 recipe: fp32 masters (AdamW's) on the host, a bf16 copy computing on the device."""
     master = copy.deepcopy(model)
+    device = torch_device(device)
     low = copy.deepcopy(model).to(device)
     for (
         p
@@ -119,12 +126,12 @@ def test_every_kind_of_device_weights_is_a_weights():
     weights, which all three kinds provide (`state` a property, or set in the constructor)."""
     import inspect
 
-    from offloadpp.runtime.device import CpuWeights, CudaWeights, Weights
+    from offloadpp.runtime.device import CopyWeights, CpuWeights, Weights
     from offloadpp.runtime.dp.sharded import GatheredWeights
 
     members = {n for n in dir(Weights) if not n.startswith("_")}
     assert members == {"state", "acquire", "pump", "wait", "release", "refresh"}
-    for kind in (CpuWeights, CudaWeights, GatheredWeights):
+    for kind in (CpuWeights, CopyWeights, GatheredWeights):
         for name in members - {"state"}:
             assert callable(getattr(kind, name, None)), f"{kind.__name__}.{name}"
         assert isinstance(getattr(kind, "state", None), property) or "self.state =" in inspect.getsource(

@@ -54,6 +54,20 @@ def run(eng, data, accum: int = 1) -> list:
 @pytest.mark.parametrize("accum", [1, 2], ids=["one-micro-batch", "accumulation"])
 @pytest.mark.parametrize("max_norm", [1e3, 0.05], ids=["within-the-norm", "clipping"])
 def test_speculative_updates_equal_deferred_ones_bit_for_bit_and_torch(tmp_path, max_norm, accum, q):
+    _speculative_equal_deferred(tmp_path, max_norm, accum, q)
+
+
+@pytest.mark.parametrize("max_norm", [1e3, 0.05], ids=["within-the-norm", "clipping"])
+def test_on_the_standin_speculative_updates_equal_deferred_ones_and_torch(tmp_path, monkeypatch, max_norm):
+    """The same on the stand-in accelerator (the copy path: runtime/accel/standin.py), with
+    accumulation and a sliding window."""
+    from conftest import set_device
+
+    set_device(monkeypatch, "standin")
+    _speculative_equal_deferred(tmp_path, max_norm, 2, 1)
+
+
+def _speculative_equal_deferred(tmp_path, max_norm, accum, q):
     ref = tiny_gpt2()
     data = batches(6 * accum)
     kw = dict(gradient_clipping=max_norm, gradient_accumulation_steps=accum, optim_prefetch_depth=q)

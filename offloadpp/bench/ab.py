@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device-memory-gib",
         type=float,
         default=None,
-        help="cap each side's CUDA memory (torch.cuda.set_per_process_memory_fraction), e.g. 24 for a 24 GiB card "
+        help="cap each side's CUDA memory (the per-process memory fraction), e.g. 24 for a 24 GiB card "
         "on a larger GPU; no effect without CUDA",
     )
 

@@ -177,15 +177,13 @@ def main(argv: list[str] | None = None) -> int:
 def _cap_device_memory(gib) -> int | None:
     """Caps this process's CUDA memory to `gib` GiB (a smaller card's, on a larger GPU); the bytes,
     or None when there is no cap (or no CUDA)."""
-    import torch
 
-    if not gib or not torch.cuda.is_available():
+    from offloadpp.runtime.accel.cuda import available, limit_memory
+
+    if not gib or not available():
         return None
     local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    total = torch.cuda.get_device_properties(local).total_memory
-    cap = int(gib * 2**30)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), local)
-    return min(cap, total)
+    return limit_memory(gib, local)
 
 
 def _step_turns(total: int, turns: bool):
@@ -214,8 +212,10 @@ def _step_turns(total: int, turns: bool):
 def _peak_device_bytes(engine) -> int | None:
     import torch
 
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+    from offloadpp.runtime.accel.cuda import available
+
+    if available():
+        return int(torch.accelerator.max_memory_allocated())
     # On the CPU-as-device, offloadpp accounts the bytes it holds; ZeRO has no such notion here.
     peak = getattr(engine, "peak_device_bytes", None)
     return int(peak()) if callable(peak) else None

@@ -85,12 +85,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--policies plan needs --budget-frac and --hardware (the planner's budget and profile)"
         )
+    from offloadpp.runtime.accel.cuda import available as cuda_available
+
     batches = [int(b) for b in args.batch.split(",")]
     cfg = GPT2Config(
         n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, n_positions=max(1024, args.seq),
         vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or ("cuda" if cuda_available() else "cpu"))
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -179,31 +181,31 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
             mgr.install()
             mgr.reset_stats()
         if cuda:
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
+            torch.accelerator.synchronize(device)
+            base = torch.accelerator.memory_allocated(device)
+            torch.accelerator.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         with mgr.forward() if mgr is not None else _null():
             loss = model(input_ids=x, labels=x).loss
         if cuda:
-            torch.cuda.synchronize(device)
+            torch.accelerator.synchronize(device)
         t1 = time.perf_counter()
         if mgr is not None:
             mgr.backward(loss)
         else:
             loss.backward()
         if cuda:
-            torch.cuda.synchronize(device)
+            torch.accelerator.synchronize(device)
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
-            torch.cuda.synchronize(device)
+            torch.accelerator.synchronize(device)
         t3 = time.perf_counter()
         io = store.stats - io0
         row = {"step_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2}
         if cuda:  # the allocator's peak above what was allocated before the step (includes grads)
-            row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+            row["cuda_peak_bytes"] = torch.accelerator.max_memory_allocated(device) - base
         if mgr is not None:
             mgr.remove()
             s = mgr.stats()

@@ -29,8 +29,10 @@ def _versions() -> dict:
         import torch
 
         out["torch"] = torch.__version__
-        out["cuda_available"] = bool(torch.cuda.is_available())
-        out["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        from offloadpp.runtime.accel.cuda import available, device_names
+
+        out["cuda_available"] = available()
+        out["cuda_devices"] = device_names()
     except ImportError:
         out["torch"] = None
         out["cuda_available"] = False

@@ -29,7 +29,7 @@ def align_up(n: int, a: int = ALIGNMENT) -> int:
 
 def cuda_present() -> bool:
     try:
-        return torch.cuda.is_available()
+        return torch.accelerator.is_available()  # (pinning needs one)
     except Exception:  # a broken driver install must not break CPU-only use
         return False
 

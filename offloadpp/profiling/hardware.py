@@ -28,6 +28,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from offloadpp.io.measure import median_time as _median_time
 from offloadpp.planner.hardware import HardwareProfile, IOPoint, SsdProfile
+from offloadpp.runtime.accel.cuda import available as cuda_available
+from offloadpp.runtime.accel.cuda import device_names
 
 from .visits import measure_visit_overhead
 
@@ -240,18 +242,18 @@ def measure_copies(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, fl
     src.fill_(1.0)
     dst.fill_(0.0)
     memcpy = nbytes / _median_time(lambda: dst.copy_(src), repeats) / 1e9
-    if not torch.cuda.is_available():
+    if not cuda_available():
         return memcpy, memcpy, memcpy
     pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
     dev = torch.empty(n, dtype=torch.float32, device="cuda")
 
     def h2d() -> None:
         dev.copy_(pinned, non_blocking=True)
-        torch.cuda.synchronize()
+        torch.accelerator.synchronize()
 
     def d2h() -> None:
         pinned.copy_(dev, non_blocking=True)
-        torch.cuda.synchronize()
+        torch.accelerator.synchronize()
 
     h2d()
     return nbytes / _median_time(h2d, repeats) / 1e9, nbytes / _median_time(d2h, repeats) / 1e9, memcpy
@@ -265,7 +267,7 @@ def measure_flops(
     """FLOP/s of forward matmuls (m x k) @ (k x n) over the shapes, per compute dtype."""
     import torch
 
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
     device = "cuda" if cuda else "cpu"
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtypes is None:
@@ -290,7 +292,7 @@ def measure_flops(
             for a, b in ops:
                 torch.mm(a, b)
             if cuda:
-                torch.cuda.synchronize()
+                torch.accelerator.synchronize()
 
         once()
         reps, t0 = 0, time.perf_counter()
@@ -448,8 +450,8 @@ def available_memory() -> tuple[int, int]:
     import torch
 
     host = int(psutil.virtual_memory().available)
-    if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
+    if cuda_available():
+        free, _ = torch.accelerator.get_memory_info()
         return host, int(free)
     return host, host
 
@@ -505,7 +507,7 @@ def profile_hardware(
     gemms = tuple(gemms) if gemms else DEFAULT_GEMMS
     mixed = measure_mixed_ssd(dirs, total_bytes=total_bytes, weights=weights)
     mixed_busy = 0.0
-    if not torch.cuda.is_available():
+    if not cuda_available():
         mixed_busy = measure_mixed_ssd(dirs, total_bytes=total_bytes, busy=Busy(gemms, adam_threads), repeats=5,
                                        weights=weights)  # fmt: skip
     say(
@@ -536,7 +538,7 @@ def profile_hardware(
     adam = measure_adam(numel=(1 << 20) if quick else (4 << 20), threads=sorted({1, adam_threads, cores}))
     say("CPU Adam: " + ", ".join(f"{k} thr {v / 1e9:.2f} Gparam/s" for k, v in adam.items()))
     slow_c = slow_a = slow_io = 1.0
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
     if not cuda:
         slow_c, slow_a = measure_contention(gemms, adam_threads=adam_threads, run_s=0.2 if quick else 1.0)
         say(f"contention: compute x{slow_c:.2f} while Adam runs, Adam x{slow_a:.2f} while compute runs")
@@ -549,7 +551,7 @@ def profile_hardware(
     host, dev = available_memory()
     return HardwareProfile(
         device="cuda" if cuda else "cpu",
-        device_name=torch.cuda.get_device_name() if cuda else _cpu_name(),
+        device_name=device_names()[0] if cuda else _cpu_name(),
         cpu_cores=cores,
         ssd_read_gbps=read,
         ssd_write_gbps=write,

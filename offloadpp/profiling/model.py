@@ -169,7 +169,7 @@ class ModelProfiler:
 
     def _sync(self) -> None:
         if self.cuda:
-            self._torch.cuda.synchronize()
+            self._torch.accelerator.synchronize()
 
     def _iteration(self) -> tuple[float, float, float]:
         rec = self.rec

@@ -390,7 +390,7 @@ def load_state(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, op
                         slot.wrote(slot.store.put(slot.key_of(g), buf), g)
                     if slot is u.master and u.compute is not u.master:
                         init_compute_copy(u)  # (and copied up where resident on the device)
-                    elif slot is u.master and u.device.is_cuda and u.weights.resident:
+                    elif slot is u.master and u.device.copies and u.weights.resident:
                         to_device(u)
                 finally:
                     slot.release(Hold.EXPORT)

@@ -17,6 +17,8 @@ from offloadpp.planner import Settings, fmt_bytes
 from offloadpp.planner.io_settings import io_set_of
 from offloadpp.planner.traffic import ByKind
 
+from .accel.select import check_spec
+
 
 class RuntimeConfig(BaseModel):
     """How the OffloadEngine trains a model.
@@ -24,7 +26,10 @@ class RuntimeConfig(BaseModel):
     nvme_paths: directories for the swap files (one per SSD); they must exist and be writable.
     settings: budgets, precision, prefetch depths, activations, how the plan is made.
     io: the I/O engine (backend, block size, queue depth, threads, checksums).
-    device: "cuda", "cuda:N" or "cpu"; None picks cuda when available, else the CPU as the device.
+    device: "cuda", "cuda:N", "cpu" or "standin" (the CPU with a GPU's asynchrony, for tests:
+        runtime/accel/standin.py); None picks cuda when available, else the CPU as the device.
+        OFFLOADPP_DEVICE names it where this is None, and "standin" there also replaces "cpu"
+        (runtime/accel/select.py, said on stderr).
     ssd_read_gbps / ssd_write_gbps: SSD bandwidth for the step floor in the StepReport; None
         measures it once with a short write and read through the store when the engine starts.
     log_every: log a step report every this many optimizer steps (0: never).
@@ -61,9 +66,7 @@ class RuntimeConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not (v == "cpu" or v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit())):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
-        return v
+        return v if v is None else check_spec(v)
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,18 @@
-"""The compute device, a CUDA GPU or the CPU acting as one, and each unit's weights on it.
+"""The compute device (runtime/accel/: the CPU acting as one, a GPU, or the stand-in) and each
+unit's weights on it.
 
 Note: the CPU as the device. Every path of the runtime runs without a GPU: the device buffer of
-a unit is then its host compute-copy buffer itself (no copy), and only the byte budget separates
-"device" from "host". The schedule, the holds and the hooks are the same code either way; only
-`CpuWeights` and `CudaWeights` differ, in how a host buffer becomes device weights.
+a unit is then its host compute-copy buffer itself (no copy: the accelerator's `copies` is
+False), and only the byte budget separates "device" from "host". The schedule, the holds and the
+hooks are the same code either way; only `CpuWeights` and `CopyWeights` differ, in how a host
+buffer becomes device weights.
 
-Note: CUDA streams. Host-to-device copies run on `h2d`, gradients leave on `d2h`, both from
-pinned host buffers. A copy is ordered before its use by an event the compute stream waits on;
-a device buffer used by the compute stream is marked with record_stream so the caching allocator
-does not hand it out again before that work is done; a pinned host buffer goes back to its pool
-only after the event of the copy that read it (the pool's `after`).
+Note: streams. Where device memory is its own (`copies`: CUDA, the stand-in), host-to-device
+copies run on `h2d`, gradients leave on `d2h`, both from pinned host buffers. A copy is ordered
+before its use by an event the compute stream waits on; a device buffer used by a stream is
+marked (record_use) so its memory is not handed out again before that work is done; a pinned
+host buffer goes back to its pool only after the event of the copy that read it (the pool's
+`after`). Each such wait names its site (accel/base.py, the sites Note).
 """
 
 from __future__ import annotations
@@ -18,48 +21,28 @@ from typing import Optional, Protocol
 
 import torch
 
+from .accel import Accelerator, Event, accelerator
 from .slots import Hold, Slot, SlotState
 
 
-class CudaEventWaitable:
-    """A recorded CUDA event seen as a pool `Waitable`."""
-
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
-
-    def wait(self) -> None:
-        self.event.synchronize()
-
-    def done(self) -> bool:
-        return self.event.query()
-
-
-def device_kind(spec: Optional[str]) -> str:
-    """ "cuda" or "cpu" for a device spec (None: cuda when available, else the CPU as the device)."""
-    if spec is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(spec).type
-
-
 class Device:
-    def __init__(self, spec: Optional[str]):
-        if spec is None:
-            spec = device_kind(None)
-        self.torch_device = torch.device(spec)
-        self.is_cuda = self.torch_device.type == "cuda"
-        if self.is_cuda:
-            if not torch.cuda.is_available():
-                raise RuntimeError(f"device {spec!r} asked for, but torch sees no CUDA device")
-            if self.torch_device.index is None:
-                self.torch_device = torch.device("cuda", torch.cuda.current_device())
-            self.h2d = torch.cuda.Stream(self.torch_device)
-            self.d2h = torch.cuda.Stream(self.torch_device)
-        self.kind = "cuda" if self.is_cuda else "cpu"
+    """The run's accelerator, its two copy streams, and the device weights' accounting.
+
+    kind: what the planner plans for ("cpu", or "cuda": memory of its own; the stand-in's too)."""
+
+    def __init__(self, spec: Optional[str], accel: Optional[Accelerator] = None):
+        self.accel = accel if accel is not None else accelerator(spec)
+        self.torch_device = self.accel.torch_device
+        self.copies = self.accel.copies
+        self.kind = self.accel.plan_device
+        if self.copies:
+            self.h2d = self.accel.new_stream()
+            self.d2h = self.accel.new_stream()
         self._nan: dict[torch.dtype, torch.Tensor] = {}
-        self.bytes_in_use = 0  # device weights buffers (CUDA), accounted against budget_bytes
+        self.bytes_in_use = 0  # device weights buffers (copies), accounted against budget_bytes
         self.peak_bytes = 0
         self.step_peak_bytes = 0
-        self.budget_bytes: Optional[int] = None  # the plan's device budget (CUDA), set by the engine
+        self.budget_bytes: Optional[int] = None  # the plan's device budget (copies), set by the engine
         self.h2d_bytes = 0
         self.d2h_bytes = 0
 
@@ -71,7 +54,7 @@ class Device:
         return self._nan[dtype].expand(shape)
 
     def reserve(self, nbytes: int, what: str) -> None:
-        """Accounts `nbytes` of device weights (CUDA) against the device budget: they are taken
+        """Accounts `nbytes` of device weights (copies) against the device budget: they are taken
         and given back on the main thread in the schedule's order, so more than the budget
         means the plan does not fit and waiting would not help."""
         if self.budget_bytes is not None and self.bytes_in_use + nbytes > self.budget_bytes:
@@ -88,25 +71,45 @@ class Device:
     def unreserve(self, nbytes: int) -> None:
         self.bytes_in_use -= nbytes
 
-    def compute_stream(self):
-        return torch.cuda.current_stream(self.torch_device) if self.is_cuda else None
+    def alloc(self, numel: int, dtype: torch.dtype, what: str, stream=None) -> torch.Tensor:
+        """A device buffer (copies), reserved against the device budget; for `stream`'s use
+        (None: the compute stream's)."""
+        self.reserve(numel * dtype.itemsize, what)
+        return self.accel.empty(numel, dtype, stream)
 
-    def use_on_compute(self, tensor: torch.Tensor, event) -> torch.Tensor:
-        """CUDA: `tensor`, filled by work that records `event` (None: already ordered), made safe
-        for the compute stream: it waits for the event, and the allocator keeps the memory until
-        the stream is past it (the module Note)."""
-        stream = self.compute_stream()
+    def dealloc(self, tensor: torch.Tensor, *, site: Optional[str]) -> None:
+        """Gives an alloc() buffer back, in stream order (accel: free)."""
+        self.unreserve(tensor.numel() * tensor.element_size())
+        self.accel.free(tensor, site=site)
+
+    def compute_stream(self):
+        return self.accel.compute_stream()
+
+    def use_on_compute(
+        self, tensor: torch.Tensor, event: Optional[Event], *, site: str, keep_site: str
+    ) -> torch.Tensor:
+        """`tensor`, filled by work that records `event` (None: already ordered), made safe
+        for the compute stream: it waits for the event (`site`), and the memory is kept until
+        the stream is past it (`keep_site`: the module Note)."""
+        stream = self.accel.compute_stream()
         if event is not None:
-            stream.wait_event(event)
-        tensor.record_stream(stream)
+            self.accel.wait_event(stream, event, site=site)
+        self.accel.record_use(tensor, stream, site=keep_site)
         return tensor
+
+    def after(self, event: Optional[Event], *, site: str):
+        """`event` as a pool Waitable (None: nothing to wait for)."""
+        return self.accel.after(event, site=site) if event is not None else None
+
+    def close(self) -> None:
+        self.accel.close()
 
 
 class Weights(Protocol):
     """A unit's weights on the device, as the executor and the optimizer use them: held from the
     visit that fetches them (acquire; pump moves a fetch on), ready before a visit binds them (wait:
     the device tensor), given back after (release), and brought up to date after an update
-    (refresh). CpuWeights (the compute slot's own buffer), CudaWeights (a device copy) and
+    (refresh). CpuWeights (the compute slot's own buffer), CopyWeights (a device copy) and
     sharded.GatheredWeights (all-gathered from every rank's shard) are the three kinds."""
 
     @property
@@ -197,10 +200,10 @@ class PairWeights:
 class UpcastWeights:
     """A frozen segment stored in a narrower dtype than the device computes in (a 16-bit base
     under fp32 compute: docs/frozen.md, UnitSpec.frozen_dtype_under): `inner` fetches it as
-    stored (CpuWeights or CudaWeights); wait() upcasts it into a compute-dtype buffer, held until
+    stored (CpuWeights or CopyWeights); wait() upcasts it into a compute-dtype buffer, held until
     release(). Exact: every bf16 and fp16 value is an fp32 value. The plan counts both buffers
-    (UnitSpec.weights_bytes): on the CPU device the copy comes from the device pool, on CUDA it
-    is accounted as CudaWeights' buffers are (Device.reserve)."""
+    (UnitSpec.weights_bytes): on the CPU device the copy comes from the device pool, elsewhere it
+    is accounted as CopyWeights' buffers are (Device.reserve)."""
 
     def __init__(self, inner, device: Device, pool, dtype: torch.dtype):
         self.inner = inner
@@ -221,19 +224,18 @@ class UpcastWeights:
 
     def wait(self) -> torch.Tensor:
         if self.tensor is None:
-            src = self.inner.wait()  # (CUDA: the compute stream waits for its copy)
-            if self.device.is_cuda:
-                self.device.reserve(src.numel() * self.dtype.itemsize, "a frozen segment's upcast copy")
-                self.tensor = torch.empty(src.numel(), dtype=self.dtype, device=self.device.torch_device)
+            src = self.inner.wait()  # (copies: the compute stream waits for its copy)
+            if self.device.copies:
+                self.tensor = self.device.alloc(src.numel(), self.dtype, "a frozen segment's upcast copy")
             else:
                 self.tensor = self.pool.get(src.numel(), self.dtype)
-            self.tensor.copy_(src)  # (CUDA: on the compute stream, which reads it next)
+            self.tensor.copy_(src)  # (on the compute stream, which reads it next)
         return self.tensor
 
     def release(self) -> None:
         if self.tensor is not None:
-            if self.device.is_cuda:  # (the allocator keeps it until the compute stream is past it)
-                self.device.unreserve(self.tensor.numel() * self.tensor.element_size())
+            if self.device.copies:  # (kept until the compute stream is past it)
+                self.device.dealloc(self.tensor, site=None)  # (compute's alone)
             else:
                 self.pool.put(self.tensor)
             self.tensor = None
@@ -243,8 +245,9 @@ class UpcastWeights:
         pass  # never written
 
 
-class CudaWeights:
-    """A unit's device weights on a GPU: a device buffer filled from the pinned compute copy.
+class CopyWeights:
+    """A unit's device weights where device memory is its own (`copies`): a device buffer
+    filled from the pinned compute copy on the h2d stream.
 
     resident: the buffer lives for the whole run and is refreshed after each update.
     """
@@ -255,22 +258,19 @@ class CudaWeights:
         self.resident = resident
         self.tensor: Optional[torch.Tensor] = None
         self.state = SlotState.EMPTY
-        self._event: Optional[torch.cuda.Event] = None
+        self._event: Optional[Event] = None
         self._copied = False
 
     def _start_copy(self, host: torch.Tensor) -> None:
-        dev = self.device
-        with torch.cuda.stream(dev.h2d):
-            if self.tensor is not None:
-                # Overwriting weights in place (a resident unit's refresh): kernels the CPU has
-                # queued on the compute stream may still read the old values.
-                dev.h2d.wait_stream(dev.compute_stream())
-            else:
-                dev.reserve(host.numel() * host.element_size(), self.source.key)
-                self.tensor = torch.empty(host.numel(), dtype=host.dtype, device=dev.torch_device)
-            self.tensor.copy_(host, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(dev.h2d)
+        dev, accel = self.device, self.device.accel
+        if self.tensor is not None:
+            # Overwriting weights in place (a resident unit's refresh): kernels the CPU has
+            # queued on the compute stream may still read the old values.
+            accel.wait_stream(dev.h2d, dev.compute_stream(), site="weights.refresh_after_compute")
+        else:
+            self.tensor = dev.alloc(host.numel(), host.dtype, self.source.key, stream=dev.h2d)
+        accel.copy(self.tensor, host, dev.h2d)
+        self._event = accel.record(dev.h2d)
         dev.h2d_bytes += host.numel() * host.element_size()
         self._copied = True
 
@@ -289,7 +289,9 @@ class CudaWeights:
             if read is None or read.done():
                 self._start_copy(self.source.wait())
                 if not self.source.resident:
-                    self.source.release(Hold.COMPUTE, after=(CudaEventWaitable(self._event),))
+                    self.source.release(
+                        Hold.COMPUTE, after=(self.device.after(self._event, site="weights.host_reuse"),)
+                    )
 
     def wait(self) -> torch.Tensor:
         if self.state is SlotState.EMPTY:
@@ -299,17 +301,18 @@ class CudaWeights:
                 self.source.wait()
                 self.pump()
             self.state = SlotState.READY
-        return self.device.use_on_compute(self.tensor, self._event)
+        return self.device.use_on_compute(
+            self.tensor, self._event, site="weights.bind", keep_site="weights.keep"
+        )
 
     def release(self) -> None:
         if self.resident or self.state is SlotState.EMPTY:
             return
         if not self._copied:  # never reached the device: give the host copy back as is
             self.source.release(Hold.COMPUTE)
-        self.device.unreserve(
-            self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else 0
-        )
-        self.tensor = None  # record_stream keeps the memory until the compute stream is past it
+        if self.tensor is not None:
+            self.device.dealloc(self.tensor, site="weights.free")  # after the streams that used it
+        self.tensor = None
         self._event = None
         self.state = SlotState.EMPTY
 
@@ -325,5 +328,10 @@ class CudaWeights:
             self._start_copy(self.source.wait())
 
     @property
-    def last_copy(self) -> Optional[CudaEventWaitable]:
-        return CudaEventWaitable(self._event) if self._event is not None else None
+    def last_copy(self):
+        """The pool Waitable of the last copy from the host buffer (None: none in flight)."""
+        return self.copy_done(site="weights.refresh_host_reuse")
+
+    def copy_done(self, *, site: str):
+        """last_copy, its host wait named `site`."""
+        return self.device.after(self._event, site=site)

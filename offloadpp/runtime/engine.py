@@ -116,7 +116,7 @@ class OffloadEngine:
         state = sum(
             u.numel * 16 + u.frozen_bytes(plan.compute_dtype) for u in plan.units
         )  # (frozen: docs/frozen.md)
-        self._return_heap = not self.device.is_cuda and host_heap.needed(
+        self._return_heap = not self.device.copies and host_heap.needed(
             state, psutil.virtual_memory().available
         )
         if self._return_heap:
@@ -166,7 +166,7 @@ class OffloadEngine:
         # the engine, so it runs once the engine is unreachable (the hooks reach the engine
         # weakly where torch keeps them out of the collector's sight: executor._param_hook).
         self._finalizer = weakref.finalize(
-            self, _release, self.optimizer, self.activations.swapper, self.store,
+            self, _release, self.optimizer, self.activations.swapper, self.device, self.store,
             (self.device_pool, self.host_pool), self._lock, self.dp,
             None if config.keep_swap else tuple(config.nvme_paths),
         )  # fmt: skip
@@ -196,8 +196,11 @@ class OffloadEngine:
             "device", budgets.buffer_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
         )
         self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
-        if self.device.is_cuda:
+        if self.device.copies:
             self.device.budget_bytes = budgets.buffer_bytes
+        # the stand-in's capacity, unless set: the device budget where it counts everything the
+        # device holds (with the activations' part; without, activations are not bounded)
+        self.device.accel.set_capacity(budgets.device_bytes if budgets.activation_bytes is not None else None)
         # a speculative plan's budgets hold a speculating step; a step that defers (it clips)
         # is paced to what the plan's deferred walk holds (runtime/memory.py, the pace Note)
         self.deferred_pace = walk_peaks(self.plan, self.schedule, "base") if self.plan.speculative else None
@@ -244,7 +247,7 @@ class OffloadEngine:
             self.units, self.schedule, self.plan, self.hypers, self.store, self.host_pool, dev
         )
         self.host_pool.reclaim = self.device_pool.reclaim = self.optimizer.reclaim  # (memory.py's Note)
-        if not dev.is_cuda:  # autograd's gradients are the device's memory (optimizer._charge_grads)
+        if not dev.copies:  # autograd's gradients are the device's memory (optimizer._charge_grads)
             self.optimizer.grad_pool = self.device_pool
         self.executor = Executor(self.schedule, self.units, self.optimizer)
         self.executor.install(modules)
@@ -252,7 +255,7 @@ class OffloadEngine:
             [(u.name, [modules[q] for q in u.layout.unit.modules]) for u in self.units],
             s.activations.model_copy(update={"budget_bytes": self.plan.budgets.activation_bytes}),
             store=self.store.tagged("activations"),
-            device=dev.torch_device,
+            device=dev.accel,
             policies=self.plan.activations or ("keep",) * len(self.units),  # (): the plan keeps them all
             model=model,
             params=self.executor,
@@ -663,7 +666,7 @@ class OffloadEngine:
         self.close()
 
 
-def _release(optimizer, swapper, store, pools, lock, dp=None, remove_swap=None) -> None:
+def _release(optimizer, swapper, device, store, pools, lock, dp=None, remove_swap=None) -> None:
     """Everything an engine holds outside Python's reach: worker threads, queued writes, open
     swap files and the I/O engine's threads, buffers, the swap files themselves (unless
     keep_swap: `remove_swap` None), the lock. Each part is released even if another fails; the
@@ -673,6 +676,7 @@ def _release(optimizer, swapper, store, pools, lock, dp=None, remove_swap=None) 
     closers = (
         optimizer.close,
         swapper.close,
+        device.close,  # (its streams' queued work runs first)
         store.close,
         *(p.clear for p in pools),
         *removing,

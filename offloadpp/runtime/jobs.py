@@ -21,7 +21,7 @@ from torch.autograd.profiler import record_function
 from offloadpp.optim import AdamStep, adam_step_flat, adam_step_pieces, convert_, squared_norm
 from offloadpp.optim.kernels import StateCrcs
 
-from .device import CudaEventWaitable
+from .accel import SitedWait
 from .slots import Slot
 from .unit import Unit
 
@@ -31,8 +31,8 @@ class _Job:
     unit: Unit
     before: list  # reads and writes to wait for before touching the buffers
     grads: Optional[list] = None  # [(index, ParamSlot, tensor)] to add into gbuf
-    grads_event: Optional[CudaEventWaitable] = None
-    staging: Optional[torch.Tensor] = None  # CUDA: pinned buffer the grads arrived in
+    grads_event: Optional[SitedWait] = None
+    staging: Optional[torch.Tensor] = None  # copies: pinned buffer the grads arrived in
     first_micro: bool = True
     # The tensors whose squared norm the job takes (clipping, fp16): one per parameter that has a
     # gradient, in order (views of gbuf, or the gradients themselves), so that the norm is the

@@ -51,7 +51,7 @@ from offloadpp.planner.decide import lazy_runtime
 from offloadpp.planner.plan import Plan
 from offloadpp.planner.schedule import Schedule, flush_rank
 
-from .device import CudaEventWaitable, Device
+from .device import Device
 from .jobs import _Done, _Job, _late, _work, _yield_to_compute, put
 from .memory import BufferPool
 from .pending import PendingUpdates
@@ -93,10 +93,10 @@ class OptimizerPipeline(PendingUpdates):
         threads = self.threads = plan.adam_threads
         self.tail_threads = max(threads, len(os.sched_getaffinity(0)))
         self._worker = ThreadPoolExecutor(
-            1, thread_name_prefix="offloadpp-adam", initializer=None if device.is_cuda else _yield_to_compute
+            1, thread_name_prefix="offloadpp-adam", initializer=None if device.copies else _yield_to_compute
         )
         self._freer = ThreadPoolExecutor(
-            1, thread_name_prefix="offloadpp-free", initializer=None if device.is_cuda else _yield_to_compute
+            1, thread_name_prefix="offloadpp-free", initializer=None if device.copies else _yield_to_compute
         )
         self._jobs: deque[tuple[_Job, Future]] = deque()
         self._drops: deque[Future] = deque()  # gradients handed to the freer, oldest first
@@ -224,7 +224,7 @@ class OptimizerPipeline(PendingUpdates):
         )
         job.defer_writes = last
         u.phase = UnitPhase.GRADS_READY
-        if not self.device.is_cuda and not u.grads_persist and self.boundary:
+        if not self.device.copies and not u.grads_persist and self.boundary:
             # Note: on the CPU device the gradients already are in host memory, and without
             # accumulation or a deferred update nothing needs them flat: Adam reads each one
             # where autograd left it (no copy, no buffer).
@@ -240,7 +240,7 @@ class OptimizerPipeline(PendingUpdates):
         if (
             speculate
             and self.first_micro
-            and not self.device.is_cuda
+            and not self.device.copies
             and (not self.redo or last or (kept and not u.grads.resident))
         ):
             # Note: speculated gradients on the CPU device. They already are in host memory, and
@@ -259,7 +259,7 @@ class OptimizerPipeline(PendingUpdates):
             self._slide()
             return
         u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro or not u.grads_persist)
-        if self.device.is_cuda and grads:
+        if self.device.copies and grads:
             job.staging, job.grads_event, grads = self._grads_to_host(grads)
         job.grads = grads
         job.gbuf = u.grads.buffer
@@ -337,18 +337,17 @@ class OptimizerPipeline(PendingUpdates):
         staging = self.host_pool.get(total, grads[0][2].dtype)
         out = []
         off = 0
-        with torch.cuda.stream(dev.d2h):
-            dev.d2h.wait_stream(dev.compute_stream())
-            for i, s, g in grads:
-                view = staging[off : off + s.numel]
-                view.copy_(g.reshape(-1), non_blocking=True)
-                g.record_stream(dev.d2h)
-                out.append((i, s, view))
-                off += s.numel
-            ev = torch.cuda.Event()
-            ev.record(dev.d2h)
+        a = dev.accel
+        a.wait_stream(dev.d2h, dev.compute_stream(), site="grads.out_after_compute")
+        for i, s, g in grads:
+            view = staging[off : off + s.numel]
+            a.copy(view, g.reshape(-1), dev.d2h)
+            a.record_use(g, dev.d2h, site="grads.keep")  # autograd's gradient, dropped below
+            out.append((i, s, view))
+            off += s.numel
+        ev = a.record(dev.d2h)
         dev.d2h_bytes += total * staging.element_size()
-        return staging, CudaEventWaitable(ev), out
+        return staging, a.after(ev, site="grads.out_done"), out
 
     def _fill_update(
         self,
@@ -387,8 +386,9 @@ class OptimizerPipeline(PendingUpdates):
             (f"{s.name.rsplit('.', 1)[1]}_in", s.check) for s in (u.exp_avg, u.exp_avg_sq) if s.check
         ]
         job.seal = bool(getattr(getattr(self.store, "config", None), "checksum", False))
-        if self.device.is_cuda and u.weights.last_copy is not None:
-            job.before.append(u.weights.last_copy)  # a copy to the device may still read the buffer
+        done = u.weights.copy_done(site="optimizer.write_after_copy") if self.device.copies else None
+        if done is not None:
+            job.before.append(done)  # a copy to the device may still read the buffer
         if self.separate:
             u.compute.acquire(Hold.OPTIM, overwrite=True)
             self._add_before(job, u.compute)
@@ -551,7 +551,7 @@ class OptimizerPipeline(PendingUpdates):
                         if a <= s.offset < b:
                             u.steps[k] = step + 1
             after = ()
-            if self.device.is_cuda and u.weights.resident:
+            if self.device.copies and u.weights.resident:
                 u.weights.refresh()
                 after = (u.weights.last_copy,)
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):

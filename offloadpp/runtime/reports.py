@@ -121,7 +121,7 @@ class StepAccounting:
         (optimizer state, gradients, staging), the saved activations on the device against their
         part, and the host buffers of swapped activations (not limited)."""
         b = self.plan.budgets
-        if self.device.is_cuda:
+        if self.device.copies:
             dev_step, dev_run = self.device.step_peak_bytes, self.device.peak_bytes
         else:
             dev_step, dev_run = self.device_pool.step_peak_bytes, self.device_pool.peak_bytes

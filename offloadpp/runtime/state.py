@@ -95,7 +95,7 @@ def initialize_units(
         for s in (u.exp_avg, u.exp_avg_sq, u.grads):
             if s.resident:
                 s.make_resident()
-        if u.device.is_cuda and u.weights.resident and u.compute is master:
+        if u.device.copies and u.weights.resident and u.compute is master:
             to_device(u)
         master.release(Hold.EXPORT)
     return missing
@@ -220,7 +220,7 @@ def init_compute_copy(u: Unit) -> None:
     if c.stored:
         g = c.write_generation()
         c.wrote(c.store.put(c.key_of(g), c.buffer), g)
-    if u.device.is_cuda and u.weights.resident:
+    if u.device.copies and u.weights.resident:
         to_device(u)  # (the buffer is still held: the EXPORT hold is taken again, and dropped after the copy)
     c.release(Hold.EXPORT)
 

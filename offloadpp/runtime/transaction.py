@@ -95,7 +95,7 @@ class StepTransaction:
             u.steps = list(steps)
             u.phase = UnitPhase.IDLE
             u.start_window()
-            if updated and (u.device.is_cuda or self.dp is not None) and u.weights.resident:
+            if updated and (u.device.copies or self.dp is not None) and u.weights.resident:
                 refresh.append(u)
         if refresh and self.dp is not None:  # (gathering it again would need every rank here)
             self.fail(RuntimeError(f"the step was interrupted after unit {refresh[0].name!r}, resident on the device, "

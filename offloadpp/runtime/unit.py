@@ -15,7 +15,7 @@ from torch import nn
 
 from offloadpp.planner import Placement, Plan, Tier, flat_numel
 
-from .device import CpuWeights, CudaWeights, Device, PairWeights, UpcastWeights, Weights
+from .device import CopyWeights, CpuWeights, Device, PairWeights, UpcastWeights, Weights
 from .memory import BufferPool
 from .partition import ParamSlot, UnitLayout
 from .slots import Hold, Slot, Txn, tagged
@@ -51,7 +51,7 @@ class Unit:
         """The unit `layout` lays out, placed where the plan says."""
         placement = self._init_common(layout, plan, device)
         self.padded_numel = flat_numel(self.numel)
-        cpu = not device.is_cuda
+        cpu = not device.copies
         alias = not plan.separate_weights
         n = self.padded_numel
 
@@ -91,8 +91,8 @@ class Unit:
         self.grads = slot("grads", TORCH_DTYPES[plan.grad_dtype], host_pool, transactional=False)
         self.grads_persist = plan.persistent_grads
         self.weights: Weights
-        if device.is_cuda:
-            self.weights = CudaWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)
+        if device.copies:
+            self.weights = CopyWeights(self.compute, device, resident=placement.weights is Tier.DEVICE)
         else:
             self.weights = CpuWeights(self.compute, device)
         if layout.frozen:  # the frozen segment, fetched with the weights (docs/frozen.md)
@@ -102,8 +102,8 @@ class Unit:
                                     device_pool if cpu else host_pool, tagged(store, "frozen", plan),
                                     resident=home is Tier.DEVICE, stored=home is Tier.SSD)  # fmt: skip
             frozen = (
-                CudaWeights(self.frozen_slot, device, resident=False)
-                if device.is_cuda
+                CopyWeights(self.frozen_slot, device, resident=False)
+                if device.copies
                 else CpuWeights(self.frozen_slot, device)
             )
             if stored != self.compute_dtype:  # a 16-bit base under fp32 compute: upcast at each fetch
@@ -260,7 +260,7 @@ class Unit:
                 s.rollback()
         self.steps = list(steps)
         self.speculated = False
-        if updated and self.device.is_cuda and self.weights.resident:
+        if updated and self.device.copies and self.weights.resident:
             self.refresh_resident()
 
     def refresh_resident(self) -> None:

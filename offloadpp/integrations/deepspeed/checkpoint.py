@@ -41,6 +41,7 @@ from typing import Any, Optional
 import torch
 
 from offloadpp.io.durable import recover_aside, swap_into_place, write_atomic
+from offloadpp.runtime.accel.cuda import rng_states_all, set_rng_states_all
 from offloadpp.runtime.checkpoint import MANIFEST, CheckpointError
 from offloadpp.runtime.dp.sharded_checkpoint import NODE_LOCAL, agreed, rank_dir
 
@@ -64,8 +65,9 @@ def rng_states() -> dict:
     import numpy as np
 
     out = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
+    cuda = rng_states_all()
+    if cuda is not None:
+        out["cuda"] = cuda
     return out
 
 
@@ -75,8 +77,8 @@ def set_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if "cuda" in states:
+        set_rng_states_all(states["cuda"])
 
 
 def _remove_dead_partials(save_dir: str) -> None:

@@ -70,6 +70,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from offloadpp.planner import ActivationSettings, decide, fmt_bytes
 
+from ..accel import Accelerator, accelerator
 from .gelu import restore_gelu, substitute_gelu
 from .head import FusedHead, fusable_head
 from .loss import causal_lm, restore_loss, substitute_loss, uses_causal_lm_loss
@@ -171,7 +172,7 @@ class ActivationManager:
         *,
         key_prefix: str = "act",
         store=None,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | Accelerator = "cpu",
         policies: Optional[Sequence[str]] = None,
         model: Optional[nn.Module] = None,
         params=None,
@@ -179,7 +180,8 @@ class ActivationManager:
         """units: (name, root modules) in forward order. policies: one per unit, overriding the
         config's (a Plan's). params: the runtime's own saved-parameter hooks (the executor: its
         `pack`, `unpack` and the `handle` type pack returns), tried first (it knows which weights
-        are bound and fetches them for backward)."""
+        are bound and fetches them for backward). device: the engine's accelerator, or a device
+        spec (an accelerator of the manager's own, OFFLOADPP_DEVICE applied: accel/select.py)."""
         names = [n for n, _ in units]
         unknown = sorted(set(config.overrides) - set(names))
         if unknown:
@@ -192,7 +194,9 @@ class ActivationManager:
             raise ValueError(f"{len(policies)} activation policies for {len(units)} units")
         self.config = config
         self.budget = config.budget_bytes
-        self.device = torch.device(device)
+        self._own_accel = not isinstance(device, Accelerator)
+        self.accel = accelerator(str(torch.device(device))) if self._own_accel else device
+        self.device = self.accel.torch_device
         self.units = [
             UnitActivations(
                 n,
@@ -210,7 +214,7 @@ class ActivationManager:
         self._all = ParamIndex()
         self._model = model
         self._ext = (params.pack, params.unpack, params.handle) if params is not None else None
-        self.swapper = Swapper(self.device, store, key_prefix=key_prefix, host_budget_bytes=None)
+        self.swapper = Swapper(self.accel, store, key_prefix=key_prefix, host_budget_bytes=None)
         self._handles: list = []
         self._gelus: list[nn.Module] = []
         self._loss = None
@@ -737,7 +741,7 @@ class ActivationManager:
         planner decides it (the Note on auto)."""
         room = None if self.budget is None else self.budget - outside_bytes  # (outside: always kept)
         chosen = decide.measured_activations(profiles, [u.requested.value for u in self.units], room,
-                                             device=self.device.type, host_bytes=self.config.host_budget_bytes)  # fmt: skip
+                                             device=self.accel.plan_device, host_bytes=self.config.host_budget_bytes)  # fmt: skip
         for u, p in zip(self.units, chosen):
             u.policy = ActPolicy(p)
         self.profiles = tuple(profiles)
@@ -803,6 +807,8 @@ class ActivationManager:
         self.end_backward()
         self.remove()
         self.swapper.close()
+        if self._own_accel:
+            self.accel.close()
 
     def __enter__(self) -> ActivationManager:
         return self

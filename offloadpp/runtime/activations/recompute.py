@@ -124,21 +124,22 @@ def _random(func) -> bool:
 
 
 class _Rng:
-    """The RNG state a random operator drew from in forward (CPU, and its CUDA device's)."""
+    """The RNG state a random operator drew from in forward (CPU, and its accelerator's: the
+    device module's generator, torch.get_device_module)."""
 
-    __slots__ = ("cpu", "cuda", "device")
+    __slots__ = ("cpu", "dev", "device")
 
     def __init__(self, args, kwargs) -> None:
         dev = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
         dev = torch.device(kwargs.get("device") or "cpu") if dev is None else dev
-        self.device = dev if dev.type == "cuda" else None
+        self.device = dev if dev.type != "cpu" else None
         self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(dev) if self.device is not None else None
+        self.dev = torch.get_device_module(dev.type).get_rng_state(dev) if self.device is not None else None
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.device is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
+            torch.get_device_module(self.device.type).set_rng_state(self.dev, self.device)
 
 
 class OpLog:
@@ -233,7 +234,9 @@ class Segment:
         self.device = device
         self.input_bytes = input_bytes  # accounted on the device until the recompute ran
         self.rng_cpu = torch.get_rng_state()
-        self.rng_cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.rng_dev = (
+            torch.get_device_module(device.type).get_rng_state(device) if device.type != "cpu" else None
+        )
         self.autocast = [
             (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in {"cpu", device.type}
         ]
@@ -306,11 +309,11 @@ class Segment:
         def never(_: Any):
             raise ActivationError(f"unit {self.unit!r}: the recomputed graph was used for backward")
 
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        devices = [self.device] if self.device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
             torch.set_rng_state(self.rng_cpu)
-            if self.rng_cuda is not None:
-                torch.cuda.set_rng_state(self.rng_cuda, self.device)
+            if self.rng_dev is not None:
+                torch.get_device_module(self.device.type).set_rng_state(self.rng_dev, self.device)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(collect, never):
                 ctxs = self._autocasts()
                 if self.log is not None:

@@ -3,8 +3,8 @@
 Note: who does what. The thread running forward or backward (autograd runs CUDA backward nodes
 on its device thread, one at a time with the caller) owns every SavedStorage and changes its
 state; one worker thread runs the swap-out jobs in FIFO order: on the CPU acting as the device
-the copy itself (a memmove that releases the GIL), on CUDA the wait for the device-to-host copy
-issued on a side stream; for ssd the job then submits the TensorStore put. The owner notices
+the copy itself (a memmove that releases the GIL), elsewhere the wait for the device-to-host copy
+issued on a side stream (the accelerator's `copies`); for ssd the job then submits the TensorStore put. The owner notices
 finished jobs and I/O at every hook (`pump`), or waits for them when the budget or backward
 needs it, and only then changes states and accounts.
 
@@ -14,7 +14,9 @@ are released when it is done), a swap-in of a host copy hands that buffer to bac
 memory without a copy, and an SSD read lands directly in the buffer backward will use.
 
 Note: accounting. A SavedStorage counts its bytes on the device while its bytes there are held
-by the manager (DEVICE, MOVING_OUT, MOVING_IN, READY; READING on the CPU device), and on the host
+by the manager (DEVICE, MOVING_OUT, MOVING_IN, READY) or are on their way there (READING: the
+budget check that started the read counted them; without it a GPU's swap-ins of several reads
+finished at once went past the budget, which the stand-in accelerator showed), and on the host
 while it holds a host buffer that is not serving as device memory. `peak_device_bytes` is what
 the activation budget bounds.
 """
@@ -34,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offloadpp.io import ALIGNMENT, aligned_empty, crc32c
 
-from ..device import CudaEventWaitable
+from ..accel import Accelerator
 from ..memory import BufferPool
 from .records import ActivationError, RecState, SavedStorage
 
@@ -48,8 +50,11 @@ def _align(n: int) -> int:
     return max(ALIGNMENT, -(-n // ALIGNMENT) * ALIGNMENT)
 
 
-class _CpuMover:
-    is_cuda = False
+class _HostMover:
+    """The CPU as the device (`copies` False): a device storage's bytes are copied to the host
+    buffer by the worker; the host buffer itself serves as device memory coming back."""
+
+    copies = False
 
     def out(self, worker, storage: torch.UntypedStorage, host: torch.Tensor, nbytes: int, then):
         src, dst = storage.data_ptr(), host.data_ptr()
@@ -67,50 +72,51 @@ class _CpuMover:
         pass
 
 
-class _CudaMover:
-    is_cuda = True
+class _CopyMover:
+    """Device memory of its own (`copies`): copies on two side streams, ordered by events."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
+    copies = True
+
+    def __init__(self, accel: Accelerator):
+        self.accel = accel
+        self.d2h = accel.new_stream()
+        self.h2d = accel.new_stream()
 
     def out(self, worker, storage: torch.UntypedStorage, host: torch.Tensor, nbytes: int, then):
-        src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-        self.d2h.wait_stream(torch.cuda.current_stream(self.device))  # the bytes were produced there
-        with torch.cuda.stream(self.d2h):
-            host[:nbytes].copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.d2h)
+        a = self.accel
+        src = torch.empty(0, dtype=torch.uint8, device=a.torch_device).set_(storage)
+        a.wait_stream(
+            self.d2h, a.compute_stream(), site="act.out_after_compute"
+        )  # the bytes were produced there
+        a.copy(host[:nbytes], src, self.d2h)
+        ev = a.record(self.d2h)
 
         def job():
-            ev.synchronize()
+            a.synchronize(ev, site="act.out_done")
             return then() if then is not None else None
 
-        return worker.submit(job), CudaEventWaitable(ev)
+        return worker.submit(job), a.after(ev, site="act.out_host_reuse")
 
     def into_device(self, host: torch.Tensor, nbytes: int):
-        compute = torch.cuda.current_stream(self.device)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # allocated on compute
-        self.h2d.wait_stream(compute)
-        with torch.cuda.stream(self.h2d):
-            dev.copy_(host[:nbytes], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.h2d)
-        dev.record_stream(self.h2d)
-        return dev.untyped_storage(), 0, CudaEventWaitable(ev)
+        a = self.accel
+        dev = a.empty(nbytes, torch.uint8)  # allocated on compute
+        a.wait_stream(self.h2d, a.compute_stream(), site="act.in_after_compute")
+        a.copy(dev, host[:nbytes], self.h2d)
+        ev = a.record(self.h2d)
+        a.record_use(dev, self.h2d, site="act.in_keep")
+        return dev.untyped_storage(), 0, a.after(ev, site="act.in_host_reuse")
 
     def use(self, waitable) -> None:
-        torch.cuda.current_stream(self.device).wait_event(waitable.event)
+        self.accel.wait_event(self.accel.compute_stream(), waitable.event, site="act.in_use")
 
 
 class Swapper:
     """Owns the movement of SavedStorages, the host buffers, the SSD keys and the accounting."""
 
-    def __init__(self, device: torch.device, store, *, key_prefix: str, host_budget_bytes: Optional[int]):
-        self.device = device
+    def __init__(self, accel: Accelerator, store, *, key_prefix: str, host_budget_bytes: Optional[int]):
+        self.device = accel.torch_device
         self.store = store
-        self.mover = _CudaMover(device) if device.type == "cuda" else _CpuMover()
+        self.mover = _CopyMover(accel) if accel.copies else _HostMover()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="offloadpp-act")
         self.pool = BufferPool(
             "activations", host_budget_bytes or UNLIMITED, lambda n, dt: aligned_empty(n, dt)
@@ -134,9 +140,16 @@ class Swapper:
     # ---- accounting ----------------------------------------------------------------------
     def _set(self, rec: SavedStorage, state: RecState) -> None:
         rec.state = state
-        reading_into_device = state is RecState.READING and not self.mover.is_cuda
-        dev = rec.nbytes if state in _DEVICE_STATES or reading_into_device else 0
-        host = rec.nbytes if rec.host is not None and state in _HOST_STATES and not reading_into_device else 0
+        # A read from SSD is bound for the device: its bytes count there from its start (the
+        # budget check that started it counted them), and with copies on the host as well,
+        # where it lands first; on the CPU device it lands in the buffer backward will use.
+        reading = state is RecState.READING
+        dev = rec.nbytes if state in _DEVICE_STATES or reading else 0
+        host = (
+            rec.nbytes
+            if rec.host is not None and state in _HOST_STATES and not (reading and not self.mover.copies)
+            else 0
+        )
         self.add_device(dev - rec.held_device)
         self.host_bytes += host - rec.held_host
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
@@ -159,7 +172,7 @@ class Swapper:
         if rec.policy.value == "ssd":
             self._reuse_or_take_key(rec)
             key, host, nbytes, verify, store = rec.key, rec.host, rec.nbytes, rec.verify, self.store
-            crc_always = self.mover.is_cuda  # the host CPU is idle there; on the CPU device: at release
+            crc_always = self.mover.copies  # the host CPU is idle there; on the CPU device: at release
 
             def then():  # on the worker, once the bytes are in `host`
                 crc = None
@@ -342,7 +355,7 @@ class Swapper:
         if rec.key is not None and rec.crc is None and not rec.weak.expired():
             if rec.host is not None and rec.state in (RecState.HOST, RecState.WRITING, RecState.READY):
                 crc_source = rec.host.data_ptr()
-            elif rec.storage is not None and not self.mover.is_cuda:
+            elif rec.storage is not None and not self.mover.copies:
                 crc_source = rec.storage.data_ptr() + rec.base
         after = [w for w in (rec.put, rec.get, rec.event) if w is not None]
         if rec.host is not None:

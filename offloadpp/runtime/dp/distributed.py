@@ -108,7 +108,7 @@ def init_from_env(device_kind: str, timeout: Optional[timedelta] = None) -> Opti
     if env is None:
         return None
     if device_kind == "cuda":
-        torch.cuda.set_device(env.local_rank)
+        torch.accelerator.set_device_index(env.local_rank)
     if not dist.is_initialized():
         start_process_group(backend_for(device_kind), env, timeout)
         log.info("offloadpp: rank %d of %d started (%s)", env.rank, env.world_size, backend_for(device_kind))
@@ -156,7 +156,7 @@ def agent_attempt(environ=None) -> Optional[int]:
 
 def _bind_device(index: Optional[int]) -> None:
     if index is not None:
-        torch.cuda.set_device(index)  # (a new thread's current device is 0)
+        torch.accelerator.set_device_index(index)  # (a new thread's current device is 0)
 
 
 class Channel:
@@ -197,7 +197,7 @@ class DataParallel:
         self.node, self.local_rank = divmod(self.rank, self.local_world)
         self.backend = dist.get_backend()
         nccl = self.backend == "nccl"
-        self.cuda_index = torch.cuda.current_device() if nccl else None
+        self.cuda_index = torch.accelerator.current_device_index() if nccl else None
         # (every rank creates the groups in this order: new_group is itself a collective)
         fetch = dist.new_group(backend=self.backend)
         fetch_host = dist.new_group(backend="gloo")
@@ -225,13 +225,9 @@ class DataParallel:
         return f"DataParallel(rank={self.rank}, world={self.world}, backend={self.backend!r})"
 
     # ---- on the fetch channel's thread --------------------------------------------------
-    def _gather(self, full: torch.Tensor, lo: int, hi: int, group, stream=None) -> None:
+    def _gather(self, full: torch.Tensor, lo: int, hi: int, group) -> None:
         t0 = time.perf_counter()
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                _all_gather(full, full[lo:hi], group=group)
-        else:
-            _all_gather(full, full[lo:hi], group=group)
+        _all_gather(full, full[lo:hi], group=group)
         n = self.ring_bytes(full.numel() * full.element_size())
         if group is self.grads_group or group is self.worker_device_group:
             self.reduce_bytes += n
@@ -240,17 +236,16 @@ class DataParallel:
             self.gather_bytes += n
             self.gather_s += time.perf_counter() - t0
 
-    def gather_in_place(
-        self, full: torch.Tensor, lo: int, hi: int, *, worker: bool = False, stream=None
-    ) -> None:
+    def gather_in_place(self, full: torch.Tensor, lo: int, hi: int, *, worker: bool = False) -> None:
         """Every rank's part [r*S, (r+1)*S) of `full` from its owner (the caller's own part,
         [lo, hi), already in place). On the calling thread: the fetch channel's, or with
-        worker=True the optimizer's."""
+        worker=True the optimizer's (on a stream: the caller's Accelerator.run_on)."""
+        host = full.device.type == "cpu"  # (the stand-in's device memory too: gloo's)
         if worker:
-            group = self.worker_device_group if full.is_cuda else self.grads_group
+            group = self.grads_group if host else self.worker_device_group
         else:
-            group = self.fetch.group if full.is_cuda else self.fetch.host_group
-        self._gather(full, lo, hi, group, stream)
+            group = self.fetch.host_group if host else self.fetch.group
+        self._gather(full, lo, hi, group)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """On the optimizer's worker: this rank's shard of the mean of `full` over the ranks."""
@@ -294,7 +289,7 @@ class DataParallel:
         return self.fetch.run(run)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        group = self.fetch.group if tensor.is_cuda else self.fetch.host_group
+        group = self.fetch.host_group if tensor.device.type == "cpu" else self.fetch.group
         self.fetch.run(lambda: dist.broadcast(tensor, src=src, group=group))
 
     def all_gather_object(self, obj) -> list:
@@ -334,14 +329,14 @@ class DataParallel:
                     full, full[self.rank * part : (self.rank + 1) * part], group=self.fetch.group
                 )
             )
-            if full.is_cuda:
-                torch.cuda.synchronize()
+            if full.device.type != "cpu":
+                torch.accelerator.synchronize()
             best = min(best, time.perf_counter() - t0)
         return n * 4 * (self.world - 1) / self.world / best / 1e9
 
     def _device(self) -> torch.device:
         return (
-            torch.device("cuda", torch.cuda.current_device())
+            torch.device("cuda", torch.accelerator.current_device_index())
             if self.backend == "nccl"
             else torch.device("cpu")
         )

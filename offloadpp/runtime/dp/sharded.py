@@ -25,7 +25,7 @@ import torch
 from offloadpp.optim import convert_
 from offloadpp.planner import Plan, Tier
 
-from ..device import CudaEventWaitable, Device
+from ..device import Device
 from ..memory import BufferPool
 from ..partition import UnitLayout
 from ..slots import Hold, Slot, SlotState, Txn, tagged
@@ -51,9 +51,9 @@ class GatheredWeights:
         self.tensor: Optional[torch.Tensor] = None
         self.state = SlotState.EMPTY
         self._fut = None
-        self._event = None  # CUDA: recorded after the gather, on the h2d stream
+        self._event = None  # copies: recorded after the gather, on the h2d stream
 
-    # ---- the executor's interface (CpuWeights / CudaWeights) -----------------------------------
+    # ---- the executor's interface (CpuWeights / CopyWeights) -----------------------------------
     def acquire(self) -> None:
         if self.state is not SlotState.EMPTY:
             return
@@ -74,8 +74,10 @@ class GatheredWeights:
             raise RuntimeError(f"{self.source.key}: gathered weights waited on before being fetched")
         if self.state is SlotState.LOADING:
             self._settle()
-        if self.device.is_cuda:
-            return self.device.use_on_compute(self.tensor, self._event)
+        if self.device.copies:
+            return self.device.use_on_compute(
+                self.tensor, self._event, site="gathered.bind", keep_site="gathered.keep"
+            )
         return self.tensor
 
     def release(self) -> None:
@@ -90,20 +92,23 @@ class GatheredWeights:
         pass  # the worker gathers a resident unit after its update, in its place in the job order
 
     @property
-    def last_copy(self) -> Optional[CudaEventWaitable]:
-        return CudaEventWaitable(self._event) if self._event is not None else None
+    def last_copy(self):
+        return self.copy_done(site="gathered.host_reuse")
+
+    def copy_done(self, *, site: str):
+        """The pool Waitable of the last gather's copy from the host shard (None: none)."""
+        return self.device.after(self._event, site=site)
 
     # ---- internals ---------------------------------------------------------------------
     def _alloc(self) -> torch.Tensor:
         u = self.unit
-        if self.device.is_cuda:
-            self.device.reserve(u.padded_numel * u.compute_dtype.itemsize, self.source.key)
-            return torch.empty(u.padded_numel, dtype=u.compute_dtype, device=self.device.torch_device)
+        if self.device.copies:  # (for the h2d stream, which copies the shard in and gathers)
+            return self.device.alloc(u.padded_numel, u.compute_dtype, self.source.key, stream=self.device.h2d)
         return self.pool.get(u.padded_numel, u.compute_dtype)
 
     def _free(self) -> None:
-        if self.device.is_cuda:
-            self.device.unreserve(self.tensor.numel() * self.tensor.element_size())
+        if self.device.copies:
+            self.device.dealloc(self.tensor, site="gathered.free")
         else:
             self.pool.put(self.tensor)
         self.tensor = None
@@ -132,18 +137,16 @@ class GatheredWeights:
 def place_and_gather(u: ShardedUnit, shard: torch.Tensor, full: torch.Tensor, dp: DataParallel, device: Device,
                      *, worker: bool):  # fmt: skip
     """Copies this rank's shard (host) into its place in `full` (the device's) and all-gathers
-    the others'; on CUDA returns the event after it (on the h2d stream), else None."""
+    the others'; with copies returns the event after it (on the h2d stream), else None."""
     lo, hi = u.lo, u.hi
-    if not device.is_cuda:
+    if not device.copies:
         full[lo:hi].copy_(shard)
         dp.gather_in_place(full, lo, hi, worker=worker)
         return None
-    stream = device.h2d
-    with torch.cuda.stream(stream):
-        full[lo:hi].copy_(shard, non_blocking=True)
-    dp.gather_in_place(full, lo, hi, worker=worker, stream=stream)
-    ev = torch.cuda.Event()
-    ev.record(stream)
+    accel, stream = device.accel, device.h2d
+    accel.copy(full[lo:hi], shard, stream)
+    accel.run_on(stream, lambda: dp.gather_in_place(full, lo, hi, worker=worker))
+    ev = accel.record(stream)
     device.h2d_bytes += shard.numel() * shard.element_size()
     return ev
 

@@ -307,7 +307,7 @@ def _reshard(units: list[Unit], path: str, manifest: dict, *, io: IOConfig, opti
                         slot.wrote(slot.store.put(slot.key_of(g), buf), g)
                     if slot is u.master and u.compute is not u.master:
                         init_compute_copy(u)
-                    elif slot is u.master and u.device.is_cuda and u.weights.resident:
+                    elif slot is u.master and u.device.copies and u.weights.resident:
                         to_device(u)
                 finally:
                     slot.release(Hold.EXPORT)

@@ -26,6 +26,7 @@ import torch
 
 from offloadpp.optim import squared_norm
 
+from ..accel import Event
 from ..jobs import _Job
 from ..optimizer import OptimizerPipeline
 from ..slots import Hold
@@ -39,7 +40,7 @@ class _ShardJob(_Job):
     shard: Optional[torch.Tensor] = None  # this rank's reduced gradients (the boundary's job)
     got: Optional[list] = None  # which parameters got a gradient: this rank's, then every rank's
     shard_norm: bool = False
-    compute_done: Optional[torch.cuda.Event] = None  # CUDA: backward's reads of resident weights
+    compute_done: Optional[Event] = None  # copies: backward's reads of resident weights
 
 
 class ShardedOptimizerPipeline(OptimizerPipeline):
@@ -85,7 +86,7 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
         u.phase = UnitPhase.GRADS_READY
         acc = u.accum
         acc.acquire(Hold.OPTIM, overwrite=self.first_micro or not u.accum_persist)
-        if self.device.is_cuda and grads:
+        if self.device.copies and grads:
             job.staging, job.grads_event, grads = self._grads_to_host(grads)
         job.grads, job.gbuf = grads, acc.buffer
         self._add_before(job, acc)
@@ -137,10 +138,8 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
                 job.writes.append((s, s.buffer, s.write_generation()))
         if u.weights.resident:
             job.after_update = self._regather
-            if self.device.is_cuda:
-                ev = torch.cuda.Event()
-                ev.record(self.device.compute_stream())
-                job.compute_done = ev
+            if self.device.copies:
+                job.compute_done = self.device.accel.record(self.device.compute_stream())
 
     # ---- on the worker --------------------------------------------------------------------
     def _reduce(self, job: _ShardJob) -> Optional[float]:
@@ -161,12 +160,13 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
         """A unit resident on the device: every rank's new shard into its whole weights."""
         u = job.unit
         src = job.half if job.half is not None else job.master
-        if not self.device.is_cuda:
+        if not self.device.copies:
             place_and_gather(u, src, u.weights.tensor, self.dp, self.device, worker=True)
             return
-        with torch.cuda.device(self.device.torch_device):  # (the worker's thread)
-            self.device.h2d.wait_event(job.compute_done)
-            u.weights._event = place_and_gather(u, src, u.weights.tensor, self.dp, self.device, worker=True)
+        accel = self.device.accel
+        accel.thread_init()  # (the worker's thread)
+        accel.wait_event(self.device.h2d, job.compute_done, site="dp.regather_after_compute")
+        u.weights._event = place_and_gather(u, src, u.weights.tensor, self.dp, self.device, worker=True)
 
     # ---- completion (main thread) -----------------------------------------------------------
     def _complete(self, job: _Job, done) -> None:
