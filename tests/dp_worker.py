@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--node-local", action="store_true")
     ap.add_argument("--freeze", action="store_true")  # dp_common.tiny_gpt2's frozen parameters
     ap.add_argument("--lora", action="store_true")  # dp_common.tiny_gpt2's peft LoRA model
+    ap.add_argument("--monitor", default="")  # (deepspeed api) DeepSpeed's csv_monitor into this folder
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -81,6 +82,8 @@ def main() -> None:
             cfg["bf16"] = {"enabled": True}
         if args.node_local:
             cfg["checkpoint"] = {"use_node_local_storage": True}
+        if args.monitor:
+            cfg["csv_monitor"] = {"enabled": True, "output_path": args.monitor, "job_name": "job"}
         engine, *_ = offloadpp.initialize(model=model, config=cfg)
         runtime = engine.runtime
     else:
@@ -102,11 +105,13 @@ def main() -> None:
     assert runtime.dp is not None and runtime.dp.world == world, (runtime.dp, world)
     if args.load:
         (engine.load_checkpoint(args.load) if args.api == "deepspeed" else runtime.load_state(args.load))
-    reports = []
+    reports, losses = [], []  # losses: this rank's each step, the mean of its micro-batches'
     for batch in global_batches(args.from_step + args.steps)[args.from_step :]:
         mine = batch.chunk(world)[rank]  # this rank's part of the global batch
+        losses.append(0.0)
         for x in mine.chunk(args.accum):
             loss = engine(input_ids=x, labels=x).loss
+            losses[-1] += float(loss.detach()) / args.accum
             if args.die_at and rank == 1 and len(reports) + 1 == args.die_at:
                 import signal
                 import time
@@ -148,7 +153,7 @@ def main() -> None:
             # what the deepspeed launcher (launcher/launch.py) adds: this node's rank and ranks
             "cross_rank": os.environ.get("CROSS_RANK"), "local_size": os.environ.get("LOCAL_SIZE")}  # fmt: skip
     info = {"rank": rank, "world": world, **node, "disk_bytes": runtime.disk_bytes(), "plan_ssd_bytes": runtime.plan.ssd_bytes(),
-            "reports": reports, "global_step": runtime.global_step, **export,
+            "reports": reports, "losses": losses, "global_step": runtime.global_step, **export,
             "resident": [p.weights.value for p in runtime.plan.placements]}  # fmt: skip
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(info, f)

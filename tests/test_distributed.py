@@ -24,7 +24,7 @@ import time
 
 import pytest
 import torch
-from dp_common import LR, WD, reference
+from dp_common import GLOBAL_BATCH, LR, WD, reference
 from numerics import compare_weights
 
 pytest.importorskip("transformers")
@@ -202,16 +202,26 @@ def test_save_16bit_model_over_two_ranks(tmp_path):
 def test_deepspeed_launcher_two_cpu_ranks(tmp_path):
     """The same run started by the `deepspeed` launcher (two CPU ranks, gloo), with gradient
     accumulation: offloadpp.initialize starts torch.distributed through DeepSpeed's own
-    init_distributed, so DeepSpeed's config counts both ranks."""
+    init_distributed, so DeepSpeed's config counts both ranks. DeepSpeed's csv_monitor on: one
+    row a step (rank 0 writes), the train loss the mean over both ranks of their steps' losses."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     out = tmp_path / "out"
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()), WORKER, str(out),
-           "--nvme", str(nvme), "--api", "deepspeed", "--steps", "3", "--accum", "2", "--clip", "1.0"]  # fmt: skip
+           "--nvme", str(nvme), "--api", "deepspeed", "--steps", "3", "--accum", "2", "--clip", "1.0",
+           "--monitor", str(tmp_path / "csv")]  # fmt: skip
     _run(cmd, 600)
     # each rank's micro-batches are a quarter of the global batch: accumulated over four parts
     assert compare_weights(weights(out), reference(3, clip=1.0, parts=4), lr=LR, steps=3) < 1e-5
     assert sorted(os.listdir(nvme / "offloadpp")) == ["rank0", "rank1"]
+    rows = (tmp_path / "csv" / "job" / "Train_Samples_train_loss.csv").read_text().split()
+    info = ranks(out)
+    assert info[0]["losses"] != info[1]["losses"]  # (so the mean is the mean, not one rank's)
+    assert rows[0] == "step,train_loss" and len(rows) == 4
+    for i, row in enumerate(rows[1:]):
+        samples, value = row.split(",")
+        assert int(samples) == GLOBAL_BATCH * (i + 1)
+        assert float(value) == pytest.approx((info[0]["losses"][i] + info[1]["losses"][i]) / 2, abs=1e-6)
 
 
 def test_a_process_group_the_script_made_is_used(tmp_path):

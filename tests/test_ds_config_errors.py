@@ -62,7 +62,7 @@ BAD = [
     ("zero_optimization.offload_optimizer.ratio", 0.3, r"zero_optimization\.offload_optimizer\.ratio"),
     ("fp16.fp16_master_weights_and_grads", True, r"fp16\.fp16_master_weights_and_grads"),
     ("fp16.enabled", "auto", r'fp16\.enabled: "auto" is filled in by Hugging Face Trainer'),
-    ("tensorboard.enabled", True, r"tensorboard\.enabled: True is not supported by offloadpp: .*report_to"),
+    ("csv_monitor.job_nam", "run", r"csv_monitor\.job_nam: not a key .*'csv_monitor\.job_name'"),
     (
         "gradient_acumulation_steps",
         2,

@@ -30,6 +30,7 @@ from offloadpp.integrations.deepspeed.config import (
     validation_error,
 )
 from offloadpp.integrations.deepspeed.keys import check_keys
+from offloadpp.integrations.deepspeed.monitor import monitor_master
 from offloadpp.integrations.deepspeed.optimizer import (
     OffloadppOptimizer,
     OptimizerError,
@@ -376,6 +377,7 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, given: Given, *, dist_ini
             "ranks (sequence or model parallel sizes): offloadpp trains data-parallel over every rank only"
         )
     _check_model(model)
+    monitor = monitor_master(ds_config, rank)  # a monitor's missing package fails here, before the build
     opt, _ = _optimizer_for(ds_config, model, optimizer, model_parameters)  # (opt.client: the caller's own)
     groups = opt.groups_by_name(model)
     for name, p in model.named_parameters():
@@ -392,7 +394,7 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, given: Given, *, dist_ini
         scheduler = _scheduler(ds_config, opt, lr_scheduler)
         loader = _dataloader(ds_config, training_data, collate_fn, rank=rank, world=world)
         engine = OffloadppEngine(runtime, ds_dict, ds_config, opt, groups=groups, lr_scheduler=scheduler,
-                                 training_dataloader=loader, collate_fn=collate_fn)  # fmt: skip
+                                 training_dataloader=loader, collate_fn=collate_fn, monitor=monitor)  # fmt: skip
     except BaseException:
         runtime.close()
         raise

@@ -27,6 +27,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 import offloadpp.integrations.deepspeed.surface as surface
 from offloadpp.integrations.deepspeed.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from offloadpp.integrations.deepspeed.monitor import StepEvents
 from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
 from offloadpp.runtime.transaction import holding_interrupts
 
@@ -36,8 +37,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class OffloadppEngine(DeepSpeedEngine):
-    def __init__(self, runtime, config: dict, ds_config, optimizer: OffloadppOptimizer, *,
-                 groups: dict, lr_scheduler=None, training_dataloader=None, collate_fn=None):  # fmt: skip
+    def __init__(self, runtime, config: dict, ds_config, optimizer: OffloadppOptimizer, *, groups: dict,
+                 lr_scheduler=None, training_dataloader=None, collate_fn=None, monitor=None):  # fmt: skip
         torch.nn.Module.__init__(self)
         self._modules["module"] = runtime.module  # nn.Module's methods see the model as a child
         self.__dict__["module"] = runtime.module
@@ -60,6 +61,14 @@ class OffloadppEngine(DeepSpeedEngine):
         self._boundary_flag: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._micro_in_window = 0
         self._pending: Optional[bool] = None  # a backward without its step(): was it a boundary?
+        # DeepSpeed's MonitorMaster, as DeepSpeedEngine.monitor (scripts write their own events
+        # through it too); StepEvents feeds it what DeepSpeedEngine writes, and our reports (monitor.py)
+        self.monitor = monitor
+        self._events = StepEvents(
+            monitor, rank=self.global_rank, world=self.world_size, fp16=ds_config.float16_config.enabled,
+            wall_clock=bool(ds_config.wall_clock_breakdown),
+            sum_over_ranks=runtime.dp.sum if runtime.dp is not None else None,
+        )  # fmt: skip
         self._gc_generation = None
         if ds_config.disable_python_gc:
             from deepspeed.runtime.python_gc import python_gc_manager
@@ -112,6 +121,7 @@ class OffloadppEngine(DeepSpeedEngine):
         boundary = self.is_gradient_accumulation_boundary()
         self.runtime.set_boundary(boundary)
         self.runtime.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        self._events.backward(loss, 1.0 / self.gradient_accumulation_steps() if scale_wrt_gas else 1.0)
         self._pending = boundary
         return loss
 
@@ -161,6 +171,10 @@ class OffloadppEngine(DeepSpeedEngine):
                 if opt is not None:
                     opt._opt_called = True
             self.lr_scheduler.step(**(lr_kwargs or {}))
+        if self._events.enabled:  # after the scheduler, as DeepSpeedEngine.step writes them
+            scaler = self.runtime.loss_scaler
+            self._events.write(samples=self.global_samples, lr=self.get_lr()[0], report=report,
+                               loss_scale=scaler.scale if scaler is not None else None)  # fmt: skip
         spp = self.steps_per_print()
         if spp and math.isfinite(spp) and self.global_steps % spp == 0:
             logger.info("offloadpp step %d lr=%s %s", self.global_steps, self.get_lr(), report.summary())

@@ -47,7 +47,9 @@ _OFF = "only read when the feature above is on"
 _AIO = ("not applied (logged): tuned for ZeRO-Infinity's swapper; offloadpp's I/O settings come from the "
         "hardware profile, else its defaults; ")  # fmt: skip
 _REMOVED = "DeepSpeed 0.19.8 itself refuses this removed feature"
-_MONITOR = "offloadpp does not write DeepSpeed's monitor events; log with Trainer's report_to, or from engine.last_report"
+_MONITOR = ("DeepSpeed's own writer (MonitorMaster) gets, from rank 0 at each step's end, the events DeepSpeedEngine "
+            "writes (Train/Samples/lr, loss_scale under fp16), Train/Samples/train_loss and the step report's "
+            "figures under Train/offloadpp/ (docs/deepspeed.md, Monitors),")  # fmt: skip
 _SEE_BLOCK = "offloadpp's own setting replaces it: see the offloadpp block"
 
 KEYS: dict[str, Key] = {
@@ -277,19 +279,33 @@ KEYS: dict[str, Key] = {
     ),
     "flops_profiler.*": _i(_OFF),
     "tensorboard": _h("the block"),
-    "tensorboard.enabled": _r(_MONITOR, False),
-    "tensorboard.*": _i(_OFF),
+    "tensorboard.enabled": _h(_MONITOR + " into TensorBoard event files (needs the tensorboard package)"),
+    "tensorboard.output_path": _h("the events go in output_path/job_name, as DeepSpeed writes them"),
+    "tensorboard.job_name": _h("the folder under output_path"),
     "wandb": _h("the block"),
-    "wandb.enabled": _r(_MONITOR, False),
-    "wandb.*": _i(_OFF),
+    "wandb.enabled": _h(_MONITOR + " to Weights & Biases (needs the wandb package)"),
+    "wandb.group": _h("passed to wandb.init by DeepSpeed's writer"),
+    "wandb.team": _h("passed to wandb.init (entity) by DeepSpeed's writer"),
+    "wandb.project": _h("passed to wandb.init by DeepSpeed's writer"),
     "csv_monitor": _h("the block"),
-    "csv_monitor.enabled": _r(_MONITOR, False),
-    "csv_monitor.*": _i(_OFF),
+    "csv_monitor.enabled": _h(_MONITOR + " into one CSV file per event under output_path/job_name"),
+    "csv_monitor.output_path": _h("the files go in output_path/job_name, as DeepSpeed writes them"),
+    "csv_monitor.job_name": _h("the folder under output_path"),
     "comet": _h("the block"),
-    "comet.enabled": _r(_MONITOR, False),
-    "comet.*": _i(_OFF),
+    "comet.enabled": _h(_MONITOR + " to Comet (needs comet_ml >= 3.41.0)"),
+    "comet.samples_log_interval": _h("DeepSpeed's writer logs each event at most once per this many samples"),
+    "comet.project": _h("passed to comet_ml.start by DeepSpeed's writer"),
+    "comet.workspace": _h("passed to comet_ml.start by DeepSpeed's writer"),
+    "comet.api_key": _h("passed to comet_ml.start by DeepSpeed's writer"),
+    "comet.experiment_name": _h("passed to the experiment by DeepSpeed's writer"),
+    "comet.experiment_key": _h("passed to comet_ml.start by DeepSpeed's writer"),
+    "comet.online": _h("passed to comet_ml.start by DeepSpeed's writer"),
+    "comet.mode": _h("passed to comet_ml.start by DeepSpeed's writer"),
     # ---- diagnostics, communication, the rest -------------------------------------------------------
-    "wall_clock_breakdown": _i("every step report carries forward, backward and optimizer-wait times"),
+    "wall_clock_breakdown": _h(
+        "with a monitor on, DeepSpeed's Train/Samples/elapsed_time_ms_* events from the step report (docs/deepspeed.md, "
+        "Monitors); every step report carries forward, backward and optimizer-wait times anyway"
+    ),
     "memory_breakdown": _i("every step report carries each budget's peak"),
     "dump_state": _i("the plan and its budgets are logged at initialize"),
     "timers": _i("every step report carries the step time"),

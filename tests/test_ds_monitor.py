@@ -1,0 +1,259 @@
+"""DeepSpeed's monitors on offloadpp's engine (integrations/deepspeed/monitor.py): the events
+DeepSpeed's own engine writes, by name, x and value, through DeepSpeed's own writers; the train
+loss and the step report's figures beside them; a missing package named at initialize.
+
+The comparison runs the same tiny GPT-2, initial weights, batches and JSON (csv_monitor and
+tensorboard both on, wall_clock_breakdown, gradient accumulation 2) under DeepSpeed's engine and
+offloadpp's, each in its own process (tests/ds_monitor_run.py). DeepSpeed's side is ZeRO-3 in
+memory with a torch AdamW, which builds no DeepSpeed op: DeepSpeedEngine.step() writes its events
+the same way whatever the offload, and ZeRO-Infinity's NVMe offload JIT-builds async_io, cpu_adam
+and pin_memory (minutes each, again from every checkout path), too slow for the default run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from test_deepspeed_integration import batches, ds_config, tiny_gpt2
+
+import offloadpp
+from offloadpp.integrations.deepspeed import OffloadppConfigError
+from offloadpp.integrations.deepspeed.monitor import PREFIX
+
+pytest.importorskip("deepspeed")
+HERE = Path(__file__).resolve().parent
+GAS, STEPS, MICRO = 2, 4, 2
+OURS = {  # the series offloadpp writes that DeepSpeedEngine does not (one rank, fp32, no clipping)
+    "Train/Samples/train_loss",
+    *(PREFIX + n for n in ("step_s", "forward_s", "backward_s", "optimizer_wait_s", "fetch_wait_s", "compute_s",
+                           "adam_s", "recompute_s", "ssd_s", "floor_s", "ssd_read_bytes", "ssd_write_bytes",
+                           "host_to_device_bytes", "device_to_host_bytes", "fetch_misses", "peak_device_bytes",
+                           "peak_host_bytes", "peak_activations_bytes", "peak_activation_staging_bytes")),
+}  # fmt: skip
+
+
+def monitored(tmp: Path, side: str, zero: dict, **over) -> dict:
+    cfg = ds_config(tmp / f"{side}_nvme", gradient_accumulation_steps=GAS, wall_clock_breakdown=True, **over)
+    cfg["zero_optimization"] = zero
+    cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp / f"{side}_csv"), "job_name": "job"}
+    cfg["tensorboard"] = {"enabled": True, "output_path": str(tmp / f"{side}_tb"), "job_name": "job"}
+    return cfg
+
+
+def run_side(tmp: Path, side: str, cfg: dict, optimizer: str) -> dict:
+    spec, out = tmp / f"{side}.json", tmp / f"{side}.out"
+    spec.write_text(json.dumps({"side": side, "config": cfg, "steps": STEPS, "optimizer": optimizer}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
+    p = subprocess.run([sys.executable, str(HERE / "ds_monitor_run.py"), str(spec), str(out)], capture_output=True,
+                       text=True, env=env, timeout=900)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("runs")
+    got = {}
+    for side in ("deepspeed", "offloadpp"):
+        cfg = monitored(tmp, side, {"stage": 3})
+        cfg["offloadpp"]["nvme_paths"] = [str(tmp / f"{side}_nvme")]
+        got[side] = run_side(tmp, side, cfg, "torch")
+        got[side]["dir"] = tmp
+    assert got["deepspeed"]["engine"] == "DeepSpeedEngine" and got["offloadpp"]["engine"] == "OffloadppEngine"
+    return got
+
+
+def read_csv(folder: Path) -> dict:
+    """Each CSV file DeepSpeed's csv_monitor wrote: file name -> (header, [(step, value)])."""
+    out = {}
+    for f in sorted(folder.glob("*.csv")):
+        rows = list(csv.reader(f.open()))
+        out[f.name] = (rows[0], [(int(s), float(v)) for s, v in rows[1:]])
+    return out
+
+
+def read_tb(folder: Path) -> dict:
+    """Each scalar tag in the TensorBoard event files: tag -> [(step, value)] (float32, as stored)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def step_losses(losses: list) -> list:
+    """Each step's loss: the mean of its window's micro-batch losses."""
+    return [sum(losses[i : i + GAS]) / GAS for i in range(0, len(losses), GAS)]
+
+
+def check_series(theirs: dict, ours: dict, key, runs) -> None:
+    """Ours has every series DeepSpeed's engine wrote, at the same x (the samples after each
+    step), the lr with DeepSpeed's values, the timings as positive ms (backward_allreduce: 0, no such
+    phase here); plus exactly OURS, the train loss equal to each step's loss."""
+    samples = [MICRO * GAS * (i + 1) for i in range(STEPS)]
+    assert set(theirs) == {key(n) for n in ("Train/Samples/lr",) + tuple(
+        "Train/Samples/elapsed_time_ms_" + p for p in ("forward", "backward", "backward_inner", "backward_allreduce",
+                                                       "step"))}  # fmt: skip
+    assert set(ours) == set(theirs) | {key(n) for n in OURS}
+    for name, series in theirs.items():
+        assert [s for s, _ in ours[name]] == [s for s, _ in series] == samples, name
+    assert ours[key("Train/Samples/lr")] == theirs[key("Train/Samples/lr")]
+    for phase in ("forward", "backward", "backward_inner", "step"):
+        assert all(v > 0 for _, v in ours[key("Train/Samples/elapsed_time_ms_" + phase)]), phase
+    assert all(v == 0 for _, v in ours[key("Train/Samples/elapsed_time_ms_backward_allreduce")])
+    loss = ours[key("Train/Samples/train_loss")]
+    assert [s for s, _ in loss] == samples
+    assert [v for _, v in loss] == pytest.approx(step_losses(runs["offloadpp"]["losses"]), abs=1e-6, rel=0)
+    # and DeepSpeed's run computed the same losses (it writes none to compare: monitor.py, Note)
+    assert [v for _, v in loss] == pytest.approx(step_losses(runs["deepspeed"]["losses"]), rel=1e-5)
+
+
+def test_csv_monitor_writes_deepspeeds_files(runs):
+    theirs = read_csv(runs["deepspeed"]["dir"] / "deepspeed_csv" / "job")
+    ours = read_csv(runs["offloadpp"]["dir"] / "offloadpp_csv" / "job")
+    for name, (
+        header,
+        _,
+    ) in ours.items():  # DeepSpeed's writer: one file per event, its last name part heading it
+        assert header == ["step", name[: -len(".csv")].split("_Samples_")[-1].split("offloadpp_")[-1]], name
+    check_series({k: v for k, (_, v) in theirs.items()}, {k: v for k, (_, v) in ours.items()},
+                 lambda n: n.replace("/", "_") + ".csv", runs)  # fmt: skip
+
+
+def test_tensorboard_writes_deepspeeds_scalars(runs):
+    theirs = read_tb(runs["deepspeed"]["dir"] / "deepspeed_tb" / "job")
+    ours = read_tb(runs["offloadpp"]["dir"] / "offloadpp_tb" / "job")
+    check_series(theirs, ours, lambda n: n, runs)
+
+
+def _engine(tmp_path, **over):
+    cfg = ds_config(tmp_path / "nvme", **over)
+    model = tiny_gpt2()
+    return offloadpp.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+
+def _train(engine, n: int) -> list:
+    losses = []
+    for ids in batches(n):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_fp16_loss_scale_is_the_scale_after_each_step(tmp_path):
+    """Under fp16 each step writes the loss scale its update left, as DeepSpeed's engine reads it
+    from its optimizer: DeepSpeed's own DynamicLossScaler, fed each step's overflow, gives the
+    series (the first steps overflow at 2**20 and halve it, hysteresis 2 delaying the first)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 2,
+            "min_loss_scale": 1}  # fmt: skip
+    csv_dir = tmp_path / "csv"
+    engine = _engine(tmp_path, fp16=fp16, csv_monitor={"enabled": True, "output_path": str(csv_dir)})
+    _train(engine, 8)
+    skipped = [r.skipped for r in engine.reports]
+    engine.close()
+    scaler = DynamicLossScaler(init_scale=2.0**20, scale_window=2, min_scale=1, delayed_shift=2,
+                               consecutive_hysteresis=False)  # fmt: skip
+    want = []
+    for s in skipped:
+        scaler.update_scale(s)
+        want.append(scaler.cur_scale)
+    got = read_csv(csv_dir / "DeepSpeedJobName")
+    assert any(skipped) and not all(skipped)  # some steps overflowed, some updated
+    assert got["Train_Samples_loss_scale.csv"][1] == [(MICRO * (i + 1), v) for i, v in enumerate(want)]
+    assert len(got["Train_Samples_lr.csv"][1]) == 8  # skipped steps write theirs too, as DeepSpeed's
+
+
+def _fake(name: str, **attrs) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    return m
+
+
+def test_wandb_and_comet_get_the_events_through_deepspeeds_writers(tmp_path, monkeypatch):
+    """wandb and comet_ml stand-ins (neither is a dependency): DeepSpeed's writers start a run
+    with the block's settings and log each event at its x; comet at most once per
+    samples_log_interval samples, as DeepSpeed's writer decides."""
+    wandb_calls, comet_calls = [], []
+
+    class Experiment:
+        def set_name(self, name):
+            comet_calls.append(("name", name))
+
+        def __internal_api__log_metric__(self, name, value, step):
+            comet_calls.append((name, value, step))
+
+    wandb = _fake("wandb", init=lambda **kw: wandb_calls.append(("init", kw)),
+                  log=lambda data, step=None, commit=None: wandb_calls.append((data, step)))  # fmt: skip
+    comet = _fake(
+        "comet_ml", __version__="3.45.0", start=lambda **kw: comet_calls.append(("start", kw)) or Experiment()
+    )
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "comet_ml", comet)
+    engine = _engine(tmp_path, wandb={"enabled": True, "project": "p", "group": "g"},
+                     comet={"enabled": True, "samples_log_interval": 4, "experiment_name": "e"})  # fmt: skip
+    losses = _train(engine, 3)
+    engine.close()
+    assert wandb_calls[0] == ("init", {"project": "p", "group": "g", "entity": None})
+    logged = [(list(d)[0], list(d.values())[0], s) for d, s in wandb_calls[1:]]
+    assert [(n, s) for n, _, s in logged if n == "Train/Samples/train_loss"] == [(n, s) for n, s in (
+        ("Train/Samples/train_loss", 2), ("Train/Samples/train_loss", 4), ("Train/Samples/train_loss", 6))]  # fmt: skip
+    assert [v for n, v, _ in logged if n == "Train/Samples/train_loss"] == pytest.approx(losses, abs=1e-6)
+    assert {n for n, _, _ in logged} >= {"Train/Samples/lr", PREFIX + "ssd_write_bytes"}
+    assert comet_calls[1] == ("name", "e")
+    assert [s for n, _, s in comet_calls[2:] if n == "Train/Samples/lr"] == [2, 6]  # 4 samples apart at least
+
+
+@pytest.mark.parametrize(
+    "block, package", [("wandb", "wandb"), ("comet", "comet_ml"), ("tensorboard", "tensorboard")]
+)
+def test_a_missing_package_is_named_at_initialize(tmp_path, monkeypatch, block, package):
+    monkeypatch.setitem(sys.modules, package, None)  # `import package` raises ImportError
+    with pytest.raises(OffloadppConfigError, match=rf"{block}\.enabled: DeepSpeed's {block} monitor needs the "
+                       rf"'{package}' package.*pip install"):  # fmt: skip
+        _engine(tmp_path, **{block: {"enabled": True, "output_path": str(tmp_path)} if block == "tensorboard"
+                             else {"enabled": True}})  # fmt: skip
+
+
+def test_without_a_monitor_nothing_is_written(tmp_path):
+    engine = _engine(tmp_path, csv_monitor={"enabled": False, "output_path": str(tmp_path / "csv")})
+    _train(engine, 2)
+    assert engine.monitor is not None and not engine.monitor.enabled
+    assert not (tmp_path / "csv").exists()
+    engine.close()
+
+
+def test_one_rank_writes_and_the_loss_is_the_mean_over_ranks():
+    """StepEvents over two ranks, their sum a stand-in for the engine's collective: rank 0 writes
+    the mean of the ranks' losses; rank 1 writes nothing but takes part in the sum."""
+    from offloadpp.integrations.deepspeed.monitor import StepEvents
+
+    class Master:
+        enabled = True
+
+        def __init__(self):
+            self.events = []
+
+        def write_events(self, events):
+            self.events += events
+
+    others = {0: 3.0, 1: 5.0}  # each rank's step loss
+    masters = {r: Master() for r in others}
+    for rank, own in others.items():
+        ev = StepEvents(masters[rank], rank=rank, world=2, fp16=False, wall_clock=False,
+                        sum_over_ranks=lambda x, r=rank: x + others[1 - r])  # fmt: skip
+        ev.backward(torch.tensor(own * 2), 0.5)
+        ev.write(samples=8, lr=0.1, loss_scale=None, report=None)
+    assert masters[0].events == [("Train/Samples/lr", 0.1, 8), ("Train/Samples/train_loss", 4.0, 8)]
+    assert masters[1].events == []
