@@ -2,6 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The suite runs on TEST_WORKERS pytest-xdist workers (one per core of the 2-core CI machine; see
+# docs/performance.md, "Test suite time"). --dist loadgroup keeps tests marked
+# xdist_group(name) on one worker, one after another. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 # DeepSpeed's JIT-built ops go into this clone's venv, not the ~/.cache every clone shares
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
@@ -14,7 +18,7 @@ setup:
 build: setup
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check offloadpp tests scripts examples

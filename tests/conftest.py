@@ -21,7 +21,22 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".venv" / "torch_exten
 
 from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks  # noqa: E402
 
-clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"], report=lambda msg: print(msg, file=sys.stderr))
+# Under pytest-xdist (`make test` runs -n 2) the controller clears them once, before any worker
+# starts: a worker clearing them later could take another worker's finished build for a stale one.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER is None:
+    clear_stale_build_locks(
+        os.environ["TORCH_EXTENSIONS_DIR"], report=lambda msg: print(msg, file=sys.stderr)
+    )
+else:
+    # Note: each worker is a process of its own with torch's default of one intra-op thread per
+    # core; two workers on two cores would each run two and fight for the cores. The cores are
+    # shared out instead (docs/performance.md, "Test suite time", measures it). Tests that set
+    # their own thread count (test_crash.py, test_cost.py) still do.
+    import torch
+
+    _cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 _PROBED: dict[str, tuple[bool, bool, str]] = {}
 
