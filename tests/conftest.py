@@ -30,13 +30,16 @@ if _WORKER is None:
     )
 else:
     # Note: each worker is a process of its own with torch's default of one intra-op thread per
-    # core; two workers on two cores would each run two and fight for the cores. The cores are
-    # shared out instead (docs/performance.md, "Test suite time", measures it). Tests that set
-    # their own thread count (test_crash.py, test_cost.py) still do.
+    # core; two workers on two cores would each run two and fight for the cores, and OpenMP's
+    # spinning threads then slow both several-fold (docs/performance.md, "Test suite time"). The
+    # cores are shared out instead, to the worker and (OMP_NUM_THREADS) to the processes its tests
+    # start; one set by hand is kept. Tests that set their own count (test_crash.py) still do.
+    _share = len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+
     import torch
 
-    _cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 _PROBED: dict[str, tuple[bool, bool, str]] = {}
 
