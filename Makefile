@@ -5,6 +5,8 @@ PYTEST_ARGS ?=
 # The suite runs on TEST_WORKERS pytest-xdist workers (one per core of the 2-core CI machine; see
 # docs/performance.md, "Test suite time"). --dist loadgroup keeps tests marked
 # xdist_group(name) on one worker, one after another. TEST_WORKERS=0 runs it in this process.
+# Here and not in pyproject's addopts: a single file or -k selection is quicker in one process
+# (two workers' start costs about 10 s of CPU).
 TEST_WORKERS ?= 2
 # DeepSpeed's JIT-built ops go into this clone's venv, not the ~/.cache every clone shares
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
