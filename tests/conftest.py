@@ -39,7 +39,17 @@ else:
 
     import torch
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    _THREADS = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(_THREADS)
+
+    @pytest.fixture(autouse=True)
+    def _threads_share_after_each_test():
+        """A test may set torch's thread count for itself (the benchmarks run in-process take
+        --threads, bench activations 2 by default): the worker's next test gets the share back."""
+        yield
+        if torch.get_num_threads() != _THREADS:
+            torch.set_num_threads(_THREADS)
+
 
 _PROBED: dict[str, tuple[bool, bool, str]] = {}
 
