@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup build test test-time lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-ab-finetune bench-capacity bench-capacity-host16 bench-capacity-2b bench-capacity-2b-export bench-regress elastic-trials gpu-check clean
+.PHONY: setup build test lint format demo doctor bench bench-io bench-adam bench-step bench-ab bench-ab-finetune bench-capacity bench-capacity-host16 bench-capacity-2b bench-capacity-2b-export bench-regress elastic-trials gpu-check clean
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -24,6 +24,7 @@ test: setup
 
 # The suite's time in one process and on TEST_WORKERS workers, side by side (docs/performance.md,
 # "Test suite time"): wall, user and sys seconds of each (children included). TEST_FILES: only these.
+.PHONY: test-time
 test-time: setup
 	@for n in 0 $(TEST_WORKERS); do \
 	  bash -c 'TIMEFORMAT="test-time: -n '$$n' wall %R s user %U s sys %S s"; time $$0 "$$@" | tail -1' \
