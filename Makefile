@@ -2,6 +2,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The suite runs on TEST_WORKERS pytest-xdist workers (one per core of the 2-core CI machine; see
+# docs/performance.md, "Test suite time"). --dist loadgroup keeps tests marked
+# xdist_group(name) on one worker, one after another. TEST_WORKERS=0 runs it in this process.
+# Here and not in pyproject's addopts: a single file or -k selection is quicker in one process
+# (two workers' start costs about 10 s of CPU).
+TEST_WORKERS ?= 2
 # DeepSpeed's JIT-built ops go into this clone's venv, not the ~/.cache every clone shares
 # (a build killed there leaves a lock that hangs the next one; see tests/conftest.py).
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
@@ -14,7 +20,16 @@ setup:
 build: setup
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The suite's time in one process and on TEST_WORKERS workers, side by side (docs/performance.md,
+# "Test suite time"): wall, user and sys seconds of each (children included). TEST_FILES: only these.
+.PHONY: test-time
+test-time: setup
+	@for n in 0 $(TEST_WORKERS); do \
+	  bash -c 'TIMEFORMAT="test-time: -n '$$n' wall %R s user %U s sys %S s"; time $$0 "$$@" | tail -1' \
+	    $(PY) -m pytest -q -n $$n --dist loadgroup $(PYTEST_ARGS) $(TEST_FILES); \
+	done
 
 lint: setup
 	$(PY) -m ruff check offloadpp tests scripts examples

@@ -21,7 +21,35 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".venv" / "torch_exten
 
 from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks  # noqa: E402
 
-clear_stale_build_locks(os.environ["TORCH_EXTENSIONS_DIR"], report=lambda msg: print(msg, file=sys.stderr))
+# Under pytest-xdist (`make test` runs -n 2) the controller clears them once, before any worker
+# starts: a worker clearing them later could take another worker's finished build for a stale one.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER is None:
+    clear_stale_build_locks(
+        os.environ["TORCH_EXTENSIONS_DIR"], report=lambda msg: print(msg, file=sys.stderr)
+    )
+else:
+    # Note: each worker is a process of its own with torch's default of one intra-op thread per
+    # core; two workers on two cores would each run two and fight for the cores, and OpenMP's
+    # spinning threads then slow both several-fold (docs/performance.md, "Test suite time"). The
+    # cores are shared out instead, to the worker and (OMP_NUM_THREADS) to the processes its tests
+    # start; one set by hand is kept. Tests that set their own count (test_crash.py) still do.
+    _share = len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+
+    import torch
+
+    _THREADS = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(_THREADS)
+
+    @pytest.fixture(autouse=True)
+    def _threads_share_after_each_test():
+        """A test may set torch's thread count for itself (the benchmarks run in-process take
+        --threads, bench activations 2 by default): the worker's next test gets the share back."""
+        yield
+        if torch.get_num_threads() != _THREADS:
+            torch.set_num_threads(_THREADS)
+
 
 _PROBED: dict[str, tuple[bool, bool, str]] = {}
 

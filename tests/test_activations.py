@@ -524,7 +524,7 @@ def test_bench_activations_smoke(tmp_path):
     args = p.parse_args(
         ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--vocab", "128", "--seq", "32", "--batch", "2",
          "--steps", "1", "--warmup", "0", "--min-swap-kib", "0", "--dir", str(tmp_path / "swap"), "--json", str(out),
-         "--device", "cpu"]
+         "--device", "cpu", "--threads", "1"]
     )  # fmt: skip
     rc = bench.run(args)
     report = json.loads(out.read_text())
@@ -554,7 +554,7 @@ def test_bench_activations_plan_contender(tmp_path):
     args = p.parse_args(
         ["--n-layer", "3", "--n-embd", "64", "--n-head", "4", "--vocab", "128", "--seq", "64", "--batch", "4",
          "--steps", "1", "--warmup", "1", "--min-swap-kib", "0", "--dir", str(tmp_path / "swap"), "--json", str(out),
-         "--device", "cpu", "--policies", "keep,plan", "--budget-frac", "0.33", "--hardware", str(hw)]
+         "--device", "cpu", "--threads", "1", "--policies", "keep,plan", "--budget-frac", "0.33", "--hardware", str(hw)]
     )  # fmt: skip
     rc = bench.run(args)
     report = json.loads(out.read_text())
