@@ -230,3 +230,24 @@ def test_train_window_refuses_a_half_done_window(tmp_path, windows):
             eng.train_window([{"input_ids": x, "labels": x}] * G)
         with pytest.raises(TypeError, match="no loss"):
             accumulate.loss_of(object(), None)
+
+
+def test_eval_window_vertical_equals_forward_per_batch(tmp_path, windows, monkeypatch):
+    """Forward only, dropout on (train mode under no_grad): the vertical window's outputs equal
+    each micro-batch's forward run alone, one after the other from the same seed."""
+    from offloadpp.runtime.window import VerticalForward
+
+    runs = []
+    run = VerticalForward.run
+    monkeypatch.setattr(VerticalForward, "run", lambda self, *a: (runs.append(1), run(self, *a))[1])
+    with assemble_engine(gpt2(), config(tmp_path)) as eng:
+        mbs = [(x,) for x in windows[0]]  # positional micro-batches
+        torch.manual_seed(7)
+        with torch.no_grad():
+            want = [eng(*b).logits for b in mbs]
+        for _ in range(2):
+            torch.manual_seed(7)
+            got = [o.logits for o in eng.eval_window(mbs)]
+            for a, b in zip(got, want):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert len(runs) == 1  # the first recorded the tape horizontally, the second ran vertically
