@@ -227,6 +227,25 @@ def test_plan_rejects_bad_shapes():
         )
 
 
+def test_a_vertical_window_needs_accumulation_and_one_policy_per_unit_and_survives_a_plan_file():
+    from offloadpp.planner.planfile import plan_from_dict, plan_to_dict
+
+    u = (UnitSpec("a", 4096), UnitSpec("b", 4096))
+    kw = dict(device="cpu", compute_dtype="fp32", prefetch_depth=1, optim_prefetch_depth=0)
+    with pytest.raises(PlanError, match="micro_batches > 1"):
+        Plan(u, all_on_ssd(u), vertical=True, accumulate_grads=True, **kw)
+    with pytest.raises(PlanError, match="needs accumulate_grads"):
+        Plan(u, all_on_ssd(u), vertical=True, micro_batches=4, **kw)
+    with pytest.raises(PlanError, match="one policy per unit"):
+        Plan(u, all_on_ssd(u), vertical=True, micro_batches=4, accumulate_grads=True,
+             vertical_activations=("keep",), **kw)  # fmt: skip
+    plan = Plan(u, all_on_ssd(u), vertical=True, micro_batches=4, accumulate_grads=True,
+                vertical_activations=("recompute", "keep"), window_s=(("horizontal", 2.0), ("vertical", 1.0)), **kw)  # fmt: skip
+    back = plan_from_dict(plan_to_dict(plan))[0]
+    assert (back.vertical, back.micro_batches, back.vertical_activations) == (True, 4, ("recompute", "keep"))
+    assert back.window_s == (("horizontal", 2.0), ("vertical", 1.0))
+
+
 def test_deferred_updates_run_largest_first():
     plan = streaming_plan(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2, deferred_update=True)
     s = build_schedule(plan)

@@ -80,6 +80,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="override the block's speculate (clipping, fp16: updates during backward, validated after it)",
     )
+    p.add_argument(
+        "--accumulation",
+        choices=("auto", "vertical", "horizontal"),
+        default=None,
+        help="override the block's accumulation: how a window driven whole (train_batch) runs",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        metavar="G",
+        help="override the config's gradient_accumulation_steps (micro-batches per step)",
+    )
     p.add_argument("--json", metavar="PATH", help="save the plan and its estimate here")
     p.add_argument("--lora", type=int, default=None, metavar="R",
                    help="plan peft's LoRA of rank R on the attention and MLP projections over the frozen model "
@@ -151,6 +164,10 @@ def plan_for_config(ds: dict, args: argparse.Namespace):
             update[k] = getattr(args, k)
     if args.speculate is not None:
         update["speculate"] = args.speculate
+    if getattr(args, "accumulation", None) is not None:
+        update["accumulation"] = args.accumulation
+    if getattr(args, "grad_accum", None) is not None:
+        update["gradient_accumulation_steps"] = args.grad_accum
     hw_path = args.hardware or settings.hardware_profile
     if hw_path is None and os.path.isfile(default_profile_path()):
         hw_path = default_profile_path()

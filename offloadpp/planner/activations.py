@@ -140,6 +140,9 @@ class ActUnit:
     loss_input: int = 0
     grad: int = 0
     workspace: int = 0  # the fused loss's backward beyond the gradients the buffers count
+    # a vertical window's unit (planner/vertical.py): every size above is this many micro-batches'
+    # (the workspace one buffer's), which its visits run one at a time (see window_bytes)
+    micro_batches: int = 1
 
     @property
     def partial_inputs(self) -> int:
@@ -208,6 +211,18 @@ def piece_peaks(u: ActUnit, policy: str) -> list[int]:
     return out
 
 
+def window_bytes(u: ActUnit, policy: str, one: int) -> int:
+    """What a unit of a vertical window holds at once at a visit that holds `one` bytes for the
+    micro-batches it runs (forward_bytes', backward_bytes' count of its scaled sizes): it runs
+    them one at a time, so the visit holds what the others keep (held_bytes of G - 1 of them)
+    and one micro-batch's `one`; the fused loss's workspace is one buffer whatever G."""
+    g = u.micro_batches
+    if g == 1:
+        return one
+    held = held_bytes(u, policy)
+    return held - held // g + (one - u.workspace) // g + u.workspace
+
+
 def forward_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit's forward holds at once until its copies out are done: all it saves
     (keep, host, ssd), or what a recomputing unit holds or moves (its inputs; a partial unit's
@@ -224,8 +239,9 @@ def forward_bytes(u: ActUnit, policy: str) -> int:
 def peak_bytes_at(u: ActUnit, policy: str) -> int:
     """The unit's own share of the need at its visits: its forward's or its backward's, the
     larger (a partial unit's checkpoints and kept outputs all together can pass what its
-    backward holds piece by piece)."""
-    return max(forward_bytes(u, policy), backward_bytes(u, policy))
+    backward holds piece by piece); a vertical window's unit one micro-batch at a time
+    (window_bytes)."""
+    return window_bytes(u, policy, max(forward_bytes(u, policy), backward_bytes(u, policy)))
 
 
 def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
@@ -246,13 +262,15 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
 
 
 def act_units(model: Profiled) -> tuple[ActUnit, ...]:
-    """The model's units as the activation accounting sees them, in forward order."""
+    """The model's units as the activation accounting sees them, in forward order (a vertical
+    window's profile: each unit's micro-batches, ModelProfile.window)."""
     out, prev = [], 0
+    g = getattr(model, "window", 1)
     for u in model.units:
         loss = ({"logits": u.logits_bytes, "loss_input": u.loss_input_bytes, "workspace": u.loss_workspace_bytes}
                 if u.fused_loss else {"grad": u.logits_bytes})  # fmt: skip
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
-                           u.partial_bytes, u.partial_extra_bytes, u.pieces, **loss))  # fmt: skip
+                           u.partial_bytes, u.partial_extra_bytes, u.pieces, **loss, micro_batches=g))  # fmt: skip
         prev = u.output_bytes
     return tuple(out)
 

@@ -163,3 +163,26 @@ def measured_activations(measured: Sequence, requested: Sequence[str], room: Opt
     acts = ActPlanner(units, fixed, device=device, host_bytes=host_bytes)
     choice = activation_choice(acts, room) or activation_choice(acts, acts.least.need_bytes) or acts.least
     return tuple(p for _, p in choice.policies)
+
+
+def accumulation(settings, horizontal_s: Optional[float], vertical_s: Optional[float],
+                 why_not: Optional[str] = None) -> bool:  # fmt: skip
+    """Whether a window driven whole (train_batch, the Trainer's window) runs vertically
+    (Plan.vertical; planner/vertical.py): never with one micro-batch per step; "horizontal" and
+    "vertical" as the settings force it ("vertical" refused, naming why, where the window's
+    micro-batches cannot fit: `why_not`); "auto" where the vertical window's estimate is the
+    shorter (`horizontal_s`, `vertical_s`: seconds per window; without both estimates, no
+    model to tell: horizontal, as a per-micro-batch loop runs). A per-micro-batch loop runs
+    horizontally whatever this says."""
+    from .plan import PlanError
+
+    g = settings.gradient_accumulation_steps
+    if g == 1 or settings.accumulation == "horizontal":
+        return False
+    if why_not is not None:
+        if settings.accumulation == "vertical":
+            raise PlanError(f'accumulation "vertical": {why_not}; set accumulation "auto" or "horizontal"')
+        return False
+    if settings.accumulation == "vertical":
+        return True
+    return horizontal_s is not None and vertical_s is not None and vertical_s < horizontal_s

@@ -93,6 +93,9 @@ class ModelProfile:
     measured_device: Optional[str] = None  # "cpu" | "cuda": where forward_s/backward_s were taken
     torch_threads: Optional[int] = None
     gemms: tuple[tuple[int, int, int], ...] = ()  # (m, k, n) of the model's matmuls, for `offloadpp profile`
+    # a vertical window's profile (planner/vertical.py window_profile): its sizes are this many
+    # micro-batches' of micro_batch / window sequences each, which each visit runs one at a time
+    window: int = 1
 
     def __post_init__(self) -> None:
         if self.compute_dtype not in DTYPE_BYTES:

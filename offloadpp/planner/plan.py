@@ -247,6 +247,22 @@ class Plan:
     # its inputs) from the model profile the plan was made with; () when none. Only for the
     # printout's per-unit split (kept, host, ssd, recomputed): the runtime measures its own.
     activation_sizes: tuple[tuple[int, int, int, int], ...] = field(default=(), compare=False)
+    # Vertical accumulation (Settings.accumulation, decided by decide.accumulation): a window of
+    # `micro_batches` micro-batches driven whole (train_batch, the Trainer's window) visits each
+    # unit once in forward over every micro-batch and once in backward, the unit's gradient summed
+    # over them on the device and handed to the optimizer once. A per-micro-batch loop (forward,
+    # backward, step) runs horizontally whatever this says. False where micro_batches is 1.
+    vertical: bool = False
+    micro_batches: int = 1  # gradient_accumulation_steps: the window a vertical run holds at once
+    # A vertical window's activation policies, one per unit in forward order: each applied to
+    # every micro-batch of the window, whose saved bytes are all held between the unit's forward
+    # and its backward (the activation budget counts micro_batches of them). () when not vertical;
+    # `activations` are the per-micro-batch loop's (one micro-batch held at a time).
+    vertical_activations: tuple[str, ...] = ()
+    # The estimate of one window (micro_batches micro-batches and the optimizer step) run each
+    # way, seconds: (("horizontal", s), ("vertical", s)); () where not estimated. For the
+    # printout and the engine's log ("train_batch would run vertically: ...").
+    window_s: tuple[tuple[str, float], ...] = field(default=(), compare=False)
     # Threads of the fused CPU Adam (decide.adam_threads, filled by the resolve stage; None: a plan
     # made without it, for which the engine asks decide.adam_threads with the settings it runs).
     adam_threads: Optional[int] = None
@@ -262,6 +278,7 @@ class Plan:
                 f"optim_prefetch_depth={self.optim_prefetch_depth}"
             )
         self._check_activations()
+        self._check_window()
         if self.speculative and not self.deferred_update:
             raise PlanError(
                 "speculative updates are deferred updates run during backward: speculative needs deferred_update"
@@ -306,6 +323,32 @@ class Plan:
             if a not in ACTIVATION_POLICIES:
                 raise PlanError(
                     f"unit {u.name!r}: activation policy must be one of {ACTIVATION_POLICIES}, got {a!r}"
+                )
+
+    def _check_window(self) -> None:
+        object.__setattr__(self, "vertical_activations", tuple(self.vertical_activations))
+        object.__setattr__(self, "window_s", tuple((str(k), float(v)) for k, v in self.window_s))
+        if (
+            isinstance(self.micro_batches, bool)
+            or not isinstance(self.micro_batches, int)
+            or self.micro_batches < 1
+        ):
+            raise PlanError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        if self.vertical and self.micro_batches == 1:
+            raise PlanError("vertical accumulation needs a window of micro_batches > 1, got 1")
+        if self.vertical and not self.accumulate_grads:
+            raise PlanError(
+                "vertical accumulation is accumulation over a window: vertical needs accumulate_grads"
+            )
+        if self.vertical_activations and len(self.vertical_activations) != len(self.units):
+            raise PlanError(
+                f"vertical_activations must name one policy per unit ({len(self.units)}), got "
+                f"{len(self.vertical_activations)}: {list(self.vertical_activations)}"
+            )
+        for u, a in zip(self.units, self.vertical_activations):
+            if a not in ACTIVATION_POLICIES:
+                raise PlanError(
+                    f"unit {u.name!r}: vertical activation policy must be one of {ACTIVATION_POLICIES}, got {a!r}"
                 )
 
     def _check_placement(self, p: Placement) -> None:
@@ -364,8 +407,9 @@ class Plan:
         micro-batches (a sum of 16-bit gradients rounded to 16 bits at every micro-batch is not
         the fp32 sum torch's mixed-precision recipe keeps in `param.grad` of an fp32 master) and
         several ranks (the gradients are reduced over the ranks into fp32 shards). ZeRO-Infinity
-        upcasts to fp32 before NVMe (docs/runtime.md)."""
-        if self.compute_dtype == "fp32" or self.accumulate_grads or self.ranks > 1:
+        upcasts to fp32 before NVMe (docs/runtime.md). A vertical window's gradients, summed over
+        its micro_batches on the device, are handed out in fp32 for the same reason."""
+        if self.compute_dtype == "fp32" or self.accumulate_grads or self.ranks > 1 or self.micro_batches > 1:
             return "fp32"
         return self.compute_dtype
 

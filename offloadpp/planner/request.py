@@ -30,6 +30,9 @@ class Request:
     act_host_bytes: Optional[int] = None
     ranks: int = 1  # data-parallel ranks the optimizer state is partitioned over (UnitSpec.shards)
     link: Optional[RankLink] = None  # with several ranks: per node, and the collectives' bandwidth
+    # A vertical window of this many micro-batches planned as one step (planner/vertical.py): the
+    # plans carry it (Plan.micro_batches: gradients summed over it are handed out in fp32).
+    window: int = 1
 
     @property
     def micro_batches(self) -> int:

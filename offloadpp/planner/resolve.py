@@ -47,6 +47,7 @@ from .activations import act_units, recomputes
 from .cost import StepEstimate, estimate
 from .decide import (
     DEFAULT_OPTIM_PREFETCH,
+    accumulation,
     activation_choice,
     adam_threads,
     clipping,
@@ -62,13 +63,14 @@ from .hardware import HardwareProfile, ProfileError, default_profile_path
 from .io_settings import with_io
 from .model_profile import ModelProfile, ModelProfileError, analytic_profile
 from .peaks import peak_bytes
-from .plan import Plan, PlanError, UnitSpec, fmt_bytes, shard_units
+from .plan import InfeasibleError, Plan, PlanError, UnitSpec, fmt_bytes, shard_units
 from .planfile import load_plan
 from .ranks import RankLink
 from .request import Request
 from .schedule import build_schedule
 from .search import _raise_infeasible, act_planner, search
 from .spec import PLAN_AUTO, Budgets, Settings
+from .vertical import as_vertical, window_profile, window_settings
 
 DEVICE_SHARE_CUDA = 0.8
 DEVICE_SHARE_CPU = 0.25
@@ -160,6 +162,11 @@ class Resolved:
     # a speculative plan: the estimate of a step that runs its updates deferred (one that clips,
     # or every step with speculation off); `estimate` is that of a step that validates
     deferred_estimate: Optional[StepEstimate] = None
+    # with accumulation: the resolve of the schedule not chosen for a window driven whole (the
+    # horizontal one where the plan is vertical, the vertical one where it is not and could run),
+    # for the printout; and why a vertical window cannot run, where it cannot
+    other: Optional[Resolved] = None
+    vertical_why_not: Optional[str] = None
 
     @property
     def budgets(self) -> Budgets:
@@ -212,15 +219,23 @@ def resolve(
     if model is not None:
         _check_units(model, units)
         model = model.with_fused_loss(settings.activations.fused_loss)
-    budgets, settings = _budgets(settings, units, machine, model)
+    one = _resolve_one(settings, units, machine, hardware, model, saved, io_set, deferral)
+    return _with_window(one, settings, units, machine, hardware, model, io_set, deferral)
+
+
+def _resolve_one(settings: Settings, units, machine: Machine, hardware, model, saved, io_set, deferral,
+                 window: int = 1) -> Resolved:  # fmt: skip
+    """resolve() for one schedule: a step of the settings' micro-batches, or (window > 1) a
+    vertical window of that many planned as one step (planner/vertical.py)."""
+    budgets, settings = _budgets(settings, units, machine, model, window)
     try:
-        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved)
+        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved, window)
     except PlanError:
         if settings.plan_path is not None or not speculates(settings) or settings.speculate != "auto":
             raise
         # the budgets were set for deferred updates: what speculation holds more does not fit
         plan, est, candidates = _make_plan(settings.model_copy(update={"speculate": "off"}), units, machine,
-                                           budgets, hardware, model, saved)  # fmt: skip
+                                           budgets, hardware, model, saved, window)  # fmt: skip
         plan = replace(plan, notes=plan.notes + (
             "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
     plan = with_activation_policies(plan, settings)
@@ -247,9 +262,91 @@ def resolve(
     return Resolved(settings, plan, est, candidates, deferred_est)
 
 
-def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved):
+def _with_window(one: Resolved, settings: Settings, units, machine: Machine, hardware, model, io_set,
+                 deferral) -> Resolved:  # fmt: skip
+    """`one` (the horizontal schedule's resolve) and, with accumulation, the vertical window's,
+    and the choice between them (decide.accumulation): the Resolved of the plan chosen, the
+    other in `other`. A plan file keeps the choice it was made with."""
+    g = settings.gradient_accumulation_steps
+    if g == 1 or settings.plan_path is not None:
+        return one if one.plan.micro_batches == g or settings.plan_path is not None else replace(
+            one, plan=replace(one.plan, micro_batches=g))  # fmt: skip
+    horizontal = replace(one, plan=replace(one.plan, micro_batches=g))
+    if settings.accumulation == "horizontal":
+        return horizontal
+    v: Optional[Resolved] = None
+    why: Optional[str] = None
+    try:
+        v = _resolve_one(window_settings(settings), units, machine, hardware,
+                         window_profile(model, g) if model is not None else None, None, io_set, deferral, window=g)  # fmt: skip
+    except InfeasibleError as e:
+        why = f"the activations of its {g} micro-batches held at once do not fit: {e}"
+    except PlanError as e:
+        why = str(e)
+    if v is not None:
+        vplan = as_vertical(v.plan, g)
+        vplan, why = _fits_per_micro_batch(vplan, settings)
+        v = replace(v, plan=vplan, settings=v.settings.model_copy(
+            update={"gradient_accumulation_steps": g, "accumulation": settings.accumulation}))  # fmt: skip
+    h_s = horizontal.estimate.step_s if horizontal.estimate is not None else None
+    v_s = v.estimate.step_s if v is not None and v.estimate is not None and why is None else None
+    vertical = accumulation(settings, h_s, v_s, why)
+    window_s = tuple((k, t) for k, t in (("horizontal", h_s), ("vertical", v_s)) if t is not None)
+    note = _window_note(g, vertical, h_s, v_s, why)
+    if not vertical:
+        plan = replace(horizontal.plan, window_s=window_s, notes=horizontal.plan.notes + (note,))
+        return replace(horizontal, plan=plan, other=v if why is None else None, vertical_why_not=why)
+    assert v is not None
+    plan = replace(v.plan, window_s=window_s, notes=v.plan.notes + (note,))
+    return replace(v, plan=plan, other=horizontal)
+
+
+def _fits_per_micro_batch(plan: Plan, settings: Settings) -> tuple[Plan, Optional[str]]:
+    """A vertical plan also runs a per-micro-batch loop, horizontally, its gradients accumulated
+    in their tier: budgets the settings left "auto" grow to what that needs (the schedule's
+    peaks); asked budgets it does not fit make the plan horizontal (the reason)."""
+    b = plan.budgets
+    assert b is not None
+    dev, host = peak_bytes(plan)
+    if dev <= b.buffer_bytes and host <= b.host_bytes:
+        return plan, None
+    asked = [n for n, v, need, have in (("device_budget_bytes", settings.device_budget_bytes, dev, b.buffer_bytes),
+                                        ("host_budget_bytes", settings.host_budget_bytes, host, b.host_bytes))
+             if v is not None and need > have]  # fmt: skip
+    if asked:
+        return plan, (
+            f"a per-micro-batch loop with its plan (gradients accumulated in their tier) needs {fmt_bytes(dev)} of "
+            f"device buffers and {fmt_bytes(host)} of host buffers, beyond the asked {' and '.join(asked)}"
+        )
+    act = b.activation_bytes
+    dev_b = max(b.device_bytes, dev + (act or 0))
+    if act is not None and act >= dev_b:
+        dev_b = act + dev
+    return replace(plan, budgets=Budgets(dev_b, max(b.host_bytes, host), activation_bytes=act)), None
+
+
+def _window_note(
+    g: int, vertical: bool, h_s: Optional[float], v_s: Optional[float], why: Optional[str]
+) -> str:
+    """The plan's note on how a window of g micro-batches runs."""
+    if why is not None:
+        return f"a window of {g} micro-batches runs horizontally (train_batch too): vertical is impossible: {why}"
+    if h_s is None or v_s is None:
+        return (f"a window of {g} micro-batches driven whole (train_batch) runs "
+                f"{'vertically' if vertical else 'horizontally'} (no estimate to compare the two)")  # fmt: skip
+    gain = h_s / v_s
+    if vertical:
+        return (f"a window of {g} micro-batches driven whole (train_batch, the Trainer's window) runs vertically: "
+                f"{v_s:.3f} s against {h_s:.3f} s horizontally ({gain:.2f}x); a per-micro-batch loop "
+                "(forward/backward/step) runs horizontally")  # fmt: skip
+    return (f"a window of {g} micro-batches runs horizontally: {h_s:.3f} s against {v_s:.3f} s vertically "
+            f"({1 / gain:.2f}x)")  # fmt: skip
+
+
+def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved,
+               window: int = 1):  # fmt: skip
     """(plan, estimate or None, candidates) for the settings: the plan file's, the search's or
-    the default plan."""
+    the default plan (window: Request.window, a vertical window's micro-batches)."""
     est: Optional[StepEstimate] = None
     candidates: tuple = ()
     if settings.plan_path is not None:
@@ -265,11 +362,11 @@ def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, ha
             missing = "a hardware profile" if hardware is None else "a model profile"
             raise PlanError(f"plan 'auto' needs {missing}")
         _check_profiles(hardware, model, units, machine.device)
-        req = _request(settings, budgets, machine, hardware)
+        req = replace(_request(settings, budgets, machine, hardware), window=window)
         result = search(hardware, model, req)
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
-        plan = _default(settings, units, machine, budgets, model)
+        plan = replace(_default(settings, units, machine, budgets, model), micro_batches=window)
     return plan, est, candidates
 
 
@@ -417,7 +514,7 @@ def check_asked_budgets(settings: Settings, m: Machine) -> None:
 
 
 def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
-             model: Optional[ModelProfile]) -> tuple[Budgets, Settings]:  # fmt: skip
+             model: Optional[ModelProfile], window: int = 1) -> tuple[Budgets, Settings]:  # fmt: skip
     """The budgets for the settings' requests (the module Note), and the settings with the
     optimizer read-ahead they were sized for. With a model profile the device budget counts the
     activations; activation_bytes is then left for the planner to split (None here) unless the
@@ -433,7 +530,7 @@ def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
     stream_host = host is None and settings.offload_optimizer
     if stream_dev or stream_host:
         k = prefetch_depth(settings)
-        need_dev, need_host, q = _streaming_need(settings, units, m, k)
+        need_dev, need_host, q = _streaming_need(settings, units, m, k, window)
         if settings.optim_prefetch_depth is None and stream_host:
             settings = settings.model_copy(update={"optim_prefetch_depth": q})
         if stream_dev:
@@ -460,12 +557,12 @@ def _budgets(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
     return budgets, settings
 
 
-def _streaming_need(settings: Settings, units, m: Machine, k: int) -> tuple[int, int, int]:
+def _streaming_need(settings: Settings, units, m: Machine, k: int, window: int = 1) -> tuple[int, int, int]:
     """(device, host, q): the streaming plan's peaks at the read-ahead q resolve picks (the
     module Note: every unit when that fits READ_AHEAD_HOST_SHARE of host memory, else
     DEFERRED_PARTIAL_PREFETCH, for deferred updates; DEFAULT_OPTIM_PREFETCH otherwise)."""
     top = max(0, len(units) - 1)
-    shape = plan_shape(settings)
+    shape = dict(plan_shape(settings), micro_batches=window)  # (a vertical window's: Request.window)
 
     def needs(q: int) -> tuple[int, int]:
         return peak_bytes(
@@ -500,6 +597,8 @@ def check_plan(plan: Plan, units: Sequence[UnitSpec], device: str, settings: Set
         accumulate_grads=settings.accumulate_grads or plan.accumulate_grads,
         deferred_update=settings.deferred_update or plan.deferred_update,
     )
+    if plan.vertical:  # (a vertical window holds micro_batches micro-batches' activations at once)
+        want["micro_batches"] = settings.gradient_accumulation_steps
     if plan.speculative:  # (the runtime reads Plan.clipping: whether a speculative step may be redone)
         want["clipping"] = clipping(settings)
     for k, v in want.items():

@@ -121,7 +121,7 @@ def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:
 def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> SearchResult:
     units = shard_units(model.unit_specs(), req.ranks)
     b = req.budgets
-    common = dict(device=hardware.device, budgets=b, **plan_shape(req.settings))
+    common = dict(device=hardware.device, budgets=b, micro_batches=req.window, **plan_shape(req.settings))
     acts = act_planner(model, req, hardware.device)
     counted = req.counted
     least = acts.least.need_bytes if counted else 0

@@ -38,6 +38,7 @@ from .activations import (
     CHECKPOINT_SWAPS,
     PARTIAL,
     POLICIES,
+    SWAPPING,
     ActUnit,
     backward_bytes,
     piece_peaks,
@@ -130,10 +131,24 @@ class ActReplay:
         The pieces' FLOPs are not in the profile: a piece's share of the compute is its share of
         the bytes it moves (its input and its matmuls' outputs, which grow with its FLOPs)."""
         pol = self.policy(unit)
-        pieces = self._piece_bytes(unit)
-        if pol in CHECKPOINT_SWAPS and pol in PARTIAL and sum(pieces) > 0:
+        pieces = self._window_chunks(unit) or self._piece_bytes(unit)
+        if (pol in CHECKPOINT_SWAPS and pol in PARTIAL or self._window_chunks(unit)) and sum(pieces) > 0:
             return tuple((p / sum(pieces), p) for p in pieces)
         return ((1.0, self._held_in(unit) if recomputes(pol) else self.act_bytes.get(unit, 0)),)
+
+    def _window_chunks(self, unit: str) -> tuple[int, ...]:
+        """A vertical window's swapped unit (planner/vertical.py): its forward runs the window's
+        micro-batches one at a time, each saving and copying out its share (its pieces' shares,
+        partial) as the runtime's pack hook does; () for any other unit."""
+        u = self.units.get(unit)
+        pol = self.policy(unit)
+        if u is None or u.micro_batches == 1 or pol not in SWAPPING:
+            return ()
+        g = u.micro_batches
+        base = self._piece_bytes(unit) or (
+            self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0),
+        )
+        return tuple(b // g for _ in range(g) for b in base)
 
     def before_forward(self, unit: str, own: int) -> Iterator:
         """A part of the unit's forward saves `own` bytes (a recomputing one keeps its inputs):
@@ -172,7 +187,7 @@ class ActReplay:
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
         if to in ("host", "ssd") and n > 0:
-            job = _Out(unit, n, to == "ssd", pieces=self._piece_bytes(unit))
+            job = _Out(unit, n, to == "ssd", pieces=self._window_chunks(unit) or self._piece_bytes(unit))
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
@@ -232,6 +247,9 @@ class ActReplay:
         """The unit's backward as shares of its compute: one, or a partial unit's pieces last to
         first (their shares as in forward_parts), between which `next_piece` releases what the
         pieces done held."""
+        if self._window_chunks(unit):  # (a window's backward: its pieces, the micro-batches together)
+            pieces = self._piece_bytes(unit)
+            return tuple(p / sum(pieces) for p in reversed(pieces)) if sum(pieces) > 0 else (1.0,)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
 
     def next_piece(self, unit: str, done: int) -> None:
@@ -294,7 +312,10 @@ class ActReplay:
             return True
         # a partial unit's pieces are fetched piece by piece: its backward starts once its last
         # piece's bytes are back (the others come back during it), a prefetch needs room for those
-        first = self._piece_bytes(unit)[-1] if self._piece_bytes(unit) else job.nbytes
+        chunks = self._window_chunks(unit) or self._piece_bytes(
+            unit
+        )  # (a window's: its last micro-batch's first)
+        first = chunks[-1] if chunks else job.nbytes
         if not force and self.budget is not None and self.device_bytes + first > self.budget:
             return False
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)

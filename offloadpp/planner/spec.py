@@ -107,6 +107,15 @@ class Settings(_Frozen):
     loss_scaling: fp16 only.
     gradient_accumulation_steps: micro-batches per optimizer step; backward() scales the loss by
         1/gradient_accumulation_steps, as DeepSpeed does.
+    accumulation: how a window of gradient_accumulation_steps micro-batches driven whole (DeepSpeed's
+        `train_batch`, the Trainer's window under `offloadpp run`) runs: "vertical" visits each unit
+        once per window, forward over all its micro-batches while the unit's weights are resident
+        and backward likewise, its gradient summed on the device and handed to the optimizer once
+        (the activations of every micro-batch held between forward and backward); "horizontal"
+        runs the micro-batches one after another, each reading every unit's weights and moving
+        its gradients through their home; "auto": the faster by the cost model (the plan's
+        `vertical`, planner/decide.py accumulation). A per-micro-batch loop (forward, backward,
+        step) always runs horizontally. With gradient_accumulation_steps 1 there is no window.
     gradient_clipping: clip gradients to this global L2 norm before the update (0: off); exact, as
         torch.nn.utils.clip_grad_norm_.
     speculate: with clipping or fp16, whose updates need the global norm or the overflow check
@@ -161,6 +170,7 @@ class Settings(_Frozen):
     compute_dtype: ComputeDtype = "fp32"
     loss_scaling: LossScaling = LossScaling()
     gradient_accumulation_steps: int = Field(1, ge=1)
+    accumulation: Literal["auto", "vertical", "horizontal"] = "auto"
     gradient_clipping: float = Field(0.0, ge=0.0)
     speculate: Literal["auto", "on", "off"] = "auto"
     defer_updates: bool = False

@@ -1,0 +1,95 @@
+"""Vertical accumulation as the planner sees it: a window of G micro-batches driven whole
+(train_batch, the Trainer's window) planned and replayed as one step (Settings.accumulation,
+Plan.vertical; docs/planner.md "Vertical accumulation"). Pure (no torch).
+
+Note: a vertical window is one step of G micro-batches' tokens. Forward visits each unit once and
+runs it over all G micro-batches while its weights are resident; backward likewise in reverse,
+the unit's gradient summed over them on the device and handed to the optimizer once. So per
+window, every array moves as in one step of G = 1 (weights read once for forward and once for
+backward, or kept between the two; gradients out once; master and moments read and written
+once), while the device computes G micro-batches at each visit and holds the activations of G
+micro-batches between a unit's forward and its backward. The planner makes and replays that
+step with the model profile of the window (`window_profile`: each unit's FLOPs, times and saved
+bytes G times one micro-batch's, as a micro-batch of G x b sequences has them) and the plan's
+gradients not accumulated across micro-batches in their home (`window_plan`); bytes by kind,
+the link, the peaks and the activation policies all come out of the same replay as any step's.
+Gradients handed out after a sum over micro-batches are fp32 (Plan.grad_dtype), as
+accumulation in their home keeps them: a 16-bit sum is not the sum torch keeps in `param.grad`.
+
+A visit runs its micro-batches one at a time, so what a unit holds at once is what its policy
+keeps of the others and one micro-batch's forward or backward (a recompute's G checkpoints and
+one micro-batch's recomputed tensors; a swapped unit's one micro-batch fetched back): the
+activation need counts that (activations.window_bytes, ModelProfile.window), and so do the
+choices and the refusal's largest micro-batch. What this does not see: the replay moves a
+unit's G micro-batches' swapped bytes as one copy (out after its forward, back before its
+backward) and counts them on the device together, where the runtime pipelines them micro-batch
+by micro-batch (the replay is conservative there); the runtime's per-visit cost is counted
+once per visit, not per micro-batch (at most G x 1.5 ms a visit on the CPU device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from .model_profile import ModelProfile, UnitProfile
+from .plan import Plan, PlanError
+
+# The scaled sizes of a unit: the bytes its forward saves and what they are made of, its FLOPs.
+_PER_TOKEN = ("forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
+              "partial_extra_bytes", "logits_bytes", "loss_input_bytes")  # fmt: skip
+
+
+def window_profile(model: ModelProfile, micro_batches: int) -> ModelProfile:
+    """The model profile of a vertical window of `micro_batches` micro-batches: every size that
+    grows with the tokens a visit runs (FLOPs, measured times, saved bytes and their pieces) G
+    times one micro-batch's; the head's loss workspace (a weight-sized buffer) as it is."""
+    g = micro_batches
+    if g == 1:
+        return model
+
+    def unit(u: UnitProfile) -> UnitProfile:
+        kw = {k: getattr(u, k) * g for k in _PER_TOKEN}
+        kw["pieces"] = tuple(tuple(x * g for x in piece) for piece in u.pieces)
+        kw["forward_s"] = u.forward_s * g if u.forward_s is not None else None
+        kw["backward_s"] = u.backward_s * g if u.backward_s is not None else None
+        return replace(u, **kw)
+
+    return replace(model, micro_batch=model.micro_batch * g, window=model.window * g,
+                   units=tuple(unit(u) for u in model.units))  # fmt: skip
+
+
+def window_settings(settings):
+    """The settings a vertical window is planned with: one step (no accumulation across
+    micro-batches in the gradients' home), everything else as asked."""
+    return settings.model_copy(update={"gradient_accumulation_steps": 1, "accumulation": "horizontal"})
+
+
+def as_vertical(window: Plan, micro_batches: int) -> Plan:
+    """The plan the runtime runs, from the plan of its vertical window (made for window_settings):
+    gradients accumulated (a per-micro-batch loop still runs horizontally with it, its gradients
+    in the placements' grads tier), vertical over `micro_batches`, the window's activation
+    policies for a window run whole and for a per-micro-batch loop alike (one micro-batch needs
+    no more room than G)."""
+    acts = tuple(window.activations)
+    return replace(window, accumulate_grads=True, vertical=True, micro_batches=micro_batches,
+                   vertical_activations=acts)  # fmt: skip
+
+
+def window_plan(plan: Plan) -> Plan:
+    """The plan as its vertical window runs (and is replayed): gradients not accumulated in their
+    home (summed on the device), the window's activation policies; micro_batches kept (their
+    sum is handed out in fp32)."""
+    if not plan.vertical:
+        raise PlanError("window_plan: the plan is not vertical (Plan.vertical is False)")
+    return replace(plan, accumulate_grads=False, vertical=False, activations=plan.vertical_activations)
+
+
+def window_gain(horizontal_s: Optional[float], vertical_s: Optional[float]) -> Optional[float]:
+    """How many times faster the vertical window is estimated (None: not both estimated)."""
+    if horizontal_s is None or vertical_s is None or vertical_s <= 0:
+        return None
+    return horizontal_s / vertical_s
+
+
+__all__ = ["as_vertical", "window_gain", "window_plan", "window_profile", "window_settings"]
