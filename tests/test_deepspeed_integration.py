@@ -353,7 +353,8 @@ def test_train_batch_runs_vertical_windows_like_deepspeed_semantics(tmp_path):
     from deepspeed.runtime.lr_schedules import WarmupLR
 
     gas, steps = 4, 3
-    cfg = ds_config(tmp_path / "nvme", gradient_accumulation_steps=gas, gradient_clipping=1.0)
+    cfg = ds_config(tmp_path / "nvme", gradient_accumulation_steps=gas, gradient_clipping=1.0,
+                    offloadpp={"enabled": True, "accumulation": "vertical"})  # fmt: skip
 
     def model():
         m = tiny_gpt2()

@@ -35,7 +35,7 @@ def gpt2(dropout: float = 0.1):
 
 def config(path, policy: str = "keep", **settings) -> RuntimeConfig:
     path.mkdir(parents=True, exist_ok=True)
-    s = Settings(gradient_accumulation_steps=G, gradient_clipping=1.0,
+    s = Settings(gradient_accumulation_steps=G, gradient_clipping=1.0, accumulation="vertical",
                  activations=ActivationSettings(policy=policy), **settings)  # fmt: skip
     return RuntimeConfig(
         nvme_paths=[str(path)], settings=s, device="cpu", ssd_read_gbps=2.0, ssd_write_gbps=2.0
@@ -221,8 +221,16 @@ def test_window_falls_back_to_horizontal_when_the_tape_does_not_hold(tmp_path, w
         assert compare_weights(eng.module.state_dict(), ref2.state_dict(), lr=LR, steps=3) < 1e-5
 
 
-def test_train_window_refuses_a_half_done_window(tmp_path, windows):
+def test_train_window_follows_the_plan_and_refuses_a_half_done_window(tmp_path, windows):
+    cfg = config(tmp_path / "h")
+    cfg = cfg.model_copy(update={"settings": cfg.settings.model_copy(update={"accumulation": "horizontal"})})
+    with assemble_engine(gpt2(0.0), cfg) as eng:
+        assert not eng.plan.vertical
+        mbs = [{"input_ids": x, "labels": x} for x in windows[0]]
+        assert [eng.train_window(mbs).vertical for _ in range(2)] == [False, False]
+        assert eng.train_window(mbs, vertical=True).vertical  # (asked explicitly)
     with assemble_engine(gpt2(0.0), config(tmp_path)) as eng:
+        assert eng.plan.vertical
         x = windows[0][0]
         eng.backward(eng(input_ids=x, labels=x).loss)
         eng.step()  # (not the window's boundary: 1 of G)

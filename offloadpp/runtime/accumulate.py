@@ -94,7 +94,7 @@ class WindowRunner:
             )
         if not torch.is_grad_enabled():
             raise RuntimeError("train_window: gradients are disabled (torch.no_grad); use eval_window")
-        vertical = len(batches) > 1 if vertical is None else vertical
+        vertical = (e.plan.vertical if vertical is None else vertical) and len(batches) > 1
         keys = [shape_key(e.module.training, b) for b in batches]
         if vertical and all(k in self.tapes for k in keys):
             result = self._vertical(batches, keys, loss_fn)
@@ -159,7 +159,7 @@ class WindowRunner:
         batches = list(batches)
         if not batches:
             raise ValueError("eval_window: no micro-batches")
-        vertical = len(batches) > 1 if vertical is None else vertical
+        vertical = (e.plan.vertical if vertical is None else vertical) and len(batches) > 1
         keys = [shape_key(e.module.training, b) for b in batches]
         with torch.no_grad():
             if vertical and all(k in self.tapes for k in keys):

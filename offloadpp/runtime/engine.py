@@ -383,8 +383,9 @@ class OffloadEngine:
         """Forward, backward and the optimizer step of one accumulation window of micro-batches
         (each a dict of the model's keyword arguments, or a tuple of its positional ones), run
         vertically (each unit over all micro-batches while its weights are on the device:
-        runtime/accumulate.py) unless `vertical` is False; None: vertical where there are two or
-        more. Between windows. Returns each micro-batch's loss and the step's report."""
+        runtime/accumulate.py) where `vertical` says, None: as the plan chose (Plan.vertical,
+        Settings.accumulation). Between windows. Returns each micro-batch's loss and the step's
+        report."""
         return self._windows.train(batches, vertical=vertical, loss_fn=loss_fn)
 
     def eval_window(self, batches, *, vertical: Optional[bool] = None) -> list:
