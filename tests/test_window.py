@@ -259,3 +259,49 @@ def test_eval_window_vertical_equals_forward_per_batch(tmp_path, windows, monkey
             for a, b in zip(got, want):
                 assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
         assert len(runs) == 1  # the first recorded the tape horizontally, the second ran vertically
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16bit_vertical_window_is_close_to_the_horizontal_one(tmp_path, windows, dtype):
+    """bf16 and fp16 compute (fp16 with loss scaling: its overflow check over the window's one
+    backward): the vertical window's losses and gradient norm agree with the horizontal
+    window's. Not bit for bit: autograd sums a unit's G micro-batch gradients in the compute
+    dtype on the device, where the horizontal window sums them in fp32 in their home
+    (docs/runtime.md, "Vertical windows")."""
+    from offloadpp.planner import LossScaling
+
+    scaling = {"loss_scaling": LossScaling(initial_scale_power=8)} if dtype == "fp16" else {}
+    got = {}
+    for acc in ("horizontal", "vertical"):
+        cfg = config(tmp_path / acc, compute_dtype=dtype, **scaling)
+        cfg = cfg.model_copy(update={"settings": cfg.settings.model_copy(update={"accumulation": acc})})
+        with assemble_engine(gpt2(), cfg, hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+            got[acc] = run_windows(eng, windows[:2])
+    (h_loss, h_res), (v_loss, v_res) = got["horizontal"], got["vertical"]
+    assert [r.vertical for r in v_res] == [False, True]
+    assert v_loss == pytest.approx(h_loss, rel=1e-4)
+    h, v = h_res[-1].report, v_res[-1].report
+    assert not v.skipped and v.grad_norm == pytest.approx(h.grad_norm, rel=1e-3)
+
+
+def test_fp16_overflow_in_a_vertical_window_skips_its_step(tmp_path, windows):
+    """A loss scale that overflows: the window's one backward finds it, the step is skipped
+    (no weight changes) and the scale halves, window after window."""
+    from offloadpp.planner import LossScaling
+
+    ref = gpt2()
+    cfg = config(
+        tmp_path, compute_dtype="fp16", loss_scaling=LossScaling(initial_scale_power=8, hysteresis=1)
+    )
+    with assemble_engine(copy.deepcopy(ref), cfg) as eng:
+        run_windows(eng, windows[:1])  # (the RNG tape)
+        before = {k: v.clone() for k, v in eng.module.state_dict().items()}
+        eng.loss_scaler.scale = 2.0**40
+        mbs = [{"input_ids": x, "labels": x} for x in windows[1]]
+        scales = []
+        for _ in range(2):
+            r = eng.train_window(mbs)
+            assert r.vertical and r.report.skipped
+            scales.append(r.report.loss_scale)
+        assert scales[1] == scales[0] / 2
+        assert all(torch.equal(t, before[k]) for k, t in eng.module.state_dict().items())
