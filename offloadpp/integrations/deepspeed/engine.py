@@ -57,6 +57,7 @@ class OffloadppEngine(DeepSpeedEngine):
         self.skipped_steps = 0
         self.last_report = None
         self.reports: list = []  # StepReports of this process, newest last
+        self.last_window = None  # the last train_batch's WindowResult (runtime/accumulate.py)
         self._step_applied = False
         self._boundary_flag: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._micro_in_window = 0
@@ -212,7 +213,7 @@ class OffloadppEngine(DeepSpeedEngine):
         result = self.runtime.train_window(batches)
         self.micro_steps += len(batches)
         self._stepped(result.report, None)
-        self.losses = result.losses
+        self.last_window = result  # (its per-micro-batch losses, whether it ran vertically)
         self.agg_train_loss = result.mean_loss
         return self.agg_train_loss
 
