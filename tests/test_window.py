@@ -305,3 +305,32 @@ def test_fp16_overflow_in_a_vertical_window_skips_its_step(tmp_path, windows):
             scales.append(r.report.loss_scale)
         assert scales[1] == scales[0] / 2
         assert all(torch.equal(t, before[k]) for k, t in eng.module.state_dict().items())
+
+
+def test_an_error_in_one_micro_batch_leaves_the_engine_usable(tmp_path, windows):
+    """A micro-batch whose forward raises in the middle of a vertical window: the error reaches
+    the caller, the other micro-batches' coroutines are unwound, the window is dropped as an
+    interrupted step, and the next windows train as if it had not happened."""
+    from numerics import compare_weights
+
+    ref = gpt2()
+    model = copy.deepcopy(ref)
+    torch_adamw(ref, windows)
+    with assemble_engine(model, config(tmp_path), hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+        run_windows(eng, windows[:1])
+        calls = []
+
+        def boom(module, args):
+            calls.append(1)
+            if len(calls) == 3:  # the third micro-batch reaching the second block
+                raise ValueError("boom")
+
+        h = eng.module.transformer.h[1].register_forward_pre_hook(boom)
+        with pytest.raises(ValueError, match="boom"):
+            eng.train_window([{"input_ids": x, "labels": x} for x in windows[1]])
+        h.remove()
+        assert eng.executor.window is None and eng.global_step == 1
+        for w in (1, 2):
+            torch.manual_seed(100 + w)
+            assert eng.train_window([{"input_ids": x, "labels": x} for x in windows[w]]).vertical
+        assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=LR, steps=3) < 1e-5
