@@ -395,7 +395,7 @@ def test_updates_start_during_backward(tmp_path):
 
 
 def test_swap_directories_take_the_plans_stripe_weights(tmp_path):
-    from offloadpp.runtime.preflight import stripe_weights
+    from offloadpp.runtime.engine import stripe_weights
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     stripe = ((a, 0.75), (b, 0.25))

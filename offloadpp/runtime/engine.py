@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import weakref
 from dataclasses import replace
@@ -30,9 +31,9 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+import offloadpp.runtime.checkpoint as ckpt
 import offloadpp.runtime.export as export
 import offloadpp.runtime.host_heap as host_heap
-import offloadpp.runtime.persist as persist
 from offloadpp.io import SwapDirLock, TensorStore, aligned_empty, measure_ssd, remove_swap_files
 from offloadpp.optim import AdamHyper, default_num_threads
 from offloadpp.planner import Plan, PlanError, build_schedule, fmt_bytes, io_settings, walk_peaks
@@ -47,23 +48,40 @@ from .config import RuntimeConfig, StepReport
 from .device import Device
 from .dp.distributed import DataParallel, rank_dirs
 from .dp.sharded import ShardedUnit, initialize_sharded_units
-from .dp.sharded_checkpoint import rank_dir
+from .dp.sharded_checkpoint import agreed, load_sharded, rank_dir, save_sharded, verify_sharded
 from .dp.sharded_optimizer import ShardedOptimizerPipeline
 from .executor import Executor
-from .lifetime import close_at_exit, closed, release
+from .lifetime import close_at_exit, closed
 from .memory import BufferPool
 from .optimizer import OptimizerPipeline
 from .partition import find_units, layout_units
 from .precision import LossScaler
-from .preflight import check_free_space, check_nvme_paths, stripe_weights
+from .preflight import check_free_space, check_nvme_paths
 from .reports import StepAccounting
 from .slots import Txn
 from .speculation import SpeculationPolicy, finish_updates
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
 from .transaction import StepTransaction, holding_interrupts
-from .unit import TORCH_DTYPES, Unit, UnitPhase, assign_groups
+from .unit import TORCH_DTYPES, Unit, UnitPhase
 
 log = logging.getLogger("offloadpp.runtime")
+
+
+def stripe_weights(paths, stripe) -> Optional[list[float]]:
+    """Each swap directory's share of a striped tensor from the plan's (the profiled directory it
+    lies in, or that lies in it: the runtime's are sub-directories of the ones profiled); None,
+    equal parts, unless every directory has one."""
+    if not stripe or len(paths) < 2:
+        return None
+    out = []
+    for p in paths:
+        p = os.path.abspath(p)
+        w = [w for d, w in stripe if os.path.commonpath([p, os.path.abspath(d)]) in (p, os.path.abspath(d))]
+        if not w:
+            log.info("swap directory %s was not profiled: striping evenly", p)
+            return None
+        out.append(w[0])
+    return out
 
 
 class OffloadEngine:
@@ -149,7 +167,7 @@ class OffloadEngine:
         # the engine, so it runs once the engine is unreachable (the hooks reach the engine
         # weakly where torch keeps them out of the collector's sight: executor._param_hook).
         self._finalizer = weakref.finalize(
-            self, release, self.optimizer, self.activations.swapper, self.store,
+            self, _release, self.optimizer, self.activations.swapper, self.store,
             (self.device_pool, self.host_pool), self._lock, self.dp,
             None if config.keep_swap else tuple(config.nvme_paths),
         )  # fmt: skip
@@ -459,7 +477,24 @@ class OffloadEngine:
         if not hypers or not all(isinstance(h, AdamHyper) for h in hypers):
             raise TypeError(f"set_hypers: expected a non-empty sequence of AdamHyper, got {hypers!r}")
         if groups is not None:
-            for u, idx in zip(self.units, assign_groups(self.units, groups, len(hypers))):
+            new = []
+            for u in self.units:
+                idx = []
+                for p, s in u.params:
+                    g = next((groups[n] for n in s.names if n in groups), None)
+                    if g is None and p.requires_grad:
+                        raise ValueError(
+                            f"set_hypers: parameter {s.name!r} requires grad but is in no param group; "
+                            "every trainable parameter is updated (set requires_grad=False to freeze it)"
+                        )
+                    g = 0 if g is None else g
+                    if not isinstance(g, int) or not 0 <= g < len(hypers):
+                        raise ValueError(
+                            f"set_hypers: parameter {s.name!r}: group {g!r} is not in 0..{len(hypers) - 1}"
+                        )
+                    idx.append(g)
+                new.append(idx)
+            for u, idx in zip(self.units, new):
                 u.groups = idx
         elif any(g >= len(hypers) for u in self.units for g in u.groups):
             raise ValueError(f"set_hypers: {len(hypers)} groups given, but parameters are assigned to more")
@@ -489,8 +524,21 @@ class OffloadEngine:
         collective: each rank's shards go to rank_dir(path) with the `rank_files` the caller
         wrote there, the manifest and `files` are rank 0's (runtime/dp/sharded_checkpoint.py), or
         with node_local each node's first rank's, `path` being each node's own folder."""
-        return persist.save_state(self, path, meta=meta, files=files, rank_files=rank_files, progress=progress,
-                                  node_local=node_local)  # fmt: skip
+        self._check_open()
+        self._quiesce()
+        self.store.wait_all()
+        self.store.check_writes()
+        runtime = {
+            "global_step": self.global_step,
+            "hypers": [h.model_dump() for h in self.hypers],  # one per param group
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+        meta = {"runtime": runtime, **(meta or {})}
+        if self.dp is not None:
+            return save_sharded(self.units, path, dp=self.dp, io=self.store.config, meta=meta, files=files,
+                                rank_files=rank_files, node_local=node_local)  # fmt: skip
+        return ckpt.save_state(self.units, path, io=self.store.config, meta=meta, files=files,
+                               progress=progress)  # fmt: skip
 
     def rank_dir(self, path: str) -> str:
         """Where this rank's part of a checkpoint at `path` goes (path itself for one process)."""
@@ -505,8 +553,51 @@ class OffloadEngine:
         caller's own checks and reads; over ranks, every rank's) runs next, and the engine is
         changed only if all passed; if it raises the engine is as before the call. A failure
         after that (a disk failing between the passes) leaves the engine failed."""
-        return persist.load_state(self, path, optimizer_states=optimizer_states, progress=progress,
-                                  before_apply=before_apply)  # fmt: skip
+        self._check_open()
+        manifest = ckpt.read_manifest(path)
+        rt, hypers = ckpt.runtime_state(path, manifest)
+        self._quiesce()
+        self.store.wait_all()
+        # The backend this engine already resolved: a probe would write into the checkpoint.
+        io = self.store.config.model_copy(update={"backend": self.store.backends[0]})
+        sharded = self.dp is not None or "world_size" in manifest  # (over ranks: resharded if need be)
+
+        def verify() -> None:
+            if sharded:
+                verify_sharded(self.units, path, manifest, dp=self.dp, io=io, optimizer_states=optimizer_states,
+                               progress=progress)  # fmt: skip
+            else:
+                ckpt.verify_state(self.units, path, manifest, io=io, optimizer_states=optimizer_states,
+                                  progress=progress)  # fmt: skip
+            if before_apply is not None:
+                before_apply()
+
+        if self.dp is not None:
+            agreed(self.dp, f"verifying checkpoint {path!r}", verify)
+        else:
+            verify()
+        try:
+            if sharded:
+                load_sharded(self.units, path, manifest, dp=self.dp, io=io, optimizer_states=optimizer_states,
+                             progress=progress, verified=True)  # fmt: skip
+            else:
+                ckpt.load_state(self.units, path, manifest, io=io, optimizer_states=optimizer_states,
+                                progress=progress)  # fmt: skip
+            self.store.wait_all()
+            self.store.check_writes()
+        except BaseException as e:
+            self.transaction.fail(e)  # half loaded: not to be trained on
+            raise
+        if optimizer_states:
+            self.global_step = int(rt["global_step"])
+            if self.loss_scaler is not None and rt.get("loss_scaler"):
+                self.loss_scaler.load_state_dict(rt["loss_scaler"])
+            if len(hypers) == len(self.hypers) or all(g == 0 for u in self.units for g in u.groups):
+                self.set_hypers(hypers)
+        self.micro_in_window = 0
+        for u in self.units:
+            u.start_window()
+        return manifest
 
     def export_weights(self, save_dir: str, *, dtype: Optional[torch.dtype] = None, filename: str = "model.safetensors",
                        max_shard_bytes: Optional[int] = None, exclude_frozen: bool = False,
@@ -594,3 +685,27 @@ class OffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _release(optimizer, swapper, store, pools, lock, dp=None, remove_swap=None) -> None:
+    """Everything an engine holds outside Python's reach: worker threads, queued writes, open
+    swap files and the I/O engine's threads, buffers, the swap files themselves (unless
+    keep_swap: `remove_swap` None), the lock. Each part is released even if another fails; the
+    first error is raised after."""
+    first: Optional[BaseException] = None
+    removing = () if remove_swap is None else (lambda: remove_swap_files(remove_swap),)
+    closers = (
+        optimizer.close,
+        swapper.close,
+        store.close,
+        *(p.clear for p in pools),
+        *removing,
+        lock.release,
+    )
+    for step in closers + ((dp.close,) if dp is not None else ()):
+        try:
+            step()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest is released
+            first = first or e
+    if first is not None:
+        raise first

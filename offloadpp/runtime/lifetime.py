@@ -15,9 +15,6 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Optional
-
-from offloadpp.io import remove_swap_files
 
 log = logging.getLogger("offloadpp.runtime")
 
@@ -42,27 +39,3 @@ def close_at_exit(engine) -> None:
 
 def closed(engine) -> None:
     _open_engines.discard(engine)
-
-
-def release(optimizer, swapper, store, pools, lock, dp=None, remove_swap=None) -> None:
-    """Everything an engine holds outside Python's reach: worker threads, queued writes, open
-    swap files and the I/O engine's threads, buffers, the swap files themselves (unless
-    keep_swap: `remove_swap` None), the lock. Each part is released even if another fails; the
-    first error is raised after."""
-    first: Optional[BaseException] = None
-    removing = () if remove_swap is None else (lambda: remove_swap_files(remove_swap),)
-    closers = (
-        optimizer.close,
-        swapper.close,
-        store.close,
-        *(p.clear for p in pools),
-        *removing,
-        lock.release,
-    )
-    for step in closers + ((dp.close,) if dp is not None else ()):
-        try:
-            step()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after the rest is released
-            first = first or e
-    if first is not None:
-        raise first

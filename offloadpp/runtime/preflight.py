@@ -6,15 +6,12 @@ Every error names what is missing and how much, before a single step runs.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import uuid
-from typing import Optional, Sequence
+from typing import Sequence
 
 from offloadpp.planner import Plan, fmt_bytes
-
-log = logging.getLogger("offloadpp.runtime")
 
 
 class PreflightError(RuntimeError):
@@ -64,20 +61,3 @@ def check_free_space(paths: Sequence[str], plan: Plan, existing_bytes: int = 0) 
                 f"{', '.join(repr(g) for g in group)} {'has' if len(group) == 1 else 'share'} {fmt_bytes(free)} "
                 f"free and need{'s' if len(group) == 1 else ''} {fmt_bytes(need)} ({fmt_bytes(need - free)} more)"
             )
-
-
-def stripe_weights(paths, stripe) -> Optional[list[float]]:
-    """Each swap directory's share of a striped tensor from the plan's (the profiled directory it
-    lies in, or that lies in it: the runtime's are sub-directories of the ones profiled); None,
-    equal parts, unless every directory has one."""
-    if not stripe or len(paths) < 2:
-        return None
-    out = []
-    for p in paths:
-        p = os.path.abspath(p)
-        w = [w for d, w in stripe if os.path.commonpath([p, os.path.abspath(d)]) in (p, os.path.abspath(d))]
-        if not w:
-            log.info("swap directory %s was not profiled: striping evenly", p)
-            return None
-        out.append(w[0])
-    return out

@@ -320,24 +320,3 @@ class Unit:
             else:
                 runs.append((s.offset, s.offset + s.numel, step, upd, grp))
         return runs
-
-
-def assign_groups(units, groups: dict, n: int) -> list[list[int]]:
-    """Each unit's parameters' param-group indices from `groups` (parameter name, any of a tied
-    parameter's names -> index into n groups), every trainable parameter placed (set_hypers)."""
-    out = []
-    for u in units:
-        idx = []
-        for p, s in u.params:
-            g = next((groups[name] for name in s.names if name in groups), None)
-            if g is None and p.requires_grad:
-                raise ValueError(
-                    f"set_hypers: parameter {s.name!r} requires grad but is in no param group; "
-                    "every trainable parameter is updated (set requires_grad=False to freeze it)"
-                )
-            g = 0 if g is None else g
-            if not isinstance(g, int) or not 0 <= g < n:
-                raise ValueError(f"set_hypers: parameter {s.name!r}: group {g!r} is not in 0..{n - 1}")
-            idx.append(g)
-        out.append(idx)
-    return out
