@@ -62,7 +62,7 @@ setup(
     ext_modules=[ext],
     cmdclass={"build_ext": ParallelBuildExt},
     python_requires=">=3.9",
-    install_requires=["numpy", "pydantic>=2", "psutil", "tqdm"],
+    install_requires=["numpy", "pydantic>=2", "psutil", "tqdm", "greenlet"],
     extras_require={
         "deepspeed": ["deepspeed", "hjson"],
         "hf": ["transformers", "safetensors", "accelerate"],

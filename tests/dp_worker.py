@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--node-local", action="store_true")
     ap.add_argument("--freeze", action="store_true")  # dp_common.tiny_gpt2's frozen parameters
     ap.add_argument("--lora", action="store_true")  # dp_common.tiny_gpt2's peft LoRA model
+    # each step one window of --accum micro-batches, run vertically where the tape allows:
+    # train_batch (deepspeed api) or train_window (runtime api)
+    ap.add_argument("--window", action="store_true")
     ap.add_argument("--monitor", default="")  # (deepspeed api) DeepSpeed's csv_monitor into this folder
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -78,6 +81,8 @@ def main() -> None:
             },
             "offloadpp": {"enabled": True, "ssd_read_gbps": 2.0, "ssd_write_gbps": 2.0},
         }
+        if args.window:
+            cfg["offloadpp"]["accumulation"] = "vertical"
         if args.dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         if args.node_local:
@@ -97,6 +102,8 @@ def main() -> None:
             budgets = dict(
                 zip(("device_budget_bytes", "host_budget_bytes"), map(int, args.budgets.split(",")))
             )
+        if args.window:
+            budgets["accumulation"] = "vertical"
         settings = Settings(gradient_clipping=args.clip, gradient_accumulation_steps=args.accum,
                             compute_dtype=args.dtype, **budgets)  # fmt: skip
         cfg = RuntimeConfig(nvme_paths=[args.nvme], settings=settings, device="cpu", ssd_read_gbps=2.0,
@@ -105,10 +112,21 @@ def main() -> None:
     assert runtime.dp is not None and runtime.dp.world == world, (runtime.dp, world)
     if args.load:
         (engine.load_checkpoint(args.load) if args.api == "deepspeed" else runtime.load_state(args.load))
-    reports, losses = [], []  # losses: this rank's each step, the mean of its micro-batches'
+    reports, vertical, losses = [], [], []  # losses: this rank's each step, the mean of its micro-batches'
     for batch in global_batches(args.from_step + args.steps)[args.from_step :]:
         mine = batch.chunk(world)[rank]  # this rank's part of the global batch
         losses.append(0.0)
+        if args.window:
+            mbs = [{"input_ids": x, "labels": x} for x in mine.chunk(args.accum)]
+            if args.api == "deepspeed":
+                losses[-1] = float(engine.train_batch(iter(mbs)))
+                vertical.append(engine.last_window.vertical)
+                reports.append(engine.last_report.as_dict())
+            else:
+                w = runtime.train_window(mbs)
+                vertical.append(w.vertical)
+                reports.append(w.report.as_dict())
+            continue
         for x in mine.chunk(args.accum):
             loss = engine(input_ids=x, labels=x).loss
             losses[-1] += float(loss.detach()) / args.accum
@@ -153,7 +171,7 @@ def main() -> None:
             # what the deepspeed launcher (launcher/launch.py) adds: this node's rank and ranks
             "cross_rank": os.environ.get("CROSS_RANK"), "local_size": os.environ.get("LOCAL_SIZE")}  # fmt: skip
     info = {"rank": rank, "world": world, **node, "disk_bytes": runtime.disk_bytes(), "plan_ssd_bytes": runtime.plan.ssd_bytes(),
-            "reports": reports, "losses": losses, "global_step": runtime.global_step, **export,
+            "reports": reports, "losses": losses, "global_step": runtime.global_step, **export, "vertical": vertical,
             "resident": [p.weights.value for p in runtime.plan.placements]}  # fmt: skip
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(info, f)

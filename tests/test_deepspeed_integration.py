@@ -342,3 +342,67 @@ print("started on a fresh port")
     }
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "started on a fresh port" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_train_batch_runs_vertical_windows_like_deepspeed_semantics(tmp_path):
+    """PipelineEngine's train_batch(data_iter) on offloadpp: each call pulls
+    gradient_accumulation_steps micro-batches, runs the window (vertically from the second on:
+    runtime/accumulate.py) and the step, and returns the window's mean loss; with dropout on,
+    clipping 1.0 and WarmupLR the weights equal torch's AdamW over the same windows. eval_batch
+    gives the mean loss of the model in eval mode."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    gas, steps = 4, 3
+    cfg = ds_config(tmp_path / "nvme", gradient_accumulation_steps=gas, gradient_clipping=1.0,
+                    offloadpp={"enabled": True, "accumulation": "vertical"})  # fmt: skip
+
+    def model():
+        m = tiny_gpt2()
+        m.config.resid_pdrop = m.config.embd_pdrop = m.config.attn_pdrop = 0.1
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(m.config)
+
+    data = batches(steps * gas)
+    ref = model()
+    p = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(
+        ref.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"], weight_decay=0.1
+    )
+    sched = WarmupLR(opt, **cfg["scheduler"]["params"])
+    want = []
+    for s in range(steps):
+        torch.manual_seed(10 + s)
+        losses = []
+        for ids in data[s * gas : (s + 1) * gas]:
+            loss = ref(input_ids=ids, labels=ids).loss
+            (loss / gas).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        want.append(sum(losses) / gas)
+    engine, *_ = offloadpp.initialize(model=model(), config=cfg)
+    it = iter([{"input_ids": ids, "labels": ids} for ids in data])
+    got = []
+    for s in range(steps):
+        torch.manual_seed(10 + s)
+        loss = engine.train_batch(data_iter=it if s == 0 else None)
+        assert isinstance(loss, torch.Tensor) and loss.dim() == 0
+        got.append(loss.item())
+    assert engine.global_steps == steps and engine.micro_steps == steps * gas
+    assert engine.last_report is engine.reports[-1] and engine.last_report.grad_norm is not None
+    assert got == pytest.approx(want, rel=1e-5)
+    assert compare_weights(engine.module.state_dict(), ref.state_dict(), lr=p["lr"], steps=steps) < 1e-5
+    assert engine.get_lr() == pytest.approx([g["lr"] for g in opt.param_groups])
+    ref.eval()
+    with torch.no_grad():
+        want_eval = sum(ref(input_ids=ids, labels=ids).loss.item() for ids in data[:gas]) / gas
+    ev = iter([(ids, None, None, None, None, None, None, None, ids) for ids in data[:gas]])  # (positional)
+    got_eval, logits = engine.eval_batch(ev, return_logits=True)
+    assert got_eval.item() == pytest.approx(want_eval, rel=1e-5) and logits.shape == (2, 16, 96)
+    with pytest.raises(RuntimeError, match="half done"):
+        engine.backward(engine(input_ids=data[0], labels=data[0]).loss)
+        engine.step()
+        engine.train_batch(iter([{"input_ids": data[0], "labels": data[0]}] * gas))
+    engine.close()

@@ -465,3 +465,29 @@ def test_survivors_of_a_dead_rank_fail_within_seconds_without_an_agent(tmp_path)
     print(f"rank 0 failed {took:.2f} s after rank 1 died")
     assert rc != 0, log[-3000:]
     assert took < 30, (took, log[-3000:])
+
+
+@pytest.mark.parametrize("api", ["runtime", "deepspeed"])
+def test_two_ranks_vertical_windows_train_like_one_process(tmp_path, api):
+    """Windows of two micro-batches per rank driven whole (train_window; DeepSpeed's
+    train_batch), vertically after the first: the weights of one process of torch AdamW over the
+    global batch accumulated in four parts, one global norm on every rank, and each window's
+    reduction the same bytes as a step without accumulation (one reduce-scatter per unit per
+    window)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = tmp_path / "out"
+    torchrun([str(out), "--nvme", str(nvme), "--api", api, "--steps", "3", "--accum", "2", "--clip", "1.0",
+              "--window"])  # fmt: skip
+    assert compare_weights(weights(out), reference(3, clip=1.0, parts=4), lr=LR, steps=3) < 1e-5
+    info = ranks(out)
+    for d in info:
+        assert d["vertical"] == [False, True, True]
+    for i in range(3):
+        norms = {d["reports"][i]["grad_norm"] for d in info}
+        assert len(norms) == 1
+    one, nvme1 = tmp_path / "one", tmp_path / "nvme1"
+    nvme1.mkdir()
+    torchrun([str(one), "--nvme", str(nvme1), "--api", api, "--steps", "1", "--accum", "1", "--clip", "1.0"])
+    step_comm = ranks(one)[0]["reports"][0]["comm_bytes"]
+    assert info[0]["reports"][2]["comm_bytes"] == step_comm > 0

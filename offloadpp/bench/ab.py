@@ -18,7 +18,8 @@ import subprocess
 import sys
 import tempfile
 
-SIDES = ("zero", "offloadpp")
+# window: offloadpp with each step's window driven whole by train_batch, vertically (ab_worker)
+SIDES = ("zero", "offloadpp", "window")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nvme-dir", default=os.path.join("runs", "ab"), help="parent of each side's swap dir")
     p.add_argument("--out", default=os.path.join("runs", "ab"), help="where the JSON and PNG go")
-    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of zero,offloadpp")
+    p.add_argument(
+        "--sides",
+        default="zero,offloadpp",
+        help="comma-separated subset of zero,offloadpp,window (window: train_batch, vertical windows)",
+    )
     p.add_argument(
         "--no-interleave",
         dest="interleave",
@@ -234,15 +239,19 @@ def format_table(summ: dict[str, dict]) -> str:
         ("final loss", "final_loss", "{:.5f}"),
     ]
     sides = list(summ)
-    lines = [f"| metric | {' | '.join(sides)} |" + (" offloadpp / zero |" if len(sides) == 2 else "")]
-    lines.append("|---" * (len(sides) + 1 + (len(sides) == 2)) + "|")
+    # ratio columns: each offloadpp side against zero, and the vertical window against offloadpp's
+    pairs = [(s, "zero") for s in sides if s != "zero" and "zero" in sides]
+    pairs += [("window", "offloadpp")] if {"window", "offloadpp"} <= set(sides) else []
+    heads = "".join(f" {a} / {b} |" for a, b in pairs)
+    lines = [f"| metric | {' | '.join(sides)} |" + heads]
+    lines.append("|---" * (len(sides) + 1 + len(pairs)) + "|")
     for label, key, fmt in rows:
         vals = [summ[s][key] for s in sides]
         cells = ["n/a" if v is None else fmt.format(v) for v in vals]
         ratio = ""
-        if len(sides) == 2:
-            a, b = summ["zero"][key], summ["offloadpp"][key]
-            ratio = f" {b / a:.3f} |" if a and b is not None else " n/a |"
+        for a, b in pairs:
+            num, den = summ[a][key], summ[b][key]
+            ratio += f" {num / den:.3f} |" if den and num is not None else " n/a |"
         lines.append(f"| {label} | {' | '.join(cells)} |{ratio}")
     return "\n".join(lines)
 
@@ -298,24 +307,26 @@ def run(args: argparse.Namespace) -> int:
         cap = summ[s]["device_memory_cap_gib"]
         print(f"{s}: device {summ[s]['device']}" + (f", memory capped to {cap:.1f} GiB" if cap else ""))
     print(table)
-    if len(sides) == 2:
+    for other in sides[1:]:
         diffs = [
-            abs(a["loss"] - b["loss"])
-            for a, b in zip(results["zero"]["steps"], results["offloadpp"]["steps"])
+            abs(a["loss"] - b["loss"]) for a, b in zip(results[sides[0]]["steps"], results[other]["steps"])
         ]
-        print(f"max |loss difference| over {len(diffs)} steps: {max(diffs):.2e}")
-        summ["max_loss_diff"] = max(diffs)
-    ours = results.get("offloadpp", {})
-    if ours.get("ssd_by_kind"):
-        from offloadpp.planner import traffic
+        print(f"max |loss difference| {other} vs {sides[0]} over {len(diffs)} steps: {max(diffs):.2e}")
+        summ["max_loss_diff" if len(sides) == 2 else f"max_loss_diff_{other}"] = max(diffs)
+    for side in ("offloadpp", "window"):
+        ours = results.get(side, {})
+        if ours.get("ssd_by_kind"):
+            from offloadpp.planner import traffic
 
-        print(
-            f"offloadpp: SSD bytes of a step by kind (medians), the cost model's from {ours['modelled_from']}:"
-        )
-        print(traffic.table(ours["ssd_by_kind"], ours["modelled_ssd_by_kind"]))
-    if ours.get("updates"):
-        summ["offloadpp_updates"] = updates_share(ours)
-        print(summ["offloadpp_updates"]["line"])
+            print(
+                f"{side}: SSD bytes of a step by kind (medians), the cost model's from {ours['modelled_from']}:"
+            )
+            print(traffic.table(ours["ssd_by_kind"], ours["modelled_ssd_by_kind"]))
+        if ours.get("vertical"):
+            print(f"{side}: windows run vertically: {ours['vertical']} (the first records the RNG tape)")
+        if ours.get("updates"):
+            summ[f"{side}_updates"] = updates_share(ours)
+            print(f"{side}: " + summ[f"{side}_updates"]["line"])
     if pretrained is not None:
         print(f"started from {init_path}: {args.pretrain_steps} steps in memory, last loss "
               f"{pretrained['last_loss']:.4f}, gradient norm {pretrained['last_norms_median']:.3f} (median of the last 20)")  # fmt: skip

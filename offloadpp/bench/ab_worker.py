@@ -1,7 +1,11 @@
 """One side of `offloadpp bench ab`, run in its own process so peak RSS and disk counters are its own.
 
-    python -m offloadpp.bench.ab_worker --side zero|offloadpp --config CFG --model PRESET \
+    python -m offloadpp.bench.ab_worker --side zero|offloadpp|window --config CFG --model PRESET \
         --init INIT.safetensors --steps N --out RESULT.json
+
+zero and offloadpp run DeepSpeed's per-micro-batch loop (forward, backward, step); window is
+offloadpp driving each step's window whole with train_batch, vertically (accumulation
+"vertical": runtime/accumulate.py), after its first window, which records the RNG tape.
 
 Both sides load the same initial weights (ZeRO's zero.Init would skip transformers' init and
 start from other weights) and see the same byte-token batches.
@@ -40,6 +44,8 @@ def _load_config(path: str, side: str) -> dict:
         cfg.pop("offloadpp", None)
     else:
         cfg.setdefault("offloadpp", {})["enabled"] = True
+    if side == "window":
+        cfg["offloadpp"]["accumulation"] = "vertical"
     return cfg
 
 
@@ -66,7 +72,7 @@ def _build_model(preset_name: str, init_path: str):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--side", choices=["zero", "offloadpp"], required=True)
+    p.add_argument("--side", choices=["zero", "offloadpp", "window"], required=True)
     p.add_argument("--config", required=True)
     p.add_argument("--model", default="gpt2-45m")
     p.add_argument("--init", required=True)
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("offload_param", "offload_optimizer"):
         if key in zero and zero[key].get("device") == "nvme":
             zero[key]["nvme_path"] = args.nvme_dir
-    if args.side == "offloadpp":
+    if args.side != "zero":
         cfg["offloadpp"]["nvme_paths"] = [args.nvme_dir]
     preset, model = _build_model(args.model, args.init)
     if args.side == "zero":  # DeepSpeed JIT-builds its ops: an interrupted build's lock would hang it
@@ -122,10 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     io0 = _proc_io()
     steps = []
     reports = []  # offloadpp: each step's StepReport (its SSD bytes by kind among them)
+    vertical = []  # window: whether each step's window ran vertically
     for step in _step_turns(args.steps, args.turns):
         t0 = time.perf_counter()
         losses = []
-        for _ in range(gas):
+        if args.side == "window":  # the window whole: DeepSpeed's PipelineEngine API
+            mbs = [
+                dict(zip(("input_ids", "labels"), (t.to(engine.device) for t in next(batches))))
+                for _ in range(gas)
+            ]
+            engine.train_batch(iter(mbs))
+            losses = [float(x) for x in engine.last_window.losses]
+            vertical.append(engine.last_window.vertical)
+        for _ in range(gas if args.side != "window" else 0):
             ids, labels = next(batches)
             ids, labels = ids.to(engine.device), labels.to(engine.device)  # both engines: LOCAL_RANK's device
             loss = engine(input_ids=ids, labels=labels).loss
@@ -134,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(float(loss.detach()))
         dt = time.perf_counter() - t0
         steps.append({"step": step, "seconds": dt, "loss": sum(losses) / len(losses)})
-        if args.side == "offloadpp" and engine.last_report is not None:
+        if args.side != "zero" and engine.last_report is not None:
             reports.append(engine.last_report)
         print(
             f"[{args.side}] step {step} {dt:.3f}s loss {steps[-1]['loss']:.5f}", file=sys.stderr, flush=True
@@ -158,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         "device_memory_cap_bytes": cap,
         "config": cfg,  # the JSON this side ran: the harness checks both ran the same (ab.same_json)
     }
-    if args.side == "offloadpp":
+    if args.side == "window":
+        result["vertical"] = vertical
+    if args.side != "zero":
         result["updates"] = [r.updates for r in reports]  # how each step ran its updates
         result["grad_norms"] = [r.grad_norm for r in reports]
         result["reports"] = [r.as_dict() for r in reports]  # each step's terms (compute, waits, Adam, bytes)
@@ -167,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
 
         result["ssd_by_kind"] = traffic.median(r.ssd_by_kind for r in steady_reports(reports))
         result["modelled_ssd_by_kind"], result["modelled_from"] = modelled_ssd_by_kind(
-            engine.runtime, model.config.to_dict(), steps_updates(steady_reports(reports))
+            engine.runtime,
+            model.config.to_dict(),
+            steps_updates(steady_reports(reports)),
+            window=args.side == "window",
         )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -231,7 +231,7 @@ def steps_updates(reports) -> str:
     return ways.most_common(1)[0][0] if ways else ""
 
 
-def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = ""):
+def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = "", window: bool = False):
     """(the cost model's SSD bytes by kind for the plan `runtime` (an OffloadEngine) runs, where
     they come from), for a benchmark to print beside what the step measured. `updates`: how the
     measured steps ran theirs (steps_updates): a speculative plan's steps that deferred (they
@@ -240,8 +240,9 @@ def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = ""):
     own estimate replays. The engine's own estimate where its plan was made with profiles; else
     a replay of its plan with the analytic model profile and the cached hardware profile, or
     without one the rates the engine measured at start and DESIGN.md's figures for the rest: the
-    bytes a replay moves follow the plan's schedule, not the rates. ((), why) where no model
-    profile can be made."""
+    bytes a replay moves follow the plan's schedule, not the rates. window: the steps were vertical
+    windows (train_batch), replayed as the planner replays one (planner/vertical.py: the window's
+    plan and model profile, one step). ((), why) where no model profile can be made."""
     import os as _os
 
     from offloadpp.planner import HardwareProfile, PlanError, default_profile_path, estimate
@@ -270,6 +271,12 @@ def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = ""):
             host_memory_bytes=24 << 30, device_memory_bytes=24 << 30,
         )  # fmt: skip
         src = "a replay at the engine's measured SSD rates"
-    est = estimate(plan, hw, model, adam_threads=s.adam_threads or 1, micro_batches=s.gradient_accumulation_steps,
+    micro = s.gradient_accumulation_steps
+    if window and plan.vertical:
+        from offloadpp.planner.vertical import window_plan, window_profile
+
+        plan, model, micro = window_plan(plan), window_profile(model, micro), 1
+        src += " of the vertical window"
+    est = estimate(plan, hw, model, adam_threads=s.adam_threads or 1, micro_batches=micro,
                    act_prefetch_units=s.activations.prefetch_units, deferred=deferred)  # fmt: skip
     return est.ssd_by_kind, src + (" (a deferred step)" if deferred else "")

@@ -24,7 +24,7 @@ import os
 import time
 import weakref
 from dataclasses import replace
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import psutil
 import torch
@@ -42,6 +42,7 @@ from offloadpp.planner.decide import adam_threads
 from offloadpp.planner.plan import shard_units
 from offloadpp.planner.resolve import check_plan
 
+from .accumulate import WindowResult, WindowRunner
 from .activations.manager import ActivationManager
 from .config import RuntimeConfig, StepReport
 from .device import Device
@@ -290,6 +291,7 @@ class OffloadEngine:
         )
         self.accounting = StepAccounting(self)  # (the parts it reads exist now)
         self.transaction = StepTransaction(self)
+        self._windows = WindowRunner(self)
 
     # ---- training ---------------------------------------------------------------------------
     def _boundary(self) -> bool:
@@ -323,6 +325,12 @@ class OffloadEngine:
             self.optimizer.set_boundary(self._boundary())
 
     def __call__(self, *args, **kwargs):
+        return self._forward(lambda: self.module(*args, **kwargs))
+
+    forward = __call__
+
+    def _forward(self, run: Callable[[], Any]):
+        """A forward: one micro-batch's (`run` calls the model), or a vertical window's (runs G)."""
         self._check_open()
         t0 = time.perf_counter()
         if self.accounting.step_t0 is None:
@@ -337,19 +345,21 @@ class OffloadEngine:
                 self._micro = "forward"
             self.executor.start_forward()
             with record_function("offloadpp::forward"), self.activations.forward():  # saved-tensor hooks
-                out = self.module(*args, **kwargs)
+                out = run()
         except BaseException:
             self._abort_step()
             raise
         self.accounting.forward_s += time.perf_counter() - t0
         return out
 
-    forward = __call__
-
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of `loss` (scaled by 1/gradient_accumulation_steps unless scale_wrt_gas is
         False, and by the fp16 loss scale); units are handed to the optimizer as their gradients
         complete."""
+        self._backward([loss], scale_wrt_gas=scale_wrt_gas)
+
+    def _backward(self, losses: list, *, scale_wrt_gas: bool = True) -> None:
+        """One backward over `losses` (a vertical window's G: runtime/window.py's Note)."""
         self._check_open()
         t0 = time.perf_counter()
         scale = (
@@ -361,7 +371,7 @@ class OffloadEngine:
             self.activations.start_backward()
             self.optimizer.begin_backward()
             with record_function("offloadpp::backward"):
-                (loss * scale if scale != 1.0 else loss).backward()
+                torch.autograd.backward([loss * scale if scale != 1.0 else loss for loss in losses])
                 for u in self.optimizer.order:  # units some of whose parameters got no gradient
                     if u.phase not in (UnitPhase.GRADS_READY, UnitPhase.UPDATING, UnitPhase.UPDATED):
                         self.optimizer.on_grads(u)
@@ -371,6 +381,20 @@ class OffloadEngine:
             self._abort_step()
             raise
         self.accounting.backward_s += time.perf_counter() - t0
+
+    def train_window(self, batches, *, vertical: Optional[bool] = None, loss_fn=None) -> WindowResult:
+        """Forward, backward and the optimizer step of one accumulation window of micro-batches
+        (each a dict of the model's keyword arguments, or a tuple of its positional ones), run
+        vertically (each unit over all micro-batches while its weights are on the device:
+        runtime/accumulate.py) where `vertical` says, None: as the plan chose (Plan.vertical,
+        Settings.accumulation). Between windows. Returns each micro-batch's loss and the step's
+        report."""
+        return self._windows.train(batches, vertical=vertical, loss_fn=loss_fn)
+
+    def eval_window(self, batches, *, vertical: Optional[bool] = None) -> list:
+        """The model's outputs for each batch, forward only (no gradients), vertically as
+        train_window."""
+        return self._windows.evaluate(batches, vertical=vertical)
 
     def step(self) -> Optional[StepReport]:
         """Waits for the optimizer. On an accumulation boundary returns the StepReport."""

@@ -87,6 +87,7 @@ class Executor:
         self.misses = 0
         self._warned_order = False
         self._in_root_forward = False  # inside a forward of the whole model (root module hooks)
+        self.window = None  # a vertical window's forward (runtime/window.py), while it runs
         # units whose weights (== master) backward leaves held for the next forward, where that
         # forward applies their pending update (runtime/pending.py's Note on memory)
         self.keep_across: frozenset = (
@@ -256,6 +257,8 @@ class Executor:
             self._recompute(u)
             return None
         pos = self.schedule.forward_index[u.name]
+        if self.window is not None:
+            self.window.arrive(pos)  # the switch point: every micro-batch before unit u first
         if pos < self.cursor and self._in_root_forward:
             self._in_root_forward = False
             raise UnitStateError(

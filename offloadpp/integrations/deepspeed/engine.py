@@ -29,6 +29,7 @@ import offloadpp.integrations.deepspeed.surface as surface
 from offloadpp.integrations.deepspeed.checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from offloadpp.integrations.deepspeed.monitor import StepEvents
 from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
+from offloadpp.runtime.accumulate import loss_of
 from offloadpp.runtime.transaction import holding_interrupts
 
 logger = logging.getLogger("offloadpp")
@@ -57,6 +58,7 @@ class OffloadppEngine(DeepSpeedEngine):
         self.skipped_steps = 0
         self.last_report = None
         self.reports: list = []  # StepReports of this process, newest last
+        self.last_window = None  # the last train_batch's WindowResult (runtime/accumulate.py)
         self._step_applied = False
         self._boundary_flag: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._micro_in_window = 0
@@ -154,8 +156,11 @@ class OffloadppEngine(DeepSpeedEngine):
             return
         boundary = self._pending
         report = self._complete_micro()
-        if not boundary:
-            return
+        if boundary:
+            self._stepped(report, lr_kwargs)
+
+    def _stepped(self, report, lr_kwargs: Optional[dict]) -> None:
+        """An optimizer step ended (its StepReport): counters, the LR scheduler, the log."""
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.last_report = report
@@ -178,6 +183,75 @@ class OffloadppEngine(DeepSpeedEngine):
         spp = self.steps_per_print()
         if spp and math.isfinite(spp) and self.global_steps % spp == 0:
             logger.info("offloadpp step %d lr=%s %s", self.global_steps, self.get_lr(), report.summary())
+
+    # ---- a whole window (DeepSpeed's PipelineEngine API) ------------------------------------
+    def set_dataiterator(self, iterator) -> None:
+        """The iterator train_batch() pulls micro-batches from when it is given none."""
+        self.data_iterator = iterator
+
+    def _pull(self, data_iter, count: int) -> list:
+        """`count` micro-batches from data_iter (else the one set, else the training data given
+        to initialize), on the engine's device, floats cast as forward() casts them."""
+        it = data_iter if data_iter is not None else getattr(self, "data_iterator", None)
+        if it is None:
+            if self.training_dataloader is None:
+                raise ValueError(
+                    "train_batch/eval_batch: no data_iter given, none set with set_dataiterator, and no "
+                    "training_data passed to initialize"
+                )
+            it = self.data_iterator = iter(self.training_dataloader)
+        batches = [next(it) for _ in range(count)]
+        batches = _to_device(batches, self.device)
+        if self._config.float16_config.enabled and self._config.float16_config.auto_cast:
+            batches = _cast_floats(batches, torch.float16)
+        return batches
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """DeepSpeed's PipelineEngine.train_batch: pulls gradient_accumulation_steps micro-batches
+        from data_iter (each a dict of the model's keyword arguments or a tuple of its positional
+        ones), runs the window and the optimizer step, returns the window's mean loss. The window
+        runs vertically (offloadpp/runtime/accumulate.py): each unit's weights are read once for
+        forward and once for backward, not once per micro-batch."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if self._pending is not None or self._micro_in_window:
+            raise RuntimeError(
+                "train_batch: a window of engine.forward/backward/step micro-batches is half done; finish it "
+                "(engine.step() after its last backward) first"
+            )
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        batches = self._pull(None, self.gradient_accumulation_steps())
+        self._push_hypers()
+        result = self.runtime.train_window(batches)
+        self.micro_steps += len(batches)
+        self._stepped(result.report, None)
+        self.last_window = result  # (its per-micro-batch losses, whether it ran vertically)
+        self.agg_train_loss = result.mean_loss
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
+                   num_micro_batches: Optional[int] = None):  # fmt: skip
+        """DeepSpeed's PipelineEngine.eval_batch: the model in eval mode, forward only, over
+        num_micro_batches (default gradient_accumulation_steps) micro-batches from data_iter, run
+        vertically; returns the mean loss ('avg'), or the list of losses (reduce_output None),
+        and with return_logits also the last micro-batch's output, as DeepSpeed does. (bcast_loss:
+        one pipeline stage here, nothing to broadcast.)"""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+        self.module.eval()
+        batches = self._pull(data_iter, num_micro_batches or self.gradient_accumulation_steps())
+        outs = self.runtime.eval_window(batches)
+        result = None
+        if compute_loss:
+            losses = [loss_of(o, None).detach() for o in outs]
+            result = torch.stack([x.float() for x in losses]).mean() if reduce_output == "avg" else losses
+        if return_logits:
+            last = outs[-1]
+            return result, getattr(last, "logits", last)
+        return result
 
     def _complete_micro(self):
         report = self.runtime.step()
@@ -452,6 +526,16 @@ class OffloadppEngine(DeepSpeedEngine):
                 self.close()
         except Exception:  # interpreter shutdown: the runtime's own cleanup may be gone already
             pass
+
+
+def _to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
 
 
 def _cast_floats(obj, dtype):

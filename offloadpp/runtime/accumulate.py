@@ -1,0 +1,187 @@
+"""An accumulation window run whole: `OffloadEngine.train_window` and `eval_window`.
+
+Vertical (runtime/window.py): forward runs unit by unit, each unit over all G micro-batches
+while its weights are bound; one backward over the G losses runs unit by unit in reverse, each
+unit's gradients summed over the micro-batches by autograd on the device and handed to the
+optimizer once; the step follows. Weights are read once for forward and once for backward per
+window, and the gradients never leave the device between micro-batches.
+
+Note: RNG. Each micro-batch draws what it would have drawn run alone, in order (runtime/rng.py):
+the first window of each input shape runs horizontally (forward, backward, step per micro-batch,
+exact by definition) and records the tape of random operators each shape's forward makes; later
+windows predict each micro-batch's start state from it. If a forward ends elsewhere than the next
+one's predicted start, the window's graph is dropped before any backward (the engine back to its
+last step, as after an interruption) and the window runs horizontally, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from .config import StepReport
+from .rng import RngState, Tape, TapeRecorder, predicted_starts, shape_key
+from .window import VerticalForward
+
+log = logging.getLogger("offloadpp.runtime")
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    """losses: each micro-batch's loss (detached), in order; report: the step's; vertical:
+    whether the window ran vertically."""
+
+    losses: tuple[torch.Tensor, ...]
+    report: Optional[StepReport]
+    vertical: bool
+
+    @property
+    def mean_loss(self) -> torch.Tensor:
+        return torch.stack([x.float() for x in self.losses]).mean()
+
+
+def call(module: Callable, batch: Any):
+    """A micro-batch as the model takes it: a dict of keyword arguments, a tuple (or list) of
+    positional ones, or one argument."""
+    if isinstance(batch, dict):
+        return module(**batch)
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    return module(batch)
+
+
+def loss_of(out: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> torch.Tensor:
+    """The loss in a model's output: loss_fn(out) if given, else out.loss (Hugging Face), out
+    itself if a tensor, else its first element."""
+    if loss_fn is not None:
+        loss = loss_fn(out)
+    elif getattr(out, "loss", None) is not None:
+        loss = out.loss
+    elif isinstance(out, torch.Tensor):
+        loss = out
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        loss = out[0]
+    else:
+        raise TypeError(f"train_window: the model returned {type(out).__name__} with no loss; pass loss_fn")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"train_window: the loss must be a one-element tensor, got {loss!r:.80}")
+    return loss
+
+
+class WindowRunner:
+    """Runs windows for an engine; holds the RNG tapes by input shape (the Note on RNG)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.tapes: dict[tuple, Tape] = {}
+
+    # ---- training ---------------------------------------------------------------------------
+    def train(self, batches, *, vertical: Optional[bool], loss_fn) -> WindowResult:
+        e = self.engine
+        batches = list(batches)
+        if not batches:
+            raise ValueError("train_window: no micro-batches")
+        e._check_open()
+        if e.micro_in_window or e._micro is not None:
+            raise RuntimeError(
+                "train_window: an accumulation window of single micro-batches (forward/backward/step) is half "
+                "done; finish it with step() on its last micro-batch first"
+            )
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_window: gradients are disabled (torch.no_grad); use eval_window")
+        vertical = (e.plan.vertical if vertical is None else vertical) and len(batches) > 1
+        keys = [shape_key(e.module.training, b) for b in batches]
+        if vertical and all(k in self.tapes for k in keys):
+            result = self._vertical(batches, keys, loss_fn)
+            if result is not None:
+                return result
+        return self._horizontal(batches, keys, loss_fn)
+
+    def _horizontal(self, batches: list, keys: list, loss_fn) -> WindowResult:
+        """Forward, backward, step per micro-batch; the tape of each shape not seen yet recorded."""
+        e = self.engine
+        losses, report = [], None
+        count = len(batches) != e.settings.gradient_accumulation_steps
+        for m, batch in enumerate(batches):
+            tape = Tape() if keys[m] not in self.tapes else None
+            with TapeRecorder(tape) if tape is not None else contextlib.nullcontext():
+                out = e._forward(functools.partial(call, e.module, batch))
+            if tape is not None:
+                self.tapes[keys[m]] = tape
+            loss = loss_of(out, loss_fn)
+            if count:  # a window of another length than gradient_accumulation_steps: ends at its last
+                e.set_boundary(m == len(batches) - 1)
+            e.backward(loss)
+            report = e.step()
+            losses.append(loss.detach())
+        return WindowResult(tuple(losses), report, vertical=False)
+
+    def _vertical(self, batches: list, keys: list, loss_fn) -> Optional[WindowResult]:
+        """The window run vertically; None if the RNG did not follow the tapes (rerun it)."""
+        e = self.engine
+        dev = e.device.torch_device
+        starts = predicted_starts(RngState(dev), [self.tapes[k] for k in keys], dev)
+        fwd = VerticalForward(dev, starts)
+        e._boundary_override = True  # one backward, on the window's boundary
+        e.executor.window = fwd
+        try:
+            outs = e._forward(lambda: fwd.run(lambda b: call(e.module, b), batches))
+        finally:
+            e.executor.window = None
+        off = next((m for m in range(len(batches) - 1) if fwd.ends[m] != starts[m + 1]), None)
+        if off is not None:
+            log.warning(
+                "offloadpp: micro-batch %d's forward drew other random numbers than its input shape's first "
+                "window did; the window runs again horizontally (and its shapes' RNG tapes are recorded again)",
+                off,
+            )
+            del outs
+            e._abort_step()  # nothing was updated yet: the graph and its activations are dropped
+            starts[0].restore()
+            for k in keys:
+                self.tapes.pop(k, None)
+            return None
+        fwd.ends[-1].restore()  # where the last micro-batch's forward left the generators
+        losses = [loss_of(o, loss_fn) for o in outs]
+        del outs
+        e._backward(losses)
+        report = e.step()
+        return WindowResult(tuple(x.detach() for x in losses), report, vertical=True)
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def evaluate(self, batches, *, vertical: Optional[bool]) -> list:
+        e = self.engine
+        batches = list(batches)
+        if not batches:
+            raise ValueError("eval_window: no micro-batches")
+        vertical = (e.plan.vertical if vertical is None else vertical) and len(batches) > 1
+        keys = [shape_key(e.module.training, b) for b in batches]
+        with torch.no_grad():
+            if vertical and all(k in self.tapes for k in keys):
+                dev = e.device.torch_device
+                starts = predicted_starts(RngState(dev), [self.tapes[k] for k in keys], dev)
+                fwd = VerticalForward(dev, starts)
+                e.executor.window = fwd
+                try:
+                    outs = e._forward(lambda: fwd.run(lambda b: call(e.module, b), batches))
+                finally:
+                    e.executor.window = None
+                if all(fwd.ends[m] == starts[m + 1] for m in range(len(batches) - 1)):
+                    fwd.ends[-1].restore()
+                    return outs
+                starts[0].restore()  # (no graph: nothing else to drop)
+                for k in keys:
+                    self.tapes.pop(k, None)
+            outs = []
+            for m, batch in enumerate(batches):
+                tape = Tape() if keys[m] not in self.tapes else None
+                with TapeRecorder(tape) if tape is not None else contextlib.nullcontext():
+                    outs.append(e._forward(functools.partial(call, e.module, batch)))
+                if tape is not None:
+                    self.tapes[keys[m]] = tape
+            return outs

@@ -1,0 +1,336 @@
+"""Vertical accumulation windows (runtime/window.py, runtime/accumulate.py): `train_window` runs
+each unit over all G micro-batches while its weights are bound, and equals the horizontal
+window (forward/backward/step per micro-batch) and torch's AdamW over the same global batch, with
+dropout on and clipping 1.0, under every activation policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from offloadpp.assemble import assemble_engine
+from offloadpp.optim import AdamHyper
+from offloadpp.planner import ActivationSettings, Settings
+from offloadpp.runtime import RuntimeConfig, accumulate, rng
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+G = 4
+LR = 1e-3
+
+
+def gpt2(dropout: float = 0.1):
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def config(path, policy: str = "keep", **settings) -> RuntimeConfig:
+    path.mkdir(parents=True, exist_ok=True)
+    s = Settings(gradient_accumulation_steps=G, gradient_clipping=1.0, accumulation="vertical",
+                 activations=ActivationSettings(policy=policy), **settings)  # fmt: skip
+    return RuntimeConfig(
+        nvme_paths=[str(path)], settings=s, device="cpu", ssd_read_gbps=2.0, ssd_write_gbps=2.0
+    )
+
+
+@pytest.fixture(scope="module")
+def windows():
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(G)] for _ in range(3)]
+
+
+def torch_adamw(ref, windows) -> list[float]:
+    """The reference: in memory, each window's micro-batches one after the other from the
+    window's seed (the horizontal RNG stream), the loss divided by G, clipping 1.0, AdamW."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for w, mbs in enumerate(windows):
+        torch.manual_seed(100 + w)
+        for x in mbs:
+            loss = ref(input_ids=x, labels=x).loss
+            (loss / G).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def run_windows(eng, windows) -> tuple[list[float], list]:
+    losses, results = [], []
+    for w, mbs in enumerate(windows):
+        torch.manual_seed(100 + w)
+        r = eng.train_window([{"input_ids": x, "labels": x} for x in mbs])
+        assert len(r.losses) == G and r.report is not None
+        losses += [x.item() for x in r.losses]
+        results.append(r)
+    return losses, results
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute", "host", "ssd", "partial", "recompute_ssd"])
+def test_vertical_window_equals_torch_adamw(tmp_path, windows, policy):
+    """Dropout on, clipping 1.0: the first window runs horizontally (it records the RNG tape),
+    the next two vertically; per-micro-batch losses and the weights equal torch's AdamW over the
+    same global batches. Fails without the RNG replay (every micro-batch would draw the first
+    one's dropout masks) or without the per-unit gradient sum (a unit updated from part of the
+    window's gradients)."""
+    from numerics import compare_weights
+
+    ref = gpt2()
+    model = copy.deepcopy(ref)
+    want = torch_adamw(ref, windows)
+    with assemble_engine(model, config(tmp_path, policy), hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+        got, results = run_windows(eng, windows)
+        assert [r.vertical for r in results] == [False, True, True]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=LR, steps=len(windows)) < 1e-5
+        assert results[-1].report.grad_norm is not None  # (clipping: the window's global norm)
+
+
+def test_vertical_equals_the_horizontal_engine_and_reads_weights_once(tmp_path, windows):
+    """Against the engine's own horizontal windows (per-micro-batch forward/backward/step): the
+    same losses and weights, and each unit's weights read from SSD once for forward and once for
+    backward per window instead of G times each; each unit handed to the optimizer once."""
+    ref = gpt2()
+    hyper = AdamHyper(lr=LR, weight_decay=0.01)
+    with assemble_engine(copy.deepcopy(ref), config(tmp_path / "h"), hyper=hyper) as h:
+        want, reports = [], []
+        for w, mbs in enumerate(windows):
+            torch.manual_seed(100 + w)
+            for x in mbs:
+                loss = h(input_ids=x, labels=x).loss
+                h.backward(loss)
+                reports.append(h.step())
+                want.append(loss.item())
+        want_sd = {k: v.clone() for k, v in h.module.state_dict().items()}
+        h_io = {k: (r, w) for k, r, w in reports[-1].ssd_by_kind}  # (the window's last report: all of it)
+    with assemble_engine(copy.deepcopy(ref), config(tmp_path / "v"), hyper=hyper) as v:
+        handed = []
+        on_grads = v.optimizer.on_grads
+        v.optimizer.on_grads = lambda u: (handed.append(u.name), on_grads(u))[1]
+        got, results = run_windows(v, windows)
+        v_io = {k: (r, w) for k, r, w in results[-1].report.ssd_by_kind}
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+        for k, t in v.module.state_dict().items():
+            assert torch.allclose(t, want_sd[k], rtol=1e-5, atol=1e-6), k
+        names = [u.name for u in v.units]
+        last = handed[-len(names) :]
+        assert last == names[::-1] and handed.count(names[1]) == G + 2  # (G in the horizontal first window)
+    # the horizontal window read the weights for each micro-batch and moved each unit's gradient
+    # through its home between micro-batches; the vertical one reads weights at most once per
+    # visit (here none: the deferred updates apply at the next forward's visit, pending.py) and
+    # keeps the gradients on the device
+    assert h_io["gradients"][0] > 0 and h_io["weights"][0] > 0
+    assert v_io["gradients"] == (0, 0) and v_io["weights"][0] * G <= h_io["weights"][0]
+    assert sum(map(sum, v_io.values())) * 2 < sum(map(sum, h_io.values()))
+
+
+def test_backward_runs_unit_by_unit_across_micro_batches():
+    """The property the window rests on (runtime/window.py's Note): micro-batches interleaved by
+    greenlets on one thread, one backward over their losses runs each layer's backward for every
+    micro-batch before the layer below it, and each parameter's post-accumulate-grad hook fires
+    once, with the sum of the micro-batches' gradients."""
+    from offloadpp.runtime.window import VerticalForward
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    order, fired = [], []
+    for i, lin in enumerate(layers):
+        lin.weight.register_post_accumulate_grad_hook(lambda p, i=i: fired.append((i, p.grad.clone())))
+
+    class Walk:  # stands for the executor's pre-hook
+        window = None
+
+    def forward(m_x):
+        m, x = m_x
+        for i, lin in enumerate(layers):
+            Walk.window.arrive(i)
+            x = lin(x)
+            x.register_hook(lambda g, i=i, m=m: order.append((i, m)))
+        return x.square().sum()
+
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    starts = [rng.RngState(torch.device("cpu")) for _ in xs]
+    Walk.window = VerticalForward(torch.device("cpu"), starts)
+    losses = Walk.window.run(forward, list(enumerate(xs)))
+    torch.autograd.backward(losses)
+    assert order == [(i, m) for i in (2, 1, 0) for m in (2, 1, 0)]
+    assert [i for i, _ in fired] == [2, 1, 0]
+    want = torch.autograd.grad(sum(forward_plain(layers, x) for x in xs), layers[0].weight)[0]
+    assert torch.allclose(fired[-1][1], want)
+
+
+def forward_plain(layers, x):
+    for lin in layers:
+        x = lin(x)
+    return x.square().sum()
+
+
+def test_rng_tape_predicts_each_micro_batch_start():
+    """The tape of a forward's random operators, replayed on scratch tensors, moves the
+    generator exactly as the forward did."""
+    drop = torch.nn.Dropout(0.3)
+    x = torch.randn(3, 5)
+    tape = rng.Tape()
+    torch.manual_seed(5)
+    with rng.TapeRecorder(tape):
+        drop(x)
+        torch.randn(7)
+    after = rng.RngState(torch.device("cpu"))
+    assert len(tape) == 2
+    torch.manual_seed(5)
+    first = rng.RngState(torch.device("cpu"))
+    starts = rng.predicted_starts(first, [tape, tape], torch.device("cpu"))
+    assert starts[1] == after and not (starts[0] == after)
+    assert rng.RngState(torch.device("cpu")) == first  # (the generators left as they were)
+
+
+def test_window_falls_back_to_horizontal_when_the_tape_does_not_hold(tmp_path, windows, caplog):
+    """A forward that draws other random numbers than its shape's tape says (here: a tape made
+    empty) is detected before backward; the window is dropped and runs horizontally, exact."""
+    from numerics import compare_weights
+
+    ref = gpt2()
+    want = torch_adamw(copy.deepcopy(ref), windows)
+    with assemble_engine(
+        copy.deepcopy(ref), config(tmp_path), hyper=AdamHyper(lr=LR, weight_decay=0.01)
+    ) as eng:
+        torch.manual_seed(100)
+        eng.train_window([{"input_ids": x, "labels": x} for x in windows[0]])
+        for tape in eng._windows.tapes.values():
+            tape.ops.clear()
+        torch.manual_seed(101)
+        with caplog.at_level(logging.WARNING, logger="offloadpp.runtime"):
+            r = eng.train_window([{"input_ids": x, "labels": x} for x in windows[1]])
+        assert not r.vertical and "runs again horizontally" in caplog.text
+        assert [x.item() for x in r.losses] == pytest.approx(want[G : 2 * G], rel=1e-5, abs=1e-6)
+        torch.manual_seed(102)
+        r = eng.train_window([{"input_ids": x, "labels": x} for x in windows[2]])
+        assert r.vertical  # (the tape recorded again)
+        ref2 = copy.deepcopy(ref)
+        torch_adamw(ref2, windows)
+        assert compare_weights(eng.module.state_dict(), ref2.state_dict(), lr=LR, steps=3) < 1e-5
+
+
+def test_train_window_follows_the_plan_and_refuses_a_half_done_window(tmp_path, windows):
+    cfg = config(tmp_path / "h")
+    cfg = cfg.model_copy(update={"settings": cfg.settings.model_copy(update={"accumulation": "horizontal"})})
+    with assemble_engine(gpt2(0.0), cfg) as eng:
+        assert not eng.plan.vertical
+        mbs = [{"input_ids": x, "labels": x} for x in windows[0]]
+        assert [eng.train_window(mbs).vertical for _ in range(2)] == [False, False]
+        assert eng.train_window(mbs, vertical=True).vertical  # (asked explicitly)
+    with assemble_engine(gpt2(0.0), config(tmp_path)) as eng:
+        assert eng.plan.vertical
+        x = windows[0][0]
+        eng.backward(eng(input_ids=x, labels=x).loss)
+        eng.step()  # (not the window's boundary: 1 of G)
+        with pytest.raises(RuntimeError, match="half done"):
+            eng.train_window([{"input_ids": x, "labels": x}] * G)
+        with pytest.raises(TypeError, match="no loss"):
+            accumulate.loss_of(object(), None)
+
+
+def test_eval_window_vertical_equals_forward_per_batch(tmp_path, windows, monkeypatch):
+    """Forward only, dropout on (train mode under no_grad): the vertical window's outputs equal
+    each micro-batch's forward run alone, one after the other from the same seed."""
+    from offloadpp.runtime.window import VerticalForward
+
+    runs = []
+    run = VerticalForward.run
+    monkeypatch.setattr(VerticalForward, "run", lambda self, *a: (runs.append(1), run(self, *a))[1])
+    with assemble_engine(gpt2(), config(tmp_path)) as eng:
+        mbs = [(x,) for x in windows[0]]  # positional micro-batches
+        torch.manual_seed(7)
+        with torch.no_grad():
+            want = [eng(*b).logits for b in mbs]
+        for _ in range(2):
+            torch.manual_seed(7)
+            got = [o.logits for o in eng.eval_window(mbs)]
+            for a, b in zip(got, want):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert len(runs) == 1  # the first recorded the tape horizontally, the second ran vertically
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16bit_vertical_window_is_close_to_the_horizontal_one(tmp_path, windows, dtype):
+    """bf16 and fp16 compute (fp16 with loss scaling: its overflow check over the window's one
+    backward): the vertical window's losses and gradient norm agree with the horizontal
+    window's. Not bit for bit: autograd sums a unit's G micro-batch gradients in the compute
+    dtype on the device, where the horizontal window sums them in fp32 in their home
+    (docs/runtime.md, "Vertical windows")."""
+    from offloadpp.planner import LossScaling
+
+    scaling = {"loss_scaling": LossScaling(initial_scale_power=8)} if dtype == "fp16" else {}
+    got = {}
+    for acc in ("horizontal", "vertical"):
+        cfg = config(tmp_path / acc, compute_dtype=dtype, **scaling)
+        cfg = cfg.model_copy(update={"settings": cfg.settings.model_copy(update={"accumulation": acc})})
+        with assemble_engine(gpt2(), cfg, hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+            got[acc] = run_windows(eng, windows[:2])
+    (h_loss, h_res), (v_loss, v_res) = got["horizontal"], got["vertical"]
+    assert [r.vertical for r in v_res] == [False, True]
+    assert v_loss == pytest.approx(h_loss, rel=1e-4)
+    h, v = h_res[-1].report, v_res[-1].report
+    assert not v.skipped and v.grad_norm == pytest.approx(h.grad_norm, rel=1e-3)
+
+
+def test_fp16_overflow_in_a_vertical_window_skips_its_step(tmp_path, windows):
+    """A loss scale that overflows: the window's one backward finds it, the step is skipped
+    (no weight changes) and the scale halves, window after window."""
+    from offloadpp.planner import LossScaling
+
+    ref = gpt2()
+    cfg = config(
+        tmp_path, compute_dtype="fp16", loss_scaling=LossScaling(initial_scale_power=8, hysteresis=1)
+    )
+    with assemble_engine(copy.deepcopy(ref), cfg) as eng:
+        run_windows(eng, windows[:1])  # (the RNG tape)
+        before = {k: v.clone() for k, v in eng.module.state_dict().items()}
+        eng.loss_scaler.scale = 2.0**40
+        mbs = [{"input_ids": x, "labels": x} for x in windows[1]]
+        scales = []
+        for _ in range(2):
+            r = eng.train_window(mbs)
+            assert r.vertical and r.report.skipped
+            scales.append(r.report.loss_scale)
+        assert scales[1] == scales[0] / 2
+        assert all(torch.equal(t, before[k]) for k, t in eng.module.state_dict().items())
+
+
+def test_an_error_in_one_micro_batch_leaves_the_engine_usable(tmp_path, windows):
+    """A micro-batch whose forward raises in the middle of a vertical window: the error reaches
+    the caller, the other micro-batches' coroutines are unwound, the window is dropped as an
+    interrupted step, and the next windows train as if it had not happened."""
+    from numerics import compare_weights
+
+    ref = gpt2()
+    model = copy.deepcopy(ref)
+    torch_adamw(ref, windows)
+    with assemble_engine(model, config(tmp_path), hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+        run_windows(eng, windows[:1])
+        calls = []
+
+        def boom(module, args):
+            calls.append(1)
+            if len(calls) == 3:  # the third micro-batch reaching the second block
+                raise ValueError("boom")
+
+        h = eng.module.transformer.h[1].register_forward_pre_hook(boom)
+        with pytest.raises(ValueError, match="boom"):
+            eng.train_window([{"input_ids": x, "labels": x} for x in windows[1]])
+        h.remove()
+        assert eng.executor.window is None and eng.global_step == 1
+        for w in (1, 2):
+            torch.manual_seed(100 + w)
+            assert eng.train_window([{"input_ids": x, "labels": x} for x in windows[w]]).vertical
+        assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=LR, steps=3) < 1e-5
