@@ -257,3 +257,19 @@ def test_one_rank_writes_and_the_loss_is_the_mean_over_ranks():
         ev.write(samples=8, lr=0.1, loss_scale=None, report=None)
     assert masters[0].events == [("Train/Samples/lr", 0.1, 8), ("Train/Samples/train_loss", 4.0, 8)]
     assert masters[1].events == []
+
+
+def test_train_batch_writes_the_windows_mean_loss(tmp_path):
+    """A window driven whole (train_batch, runtime/accumulate.py) writes the same train_loss as the
+    engine's own forward/backward/step: the mean of the window's micro-batch losses, one row a step."""
+    csv_dir = tmp_path / "csv"
+    engine = _engine(
+        tmp_path, gradient_accumulation_steps=2, csv_monitor={"enabled": True, "output_path": str(csv_dir)}
+    )
+    data = batches(4)
+    means = [float(engine.train_batch(iter([{"input_ids": x, "labels": x} for x in data[i : i + 2]])))
+             for i in (0, 2)]  # fmt: skip
+    engine.close()
+    got = read_csv(csv_dir / "DeepSpeedJobName")["Train_Samples_train_loss.csv"][1]
+    assert [x for x, _ in got] == [2 * MICRO, 4 * MICRO]
+    assert [v for _, v in got] == pytest.approx(means, abs=1e-6, rel=0)

@@ -225,6 +225,8 @@ class OffloadppEngine(DeepSpeedEngine):
         batches = self._pull(None, self.gradient_accumulation_steps())
         self._push_hypers()
         result = self.runtime.train_window(batches)
+        for loss in result.losses:  # the monitors' train_loss: the window's mean, as backward() feeds it
+            self._events.backward(loss, 1.0 / len(result.losses))
         self.micro_steps += len(batches)
         self._stepped(result.report, None)
         self.last_window = result  # (its per-micro-batch losses, whether it ran vertically)
