@@ -1,4 +1,4 @@
-"""The `offloadpp` command: doctor, profile, plan, run, and the benchmarks (bench ...).
+"""The `offloadpp` command: doctor, profile, plan, run, import-deepspeed, and the benchmarks (bench ...).
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Only the module of the command being run is imported: `--help` stays fast, and one broken
@@ -20,6 +20,10 @@ COMMANDS = {
     ),
     "plan": ("offloadpp.cli.plan", "print the plan and its step-time estimate for a config and model"),
     "run": ("offloadpp.cli.run", "run an unchanged DeepSpeed / Trainer / Accelerate script on offloadpp"),
+    "import-deepspeed": (
+        "offloadpp.cli.import_deepspeed",
+        "a ZeRO-Infinity (ZeRO-3) checkpoint as an offloadpp checkpoint: master weights, moments, steps, scheduler",
+    ),
 }
 BENCHES = {
     "io": ("offloadpp.bench.io", "SSD read/write GB/s: offloadpp vs fio vs DeepSpeed aio"),
