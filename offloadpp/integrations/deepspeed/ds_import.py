@@ -19,6 +19,14 @@ unit split is the engine's (its Plan), so the folder is written for one engine: 
 writes it for itself, and `offloadpp import-deepspeed` builds the engine the training run will
 build (the same DeepSpeed JSON and model, on the meta device) to write it once, ahead of the run.
 
+Note: the NVMe optimizer's checkpoint. With `offload_optimizer` on NVMe, ZeRO-3 keeps the fp32
+partitions and moments in swap files and its optimizer files hold empty tensors in their place;
+save_checkpoint copies the swap files into TAG/offloaded_tensors/rankNN/, and only DeepSpeed's
+own engine, with the same swap folder layout, reads them back. ds_to_universal reads the optimizer
+files alone, so _staged first writes a copy of them with each sub-group's tensors read from its
+swap files (named after the ds_ids of the sub-group's first and last parameters) and converts
+that.
+
 Note: memory. The universal format is one file per parameter and state, so the offloadpp side
 holds one unit's array and one parameter at a time. DeepSpeed's conversion is the exception: it
 loads each rank's optimizer file whole (the rank's share of the master and moments, 12 bytes per
@@ -143,16 +151,18 @@ def to_universal(ds_path: str, out_root: str) -> str:
             "Convert it with DeepSpeed's ds_to_universal.py and load the universal folder with "
             '"checkpoint": {"load_universal": true}'
         )
-    _swap_in_offloaded(ds_path)
     from deepspeed.checkpoint import ds_to_universal
 
     out = os.path.join(out_root, os.path.basename(os.path.normpath(ds_path)))
-    args = argparse.Namespace(input_folder=ds_path, output_folder=out, num_extract_workers=1, num_merge_workers=1,
+    staged = _staged(ds_path, out_root)
+    args = argparse.Namespace(input_folder=staged, output_folder=out, num_extract_workers=1, num_merge_workers=1,
                               keep_temp_folder=False, strict=True, inject_missing_state=False)  # fmt: skip
     said = _io.StringIO()  # its progress prints, kept for the log
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(said):
         ds_to_universal.main(args)
+    if staged != ds_path:
+        shutil.rmtree(os.path.dirname(staged), ignore_errors=True)
     log.info(
         "offloadpp: DeepSpeed's ds_to_universal converted %s in %.1fs", ds_path, time.perf_counter() - t0
     )
@@ -160,9 +170,87 @@ def to_universal(ds_path: str, out_root: str) -> str:
     return out
 
 
-def _swap_in_offloaded(ds_path: str) -> None:
-    """ZeRO-Infinity with the optimizer on NVMe: DeepSpeed's files are complete as saved (see
-    the Note in docs/checkpoints.md); refused when they are not."""
+OFFLOADED = "offloaded_tensors"  # ZeRO-Infinity's optimizer swap files, copied by its save_checkpoint
+_SWAP_FILE = re.compile(r"^(?:(exp_avg|exp_avg_sq)-)?(\d+)_(\d+)\.tensor\.swp$")
+
+
+def _staged(ds_path: str, work: str) -> str:
+    """ds_path itself where its optimizer files hold the optimizer state; for ZeRO-Infinity with
+    the optimizer on NVMe, a copy under `work` whose optimizer files are filled from the swap
+    files DeepSpeed saved beside them (Note: the NVMe optimizer's checkpoint)."""
+    off = os.path.join(ds_path, OFFLOADED)
+    if not os.path.isdir(off):
+        return ds_path
+    stage = os.path.join(work, "staged", os.path.basename(os.path.normpath(ds_path)))
+    os.makedirs(stage)
+    models = sorted(glob.glob(os.path.join(ds_path, "*model_states.pt")))
+    for f in models:
+        os.symlink(os.path.abspath(f), os.path.join(stage, os.path.basename(f)))
+    for f in sorted(glob.glob(os.path.join(ds_path, "*_optim_states.pt"))):
+        m = re.search(r"zero_pp_rank_(\d+)_mp_rank_", os.path.basename(f))
+        if m is None:
+            raise DeepSpeedImportError(f"{f!r}: cannot tell its rank from its name")
+        rank = int(m.group(1))
+        model = _load(next((g for g in models if f"zero_pp_rank_{rank}_" in os.path.basename(g)), models[0]))
+        sd = torch.load(f, map_location="cpu", weights_only=False)  # (its tensors are empty: swapped out)
+        _fill_from_swap(sd["optimizer_state_dict"], model, os.path.join(off, f"rank{rank:02d}"), f)
+        torch.save(sd, os.path.join(stage, os.path.basename(f)))
+    return stage
+
+
+def _fill_from_swap(osd: dict, model: dict, folder: str, where: str) -> None:
+    """Each ZeRO-3 sub-group's fp32 partition and Adam moments, read from DeepSpeed's swap files
+    in `folder`. DeepSpeed names them after the ds_ids of the sub-group's first and last parameter
+    (`A_B.tensor.swp`, `exp_avg-A_B.tensor.swp`, ...); ds_ids count the module's parameters in
+    order, so each sub-group's file follows from its parameters' places in the module."""
+    if not os.path.isdir(folder):
+        raise DeepSpeedImportError(f"{where!r}: its optimizer state was on NVMe and {folder!r} is missing")
+    files = {}
+    for name in os.listdir(folder):
+        m = _SWAP_FILE.match(name)
+        if m:
+            files[(m.group(1) or "fp32", int(m.group(2)), int(m.group(3)))] = os.path.join(folder, name)
+    order = {
+        n: i
+        for i, n in enumerate(
+            k for k in (model.get("module") or {}) if k not in set(model.get("buffer_names") or ())
+        )
+    }
+    groups = model.get("param_shapes") or []
+    if (
+        not files
+        or len(groups) != len(osd["fp32_flat_groups"])
+        or any(n not in order for g in groups for n in g)
+    ):
+        raise DeepSpeedImportError(
+            f"{where!r}: its NVMe optimizer files in {folder!r} cannot be matched to its parameters"
+        )
+    base = min(a for (_, a, _) in files) - min(order[next(iter(g))] for g in groups if g)
+    pc = osd.get("partition_count", 1)  # (the data-parallel ranks the state is split over)
+    partitions = max(int(pc[0] if isinstance(pc, (list, tuple)) else pc), 1)
+    state = osd["optimizer_state_dict"]["state"]
+    for i, g in enumerate(groups):
+        names = list(g)
+        a, b = order[names[0]] + base, order[names[-1]] + base
+        numel = sum(-(-_numel(s) // partitions) for s in g.values())
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            path = files.get((key, a, b))
+            if path is None or os.path.getsize(path) < numel * 4:
+                raise DeepSpeedImportError(
+                    f"{where!r}: sub-group {i}'s {key} ({numel} values) is not among the NVMe optimizer files in {folder!r}"
+                )
+            t = torch.from_file(path, shared=False, size=numel, dtype=torch.float32)
+            if key == "fp32":
+                osd["fp32_flat_groups"][i] = t
+            else:
+                state[i][key] = t
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 class Universal:
@@ -378,7 +466,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], **kw) -> tuple[Op
     it; a DeepSpeed ZeRO-3 one (or, with `checkpoint.load_universal`, a universal one) first
     written as an offloadpp checkpoint in a folder of the swap directory, loaded from there, and
     that folder removed. Returns (path, client_state) as DeepSpeed."""
-    universal = bool(engine.load_universal_checkpoint())
+    universal = bool(engine.load_universal_checkpoint()) and _universal_folder(load_dir, tag)
     if not universal and not _deepspeed_folder(load_dir, tag):
         return load_engine_checkpoint(engine, load_dir, tag, **kw)
     work = tempfile.mkdtemp(prefix="import-", dir=engine.runtime.store.dirs[0])
@@ -391,13 +479,25 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], **kw) -> tuple[Op
     return (load_dir if tag is None else os.path.join(load_dir, str(tag))), client
 
 
+def _universal_folder(load_dir: str, tag: Optional[str]) -> bool:
+    """With `checkpoint.load_universal`: whether load_dir/tag (or the tag `latest_universal`
+    names, or load_dir itself) is a universal checkpoint; the run's own offloadpp checkpoints,
+    saved after the move, still load as ever with the switch left on."""
+    if tag is not None:
+        return kind_of(os.path.join(load_dir, str(tag))) == "universal"
+    if kind_of(load_dir) is not None:
+        return kind_of(load_dir) == "universal"
+    return os.path.isfile(os.path.join(load_dir, LATEST_UNIVERSAL))
+
+
 def _deepspeed_folder(load_dir: str, tag: Optional[str]) -> bool:
     """Whether load_dir/tag (or the tag load_dir's `latest` names, or load_dir itself) is a
-    DeepSpeed engine's checkpoint rather than one of ours."""
+    DeepSpeed checkpoint (an engine's or a universal one) rather than one of ours."""
     try:
         t = _resolve_tag(load_dir, tag)
     except CheckpointError:
         t = None
+    ours = ("deepspeed", "universal")  # (a universal folder named outright loads without the switch too)
     if t is not None:
-        return kind_of(os.path.join(load_dir, t)) == "deepspeed"
-    return kind_of(load_dir) == "deepspeed"
+        return kind_of(os.path.join(load_dir, t)) in ours
+    return kind_of(load_dir) in ours
