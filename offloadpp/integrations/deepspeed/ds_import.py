@@ -210,13 +210,10 @@ def _fill_from_swap(osd: dict, model: dict, folder: str, where: str) -> None:
         m = _SWAP_FILE.match(name)
         if m:
             files[(m.group(1) or "fp32", int(m.group(2)), int(m.group(3)))] = os.path.join(folder, name)
-    order = {
-        n: i
-        for i, n in enumerate(
-            k for k in (model.get("module") or {}) if k not in set(model.get("buffer_names") or ())
-        )
-    }
     groups = model.get("param_shapes") or []
+    # ds_ids follow module.parameters(): the state dict's order, buffers and tied second names aside
+    named = {n for g in groups for n in g}
+    order = {n: i for i, n in enumerate(k for k in (model.get("module") or {}) if k in named)}
     if (
         not files
         or len(groups) != len(osd["fp32_flat_groups"])
