@@ -25,7 +25,8 @@ save_checkpoint copies the swap files into TAG/offloaded_tensors/rankNN/, and on
 own engine, with the same swap folder layout, reads them back. ds_to_universal reads the optimizer
 files alone, so _staged first writes a copy of them with each sub-group's tensors read from its
 swap files (named after the ds_ids of the sub-group's first and last parameters) and converts
-that.
+that. (Written from DeepSpeed's source, stage3.py and swap_tensor/; not yet run against a real
+NVMe checkpoint: tests/test_ds_import.py's OFFLOAD.)
 
 Note: memory. The universal format is one file per parameter and state, so the offloadpp side
 holds one unit's array and one parameter at a time. DeepSpeed's conversion is the exception: it
