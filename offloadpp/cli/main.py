@@ -1,4 +1,4 @@
-"""The `offloadpp` command: doctor, profile, plan, run, export, and the benchmarks (bench ...).
+"""The `offloadpp` command: doctor, profile, plan, run, export, import-deepspeed, and the benchmarks (bench ...).
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 Only the module of the command being run is imported: `--help` stays fast, and one broken
@@ -23,6 +23,10 @@ COMMANDS = {
     "export": (
         "offloadpp.cli.export",
         "a checkpoint's weights as a Hugging Face folder (sharded safetensors, config.json), streamed",
+    ),
+    "import-deepspeed": (
+        "offloadpp.cli.import_deepspeed",
+        "a ZeRO-Infinity (ZeRO-3) checkpoint as an offloadpp checkpoint: master weights, moments, steps, scheduler",
     ),
 }
 BENCHES = {

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from tqdm import tqdm
@@ -226,22 +226,70 @@ def save_state(units: list[Unit], path: str, *, io: IOConfig, meta: dict, files:
                 slot.release(Hold.EXPORT, after=(fut,))  # back to its pool once written
         ck.sync()
         parts = {os.path.relpath(p, path): n for p, n in ck.file_sizes().items()}
+    steps = {s.name: step for u in units for (_, s), step in zip(u.params, u.steps)}
+    return _seal(path, model_layout(units), arrays, parts, steps, meta, files)
+
+
+def _seal(path: str, layout: list[dict], arrays: dict, parts: dict, param_steps: dict, meta: dict,
+          files: tuple[str, ...]) -> dict:  # fmt: skip
+    """The manifest of a checkpoint whose arrays are written and synced: the small files
+    fsync'ed and recorded, the folder fsync'ed, the manifest written last."""
     records = []
     for name in files:
         fsync_file(os.path.join(path, name))
         records.append(_file_record(os.path.join(path, name), path))
     manifest = {
         "format": FORMAT,
-        "layout": model_layout(units),
+        "layout": layout,
         "arrays": arrays,
         "state_files": parts,
         "files": records,
-        "param_steps": {s.name: step for u in units for (_, s), step in zip(u.params, u.steps)},
+        "param_steps": param_steps,
         **meta,
     }
     fsync_dir(path)
     write_manifest(path, manifest)
     return manifest
+
+
+def write_state(layout: list[dict], path: str, *, io: IOConfig, arrays_of: Callable[[dict], Iterator[tuple[str, torch.Tensor]]],
+                param_steps: dict, meta: dict, files: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """save_state's folder from another source than a running engine's units (a run moved over
+    from DeepSpeed: integrations/deepspeed/ds_import.py). `layout` is model_layout's records of
+    the engine that will load it; arrays_of(unit_record) yields each of ARRAYS as a flat fp32
+    tensor of the unit's padded_numel, one at a time: each is written (and waited for) before
+    the next is asked for, so memory holds one unit's array. Returns the manifest."""
+    if any(d.get("frozen") for d in layout):
+        raise CheckpointError(
+            "writing a checkpoint from another source for a model with frozen parameters (requires_grad=False) "
+            "is not supported: their reference is the engine's own"
+        )
+    state_dir = os.path.join(path, STATE_DIR)
+    os.makedirs(state_dir)
+    arrays: dict[str, dict] = {}
+    cfg = io.model_copy(update={"checksum": True})
+    with TensorStore([state_dir], config=cfg, create=False) as ck:
+        for d in layout:
+            got = []
+            for array, buf in arrays_of(d) if d["params"] else ():
+                if buf.dtype != torch.float32 or buf.numel() != d["padded_numel"]:
+                    raise CheckpointError(
+                        f"unit {d['unit']!r}: its {array} must be {d['padded_numel']} fp32 values, got "
+                        f"{buf.numel()} {buf.dtype}"
+                    )
+                buf = buf.contiguous()
+                key = f"{d['unit']}.{array}"
+                nbytes = buf.numel() * buf.element_size()
+                arrays[key] = {"nbytes": nbytes, "crc32c": crc32c(buf.data_ptr(), nbytes)}
+                ck.put(key, buf).wait()
+                got.append(array)
+            if d["params"] and sorted(got) != sorted(ARRAYS):
+                raise CheckpointError(
+                    f"unit {d['unit']!r}: got the arrays {got}, a checkpoint needs {list(ARRAYS)}"
+                )
+        ck.sync()
+        parts = {os.path.relpath(p, path): n for p, n in ck.file_sizes().items()}
+    return _seal(path, layout, arrays, parts, param_steps, meta, files)
 
 
 def read_manifest(path: str) -> dict:

@@ -219,7 +219,8 @@ def _resolve_tag(load_dir: str, tag: Optional[str]) -> Optional[str]:
 
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_optimizer_states: bool,
                            load_lr_scheduler_states: bool) -> tuple[Optional[str], Any]:  # fmt: skip
-    """Returns (path, client_state), or (None, None) when there is no checkpoint, as DeepSpeed."""
+    """Returns (path, client_state), or (None, None) when there is no checkpoint, as DeepSpeed.
+    (A DeepSpeed checkpoint goes through ds_import.load_checkpoint first.)"""
     dp = engine.runtime.dp
     local = node_local(engine)
     if dp is None:

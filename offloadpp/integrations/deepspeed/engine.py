@@ -26,7 +26,8 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 import offloadpp.integrations.deepspeed.surface as surface
-from offloadpp.integrations.deepspeed.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from offloadpp.integrations.deepspeed.checkpoint import save_engine_checkpoint
+from offloadpp.integrations.deepspeed.ds_import import load_checkpoint
 from offloadpp.integrations.deepspeed.monitor import StepEvents
 from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
 from offloadpp.runtime.accumulate import loss_of
@@ -455,13 +456,15 @@ class OffloadppEngine(DeepSpeedEngine):
                         load_module_only: bool = False, custom_load_fn=None) -> tuple[Optional[str], Any]:  # fmt: skip
         """Loads a checkpoint save_checkpoint wrote (the weights only with load_module_only or
         load_optimizer_states=False). It must be this model's: load_module_strict=False does not
-        relax the check of its units and parameters (a mismatch is named)."""
+        relax the check of its units and parameters (a mismatch is named). A DeepSpeed ZeRO-3
+        checkpoint folder, or a universal one with `checkpoint.load_universal`, is moved over
+        (ds_import.py: master weights, moments, steps, scheduler)."""
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...): offloadpp loads its own checkpoint format"
             )
         self._finish_micro()
-        path, client = load_engine_checkpoint(
+        path, client = load_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
         )  # fmt: skip

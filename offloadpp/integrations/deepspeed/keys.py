@@ -235,7 +235,11 @@ KEYS: dict[str, Key] = {
     "checkpoint.checkpoint_serialization": _i(
         "offloadpp writes its own checkpoint format (runtime/checkpoint.py)"
     ),
-    "checkpoint.load_universal": _r("offloadpp loads its own checkpoints (save_checkpoint)", False),
+    "checkpoint.load_universal": _h(
+        "load_checkpoint reads a DeepSpeed universal checkpoint (ds_to_universal's folder, named by "
+        "`latest_universal` or the tag) into the engine: master weights, Adam moments, steps, scheduler "
+        "(docs/checkpoints.md, 'Moving a run over from ZeRO-Infinity')"
+    ),
     "checkpoint.writer": _r("offloadpp writes its checkpoints itself", None),
     "checkpoint.writer.*": _i(_OFF),
     "datastates_ckpt": _r("offloadpp writes its checkpoints itself"),
