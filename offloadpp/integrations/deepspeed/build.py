@@ -394,7 +394,8 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, given: Given, *, dist_ini
         scheduler = _scheduler(ds_config, opt, lr_scheduler)
         loader = _dataloader(ds_config, training_data, collate_fn, rank=rank, world=world)
         engine = OffloadppEngine(runtime, ds_dict, ds_config, opt, groups=groups, lr_scheduler=scheduler,
-                                 training_dataloader=loader, collate_fn=collate_fn, monitor=monitor)  # fmt: skip
+                                 training_dataloader=loader, collate_fn=collate_fn)  # fmt: skip
+        engine.attach_monitor(monitor)
     except BaseException:
         runtime.close()
         raise

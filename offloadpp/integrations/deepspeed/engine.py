@@ -40,7 +40,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class OffloadppEngine(DeepSpeedEngine):
     def __init__(self, runtime, config: dict, ds_config, optimizer: OffloadppOptimizer, *, groups: dict,
-                 lr_scheduler=None, training_dataloader=None, collate_fn=None, monitor=None):  # fmt: skip
+                 lr_scheduler=None, training_dataloader=None, collate_fn=None):  # fmt: skip
         torch.nn.Module.__init__(self)
         self._modules["module"] = runtime.module  # nn.Module's methods see the model as a child
         self.__dict__["module"] = runtime.module
@@ -66,18 +66,23 @@ class OffloadppEngine(DeepSpeedEngine):
         self._pending: Optional[bool] = None  # a backward without its step(): was it a boundary?
         # DeepSpeed's MonitorMaster, as DeepSpeedEngine.monitor (scripts write their own events
         # through it too); StepEvents feeds it what DeepSpeedEngine writes, and our reports (monitor.py)
-        self.monitor = monitor
-        self._events = StepEvents(
-            monitor, rank=self.global_rank, world=self.world_size, fp16=ds_config.float16_config.enabled,
-            wall_clock=bool(ds_config.wall_clock_breakdown),
-            sum_over_ranks=runtime.dp.sum if runtime.dp is not None else None,
-        )  # fmt: skip
+        self.attach_monitor(None)  # (initialize attaches the config's: build.py)
         self._gc_generation = None
         if ds_config.disable_python_gc:
             from deepspeed.runtime.python_gc import python_gc_manager
 
             self._gc_generation = python_gc_manager.acquire()
         self._push_hypers()
+
+    def attach_monitor(self, monitor) -> None:
+        """DeepSpeed's MonitorMaster (None: no monitor), as DeepSpeedEngine.monitor; StepEvents
+        feeds it what DeepSpeedEngine writes each step, and our reports (monitor.py)."""
+        self.monitor = monitor
+        self._events = StepEvents(
+            monitor, rank=self.global_rank, world=self.world_size, fp16=self._config.float16_config.enabled,
+            wall_clock=bool(self._config.wall_clock_breakdown),
+            sum_over_ranks=self.runtime.dp.sum if self.runtime.dp is not None else None,
+        )  # fmt: skip
 
     # ---- where it runs -------------------------------------------------------------------
     @property
