@@ -34,3 +34,10 @@ def compare_weights(got: dict, want: dict, *, lr: float, steps: int) -> float:
             assert (g - w)[noise].abs().max().item() <= 2 * lr * steps, name
         worst = max(worst, ((g - w)[~noise].abs().max() / w[~noise].abs().max().clamp_min(1e-12)).item())
     return worst
+
+
+def worst_relative(got: dict, want: dict) -> float:
+    """max over want's tensors of max|got - want| / max|want|, in fp32 (tied weights: want's names)."""
+    return max(
+        ((got[n].float() - w.float()).abs().max() / w.float().abs().max()).item() for n, w in want.items()
+    )

@@ -24,7 +24,7 @@ pytest.importorskip("deepspeed")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ds_import_worker import batches, tiny  # noqa: E402
+from ds_import_worker import batches, tiny, train  # noqa: E402
 
 FIRST, THEN = 5, 5
 LR = 3e-3
@@ -98,23 +98,6 @@ def ours(tmp: Path, model: str, name: str, **over):
     m = tiny(model, 321)  # other weights again: all must come from the checkpoint
     engine, *_ = offloadpp.initialize(model=m, model_parameters=m.parameters(), config=cfg)
     return engine
-
-
-def train(engine, data) -> list[float]:
-    losses = []
-    for ids in data:
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
-def worst_relative(got: dict, want: dict) -> float:
-    """max over parameters of max|got - want| / max|want| (tied weights: want's names)."""
-    return max(
-        ((got[n].float() - w.float()).abs().max() / w.float().abs().max()).item() for n, w in want.items()
-    )
 
 
 @pytest.mark.parametrize("run", ["zero_gpt2", "zero_llama"])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_deepspeed_integration import batches, ds_config, tiny_gpt2
+from test_deepspeed_integration import batches, ds_config, tiny_gpt2, train
 
 import offloadpp
 from offloadpp.integrations.deepspeed import OffloadppConfigError
@@ -141,13 +141,7 @@ def _engine(tmp_path, **over):
 
 
 def _train(engine, n: int) -> list:
-    losses = []
-    for ids in batches(n):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+    return train(engine, batches(n))
 
 
 def test_fp16_loss_scale_is_the_scale_after_each_step(tmp_path):

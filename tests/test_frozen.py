@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from numerics import worst_relative
 from test_cost import hw
 from torch import nn
 
@@ -110,11 +111,6 @@ def train_beside(ref, opt, eng, xs):
         eng.backward(eng(x))
         reports.append(eng.step())
     return reports
-
-
-def worst_relative(sd, want) -> float:
-    """The largest difference of the engine's state dict from torch's, relative to each tensor's size."""
-    return max(((sd[k].float() - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
 
 
 def test_layout_splits_frozen_parameters_into_their_own_segment():
