@@ -314,16 +314,7 @@ class Plan:
         if any(w <= 0 for _, w in stripe):
             raise PlanError(f"ssd_stripe weights must be > 0, got {list(stripe)}")
         object.__setattr__(self, "ssd_stripe", stripe)
-        if self.activations and len(self.activations) != len(self.units):
-            raise PlanError(
-                f"activations must name one policy per unit ({len(self.units)}), got {len(self.activations)}: "
-                f"{list(self.activations)}"
-            )
-        for u, a in zip(self.units, self.activations):
-            if a not in ACTIVATION_POLICIES:
-                raise PlanError(
-                    f"unit {u.name!r}: activation policy must be one of {ACTIVATION_POLICIES}, got {a!r}"
-                )
+        self._check_policies("activations", "activation policy", self.activations)
 
     def _check_window(self) -> None:
         object.__setattr__(self, "vertical_activations", tuple(self.vertical_activations))
@@ -340,16 +331,17 @@ class Plan:
             raise PlanError(
                 "vertical accumulation is accumulation over a window: vertical needs accumulate_grads"
             )
-        if self.vertical_activations and len(self.vertical_activations) != len(self.units):
+        self._check_policies("vertical_activations", "vertical activation policy", self.vertical_activations)
+
+    def _check_policies(self, field: str, what: str, policies: tuple) -> None:
+        """`field` (empty, or one activation policy per unit) names only known policies."""
+        if policies and len(policies) != len(self.units):
             raise PlanError(
-                f"vertical_activations must name one policy per unit ({len(self.units)}), got "
-                f"{len(self.vertical_activations)}: {list(self.vertical_activations)}"
+                f"{field} must name one policy per unit ({len(self.units)}), got {len(policies)}: {list(policies)}"
             )
-        for u, a in zip(self.units, self.vertical_activations):
+        for u, a in zip(self.units, policies):
             if a not in ACTIVATION_POLICIES:
-                raise PlanError(
-                    f"unit {u.name!r}: vertical activation policy must be one of {ACTIVATION_POLICIES}, got {a!r}"
-                )
+                raise PlanError(f"unit {u.name!r}: {what} must be one of {ACTIVATION_POLICIES}, got {a!r}")
 
     def _check_placement(self, p: Placement) -> None:
         for what in ("master", "moments", "grads"):
