@@ -111,7 +111,8 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data, on_device
             # step's bytes are checked on the CPU device, the run's on the stand-in (closing note of
             # 2026-12-04: to be understood).
             if on_device == "cpu" or len(moved) == 2:
-                total = [sum(m[i] for m in (moved if on_device != "cpu" else moved[-1:])) for i in range(4)]
+                counted = moved[-1:] if on_device == "cpu" else moved  # this step's, or the run's
+                total = [sum(col) for col in zip(*counted)]
                 if policy in ("host", "ssd"):
                     assert total[0] > 0 and total[1] > 0
                 if policy == "ssd":
