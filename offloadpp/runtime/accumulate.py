@@ -108,12 +108,7 @@ class WindowRunner:
         losses, report = [], None
         count = len(batches) != e.settings.gradient_accumulation_steps
         for m, batch in enumerate(batches):
-            tape = Tape() if keys[m] not in self.tapes else None
-            with TapeRecorder(tape) if tape is not None else contextlib.nullcontext():
-                out = e._forward(functools.partial(call, e.module, batch))
-            if tape is not None:
-                self.tapes[keys[m]] = tape
-            loss = loss_of(out, loss_fn)
+            loss = loss_of(self._forward_taped(batch, keys[m]), loss_fn)
             if count:  # a window of another length than gradient_accumulation_steps: ends at its last
                 e.set_boundary(m == len(batches) - 1)
             e.backward(loss)
@@ -124,16 +119,8 @@ class WindowRunner:
     def _vertical(self, batches: list, keys: list, loss_fn) -> Optional[WindowResult]:
         """The window run vertically; None if the RNG did not follow the tapes (rerun it)."""
         e = self.engine
-        dev = e.device.torch_device
-        starts = predicted_starts(RngState(dev), [self.tapes[k] for k in keys], dev)
-        fwd = VerticalForward(dev, starts)
         e._boundary_override = True  # one backward, on the window's boundary
-        e.executor.window = fwd
-        try:
-            outs = e._forward(lambda: fwd.run(lambda b: call(e.module, b), batches))
-        finally:
-            e.executor.window = None
-        off = next((m for m in range(len(batches) - 1) if fwd.ends[m] != starts[m + 1]), None)
+        outs, off, starts = self._forward_vertical(batches, keys)
         if off is not None:
             log.warning(
                 "offloadpp: micro-batch %d's forward drew other random numbers than its input shape's first "
@@ -142,11 +129,8 @@ class WindowRunner:
             )
             del outs
             e._abort_step()  # nothing was updated yet: the graph and its activations are dropped
-            starts[0].restore()
-            for k in keys:
-                self.tapes.pop(k, None)
+            self._forget(keys, starts)
             return None
-        fwd.ends[-1].restore()  # where the last micro-batch's forward left the generators
         losses = [loss_of(o, loss_fn) for o in outs]
         del outs
         e._backward(losses)
@@ -163,25 +147,45 @@ class WindowRunner:
         keys = [shape_key(e.module.training, b) for b in batches]
         with torch.no_grad():
             if vertical and all(k in self.tapes for k in keys):
-                dev = e.device.torch_device
-                starts = predicted_starts(RngState(dev), [self.tapes[k] for k in keys], dev)
-                fwd = VerticalForward(dev, starts)
-                e.executor.window = fwd
-                try:
-                    outs = e._forward(lambda: fwd.run(lambda b: call(e.module, b), batches))
-                finally:
-                    e.executor.window = None
-                if all(fwd.ends[m] == starts[m + 1] for m in range(len(batches) - 1)):
-                    fwd.ends[-1].restore()
+                outs, off, starts = self._forward_vertical(batches, keys)
+                if off is None:
                     return outs
-                starts[0].restore()  # (no graph: nothing else to drop)
-                for k in keys:
-                    self.tapes.pop(k, None)
-            outs = []
-            for m, batch in enumerate(batches):
-                tape = Tape() if keys[m] not in self.tapes else None
-                with TapeRecorder(tape) if tape is not None else contextlib.nullcontext():
-                    outs.append(e._forward(functools.partial(call, e.module, batch)))
-                if tape is not None:
-                    self.tapes[keys[m]] = tape
-            return outs
+                self._forget(keys, starts)  # (no graph: nothing else to drop)
+            return [self._forward_taped(b, k) for b, k in zip(batches, keys)]
+
+    # ---- the forwards both share ----------------------------------------------------------------
+    def _forward_taped(self, batch, key):
+        """One micro-batch's forward; its input shape's RNG tape recorded if not seen yet."""
+        e = self.engine
+        tape = Tape() if key not in self.tapes else None
+        with TapeRecorder(tape) if tape is not None else contextlib.nullcontext():
+            out = e._forward(functools.partial(call, e.module, batch))
+        if tape is not None:
+            self.tapes[key] = tape
+        return out
+
+    def _forward_vertical(self, batches: list, keys: list):
+        """The window's forwards run vertically from the tapes' predicted start states: (the
+        outputs, the first micro-batch whose forward did not end where the next one was predicted
+        to start (None: all did; the generators are then left where the last one's forward left
+        them), the start states)."""
+        e = self.engine
+        dev = e.device.torch_device
+        starts = predicted_starts(RngState(dev), [self.tapes[k] for k in keys], dev)
+        fwd = VerticalForward(dev, starts)
+        e.executor.window = fwd
+        try:
+            outs = e._forward(lambda: fwd.run(lambda b: call(e.module, b), batches))
+        finally:
+            e.executor.window = None
+        off = next((m for m in range(len(batches) - 1) if fwd.ends[m] != starts[m + 1]), None)
+        if off is None:
+            fwd.ends[-1].restore()
+        return outs, off, starts
+
+    def _forget(self, keys: list, starts: list) -> None:
+        """A window whose tapes did not hold: the generators back to its start, its shapes' tapes
+        dropped (recorded again by the horizontal run that follows)."""
+        starts[0].restore()
+        for k in keys:
+            self.tapes.pop(k, None)
