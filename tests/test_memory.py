@@ -48,3 +48,23 @@ def test_only_the_owner_threads_untimed_waits_count():
     t.start()
     t.join()
     assert pool.wait_s == 0.0
+
+
+def test_the_longest_wait_for_room_is_reported_on_any_thread():
+    """A request that waits for room is timed whole, on any thread, and reset per step: the
+    StepReport's BudgetUse.longest_wait_s, which tells a plan that under-counts (a run paced on a
+    release) before the pool's RELEASE_WAIT_S turns it into an error (issue 37)."""
+    pool = BufferPool("device", 4096, lambda n, dt: torch.empty(n, dtype=dt))
+    held = pool.get(1024, torch.float32)  # the whole budget
+    threading.Timer(0.2, pool.put, args=(held,)).start()  # given back by another thread
+    t = threading.Thread(target=pool.get, args=(512, torch.float32))
+    t.start()
+    t.join()
+    assert 0.15 <= pool.longest_wait_s < 5 and pool.step_longest_wait_s == pool.longest_wait_s
+    pool.reset_step_peak()
+    assert pool.step_longest_wait_s == 0.0 and pool.longest_wait_s >= 0.15
+
+    pool = BufferPool("device", 4096, lambda n, dt: torch.empty(n, dtype=dt))
+    pool.get(512, torch.float32)
+    pool.charge(1024)  # fits: no wait
+    assert pool.longest_wait_s == 0.0

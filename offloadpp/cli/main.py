@@ -48,6 +48,10 @@ BENCHES = {
         "offloadpp.bench.planner_grid",
         "the automatic plan against hand-written plans, measured",
     ),
+    "device-budget": (
+        "offloadpp.bench.device_budget",
+        "a seeded sweep of small models: the runtime's device use within the plan's budget, no pool wait",
+    ),
     "planner-scale": (
         "offloadpp.bench.planner_scale",
         "estimates and planning time for GPT-3 13B/175B on the paper machine's profile",

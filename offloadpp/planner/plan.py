@@ -383,6 +383,14 @@ class Plan:
         return self.compute_dtype != "fp32"
 
     @property
+    def compute_copy_on_device(self) -> bool:
+        """The separate compute copy (16-bit weights) is a device buffer: on the CPU acting as the
+        device, one rank (runtime/unit.py draws it from the device pool, and an update that writes
+        a new copy takes it there, schedule.holds). On CUDA it is a host buffer copied up, and over
+        several ranks a host shard gathered into the device's buffer."""
+        return self.separate_weights and self.device == "cpu" and self.ranks == 1
+
+    @property
     def persistent_grads(self) -> bool:
         """Gradients outlive one unit's backward: kept across micro-batches or for a deferred update."""
         return self.accumulate_grads or self.deferred_update

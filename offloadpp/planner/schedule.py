@@ -23,6 +23,15 @@ device with fp32 compute (the weights are the master), a later unit is kept too 
 does not raise the step's device peak, as _fill_gaps keeps units within a step: the same memory,
 one read less per unit and step (every update is still written to SSD). A kept unit's hold ends
 at the visit that first holds it (`next_keep_until`).
+
+Note on updates' copies. With 16-bit compute an update writes a new compute copy of the unit's
+weights, in a buffer of the pool the copy lives in (Plan.compute_copy_on_device): on CUDA and
+over several ranks a host buffer (optim_host_bytes), on the CPU acting as the device a device
+buffer. There an update that runs in backward (not deferred, or speculated) takes it at the
+unit's backward visit, whether or not that visit holds the weights: a visit that does not (an
+embedding's: its backward needs no weights) still holds the copy its update makes (holds). Not
+counting it there was issue 37's under-count: GPT-2 in bf16 without clipping, whose tied
+embeddings' new copy came on top of the blocks kept for the next forward, waited 60 s and raised.
 """
 
 from __future__ import annotations
@@ -320,8 +329,8 @@ def optim_host_bytes(plan: Plan, u, p) -> int:
         b += u.moments_bytes
     if p.master is Tier.SSD and not _alias(plan):
         b += u.master_bytes
-    if plan.separate_weights and p.weights is not Tier.HOST:
-        b += u.weights_home_bytes(cdt)  # the new compute copy the update writes
+    if plan.separate_weights and p.weights is not Tier.HOST and not plan.compute_copy_on_device:
+        b += u.weights_home_bytes(cdt)  # the new compute copy the update writes (else: holds, device)
     if plan.ranks > 1:
         # the whole unit's fp32 gradients the ranks reduce (persistent with accumulation) and
         # this rank's reduced shard (kept for a deferred update); CUDA: the pinned staging too
@@ -404,6 +413,8 @@ def holds(plan: Plan, sched: Schedule) -> list[Holds]:
             held |= set(window)
             if v.backward:
                 held |= {n for n in sched.keep_until_update if n not in updated}
+        if v.backward and not plan.deferred_update and plan.compute_copy_on_device:
+            held.add(v.unit)  # the new compute copy its update writes (the Note on updates' copies)
         grads = specs[v.unit].padded_numel * DTYPE_BYTES[cdt] if v.backward else 0
         fetching = sched.alive[v.index] if staged_fetch(plan) else frozenset()
         shards = frozenset(kept) if plan.ranks > 1 else frozenset()
@@ -438,6 +449,8 @@ def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
         held = set(sched.alive[v.index]) | (sched.spec_next_keep & updated)
         if alias:
             held |= set(window)
+        if plan.compute_copy_on_device:
+            held.add(v.unit)  # the new compute copy its speculative update writes (holds)
         kept = tuple(n for n in absorb if n in updated and n in keep and n not in window)
         grads = specs[v.unit].padded_numel * DTYPE_BYTES[plan.compute_dtype]
         fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()

@@ -77,12 +77,15 @@ class BudgetUse:
         the device), "activation staging" (host buffers of swapped activations).
     budget_bytes: the budget (None: not limited, reported only).
     peak_bytes: the most held at once during the step; run_peak_bytes: since the engine started.
+    longest_wait_s: the longest one request waited for room in the step (a buffer pool's: none is
+        reported for the activations or the device copies, which do not wait on a pool).
     """
 
     name: str
     budget_bytes: Optional[int]
     peak_bytes: int
     run_peak_bytes: int
+    longest_wait_s: float = 0.0
 
     @property
     def within(self) -> bool:

@@ -25,7 +25,10 @@ subtracts it from forward and backward): only the owner's waits count, and not t
 a wait already being timed on that thread (an executor hook, `timed_elsewhere`). The
 optimizer's worker waiting for a buffer while it applies pending updates is not the device
 idling; counting it made a deferred step's `compute` 0.000 (the worker's waits outran forward
-and backward).
+and backward). `longest_wait_s` is another measure: the longest one call waited for room, on
+any thread. A plan that counts what the runtime holds keeps it short (pending I/O, the worker's
+oldest job); a long one is a plan that under-counts, which the StepReport's budgets show
+(BudgetUse.longest_wait_s) before RELEASE_WAIT_S turns it into an error.
 
 Note: a pace below the budget. A speculative plan's budgets hold what a step that speculates
 holds; a step of the same run that defers its updates (it clips) needs less. Where the pool is
@@ -107,6 +110,10 @@ class BufferPool:
         self.peak_bytes = 0
         self.step_peak_bytes = 0  # since reset_step_peak()
         self.wait_s = 0.0  # time spent waiting for pending work or a release to free a buffer
+        # the longest one get() or charge() waited for room, any thread, since the engine started
+        # and in the current step (the waits Note)
+        self.longest_wait_s = 0.0
+        self.step_longest_wait_s = 0.0
         self.allocations = 0  # buffers allocated (each costs page faults on first touch)
         self.release_wait_s = RELEASE_WAIT_S
         # Called (without the pool's lock, on the owner's thread) to have buffers given back;
@@ -117,6 +124,13 @@ class BufferPool:
     def _count_wait(self, t0: float) -> None:
         if threading.get_ident() == self.owner and not getattr(_timed, "depth", 0):
             self.wait_s += time.perf_counter() - t0
+
+    def _note_wait(self, t0: Optional[float]) -> None:
+        """One call's whole wait for room, from `t0` (None: it did not wait)."""
+        if t0 is not None:
+            w = time.perf_counter() - t0
+            self.longest_wait_s = max(self.longest_wait_s, w)
+            self.step_longest_wait_s = max(self.step_longest_wait_s, w)
 
     @staticmethod
     def _nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -131,15 +145,18 @@ class BufferPool:
                 f"{self.name} budget of {fmt_bytes(self.budget_bytes)} ({self.budget_bytes} bytes)"
             )
         with self._cv:
+            waited = None
             while True:
                 self._reclaim_done()
                 if self._free.get(key):
+                    self._note_wait(waited)
                     return self._free[key].pop()
                 limit = self._limit()
                 self._trim_free(need, limit)
                 if self.allocated_bytes + need <= limit:
                     break
                 t0 = time.perf_counter()
+                waited = t0 if waited is None else waited
                 if self._pending:  # work still using a returned buffer: wait for the oldest
                     self._wait_oldest_pending()
                 elif self.reclaim is not None and threading.get_ident() == self.owner and self._reclaim():
@@ -148,6 +165,7 @@ class BufferPool:
                     break  # nothing under way to pace on: the budget holds
                 elif not self._cv.wait(self.release_wait_s):  # a buffer handed out must come back
                     self._count_wait(t0)
+                    self._note_wait(waited)
                     raise BudgetExceededError(
                         f"{self.name} pool: {fmt_bytes(need)} ({need} bytes) more would pass the {self.name} budget "
                         f"of {fmt_bytes(self.budget_bytes)} ({self.budget_bytes} bytes): {fmt_bytes(self.allocated_bytes)} "
@@ -155,6 +173,7 @@ class BufferPool:
                         "this run: raise the budget, or report the model and config as a bug"
                     )
                 self._count_wait(t0)
+            self._note_wait(waited)
             self.allocated_bytes += need
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
             self.step_peak_bytes = max(self.step_peak_bytes, self.allocated_bytes)
@@ -170,12 +189,14 @@ class BufferPool:
         plan holds room for the gradients of the visit that made them."""
         with self._cv:
             t0 = time.perf_counter()
+            waited = None
             while True:
                 self._reclaim_done()
                 limit = self._limit()
                 self._trim_free(nbytes, limit)
                 if self.allocated_bytes + nbytes <= limit:
                     break
+                waited = time.perf_counter() if waited is None else waited
                 if self._pending:
                     self._wait_oldest_pending()
                 elif not (
@@ -183,6 +204,7 @@ class BufferPool:
                 ):
                     break
             self._count_wait(t0)
+            self._note_wait(waited)
             self.allocated_bytes += nbytes
             self.charged_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
@@ -215,6 +237,7 @@ class BufferPool:
     def reset_step_peak(self) -> None:
         with self._cv:
             self.step_peak_bytes = self.allocated_bytes
+            self.step_longest_wait_s = 0.0
 
     def drain(self) -> None:
         """Waits for all pending work on returned buffers."""

@@ -129,8 +129,14 @@ class StepAccounting:
         self._act_run_peak = max(self._act_run_peak, act.peak_device_bytes)
         self._act_host_run_peak = max(self._act_host_run_peak, act.peak_host_bytes)
         return (
-            BudgetUse("device", b.buffer_bytes, dev_step, dev_run),
-            BudgetUse("host", b.host_bytes, self.host_pool.step_peak_bytes, self.host_pool.peak_bytes),
+            BudgetUse("device", b.buffer_bytes, dev_step, dev_run, self.device_pool.step_longest_wait_s),
+            BudgetUse(
+                "host",
+                b.host_bytes,
+                self.host_pool.step_peak_bytes,
+                self.host_pool.peak_bytes,
+                self.host_pool.step_longest_wait_s,
+            ),
             BudgetUse("activations", b.activation_bytes, act.peak_device_bytes, self._act_run_peak),
             BudgetUse("activation staging", None, act.peak_host_bytes, self._act_host_run_peak),
         )

@@ -83,7 +83,9 @@ class Unit:
         if alias:
             self.compute = self.master
         else:
-            self.compute = slot("weights", self.compute_dtype, device_pool if cpu else host_pool)
+            self.compute = slot(
+                "weights", self.compute_dtype, device_pool if plan.compute_copy_on_device else host_pool
+            )
         self.exp_avg = slot("exp_avg", torch.float32, host_pool)
         self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool)
         # read only for the update: their CRC-32C is taken in the Adam pass (runtime/jobs.py)
