@@ -88,11 +88,11 @@ def test_a_16bit_update_in_backward_holds_its_new_copy_on_the_cpu_device():
 
 
 # A few configurations of the sweep, seconds each: both architectures, every dtype, clipping on
-# and off, the CPU device and the stand-in (the GPU's copy path), the case among them.
+# and off, the CPU device and the stand-in (the GPU's copy path), accumulation, the case among them.
 FAST = (
     Case("gpt2", 2, 64, 512, 2, 16, "bf16", 0.0, "keep", True, "cpu", seed=1),
     Case("gpt2", 2, 384, 4096, 2, 24, "bf16", 0.0, "host", False, "cpu", seed=10),
-    Case("llama", 2, 64, 256, 2, 16, "fp16", 1.0, "recompute", True, "cpu", seed=2),
+    Case("llama", 2, 64, 256, 2, 16, "fp16", 1.0, "recompute", True, "cpu", seed=2, accumulation=2),
     Case("llama", 1, 96, 1024, 3, 8, "fp32", 1.0, "partial_ssd", False, "standin", seed=3),
     Case("gpt2", 3, 64, 128, 1, 16, "bf16", 1.0, "auto", True, "cpu", seed=4),
 )
@@ -114,4 +114,5 @@ def test_the_sweep_is_seeded_and_spans_its_ranges():
     assert min(c.width for c in a) == 32 and max(c.width for c in a) == 512
     assert min(c.vocab for c in a) == 64 and max(c.vocab for c in a) == 4096
     assert {c.clipping > 0 for c in a} == {True, False} and {c.fused for c in a} == {True, False}
+    assert {c.device for c in a} == {"cpu", "standin"} and {c.accumulation for c in a} == {1, 2}
     assert {c.policy for c in a} == set(typing.get_args(ActivationPolicyName))

@@ -3,7 +3,8 @@ that the plan's device budget holds what the runtime charges against it.
 
 Each configuration (GPT-2 or Llama, 1-4 layers, width 32-512, vocabulary 64-4096, micro-batch
 1-4, fp32/bf16/fp16, clipping on or off, an activation policy, the fused head on or off, the CPU
-as the device or the stand-in accelerator, which runs the GPU's copy path) is planned by the
+as the device or the stand-in accelerator, which runs the GPU's copy path, one micro-batch per
+step or two accumulated) is planned by the
 resolve stage with "auto" budgets, as `offloadpp.initialize` plans it (every array on SSD, the
 budgets the streaming minimum: an under-count there is a wait or an error, not slack), and
 trained for a few steps. A violation is any of:
@@ -55,11 +56,13 @@ class Case:
     fused: bool
     device: str  # "cpu" or "standin"
     seed: int = 0
+    accumulation: int = 1  # micro-batches per step (gradient_accumulation_steps, each its own backward)
 
     def label(self) -> str:
         return (
             f"{self.arch} L{self.layers} w{self.width} v{self.vocab} b{self.batch}x{self.seq} {self.dtype} "
             f"clip{self.clipping:g} {self.policy} {'fused' if self.fused else 'unfused'} {self.device}"
+            + (f" gas{self.accumulation}" if self.accumulation > 1 else "")
         )
 
 
@@ -95,6 +98,7 @@ def cases(count: int, seed: int = 0) -> list[Case]:
                 fused=rng.random() < 0.5,
                 device="standin" if rng.random() < 0.25 else "cpu",
                 seed=seed * 100003 + i,
+                accumulation=rng.choice((1, 1, 2)),
             )
         )
     return out
@@ -140,6 +144,7 @@ def check(case: Case, root: str, *, steps: int = 3, max_wait_s: float = MAX_WAIT
         settings = Settings(
             compute_dtype=case.dtype,
             gradient_clipping=case.clipping,
+            gradient_accumulation_steps=case.accumulation,
             activations=ActivationSettings(policy=case.policy, fused_loss=case.fused),
         )
         cfg = RuntimeConfig(nvme_paths=[path], settings=settings, device=case.device)
@@ -148,10 +153,10 @@ def check(case: Case, root: str, *, steps: int = 3, max_wait_s: float = MAX_WAIT
             pool.release_wait_s = release_wait_s  # an under-count is an error in seconds, not a minute
         gen = torch.Generator().manual_seed(case.seed)
         for _ in range(steps):
-            x = torch.randint(0, case.vocab, (case.batch, case.seq), generator=gen)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            report = engine.step()
+            for _ in range(case.accumulation):
+                x = torch.randint(0, case.vocab, (case.batch, case.seq), generator=gen)
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                report = engine.step()  # (None before the boundary)
             for use in report.budgets:
                 if use.name == "device":
                     out.device_budget, out.device_peak = (

@@ -173,7 +173,8 @@ class Unit:
         if alias:
             self.compute = self.master
         else:
-            self.compute = slot("weights", n * cdt, sim.device_pool if not cuda else sim.host_pool)
+            pool = sim.device_pool if plan.compute_copy_on_device else sim.host_pool  # (runtime Unit's rule)
+            self.compute = slot("weights", n * cdt, pool)
         self.exp_avg = slot("exp_avg", n * 4, sim.host_pool)
         self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool)
         self.grads_persist = plan.persistent_grads
