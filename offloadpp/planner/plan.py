@@ -30,6 +30,7 @@ from functools import cached_property
 from typing import Iterator, Optional, Sequence
 
 from .spec import ACTIVATION_POLICIES, COMPUTE_DTYPES, DTYPE_BYTES, Budgets
+from .spec import fmt_bytes as fmt_bytes  # (the planner's modules import it from here)
 
 DEVICES = ("cpu", "cuda")
 
@@ -79,14 +80,6 @@ def shard_numel(numel: int, shards: int) -> int:
 # payloads up to 4096 bytes.
 SSD_SPACE_MARGIN = 1.02
 SSD_SPACE_MARGIN_BYTES = 64 << 20
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -522,86 +515,15 @@ class Plan:
         return self.device == "cpu" and self.ranks == 1 and p.weights is Tier.DEVICE
 
     def describe_budgets(self) -> str:
-        b = self.budgets
-        if b is None:
-            return "none"
-        if b.activation_bytes is None:
-            return f"device {fmt_bytes(b.device_bytes)} (activations not counted), host {fmt_bytes(b.host_bytes)}"
-        return (f"device {fmt_bytes(b.device_bytes)} (buffers {fmt_bytes(b.buffer_bytes)}, activations "
-                f"{fmt_bytes(b.activation_bytes)}), host {fmt_bytes(b.host_bytes)}")  # fmt: skip
+        from .describe import describe_budgets  # (it imports this module)
+
+        return describe_budgets(self)
 
     def describe(self) -> str:
-        """A table for humans: one line per unit."""
-        w = max([28] + [len(u.name) for u in self.units])
-        lines = [
-            f"plan: device={self.device} compute={self.compute_dtype} prefetch_depth={self.prefetch_depth} "
-            f"optim_prefetch_depth={self.optim_prefetch_depth} accumulate={self.accumulate_grads} "
-            f"deferred_update={self.deferred_update}{' (speculative)' if self.speculative else ''} "
-            f"fill_gaps={self.fill_gaps}"
-            + (f" grads={self.grad_dtype}" if self.persistent_grads or self.compute_dtype != "fp32" else "")
-            + (f" ranks={self.ranks} (each keeps 1/{self.ranks} of the state)" if self.ranks > 1 else ""),
-            f"  budgets: {self.describe_budgets()}; resident: device {fmt_bytes(self.resident_device_bytes())}, "
-            f"host {fmt_bytes(self.resident_host_bytes())}; ssd {fmt_bytes(self.ssd_bytes())}",
-            f"  {'unit':<{w}} {'trainable':>12} {'frozen':>12} {'weights':>8} {'master':>8} {'moments':>8} "
-            f"{'grads':>8} {'frozen at':>9}",
-        ]
-        for u, p in self:
-            grads = p.grads.value if self.persistent_grads else "-"
-            frozen_at = self.frozen_home(p).value if u.frozen_numel else "-"
-            lines.append(
-                f"  {u.name:<{w}} {u.numel:>12,} {u.frozen_numel:>12,} {p.weights.value:>8} {p.master.value:>8} "
-                f"{p.moments.value:>8} {grads:>8} {frozen_at:>9}"
-            )
-        frozen = sum(u.frozen_numel for u in self.units)
-        if frozen:
-            trainable = sum(u.numel for u in self.units)
-            rest = self.ssd_footprint_bytes() - self.frozen_ssd_bytes()
-            lines.append(
-                f"  frozen: {frozen:,} parameters, {fmt_bytes(sum(u.frozen_bytes(self.compute_dtype) for u in self.units))} "
-                f"read-only ({fmt_bytes(self.frozen_ssd_bytes())} on SSD); trainable: {trainable:,} parameters with "
-                f"master, moments and gradients; on SSD in all {fmt_bytes(self.ssd_footprint_bytes())}: the frozen "
-                f"base and {rest / max(1, trainable):.1f} B per trainable parameter"
-            )
-        if self.activations and set(self.activations) != {"keep"}:
-            act = self.budgets.activation_bytes if self.budgets is not None else None
-            budget = fmt_bytes(act) if act else "none"
-            lines.append(
-                f"  activations (budget {budget}): "
-                + ", ".join(f"{u.name}={a}" for u, a in zip(self.units, self.activations))
-            )
-            lines.extend(self._describe_activation_split())
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
+        """A table for humans: one line per unit (planner/describe.py)."""
+        from .describe import describe
 
-    def _describe_activation_split(self) -> list[str]:
-        """Per unit (runs of alike units on one line), where its saved bytes are between its
-        forward and its backward (planner/activations.py split_bytes)."""
-        if not self.activation_sizes or not self.activations:
-            return []
-        from .activations import ActUnit, split_bytes
-
-        rows: list[list] = []  # [first, last, count, policy, sizes]
-        for u, a, sz in zip(self.units, self.activations, self.activation_sizes):
-            if rows and rows[-1][3] == a and rows[-1][4] == sz:
-                rows[-1][1] = u.name
-                rows[-1][2] += 1
-            else:
-                rows.append([u.name, u.name, 1, a, sz])
-        out = [f"  {'activations per unit':<40} {'policy':>14} {'saved':>10} {'kept':>10} {'host':>10} "
-               f"{'ssd':>10} {'recomputed':>10}"]  # fmt: skip
-        totals = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
-        for first, last, n, a, (saved, ckpt, partial, extra) in rows:
-            name = first if n == 1 else f"{first} .. {last} ({n})"
-            sp = split_bytes(
-                ActUnit(first, saved, ckpt, 0, True, partial, extra), a if a != "auto" else "keep"
-            )
-            for k in totals:
-                totals[k] += n * sp[k]
-            out.append(f"  {name:<40} {a:>14} {fmt_bytes(saved):>10} {fmt_bytes(sp['kept']):>10} "
-                       f"{fmt_bytes(sp['host']):>10} {fmt_bytes(sp['ssd']):>10} {fmt_bytes(sp['recomputed']):>10}")  # fmt: skip
-        out.append(f"  {'total':<40} {'':>14} {'':>10} {fmt_bytes(totals['kept']):>10} "
-                   f"{fmt_bytes(totals['host']):>10} {fmt_bytes(totals['ssd']):>10} {fmt_bytes(totals['recomputed']):>10}")  # fmt: skip
-        return out
+        return describe(self)
 
 
 def shard_units(units: Sequence[UnitSpec], ranks: int) -> tuple[UnitSpec, ...]:
