@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 
-def _issue_engine(tmp_path, seq_clip: float, dtype: str = "bf16"):
+def _issue_engine(tmp_path, clipping: float, dtype: str = "bf16"):
     """Issue 37's shape through offloadpp.initialize: GPT-2, 2 layers, width 64, vocabulary 512,
     micro-batch 2, 16-bit on the CPU device, the state on SSD."""
     import offloadpp
@@ -32,7 +32,7 @@ def _issue_engine(tmp_path, seq_clip: float, dtype: str = "bf16"):
     nvme = str(tmp_path)
     ds = {
         "train_micro_batch_size_per_gpu": 2,
-        "gradient_clipping": seq_clip,
+        "gradient_clipping": clipping,
         dtype: {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
