@@ -2,8 +2,8 @@
 
 Vertical (runtime/window.py): forward runs unit by unit, each unit over all G micro-batches
 while its weights are bound; one backward over the G losses runs unit by unit in reverse, each
-unit's gradients summed over the micro-batches by autograd on the device and handed to the
-optimizer once; the step follows. Weights are read once for forward and once for backward per
+unit's gradients summed over the micro-batches on the device (by autograd, or in fp32 with 16-bit
+compute: runtime/window_grads.py) and handed to the optimizer once; the step follows. Weights are read once for forward and once for backward per
 window, and the gradients never leave the device between micro-batches.
 
 Note: RNG. Each micro-batch draws what it would have drawn run alone, in order (runtime/rng.py):
@@ -27,6 +27,7 @@ import torch
 from .config import StepReport
 from .rng import RngState, Tape, TapeRecorder, predicted_starts, shape_key
 from .window import VerticalForward
+from .window_grads import GradSums
 
 log = logging.getLogger("offloadpp.runtime")
 
@@ -79,6 +80,7 @@ class WindowRunner:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.tapes: dict[tuple, Tape] = {}
+        self.sums = GradSums(engine.executor, engine.units)
 
     # ---- training ---------------------------------------------------------------------------
     def train(self, batches, *, vertical: Optional[bool], loss_fn) -> WindowResult:
@@ -133,7 +135,10 @@ class WindowRunner:
             return None
         losses = [loss_of(o, loss_fn) for o in outs]
         del outs
-        e._backward(losses)
+        # 16-bit compute: each unit's gradients summed over the window in fp32 (window_grads.py)
+        summing = self.sums.summing(losses) if e.plan.compute_dtype != "fp32" else contextlib.nullcontext()
+        with summing:
+            e._backward(losses)
         report = e.step()
         return WindowResult(tuple(x.detach() for x in losses), report, vertical=True)
 
