@@ -92,6 +92,7 @@ def trainer_run(spec: dict, result: dict) -> torch.nn.Module:
     result["scheduler"] = type(getattr(engine, "lr_scheduler", None)).__name__
     if hasattr(engine, "runtime"):
         result["disk_bytes"] = engine.runtime.disk_bytes()
+        result["windows_vertical"] = engine.windows_vertical  # (whole windows: the Trainer's, run_window)
         result["state_on_ssd"] = all(
             not s.resident for u in engine.runtime.units for s in (u.master, u.exp_avg, u.exp_avg_sq)
         )
