@@ -477,5 +477,8 @@ def test_auto_keeps_windows_horizontal_where_the_vertical_plan_slows_a_loop():
     times = dict(r.plan.window_s)
     assert times["vertical"] < 0.5 * times["horizontal"] and not r.plan.vertical
     assert any("would slow a per-micro-batch loop" in n for n in r.plan.notes)
+    from offloadpp.cli.plan import window_lines
+
+    assert 'would be slower (the plan\'s note), which "auto" never chooses' in window_lines(r)[-1]
     forced = _gpt2_window(8, 4, gradient_clipping=1.0, accumulation="vertical")
     assert forced.plan.vertical and forced.loop_estimate.step_s > 1.02 * times["horizontal"]
