@@ -2,9 +2,10 @@
 
 Vertical (runtime/window.py): forward runs unit by unit, each unit over all G micro-batches
 while its weights are bound; one backward over the G losses runs unit by unit in reverse, each
-unit's gradients summed over the micro-batches on the device (by autograd, or in fp32 with 16-bit
-compute: runtime/window_grads.py) and handed to the optimizer once; the step follows. Weights are read once for forward and once for backward per
-window, and the gradients never leave the device between micro-batches.
+unit's gradients summed over the micro-batches on the device (by autograd, or in fp32 with
+16-bit compute: runtime/window_grads.py) and handed to the optimizer once; the step follows.
+Weights are read once for forward and once for backward per window, and the gradients never
+leave the device between micro-batches.
 
 Note: RNG. Each micro-batch draws what it would have drawn run alone, in order (runtime/rng.py):
 the first window of each input shape runs horizontally (forward, backward, step per micro-batch,
@@ -88,7 +89,7 @@ class WindowRunner:
 
     # ---- training ---------------------------------------------------------------------------
     def train(
-        self, batches, *, vertical: Optional[bool], loss_fn, forward=None, scale_wrt_gas: bool = True
+        self, batches, *, vertical: Optional[bool], loss_fn, forward=None, scale_wrt_gas=True
     ) -> WindowResult:
         """forward(batch): a micro-batch's output (default: the model called on it, `call`);
         scale_wrt_gas: the losses divided by gradient_accumulation_steps (engine.backward's), or
@@ -115,7 +116,7 @@ class WindowRunner:
                 return result
         return self._horizontal(batches, keys, loss_fn, forward, scale_wrt_gas)
 
-    def _horizontal(self, batches: list, keys: list, loss_fn, forward, scale: bool) -> WindowResult:
+    def _horizontal(self, batches: list, keys: list, loss_fn, forward, scale) -> WindowResult:
         """Forward, backward, step per micro-batch; the tape of each shape not seen yet recorded."""
         e = self.engine
         losses, report = [], None
@@ -129,7 +130,7 @@ class WindowRunner:
             losses.append(loss.detach())
         return WindowResult(tuple(losses), report, vertical=False)
 
-    def _vertical(self, batches: list, keys: list, loss_fn, forward, scale: bool) -> Optional[WindowResult]:
+    def _vertical(self, batches: list, keys: list, loss_fn, forward, scale) -> Optional[WindowResult]:
         """The window run vertically; None if the RNG did not follow the tapes (rerun it)."""
         e = self.engine
         e._boundary_override = True  # one backward, on the window's boundary
