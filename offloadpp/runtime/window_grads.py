@@ -25,8 +25,10 @@ AccumulateGrad sums them horizontally. Only the order of the fp32 additions diff
 horizontal window's (the last micro-batch first); on the tests' GPT-2 the weights come out equal
 to the last bit (tests/test_window.py).
 
-Cost: the walk visits every node of the G graphs once per window (Python, about a microsecond a
-node), and the device holds one fp32 sum per parameter of the unit in backward. fp32 compute
+Cost: the walk visits every node of the G graphs once per window, in Python (a 12-layer GPT-2
+window of 8 micro-batches has 6,124 nodes: 0.1 s on the 2-core development VM under load, 16 us a
+node, beside a window of seconds), one hook call per tapped node in backward, and the device
+holds one fp32 sum per parameter of the unit in backward. fp32 compute
 needs none of this: autograd's sum is fp32 already.
 """
 
