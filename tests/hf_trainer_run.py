@@ -4,9 +4,9 @@ Trainer and Accelerate keep process-wide state (AcceleratorState, the DeepSpeed 
 environment variables), so a run with DeepSpeed and one without cannot share a process. Reads a
 JSON spec (argv[1]), writes a JSON result (argv[2]) and the final weights (spec["weights"]).
 
-spec: model ("gpt2" | "llama"), lora (peft's LoRA over it), out (Trainer's output_dir), steps, gas, deepspeed (a config dict
-or null), save_steps, resume (a checkpoint folder), save_model (a folder), loop ("trainer" |
-"accelerate"), samples, small_memory (the whole state dict would not fit: offloadpp's check is
+spec: model ("gpt2" | "llama"), lora (peft's LoRA over it), dropout (GPT-2's, 0 unless given),
+out (Trainer's output_dir), steps, gas, deepspeed (a config dict or null), save_steps, resume (a
+checkpoint folder), save_model (a folder), loop ("trainer" | "accelerate"), samples, small_memory (the whole state dict would not fit: offloadpp's check is
 told so, and result["get_state_dict"] says what Accelerate's get_state_dict did).
 result["logits"]: the trained model's logits on LOGITS_INPUT, before the save.
 """
@@ -23,7 +23,7 @@ VOCAB = 96
 LOGITS_INPUT = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
 
 
-def build_model(kind: str, lora: bool = False):
+def build_model(kind: str, lora: bool = False, dropout: float = 0.0):
     import transformers
 
     if lora:  # peft's LoRA r=8 on the attention and MLP projections, lora_B drawn non-zero
@@ -42,7 +42,7 @@ def build_model(kind: str, lora: bool = False):
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=VOCAB,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32)  # fmt: skip
@@ -63,7 +63,7 @@ class Tokens(torch.utils.data.Dataset):
 def trainer_run(spec: dict, result: dict) -> torch.nn.Module:
     from transformers import Trainer, TrainingArguments
 
-    model = build_model(spec["model"], spec.get("lora", False))
+    model = build_model(spec["model"], spec.get("lora", False), spec.get("dropout", 0.0))
     args = TrainingArguments(
         output_dir=spec["out"],
         deepspeed=spec["deepspeed"],
@@ -92,6 +92,7 @@ def trainer_run(spec: dict, result: dict) -> torch.nn.Module:
     result["scheduler"] = type(getattr(engine, "lr_scheduler", None)).__name__
     if hasattr(engine, "runtime"):
         result["disk_bytes"] = engine.runtime.disk_bytes()
+        result["windows_vertical"] = engine.windows_vertical  # (whole windows: the Trainer's, run_window)
         result["state_on_ssd"] = all(
             not s.resident for u in engine.runtime.units for s in (u.master, u.exp_avg, u.exp_avg_sq)
         )

@@ -134,3 +134,15 @@ def test_plans_with_a_model_profile_carry_concrete_activation_policies():
     bare = resolve(Settings(**budget), m.unit_specs(), machine)
     assert set(bare.plan.activations) == {"auto"}
     assert any("measured_activations" in n for n in bare.plan.notes)
+
+
+def test_auto_accumulation_never_takes_a_plan_that_slows_a_per_micro_batch_loop():
+    """decide.accumulation's Note: "auto" runs windows vertically only where the vertical plan,
+    run by a per-micro-batch loop, is estimated no slower than the horizontal plan (within
+    LOOP_SLOWDOWN_TOLERANCE); "vertical" regardless."""
+    auto, forced = (Settings(gradient_accumulation_steps=4, accumulation=a) for a in ("auto", "vertical"))
+    tol = decide.LOOP_SLOWDOWN_TOLERANCE
+    assert decide.accumulation(auto, 2.0, 1.0, loop_s=2.0 * (1 + tol / 2)) is True
+    assert decide.accumulation(auto, 2.0, 1.0, loop_s=2.0 * (1 + 2 * tol)) is False
+    assert decide.accumulation(forced, 2.0, 1.0, loop_s=20.0) is True
+    assert decide.accumulation(auto, 2.0, 1.0) is True  # (no loop estimate: the windows decide)

@@ -491,3 +491,25 @@ def test_two_ranks_vertical_windows_train_like_one_process(tmp_path, api):
     torchrun([str(one), "--nvme", str(nvme1), "--api", api, "--steps", "1", "--accum", "1", "--clip", "1.0"])
     step_comm = ranks(one)[0]["reports"][0]["comm_bytes"]
     assert info[0]["reports"][2]["comm_bytes"] == step_comm > 0
+
+
+def test_two_ranks_bf16_vertical_windows_equal_the_horizontal_loop(tmp_path):
+    """bf16 compute over two ranks, windows of two micro-batches per rank, clipping 1.0: the
+    vertical windows (train_window, after the first) end with the weights and global norms of a
+    per-micro-batch loop (horizontal) over the same micro-batches: each unit's window gradient
+    summed in fp32 before its one reduce-scatter (runtime/window_grads.py), as the loop
+    accumulates it."""
+    got = {}
+    for name, extra in (("loop", []), ("window", ["--window"])):
+        nvme = tmp_path / f"nvme-{name}"
+        nvme.mkdir()
+        torchrun([str(tmp_path / name), "--nvme", str(nvme), "--steps", "3", "--accum", "2", "--clip", "1.0",
+                  "--dtype", "bf16", *extra])  # fmt: skip
+        got[name] = (ranks(tmp_path / name), weights(tmp_path / name))
+    (loop, want), (window, have) = got["loop"], got["window"]
+    assert all(d["vertical"] == [False, True, True] for d in window)
+    for a, b in zip(window, loop):
+        assert [x["grad_norm"] for x in a["reports"]] == pytest.approx(
+            [x["grad_norm"] for x in b["reports"]], rel=1e-6
+        )
+    assert compare_weights(have, want, lr=LR, steps=3) < 1e-5

@@ -76,6 +76,22 @@ def test_trainer_on_offloadpp_ends_with_the_weights_of_plain_trainer(tmp_path, m
     assert compare_weights(got, want, lr=LR, steps=4) < 1e-5
 
 
+def test_trainer_windows_run_vertically_and_end_with_the_weights_of_plain_trainer(tmp_path):
+    """gradient_accumulation_steps 8, max_grad_norm 1.0, dropout 0.1, 22 micro-batches (windows
+    of 8, 8 and a last one of 6 that Trainer ends), the config's offloadpp block asking for
+    vertical windows: the unchanged Trainer runs each window whole
+    (integrations/deepspeed/trainer_window.py), the first horizontally (it records the RNG
+    tape), the next two vertically, and ends within 1e-5 of the plain Trainer."""
+    ds = zero_infinity(tmp_path / "nvme")
+    ds["offloadpp"]["accumulation"] = "vertical"
+    spec = {"gas": 8, "steps": 3, "samples": 44, "dropout": 0.1}
+    plain, want = run(tmp_path, "plain", model="gpt2", **spec)
+    ours, got = run(tmp_path, "ours", model="gpt2", deepspeed=ds, runner="offloadpp", **spec)
+    assert ours["engine"] == "OffloadppEngine" and ours["windows_vertical"] == [False, True, True]
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert compare_weights(got, want, lr=LR, steps=3) < 1e-5
+
+
 def test_trainer_checkpoint_resume_and_save_model(tmp_path):
     ds = zero_infinity(tmp_path / "nvme")
     straight, want = run(tmp_path, "straight", model="gpt2", deepspeed=ds, save_steps=2,

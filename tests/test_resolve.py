@@ -440,3 +440,45 @@ def test_plan_cli_estimates_a_speculative_step_and_its_deferred_one(tmp_path, ca
     off = run("--speculate", "off")
     assert "(speculative)" not in off and "runs them deferred" not in off
     assert step_s(off) > step_s(spec)
+
+
+def _gpt2_window(g: int, batch: int = 1, **settings):
+    """A bf16 GPT-2 (test_planner's) on a GPU with a 1 GB/s SSD, windows of g micro-batches."""
+    from test_planner import GPT2_CUDA, _cuda_machine, cuda_hw
+
+    from offloadpp.planner.model_profile import analytic_profile
+
+    m = analytic_profile(GPT2_CUDA, micro_batch=batch, seq_len=512, compute_dtype="bf16")
+    s = Settings(
+        compute_dtype="bf16", plan="auto", gradient_accumulation_steps=g, micro_batch=batch, **settings
+    )
+    return resolve(
+        s, m.unit_specs(), _cuda_machine(8), hardware=cuda_hw(ssd_read_gbps=1.0, ssd_write_gbps=1.0), model=m
+    )
+
+
+def test_a_vertical_plan_keeps_the_horizontal_plans_gradient_homes_for_a_loop():
+    """The vertical plan is made for one step of the window, where no gradient is kept between
+    micro-batches and their home could be anywhere (it was the SSD); a per-micro-batch loop run
+    with it accumulates there. Its homes are the horizontal plan's (no deferred update: the
+    window never uses them), and that loop is as fast as the horizontal plan's (it took 6x)."""
+    r = _gpt2_window(4)
+    assert r.plan.vertical and not r.plan.deferred_update
+    assert [p.grads for p in r.plan.placements] == [p.grads for p in r.other.plan.placements]
+    assert r.loop_estimate.step_s == pytest.approx(r.other.estimate.step_s, rel=0.01)
+
+
+def test_auto_keeps_windows_horizontal_where_the_vertical_plan_slows_a_loop():
+    """Micro-batch 4, G=8, clipping 1.0 on the same GPT-2: vertically a window would take about
+    0.26x the horizontal one, but a per-micro-batch loop with the vertical plan would be about 4%
+    slower than with the horizontal plan; "auto" keeps it horizontal and says why, "vertical"
+    takes it."""
+    r = _gpt2_window(8, 4, gradient_clipping=1.0)
+    times = dict(r.plan.window_s)
+    assert times["vertical"] < 0.5 * times["horizontal"] and not r.plan.vertical
+    assert any("would slow a per-micro-batch loop" in n for n in r.plan.notes)
+    from offloadpp.cli.plan import window_lines
+
+    assert 'would be slower (the plan\'s note), which "auto" never chooses' in window_lines(r)[-1]
+    forced = _gpt2_window(8, 4, gradient_clipping=1.0, accumulation="vertical")
+    assert forced.plan.vertical and forced.loop_estimate.step_s > 1.02 * times["horizontal"]

@@ -261,27 +261,58 @@ def test_eval_window_vertical_equals_forward_per_batch(tmp_path, windows, monkey
         assert len(runs) == 1  # the first recorded the tape horizontally, the second ran vertically
 
 
+def run_both(tmp_path, dtype: str, windows, model=gpt2, **settings) -> dict:
+    """{accumulation: (losses, results, fp32 weights)} of the same windows run horizontally and
+    vertically with `dtype` compute."""
+    got = {}
+    for acc in ("horizontal", "vertical"):
+        cfg = config(tmp_path / acc, compute_dtype=dtype, **settings)
+        cfg = cfg.model_copy(update={"settings": cfg.settings.model_copy(update={"accumulation": acc})})
+        with assemble_engine(model(), cfg, hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+            losses, results = run_windows(eng, windows)
+            got[acc] = (losses, results, {k: v.float().clone() for k, v in eng.module.state_dict().items()})
+    return got
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_16bit_vertical_window_is_close_to_the_horizontal_one(tmp_path, windows, dtype):
-    """bf16 and fp16 compute (fp16 with loss scaling: its overflow check over the window's one
-    backward): the vertical window's losses and gradient norm agree with the horizontal
-    window's. Not bit for bit: autograd sums a unit's G micro-batch gradients in the compute
-    dtype on the device, where the horizontal window sums them in fp32 in their home
-    (docs/runtime.md, "Vertical windows")."""
+def test_16bit_vertical_window_equals_the_horizontal_one(tmp_path, windows, dtype):
+    """bf16 and fp16 compute (fp16 with loss scaling, its overflow check over the window's one
+    backward), dropout on, clipping 1.0: the vertical windows' losses, gradient norms and weights
+    equal the horizontal windows' within 1e-5 (here to the last bit: each micro-batch's 16-bit
+    gradients are the horizontal window's, summed in fp32 as it sums them). Fails without the
+    fp32 sum (runtime/window_grads.py): autograd's sum of a unit's micro-batch gradients in 16
+    bits moves the norm by about 1e-4 and the weights by 1e-3."""
+    from numerics import compare_weights
+
     from offloadpp.planner import LossScaling
 
     scaling = {"loss_scaling": LossScaling(initial_scale_power=8)} if dtype == "fp16" else {}
-    got = {}
-    for acc in ("horizontal", "vertical"):
-        cfg = config(tmp_path / acc, compute_dtype=dtype, **scaling)
-        cfg = cfg.model_copy(update={"settings": cfg.settings.model_copy(update={"accumulation": acc})})
-        with assemble_engine(gpt2(), cfg, hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
-            got[acc] = run_windows(eng, windows[:2])
-    (h_loss, h_res), (v_loss, v_res) = got["horizontal"], got["vertical"]
+    got = run_both(tmp_path, dtype, windows, **scaling)
+    (h_loss, h_res, h_w), (v_loss, v_res, v_w) = got["horizontal"], got["vertical"]
+    assert [r.vertical for r in v_res] == [False, True, True]
+    assert v_loss == pytest.approx(h_loss, rel=1e-6)
+    for h, v in zip(h_res, v_res):
+        assert not v.report.skipped and v.report.grad_norm == pytest.approx(h.report.grad_norm, rel=1e-6)
+    assert compare_weights(v_w, h_w, lr=LR, steps=len(windows)) < 1e-5
+
+
+def test_fp16_window_whose_16_bit_sum_overflows_takes_its_step(tmp_path):
+    """The same micro-batch G times (dropout off) at a loss scale where each micro-batch's fp16
+    gradients fit and their sum over the window does not: the horizontal window sums in fp32 and
+    takes its step; so does the vertical one, with the same weights. Fails without the fp32 sum
+    (the 16-bit sum overflows: a skipped step and a halved scale)."""
+    from numerics import compare_weights
+
+    from offloadpp.planner import LossScaling
+
+    x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    scaling = LossScaling(initial_scale_power=19, hysteresis=1)  # (2^20: one micro-batch overflows)
+    got = run_both(tmp_path, "fp16", [[x] * G] * 2, model=lambda: gpt2(0.0), loss_scaling=scaling)
+    (_, h_res, h_w), (_, v_res, v_w) = got["horizontal"], got["vertical"]
     assert [r.vertical for r in v_res] == [False, True]
-    assert v_loss == pytest.approx(h_loss, rel=1e-4)
-    h, v = h_res[-1].report, v_res[-1].report
-    assert not v.skipped and v.grad_norm == pytest.approx(h.grad_norm, rel=1e-3)
+    assert [r.report.skipped for r in h_res + v_res] == [False] * 4
+    assert v_res[-1].report.loss_scale == h_res[-1].report.loss_scale == 2.0**19
+    assert compare_weights(v_w, h_w, lr=LR, steps=2) < 1e-5
 
 
 def test_fp16_overflow_in_a_vertical_window_skips_its_step(tmp_path, windows):

@@ -170,6 +170,13 @@ def window_lines(r) -> list[str]:
         )
     elif r.vertical_why_not is not None:
         out.append(f"both run it horizontally: vertical is impossible: {r.vertical_why_not}")
+    elif (
+        r.settings.accumulation == "auto" and "vertical" in times and times["vertical"] < times["horizontal"]
+    ):
+        out.append(f"both train_batch and a per-micro-batch loop run it horizontally: train_batch (and the Trainer's "
+                   f"window) would run it vertically {times['horizontal'] / times['vertical']:.2f}x faster, but with the "
+                   "vertical plan a per-micro-batch loop would be slower (the plan's note), which \"auto\" never "
+                   "chooses; \"accumulation\": \"vertical\" runs it so")  # fmt: skip
     else:
         out.append("both train_batch and a per-micro-batch loop run it horizontally"
                    + (" (accumulation \"horizontal\")" if r.settings.accumulation == "horizontal" else ""))  # fmt: skip

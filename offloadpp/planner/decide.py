@@ -165,15 +165,35 @@ def measured_activations(measured: Sequence, requested: Sequence[str], room: Opt
     return tuple(p for _, p in choice.policies)
 
 
+# "auto" takes the vertical plan where a per-micro-batch loop run with it is estimated within this
+# share of the horizontal plan's loop: the replays of two plans of one model differ by tenths of
+# a percent where nothing that matters differs (rounding of budgets, read-ahead), and a loop
+# 1% slower is within any run's noise (decide.accumulation's Note).
+LOOP_SLOWDOWN_TOLERANCE = 0.01
+
+
 def accumulation(settings, horizontal_s: Optional[float], vertical_s: Optional[float],
-                 why_not: Optional[str] = None) -> bool:  # fmt: skip
+                 why_not: Optional[str] = None, loop_s: Optional[float] = None) -> bool:  # fmt: skip
     """Whether a window driven whole (train_batch, the Trainer's window) runs vertically
     (Plan.vertical; planner/vertical.py): never with one micro-batch per step; "horizontal" and
     "vertical" as the settings force it ("vertical" refused, naming why, where the window's
     micro-batches cannot fit: `why_not`); "auto" where the vertical window's estimate is the
     shorter (`horizontal_s`, `vertical_s`: seconds per window; without both estimates, no
-    model to tell: horizontal, as a per-micro-batch loop runs). A per-micro-batch loop runs
-    horizontally whatever this says."""
+    model to tell: horizontal, as a per-micro-batch loop runs) and the vertical plan does not
+    slow a per-micro-batch loop (`loop_s`, its window run micro-batch by micro-batch, at most
+    `horizontal_s` and LOOP_SLOWDOWN_TOLERANCE). A per-micro-batch loop runs horizontally
+    whatever this says.
+
+    Note: why "auto" looks at the loop. The plan is made before the engine sees how it is
+    driven, and most scripts drive it micro-batch by micro-batch (DeepSpeed's forward, backward,
+    step; Accelerate's accumulate); the vertical plan is made for the window (its activation
+    policies hold G micro-batches', its placement is one step's), and such a loop runs it
+    horizontally, slower where the window's plan is not the loop's (the estimates for a GPT-2 on
+    a 1 GB/s SSD, tests/test_resolve.py: up to 4% slower with the same gradient homes, 6x where
+    the window's plan had put them on SSD, which resolve now takes from the horizontal plan).
+    "auto" takes it only where that loop loses nothing (within LOOP_SLOWDOWN_TOLERANCE), so
+    choosing it never makes a script slower; "vertical" takes it where windows are driven whole
+    (train_batch, the Trainer's window) whatever a loop costs."""
     from .plan import PlanError
 
     g = settings.gradient_accumulation_steps
@@ -185,4 +205,6 @@ def accumulation(settings, horizontal_s: Optional[float], vertical_s: Optional[f
         return False
     if settings.accumulation == "vertical":
         return True
-    return horizontal_s is not None and vertical_s is not None and vertical_s < horizontal_s
+    if horizontal_s is None or vertical_s is None or vertical_s >= horizontal_s:
+        return False
+    return loop_s is None or loop_s <= horizontal_s * (1 + LOOP_SLOWDOWN_TOLERANCE)

@@ -253,25 +253,48 @@ def _with_window(one: Resolved, settings: Settings, given: _Given) -> Resolved:
         why = str(e)
     if v is not None:
         vplan = as_vertical(v.plan, g)
-        vplan, why = fits_per_micro_batch(vplan, settings)
-        v = replace(v, plan=vplan, settings=v.settings.model_copy(
+        loop_homes = _loop_grads_homes(vplan, horizontal.plan)
+        fitted, why = fits_per_micro_batch(loop_homes, settings)
+        if why is not None and loop_homes is not vplan:
+            fitted, why = fits_per_micro_batch(vplan, settings)
+        v = replace(v, plan=fitted, settings=v.settings.model_copy(
             update={"gradient_accumulation_steps": g, "accumulation": settings.accumulation}))  # fmt: skip
     h_s = horizontal.estimate.step_s if horizontal.estimate is not None else None
     v_s = v.estimate.step_s if v is not None and v.estimate is not None and why is None else None
-    vertical = accumulation(settings, h_s, v_s, why)
+    loop = None
+    if v is not None and why is None and hardware is not None and model is not None:
+        # (the vertical plan run by a per-micro-batch loop: its placement, its micro-batches one by one)
+        loop = estimate(v.plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
+                        act_prefetch_units=settings.activations.prefetch_units,
+                        link=rank_link(settings, given.machine, hardware))  # fmt: skip
+    vertical = accumulation(settings, h_s, v_s, why, loop_s=loop.step_s if loop is not None else None)
     window_s = tuple((k, t) for k, t in (("horizontal", h_s), ("vertical", v_s)) if t is not None)
     note = window_note(g, vertical, h_s, v_s, why)
+    if not vertical and v_s is not None and h_s is not None and v_s < h_s and settings.accumulation == "auto":
+        note = (f"a window of {g} micro-batches runs horizontally: vertically it would take {v_s:.3f} s against "
+                f"{h_s:.3f} s, but its plan would slow a per-micro-batch loop (forward/backward/step) to "
+                f"{loop.step_s:.3f} s, and \"auto\" never does; set accumulation \"vertical\" where windows are driven "
+                "whole (train_batch, the Trainer's window)")  # fmt: skip
     if not vertical:
         plan = replace(horizontal.plan, window_s=window_s, notes=horizontal.plan.notes + (note,))
         return replace(horizontal, plan=plan, other=v if why is None else None, vertical_why_not=why)
     assert v is not None
     plan = replace(v.plan, window_s=window_s, notes=v.plan.notes + (note,))
-    loop = None
-    if hardware is not None and model is not None:  # (this plan's placement, its micro-batches one by one)
-        loop = estimate(plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
-                        act_prefetch_units=settings.activations.prefetch_units,
-                        link=rank_link(settings, given.machine, hardware))  # fmt: skip
     return replace(v, plan=plan, other=horizontal, loop_estimate=loop)
+
+
+def _loop_grads_homes(vplan: Plan, hplan: Plan) -> Plan:
+    """A vertical plan with the horizontal plan's gradient homes, where its window does not use
+    them (no deferred update: the window's sums go to the optimizer once, never through a home).
+    Its plan was made for one step of the window (window_settings), where nothing kept gradients
+    between micro-batches and their home was free to be anywhere (on SSD); a per-micro-batch loop
+    run with it accumulates there, and moved every unit's gradients through the SSD at each
+    micro-batch (GPT-2 on a 1 GB/s SSD: 6x the horizontal plan's loop)."""
+    if vplan.deferred_update:
+        return vplan
+    homes = {p.unit: p.grads for p in hplan.placements}
+    placements = tuple(replace(p, grads=homes.get(p.unit, p.grads)) for p in vplan.placements)
+    return vplan if placements == vplan.placements else replace(vplan, placements=placements)
 
 
 def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved,

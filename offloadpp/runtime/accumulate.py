@@ -2,9 +2,10 @@
 
 Vertical (runtime/window.py): forward runs unit by unit, each unit over all G micro-batches
 while its weights are bound; one backward over the G losses runs unit by unit in reverse, each
-unit's gradients summed over the micro-batches by autograd on the device and handed to the
-optimizer once; the step follows. Weights are read once for forward and once for backward per
-window, and the gradients never leave the device between micro-batches.
+unit's gradients summed over the micro-batches on the device (by autograd, or in fp32 with
+16-bit compute: runtime/window_grads.py) and handed to the optimizer once; the step follows.
+Weights are read once for forward and once for backward per window, and the gradients never
+leave the device between micro-batches.
 
 Note: RNG. Each micro-batch draws what it would have drawn run alone, in order (runtime/rng.py):
 the first window of each input shape runs horizontally (forward, backward, step per micro-batch,
@@ -27,6 +28,7 @@ import torch
 from .config import StepReport
 from .rng import RngState, Tape, TapeRecorder, predicted_starts, shape_key
 from .window import VerticalForward
+from .window_grads import GradSums
 
 log = logging.getLogger("offloadpp.runtime")
 
@@ -73,16 +75,28 @@ def loss_of(out: Any, loss_fn: Optional[Callable[[Any], torch.Tensor]]) -> torch
     return loss
 
 
+def _flag(scale) -> bool:
+    return bool(scale()) if callable(scale) else scale
+
+
 class WindowRunner:
     """Runs windows for an engine; holds the RNG tapes by input shape (the Note on RNG)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.tapes: dict[tuple, Tape] = {}
+        self.sums = GradSums(engine.executor, engine.units)
 
     # ---- training ---------------------------------------------------------------------------
-    def train(self, batches, *, vertical: Optional[bool], loss_fn) -> WindowResult:
+    def train(
+        self, batches, *, vertical: Optional[bool], loss_fn, forward=None, scale_wrt_gas=True
+    ) -> WindowResult:
+        """forward(batch): a micro-batch's output (default: the model called on it, `call`);
+        scale_wrt_gas: the losses divided by gradient_accumulation_steps (engine.backward's), or
+        a function that says it when backward runs (a micro-batch step that calls backward itself
+        says it as it runs: integrations/deepspeed/trainer_window.py)."""
         e = self.engine
+        forward = forward if forward is not None else functools.partial(call, e.module)
         batches = list(batches)
         if not batches:
             raise ValueError("train_window: no micro-batches")
@@ -97,30 +111,30 @@ class WindowRunner:
         vertical = (e.plan.vertical if vertical is None else vertical) and len(batches) > 1
         keys = [shape_key(e.module.training, b) for b in batches]
         if vertical and all(k in self.tapes for k in keys):
-            result = self._vertical(batches, keys, loss_fn)
+            result = self._vertical(batches, keys, loss_fn, forward, scale_wrt_gas)
             if result is not None:
                 return result
-        return self._horizontal(batches, keys, loss_fn)
+        return self._horizontal(batches, keys, loss_fn, forward, scale_wrt_gas)
 
-    def _horizontal(self, batches: list, keys: list, loss_fn) -> WindowResult:
+    def _horizontal(self, batches: list, keys: list, loss_fn, forward, scale) -> WindowResult:
         """Forward, backward, step per micro-batch; the tape of each shape not seen yet recorded."""
         e = self.engine
         losses, report = [], None
         count = len(batches) != e.settings.gradient_accumulation_steps
         for m, batch in enumerate(batches):
-            loss = loss_of(self._forward_taped(batch, keys[m]), loss_fn)
+            loss = loss_of(self._forward_taped(forward, batch, keys[m]), loss_fn)
             if count:  # a window of another length than gradient_accumulation_steps: ends at its last
                 e.set_boundary(m == len(batches) - 1)
-            e.backward(loss)
+            e.backward(loss, scale_wrt_gas=_flag(scale))
             report = e.step()
             losses.append(loss.detach())
         return WindowResult(tuple(losses), report, vertical=False)
 
-    def _vertical(self, batches: list, keys: list, loss_fn) -> Optional[WindowResult]:
+    def _vertical(self, batches: list, keys: list, loss_fn, forward, scale) -> Optional[WindowResult]:
         """The window run vertically; None if the RNG did not follow the tapes (rerun it)."""
         e = self.engine
         e._boundary_override = True  # one backward, on the window's boundary
-        outs, off, starts = self._forward_vertical(batches, keys)
+        outs, off, starts = self._forward_vertical(forward, batches, keys)
         if off is not None:
             log.warning(
                 "offloadpp: micro-batch %d's forward drew other random numbers than its input shape's first "
@@ -133,7 +147,10 @@ class WindowRunner:
             return None
         losses = [loss_of(o, loss_fn) for o in outs]
         del outs
-        e._backward(losses)
+        # 16-bit compute: each unit's gradients summed over the window in fp32 (window_grads.py)
+        summing = self.sums.summing(losses) if e.plan.compute_dtype != "fp32" else contextlib.nullcontext()
+        with summing:
+            e._backward(losses, scale_wrt_gas=_flag(scale))
         report = e.step()
         return WindowResult(tuple(x.detach() for x in losses), report, vertical=True)
 
@@ -145,26 +162,27 @@ class WindowRunner:
             raise ValueError("eval_window: no micro-batches")
         vertical = (e.plan.vertical if vertical is None else vertical) and len(batches) > 1
         keys = [shape_key(e.module.training, b) for b in batches]
+        forward = functools.partial(call, e.module)
         with torch.no_grad():
             if vertical and all(k in self.tapes for k in keys):
-                outs, off, starts = self._forward_vertical(batches, keys)
+                outs, off, starts = self._forward_vertical(forward, batches, keys)
                 if off is None:
                     return outs
                 self._forget(keys, starts)  # (no graph: nothing else to drop)
-            return [self._forward_taped(b, k) for b, k in zip(batches, keys)]
+            return [self._forward_taped(forward, b, k) for b, k in zip(batches, keys)]
 
     # ---- the forwards both share ----------------------------------------------------------------
-    def _forward_taped(self, batch, key):
+    def _forward_taped(self, forward, batch, key):
         """One micro-batch's forward; its input shape's RNG tape recorded if not seen yet."""
         e = self.engine
         tape = Tape() if key not in self.tapes else None
         with TapeRecorder(tape) if tape is not None else contextlib.nullcontext():
-            out = e._forward(functools.partial(call, e.module, batch))
+            out = e._forward(functools.partial(forward, batch))
         if tape is not None:
             self.tapes[key] = tape
         return out
 
-    def _forward_vertical(self, batches: list, keys: list):
+    def _forward_vertical(self, forward, batches: list, keys: list):
         """The window's forwards run vertically from the tapes' predicted start states: (the
         outputs, the first micro-batch whose forward did not end where the next one was predicted
         to start (None: all did; the generators are then left where the last one's forward left
@@ -175,7 +193,7 @@ class WindowRunner:
         fwd = VerticalForward(dev, starts)
         e.executor.window = fwd
         try:
-            outs = e._forward(lambda: fwd.run(lambda b: call(e.module, b), batches))
+            outs = e._forward(lambda: fwd.run(forward, batches))
         finally:
             e.executor.window = None
         off = next((m for m in range(len(batches) - 1) if fwd.ends[m] != starts[m + 1]), None)

@@ -382,14 +382,18 @@ class OffloadEngine:
             raise
         self.accounting.backward_s += time.perf_counter() - t0
 
-    def train_window(self, batches, *, vertical: Optional[bool] = None, loss_fn=None) -> WindowResult:
+    def train_window(self, batches, *, vertical: Optional[bool] = None, loss_fn=None, forward=None,
+                     scale_wrt_gas: bool = True) -> WindowResult:  # fmt: skip
         """Forward, backward and the optimizer step of one accumulation window of micro-batches
         (each a dict of the model's keyword arguments, or a tuple of its positional ones), run
         vertically (each unit over all micro-batches while its weights are on the device:
         runtime/accumulate.py) where `vertical` says, None: as the plan chose (Plan.vertical,
-        Settings.accumulation). Between windows. Returns each micro-batch's loss and the step's
-        report."""
-        return self._windows.train(batches, vertical=vertical, loss_fn=loss_fn)
+        Settings.accumulation). forward(batch), if given, computes a micro-batch's output in
+        place of the model called on it (it calls the model itself: the Trainer's training step,
+        integrations/deepspeed/trainer_window.py); scale_wrt_gas as backward's. Between windows.
+        Returns each micro-batch's loss and the step's report."""
+        return self._windows.train(batches, vertical=vertical, loss_fn=loss_fn, forward=forward,
+                                   scale_wrt_gas=scale_wrt_gas)  # fmt: skip
 
     def eval_window(self, batches, *, vertical: Optional[bool] = None) -> list:
         """The model's outputs for each batch, forward only (no gradients), vertically as

@@ -61,8 +61,8 @@ def _param_hook(executor: Executor, unit: str):
 
     def hook(param) -> None:
         ex = ref()
-        if ex is not None:
-            ex._on_param_grad(ex._by_name[unit], param)
+        if ex is not None and id(param) not in ex.summed:
+            ex.param_grad_done(ex._by_name[unit])
 
     return hook
 
@@ -88,6 +88,9 @@ class Executor:
         self._warned_order = False
         self._in_root_forward = False  # inside a forward of the whole model (root module hooks)
         self.window = None  # a vertical window's forward (runtime/window.py), while it runs
+        # ids of the parameters whose gradients a vertical window's backward sums in fp32 and
+        # counts itself (runtime/window_grads.py): their AccumulateGrad hooks are not theirs
+        self.summed: frozenset = frozenset()
         # units whose weights (== master) backward leaves held for the next forward, where that
         # forward applies their pending update (runtime/pending.py's Note on memory)
         self.keep_across: frozenset = (
@@ -327,7 +330,8 @@ class Executor:
         head: runtime/activations/head.py): its backward visit is entered now."""
         self._pre_backward(self._by_name[name], None)
 
-    def _on_param_grad(self, u: Unit, param) -> None:
+    def param_grad_done(self, u: Unit) -> None:
+        """One of u's parameters has its gradient for this backward."""
         u.grads_pending -= 1
         if u.grads_pending == 0:
             self.optimizer.on_grads(u)

@@ -144,6 +144,8 @@ class Unit:
         self.sq_norm: Optional[float] = None  # of the accumulated gradients, when needed
         self.speculated = False  # updated during this step's backward before its validation
         self.held_grads: Optional[list] = None  # autograd's gradients, kept for a redo (direct path)
+        # a vertical window's fp32 gradient sums by parameter index, until taken (runtime/window_grads.py)
+        self.summed: dict[int, torch.Tensor] = {}
         self.pending = None  # a deferred update to apply at the next visit (runtime/pending.py)
         self.bound = False
         self._flat: Optional[torch.Tensor] = None  # device weights the params view, when bound
@@ -288,10 +290,17 @@ class Unit:
         ]
 
     def take_grads(self) -> list[tuple[int, ParamSlot, torch.Tensor]]:
-        """Removes the gradients autograd left on the parameters: [(index, slot, grad)]."""
+        """Removes the gradients autograd left on the parameters, or a vertical window's fp32 sums
+        where it made them: [(index, slot, grad)]."""
         out = []
         for i, (p, s) in enumerate(self.params):
             g = p.grad
+            total = self.summed.pop(i, None)
+            if total is not None:
+                if g is not None:  # (none reaches the parameter where the window sums: kept if one did)
+                    total.add_(g)
+                    p.grad = None
+                g = total
             if g is None:
                 continue
             if g.shape != s.shape:

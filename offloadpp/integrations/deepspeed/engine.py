@@ -60,6 +60,10 @@ class OffloadppEngine(DeepSpeedEngine):
         self.last_report = None
         self.reports: list = []  # StepReports of this process, newest last
         self.last_window = None  # the last train_batch's WindowResult (runtime/accumulate.py)
+        self.windows_vertical: list[
+            bool
+        ] = []  # whether each whole window (train_batch, the Trainer's) ran vertically
+        self._capture = None  # a window of micro-batch steps running (trainer_window.run_window)
         self._step_applied = False
         self._boundary_flag: Optional[bool] = None  # set_gradient_accumulation_boundary
         self._micro_in_window = 0
@@ -111,9 +115,12 @@ class OffloadppEngine(DeepSpeedEngine):
 
     # ---- DeepSpeedEngine's training API -------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        self._finish_micro()
+        if self._capture is None:
+            self._finish_micro()
         if self._config.float16_config.enabled and self._config.float16_config.auto_cast:
             inputs, kwargs = _cast_floats((inputs, kwargs), torch.float16)
+        if self._capture is not None:  # a micro-batch of a window: the window's forward runs it
+            return self.runtime.module(*inputs, **kwargs)
         return self.runtime(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -124,6 +131,9 @@ class OffloadppEngine(DeepSpeedEngine):
             raise NotImplementedError(
                 "retain_graph: offloadpp releases each unit's weights after its backward; run a new forward instead"
             )
+        if self._capture is not None:  # a micro-batch of a window: its loss, for the window's backward
+            self._capture.took(loss, scale_wrt_gas)
+            return loss
         self._finish_micro()
         self._push_hypers()
         boundary = self.is_gradient_accumulation_boundary()
@@ -158,7 +168,7 @@ class OffloadppEngine(DeepSpeedEngine):
             raise KeyboardInterrupt
 
     def _step(self, lr_kwargs: Optional[dict]) -> None:
-        if self._pending is None:
+        if self._pending is None or self._capture is not None:
             return
         boundary = self._pending
         report = self._complete_micro()
@@ -230,14 +240,18 @@ class OffloadppEngine(DeepSpeedEngine):
         self.module.train()
         batches = self._pull(None, self.gradient_accumulation_steps())
         self._push_hypers()
-        result = self.runtime.train_window(batches)
+        self._window_done(self.runtime.train_window(batches))
+        self.agg_train_loss = self.last_window.mean_loss
+        return self.agg_train_loss
+
+    def _window_done(self, result) -> None:
+        """A whole window ran (its WindowResult): the counters, the scheduler, the monitors."""
         for loss in result.losses:  # the monitors' train_loss: the window's mean, as backward() feeds it
             self._events.backward(loss, 1.0 / len(result.losses))
-        self.micro_steps += len(batches)
+        self.micro_steps += len(result.losses)
         self._stepped(result.report, None)
         self.last_window = result  # (its per-micro-batch losses, whether it ran vertically)
-        self.agg_train_loss = result.mean_loss
-        return self.agg_train_loss
+        self.windows_vertical.append(result.vertical)
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: Optional[str] = "avg", bcast_loss: bool = True,

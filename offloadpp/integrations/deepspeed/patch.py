@@ -2,7 +2,7 @@
 
 Afterwards `deepspeed.initialize`, from any caller (a script, Accelerate's prepare, Trainer),
 is `offloadpp.initialize`: offloadpp's engine for a config whose `offloadpp` block is enabled,
-DeepSpeed's own initialize otherwise. Four smaller changes make the Hugging Face stack work:
+DeepSpeed's own initialize otherwise. Five smaller changes make the Hugging Face stack work:
 
 - Accelerate converts a torch optimizer to DeepSpeedCPUAdam when the optimizer is offloaded
   (which JIT-builds DeepSpeed's cpu_adam op). The conversion now waits for initialize: offloadpp
@@ -13,6 +13,8 @@ DeepSpeed's own initialize otherwise. Four smaller changes make the Hugging Face
 - Trainer.save_model, Accelerator.save_model and Accelerator.get_state_dict on an offloadpp
   engine stream the weights to files or refuse naming the streaming call, rather than build the
   whole model as one dict in memory (patch_save.py).
+- Trainer's accumulation window runs whole on an offloadpp engine (vertically where its plan
+  says), not micro-batch by micro-batch (trainer_window.py).
 - Code that imported `initialize` from deepspeed before the patch keeps its old reference;
   patch first (`python -m offloadpp run` does it before the script runs).
 
@@ -26,6 +28,7 @@ import logging
 from typing import Any, Optional
 
 import offloadpp.integrations.deepspeed.patch_save as patch_save
+import offloadpp.integrations.deepspeed.trainer_window as trainer_window
 
 logger = logging.getLogger("offloadpp")
 
@@ -76,6 +79,7 @@ def patch_deepspeed() -> None:
     _saved["accelerate.HfDeepSpeedConfig.is_zero3"] = is_zero3
     acc_ds.HfDeepSpeedConfig.is_zero3 = offloadpp_is_not_zero3
     patch_save.patch(_saved)
+    trainer_window.patch(_saved)
 
 
 def unpatch_deepspeed() -> None:
@@ -85,6 +89,7 @@ def unpatch_deepspeed() -> None:
     import deepspeed
 
     patch_save.unpatch(_saved)
+    trainer_window.unpatch(_saved)
     deepspeed.initialize = _saved.pop("deepspeed.initialize")
     convert: Optional[Any] = _saved.pop("accelerate.map_pytorch_optim_to_deepspeed", None)
     if convert is not None:
