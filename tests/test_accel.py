@@ -19,7 +19,7 @@ from offloadpp.runtime.accel import (
     plan_device,
 )
 from offloadpp.runtime.accel.cpu import CpuAccelerator
-from offloadpp.runtime.accel.standin import StandinUseAfterFreeError
+from offloadpp.runtime.accel.standin_stream import Item, StandinUseAfterFreeError
 
 ROOT = Path(__file__).resolve().parent.parent / "offloadpp"
 ACCEL = ROOT / "runtime" / "accel"
@@ -225,8 +225,9 @@ def test_compute_waits_block_the_caller_until_the_stream_gets_there(standin):
     a = standin
     s = a.new_stream()
     gate = threading.Event()
-    a.run_on(s, lambda: None)
-    s.submit(gate.wait)
+    out = torch.zeros(1)
+    a.run_on(s, lambda: None, out=out)
+    s.submit(Item(lambda _: gate.wait()))
     ev = a.record(s)
     threading.Timer(0.1, gate.set).start()
     t0 = time.perf_counter()
