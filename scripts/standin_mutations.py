@@ -33,6 +33,7 @@ ACCEL = PKG / "runtime" / "accel"
 # data-parallel sites (dp.*, gathered.*) are reached only by two ranks: DP_SUBSET alone
 SUBSET = [
     "tests/test_activations.py::test_on_the_standin_a_swap_in_released_in_flight_keeps_its_memory_for_the_copy",
+    "tests/test_activations.py::test_on_the_standin_a_swap_out_cancelled_in_flight_gives_its_host_buffer_back_after_the_copy",
     "tests/test_runtime.py::test_all_state_on_ssd_trains_like_adamw[standin]",
     "tests/test_runtime.py::test_accumulation_and_clipping_train_like_adamw[standin]",
     "tests/test_runtime_device.py::test_fp32_trains_like_adamw[tiny_gpt2-standin]",

@@ -303,10 +303,8 @@ class StandinAccelerator(Accelerator):
         dst, src = revive(it.dst, stream.name, "destination"), revive(it.src, stream.name, "source")
         if src is None or it.poisoned:
             nan_fill(dst)  # its memory was freed, or reused: on a GPU, the copy reads someone else's bytes
-        elif it.held:  # its destination was given back before the host knew: the bytes land later
-            it.data = src.clone()
-            with self._lock:
-                self._late.append((stream, it))
+        elif it.held:  # its destination was given back before the host knew: its bytes land late
+            pass  # (_at_worst took them)
         else:
             dst.copy_(src)
 
@@ -420,15 +418,13 @@ class StandinAccelerator(Accelerator):
                 elif it.dev is not None and not it.ran:
                     it.poisoned = True
         for it in items:
-            if not it.ran:
-                continue
-            if it.host is not None and it.to_host:  # it wrote already: it may as well land later
-                dst = revive(it.dst, s.name, "late write")
-                if dst is not None:
-                    it.data = dst.clone()
+            if it.host is not None and it.to_host:  # its bytes land late, whether it ran or not
+                data = revive(it.dst, s.name, "late write") if it.ran else revive(it.src, s.name, "source")
+                if data is not None:
+                    it.data = data.clone()
                     with self._lock:
                         self._late.append((s, it))
-            elif it.dev is not None:  # it delivered already: what it read may be the next owner's
+            elif it.ran and it.dev is not None:  # it delivered already: what it read may be the next owner's
                 b, gen, epoch = it.dev
                 with self._lock:
                     if not b.live(gen):
