@@ -74,6 +74,8 @@ def test_env_selects_the_standin_for_none_and_cpu_never_for_cuda(monkeypatch):
     monkeypatch.setenv("OFFLOADPP_DEVICE", "standin")
     assert effective_spec(None) == effective_spec("cpu") == "standin"
     assert effective_spec("cuda:1") == "cuda:1"
+    monkeypatch.setenv("OFFLOADPP_DEVICE", "cuda")  # (the CPU device's tests on a GPU: on_device)
+    assert effective_spec("cpu") == effective_spec(None) == "cuda" and plan_device("cpu") == "cuda"
     assert plan_device("cpu") == "cuda"  # (memory of its own: planned as a device's)
     monkeypatch.setenv("OFFLOADPP_DEVICE", "tpu")
     with pytest.raises(ValueError, match="OFFLOADPP_DEVICE must be"):
