@@ -3,6 +3,7 @@
 # from this tree, alternately in one run (the machine drifts: only side-by-side ratios compare).
 #
 #   scripts/bench_regress.sh OLD_COMMIT [OUT_DIR]      (default OUT_DIR: runs/regress)
+#   PY=/work/main/.venv/bin/python scripts/bench_regress.sh OLD_COMMIT
 #
 # The old commit is checked out in a worktree under /tmp and its native module built there; each
 # side runs from its own tree with this tree's .venv (python -m puts the cwd first on sys.path).
@@ -14,8 +15,10 @@ NEW=$(cd "$(dirname "$0")/.." && pwd)
 OLD_REV=$(git -C "$NEW" rev-parse --short "$1")
 OUT=$(mkdir -p "${2:-$NEW/runs/regress}" && cd "${2:-$NEW/runs/regress}" && pwd)
 OLD=/tmp/offloadpp-regress-$OLD_REV
-PY=$NEW/.venv/bin/python
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$NEW/.venv/torch_extensions}
+# PY: the interpreter (default this tree's .venv; where .venv is a link to a shared one, name the
+# real path: DeepSpeed's JIT ops record the interpreter they were built with)
+PY=${PY:-$NEW/.venv/bin/python}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(dirname "$(dirname "$PY")")/torch_extensions}
 
 if [ ! -d "$OLD" ]; then
   git -C "$NEW" worktree add --detach "$OLD" "$OLD_REV" >/dev/null

@@ -99,20 +99,36 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-@pytest.fixture(params=["cpu", "standin"])
+def _cuda_available() -> bool:
+    from offloadpp.runtime.accel.cuda import available
+
+    return available()
+
+
+@pytest.fixture(
+    params=[
+        "cpu",
+        "standin",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")],
+        ),
+    ]
+)
 def on_device(request, monkeypatch) -> str:
     """The test on the CPU acting as the device, then on the stand-in accelerator
     (runtime/accel/standin.py: OFFLOADPP_DEVICE=standin turns every "cpu" engine and activation
-    manager of the test into one taking the GPU's copy path, with its streams' asynchrony).
+    manager of the test into one taking the GPU's copy path, with its streams' asynchrony), and
+    where a GPU is, on CUDA (OFFLOADPP_DEVICE=cuda: `-m cuda`, scripts/gpu_check.sh).
     scripts/standin_mutations.py runs the `standin` cases."""
     set_device(monkeypatch, request.param)
     return request.param
 
 
 def set_device(monkeypatch, device: str) -> None:
-    """The test's "cpu" engines and managers on `device`: "cpu", or "standin" (on_device's Note);
-    for tests that take the stand-in in a few of their parametrized cases only."""
-    if device == "standin":
-        monkeypatch.setenv("OFFLOADPP_DEVICE", "standin")
-    else:
+    """The test's "cpu" engines and managers on `device`: "cpu", "standin" or "cuda"
+    (on_device's Note); for tests that take the stand-in in a few of their parametrized cases only."""
+    if device == "cpu":
         monkeypatch.delenv("OFFLOADPP_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("OFFLOADPP_DEVICE", device)

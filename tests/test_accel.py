@@ -19,7 +19,7 @@ from offloadpp.runtime.accel import (
     plan_device,
 )
 from offloadpp.runtime.accel.cpu import CpuAccelerator
-from offloadpp.runtime.accel.standin import StandinUseAfterFreeError
+from offloadpp.runtime.accel.standin_stream import Item, StandinUseAfterFreeError
 
 ROOT = Path(__file__).resolve().parent.parent / "offloadpp"
 ACCEL = ROOT / "runtime" / "accel"
@@ -74,6 +74,8 @@ def test_env_selects_the_standin_for_none_and_cpu_never_for_cuda(monkeypatch):
     monkeypatch.setenv("OFFLOADPP_DEVICE", "standin")
     assert effective_spec(None) == effective_spec("cpu") == "standin"
     assert effective_spec("cuda:1") == "cuda:1"
+    monkeypatch.setenv("OFFLOADPP_DEVICE", "cuda")  # (the CPU device's tests on a GPU: on_device)
+    assert effective_spec("cpu") == effective_spec(None) == "cuda" and plan_device("cpu") == "cuda"
     assert plan_device("cpu") == "cuda"  # (memory of its own: planned as a device's)
     monkeypatch.setenv("OFFLOADPP_DEVICE", "tpu")
     with pytest.raises(ValueError, match="OFFLOADPP_DEVICE must be"):
@@ -225,10 +227,44 @@ def test_compute_waits_block_the_caller_until_the_stream_gets_there(standin):
     a = standin
     s = a.new_stream()
     gate = threading.Event()
-    a.run_on(s, lambda: None)
-    s.submit(gate.wait)
+    out = torch.zeros(1)
+    a.run_on(s, lambda: None, out=out)
+    s.submit(Item(lambda _: gate.wait()))
     ev = a.record(s)
     threading.Timer(0.1, gate.set).start()
     t0 = time.perf_counter()
     a.wait_event(a.compute_stream(), ev, site="test.use")
     assert time.perf_counter() - t0 >= 0.09 and ev.done()
+
+
+@pytest.mark.parametrize("host_waited", [False, True])
+def test_a_skipped_host_wait_the_host_did_not_know_done_spoils_the_copy(host_waited):
+    """Compute waiting for a copy blocks the stand-in's caller, yet teaches the host nothing (on
+    a GPU it would not have waited): a host wait skipped there (a pool's `after`) lets the host
+    reuse the copy's source before the copy has read it, taken at its worst: the copy delivers
+    NaN. Had the host waited for the copy before, nothing is spoiled."""
+    a = StandinAccelerator(seed=5, delay_ms=5.0, skip="test.reuse")
+    try:
+        h2d = a.new_stream()
+        host = torch.ones(8)
+        dev = a.empty(8, torch.float32, h2d)
+        a.copy(dev, host, h2d)
+        ev = a.record(h2d)
+        a.wait_event(a.compute_stream(), ev, site="test.use")
+        assert torch.equal(dev, host)  # compute reads the copy
+        if host_waited:
+            a.synchronize(ev, site="test.sync")
+        assert a.after(ev, site="test.reuse").done() and a.skipped == {"test.reuse": 1}
+        assert torch.isnan(dev).all() != host_waited
+    finally:
+        a.close()
+
+
+def test_a_collectives_result_lands_in_stream_order(standin):
+    a = standin
+    s = a.new_stream()
+    out = a.empty(4, torch.float32, s)
+    a.run_on(s, lambda: out.fill_(3.0), out=out)  # (on the caller, as gloo's are)
+    assert torch.isnan(out).all()  # not there before the stream gets to it
+    a.synchronize(a.record(s), site="test.sync")
+    assert torch.equal(out, torch.full((4,), 3.0))

@@ -386,7 +386,7 @@ def test_what_cannot_run_together_is_refused(tmp_path):
             offloadpp.initialize(model=torch.nn.Linear(2, 2), config=cfg, **kw)
 
 
-def test_16bit_compute_over_two_ranks(tmp_path):
+def test_16bit_compute_over_two_ranks(tmp_path, on_device):
     """bf16 compute (a compute copy per shard beside the fp32 master, gathered in 16 bits), with
     budgets that keep every unit's weights resident on the device (gathered again by the worker
     after each update): two ranks agree with one process taking the same global batch as two

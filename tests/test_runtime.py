@@ -87,6 +87,7 @@ def train_pair(ref, eng, data, *, accum: int = 1, clip: float = 0.0, check_every
             x = data[step * accum + m]
             loss_ref = ref(input_ids=x, labels=x).loss
             (loss_ref / accum).backward()
+            x = x.to(eng.device.torch_device)  # (on_device's cuda case: the batch made on the host)
             loss = eng(input_ids=x, labels=x).loss
             assert math.isclose(loss.item(), loss_ref.item(), rel_tol=1e-4), (
                 step,

@@ -21,7 +21,7 @@ from test_runtime import batches, global_rel_diff, tiny_gpt2, tiny_llama
 
 from offloadpp.assemble import assemble_engine
 from offloadpp.optim import AdamHyper
-from offloadpp.planner import Settings
+from offloadpp.planner import Settings, Tier
 from offloadpp.runtime import RuntimeConfig
 
 LR, WD = 1e-3, 0.01
@@ -170,3 +170,44 @@ def test_bf16_gradients_are_kept_bf16_and_update_as_their_fp32_upcast(tmp_path, 
     for k in want:
         assert torch.equal(got[k], want[k]), k
     assert grads32[-1][1] > 0 and grads16[-1] == (grads32[-1][0] // 2, grads32[-1][1] // 2)
+
+
+@pytest.mark.parametrize(
+    "homes",
+    [
+        # (weights, master) per unit: resident weights refreshed from a master on SSD or in host
+        # memory, beside a streamed unit (whose copies tell the host that the stream moved on)
+        ((Tier.DEVICE, Tier.SSD), (Tier.DEVICE, Tier.HOST), (Tier.SSD, Tier.SSD), (Tier.DEVICE, Tier.SSD)),
+        # all resident, masters in host memory: nothing but the update waits for a refresh's copy
+        ((Tier.DEVICE, Tier.HOST),) * 4,
+    ],
+    ids=["mixed", "resident"],
+)
+@pytest.mark.parametrize("clip", [0.0, 1.0])  # updates in backward / deferred to the step's end
+def test_on_the_standin_weights_resident_on_the_device_train_like_adamw(tmp_path, monkeypatch, clip, homes):
+    """Units whose weights live on the device for the whole run (refreshed after each update,
+    from a master on SSD or in host memory) beside a streamed one train like torch AdamW. On the
+    stand-in only: this is the copy path's (on the CPU device resident fp32 weights are the
+    master itself, nothing is refreshed). It runs the resident refresh's lines: its copy waits
+    for compute to be done with the old weights, the host buffer it reads goes back only after
+    it, and the next update writes that buffer only once the copy has read it."""
+    from dataclasses import replace
+
+    from conftest import set_device
+    from test_runtime import train_pair
+
+    from offloadpp.assemble import unit_specs
+    from offloadpp.planner import Placement, streaming_plan, with_peak_budgets
+    from offloadpp.runtime import OffloadEngine
+
+    set_device(monkeypatch, "standin")
+    ref = tiny_gpt2()
+    specs = unit_specs(ref, None)
+    placements = tuple(Placement(u.name, w, m, Tier.SSD) for u, (w, m) in zip(specs, homes))
+    base = streaming_plan(specs, device="cuda", compute_dtype="fp32", prefetch_depth=1,
+                          deferred_update=clip > 0, clipping=clip > 0)  # fmt: skip
+    plan = with_peak_budgets(replace(base, placements=placements))
+    cfg = config(tmp_path, "cpu", gradient_clipping=clip)
+    with OffloadEngine(copy.deepcopy(ref), cfg, plan, hyper=AdamHyper(lr=LR, weight_decay=WD)) as eng:
+        train_pair(ref, eng, batches(4), clip=clip)
+        assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=LR, steps=4) < 1e-5

@@ -57,7 +57,7 @@ class SitedWait:
         self.accel.synchronize(self.event, site=self.site)
 
     def done(self) -> bool:
-        return self.event.done()
+        return self.accel.query(self.event, site=self.site)
 
 
 class Accelerator(abc.ABC):
@@ -106,9 +106,10 @@ class Accelerator(abc.ABC):
         """Queues dst.copy_(src) on `stream` (asynchronous where `copies`)."""
 
     @abc.abstractmethod
-    def run_on(self, stream: Stream, fn: Callable[[], None]) -> None:
-        """Runs `fn` (a collective on device tensors) in `stream`'s order: after what is queued
-        on it, and before what is queued after."""
+    def run_on(self, stream: Stream, fn: Callable[[], None], *, out: torch.Tensor) -> None:
+        """Runs `fn` (a collective on device tensors, writing `out`) in `stream`'s order: after
+        what is queued on it, and before what is queued after; `out` is ready at an event
+        recorded on `stream` after it."""
 
     @abc.abstractmethod
     def record(self, stream: Stream) -> Event:
@@ -125,6 +126,10 @@ class Accelerator(abc.ABC):
     @abc.abstractmethod
     def synchronize(self, event: Event, *, site: str) -> None:
         """The host waits for `event`."""
+
+    def query(self, event: Event, *, site: str) -> bool:
+        """The host asks whether `event` is done (a pool's `after` does, under `site`)."""
+        return event.done()
 
     def after(self, event: Event, *, site: str) -> SitedWait:
         """`event` as a pool Waitable whose host wait is `site`."""

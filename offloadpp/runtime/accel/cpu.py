@@ -46,7 +46,7 @@ class CpuAccelerator(Accelerator):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
         dst.copy_(src)
 
-    def run_on(self, stream: Stream, fn: Callable[[], None]) -> None:
+    def run_on(self, stream: Stream, fn: Callable[[], None], *, out: torch.Tensor) -> None:
         fn()
 
     def record(self, stream: Stream) -> Event:

@@ -83,7 +83,7 @@ class TorchAccelerator(Accelerator):
         with stream.stream:
             dst.copy_(src, non_blocking=True)
 
-    def run_on(self, stream: Stream, fn: Callable[[], None]) -> None:
+    def run_on(self, stream: Stream, fn: Callable[[], None], *, out: torch.Tensor) -> None:
         with stream.stream:
             fn()
 

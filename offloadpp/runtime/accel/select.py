@@ -1,9 +1,10 @@
 """Which accelerator a run uses: the device spec, or OFFLOADPP_DEVICE.
 
-Note: OFFLOADPP_DEVICE. It names the device where the config names none; "standin" also stands
-in for an explicit "cpu" (the stand-in is the CPU device with a GPU's asynchrony: a test written
-for the CPU device runs the GPU's lines on it unchanged). It never replaces an explicit "cuda",
-and says so on stderr whenever it applies, with the stand-in's seed.
+Note: OFFLOADPP_DEVICE. It names the device where the config names none; "standin" and "cuda"
+also stand in for an explicit "cpu" (the stand-in is the CPU device with a GPU's asynchrony, and
+with "cuda" the tests written for the CPU device run on a GPU: tests/conftest.py's on_device,
+scripts/gpu_check.sh). It never replaces an explicit "cuda", and says so on stderr whenever it
+applies, with the stand-in's seed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def effective_spec(spec: Optional[str]) -> str:
     env = os.environ.get(ENV) or None
     if env is not None:
         check_spec(env, f"{ENV}")
-        if spec is None or (env == "standin" and spec == "cpu"):
+        if spec is None or (env != "cpu" and spec == "cpu"):
             return env
     if spec is None:
         return "cuda" if cuda_available() else "cpu"
@@ -79,6 +80,8 @@ def accelerator(spec: Optional[str]) -> Accelerator:
         a = StandinAccelerator()
         print(a.describe(), file=sys.stderr)
         return a
+    if spec == "cpu":  # (OFFLOADPP_DEVICE stood in for it: the Note)
+        print(f"offloadpp: device={s} ({ENV}; the config named cpu)", file=sys.stderr)
     return TorchAccelerator(s)
 
 

@@ -16,14 +16,21 @@ wait made visible:
   record_use for the stream) may be gone when the stream gets there: a source gone gives NaN
   (on a GPU: whatever took its memory), a destination gone raises StandinUseAfterFreeError;
 - compute is the calling thread: its work is done when the call returns, and the compute stream
-  waiting on an event blocks the caller until the event is done;
-- a copy on a side stream into (or out of) memory the compute stream used, without that stream
-  having waited for compute since, raises StandinRaceError: on a GPU the copy would overtake
-  kernels still queued.
+  waiting on an event blocks the caller until the event is done; compute is modelled as lagging
+  without bound instead: a copy on a side stream into (or out of) memory the compute stream
+  used, without that stream having waited for compute since, raises StandinRaceError (on a GPU
+  the copy would overtake kernels still queued), and compute's waits teach the host nothing
+  (standin_stream.py, what the host knows);
+- a collective (run_on) runs on the calling thread once its stream has got there (gloo is
+  synchronous), but its result lands in stream order: the output reads NaN until the stream
+  gets to the item that delivers it, as a collective kernel's output would.
 
-Note: sites. OFFLOADPP_STANDIN_SKIP=<site> makes the stand-in skip that one wait or free (the
-free then reclaims the buffer at once), for scripts/standin_mutations.py; the first skip of each
-stand-in appends the site to the file OFFLOADPP_STANDIN_SKIP_LOG names, if any.
+Note: sites. OFFLOADPP_STANDIN_SKIP=<site> makes the stand-in skip that one wait or free, for
+scripts/standin_mutations.py; the first skip of each stand-in appends the site to the file
+OFFLOADPP_STANDIN_SKIP_LOG names, if any. A skipped free reclaims the buffer at once, ordered
+after no stream (compute's use included); a skipped host wait is taken at its worst
+(standin_stream.py); a pool's `after` whose site is skipped is done at once, as if the runtime
+had given the buffer back without it.
 """
 
 from __future__ import annotations
@@ -31,135 +38,26 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
-from collections import deque
 from typing import Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .base import Accelerator, Event, Stream
+from .standin_stream import (
+    Item,
+    StandinEvent,
+    StandinRaceError,
+    StandinStream,
+    StandinUseAfterFreeError,
+    byte_range,
+    nan_fill,
+    revive,
+    weak_view,
+)
 
 DEFAULT_SEED = 1234
 DEFAULT_DELAY_MS = 2.0  # the most an item of a stream waits before it runs (uniform from 0)
-
-
-class StandinRaceError(RuntimeError):
-    """Work on a side stream touched memory the compute stream used, unordered (a missing wait)."""
-
-
-class StandinUseAfterFreeError(RuntimeError):
-    """A stream got to a copy whose memory had been freed (a missing record_use)."""
-
-
-def _weak_view(t: torch.Tensor) -> tuple:
-    return StorageWeakRef(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
-
-
-def _revive(view: tuple, stream: str, what: str) -> Optional[torch.Tensor]:
-    """The tensor of `view` if its memory is still there; a source gone: None."""
-    ref, offset, shape, stride, dtype = view
-    storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-    if storage is None and what == "source":
-        return None
-    if storage is None:
-        raise StandinUseAfterFreeError(
-            f"stand-in device: {stream} got to a copy whose {what} had been freed meanwhile (on a GPU the "
-            "memory would be another tensor's by then: a missing record_use for this stream)"
-        )
-    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
-
-
-def _nan_fill(t: torch.Tensor) -> None:
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        t.fill_(float("nan"))
-    else:
-        t.fill_(-1 if t.dtype.is_signed else (1 << (8 * t.element_size())) - 1 & 0xFF)
-
-
-class StandinStream(Stream):
-    """A worker thread running its queue in order, each item after a random delay."""
-
-    def __init__(self, accel: StandinAccelerator, name: str, rng: Optional[random.Random]):
-        self.accel, self.name, self.rng = accel, name, rng
-        self.queued = 0  # items queued so far (an event is a position in this count)
-        self.completed = 0
-        self.seen_compute = 0  # the compute epoch this stream last waited for
-        self._items: deque[tuple[int, Callable[[], None]]] = deque()
-        self._kept: deque[tuple[int, torch.Tensor]] = deque()  # record_use: memory held to a point
-        self._cond = threading.Condition()
-        self._stop = False
-        self._thread = None
-        if rng is not None:  # (the compute stream has no worker: it is the caller)
-            self._thread = threading.Thread(target=self._run, name=f"standin-{name}", daemon=True)
-            self._thread.start()
-
-    def __repr__(self) -> str:
-        return f"StandinStream({self.name!r})"
-
-    @property
-    def is_compute(self) -> bool:
-        return self._thread is None
-
-    def submit(self, fn: Callable[[], None]) -> int:
-        with self._cond:
-            self.queued += 1
-            self._items.append((self.queued, fn))
-            self._cond.notify_all()
-            return self.queued
-
-    def wait_for(self, pos: int) -> None:
-        with self._cond:
-            while self.completed < pos and self.accel.error is None:
-                self._cond.wait(0.05)
-        self.accel.check()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._items and not self._stop:
-                    self._cond.wait()
-                if self._stop and not self._items:
-                    return
-                pos, fn = self._items[0]
-            time.sleep(self.rng.uniform(0.0, self.accel.delay_s))
-            try:
-                fn()
-            except BaseException as e:  # surfaced at the next wait, as a device error is
-                self.accel.error = self.accel.error or e
-            with self._cond:
-                self._items.popleft()
-                self.completed = pos
-                while self._kept and self._kept[0][0] <= pos:
-                    self._kept.popleft()
-                self._cond.notify_all()
-
-    def keep(self, t: torch.Tensor) -> None:
-        """Holds `t`'s memory until the stream has run what is queued now."""
-        with self._cond:
-            if self.completed < self.queued:
-                self._kept.append((self.queued, t))
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-
-
-class StandinEvent(Event):
-    def __init__(self, stream: StandinStream, pos: int):
-        self.stream, self.pos = stream, pos
-
-    def done(self) -> bool:
-        return self.stream.completed >= self.pos
-
-    def wait(self) -> None:
-        self.stream.wait_for(self.pos)
-
-    def __repr__(self) -> str:
-        return f"StandinEvent({self.stream.name}@{self.pos})"
 
 
 class _Block:
@@ -175,6 +73,10 @@ class _Block:
         self.uses: set[StandinStream] = set()  # side streams that used it since it was handed out
         self.tensor: Optional[torch.Tensor] = None  # held by the stand-in once freed
         self.free_at: list[tuple[StandinStream, int]] = []
+        self.gen = 0  # times handed out (a copy's destination is this allocation's, or gone)
+
+    def live(self, gen: int) -> bool:
+        return self.gen == gen and self.tensor is None and not self.weak.expired()
 
 
 class StandinAccelerator(Accelerator):
@@ -204,6 +106,8 @@ class StandinAccelerator(Accelerator):
         self._peak = 0
         self._streams: list[StandinStream] = []
         self._compute = StandinStream(self, "compute", None)
+        self._late: list[tuple[StandinStream, Item]] = []  # device-to-host writes landing late
+        self._worst: set[tuple[int, int]] = set()  # (stream, event) skipped host waits taken at worst
 
     def describe(self) -> str:
         cap = (
@@ -254,7 +158,7 @@ class StandinAccelerator(Accelerator):
                 self._bytes -= b.nbytes
 
     def _to_cache(self, b: _Block) -> None:
-        _nan_fill(b.tensor)
+        nan_fill(b.tensor)
         b.uses.clear()
         b.free_at = []
         self._cache.setdefault((b.numel, b.dtype), []).append(b)
@@ -273,6 +177,7 @@ class StandinAccelerator(Accelerator):
                 # only if it was recorded (record_use); if not, a side stream writing it races.
                 b.last_compute = last if b.compute_kept or last else b.last_compute
                 b.compute_kept = False
+                b.gen += 1
                 if stream is not None and not stream.is_compute:
                     b.uses.add(stream)
                 return t
@@ -302,7 +207,7 @@ class StandinAccelerator(Accelerator):
                         "device budget)"
                     )
             t = torch.empty(numel, dtype=dtype)
-            _nan_fill(t)
+            nan_fill(t)
             b = _Block(t, last)
             self._blocks[b.ptr] = b
             if stream is not None and not stream.is_compute:
@@ -324,7 +229,10 @@ class StandinAccelerator(Accelerator):
                 raise RuntimeError(f"stand-in device: {site}: freeing a buffer it did not hand out, or twice")
             b.tensor = tensor
             if site is not None and self._skips(site):
-                self._to_cache(b)  # reclaimed now, whatever the streams still do with it
+                # reclaimed now, whatever the streams still do with it: compute's use too (the
+                # reuse is not ordered after it)
+                b.compute_kept = False
+                self._to_cache(b)
                 return
             b.free_at = [(s, s.queued) for s in b.uses]
             self._pending.append(b)
@@ -376,41 +284,82 @@ class StandinAccelerator(Accelerator):
             dst.copy_(src)
             return
         self._check_order(stream, dst, src)
-        d, s, name = _weak_view(dst), _weak_view(src), stream.name
+        it = Item(lambda it: self._run_copy(it, stream))
+        it.dst, it.src = weak_view(dst), weak_view(src)
+        with self._lock:
+            bd, bs = self._block(dst), self._block(src)
+            it.to_host = bd is None
+            if bd is None or bs is None:
+                it.host = byte_range(dst if bd is None else src)
+            if bd is not None:
+                it.dev = (bd, bd.gen, self.epoch)
+        stream.submit(it)
 
-        def run() -> None:
-            dst, src = _revive(d, name, "destination"), _revive(s, name, "source")
-            if src is None:
-                _nan_fill(dst)  # its memory was freed: on a GPU, the copy reads someone else's bytes
-            else:
-                dst.copy_(src)
+    def _run_copy(self, it: Item, stream: StandinStream) -> None:
+        """A copy, on its stream's worker (the module Note; standin_stream.py for the flags)."""
+        if it.host is not None:
+            (a, b) = it.host  # late writes to its host memory land before it
+            self._land(lambda _, late: late.host[0] < b and a < late.host[1])
+        dst, src = revive(it.dst, stream.name, "destination"), revive(it.src, stream.name, "source")
+        if src is None or it.poisoned:
+            nan_fill(dst)  # its memory was freed, or reused: on a GPU, the copy reads someone else's bytes
+        elif it.held:  # its destination was given back before the host knew: its bytes land late
+            pass  # (_at_worst took them)
+        else:
+            dst.copy_(src)
 
-        stream.submit(run)
-
-    def run_on(self, stream: Stream, fn: Callable[[], None]) -> None:
-        # (a collective is run by the caller, once the stream has got to it: one stream's items
-        # run on one thread, and collectives of two groups queued on it from two threads could
-        # pair differently on two ranks)
-        if not stream.is_compute:
-            stream.wait_for(stream.queued)
+    def run_on(self, stream: Stream, fn: Callable[[], None], *, out: torch.Tensor) -> None:
+        # The collective runs on the caller once the stream has got to it (its inputs are in
+        # place; one stream's items run on one thread, so collectives of two groups queued on it
+        # from two threads could pair differently on two ranks), and its result lands in stream
+        # order: `out` reads NaN until then.
+        if stream.is_compute:
+            fn()
+            return
+        if self._block(out) is not None:
+            self._check_order(stream, out, out)
+        stream.wait_for(stream.queued)
         fn()
+        it = Item(self._deliver)
+        it.data, it.dst = out.clone(), weak_view(out)
+        with self._lock:
+            b = self._block(out)
+            if b is not None:
+                it.dev = (b, b.gen, self.epoch)
+        nan_fill(out)
+        stream.submit(it)
+
+    @staticmethod
+    def _deliver(it: Item) -> None:
+        dst = revive(it.dst, "a stream", "destination")
+        if it.poisoned:
+            nan_fill(dst)
+        else:
+            dst.copy_(it.data)
+        it.data = None
 
     def record(self, stream: Stream) -> Event:
         if stream.is_compute:
             return StandinEvent(stream, 0)  # compute's work is done when its call returns
-        return StandinEvent(stream, stream.queued)
+        with stream.cond:
+            ev = StandinEvent(stream, stream.queued, stream.last_record)
+            stream.last_record = stream.queued
+        return ev
 
     def wait_event(self, stream: Stream, event: Event, *, site: str) -> None:
         self.check()
         if self._skips(site):
             return
         if stream.is_compute:
-            event.wait()  # compute is this thread: what it issues next comes after the event
+            # compute is this thread: what it issues next comes after the event (the host
+            # learns nothing: on a GPU it would not have waited)
+            event.stream.wait_for(event.pos)
             with self._lock:
                 self._tick()
         else:
-            stream.submit(event.wait)
-            if event.stream.is_compute:
+            src, pos = event.stream, event.pos
+            stream.submit(Item(lambda _: src.wait_for(pos)))
+            if src.is_compute:
                 stream.seen_compute = max(stream.seen_compute, self.epoch)
 
     def wait_stream(self, stream: Stream, other: Stream, *, site: str) -> None:
@@ -426,13 +375,75 @@ class StandinAccelerator(Accelerator):
     def synchronize(self, event: Event, *, site: str) -> None:
         self.check()
         if self._skips(site):
+            self._at_worst(event)
             return
         event.wait()
+
+    def query(self, event: Event, *, site: str) -> bool:
+        if self._skips(site):
+            self._at_worst(event)
+            return True
+        return event.done()
+
+    # ---- what the host knows (standin_stream.py, the module Note) ----------------------------
+    def learn(self, stream: StandinStream, pos: int) -> None:
+        """The host knows `stream` got to `pos`: device-to-host writes held till then land."""
+        if pos > stream.known:
+            stream.known = pos
+            self._land(lambda s, late: s is stream and late.pos <= pos)
+
+    def _land(self, which: Callable[[StandinStream, Item], bool]) -> None:
+        with self._lock:
+            landing = [it for s, it in self._late if which(s, it)]
+            if not landing:
+                return
+            self._late = [(s, it) for s, it in self._late if not which(s, it)]
+            for it in landing:
+                dst = revive(it.dst, "a stream", "late write")
+                if dst is not None:
+                    dst.copy_(it.data)
+
+    def _at_worst(self, event: Event) -> None:
+        """A host wait skipped on a point the host does not know: its group's copies may run
+        after the host reuses their host memory (standin_stream.py)."""
+        s = event.stream
+        if s.is_compute or s.known >= event.pos or (id(s), event.pos) in self._worst:
+            return
+        self._worst.add((id(s), event.pos))
+        with s.cond:
+            items = s.group(event.start, event.pos)
+            for it in items:
+                if it.host is not None and it.to_host and not it.ran:
+                    it.held = True
+                elif it.dev is not None and not it.ran:
+                    it.poisoned = True
+        for it in items:
+            if it.host is not None and it.to_host:  # its bytes land late, whether it ran or not
+                data = revive(it.dst, s.name, "late write") if it.ran else revive(it.src, s.name, "source")
+                if data is not None:
+                    it.data = data.clone()
+                    with self._lock:
+                        self._late.append((s, it))
+            elif it.ran and it.dev is not None:  # it delivered already: what it read may be the next owner's
+                b, gen, epoch = it.dev
+                with self._lock:
+                    if not b.live(gen):
+                        continue  # (its destination is gone: nothing reads what it delivered)
+                    if b.last_compute > epoch:  # and compute has read that since: too late for NaN
+                        self.error = self.error or StandinRaceError(
+                            f"stand-in device: a host wait was left out ({event!r}): the host gave back memory a "
+                            f"copy on {s.name} reads before it knew the copy done, and compute has read the copy's "
+                            "destination since (on a GPU, possibly the next owner's bytes)"
+                        )
+                    else:
+                        nan_fill(revive(it.dst, s.name, "destination"))
 
     # ---- the device as a whole -------------------------------------------------------------
     def synchronize_device(self) -> None:
         for s in self._streams:
-            s.wait_for(s.queued)
+            pos = s.queued
+            s.wait_for(pos)
+            self.learn(s, pos)
 
     def memory_info(self) -> tuple[int, int]:
         import psutil

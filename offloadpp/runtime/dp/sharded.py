@@ -145,7 +145,7 @@ def place_and_gather(u: ShardedUnit, shard: torch.Tensor, full: torch.Tensor, dp
         return None
     accel, stream = device.accel, device.h2d
     accel.copy(full[lo:hi], shard, stream)
-    accel.run_on(stream, lambda: dp.gather_in_place(full, lo, hi, worker=worker))
+    accel.run_on(stream, lambda: dp.gather_in_place(full, lo, hi, worker=worker), out=full)
     ev = accel.record(stream)
     device.h2d_bytes += shard.numel() * shard.element_size()
     return ev
