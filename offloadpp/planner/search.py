@@ -109,12 +109,17 @@ def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:
         if req.settings.prefetch_depth is not None
         else list(range(MAX_PREFETCH + 1))
     )
-    qmax = max(0, min(MAX_OPTIM, n_units - 1))
+    top = max(0, n_units - 1)
     qs = (
         [req.settings.optim_prefetch_depth]
         if req.settings.optim_prefetch_depth is not None
-        else list(range(qmax + 1))
+        else list(range(min(MAX_OPTIM, top) + 1))
     )
+    if req.settings.optim_prefetch_depth is None and req.settings.deferred_update and top not in qs:
+        # deferred updates run after backward: reading every unit's state ahead during backward
+        # is the read-ahead the resolve stage sizes the host budget for where it fits
+        # (budgets._streaming_need); the peaks check below drops it where it does not
+        qs.append(top)
     return [(k, q) for k in ks for q in qs]
 
 
