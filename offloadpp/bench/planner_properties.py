@@ -275,6 +275,7 @@ def time_violation(point: Point) -> Optional[str]:
 
 @dataclass
 class Report:
+    profiles: int = 0  # done
     points: int = 0
     planned: int = 0
     checks: dict = field(default_factory=lambda: {k: 0 for k in ("batch", "more", "hand", "time")})
@@ -282,8 +283,9 @@ class Report:
 
 
 def sweep(seed: int, profiles: int, models: list[str], batches: tuple[int, ...], n_more: int = 1,
-          properties: tuple[str, ...] = ("batch", "more", "hand", "time"), log=None) -> Report:  # fmt: skip
-    """Every property over `profiles` random profiles (seeds seed .. seed + profiles - 1)."""
+          properties: tuple[str, ...] = ("batch", "more", "hand", "time"), log=None, after=None) -> Report:  # fmt: skip
+    """Every property over `profiles` random profiles (seeds seed .. seed + profiles - 1);
+    `after(report)` is called after each profile (a long sweep stopped early keeps what it did)."""
     rep = Report()
     for i in range(profiles):
         hw, dtype = random_profile(seed + i)
@@ -325,6 +327,9 @@ def sweep(seed: int, profiles: int, models: list[str], batches: tuple[int, ...],
                 steps = ", ".join(f"b{p.micro_batch} {p.step_s:.2f}" if p.step_s else f"b{p.micro_batch} refused"
                                   for p in pts)  # fmt: skip
                 log(f"profile {seed + i} ({dtype}) {model}: {steps}")
+        rep.profiles += 1
+        if after:
+            after(rep)
     return rep
 
 
@@ -345,18 +350,23 @@ def run(args: argparse.Namespace) -> int:
     models = args.models.split(",")
     batches = tuple(int(b) for b in args.batches.split(","))
     props = tuple(args.properties.split(","))
+
+    def dump(rep: Report) -> None:
+        if not args.json:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "args": {k: v for k, v in vars(args).items() if not callable(v)}, "profiles_done": rep.profiles, "points": rep.points,
+                       "planned": rep.planned, "checks": rep.checks, "violations": rep.violations,
+                       "wall_s": time.perf_counter() - t0}, f, indent=2)  # fmt: skip
+
     rep = sweep(args.seed, args.profiles, models, batches, args.more, props,
-                log=lambda m: print(m, file=sys.stderr, flush=True))  # fmt: skip
+                log=lambda m: print(m, file=sys.stderr, flush=True), after=dump)  # fmt: skip
     took = time.perf_counter() - t0
     print(f"{rep.points} points ({args.profiles} profiles x {len(models)} models x {len(batches)} micro-batches), "
           f"{rep.planned} planned; checks: " + ", ".join(f"{k} {v}" for k, v in rep.checks.items()) +
           f"; {len(rep.violations)} violations; {took:.0f} s")  # fmt: skip
     for prop, s, m, dt, msg in rep.violations:
         print(f"  {prop}: seed {s} {m} {dt}: {msg}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "args": vars(args), "points": rep.points, "planned": rep.planned, "checks": rep.checks,
-                       "violations": rep.violations, "wall_s": took}, f, indent=2)  # fmt: skip
     return 1 if rep.violations else 0
