@@ -10,9 +10,11 @@ import pytest
 
 from offloadpp.bench.planner_properties import (
     RESOURCES,
+    batch_violations,
     hand_estimates,
     hand_violation,
     more,
+    more_violation,
     plan_point,
     random_profile,
     sweep,
@@ -79,3 +81,31 @@ def test_a_seeded_slice_of_the_sweep_holds_every_property():
                 properties=("batch", "more", "hand"))  # fmt: skip
     assert rep.points == 6 and rep.checks["batch"] == 4 and rep.checks["hand"] == rep.planned > 0
     assert rep.violations == []
+
+
+@pytest.mark.xfail(
+    strict=True, reason="no whole-block recompute piece by piece yet (docs/performance.md, issue 36)"
+)
+def test_no_cliff_where_a_whole_block_recompute_stops_fitting():
+    """Found, not fixed: profile 1 (21.7 GiB device, link 10 GB/s), 13B's shape at 8 layers. b64
+    recomputes every block from checkpoints on the host; at b128 a block's recompute passes the
+    activation room, every block goes partial and moves 6x the bytes over the link: 3.2x the time
+    per token. Strict: when the policy that closes the gap lands, this passes and must lose its mark."""
+    hw, dtype = random_profile(1)
+    pts = [plan_point(hw, "gpt3-13b@8", b, dtype) for b in (64, 128)]
+    assert batch_violations(pts) == []
+
+
+@pytest.mark.xfail(
+    strict=True, reason="keep.py blind to a speculative plan's lost overlap (docs/performance.md, issue 36)"
+)
+def test_more_device_memory_is_never_slower():
+    """Found, not fixed: profile 0, 13B's shape at 8 layers, b32: twice the device memory keeps
+    more compute weights on the device, whose units then cannot speculate (updates after
+    backward): 1.056x the step."""
+    hw, dtype = random_profile(0)
+    base = plan_point(hw, "gpt3-13b@8", 32, dtype)
+    assert (
+        more_violation(base, plan_point(more(hw, "device memory"), "gpt3-13b@8", 32, dtype), "device memory")
+        is None
+    )
