@@ -35,7 +35,7 @@ def _fill(base, order, arrays, budget):
     from offloadpp.planner import Tier, build_schedule
 
     plan = base
-    cpu = base.device == "cpu"
+    cpu = base.device == "cpu" and base.compute_dtype == "fp32"  # (the master is the weights)
     for what in arrays:
         for name in order:
             i = [u.name for u in plan.units].index(name)
@@ -53,14 +53,28 @@ def _fill(base, order, arrays, budget):
     return plan
 
 
-def hand_plans(specs, budget) -> list[tuple[str, object]]:
-    """budget: planner.Budgets, which every hand plan must fit."""
-    from offloadpp.planner import Settings, build_schedule, default_plan, streaming_plan
+def hand_plans(
+    specs, budget, *, settings=None, device: str = "cpu", fit: bool = True
+) -> list[tuple[str, object]]:
+    """budget: planner.Budgets, which every hand plan must fit (fit=False: the plans as made,
+    whether they fit or not). settings: the run's (its compute dtype, deferral, speculation),
+    else fp32 compute on the CPU as the device, as this benchmark runs."""
+    from offloadpp.planner import PlanError, Settings, build_schedule, default_plan, streaming_plan
+    from offloadpp.planner.default import plan_shape
 
-    common = dict(device="cpu", compute_dtype="fp32", budgets=budget)
+    if settings is None:
+        common = dict(device="cpu", compute_dtype="fp32", budgets=budget)
+        settings = Settings()
+    else:
+        common = dict(device=device, budgets=budget, **plan_shape(settings))
 
     def dflt(**kw):
-        return default_plan(specs, device="cpu", settings=Settings(**kw), budgets=budget)
+        try:
+            return default_plan(specs, device=device, settings=settings.model_copy(update=kw), budgets=budget)
+        except PlanError:
+            if fit:
+                raise
+            return None  # (nothing of the default rule fits these budgets: no such plan to try)
 
     fwd = [u.name for u in specs]
     bwd = list(reversed(fwd))
@@ -78,7 +92,8 @@ def hand_plans(specs, budget) -> list[tuple[str, object]]:
     out.append(("last units first, k=1 q=1", _fill(stream(1, 1), bwd, ("master", "moments"), budget)))
     out.append(("forward fill, k=1 q=2", _fill(stream(1, 2), fwd, ("master", "moments"), budget)))
     out.append(("moments only, k=0 q=0", _fill(stream(0, 0), fwd, ("moments",), budget)))
-    for label, p in out:
+    out = [(label, p) for label, p in out if p is not None]
+    for label, p in out if fit else ():
         s = build_schedule(p)
         if s.peak_device_bytes > budget.device_bytes or s.peak_host_bytes > budget.host_bytes:
             raise RuntimeError(f"hand plan {label!r} does not fit the budgets")

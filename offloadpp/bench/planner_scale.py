@@ -3,6 +3,7 @@ hand-written profile of the Fuyou paper's machine (docs/planner.md, "At the pape
 
     offloadpp bench planner-scale [--hardware docs/paper/rtx4090-12ssd.hardware.json]
         [--config docs/paper/ds_config.json] [--dtype fp16,bf16] [--repeats 3] [--json out.json]
+        [--only 13b] [--batches 32,48,64,128]
 
 For each model and micro-batch (sequence 1024) the resolve stage plans as `offloadpp plan
 --machine-from-hardware` does (the DeepSpeed config's settings, the profile's memory, cores and
@@ -38,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="fp16,bf16", help="compute dtypes to plan for, comma-separated")
     p.add_argument("--only", default=None, help="13b or 175b")
+    p.add_argument(
+        "--batches", default=None, help="micro-batches to plan, comma-separated (default: each model's own)"
+    )
     p.add_argument("--repeats", type=int, default=1, help="planning runs per configuration (median)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
@@ -123,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         with open(os.path.join(args.models, f"gpt3-{name}.config.json")) as f:
             model_cfg = json.load(f)
+        if args.batches:
+            batches = tuple(int(x) for x in args.batches.split(","))
         for dtype in args.dtype.split(","):
             for b in batches:
                 row = plan_row(model_cfg, f"GPT-3 {name.upper()}", b, dtype, hw, args.config, args.repeats)

@@ -56,6 +56,10 @@ BENCHES = {
         "offloadpp.bench.planner_scale",
         "estimates and planning time for GPT-3 13B/175B on the paper machine's profile",
     ),
+    "planner-properties": (
+        "offloadpp.bench.planner_properties",
+        "the planner's properties (micro-batch, more resources, hand-written plans, time) over random profiles",
+    ),
 }
 
 

@@ -15,7 +15,7 @@ from .peaks import peak_bytes
 from .plan import PlanError, UnitSpec, fmt_bytes
 from .request import Request
 from .search import act_planner
-from .spec import Budgets, Settings
+from .spec import PLAN_AUTO, Budgets, Settings
 
 DEVICE_SHARE_CUDA = 0.8
 DEVICE_SHARE_CPU = 0.25
@@ -67,7 +67,10 @@ def budgets_for(settings: Settings, units: tuple[UnitSpec, ...], m: Machine,
     if stream_dev or stream_host:
         k = prefetch_depth(settings)
         need_dev, need_host, q = _streaming_need(settings, units, m, k, window)
-        if settings.optim_prefetch_depth is None and stream_host:
+        if settings.optim_prefetch_depth is None and stream_host and settings.plan != PLAN_AUTO:
+            # (plan "auto" leaves the read-ahead to the search, which also tries the one the
+            # host budget was sized for: search._depths; fixed here, it hid shallower ones that
+            # fit the same budget and ran faster: tests/test_planner_properties.py)
             settings = settings.model_copy(update={"optim_prefetch_depth": q})
         if stream_dev:
             if model is None:

@@ -309,14 +309,16 @@ def lower_bound(
     if plan.speculative and plan.device == "cpu" and micro_batches == 1 and not dp:
         absorbed = 0  # speculated gradients are used where autograd left them
     memcpy = hardware.memcpy_gbps * 1e9
-    norm = plan.deferred_update and not plan.speculative  # (speculating: taken in the Adam pass)
-    absorb = absorbed * (micro_batches * 8 + (4 if norm else 0)) / memcpy
+    # the units whose updates wait for the end of backward: all of a deferred plan's; of a
+    # speculative one those whose state is not all on SSD (they cannot speculate)
+    deferred = sum(u.numel for u, p in plan if not _speculates(plan, u, p)) / plan.ranks
+    # (speculating: the norm is taken in the Adam pass; a deferred unit's when absorbed)
+    norm = deferred * plan.ranks if absorbed else 0
+    absorb = (absorbed * micro_batches * 8 + norm * 4) / memcpy
     worker = absorb + adam
     # a deferred update starts once backward is over (a speculative one, in a step that
     # validates, as it would without clipping; one applied at the next visit, beside the forward)
-    serial = (
-        compute + adam if plan.deferred_update and not plan.speculative and not lazy_applies(plan) else 0.0
-    )
+    serial = compute + adam * deferred / numel if deferred and not lazy_applies(plan) else 0.0
     sched_keep = _next_keep(plan)
     cdt = plan.compute_dtype
     read = write = 0
@@ -349,6 +351,18 @@ def lower_bound(
     )
     comm_s = comm / (link.bus_gbps() * 1e9) if dp else 0.0
     return max(compute, worker, serial, ssd, link_s, comm_s)
+
+
+def _speculates(plan: Plan, u, p) -> bool:
+    """Whether unit u's update runs during backward in a step of `plan`: every update of a plan
+    not deferred; of a speculative one, where the unit's state all lives on SSD (the replay's
+    Unit.can_speculate, the runtime's)."""
+    if not plan.deferred_update:
+        return True
+    if not plan.speculative:
+        return False
+    homes = plan.homes(u, p)
+    return all(homes[a] is Tier.SSD for a in ("master", "exp_avg", "exp_avg_sq", "weights") if a in homes)
 
 
 def _next_keep(plan: Plan) -> frozenset:
