@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -151,6 +152,33 @@ def test_a_failed_save_leaves_the_previous_tag_and_latest_valid(tmp_path, monkey
     assert (tmp_path / "ckpt" / "latest").read_text() == "next"
     eng.close()
     fresh.close()
+
+
+def test_a_load_that_finds_no_checkpoint_warns_and_changes_nothing(tmp_path, caplog):
+    """No `latest` (a folder saved with save_latest=False) or a misspelt folder: (None, None) and
+    DeepSpeed's warning, naming what is there; nothing changes (was: silent, the groups' lr pushed
+    into the runtime, a half-done accumulation window completed)."""
+    eng, *_ = offloadpp.initialize(
+        model=gpt2(), config=config(tmp_path / "nvme", gradient_accumulation_steps=2)
+    )
+    steps(eng, 0, 2)  # one window
+    eng.save_checkpoint(str(tmp_path / "ckpt"), tag="t", save_latest=False)
+    x = batch(5)
+    eng.backward(eng(input_ids=x, labels=x).loss)  # the window's first micro-batch, its step() not yet called
+    hypers, micro = eng.runtime.hypers, eng.micro_steps
+    eng.optimizer.param_groups[0]["lr"] = 0.5  # as a scheduler would, before the next backward reads it
+    caplog.set_level("WARNING", logger="offloadpp")
+    for where, why in (
+        ("ckpt", r"the folder holds no `latest` file \('.*ckpt/latest'\)"),
+        ("ckpy", r"the folder does not exist \(did you mean '.*ckpt'\?\)"),
+    ):
+        caplog.clear()
+        assert eng.load_checkpoint(str(tmp_path / where)) == (None, None)
+        assert re.search(rf"found no checkpoint to load: {why}; nothing was loaded or changed", caplog.text)
+        assert eng.runtime.hypers == hypers and eng.micro_steps == micro
+    eng.step()  # the half-done window goes on as if no load had been tried
+    assert eng.micro_steps == micro + 1
+    eng.close()
 
 
 @pytest.mark.parametrize("shard_bytes", [None, 60_000])

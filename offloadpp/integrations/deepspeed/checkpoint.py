@@ -30,6 +30,7 @@ resumed run continues bit for bit as one that never stopped (given the same batc
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -228,12 +229,14 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
     else:
         tag = _agree_on_tag(dp, load_dir, tag, local)
     if tag is None:
+        _warn_nothing_to_load(load_dir)
         return None, None
     path = os.path.join(load_dir, tag)
     if dp is None:
         recover_aside(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
+    engine._finish_micro()  # (only now: a load that finds nothing leaves a half-done window as it is)
     small: dict = {}
 
     def read_small() -> None:  # after the runtime verified its part, before anything changes
@@ -264,6 +267,29 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
         else:
             log.warning("offloadpp: checkpoint %s has no random number generator state for this rank", path)
     return path, small["client"]
+
+
+def _warn_nothing_to_load(load_dir: str) -> None:
+    """DeepSpeed's warning when `latest` is missing (it returns (None, None) and changes nothing,
+    and so does the caller), with what is there instead: a misspelt folder is named as one."""
+    latest = os.path.join(load_dir, "latest")
+    if os.path.isdir(load_dir):
+        why = f"the folder holds no `latest` file ({latest!r})"
+    else:
+        parent = os.path.dirname(os.path.abspath(load_dir)) or "."
+        near = difflib.get_close_matches(
+            os.path.basename(os.path.normpath(load_dir)),
+            [n for n in (os.listdir(parent) if os.path.isdir(parent) else ()) if os.path.isdir(os.path.join(parent, n))],
+            n=1,
+        )  # fmt: skip
+        why = "the folder does not exist" + (
+            f" (did you mean {os.path.join(parent, near[0])!r}?)" if near else ""
+        )
+    log.warning(
+        "offloadpp: load_checkpoint(%r) found no checkpoint to load: %s; nothing was loaded or changed (the "
+        "engine goes on from its current state, as DeepSpeed does). To resume, check the path, or pass "
+        "tag=... naming a checkpoint folder in it", load_dir, why,
+    )  # fmt: skip
 
 
 def _holding(load_dir: str, tag: str, dp) -> Optional[dict]:
