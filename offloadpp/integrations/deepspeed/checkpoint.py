@@ -292,16 +292,25 @@ def _warn_nothing_to_load(load_dir: str) -> None:
     )  # fmt: skip
 
 
-def _holding(load_dir: str, tag: str, dp) -> Optional[dict]:
+def _holding(load_dir: str, tag: str, dp):
     """What this rank holds of checkpoint `tag`: its manifest's save id and step (None where
     the folder, its manifest or, at the saved world size, the rank's own folder is not on this
-    rank's disk; at another one the load names each saved rank folder it lacks)."""
+    rank's disk; at another one the load names each saved rank folder it lacks). A manifest
+    that is there but cannot be read is damage, not absence: a str saying why (a save writes it
+    whole and atomically, before the folder takes its name)."""
     path = os.path.join(load_dir, tag)
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:  # (verified in full by the load itself)
-            m = json.load(f)
-    except (OSError, ValueError):
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
         return None
+    try:
+        with open(mpath) as f:  # (verified in full by the load itself)
+            m = json.load(f)
+    except OSError as e:
+        return f"{mpath!r} cannot be read: {e}"
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"{mpath!r} is not valid JSON: {e}"
+    if not isinstance(m, dict):
+        return f"{mpath!r} is not a checkpoint manifest (a JSON object)"
     if m.get("world_size") == dp.world and not os.path.isdir(rank_dir(path, dp.rank)):
         return None
     return {"save_id": m.get(NODE_LOCAL, {}).get("save_id"), "step": m.get("runtime", {}).get("global_step", -1)}  # fmt: skip
@@ -320,6 +329,17 @@ def _agree_on_tag(dp, load_dir: str, tag: Optional[str], local: bool) -> Optiona
     lead = _lead(dp, local)  # (a kill between swap_into_place's two renames: the old folder back first)
     agreed(dp, "recovering checkpoint folders", lambda: [recover_aside(os.path.join(load_dir, t)) for t in tags if lead])  # fmt: skip
     held = dp.all_gather_object({t: _holding(load_dir, t, dp) for t in tags})
+    damaged = {}  # (every rank raises the same message: each has every rank's view)
+    for r, h in enumerate(held):
+        for t in tags:
+            if isinstance(h[t], str):
+                damaged.setdefault(h[t], []).append(r)
+    if damaged:
+        raise CheckpointError(
+            "; ".join(f"{why} (read by rank(s) {ranks})" for why, ranks in damaged.items())
+            + ": the checkpoint is damaged (its manifest is written whole before the folder is named). Load "
+            "another tag with load_checkpoint(..., tag=...), or restore the folder from a copy"
+        )
     whole = [t for t in tags if all(h[t] is not None for h in held)]
     if not whole:
         t = named[0] if named[0] is not None else tags[-1]
