@@ -31,6 +31,7 @@ resumed run continues bit for bit as one that never stopped (given the same batc
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import logging
 import os
@@ -98,16 +99,44 @@ def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, 
     try:
         return _save(engine, save_dir, tag, client_state, save_latest)
     except KeyboardInterrupt:
-        try:
-            latest = _resolve_tag(save_dir, None) if os.path.isdir(save_dir) else None
-        except CheckpointError:  # (an empty `latest`)
-            latest = None
         log.warning(
             "offloadpp: interrupted (KeyboardInterrupt) while saving checkpoint %r: %s; the next save removes "
-            "what this one left", tag,
-            f"`latest` still names {latest!r}, complete" if latest else "no checkpoint was complete yet",
+            "what this one left", tag, _latest_still(save_dir),
         )  # fmt: skip
         raise
+    except OSError as e:  # (one process; over ranks `agreed` has made it a CheckpointError already)
+        raise CheckpointError(_save_failed(save_dir, tag, f"{e.strerror or e} ({e.filename!r})", e)) from e
+    except CheckpointError as e:
+        if not isinstance(e.__cause__, OSError):
+            raise
+        raise CheckpointError(_save_failed(save_dir, tag, str(e), e.__cause__)) from e.__cause__
+
+
+def _latest_still(save_dir: str) -> str:
+    """What `latest` names after a save that did not finish (it is only replaced at the end)."""
+    try:
+        latest = _resolve_tag(save_dir, None) if os.path.isdir(save_dir) else None
+    except (CheckpointError, OSError):  # (an empty or unreadable `latest`)
+        latest = None
+    return f"`latest` still names {latest!r}, complete" if latest else "no checkpoint there was complete yet"
+
+
+# What to do about the errors a save meets most (errno -> advice).
+_SAVE_ADVICE = {
+    errno.EROFS: "the filesystem is mounted read-only: pass save_checkpoint a folder on a writable one",
+    errno.EACCES: "this process may not write there: pass a folder it may write, or change the folder's permissions",
+    errno.EPERM: "this process may not write there: pass a folder it may write, or change the folder's permissions",
+    errno.ENOSPC: "the disk is full: free space there (older checkpoint tags) or save to another disk",
+    errno.EDQUOT: "the disk quota is used up: free space there (older checkpoint tags) or save to another disk",
+}
+
+
+def _save_failed(save_dir: str, tag: str, what: str, e: OSError) -> str:
+    advice = _SAVE_ADVICE.get(e.errno, "fix the cause and save again")
+    return (
+        f"cannot save checkpoint {tag!r} in {save_dir!r}: {what}; {advice}. The checkpoints already there are "
+        f"unchanged: {_latest_still(save_dir)}"
+    )
 
 
 def node_local(engine) -> bool:
