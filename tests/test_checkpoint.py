@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -151,6 +152,33 @@ def test_a_failed_save_leaves_the_previous_tag_and_latest_valid(tmp_path, monkey
     assert (tmp_path / "ckpt" / "latest").read_text() == "next"
     eng.close()
     fresh.close()
+
+
+def test_a_load_that_finds_no_checkpoint_warns_and_changes_nothing(tmp_path, caplog):
+    """No `latest` (a folder saved with save_latest=False) or a misspelt folder: (None, None) and
+    DeepSpeed's warning, naming what is there; nothing changes (was: silent, the groups' lr pushed
+    into the runtime, a half-done accumulation window completed)."""
+    eng, *_ = offloadpp.initialize(
+        model=gpt2(), config=config(tmp_path / "nvme", gradient_accumulation_steps=2)
+    )
+    steps(eng, 0, 2)  # one window
+    eng.save_checkpoint(str(tmp_path / "ckpt"), tag="t", save_latest=False)
+    x = batch(5)
+    eng.backward(eng(input_ids=x, labels=x).loss)  # the window's first micro-batch, its step() not yet called
+    hypers, micro = eng.runtime.hypers, eng.micro_steps
+    eng.optimizer.param_groups[0]["lr"] = 0.5  # as a scheduler would, before the next backward reads it
+    caplog.set_level("WARNING", logger="offloadpp")
+    for where, why in (
+        ("ckpt", r"the folder holds no `latest` file \('.*ckpt/latest'\)"),
+        ("ckpy", r"the folder does not exist \(did you mean '.*ckpt'\?\)"),
+    ):
+        caplog.clear()
+        assert eng.load_checkpoint(str(tmp_path / where)) == (None, None)
+        assert re.search(rf"found no checkpoint to load: {why}; nothing was loaded or changed", caplog.text)
+        assert eng.runtime.hypers == hypers and eng.micro_steps == micro
+    eng.step()  # the half-done window goes on as if no load had been tried
+    assert eng.micro_steps == micro + 1
+    eng.close()
 
 
 @pytest.mark.parametrize("shard_bytes", [None, 60_000])
@@ -375,3 +403,51 @@ def test_a_checkpoint_loads_from_a_full_filesystem(tmp_path, good):
         _loads_like_the_original(good, full, tmp_path)
     finally:
         _umount(full)
+
+
+@pytest.mark.parametrize("how", ["read_only_mount", "no_write_permission", "full_disk"])
+def test_a_save_into_a_read_only_folder_names_the_path_and_what_to_do(tmp_path, how):
+    """A save where nothing may be written raises the checkpoint error with the folder, the
+    cause, what to do and what is still there (was: a bare OSError, errno 30)."""
+    eng, *_ = offloadpp.initialize(model=gpt2(), config=config(tmp_path / "nvme"))
+    steps(eng, 0, 1)
+    src = tmp_path / "src"
+    eng.save_checkpoint(str(src), tag="t")
+    if how == "full_disk":  # room for the small files, not for the state
+        where = tmp_path / "full"
+        where.mkdir()
+        _mount("-t", "tmpfs", "-o", "size=128k", "tmpfs", where)
+        try:
+            with pytest.raises(
+                CheckpointError,
+                match=rf"cannot save checkpoint 'u' in '{where}': .*No space left on device.*; the disk is full: free "
+                r"space there .* The checkpoints already there are unchanged: no checkpoint there was complete yet",
+            ):
+                eng.save_checkpoint(str(where), tag="u")
+        finally:
+            _umount(where)
+        return eng.close()
+    if how == "read_only_mount":
+        where = tmp_path / "ro"
+        where.mkdir()
+        _mount("--bind", src, where)
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a folder without write permission")
+        where = src
+    try:
+        if how == "read_only_mount":
+            _mount("-o", "remount,ro,bind", where)
+            why = r"Read-only file system \('.*'\); the filesystem is mounted read-only: pass save_checkpoint a folder"
+        else:
+            os.chmod(where, 0o555)
+            why = r"Permission denied \('.*'\); this process may not write there"
+        with pytest.raises(
+            CheckpointError,
+            match=rf"cannot save checkpoint 'u' in '{where}': {why}.* The checkpoints already there are unchanged: "
+            r"`latest` still names 't', complete",
+        ):
+            eng.save_checkpoint(str(where), tag="u")
+    finally:
+        _umount(where) if how == "read_only_mount" else os.chmod(where, 0o755)
+    eng.close()

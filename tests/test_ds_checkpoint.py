@@ -142,3 +142,24 @@ def test_a_shared_folder_resolves_as_before(tmp_path, tag):
         _node_ckpt(d, "step3", r, 3, "a") if r == 0 else os.makedirs(os.path.join(d, "step3", "rank00001"))
     _latest(d, "step3")
     assert _agree([d, d], tag) == ["step3", "step3"]
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
+def test_a_damaged_manifest_is_named_by_every_rank_not_taken_for_missing_shards(tmp_path, content):
+    """A shared folder whose global manifest.json is not a JSON object, with both shard folders
+    there: every rank names the file and the cause (was: "shard folders rank00000, rank00001
+    are missing")."""
+    d = str(tmp_path / "shared")
+    _node_ckpt(d, "step3", 0, 3, "a")
+    os.makedirs(os.path.join(d, "step3", "rank00001"))
+    _latest(d, "step3")
+    with open(os.path.join(d, "step3", "manifest.json"), "w") as f:
+        f.write(content)
+    why = (
+        "is not valid JSON: Expecting property name" if content[0] == "{" else "is not a checkpoint manifest"
+    )
+    for e in _agree([d, d]):
+        assert isinstance(e, CheckpointError), e
+        msg = str(e)
+        assert f"step3/manifest.json' {why}" in msg and "read by rank(s) [0, 1]" in msg, msg
+        assert "checkpoint is damaged" in msg and "tag=" in msg and "missing" not in msg, msg

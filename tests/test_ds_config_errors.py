@@ -88,6 +88,15 @@ BAD = [
         r"offloadpp\.host_budget_bytes: expected a byte count, got '1e999'",
     ),
     ("offloadpp.ssd_read_gbps", float("inf"), r"offloadpp\.ssd_read_gbps: expected a number > 0"),
+    # DeepSpeed's aio block is not applied, but a value no engine could run is named (issue 37)
+    (
+        "aio.queue_depth",
+        -1,
+        r"aio\.queue_depth: expected a whole number >= 1, got -1; .*offloadpp\.io\.queue_depth",
+    ),
+    ("aio.block_size", 0, r"aio\.block_size: expected a whole number >= 1, got 0"),
+    ("aio.intra_op_parallelism", 1.5, r"aio\.intra_op_parallelism: expected a whole number >= 1, got 1\.5"),
+    ("aio.single_submit", "false", r"aio\.single_submit: expected true or false, got 'false'"),
 ]
 
 
@@ -118,6 +127,13 @@ BAD_BLOCKS = [
         {"enabled": False, "io": {"queue_dept": 8}},
         r"offloadpp\.io\.queue_dept: unknown key; did you mean 'queue_depth'",
     ),
+    # settings without the switch: not DeepSpeed's silent "off" (issue 37; docs/deepspeed.md)
+    (
+        {"device_budget_bytes": "1GiB", "plan": "auto"},
+        r"offloadpp: the block sets 'device_budget_bytes', 'plan' but has no \"enabled\" key.* add "
+        r'"enabled": true to train with offloadpp, or "enabled": false for DeepSpeed\'s own engine',
+    ),
+    ({}, r'offloadpp: the block is empty but has no "enabled" key'),
 ]
 
 
@@ -270,3 +286,40 @@ def test_hjson_and_base64_configs_are_read_as_deepspeed_reads_them(tmp_path, mon
             engine.close()
         else:  # DeepSpeed gets the config exactly as given
             assert engine == "deepspeed" and seen[-1]["config"] == config
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+@pytest.mark.parametrize("block", [True, False])
+def test_a_config_json_dump_wrote_with_nan_names_the_key_and_value(tmp_path, monkeypatch, indent, block):
+    """json.dump writes float('nan') as NaN, which JSON has not: refused naming the key and the
+    value, on either engine (was: a parse position at the end of the line, or with indent the
+    text "NaN," read as the value)."""
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: pytest.fail("DeepSpeed got a NaN config"))
+    cfg = ds_config(tmp_path / "nvme", gradient_clipping=float("nan"))
+    cfg["optimizer"]["params"]["betas"] = [0.9, float("inf")]
+    cfg["offloadpp"]["enabled"] = block
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg, indent=indent))
+    with pytest.raises(
+        OffloadppConfigError,
+        match=r"ds\.json': gradient_clipping: NaN, optimizer\.params\.betas\[1\]: Infinity are not numbers JSON "
+        r"can hold \(json\.dump writes float\('nan'\)",
+    ):
+        offloadpp.initialize(model=tiny_gpt2(), config=str(path))
+
+
+def test_a_misspelt_nvme_path_is_named_as_an_unknown_key(tmp_path):
+    """ "nvme_pth" in both offload blocks: the unknown key and the right name (was: "no directory
+    for swap files")."""
+    cfg = ds_config(tmp_path / "nvme")
+    for sub in cfg["zero_optimization"].values():
+        if isinstance(sub, dict):
+            sub["nvme_pth"] = sub.pop("nvme_path")
+    with pytest.raises(
+        OffloadppConfigError,
+        match=r"zero_optimization\.offload_(optimizer|param)\.nvme_pth: not a key of the pinned DeepSpeed's config; "
+        r"did you mean 'zero_optimization\.offload_(optimizer|param)\.nvme_path'\?",
+    ):
+        offloadpp.initialize(model=tiny_gpt2(), config=cfg)

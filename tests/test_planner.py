@@ -19,6 +19,7 @@ from offloadpp.planner.peaks import peak_bytes
 from offloadpp.planner.planfile import load_plan, plan_from_dict, plan_to_dict, save_plan
 from offloadpp.planner.request import Request
 from offloadpp.planner.search import describe_buffers, plan, search
+from offloadpp.planner.ssd_room import ssd_need_bytes
 
 GPT2 = {
     "model_type": "gpt2",
@@ -241,7 +242,7 @@ def test_ssd_space_is_a_budget_too():
 
 
 def test_the_search_checks_ssd_room_by_the_plans_one_rule():
-    """The search keeps only plans whose Plan.ssd_need_bytes (the second generation and the
+    """The search keeps only plans whose ssd_need_bytes (planner/ssd_room.py: the second generation and the
     margin: what resolve and the engine's preflight check) fits the free space, not the bytes of
     their arrays alone."""
     hw, m = cpu_hw(), gpt2_profile()
@@ -249,13 +250,13 @@ def test_the_search_checks_ssd_room_by_the_plans_one_rule():
     total = sum(u.padded_numel for u in m.unit_specs()) * 4
     sizes = dict(host_bytes=host + total // 2)  # some of the state on SSD, not all
     free = search(hw, m, request(dev + total // 2, **sizes)).plan
-    assert 0 < free.ssd_bytes() < free.ssd_need_bytes()
+    assert 0 < free.ssd_bytes() < ssd_need_bytes(free)
     req = functools.partial(request, dev + total // 2, **sizes)
-    fits = search(hw, m, req(ssd_bytes=int(free.ssd_need_bytes()) + 1))
-    assert all(c.plan.ssd_need_bytes() <= free.ssd_need_bytes() + 1 for c in fits.candidates)
+    fits = search(hw, m, req(ssd_bytes=ssd_need_bytes(free) + 1))
+    assert all(ssd_need_bytes(c.plan) <= ssd_need_bytes(free) + 1 for c in fits.candidates)
     # room for its arrays but not for what it needs on SSD (a second generation, the margin): refused
     with pytest.raises(PlanError, match="SSD space is short"):
-        search(hw, m, req(ssd_bytes=(free.ssd_bytes() + int(free.ssd_need_bytes())) // 2))
+        search(hw, m, req(ssd_bytes=(free.ssd_bytes() + ssd_need_bytes(free)) // 2))
 
 
 def test_budget_errors_name_field():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -193,8 +194,16 @@ def test_bad_nvme_path(tmp_path, what):
 def test_too_little_free_space(small_fs):
     model = tiny_gpt2()
     cfg = streaming_config(small_fs)
-    with pytest.raises(PreflightError, match=r"not enough free space.*keeps .* on SSD.*more\)"):
+    with pytest.raises(PreflightError) as e:
         assemble_engine(model, cfg)
+    # where each byte of the need comes from, and what to do (issue 37)
+    assert re.search(
+        r"not enough free space for the training state: '.*small_fs' has .* free and needs .* \(.* more\)\. The "
+        r"need: the training state .*, its second generation .*, swap-file headers and 4 KiB rounding .* \(\d+ "
+        r"files in all\), a margin of 1% \(at least 1\.00 MiB\) .* for filesystem metadata .*\. Free that much "
+        r"there, give the run more or other nvme paths, or a larger host budget",
+        str(e.value),
+    ), str(e.value)
 
 
 def test_checkpoint_round_trip(tmp_path, on_device):

@@ -76,12 +76,6 @@ def shard_numel(numel: int, shards: int) -> int:
     return flat_numel(-(-numel // shards))
 
 
-# Room left on SSD beyond the footprint: swap files carry a header block per key and round
-# payloads up to 4096 bytes.
-SSD_SPACE_MARGIN = 1.02
-SSD_SPACE_MARGIN_BYTES = 64 << 20
-
-
 @dataclass(frozen=True)
 class UnitSpec:
     """What the planner needs to know about a unit (the runtime discovers these from the model)."""
@@ -481,14 +475,6 @@ class Plan:
             for u, p in self
             if u.frozen_numel and self.frozen_home(p) is Tier.SSD
         )
-
-    def ssd_need_bytes(self, paths: int = 1) -> float:
-        """The free SSD space the run needs over `paths` swap directories, the one rule the
-        resolve stage (one total) and the engine's preflight (each filesystem its share) check:
-        the footprint with a margin (SSD_SPACE_MARGIN) and SSD_SPACE_MARGIN_BYTES per directory;
-        nothing where nothing lives on SSD."""
-        footprint = self.ssd_footprint_bytes()
-        return footprint * SSD_SPACE_MARGIN + SSD_SPACE_MARGIN_BYTES * paths if footprint else 0
 
     def resident_device_bytes(self) -> int:
         return sum(u.weights_bytes(self.compute_dtype) for u, p in self if p.weights is Tier.DEVICE)

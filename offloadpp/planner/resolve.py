@@ -86,6 +86,7 @@ from .request import Request
 from .schedule import build_schedule
 from .search import _raise_infeasible, act_planner, search
 from .spec import PLAN_AUTO, Budgets, Settings
+from .ssd_room import ssd_need_bytes
 from .vertical import as_vertical, fits_per_micro_batch, window_note, window_profile, window_settings
 
 
@@ -338,7 +339,7 @@ def with_speculation(plan: Plan, settings: Settings, machine: Machine) -> Plan:
             plan, notes=plan.notes + ("the plan file was made for deferred updates: not speculating",)
         )
     free = machine.ssd_free_bytes
-    need = plan.ssd_need_bytes()
+    need = ssd_need_bytes(plan)
     if free is None or need <= free:
         return plan
     msg = (

@@ -51,6 +51,7 @@ from .plan import InfeasibleError, Plan, PlanError, Tier, all_on_ssd, fmt_bytes,
 from .request import Request
 from .schedule import build_schedule
 from .spec import Budgets
+from .ssd_room import ssd_need_bytes
 
 MAX_PREFETCH = 3
 MAX_OPTIM = 3
@@ -159,8 +160,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
                 tried.setdefault(placements, how)
         for placements, how in tried.items():
             plan = replace(base, placements=placements, notes=())
-            if req.ssd_free_bytes is not None and plan.ssd_need_bytes() > req.ssd_free_bytes:
-                continue  # (Plan.ssd_need_bytes: the one SSD-room rule, resolve's and the preflight's)
+            if req.ssd_free_bytes is not None and ssd_need_bytes(plan) > req.ssd_free_bytes:
+                continue  # (ssd_room.py: the one SSD-room rule, resolve's and the preflight's)
             choices: tuple = (fixed,)
             if counted:
                 room = min(req.act_cap, b.device_bytes - peak_bytes(plan)[0])
@@ -398,9 +399,9 @@ def _raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, 
 
 
 def _all_kept_ssd_bytes(plan: Plan, req: Request) -> int:
-    """The free SSD space (Plan.ssd_need_bytes) the plan that keeps the most in memory (keep.py's
+    """The free SSD space (ssd_room.ssd_need_bytes) the plan that keeps the most in memory (keep.py's
     rule) at these depths needs."""
-    return int(keep(plan, req.budgets.device_bytes, req.budgets.host_bytes).ssd_need_bytes())
+    return ssd_need_bytes(keep(plan, req.budgets.device_bytes, req.budgets.host_bytes))
 
 
 def describe_buffers(plan: Plan) -> list[str]:

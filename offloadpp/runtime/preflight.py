@@ -12,6 +12,7 @@ import uuid
 from typing import Sequence
 
 from offloadpp.planner import Plan, fmt_bytes
+from offloadpp.planner.ssd_room import ssd_need
 
 
 class PreflightError(RuntimeError):
@@ -43,21 +44,26 @@ def check_nvme_paths(paths: Sequence[str], probe: bool = True) -> None:
 
 
 def check_free_space(paths: Sequence[str], plan: Plan, existing_bytes: int = 0) -> None:
-    """What the run keeps on SSD (Plan.ssd_need_bytes), spread evenly over the paths, must fit
-    the free space of each filesystem (paths on one filesystem share its free space)."""
-    need_total = plan.ssd_footprint_bytes()
-    if need_total == 0:
+    """What the run writes to SSD at its peak (offloadpp/planner/ssd_room.py), spread
+    evenly over the paths, must fit the free space of each filesystem (paths on one filesystem
+    share its free space); the error says where each byte of the need comes from."""
+    need_all = ssd_need(plan, len(paths))
+    if need_all.total_bytes == 0:
         return
-    per_path = plan.ssd_need_bytes(len(paths)) / len(paths)
     by_fs: dict[int, list[str]] = {}
     for p in paths:
         by_fs.setdefault(os.stat(p).st_dev, []).append(p)
     for group in by_fs.values():
-        need = per_path * len(group) - existing_bytes * len(group) / len(paths)
+        share = len(group) / len(paths)
+        need = need_all.total_bytes * share - existing_bytes * share
         free = shutil.disk_usage(group[0]).free
         if free < need:
+            one = len(group) == 1
             raise PreflightError(
-                f"not enough free space for the training state: the plan keeps {fmt_bytes(need_total)} on SSD; "
-                f"{', '.join(repr(g) for g in group)} {'has' if len(group) == 1 else 'share'} {fmt_bytes(free)} "
-                f"free and need{'s' if len(group) == 1 else ''} {fmt_bytes(need)} ({fmt_bytes(need - free)} more)"
+                f"not enough free space for the training state: {', '.join(repr(g) for g in group)} "
+                f"{'has' if one else 'share'} {fmt_bytes(free)} free and need{'s' if one else ''} {fmt_bytes(need)} "
+                f"({fmt_bytes(need - free)} more). The need"
+                + (f" ({len(group)} of {len(paths)} swap directories' share)" if share < 1 else "")
+                + f": {need_all.describe(share)}. Free that much there, give the run more or other nvme paths, "
+                "or a larger host budget (what stays in memory is not written to SSD)"
             )

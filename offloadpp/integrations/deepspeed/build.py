@@ -26,6 +26,7 @@ from offloadpp.integrations.deepspeed.config import (
     OffloadppBlock,
     OffloadppConfigError,
     aio_not_applied,
+    check_aio,
     validate_settings,
     validation_error,
 )
@@ -183,6 +184,7 @@ def parse_ds_config(ds_dict: dict):
     for key in ("optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "aio"):
         if key in checked and not isinstance(checked[key], dict):
             raise OffloadppConfigError(f"{key}: expected an object of keys, got {checked[key]!r}")
+    check_aio(ds_dict.get("aio"))  # (its keys are not applied, so the table dropped them from `checked`)
     sched = checked.get("scheduler")
     if isinstance(sched, dict) and sched.get("type") is None:
         # DeepSpeed reads a scheduler block without a type as no scheduler, its params unused
@@ -400,7 +402,7 @@ def build_engine(ds_dict: dict, block: OffloadppBlock, given: Given, *, dist_ini
         runtime.close()
         raise
     not_applied = aio_not_applied(ds_dict, runtime.store.config)
-    if not_applied is not None:
-        logger.info("offloadpp: %s", not_applied)
+    if not_applied is not None:  # (a WARNING: settings the user wrote are not used)
+        logger.warning("offloadpp: %s", not_applied)
     logger.info("offloadpp: engine ready on %s\n%s", engine.device, runtime.plan.describe())
     return engine, opt, loader, scheduler

@@ -30,6 +30,8 @@ resumed run continues bit for bit as one that never stopped (given the same batc
 
 from __future__ import annotations
 
+import difflib
+import errno
 import json
 import logging
 import os
@@ -97,16 +99,44 @@ def save_engine_checkpoint(engine, save_dir: str, tag: str, client_state: dict, 
     try:
         return _save(engine, save_dir, tag, client_state, save_latest)
     except KeyboardInterrupt:
-        try:
-            latest = _resolve_tag(save_dir, None) if os.path.isdir(save_dir) else None
-        except CheckpointError:  # (an empty `latest`)
-            latest = None
         log.warning(
             "offloadpp: interrupted (KeyboardInterrupt) while saving checkpoint %r: %s; the next save removes "
-            "what this one left", tag,
-            f"`latest` still names {latest!r}, complete" if latest else "no checkpoint was complete yet",
+            "what this one left", tag, _latest_still(save_dir),
         )  # fmt: skip
         raise
+    except OSError as e:  # (one process; over ranks `agreed` has made it a CheckpointError already)
+        raise CheckpointError(_save_failed(save_dir, tag, f"{e.strerror or e} ({e.filename!r})", e)) from e
+    except CheckpointError as e:
+        if not isinstance(e.__cause__, OSError):
+            raise
+        raise CheckpointError(_save_failed(save_dir, tag, str(e), e.__cause__)) from e.__cause__
+
+
+def _latest_still(save_dir: str) -> str:
+    """What `latest` names after a save that did not finish (it is only replaced at the end)."""
+    try:
+        latest = _resolve_tag(save_dir, None) if os.path.isdir(save_dir) else None
+    except (CheckpointError, OSError):  # (an empty or unreadable `latest`)
+        latest = None
+    return f"`latest` still names {latest!r}, complete" if latest else "no checkpoint there was complete yet"
+
+
+# What to do about the errors a save meets most (errno -> advice).
+_SAVE_ADVICE = {
+    errno.EROFS: "the filesystem is mounted read-only: pass save_checkpoint a folder on a writable one",
+    errno.EACCES: "this process may not write there: pass a folder it may write, or change the folder's permissions",
+    errno.EPERM: "this process may not write there: pass a folder it may write, or change the folder's permissions",
+    errno.ENOSPC: "the disk is full: free space there (older checkpoint tags) or save to another disk",
+    errno.EDQUOT: "the disk quota is used up: free space there (older checkpoint tags) or save to another disk",
+}
+
+
+def _save_failed(save_dir: str, tag: str, what: str, e: OSError) -> str:
+    advice = _SAVE_ADVICE.get(e.errno, "fix the cause and save again")
+    return (
+        f"cannot save checkpoint {tag!r} in {save_dir!r}: {what}; {advice}. The checkpoints already there are "
+        f"unchanged: {_latest_still(save_dir)}"
+    )
 
 
 def node_local(engine) -> bool:
@@ -228,12 +258,14 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
     else:
         tag = _agree_on_tag(dp, load_dir, tag, local)
     if tag is None:
+        _warn_nothing_to_load(load_dir)
         return None, None
     path = os.path.join(load_dir, tag)
     if dp is None:
         recover_aside(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
+    engine._finish_micro()  # (only now: a load that finds nothing leaves a half-done window as it is)
     small: dict = {}
 
     def read_small() -> None:  # after the runtime verified its part, before anything changes
@@ -266,16 +298,48 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str], *, load_op
     return path, small["client"]
 
 
-def _holding(load_dir: str, tag: str, dp) -> Optional[dict]:
+def _warn_nothing_to_load(load_dir: str) -> None:
+    """DeepSpeed's warning when `latest` is missing (it returns (None, None) and changes nothing,
+    and so does the caller), with what is there instead: a misspelt folder is named as one."""
+    latest = os.path.join(load_dir, "latest")
+    if os.path.isdir(load_dir):
+        why = f"the folder holds no `latest` file ({latest!r})"
+    else:
+        parent = os.path.dirname(os.path.abspath(load_dir)) or "."
+        near = difflib.get_close_matches(
+            os.path.basename(os.path.normpath(load_dir)),
+            [n for n in (os.listdir(parent) if os.path.isdir(parent) else ()) if os.path.isdir(os.path.join(parent, n))],
+            n=1,
+        )  # fmt: skip
+        why = "the folder does not exist" + (
+            f" (did you mean {os.path.join(parent, near[0])!r}?)" if near else ""
+        )
+    log.warning(
+        "offloadpp: load_checkpoint(%r) found no checkpoint to load: %s; nothing was loaded or changed (the "
+        "engine goes on from its current state, as DeepSpeed does). To resume, check the path, or pass "
+        "tag=... naming a checkpoint folder in it", load_dir, why,
+    )  # fmt: skip
+
+
+def _holding(load_dir: str, tag: str, dp):
     """What this rank holds of checkpoint `tag`: its manifest's save id and step (None where
     the folder, its manifest or, at the saved world size, the rank's own folder is not on this
-    rank's disk; at another one the load names each saved rank folder it lacks)."""
+    rank's disk; at another one the load names each saved rank folder it lacks). A manifest
+    that is there but cannot be read is damage, not absence: a str saying why (a save writes it
+    whole and atomically, before the folder takes its name)."""
     path = os.path.join(load_dir, tag)
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:  # (verified in full by the load itself)
-            m = json.load(f)
-    except (OSError, ValueError):
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
         return None
+    try:
+        with open(mpath) as f:  # (verified in full by the load itself)
+            m = json.load(f)
+    except OSError as e:
+        return f"{mpath!r} cannot be read: {e}"
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"{mpath!r} is not valid JSON: {e}"
+    if not isinstance(m, dict):
+        return f"{mpath!r} is not a checkpoint manifest (a JSON object)"
     if m.get("world_size") == dp.world and not os.path.isdir(rank_dir(path, dp.rank)):
         return None
     return {"save_id": m.get(NODE_LOCAL, {}).get("save_id"), "step": m.get("runtime", {}).get("global_step", -1)}  # fmt: skip
@@ -294,6 +358,17 @@ def _agree_on_tag(dp, load_dir: str, tag: Optional[str], local: bool) -> Optiona
     lead = _lead(dp, local)  # (a kill between swap_into_place's two renames: the old folder back first)
     agreed(dp, "recovering checkpoint folders", lambda: [recover_aside(os.path.join(load_dir, t)) for t in tags if lead])  # fmt: skip
     held = dp.all_gather_object({t: _holding(load_dir, t, dp) for t in tags})
+    damaged = {}  # (every rank raises the same message: each has every rank's view)
+    for r, h in enumerate(held):
+        for t in tags:
+            if isinstance(h[t], str):
+                damaged.setdefault(h[t], []).append(r)
+    if damaged:
+        raise CheckpointError(
+            "; ".join(f"{why} (read by rank(s) {ranks})" for why, ranks in damaged.items())
+            + ": the checkpoint is damaged (its manifest is written whole before the folder is named). Load "
+            "another tag with load_checkpoint(..., tag=...), or restore the folder from a copy"
+        )
     whole = [t for t in tags if all(h[t] is not None for h in held)]
     if not whole:
         t = named[0] if named[0] is not None else tags[-1]

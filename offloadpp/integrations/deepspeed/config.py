@@ -15,7 +15,9 @@ loss_scaling, `gradient_accumulation_steps`, `gradient_clipping`, `train_micro_b
 offload_params/offload_optimizer, their `nvme_path`s -> nvme_paths. Setting one of those in the
 block is refused with the DeepSpeed key to use instead. DeepSpeed's `aio` block is not applied:
 it is tuned for ZeRO-Infinity's swapper, and the I/O settings come from the hardware profile
-unless `offloadpp.io` sets them (planner/io_settings.py); aio_not_applied is the log line.
+unless `offloadpp.io` sets them (planner/io_settings.py); aio_not_applied is the log line
+(a WARNING), and check_aio refuses values no engine could run. The block must say "enabled"
+(_refuse_no_switch's Note).
 """
 
 from __future__ import annotations
@@ -182,12 +184,56 @@ def _parse_text(text: str, where: str) -> dict:
     except OffloadppConfigError as e:
         raise OffloadppConfigError(f"{where}: {e}") from None
     except hjson.HjsonDecodeError as e:
+        _no_non_finite(text, None, where)  # (what json.dump writes for nan and inf: named, not a position)
         raise OffloadppConfigError(
             f"{where} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
         ) from None
     if not isinstance(value, dict):
         raise OffloadppConfigError(f"{where}: expected a JSON object of keys, got a {type(value).__name__}")
+    _no_non_finite(text, value, where)
     return value
+
+
+# json.dump writes float('nan') and float('inf') as these bare words, which JSON does not have.
+_NON_FINITE = re.compile(r"^\s*([-+]?(?:NaN|Infinity))\s*,?\s*$")
+
+
+def _no_non_finite(text: str, value: Optional[dict], where: str) -> None:
+    """Note: NaN and Infinity. json.dump writes float('nan') as the bare word NaN (Infinity,
+    -Infinity), which JSON has no room for; DeepSpeed's parser (hjson) then either fails with a
+    position at the end of the line or, where the value ends its line, reads the word as the
+    text "NaN," and goes on. Either way the config is refused naming the key and the value:
+    Python's json reads them (when the text is plain JSON) for the keys; otherwise each word
+    hjson read as text is found in `value`."""
+    found: list[tuple[str, str]] = []
+
+    def walk(v, path: str, parsed: bool) -> None:
+        if isinstance(v, dict):
+            for k, sub in v.items():
+                walk(sub, f"{path}.{k}" if path else str(k), parsed)
+        elif isinstance(v, list):
+            for i, sub in enumerate(v):
+                walk(sub, f"{path}[{i}]", parsed)
+        elif parsed and isinstance(v, float) and not math.isfinite(v):
+            found.append((path, {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[repr(v)]))
+        elif not parsed and isinstance(v, str) and _NON_FINITE.match(v):
+            found.append((path, _NON_FINITE.match(v).group(1)))
+
+    try:
+        walk(json.loads(text), "", True)
+    except ValueError:  # not plain JSON (comments, trailing commas): what hjson read as text
+        if value is not None:
+            walk(value, "", False)
+        else:  # neither parser read it: the bare words after a key
+            found += re.findall(r'"([^"\n]+)"\s*:\s*([-+]?(?:NaN|Infinity))\b', text)
+    if found:
+        raise OffloadppConfigError(
+            f"{where}: "
+            + ", ".join(f"{k}: {v}" for k, v in found)
+            + (" is not a number" if len(found) == 1 else " are not numbers")
+            + " JSON can hold (json.dump writes float('nan') and float('inf') so; DeepSpeed would "
+            "misread it); write a finite number, or leave the key out for its default"
+        )
 
 
 def _without_comments(text: str) -> str:
@@ -242,7 +288,24 @@ def offloadpp_enabled(ds_config: dict) -> bool:
     if not enabled:
         # the block's own keys only: the ZeRO-Infinity settings beside it are DeepSpeed's to check
         parse_block({"offloadpp": block})
+        if "enabled" not in block:
+            _refuse_no_switch(block)
     return enabled
+
+
+def _refuse_no_switch(block: dict) -> None:
+    """Note: a block without "enabled". DeepSpeed's own blocks (fp16, bf16, the monitors, ...)
+    are off unless they say `"enabled": true`, silently. Followed here, a block written to set
+    offloadpp's budgets whose switch was forgotten would train with ZeRO-Infinity without a word:
+    the silent fallback the misspelt-name checks exist to prevent, found hours later as a slow
+    run or an out-of-memory. Nothing is lost by asking: either value is one line, and an explicit
+    `"enabled": false` (a config shared by both engines) keeps DeepSpeed's engine as before."""
+    sets = ", ".join(repr(str(k)) for k in block)
+    raise OffloadppConfigError(
+        f'offloadpp: the block {"sets " + sets if sets else "is empty"} but has no "enabled" key, so it is '
+        "not clear which engine you want (DeepSpeed's convention would turn it off and train with ZeRO-Infinity, "
+        'ignoring it); add "enabled": true to train with offloadpp, or "enabled": false for DeepSpeed\'s own engine'
+    )
 
 
 def _check_block_object(block) -> None:
@@ -355,6 +418,8 @@ def parse_block(ds_config: dict) -> OffloadppBlock:
             if path and str(path) not in found:
                 found.append(str(path))
         paths = found or None
+        if enabled and not paths and isinstance(zero, dict):
+            _check_offload_keys(zero)  # a misspelt nvme_path is named as that, not as a missing path
     if enabled and not paths:
         raise OffloadppConfigError(
             "offloadpp.nvme_paths: no directory for swap files; set it, or zero_optimization."
@@ -378,6 +443,41 @@ def parse_block(ds_config: dict) -> OffloadppBlock:
         keep_swap=keep_swap,
         **{k: float(v) for k, v in rates.items()},
     )
+
+
+def _check_offload_keys(zero: dict) -> None:
+    """The offload blocks' keys, by the key table (keys.py), so that `"nvme_pth"` is refused as
+    an unknown key with the right name suggested."""
+    from offloadpp.integrations.deepspeed.keys import check_keys
+
+    subs = {k: zero[k] for k in ("offload_optimizer", "offload_param") if k in zero}
+    check_keys({"zero_optimization": subs}, OffloadppConfigError)
+
+
+# DeepSpeed's `aio` keys and what each must be (DeepSpeed reads them unchecked: get_aio_config).
+AIO_WHOLE = ("block_size", "queue_depth", "intra_op_parallelism")
+AIO_BOOL = ("single_submit", "overlap_events")
+
+
+def check_aio(aio) -> None:
+    """Refuses an `aio` value no engine could run (queue_depth -1, block_size 0, a string for
+    a bool), naming the field. offloadpp does not apply the block (aio_not_applied), but a
+    nonsense value in it is a mistake in the config, and kept it would break the day the same
+    config runs on ZeRO-Infinity."""
+    if not isinstance(aio, dict):
+        return
+    ours = {theirs: mine for mine, theirs in AIO_KEYS.items()}
+    for key in AIO_WHOLE:
+        v = aio.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise OffloadppConfigError(
+                f"aio.{key}: expected a whole number >= 1, got {v!r}; fix it or remove the key (offloadpp does not "
+                f"apply the aio block, offloadpp.io.{ours[key]} sets its own)"
+            )
+    for key in AIO_BOOL:
+        v = aio.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise OffloadppConfigError(f"aio.{key}: expected true or false, got {v!r}")
 
 
 def aio_not_applied(ds_config: dict, io: IOConfig) -> Optional[str]:

@@ -467,6 +467,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], **kw) -> tuple[Op
     universal = bool(engine.load_universal_checkpoint()) and _universal_folder(load_dir, tag)
     if not universal and not _deepspeed_folder(load_dir, tag):
         return load_engine_checkpoint(engine, load_dir, tag, **kw)
+    engine._finish_micro()  # (a half-done window is completed before the load replaces it)
     work = tempfile.mkdtemp(prefix="import-", dir=engine.runtime.store.dirs[0])
     try:
         out = os.path.join(work, "offloadpp")

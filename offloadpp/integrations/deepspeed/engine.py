@@ -482,13 +482,12 @@ class OffloadppEngine(DeepSpeedEngine):
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...): offloadpp loads its own checkpoint format"
             )
-        self._finish_micro()
-        path, client = load_checkpoint(
+        # (checkpoint.py completes a half-done window and pushes the restored hyper-parameters
+        # only once it has a checkpoint to load: one that finds none changes nothing, as DeepSpeed)
+        return load_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
         )  # fmt: skip
-        self._push_hypers()
-        return path, client
 
     def _push_lr(self) -> None:  # checkpoint.py restores the groups' values, then asks for this
         self._push_hypers()
