@@ -266,3 +266,24 @@ def test_a_vertical_plan_file_runs_as_it_was_made_for_its_window(tmp_path):
     assert back.plan.placements == r.plan.placements and back.plan.micro_batches == G
     with pytest.raises(PlanError, match="plan.micro_batches is 4 but the settings need 8"):
         again(8)
+
+
+def test_the_replay_copies_a_fetched_unit_up_within_the_window_visit_its_read_ends_in():
+    """A vertical window's visit runs G micro-batches one at a time, and each reaching the unit
+    pumps the held weights (runtime/executor.py): the next unit's host-to-device copy starts
+    within the visit its read ends in, so a compute-bound window's forward waits for the first
+    unit's copy, not for every unit's (as it would where only a visit's entry started them)."""
+    from offloadpp.planner.cost import compute_times
+
+    m = _model(batch=8)
+    hw = replace(cuda_hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0), h2d_gbps=4.0, d2h_gbps=4.0,
+                 device_flops_per_s={"fp32": 5e12, "bf16": 20e12})  # fmt: skip
+    units = m.unit_specs()
+    kw = dict(device="cuda", compute_dtype="bf16", prefetch_depth=1, optim_prefetch_depth=1)
+    plan = window_plan(as_vertical(streaming_plan(units, micro_batches=G, **kw), G))
+    model = window_profile(m, G)
+    fwd, _ = compute_times(plan, hw, model)
+    copy_s = max(u.weights_bytes("bf16") for u in units) / (hw.h2d_gbps * 1e9)
+    assert min(t for t in fwd.values() if t) > copy_s  # (a block's compute hides the next unit's copy)
+    e = estimate(plan, hw, model)
+    assert e.forward_s - sum(fwd.values()) < 2.5 * copy_s  # (len(units) copies waited for: 6)
