@@ -336,6 +336,33 @@ def test_an_error_in_one_micro_batch_leaves_the_engine_usable(tmp_path, windows)
         assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=LR, steps=3) < 1e-5
 
 
+def _streamed(path):
+    """A 6-block GPT-2 whose every unit's weights stream (one fetched ahead), and its config."""
+    cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg), config(path, prefetch_depth=1, device_budget_bytes=700_000)
+
+
+def test_updates_at_the_next_visit_on_the_copy_path_equal_torch_adamw(tmp_path, windows, monkeypatch):
+    """On the GPU's copy path (the stand-in accelerator) with clipping, a window's deferred
+    updates apply at each unit's next visit (decide.lazy_runtime, runtime/pending.py), and the
+    device copy of a unit's weights is made only once its update is done (Slot.updating): the
+    losses equal torch's AdamW. Without the wait the forward computes with the weights before
+    the update (losses off by 1e-2)."""
+    from conftest import set_device
+
+    set_device(monkeypatch, "standin")
+    model, rc = _streamed(tmp_path)
+    ref = copy.deepcopy(model)
+    want = torch_adamw(ref, windows)
+    with assemble_engine(model, rc, hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+        assert eng.device.copies and eng.optimizer.lazy and all(p.weights is Tier.SSD for _, p in eng.plan)
+        got, results = run_windows(eng, windows)
+        assert [r.vertical for r in results] == [False, True, True]
+        assert {r.report.updates for r in results} == {"deferred"}
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
 def test_a_window_copies_prefetched_weights_up_within_the_visit(tmp_path, windows, monkeypatch):
     """On the GPU's copy path (the stand-in accelerator), a vertical window's visit runs G
     micro-batches, and each one reaching the unit pumps the held weights: a unit fetched ahead
@@ -373,11 +400,7 @@ def test_a_window_copies_prefetched_weights_up_within_the_visit(tmp_path, window
         return start_copy(self, host)
 
     monkeypatch.setattr(device_mod.CopyWeights, "_start_copy", start)
-    cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    # every unit's weights streamed, one unit fetched ahead (a block's fp32 weights: 200 KiB)
-    rc = config(tmp_path, prefetch_depth=1, device_budget_bytes=700_000)
+    model, rc = _streamed(tmp_path)
     with assemble_engine(model, rc, hyper=AdamHyper(lr=LR)) as eng:
         assert eng.device.copies and all(p.weights is Tier.SSD for _, p in eng.plan)
         run_windows(eng, windows[:1])  # horizontal (records the tapes)

@@ -429,17 +429,19 @@ class Sim:
             if job.defer_writes or _late(job, s):
                 s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
                 self.queued_writes.append(s)
+        w = getattr(u.weights, "trainable", u.weights)  # (PairWeights: the frozen segment takes no update)
+        refresh = self.cuda and isinstance(w, CudaWeights) and w.resident  # (a resident device copy)
         if job.lazy:
             self.lazy_inflight.discard(u.name)
+            u.compute.updating = False
+            if refresh:
+                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
             for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
                 s.release(self, OPTIM)
-            u.compute.release(self, OPTIM)
+            u.compute.release(self, OPTIM, after=w.copy_done if refresh else 0.0)
         elif job.update:
             after = 0.0
-            w = getattr(
-                u.weights, "trainable", u.weights
-            )  # (PairWeights: the frozen segment takes no update)
-            if self.cuda and isinstance(w, CudaWeights) and w.resident:
+            if refresh:
                 w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
                 after = w.copy_done
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):

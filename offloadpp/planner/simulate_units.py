@@ -31,6 +31,7 @@ class Slot:
     holds: set = field(default_factory=set)
     read_done: When = None
     write_done: Optional[Done] = None
+    updating: bool = False  # a compute copy its pending update has not made yet (runtime Slot.updating)
 
     def acquire(self, sim: Replay, hold: str, overwrite: bool = False) -> Iterator:
         self.holds.add(hold)
@@ -129,7 +130,7 @@ class CudaWeights:
         self.pump(sim)
 
     def pump(self, sim: Replay) -> None:
-        if self.state == LOADING and not self.copied:
+        if self.state == LOADING and not self.copied and not self.source.updating:
             s = self.source
             if s.state != LOADING or done_by((s.read_done,), sim.t):
                 s.state = READY if s.state == LOADING else s.state
