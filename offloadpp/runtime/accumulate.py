@@ -134,6 +134,7 @@ class WindowRunner:
         losses = [loss_of(o, loss_fn) for o in outs]
         del outs
         e._backward(losses)
+        e.accounting.vertical = True  # (its report is set beside the window's estimate)
         report = e.step()
         return WindowResult(tuple(x.detach() for x in losses), report, vertical=True)
 
