@@ -142,7 +142,11 @@ def test_resolve_runs_the_window_vertically_where_it_is_faster():
     assert dev <= r.plan.budgets.buffer_bytes and host <= r.plan.budgets.host_bytes
     forced = _resolve(m, accumulation="horizontal")
     assert not forced.plan.vertical and forced.other is None and forced.plan.window_s == ()
-    assert forced.estimate.step_s == pytest.approx(times["horizontal"])
+    # planned after the vertical window, the horizontal search stopped once no plan left could
+    # beat it (Request.beat_s): its plan is one it replayed first, no better than its best
+    assert r.other.beaten_by == r.estimate.step_s and len(r.other.candidates) < len(forced.candidates)
+    assert r.estimate.step_s < forced.estimate.step_s <= times["horizontal"]
+    assert any("none left could beat" in n for n in r.other.plan.notes)
 
 
 def test_resolve_keeps_the_window_horizontal_where_its_micro_batches_cannot_fit():

@@ -119,6 +119,9 @@ class Resolved:
     vertical_why_not: Optional[str] = None
     # a vertical plan: the estimate of a window of it run by a per-micro-batch loop (horizontally)
     loop_estimate: Optional[StepEstimate] = None
+    # the horizontal schedule's search stopped at this estimate of the vertical window's (no plan
+    # left could beat it): its plan is the first it replayed, its estimate above the window's
+    beaten_by: Optional[float] = None
 
     @property
     def budgets(self) -> Budgets:
@@ -172,7 +175,7 @@ def resolve(
         _check_units(model, units)
         model = model.with_fused_loss(settings.activations.fused_loss)
     given = _Given(units, machine, hardware, model, io_set, deferral)
-    return _with_window(_resolve_one(settings, given, saved), settings, given)
+    return _with_window(settings, given, saved)
 
 
 @dataclass(frozen=True)
@@ -188,20 +191,23 @@ class _Given:
     deferral: tuple
 
 
-def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1) -> Resolved:
+def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1,
+                 beat_s: Optional[float] = None) -> Resolved:  # fmt: skip
     """resolve() for one schedule: a step of the settings' micro-batches, or (window > 1) a
-    vertical window of that many planned as one step (planner/vertical.py)."""
+    vertical window of that many planned as one step (planner/vertical.py). beat_s: another
+    schedule's estimate, which the search stops at (Request.beat_s)."""
     units, machine, hardware, model = given.units, given.machine, given.hardware, given.model
     io_set, deferral = given.io_set, given.deferral
     budgets, settings = budgets_for(settings, units, machine, model, window)
+    ask = {"window": window, "beat_s": beat_s}
     try:
-        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved, window)
+        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved, ask)
     except PlanError:
         if settings.plan_path is not None or not speculates(settings) or settings.speculate != "auto":
             raise
         # the budgets were set for deferred updates: what speculation holds more does not fit
         plan, est, candidates = _make_plan(settings.model_copy(update={"speculate": "off"}), units, machine,
-                                           budgets, hardware, model, saved, window)  # fmt: skip
+                                           budgets, hardware, model, saved, ask)  # fmt: skip
         plan = replace(plan, notes=plan.notes + (
             "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
     plan = with_activation_policies(plan, settings)
@@ -228,20 +234,27 @@ def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1) -> R
     return Resolved(settings, plan, est, candidates, deferred_est)
 
 
-def _with_window(one: Resolved, settings: Settings, given: _Given) -> Resolved:
-    """`one` (the horizontal schedule's resolve) and, with accumulation, the vertical window's,
-    and the choice between them (decide.accumulation): the Resolved of the plan chosen, the
-    other in `other`. A plan file keeps the choice it was made with."""
+def _with_window(settings: Settings, given: _Given, saved) -> Resolved:
+    """The horizontal schedule's resolve and, with accumulation, the vertical window's, and the
+    choice between them (decide.accumulation): the Resolved of the plan chosen, the other in
+    `other`. A plan file keeps the choice it was made with.
+
+    Note: the vertical window is planned first. Its estimate is the horizontal search's bar
+    (Request.beat_s): once no horizontal plan left could beat it, that search stops (its plan is
+    then the first it replayed, not its best: Resolved.beaten_by says so); the choice is the
+    same, and planning both costs about what the horizontal search alone did, whose replays
+    walk G micro-batches each."""
     g = settings.gradient_accumulation_steps
+    hardware, model = given.hardware, given.model
     if g == 1 or settings.plan_path is not None:
+        one = _resolve_one(settings, given, saved)
         return one if one.plan.micro_batches == g or settings.plan_path is not None else replace(
             one, plan=replace(one.plan, micro_batches=g))  # fmt: skip
-    horizontal = replace(one, plan=replace(one.plan, micro_batches=g))
-    hardware, model = given.hardware, given.model
     if settings.accumulation == "horizontal" or (
         settings.accumulation == "auto" and (hardware is None or model is None)
     ):  # (no estimates: nothing to choose by, decide.accumulation)
-        return horizontal
+        one = _resolve_one(settings, given, saved)
+        return replace(one, plan=replace(one.plan, micro_batches=g))
     v: Optional[Resolved] = None
     why: Optional[str] = None
     try:
@@ -256,8 +269,12 @@ def _with_window(one: Resolved, settings: Settings, given: _Given) -> Resolved:
         vplan, why = fits_per_micro_batch(vplan, settings)
         v = replace(v, plan=vplan, settings=v.settings.model_copy(
             update={"gradient_accumulation_steps": g, "accumulation": settings.accumulation}))  # fmt: skip
-    h_s = horizontal.estimate.step_s if horizontal.estimate is not None else None
     v_s = v.estimate.step_s if v is not None and v.estimate is not None and why is None else None
+    one = _resolve_one(settings, given, saved, beat_s=v_s)
+    horizontal = replace(one, plan=replace(one.plan, micro_batches=g))
+    h_s = horizontal.estimate.step_s if horizontal.estimate is not None else None
+    if v_s is not None and h_s is not None and h_s > v_s:
+        horizontal = replace(horizontal, beaten_by=v_s)
     vertical = accumulation(settings, h_s, v_s, why)
     window_s = tuple((k, t) for k, t in (("horizontal", h_s), ("vertical", v_s)) if t is not None)
     note = window_note(g, vertical, h_s, v_s, why)
@@ -275,9 +292,12 @@ def _with_window(one: Resolved, settings: Settings, given: _Given) -> Resolved:
 
 
 def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved,
-               window: int = 1):  # fmt: skip
+               ask: Optional[Mapping] = None):  # fmt: skip
     """(plan, estimate or None, candidates) for the settings: the plan file's, the search's or
-    the default plan (window: Request.window, a vertical window's micro-batches)."""
+    the default plan. ask: Request fields the caller sets ("window": a vertical window's
+    micro-batches; "beat_s": the search's bar)."""
+    ask = dict(ask or {})
+    window = ask.get("window", 1)
     est: Optional[StepEstimate] = None
     candidates: tuple = ()
     if settings.plan_path is not None:
@@ -293,7 +313,7 @@ def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, ha
             missing = "a hardware profile" if hardware is None else "a model profile"
             raise PlanError(f"plan 'auto' needs {missing}")
         _check_profiles(hardware, model, units, machine.device)
-        req = replace(_request(settings, budgets, machine, hardware), window=window)
+        req = replace(_request(settings, budgets, machine, hardware), **ask)
         result = search(hardware, model, req)
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
