@@ -229,7 +229,9 @@ def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1,
                   link=rank_link(settings, machine, hardware))  # fmt: skip
         if est is None:
             est = estimate(plan, hardware, model, **kw)
-        if plan.speculative:  # what a step that clips costs: deferred updates
+        # what a step that clips costs: deferred updates (not for a schedule another beats: the
+        # choice reads the estimates of steps that validate, and it is not run)
+        if plan.speculative and (beat_s is None or est.step_s <= beat_s):
             deferred_est = estimate(plan, hardware, model, deferred=True, **kw)
     return Resolved(settings, plan, est, candidates, deferred_est)
 

@@ -207,6 +207,9 @@ class Sim:
             if m:
                 for u in self.held:
                     u.weights.pump(self)
+            if not any(u.weights.uncopied for u in self.held):  # (no pump to come can start a copy)
+                yield ("cpu", seconds * (self.window - m) / self.window)
+                return
             yield ("cpu", seconds / self.window)
 
     def begin_micro(self, first: bool, boundary: bool) -> Iterator:

@@ -68,6 +68,8 @@ class Slot:
 
 
 class CpuWeights:
+    uncopied = False  # (nothing to copy: the CPU device computes on the slot's buffer)
+
     def __init__(self, source: Slot):
         self.source = source
 
@@ -97,6 +99,10 @@ class PairWeights:
     def pump(self, sim: Replay) -> None:
         self.trainable.pump(sim)
         self.frozen.pump(sim)
+
+    @property
+    def uncopied(self) -> bool:
+        return self.trainable.uncopied or self.frozen.uncopied
 
     def wait(self, sim: Replay) -> Iterator:
         yield from self.frozen.wait(sim)
@@ -137,6 +143,11 @@ class CudaWeights:
                 self._copy(sim)
                 if not s.resident:
                     s.release(sim, COMPUTE, after=self.copy_done)
+
+    @property
+    def uncopied(self) -> bool:
+        """Fetched, its device copy not started: a pump may start it."""
+        return self.state == LOADING and not self.copied
 
     def wait(self, sim: Replay) -> Iterator:
         if self.state == LOADING:
