@@ -178,7 +178,7 @@ def assemble_engine(
             hyper=hyper,
             init_fn=init_fn,
             progress=progress,
-            predicted=(r.estimate, r.deferred_estimate),
+            predicted=(r.estimate, r.deferred_estimate, r.loop_estimate),
             dp=dp,
         )
     except BaseException:

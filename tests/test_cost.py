@@ -128,19 +128,17 @@ def test_forward_reads_overtake_the_previous_steps_writes():
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_deferred_update_runs_adam_after_backward_or_at_the_next_visit(device):
-    """On CUDA a deferred step's updates run after backward; on the CPU device (one rank) they are
-    applied at each unit's next visit (runtime/pending.py): the next forward carries them."""
+    """A deferred step's updates (one rank) are applied at each unit's next visit
+    (runtime/pending.py), on the CPU device and on CUDA alike: the next forward carries them,
+    nothing waits for them after backward."""
     cdt = "bf16" if device == "cuda" else "fp32"
     m = analytic_profile(GPT2, micro_batch=1, seq_len=64, compute_dtype=cdt)
     h = hw(device=device, device_flops_per_s={cdt: 100e9}, adam_params_per_s={1: 0.2e9, 2: 0.2e9})
     e = estimate(in_memory(stream(m, deferred_update=True, device=device, compute_dtype=cdt)), h, m)
     plain = estimate(in_memory(stream(m, device=device, compute_dtype=cdt)), h, m)
     adam = sum(u.numel for u in m.units) / 0.2e9
-    if device == "cuda":
-        assert e.optimizer_wait_s >= 0.95 * adam
-    else:
-        assert e.optimizer_wait_s < 0.2 * adam
-        assert e.forward_s >= plain.forward_s + 0.7 * adam
+    assert e.optimizer_wait_s < 0.2 * adam
+    assert e.forward_s >= plain.forward_s + 0.7 * adam
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -159,11 +157,8 @@ def test_a_speculative_plan_replays_its_updates_during_backward(device):
     plain = stream(m, device=device, compute_dtype=cdt)
     d, s_, p = (estimate(x, h, m) for x in (deferred, spec, plain))
     adam = sum(u.numel for u in m.units) / 0.2e9
-    if device == "cuda":
-        assert d.optimizer_wait_s >= 0.95 * adam  # every update after backward
-        assert s_.optimizer_wait_s < 0.6 * d.optimizer_wait_s
-    else:  # every update at the next forward's visits (runtime/pending.py), beside its compute
-        assert d.optimizer_wait_s < 0.2 * adam and d.forward_s > p.forward_s
+    # every deferred update at the next forward's visits (runtime/pending.py), beside its compute
+    assert d.optimizer_wait_s < 0.2 * adam and d.forward_s > p.forward_s
     assert s_.step_s < d.step_s
     assert s_.optimizer_wait_s <= 1.1 * p.optimizer_wait_s + 1e-3
     assert lower_bound(spec, h, m) <= s_.step_s and lower_bound(deferred, h, m) <= d.step_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from offloadpp.planner import Settings, decide
@@ -60,11 +61,14 @@ def test_defaults_where_the_settings_leave_them():
     assert decide.adam_threads(Settings(adam_threads=2), cores=7) == 2
 
 
-def test_pending_updates_at_the_next_visit_one_rank_cpu_deferred():
+def test_pending_updates_at_the_next_visit_one_rank_deferred():
     s = Settings(gradient_clipping=1.0, speculate="off")
     dev, host = min_budgets(UNITS, device="cpu", **plan_shape(s), prefetch_depth=2)
     cpu = default_plan(UNITS, device="cpu", settings=s, budgets=Budgets(dev, host))
     assert decide.lazy_runtime(cpu) and decide.lazy_applies(cpu)
+    # on CUDA too: the device copy is made once the update made the weights (Slot.updating)
+    cuda = replace(cpu, device="cuda")
+    assert decide.lazy_runtime(cuda) and "next visit" in decide.deferred_where(cuda)
     assert not decide.lazy_runtime(
         default_plan(UNITS, device="cpu", settings=Settings(), budgets=Budgets(dev, host))
     )

@@ -105,3 +105,23 @@ def test_infeasible_auto_plan_fails_before_training(tmp_path, hw_path):
         assemble_engine(
             tiny(), _config(tmp_path, plan="auto", hardware_profile=str(tmp_path / "missing.json"))
         )
+
+
+def test_a_vertical_plan_sets_each_step_beside_the_way_it_ran(tmp_path, hw_path):
+    """A vertical plan's estimate is of its window run whole (train_batch): a per-micro-batch
+    loop's steps (and the window that records the RNG tapes) run horizontally and are set beside
+    the loop's estimate (Resolved.loop_estimate), the vertical windows beside the window's."""
+    cfg = _config(tmp_path, plan="auto", hardware_profile=hw_path, micro_batch=2, seq_len=16,
+                  gradient_accumulation_steps=2, accumulation="vertical",
+                  device_budget_bytes=None, host_budget_bytes=None)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    with assemble_engine(tiny(), cfg, hyper=AdamHyper(lr=1e-3)) as e:
+        assert e.plan.vertical and e.predicted_loop is not None
+        assert e.predicted_loop.step_s != pytest.approx(e.predicted.step_s)
+        loop = _train(e, 2)[-1]  # (a window of two micro-batches: its second step() reports)
+        windows = [e.train_window([{"input_ids": x, "labels": x} for x in torch.randint(0, 256, (2, 2, 16), generator=g)])
+                   for _ in range(2)]  # fmt: skip
+    assert loop.predicted_s == pytest.approx(e.predicted_loop.step_s)
+    assert [w.vertical for w in windows] == [False, True]
+    assert windows[0].report.predicted_s == pytest.approx(e.predicted_loop.step_s)
+    assert windows[1].report.predicted_s == pytest.approx(e.predicted.step_s)

@@ -461,11 +461,13 @@ def test_a_vertical_plan_keeps_the_horizontal_plans_gradient_homes_for_a_loop():
     """The vertical plan is made for one step of the window, where no gradient is kept between
     micro-batches and their home could be anywhere (it was the SSD); a per-micro-batch loop run
     with it accumulates there. Its homes are the horizontal plan's (no deferred update: the
-    window never uses them), and that loop is as fast as the horizontal plan's (it took 6x)."""
+    window never uses them), and that loop is no slower than the horizontal plan's (it took 6x;
+    the horizontal plan here is the first its search replayed, stopped at the window's bar, so
+    the loop may be faster)."""
     r = _gpt2_window(4)
     assert r.plan.vertical and not r.plan.deferred_update
     assert [p.grads for p in r.plan.placements] == [p.grads for p in r.other.plan.placements]
-    assert r.loop_estimate.step_s == pytest.approx(r.other.estimate.step_s, rel=0.01)
+    assert r.loop_estimate.step_s <= r.other.estimate.step_s * 1.01
 
 
 def test_auto_keeps_windows_horizontal_where_the_vertical_plan_slows_a_loop():

@@ -13,7 +13,7 @@ from test_planner import GPT2_CUDA, _cuda_machine, cuda_hw
 from offloadpp.planner import PlanError, Settings, resolve, streaming_plan
 from offloadpp.planner.activations import act_units, held_bytes, need_bytes, peak_bytes_at
 from offloadpp.planner.cost import estimate
-from offloadpp.planner.decide import accumulation
+from offloadpp.planner.decide import LOOP_SLOWDOWN_TOLERANCE, accumulation
 from offloadpp.planner.model_profile import analytic_profile
 from offloadpp.planner.vertical import as_vertical, window_plan, window_profile
 
@@ -142,7 +142,13 @@ def test_resolve_runs_the_window_vertically_where_it_is_faster():
     assert dev <= r.plan.budgets.buffer_bytes and host <= r.plan.budgets.host_bytes
     forced = _resolve(m, accumulation="horizontal")
     assert not forced.plan.vertical and forced.other is None and forced.plan.window_s == ()
-    assert forced.estimate.step_s == pytest.approx(times["horizontal"])
+    # planned after the vertical window, the horizontal search stopped once no plan left could
+    # beat its bar (Request.beat_s: the window's estimate, or the bar a per-micro-batch loop with
+    # the vertical plan sets, whichever is higher): its plan is one it replayed first
+    assert r.other.beaten_by >= r.estimate.step_s and len(r.other.candidates) < len(forced.candidates)
+    assert r.other.beaten_by in (r.estimate.step_s, r.loop_estimate.step_s / (1 + LOOP_SLOWDOWN_TOLERANCE))
+    assert r.estimate.step_s < forced.estimate.step_s <= times["horizontal"]
+    assert any("none left could beat" in n for n in r.other.plan.notes)
 
 
 def test_resolve_keeps_the_window_horizontal_where_its_micro_batches_cannot_fit():
@@ -266,3 +272,24 @@ def test_a_vertical_plan_file_runs_as_it_was_made_for_its_window(tmp_path):
     assert back.plan.placements == r.plan.placements and back.plan.micro_batches == G
     with pytest.raises(PlanError, match="plan.micro_batches is 4 but the settings need 8"):
         again(8)
+
+
+def test_the_replay_copies_a_fetched_unit_up_within_the_window_visit_its_read_ends_in():
+    """A vertical window's visit runs G micro-batches one at a time, and each reaching the unit
+    pumps the held weights (runtime/executor.py): the next unit's host-to-device copy starts
+    within the visit its read ends in, so a compute-bound window's forward waits for the first
+    unit's copy, not for every unit's (as it would where only a visit's entry started them)."""
+    from offloadpp.planner.cost import compute_times
+
+    m = _model(batch=8)
+    hw = replace(cuda_hw(ssd_read_gbps=50.0, ssd_write_gbps=50.0), h2d_gbps=4.0, d2h_gbps=4.0,
+                 device_flops_per_s={"fp32": 5e12, "bf16": 20e12})  # fmt: skip
+    units = m.unit_specs()
+    kw = dict(device="cuda", compute_dtype="bf16", prefetch_depth=1, optim_prefetch_depth=1)
+    plan = window_plan(as_vertical(streaming_plan(units, micro_batches=G, **kw), G))
+    model = window_profile(m, G)
+    fwd, _ = compute_times(plan, hw, model)
+    copy_s = max(u.weights_bytes("bf16") for u in units) / (hw.h2d_gbps * 1e9)
+    assert min(t for t in fwd.values() if t) > copy_s  # (a block's compute hides the next unit's copy)
+    e = estimate(plan, hw, model)
+    assert e.forward_s - sum(fwd.values()) < 2.5 * copy_s  # (len(units) copies waited for: 6)

@@ -14,7 +14,7 @@ import torch
 
 from offloadpp.assemble import assemble_engine
 from offloadpp.optim import AdamHyper
-from offloadpp.planner import ActivationSettings, Settings
+from offloadpp.planner import ActivationSettings, Settings, Tier
 from offloadpp.runtime import RuntimeConfig, accumulate, rng
 
 transformers = pytest.importorskip("transformers")
@@ -365,3 +365,77 @@ def test_an_error_in_one_micro_batch_leaves_the_engine_usable(tmp_path, windows)
             torch.manual_seed(100 + w)
             assert eng.train_window([{"input_ids": x, "labels": x} for x in windows[w]]).vertical
         assert compare_weights(eng.module.state_dict(), ref.state_dict(), lr=LR, steps=3) < 1e-5
+
+
+def _streamed(path):
+    """A 6-block GPT-2 whose every unit's weights stream (one fetched ahead), and its config."""
+    cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg), config(path, prefetch_depth=1, device_budget_bytes=700_000)
+
+
+def test_updates_at_the_next_visit_on_the_copy_path_equal_torch_adamw(tmp_path, windows, monkeypatch):
+    """On the GPU's copy path (the stand-in accelerator) with clipping, a window's deferred
+    updates apply at each unit's next visit (decide.lazy_runtime, runtime/pending.py), and the
+    device copy of a unit's weights is made only once its update is done (Slot.updating): the
+    losses equal torch's AdamW. Without the wait the forward computes with the weights before
+    the update (losses off by 1e-2)."""
+    from conftest import set_device
+
+    set_device(monkeypatch, "standin")
+    model, rc = _streamed(tmp_path)
+    ref = copy.deepcopy(model)
+    want = torch_adamw(ref, windows)
+    with assemble_engine(model, rc, hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+        assert eng.device.copies and eng.optimizer.lazy and all(p.weights is Tier.SSD for _, p in eng.plan)
+        got, results = run_windows(eng, windows)
+        assert [r.vertical for r in results] == [False, True, True]
+        assert {r.report.updates for r in results} == {"deferred"}
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_a_window_copies_prefetched_weights_up_within_the_visit(tmp_path, windows, monkeypatch):
+    """On the GPU's copy path (the stand-in accelerator), a vertical window's visit runs G
+    micro-batches, and each one reaching the unit pumps the held weights: a unit fetched ahead
+    has its host-to-device copy started within the visit its read ends in (as the cost model
+    replays it, planner/simulate.py Sim.compute), not only at its own visit's entry or bind."""
+    from conftest import set_device
+
+    from offloadpp.runtime import device as device_mod
+    from offloadpp.runtime import executor as executor_mod
+
+    set_device(monkeypatch, "standin")
+    depth = {"hook": 0, "visit": 0}  # in a unit hook; entering a visit or binding a unit's weights
+    early = [0]  # copies started in a hook, outside an entry and a bind
+
+    def counting(name, key):
+        orig = getattr(executor_mod.Executor, name)
+
+        def wrapped(self, *a, _orig=orig):
+            depth[key] += 1
+            try:
+                return _orig(self, *a)
+            finally:
+                depth[key] -= 1
+
+        monkeypatch.setattr(executor_mod.Executor, name, wrapped)
+
+    for name in ("_pre_forward", "_pre_backward"):
+        counting(name, "hook")
+    for name in ("_enter", "_bind", "ensure_forward"):
+        counting(name, "visit")
+    start_copy = device_mod.CopyWeights._start_copy
+
+    def start(self, host):
+        early[0] += depth["hook"] > 0 and depth["visit"] == 0
+        return start_copy(self, host)
+
+    monkeypatch.setattr(device_mod.CopyWeights, "_start_copy", start)
+    model, rc = _streamed(tmp_path)
+    with assemble_engine(model, rc, hyper=AdamHyper(lr=LR)) as eng:
+        assert eng.device.copies and all(p.weights is Tier.SSD for _, p in eng.plan)
+        run_windows(eng, windows[:1])  # horizontal (records the tapes)
+        early[0] = 0
+        _, results = run_windows(eng, windows[1:2])
+        assert results[-1].vertical
+    assert early[0] > 0

@@ -249,7 +249,7 @@ def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = "", 
     from offloadpp.planner.resolve import model_profile_for
 
     deferred = updates == "deferred" and runtime.plan.speculative
-    predicted = runtime.predicted_for(updates)
+    predicted = runtime.predicted_for(updates, window)
     if predicted is not None and predicted.ssd_by_kind:
         return predicted.ssd_by_kind, "the plan's estimate" + (" of a deferred step" if deferred else "")
     plan, s = runtime.plan, runtime.settings

@@ -157,6 +157,8 @@ def window_lines(r) -> list[str]:
         kinds = {k: f"{rd / 2**30:,.0f} / {w / 2**30:,.0f}" for k, rd, w in e.ssd_by_kind}
         deferred = f" ({d.step_s:.1f} deferred)" if d is not None else ""
         chosen = (" (the plan's)" if rr is r else " (a per-micro-batch loop with the plan)" if rr is None else
+                  " (its least-bound plan: its search stopped where none could beat the vertical window)"
+                  if rr.beaten_by is not None else
                   " (its own plan: accumulation \"horizontal\")" if plan.vertical else "")  # fmt: skip
         out.append(f"| {name}{chosen} | {e.step_s:.1f}{deferred} | {per / e.step_s:,.1f} | {kinds.get('weights', '-')} | "
                    f"{kinds.get('gradients', '-')} | {kinds.get('optimizer_state', '-')} | "

@@ -20,8 +20,8 @@ runs on the rank's share of it (ranks.rank_share) with the collectives on a link
               for, but not forever).
 The replay is what makes step_s differ from floor_s: weights that arrive late (the SSD queue
 holds the previous step's writes), Adam slowed by compute on shared cores, the last units'
-updates after backward, deferred updates run after backward (on the CPU device, one rank: at
-each unit's next visit, simulate_pending.py). A speculative plan (clipping or fp16
+updates after backward, deferred updates run after backward (one rank: at each unit's next
+visit, simulate_pending.py). A speculative plan (clipping or fp16
 with Plan.speculative) is replayed as a step that validates: its updates run during backward.
 """
 

@@ -107,8 +107,9 @@ def adam_threads(settings, cores: int) -> int:
 
 def lazy_runtime(plan) -> bool:
     """Where the runtime applies a deferred step's updates at the next visit
-    (OptimizerPipeline.lazy): one rank on the CPU device."""
-    return plan.deferred_update and plan.device == "cpu" and plan.ranks == 1
+    (OptimizerPipeline.lazy): one rank, on the CPU device and on CUDA (where the device copy of
+    a unit's weights is made once its update made them: Slot.updating)."""
+    return plan.deferred_update and plan.ranks == 1
 
 
 def deferred_where(plan) -> str:
@@ -124,7 +125,7 @@ def deferred_where(plan) -> str:
             "gradients reduce-scattered, the global norm all-reduced, Adam on the shard; neither at the next "
             "visit nor speculatively, both one process's)"
         )
-    return "run as a pass after backward (not at the next visit, which is the CPU device's)"
+    return "run as a pass after backward"
 
 
 def lazy_applies(plan) -> bool:

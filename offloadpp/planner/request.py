@@ -33,6 +33,10 @@ class Request:
     # A vertical window of this many micro-batches planned as one step (planner/vertical.py): the
     # plans carry it (Plan.micro_batches: gradients summed over it are handed out in fp32).
     window: int = 1
+    # Another schedule's estimate of the same window (the vertical one's, resolve._with_window):
+    # a plan slower than it loses to it, so once the best replayed is, candidates whose lower
+    # bound is above it are not replayed, nor scored again on a slow SSD (search.py).
+    beat_s: Optional[float] = None
 
     @property
     def micro_batches(self) -> int:

@@ -55,6 +55,7 @@ from .budgets import (  # noqa: F401 (re-exported: what "auto" budgets are, name
 )
 from .cost import StepEstimate, estimate
 from .decide import (
+    LOOP_SLOWDOWN_TOLERANCE,
     accumulation,
     activation_choice,
     adam_threads,
@@ -120,6 +121,9 @@ class Resolved:
     vertical_why_not: Optional[str] = None
     # a vertical plan: the estimate of a window of it run by a per-micro-batch loop (horizontally)
     loop_estimate: Optional[StepEstimate] = None
+    # the horizontal schedule's search stopped at this estimate of the vertical window's (no plan
+    # left could beat it): its plan is the first it replayed, its estimate above the window's
+    beaten_by: Optional[float] = None
 
     @property
     def budgets(self) -> Budgets:
@@ -173,7 +177,7 @@ def resolve(
         _check_units(model, units)
         model = model.with_fused_loss(settings.activations.fused_loss)
     given = _Given(units, machine, hardware, model, io_set, deferral)
-    return _with_window(_resolve_one(settings, given, saved), settings, given)
+    return _with_window(settings, given, saved)
 
 
 @dataclass(frozen=True)
@@ -189,20 +193,23 @@ class _Given:
     deferral: tuple
 
 
-def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1) -> Resolved:
+def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1,
+                 beat_s: Optional[float] = None) -> Resolved:  # fmt: skip
     """resolve() for one schedule: a step of the settings' micro-batches, or (window > 1) a
-    vertical window of that many planned as one step (planner/vertical.py)."""
+    vertical window of that many planned as one step (planner/vertical.py). beat_s: another
+    schedule's estimate, which the search stops at (Request.beat_s)."""
     units, machine, hardware, model = given.units, given.machine, given.hardware, given.model
     io_set, deferral = given.io_set, given.deferral
     budgets, settings = budgets_for(settings, units, machine, model, window)
+    ask = {"window": window, "beat_s": beat_s}
     try:
-        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved, window)
+        plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved, ask)
     except PlanError:
         if settings.plan_path is not None or not speculates(settings) or settings.speculate != "auto":
             raise
         # the budgets were set for deferred updates: what speculation holds more does not fit
         plan, est, candidates = _make_plan(settings.model_copy(update={"speculate": "off"}), units, machine,
-                                           budgets, hardware, model, saved, window)  # fmt: skip
+                                           budgets, hardware, model, saved, ask)  # fmt: skip
         plan = replace(plan, notes=plan.notes + (
             "the budgets do not hold what speculative updates hold during backward: updates are deferred",))  # fmt: skip
     plan = with_activation_policies(plan, settings)
@@ -224,25 +231,35 @@ def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1) -> R
                   link=rank_link(settings, machine, hardware))  # fmt: skip
         if est is None:
             est = estimate(plan, hardware, model, **kw)
-        if plan.speculative:  # what a step that clips costs: deferred updates
+        # what a step that clips costs: deferred updates (not for a schedule another beats: the
+        # choice reads the estimates of steps that validate, and it is not run)
+        if plan.speculative and (beat_s is None or est.step_s <= beat_s):
             deferred_est = estimate(plan, hardware, model, deferred=True, **kw)
     return Resolved(settings, plan, est, candidates, deferred_est)
 
 
-def _with_window(one: Resolved, settings: Settings, given: _Given) -> Resolved:
-    """`one` (the horizontal schedule's resolve) and, with accumulation, the vertical window's,
-    and the choice between them (decide.accumulation): the Resolved of the plan chosen, the
-    other in `other`. A plan file keeps the choice it was made with."""
+def _with_window(settings: Settings, given: _Given, saved) -> Resolved:
+    """The horizontal schedule's resolve and, with accumulation, the vertical window's, and the
+    choice between them (decide.accumulation): the Resolved of the plan chosen, the other in
+    `other`. A plan file keeps the choice it was made with.
+
+    Note: the vertical window is planned first. Its estimate is the horizontal search's bar
+    (Request.beat_s): once no horizontal plan left could beat it, that search stops (its plan is
+    then the first it replayed, not its best: Resolved.beaten_by says so); planning both costs
+    about what the horizontal search alone did, whose replays walk G micro-batches each. Where
+    the window still runs horizontally (the vertical plan would slow a per-micro-batch loop,
+    decide.accumulation), the horizontal search runs again without the bar, for its best plan."""
     g = settings.gradient_accumulation_steps
+    hardware, model = given.hardware, given.model
     if g == 1 or settings.plan_path is not None:
+        one = _resolve_one(settings, given, saved)
         return one if one.plan.micro_batches == g or settings.plan_path is not None else replace(
             one, plan=replace(one.plan, micro_batches=g))  # fmt: skip
-    horizontal = replace(one, plan=replace(one.plan, micro_batches=g))
-    hardware, model = given.hardware, given.model
     if settings.accumulation == "horizontal" or (
         settings.accumulation == "auto" and (hardware is None or model is None)
     ):  # (no estimates: nothing to choose by, decide.accumulation)
-        return horizontal
+        one = _resolve_one(settings, given, saved)
+        return replace(one, plan=replace(one.plan, micro_batches=g))
     v: Optional[Resolved] = None
     why: Optional[str] = None
     try:
@@ -254,21 +271,47 @@ def _with_window(one: Resolved, settings: Settings, given: _Given) -> Resolved:
         why = str(e)
     if v is not None:
         vplan = as_vertical(v.plan, g)
-        loop_homes = _loop_grads_homes(vplan, horizontal.plan)
-        fitted, why = fits_per_micro_batch(loop_homes, settings)
-        if why is not None and loop_homes is not vplan:
-            fitted, why = fits_per_micro_batch(vplan, settings)
-        v = replace(v, plan=fitted, settings=v.settings.model_copy(
+        vplan, why = fits_per_micro_batch(vplan, settings)
+        v = replace(v, plan=vplan, settings=v.settings.model_copy(
             update={"gradient_accumulation_steps": g, "accumulation": settings.accumulation}))  # fmt: skip
-    h_s = horizontal.estimate.step_s if horizontal.estimate is not None else None
     v_s = v.estimate.step_s if v is not None and v.estimate is not None and why is None else None
+
+    def horizontal_of(beat_s: Optional[float]) -> tuple[Resolved, Optional[float]]:
+        one = _resolve_one(settings, given, saved, beat_s=beat_s)
+        h = replace(one, plan=replace(one.plan, micro_batches=g))
+        h_s = h.estimate.step_s if h.estimate is not None else None
+        if beat_s is not None and h_s is not None and h_s > beat_s:
+            h = replace(h, beaten_by=beat_s)
+        return h, h_s
+
+    horizontal, h_s = horizontal_of(v_s)
     loop = None
-    if v is not None and why is None and hardware is not None and model is not None:
-        # (the vertical plan run by a per-micro-batch loop: its placement, its micro-batches one by one)
-        loop = estimate(v.plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
-                        act_prefetch_units=settings.activations.prefetch_units,
-                        link=rank_link(settings, given.machine, hardware))  # fmt: skip
+    if v is not None and why is None:
+        loop_homes = _loop_grads_homes(v.plan, horizontal.plan)
+        if loop_homes is not v.plan:
+            fitted, homes_why = fits_per_micro_batch(loop_homes, settings)
+            if homes_why is None:
+                v = replace(v, plan=fitted)
+        if hardware is not None and model is not None:
+            # (the vertical plan run by a per-micro-batch loop: its placement, its micro-batches one by one)
+            loop = estimate(v.plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
+                            act_prefetch_units=settings.activations.prefetch_units,
+                            link=rank_link(settings, given.machine, hardware))  # fmt: skip
+    if (
+        loop is not None
+        and v_s is not None
+        and horizontal.beaten_by is not None
+        and settings.accumulation == "auto"
+    ):
+        # "auto" also asks that a loop with the vertical plan be no slower than the horizontal
+        # plan's best (decide.accumulation): a search stopped at the window's bar says only that
+        # its best is slower than the window; where the loop's bar is higher, search to that one.
+        bar = loop.step_s / (1 + LOOP_SLOWDOWN_TOLERANCE)
+        if bar > v_s:
+            horizontal, h_s = horizontal_of(bar)
     vertical = accumulation(settings, h_s, v_s, why, loop_s=loop.step_s if loop is not None else None)
+    if not vertical and horizontal.beaten_by is not None:  # (its search stopped at a bar)
+        horizontal, h_s = horizontal_of(None)
     window_s = tuple((k, t) for k, t in (("horizontal", h_s), ("vertical", v_s)) if t is not None)
     note = window_note(g, vertical, h_s, v_s, why)
     if not vertical and v_s is not None and h_s is not None and v_s < h_s and settings.accumulation == "auto":
@@ -299,9 +342,12 @@ def _loop_grads_homes(vplan: Plan, hplan: Plan) -> Plan:
 
 
 def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved,
-               window: int = 1):  # fmt: skip
+               ask: Optional[Mapping] = None):  # fmt: skip
     """(plan, estimate or None, candidates) for the settings: the plan file's, the search's or
-    the default plan (window: Request.window, a vertical window's micro-batches)."""
+    the default plan. ask: Request fields the caller sets ("window": a vertical window's
+    micro-batches; "beat_s": the search's bar)."""
+    ask = dict(ask or {})
+    window = ask.get("window", 1)
     est: Optional[StepEstimate] = None
     candidates: tuple = ()
     if settings.plan_path is not None:
@@ -317,7 +363,7 @@ def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, ha
             missing = "a hardware profile" if hardware is None else "a model profile"
             raise PlanError(f"plan 'auto' needs {missing}")
         _check_profiles(hardware, model, units, machine.device)
-        req = replace(_request(settings, budgets, machine, hardware), window=window)
+        req = replace(_request(settings, budgets, machine, hardware), **ask)
         result = search(hardware, model, req)
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:

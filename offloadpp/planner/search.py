@@ -190,7 +190,11 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     slow_s: dict[int, float] = {}  # id(candidate) -> its estimate on the slow SSD
     reach = float("inf")  # no candidate whose estimate is beyond this can win the robust pick
     for lb, label, plan, bounds in groups:
-        if lb > min(best_s * (1 + ROBUST_WINDOW), reach) or len(cands) >= max_replays:
+        if (
+            lb > min(best_s * (1 + ROBUST_WINDOW), reach)
+            or len(cands) >= max_replays
+            or _beaten(req, best_s, lb)
+        ):
             break
         c = bounds[0][2]
         cands.append(_candidate(label, plan, c, counted, hardware, model, req))
@@ -210,7 +214,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     cands.sort(key=lambda c: c.estimate.step_s)
     by_plan = {id(g[2]): g for g in groups}
     many = len(units) > MANY_UNITS
-    for top in _tops(cands, 1 if many else ACT_TOP_PLACEMENTS, extra=0 if many else 2):
+    beaten = _beaten(req, best_s)
+    for top in [] if beaten else _tops(cands, 1 if many else ACT_TOP_PLACEMENTS, extra=0 if many else 2):
         _, label, plan, bounds = by_plan[id(top.plan)]
         for lb, _, c in bounds[1:]:
             if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
@@ -219,9 +224,10 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
                 replayed += 1
     total = sum(len(g[3]) for g in groups)
     cands.sort(key=lambda c: c.estimate.step_s)
-    best = _robust_pick(cands, hardware, model, req, slow_s)
+    best = cands[0] if beaten else _robust_pick(cands, hardware, model, req, slow_s)
     notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
-             f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound)",)  # fmt: skip
+             f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound"
+             + (f"; none left could beat another schedule's {req.beat_s:.3f} s" if beaten else "") + ")",)  # fmt: skip
     best_plan = replace(
         best.plan, notes=notes + explain(replace(best.plan, placements=all_on_ssd(units)), best.plan)
     )
@@ -229,6 +235,12 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         best_plan = replace(best_plan, activations=tuple(p for _, p in best.activations))
     best = replace(best, plan=best_plan)
     return SearchResult(best, tuple(cands), total - replayed)
+
+
+def _beaten(req: Request, best_s: float, lb: float = float("inf")) -> bool:
+    """The best replayed, and a candidate of lower bound `lb`, are slower than another schedule
+    (Request.beat_s): neither can be chosen over it, so the search goes no further."""
+    return req.beat_s is not None and req.beat_s < best_s < float("inf") and lb > req.beat_s
 
 
 def _tops(cands: list[Candidate], n: int, extra: int) -> list[Candidate]:

@@ -85,6 +85,9 @@ class Sim:
         self.order_index = {u.name: i for i, u in enumerate(self.order)}
         self.update_index = {u.name: i for i, u in enumerate(self.update_order)}
         self.micro_batches = micro_batches
+        # a vertical window's step (planner/vertical.py window_plan): each visit runs this many
+        # micro-batches one after another
+        self.window = plan.micro_batches if not plan.accumulate_grads else 1
         self.deferred = plan.deferred_update
         # a speculative plan's steps validate: the replay is of a step whose speculation commits
         self.speculating = plan.deferred_update and plan.speculative
@@ -140,9 +143,10 @@ class Sim:
                 nf = self.sched.num_forward
                 for v in self.sched.visits[:nf]:
                     yield from self.enter(v.index)
+                    work = self.costs.forward_s[v.unit] + self.costs.forward_visit_s
                     for k, (share, saved) in enumerate(self.act.forward_parts(v.unit)):
                         yield from self.act.before_forward(v.unit, saved)
-                        yield ("cpu", (self.costs.forward_s[v.unit] + self.costs.forward_visit_s) * share)
+                        yield from self.compute(work * share)
                         self.act.after_forward(v.unit, k)
                 m.setdefault("forward_end", []).append(self.t)
                 for u in self.units:
@@ -161,7 +165,7 @@ class Sim:
                     for k, share in enumerate(self.act.backward_parts(v.unit)):
                         if k:
                             self.act.next_piece(v.unit, k)
-                        yield ("cpu", work * share)
+                        yield from self.compute(work * share)
                     self.act.after_backward(v.unit)
                     yield from self.on_grads(self.by_name[v.unit])
                 self.in_backward = False
@@ -190,6 +194,23 @@ class Sim:
                      by_dir={k: v - m["by_dir0"].get(k, 0) for k, v in self.ssd.by_key_dir.items()})  # fmt: skip
             self.marks.append(m)
         self.closed = True
+
+    def compute(self, seconds: float) -> Iterator:
+        """The device computes for `seconds` of a unit's visit. A vertical window's visit runs
+        its micro-batches one at a time, and each micro-batch reaching the unit pumps the held
+        weights (the executor's hooks, runtime/executor.py): a prefetched unit's host-to-device
+        copy starts once its read is in, within the visit, not at the next one."""
+        if self.window == 1:
+            yield ("cpu", seconds)
+            return
+        for m in range(self.window):
+            if m:
+                for u in self.held:
+                    u.weights.pump(self)
+            if not any(u.weights.uncopied for u in self.held):  # (no pump to come can start a copy)
+                yield ("cpu", seconds * (self.window - m) / self.window)
+                return
+            yield ("cpu", seconds / self.window)
 
     def begin_micro(self, first: bool, boundary: bool) -> Iterator:
         self.first_micro, self.boundary = first, boundary
@@ -411,17 +432,19 @@ class Sim:
             if job.defer_writes or _late(job, s):
                 s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
                 self.queued_writes.append(s)
+        w = getattr(u.weights, "trainable", u.weights)  # (PairWeights: the frozen segment takes no update)
+        refresh = self.cuda and isinstance(w, CudaWeights) and w.resident  # (a resident device copy)
         if job.lazy:
             self.lazy_inflight.discard(u.name)
+            u.compute.updating = False
+            if refresh:
+                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
             for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
                 s.release(self, OPTIM)
-            u.compute.release(self, OPTIM)
+            u.compute.release(self, OPTIM, after=w.copy_done if refresh else 0.0)
         elif job.update:
             after = 0.0
-            w = getattr(
-                u.weights, "trainable", u.weights
-            )  # (PairWeights: the frozen segment takes no update)
-            if self.cuda and isinstance(w, CudaWeights) and w.resident:
+            if refresh:
                 w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
                 after = w.copy_done
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):

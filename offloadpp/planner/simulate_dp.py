@@ -49,6 +49,11 @@ class GatherWeights:
                 self.started = True
                 s.release(sim, COMPUTE, after=self.copy_done)
 
+    @property
+    def uncopied(self) -> bool:
+        """Its shard fetched, the gather not started: a pump may start it."""
+        return self.state == LOADING and not self.started
+
     def wait(self, sim) -> Iterator:
         if self.state == LOADING:
             if not self.started:

@@ -16,6 +16,11 @@ def defer(sim) -> None:
     sim.lazy_cursor = sim.lazy_submitted = 0
     for u in sim.lazy_order:
         u.pending = True
+        u.compute.updating = True  # (no device copy of its weights until the update made them)
+        # the replay is of a steady step: moments with a home on SSD were written by the update
+        # before (a replay of two steps applies its first update in the second, from zeros)
+        for s in (u.exp_avg, u.exp_avg_sq):
+            s.on_disk = s.on_disk or s.stored
 
 
 def _read(sim, upto: int) -> Iterator:

@@ -31,6 +31,7 @@ class Slot:
     holds: set = field(default_factory=set)
     read_done: When = None
     write_done: Optional[Done] = None
+    updating: bool = False  # a compute copy its pending update has not made yet (runtime Slot.updating)
 
     def acquire(self, sim: Replay, hold: str, overwrite: bool = False) -> Iterator:
         self.holds.add(hold)
@@ -67,6 +68,8 @@ class Slot:
 
 
 class CpuWeights:
+    uncopied = False  # (nothing to copy: the CPU device computes on the slot's buffer)
+
     def __init__(self, source: Slot):
         self.source = source
 
@@ -96,6 +99,10 @@ class PairWeights:
     def pump(self, sim: Replay) -> None:
         self.trainable.pump(sim)
         self.frozen.pump(sim)
+
+    @property
+    def uncopied(self) -> bool:
+        return self.trainable.uncopied or self.frozen.uncopied
 
     def wait(self, sim: Replay) -> Iterator:
         yield from self.frozen.wait(sim)
@@ -129,13 +136,18 @@ class CudaWeights:
         self.pump(sim)
 
     def pump(self, sim: Replay) -> None:
-        if self.state == LOADING and not self.copied:
+        if self.state == LOADING and not self.copied and not self.source.updating:
             s = self.source
             if s.state != LOADING or done_by((s.read_done,), sim.t):
                 s.state = READY if s.state == LOADING else s.state
                 self._copy(sim)
                 if not s.resident:
                     s.release(sim, COMPUTE, after=self.copy_done)
+
+    @property
+    def uncopied(self) -> bool:
+        """Fetched, its device copy not started: a pump may start it."""
+        return self.state == LOADING and not self.copied
 
     def wait(self, sim: Replay) -> Iterator:
         if self.state == LOADING:

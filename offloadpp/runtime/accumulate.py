@@ -151,6 +151,7 @@ class WindowRunner:
         summing = self.sums.summing(losses) if e.plan.compute_dtype != "fp32" else contextlib.nullcontext()
         with summing:
             e._backward(losses, scale_wrt_gas=_flag(scale))
+        e.accounting.vertical = True  # (its report is set beside the window's estimate)
         report = e.step()
         return WindowResult(tuple(x.detach() for x in losses), report, vertical=True)
 

@@ -283,8 +283,9 @@ class CopyWeights:
         self.pump()
 
     def pump(self) -> None:
-        """Starts the host-to-device copy once the host copy has arrived."""
-        if self.state is SlotState.LOADING and not self._copied:
+        """Starts the host-to-device copy once the host copy has arrived (and, where a pending
+        update makes it, once the update is done: Slot.updating)."""
+        if self.state is SlotState.LOADING and not self._copied and not self.source.updating:
             read = self.source.pending_read
             if read is None or read.done():
                 self._start_copy(self.source.wait())
@@ -298,6 +299,10 @@ class CopyWeights:
             raise RuntimeError(f"{self.source.key}: device weights waited on before being fetched")
         if self.state is SlotState.LOADING:
             if not self._copied:
+                if self.source.updating:  # (the executor binds a unit after its pending update)
+                    raise RuntimeError(
+                        f"{self.source.key}: device weights waited on before their update is done"
+                    )
                 self.source.wait()
                 self.pump()
             self.state = SlotState.READY

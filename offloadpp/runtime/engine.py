@@ -94,12 +94,13 @@ class OffloadEngine:
         hyper: Optional[AdamHyper] = None,
         init_fn: Optional[Callable[[nn.Module], None]] = None,
         progress: bool = False,
-        predicted: Union[StepEstimate, tuple[StepEstimate, Optional[StepEstimate]], None] = None,
+        predicted: Union[StepEstimate, tuple[Optional[StepEstimate], ...], None] = None,
         dp: Optional[DataParallel] = None,
     ):
         """plan: the finished plan for this model and config (offloadpp.assemble.resolve_for_model
-        or planner.resolve); predicted: its estimated step, for the reports (or the pair (estimate,
-        deferred_estimate) of a Resolved whose plan speculates). A model on the meta
+        or planner.resolve); predicted: its estimated step, for the reports (or a Resolved's
+        (estimate, deferred_estimate[, loop_estimate]): a speculative plan's step that defers, a
+        vertical plan's per-micro-batch loop: reports.StepAccounting.predicted_for). A model on the meta
         device (built under offloadpp.Init) gets its weights unit by unit: from the safetensors
         its from_pretrained named, else from init_fn (default: the model's own init). dp: the
         data-parallel ranks (runtime/dp/distributed.py), each holding its shard of the state in a
@@ -139,8 +140,10 @@ class OffloadEngine:
         self.plan = plan
         # the plan's estimate, and for a speculative plan that of a step that defers its updates
         # (Resolved.deferred_estimate): a step's report is set beside the one of the way it ran
-        self.predicted, self.predicted_deferred = (
-            predicted if isinstance(predicted, tuple) else (predicted, None)
+        self.predicted, self.predicted_deferred, self.predicted_loop = (
+            tuple(predicted) + (None,) * (3 - len(predicted))
+            if isinstance(predicted, tuple)
+            else (predicted, None, None)
         )
         self.schedule = build_schedule(self.plan)
         self._closed = True  # until set up: close() has nothing to do
@@ -638,9 +641,10 @@ class OffloadEngine:
         """Peak bytes of the runtime's host buffers so far (optimizer state, gradients, staging)."""
         return self.accounting.peak_host_bytes()
 
-    def predicted_for(self, updates: str):
-        """The cost model's estimate of a step whose updates ran as `updates` (StepAccounting.predicted_for)."""
-        return self.accounting.predicted_for(updates)
+    def predicted_for(self, updates: str, vertical: bool = True):
+        """The cost model's estimate of a step whose updates ran as `updates`, vertically or not
+        (StepAccounting.predicted_for)."""
+        return self.accounting.predicted_for(updates, vertical)
 
     def disk_bytes(self) -> int:
         """Bytes the swap files occupy."""

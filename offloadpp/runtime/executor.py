@@ -280,10 +280,19 @@ class Executor:
             u.phase = UnitPhase.FORWARD
             if torch.is_grad_enabled():
                 u.start_backward()  # its parameters' gradients are expected in this backward
-        else:  # a second root module of the same unit, or a re-run: make sure it is bound
+        else:  # a second root module of the same unit, a re-run, or a window's next micro-batch
+            self._pump_held()
             for name in self.schedule.visits[pos].needs:
                 self.ensure_forward(self._by_name[name])
         return None
+
+    def _pump_held(self) -> None:
+        """Starts the device copies of the held units whose reads are in. Entering a visit pumps
+        them; a vertical window's visit runs G micro-batches, so each one reaching the unit pumps
+        too, and a unit fetched ahead is copied up within the visit its read ends in, not at its
+        own (planner/simulate.py Sim.compute replays it so)."""
+        for u in self.held:
+            u.weights.pump()
 
     def _recompute(self, u: Unit) -> None:
         """The model runs unit u's forward again during backward (its own activation
@@ -324,6 +333,8 @@ class Executor:
         if pos > self.cursor:
             self.enter(pos)
             u.phase = UnitPhase.BACKWARD
+        else:  # another output's gradient: a window's next micro-batch reaching the unit
+            self._pump_held()
 
     def backward_reaches(self, name: str) -> None:
         """Backward reached unit `name` other than through its outputs' gradient (the fused

@@ -539,21 +539,22 @@ class OptimizerPipeline(PendingUpdates):
             self.host_pool.put(job.staging)
         if done.sq_norm is not None:
             u.sq_norm = done.sq_norm
+        after = ()
+        if (job.lazy or job.update) and self.device.copies and u.weights.resident:
+            u.weights.refresh()  # the device's copy takes the new weights
+            after = (u.weights.last_copy,)
         if job.lazy:
             self._lazy_inflight.discard(u.name)
+            u.compute.updating = False  # (its device copy may be made now: CopyWeights.pump)
             for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
                 s.release(Hold.OPTIM)
-            u.compute.release(Hold.OPTIM)
+            u.compute.release(Hold.OPTIM, after=after)
         elif job.update:
             for a, b, step, upd, _ in job.segments:
                 if upd:
                     for k, (_, s) in enumerate(u.params):
                         if a <= s.offset < b:
                             u.steps[k] = step + 1
-            after = ()
-            if self.device.copies and u.weights.resident:
-                u.weights.refresh()
-                after = (u.weights.last_copy,)
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.acquire(Hold.NEXT)
             for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):

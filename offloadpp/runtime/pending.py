@@ -21,10 +21,12 @@ updates write the committed generation, as the update pass did (the step is comp
 returns; only where its result lives differs), so a checkpoint taken after step() holds it and a
 kill -9 before the next forward resumes from that checkpoint bit for bit.
 
-Note: where it applies. One rank on the CPU device, steps that deferred (not speculated): a
-speculating step's validation and redo stay as they were. On CUDA the forward's weights are a
-device copy of the compute copy the update writes, and over several ranks they are gathered from
-every rank's shard: both keep the update pass (OptimizerPipeline.lazy is False).
+Note: where it applies. One rank, steps that deferred (not speculated): a speculating step's
+validation and redo stay as they were. Over several ranks the weights are gathered from every
+rank's shard: they keep the update pass (OptimizerPipeline.lazy is False). On CUDA (the copy
+path) the forward's weights are a device copy of the compute copy the update writes: the copy
+is made only once the update is done (Slot.updating, set at step() and cleared as the update
+completes; device.CopyWeights.pump waits for it), and a resident device copy is refreshed then.
 
 Note: memory. The state is read in a window of q+1 units over the units in forward order, as the
 update pass reads it in its own order, and the gradients kept in host memory across the step are
@@ -81,6 +83,7 @@ class PendingUpdates:
                 u.grads.release(Hold.OPTIM)  # no parameter of the unit got a gradient: nothing to do
                 continue
             u.pending = PendingUpdate(segs, self.hypers, clip_coef, grad_scale)
+            u.compute.updating = True  # no device copy of the weights until the update made them
             for a, b, step, upd, _ in segs:
                 if upd:
                     for k, (_, s) in enumerate(u.params):

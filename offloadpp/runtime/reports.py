@@ -23,6 +23,7 @@ class StepAccounting:
         self.device_pool, self.host_pool = engine.device_pool, engine.host_pool
         self.plan, self.predicted, self.speculation = engine.plan, engine.predicted, engine.speculation
         self.predicted_deferred = engine.predicted_deferred
+        self.predicted_loop = engine.predicted_loop
         self.ssd_read_gbps, self.ssd_write_gbps = engine.ssd_read_gbps, engine.ssd_write_gbps
         self.link_gbps = engine.link_gbps
         self._act_run_peak = self._act_host_run_peak = 0
@@ -35,6 +36,7 @@ class StepAccounting:
         self.host_pool.reset_step_peak()
         self.device.step_peak_bytes = self.device.bytes_in_use
         self.step_t0: Optional[float] = None
+        self.vertical = False  # the step is a vertical window's (runtime/accumulate.py sets it)
         self.forward_s = self.backward_s = self.optimizer_s = 0.0
         self._io0 = self.store.stats
         self._kinds0 = self.store.bytes_by_kind()
@@ -65,7 +67,7 @@ class StepAccounting:
         comm_bytes, comm_s = comm[0] - self._comm0[0], comm[1] - self._comm0[1]
         comm_floor = comm_bytes / (self.link_gbps * 1e9) if self.link_gbps else 0.0
         now = time.perf_counter()
-        predicted = self.predicted_for(outcome.mode if outcome is not None else "in-backward")
+        predicted = self.predicted_for(outcome.mode if outcome is not None else "in-backward", self.vertical)
         report = StepReport(
             step=step,
             step_s=now - (self.step_t0 if self.step_t0 is not None else now),
@@ -104,12 +106,17 @@ class StepAccounting:
         self.reset()
         return report
 
-    def predicted_for(self, updates: str):
+    def predicted_for(self, updates: str, vertical: bool = True):
         """The cost model's estimate of a step whose updates ran as `updates` (StepReport.updates):
         a speculative plan's estimate is of a step that validates, so a step that deferred (it
         clipped) is set beside the plan's deferred estimate, which moves other bytes (the
-        gradients through their home and back, the state read at the next visit). None where
-        there is no estimate of that way."""
+        gradients through their home and back, the state read at the next visit). A vertical
+        plan's estimates are of its window run whole (train_batch): a step that ran horizontally
+        (`vertical` False: a per-micro-batch loop, or a window that recorded its RNG tapes) is
+        set beside the estimate of that loop (Resolved.loop_estimate), of a step that validates.
+        None where there is no estimate of that way."""
+        if self.plan.vertical and not vertical:
+            return None if updates == "deferred" and self.plan.speculative else self.predicted_loop
         if updates == "deferred" and self.plan.speculative:
             return self.predicted_deferred
         return self.predicted

@@ -125,6 +125,9 @@ class Slot:
         within a step and never read from or written to the store. txn: the engine's step
         transaction (see the Note on generations); None: not transactional."""
         self.name = name
+        # a unit's compute copy whose pending update (runtime/pending.py) is not done: its buffer
+        # is not the step's weights yet, so no device copy is made of it (device.CopyWeights)
+        self.updating = False
         self.txn = txn  # None: not transactional (gradients, which a new window overwrites)
         self._committed: Optional[int] = None  # generation of the last completed step (None: zeros)
         self._latest: Optional[int] = None  # generation of the newest data
