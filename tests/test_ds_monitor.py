@@ -144,29 +144,74 @@ def _train(engine, n: int) -> list:
     return train(engine, batches(n))
 
 
-def test_fp16_loss_scale_is_the_scale_after_each_step(tmp_path):
+def test_fp16_skipped_steps_write_what_deepspeed_writes(tmp_path):
     """Under fp16 each step writes the loss scale its update left, as DeepSpeed's engine reads it
     from its optimizer: DeepSpeed's own DynamicLossScaler, fed each step's overflow, gives the
-    series (the first steps overflow at 2**20 and halve it, hysteresis 2 delaying the first)."""
+    series (the first steps overflow at 2**20 and halve it, hysteresis 2 delaying the first). A
+    step skipped on overflow writes its events too, as DeepSpeedEngine.step does (it counts the
+    step's samples and writes after any step): the lr its scheduler was left at (DeepSpeed's
+    WarmupLR, stepped on the steps that were not skipped only), and the window's own train_loss,
+    none of it carried into the next step. (DeepSpeed's fp16 cannot run on this CPU: mkldnn has
+    no fp16 here, so its engine's side is its own scaler and scheduler.)"""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.lr_schedules import WarmupLR
 
     fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 2,
             "min_loss_scale": 1}  # fmt: skip
     csv_dir = tmp_path / "csv"
-    engine = _engine(tmp_path, fp16=fp16, csv_monitor={"enabled": True, "output_path": str(csv_dir)})
-    _train(engine, 8)
+    engine = _engine(tmp_path, fp16=fp16, gradient_accumulation_steps=GAS,
+                     csv_monitor={"enabled": True, "output_path": str(csv_dir)})  # fmt: skip
+    losses = _train(engine, 6 * GAS)
     skipped = [r.skipped for r in engine.reports]
+    sched_params = engine.config["scheduler"]["params"]
     engine.close()
     scaler = DynamicLossScaler(init_scale=2.0**20, scale_window=2, min_scale=1, delayed_shift=2,
                                consecutive_hysteresis=False)  # fmt: skip
-    want = []
+    sched = WarmupLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **sched_params)
+    scales, lrs = [], []
     for s in skipped:
         scaler.update_scale(s)
-        want.append(scaler.cur_scale)
+        scales.append(scaler.cur_scale)
+        if not s:
+            sched.step()
+        lrs.append(sched.get_lr()[0])
     got = read_csv(csv_dir / "DeepSpeedJobName")
     assert any(skipped) and not all(skipped)  # some steps overflowed, some updated
-    assert got["Train_Samples_loss_scale.csv"][1] == [(MICRO * (i + 1), v) for i, v in enumerate(want)]
-    assert len(got["Train_Samples_lr.csv"][1]) == 8  # skipped steps write theirs too, as DeepSpeed's
+    x = [MICRO * GAS * (i + 1) for i in range(len(skipped))]  # a skipped step's samples count too
+    assert got["Train_Samples_loss_scale.csv"][1] == list(zip(x, scales))
+    assert [s for s, _ in got["Train_Samples_lr.csv"][1]] == x
+    assert [v for _, v in got["Train_Samples_lr.csv"][1]] == pytest.approx(lrs, rel=1e-12)
+    train_loss = got["Train_Samples_train_loss.csv"][1]
+    assert [s for s, _ in train_loss] == x
+    assert [v for _, v in train_loss] == pytest.approx(step_losses(losses), abs=1e-6, rel=0)
+
+
+def test_a_rolled_back_window_writes_nothing_and_leaves_no_loss(tmp_path):
+    """A window whose backward raised is rolled back (runtime/transaction.py): it writes no
+    event, and the next window's train_loss is that window's own mean, over its own micro-batches
+    (the micro-batch completed before the error belongs to the rolled-back window: it is neither
+    counted in the next one's loss nor in its length)."""
+    csv_dir = tmp_path / "csv"
+    engine = _engine(tmp_path, gradient_accumulation_steps=GAS,
+                     csv_monitor={"enabled": True, "output_path": str(csv_dir)})  # fmt: skip
+    data = batches(4 * GAS)
+    losses = train(engine, data[:GAS]) + train(engine, data[GAS : GAS + 1])
+
+    class Boom(Exception):
+        pass
+
+    hook = engine.module.transformer.h[0].register_full_backward_hook(
+        lambda *a: (_ for _ in ()).throw(Boom())
+    )
+    with pytest.raises(Boom):
+        train(engine, data[GAS + 1 : GAS + 2])
+    hook.remove()
+    after = train(engine, data[2 * GAS :])
+    assert engine.global_steps == 3
+    engine.close()
+    got = read_csv(csv_dir / "DeepSpeedJobName")["Train_Samples_train_loss.csv"][1]
+    assert [s for s, _ in got] == [MICRO * GAS * (i + 1) for i in range(3)]
+    assert [v for _, v in got] == pytest.approx(step_losses(losses[:GAS] + after), abs=1e-6, rel=0)
 
 
 def _fake(name: str, **attrs) -> types.ModuleType:
