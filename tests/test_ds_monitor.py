@@ -3,11 +3,10 @@ DeepSpeed's own engine writes, by name, x and value, through DeepSpeed's own wri
 loss and the step report's figures beside them; a missing package named at initialize.
 
 The comparison runs the same tiny GPT-2, initial weights, batches and JSON (csv_monitor and
-tensorboard both on, wall_clock_breakdown, gradient accumulation 2) under DeepSpeed's engine and
-offloadpp's, each in its own process (tests/ds_monitor_run.py). DeepSpeed's side is ZeRO-3 in
-memory with a torch AdamW, which builds no DeepSpeed op: DeepSpeedEngine.step() writes its events
-the same way whatever the offload, and ZeRO-Infinity's NVMe offload JIT-builds async_io, cpu_adam
-and pin_memory (minutes each, again from every checkout path), too slow for the default run.
+tensorboard both on, wall_clock_breakdown, gradient accumulation 2; ZeRO-Infinity: parameters and
+optimizer on NVMe, the aio block, the config's Adam) under DeepSpeed's engine and offloadpp's, each
+in its own process (tests/ds_monitor_run.py) with a swap folder of its own. DeepSpeed's side needs
+its async_io, pin_memory and cpu_adam ops (scripts/bootstrap.sh builds them).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ds_import_worker import AIO, ZERO_INFINITY, on_nvme
 from test_deepspeed_integration import batches, ds_config, tiny_gpt2, train
 
 import offloadpp
@@ -40,17 +40,18 @@ OURS = {  # the series offloadpp writes that DeepSpeedEngine does not (one rank,
 }  # fmt: skip
 
 
-def monitored(tmp: Path, side: str, zero: dict, **over) -> dict:
-    cfg = ds_config(tmp / f"{side}_nvme", gradient_accumulation_steps=GAS, wall_clock_breakdown=True, **over)
-    cfg["zero_optimization"] = zero
+def monitored(tmp: Path, side: str, **over) -> dict:
+    """ZeRO-Infinity's JSON (ds_import_worker.ZERO_INFINITY, AIO) with both monitors on."""
+    cfg = on_nvme(dict(ds_config(tmp / f"{side}_nvme", gradient_accumulation_steps=GAS, wall_clock_breakdown=True,
+                                 aio=AIO, **over), zero_optimization=ZERO_INFINITY), str(tmp / f"{side}_nvme"))  # fmt: skip
     cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp / f"{side}_csv"), "job_name": "job"}
     cfg["tensorboard"] = {"enabled": True, "output_path": str(tmp / f"{side}_tb"), "job_name": "job"}
     return cfg
 
 
-def run_side(tmp: Path, side: str, cfg: dict, optimizer: str) -> dict:
+def run_side(tmp: Path, side: str, cfg: dict) -> dict:
     spec, out = tmp / f"{side}.json", tmp / f"{side}.out"
-    spec.write_text(json.dumps({"side": side, "config": cfg, "steps": STEPS, "optimizer": optimizer}))
+    spec.write_text(json.dumps({"side": side, "config": cfg, "steps": STEPS}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
     p = subprocess.run([sys.executable, str(HERE / "ds_monitor_run.py"), str(spec), str(out)], capture_output=True,
                        text=True, env=env, timeout=900)  # fmt: skip
@@ -63,9 +64,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     got = {}
     for side in ("deepspeed", "offloadpp"):
-        cfg = monitored(tmp, side, {"stage": 3})
-        cfg["offloadpp"]["nvme_paths"] = [str(tmp / f"{side}_nvme")]
-        got[side] = run_side(tmp, side, cfg, "torch")
+        got[side] = run_side(tmp, side, monitored(tmp, side))
         got[side]["dir"] = tmp
     assert got["deepspeed"]["engine"] == "DeepSpeedEngine" and got["offloadpp"]["engine"] == "OffloadppEngine"
     return got
