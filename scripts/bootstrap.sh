@@ -38,4 +38,10 @@ fi
 echo "bootstrap: building offloadpp._C"
 OFFLOADPP_REQUIRE_LIBAIO=1 "$PY" setup.py -q build_ext --inplace 2>&1 | grep -vE "^(running|copying)" || true
 "$PY" -c "import offloadpp._C"
+# DeepSpeed's ops that ZeRO-Infinity's NVMe path JIT-builds on first use (async_io, pin_memory,
+# cpu_adam: minutes the first time, seconds after), built once here so that no test waits on one;
+# into the folder the Makefile and tests/conftest.py name (op_locks.py, "building ahead of time").
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(cd "$VENV" && pwd)/torch_extensions}
+echo "bootstrap: DeepSpeed's ops in $TORCH_EXTENSIONS_DIR"
+"$PY" -m offloadpp.integrations.deepspeed.op_locks --build
 echo "bootstrap: ready ($VENV)"

@@ -3,10 +3,11 @@ group and accelerator state are per process):
 
     python ds_import_worker.py SPEC.json OUT.pt
 
-Trains a tiny GPT-2 or Llama on real DeepSpeed ZeRO stage 3 with parameters and optimizer on
-NVMe for `first` steps, saves a checkpoint (tag "step{first}"), then a fresh DeepSpeed engine in
-a fresh model loads it back and trains `then` more steps: its losses and final weights are the
-reference an import into offloadpp must meet.
+Trains a small GPT-2 or Llama on real DeepSpeed ZeRO-Infinity (ZeRO stage 3, parameters and
+optimizer on NVMe) for `first` steps, saves a checkpoint (tag "step{first}") and goes on `then`
+more steps: those losses and final weights are the reference an import into offloadpp must meet.
+Then a fresh DeepSpeed engine on other weights loads the checkpoint back and trains the same
+steps (`resumed`: DeepSpeed 0.19.8's own resume, which differs; test_ds_import.py's Note).
 """
 
 from __future__ import annotations
@@ -17,30 +18,52 @@ import sys
 
 import torch
 
+# ZeRO-Infinity as both sides of a comparison read it: parameters and optimizer on NVMe, and the aio
+# block. (stage3_max_reuse_distance 0: DeepSpeed's NVMe parameter swapping runs on a CPU-only
+# machine only so, upstream issue 3062; buffer_size: its default, 1e8 elements, would allocate
+# 2 GB of buffers for these models; sub_group_size: several ZeRO sub-groups, those of 1 MiB and
+# more on NVMe and the rest in memory, as DeepSpeed splits them.) nvme_path: each engine's own.
+ZERO_INFINITY = {
+    "stage": 3,
+    "stage3_max_reuse_distance": 0,
+    "sub_group_size": 300000,
+    "offload_param": {
+        "device": "nvme",
+        "nvme_path": None,
+        "pin_memory": False,
+        "buffer_count": 5,
+        "buffer_size": 1e6,
+    },
+    "offload_optimizer": {"device": "nvme", "nvme_path": None, "pin_memory": False},
+}
+AIO = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+       "overlap_events": True}  # fmt: skip
 
-def ds_config(spec: dict, nvme: str) -> dict:
+
+def on_nvme(config: dict, nvme: str) -> dict:
+    """The run's DeepSpeed JSON (ZeRO-Infinity: offload_param and offload_optimizer on NVMe) with
+    both swap folders at `nvme`: each engine, DeepSpeed's or offloadpp's, gets a folder of its own
+    and otherwise the same JSON (test_ds_import.CONFIG)."""
     os.makedirs(nvme, exist_ok=True)
-    cfg = json.loads(json.dumps(spec["config"]))
-    if spec.get("offload", "nvme") == "nvme":
-        off = {"device": "nvme", "nvme_path": nvme, "pin_memory": False}
-        cfg["zero_optimization"]["offload_param"] = dict(off, buffer_count=5, buffer_size=1e6)
-        cfg["zero_optimization"]["offload_optimizer"] = dict(off)
-    else:  # (ZeRO-3 with the state in CPU memory: the same checkpoint format, without NVMe)
-        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    cfg = json.loads(json.dumps(config))
+    for block in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][block]["nvme_path"] = nvme
     return cfg
 
 
 def tiny(kind: str, seed: int):
+    """A GPT-2 or a Llama small enough for a test, whose embeddings (and Llama's head) reach
+    DeepSpeed's least aio size, 1 MiB (4096 x 64 fp32): ZeRO-Infinity keeps smaller tensors and
+    sub-groups in memory, so with a smaller model nothing would go to NVMe."""
     import transformers
 
     torch.manual_seed(seed)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=96,
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32, vocab_size=4096,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=32,
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32,
                                    attention_dropout=0.0)  # fmt: skip
     return transformers.LlamaForCausalLM(cfg)
 
@@ -71,25 +94,38 @@ def weights(engine) -> dict:
 def main(spec_path: str, out: str) -> int:
     import deepspeed
 
+    from offloadpp.integrations.deepspeed.build import _without_shm_comm
+
     with open(spec_path) as f:
         spec = json.load(f)
+    with _without_shm_comm():  # (its shared-memory all-reduce op is minutes to build, and moot for one rank)
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     first, then = spec["first"], spec["then"]
     data = batches(first + then)
     model = tiny(spec["model"], 0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(spec, os.path.join(spec["dir"], "nvme-a")))  # fmt: skip
+                                      config=on_nvme(spec["config"], os.path.join(spec["dir"], "nvme-a")))  # fmt: skip
     before = train(engine, data[:first])
     engine.save_checkpoint(spec["ckpt"], tag=f"step{first}", client_state={"epoch": 3})
+    lr_at_save = engine.get_lr()
+    after = train(engine, data[first:])  # the run going on past its checkpoint
+    final = weights(engine)
     engine.destroy()
 
     model = tiny(spec["model"], 123)  # other weights: all must come from the checkpoint
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(spec, os.path.join(spec["dir"], "nvme-b")))  # fmt: skip
+                                      config=on_nvme(spec["config"], os.path.join(spec["dir"], "nvme-b")))  # fmt: skip
     path, client = engine.load_checkpoint(spec["ckpt"])
     assert path is not None and client["epoch"] == 3, (path, client)
-    lr_at_load = engine.get_lr()
-    after = train(engine, data[first:])
-    torch.save({"before": before, "after": after, "weights": weights(engine), "lr_at_load": lr_at_load}, out)
+    resumed = {
+        "lr_at_load": engine.get_lr(),
+        "losses": train(engine, data[first:]),
+        "weights": weights(engine),
+    }
+    torch.save(
+        {"before": before, "after": after, "weights": final, "lr_at_save": lr_at_save, "resumed": resumed},
+        out,
+    )
     return 0
 
 

@@ -4,9 +4,8 @@ under DeepSpeed's own engine or offloadpp's, one config, DeepSpeed's training lo
 
     python tests/ds_monitor_run.py SPEC.json OUT.json
 
-SPEC: {"side": "deepspeed"|"offloadpp", "config": {...}, "steps": N, "optimizer": "torch"|"config"}.
-"torch": a torch AdamW passed as optimizer= (no DeepSpeed op to build); "config": the config's
-optimizer block (ZeRO-Infinity's offloaded optimizer is DeepSpeedCPUAdam). OUT gets each
+SPEC: {"side": "deepspeed"|"offloadpp", "config": {...}, "steps": N}; the optimizer is the config's
+(ZeRO-Infinity's offloaded optimizer is DeepSpeedCPUAdam, offloadpp's its CPUAdam). OUT gets each
 micro-batch's loss and the engine's counters.
 """
 
@@ -28,18 +27,13 @@ def main(spec_path: str, out_path: str) -> None:
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     ).items():
         os.environ[k] = v
-    import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_deepspeed_integration import batches, tiny_gpt2
+    from ds_import_worker import tiny
+    from test_deepspeed_integration import batches
 
     cfg = spec["config"]
-    model = tiny_gpt2()
-    optimizer = None
-    if spec["optimizer"] == "torch":
-        p = cfg["optimizer"]["params"]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
-                                      weight_decay=p["weight_decay"])  # fmt: skip
+    model = tiny("gpt2", 0)  # (large enough that ZeRO-Infinity puts some of it on NVMe)
     if spec["side"] == "deepspeed":
         import deepspeed
 
@@ -50,13 +44,11 @@ def main(spec_path: str, out_path: str) -> None:
         ):  # (its shared-memory all-reduce op is minutes to build, and moot for one rank)
             deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         cfg = {k: v for k, v in cfg.items() if k != "offloadpp"}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
-                                          config=cfg)  # fmt: skip
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
         import offloadpp
 
-        engine, *_ = offloadpp.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
-                                          config=cfg)  # fmt: skip
+        engine, *_ = offloadpp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     gas = cfg["gradient_accumulation_steps"]
     losses = []
     for ids in batches(spec["steps"] * gas, micro=cfg["train_micro_batch_size_per_gpu"]):

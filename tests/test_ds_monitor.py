@@ -3,11 +3,10 @@ DeepSpeed's own engine writes, by name, x and value, through DeepSpeed's own wri
 loss and the step report's figures beside them; a missing package named at initialize.
 
 The comparison runs the same tiny GPT-2, initial weights, batches and JSON (csv_monitor and
-tensorboard both on, wall_clock_breakdown, gradient accumulation 2) under DeepSpeed's engine and
-offloadpp's, each in its own process (tests/ds_monitor_run.py). DeepSpeed's side is ZeRO-3 in
-memory with a torch AdamW, which builds no DeepSpeed op: DeepSpeedEngine.step() writes its events
-the same way whatever the offload, and ZeRO-Infinity's NVMe offload JIT-builds async_io, cpu_adam
-and pin_memory (minutes each, again from every checkout path), too slow for the default run.
+tensorboard both on, wall_clock_breakdown, gradient accumulation 2; ZeRO-Infinity: parameters and
+optimizer on NVMe, the aio block, the config's Adam) under DeepSpeed's engine and offloadpp's, each
+in its own process (tests/ds_monitor_run.py) with a swap folder of its own. DeepSpeed's side needs
+its async_io, pin_memory and cpu_adam ops (scripts/bootstrap.sh builds them).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ds_import_worker import AIO, ZERO_INFINITY, on_nvme
 from test_deepspeed_integration import batches, ds_config, tiny_gpt2, train
 
 import offloadpp
@@ -40,17 +40,18 @@ OURS = {  # the series offloadpp writes that DeepSpeedEngine does not (one rank,
 }  # fmt: skip
 
 
-def monitored(tmp: Path, side: str, zero: dict, **over) -> dict:
-    cfg = ds_config(tmp / f"{side}_nvme", gradient_accumulation_steps=GAS, wall_clock_breakdown=True, **over)
-    cfg["zero_optimization"] = zero
+def monitored(tmp: Path, side: str, **over) -> dict:
+    """ZeRO-Infinity's JSON (ds_import_worker.ZERO_INFINITY, AIO) with both monitors on."""
+    cfg = on_nvme(dict(ds_config(tmp / f"{side}_nvme", gradient_accumulation_steps=GAS, wall_clock_breakdown=True,
+                                 aio=AIO, **over), zero_optimization=ZERO_INFINITY), str(tmp / f"{side}_nvme"))  # fmt: skip
     cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp / f"{side}_csv"), "job_name": "job"}
     cfg["tensorboard"] = {"enabled": True, "output_path": str(tmp / f"{side}_tb"), "job_name": "job"}
     return cfg
 
 
-def run_side(tmp: Path, side: str, cfg: dict, optimizer: str) -> dict:
+def run_side(tmp: Path, side: str, cfg: dict) -> dict:
     spec, out = tmp / f"{side}.json", tmp / f"{side}.out"
-    spec.write_text(json.dumps({"side": side, "config": cfg, "steps": STEPS, "optimizer": optimizer}))
+    spec.write_text(json.dumps({"side": side, "config": cfg, "steps": STEPS}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
     p = subprocess.run([sys.executable, str(HERE / "ds_monitor_run.py"), str(spec), str(out)], capture_output=True,
                        text=True, env=env, timeout=900)  # fmt: skip
@@ -63,9 +64,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("runs")
     got = {}
     for side in ("deepspeed", "offloadpp"):
-        cfg = monitored(tmp, side, {"stage": 3})
-        cfg["offloadpp"]["nvme_paths"] = [str(tmp / f"{side}_nvme")]
-        got[side] = run_side(tmp, side, cfg, "torch")
+        got[side] = run_side(tmp, side, monitored(tmp, side))
         got[side]["dir"] = tmp
     assert got["deepspeed"]["engine"] == "DeepSpeedEngine" and got["offloadpp"]["engine"] == "OffloadppEngine"
     return got
@@ -144,29 +143,74 @@ def _train(engine, n: int) -> list:
     return train(engine, batches(n))
 
 
-def test_fp16_loss_scale_is_the_scale_after_each_step(tmp_path):
+def test_fp16_skipped_steps_write_what_deepspeed_writes(tmp_path):
     """Under fp16 each step writes the loss scale its update left, as DeepSpeed's engine reads it
     from its optimizer: DeepSpeed's own DynamicLossScaler, fed each step's overflow, gives the
-    series (the first steps overflow at 2**20 and halve it, hysteresis 2 delaying the first)."""
+    series (the first steps overflow at 2**20 and halve it, hysteresis 2 delaying the first). A
+    step skipped on overflow writes its events too, as DeepSpeedEngine.step does (it counts the
+    step's samples and writes after any step): the lr its scheduler was left at (DeepSpeed's
+    WarmupLR, stepped on the steps that were not skipped only), and the window's own train_loss,
+    none of it carried into the next step. (DeepSpeed's fp16 cannot run on this CPU: mkldnn has
+    no fp16 here, so its engine's side is its own scaler and scheduler.)"""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.lr_schedules import WarmupLR
 
     fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 2,
             "min_loss_scale": 1}  # fmt: skip
     csv_dir = tmp_path / "csv"
-    engine = _engine(tmp_path, fp16=fp16, csv_monitor={"enabled": True, "output_path": str(csv_dir)})
-    _train(engine, 8)
+    engine = _engine(tmp_path, fp16=fp16, gradient_accumulation_steps=GAS,
+                     csv_monitor={"enabled": True, "output_path": str(csv_dir)})  # fmt: skip
+    losses = _train(engine, 6 * GAS)
     skipped = [r.skipped for r in engine.reports]
+    sched_params = engine.config["scheduler"]["params"]
     engine.close()
     scaler = DynamicLossScaler(init_scale=2.0**20, scale_window=2, min_scale=1, delayed_shift=2,
                                consecutive_hysteresis=False)  # fmt: skip
-    want = []
+    sched = WarmupLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **sched_params)
+    scales, lrs = [], []
     for s in skipped:
         scaler.update_scale(s)
-        want.append(scaler.cur_scale)
+        scales.append(scaler.cur_scale)
+        if not s:
+            sched.step()
+        lrs.append(sched.get_lr()[0])
     got = read_csv(csv_dir / "DeepSpeedJobName")
     assert any(skipped) and not all(skipped)  # some steps overflowed, some updated
-    assert got["Train_Samples_loss_scale.csv"][1] == [(MICRO * (i + 1), v) for i, v in enumerate(want)]
-    assert len(got["Train_Samples_lr.csv"][1]) == 8  # skipped steps write theirs too, as DeepSpeed's
+    x = [MICRO * GAS * (i + 1) for i in range(len(skipped))]  # a skipped step's samples count too
+    assert got["Train_Samples_loss_scale.csv"][1] == list(zip(x, scales))
+    assert [s for s, _ in got["Train_Samples_lr.csv"][1]] == x
+    assert [v for _, v in got["Train_Samples_lr.csv"][1]] == pytest.approx(lrs, rel=1e-12)
+    train_loss = got["Train_Samples_train_loss.csv"][1]
+    assert [s for s, _ in train_loss] == x
+    assert [v for _, v in train_loss] == pytest.approx(step_losses(losses), abs=1e-6, rel=0)
+
+
+def test_a_rolled_back_window_writes_nothing_and_leaves_no_loss(tmp_path):
+    """A window whose backward raised is rolled back (runtime/transaction.py): it writes no
+    event, and the next window's train_loss is that window's own mean, over its own micro-batches
+    (the micro-batch completed before the error belongs to the rolled-back window: it is neither
+    counted in the next one's loss nor in its length)."""
+    csv_dir = tmp_path / "csv"
+    engine = _engine(tmp_path, gradient_accumulation_steps=GAS,
+                     csv_monitor={"enabled": True, "output_path": str(csv_dir)})  # fmt: skip
+    data = batches(4 * GAS)
+    losses = train(engine, data[:GAS]) + train(engine, data[GAS : GAS + 1])
+
+    class Boom(Exception):
+        pass
+
+    hook = engine.module.transformer.h[0].register_full_backward_hook(
+        lambda *a: (_ for _ in ()).throw(Boom())
+    )
+    with pytest.raises(Boom):
+        train(engine, data[GAS + 1 : GAS + 2])
+    hook.remove()
+    after = train(engine, data[2 * GAS :])
+    assert engine.global_steps == 3
+    engine.close()
+    got = read_csv(csv_dir / "DeepSpeedJobName")["Train_Samples_train_loss.csv"][1]
+    assert [s for s, _ in got] == [MICRO * GAS * (i + 1) for i in range(3)]
+    assert [v for _, v in got] == pytest.approx(step_losses(losses[:GAS] + after), abs=1e-6, rel=0)
 
 
 def _fake(name: str, **attrs) -> types.ModuleType:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from offloadpp.integrations.deepspeed.op_locks import build_locks, clear_stale_build_locks
 
 # The way torch's FileBaton takes the lock: O_CREAT|O_EXCL, the descriptor held while it builds.
@@ -54,3 +56,44 @@ def test_a_live_build_is_named_and_left_alone(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_build_ops_clears_stale_locks_then_loads_each_op_as_its_first_use(tmp_path, monkeypatch):
+    """build_ops (`make setup`): a lock left by a killed build is cleared before any op is loaded
+    (else the load would wait on it forever), each op goes through DeepSpeed's own builder, and a
+    build that fails is raised with what it printed."""
+    from deepspeed.ops import op_builder
+
+    from offloadpp.integrations.deepspeed.op_locks import build_ops
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    op = _op_folder(tmp_path)
+    proc = _builder(op / "lock")
+    proc.kill()
+    proc.wait()
+    loaded = []
+
+    def builder(name, fails=False):
+        class Builder:
+            def load(self, verbose=False):
+                assert not (op / "lock").exists()  # cleared first
+                print(f"compiling {name}")
+                if fails:
+                    raise RuntimeError(f"Error building extension '{name}'")
+                loaded.append(name)
+
+        return Builder
+
+    monkeypatch.setattr(op_builder, "CPUAdamBuilder", builder("cpu_adam"))
+    monkeypatch.setattr(op_builder, "AsyncIOBuilder", builder("async_io"))
+    said = []
+    assert set(build_ops(("cpu_adam", "async_io"), report=said.append)) == {"cpu_adam", "async_io"}
+    assert loaded == ["cpu_adam", "async_io"]
+    assert "stale build lock" in said[0] and f"async_io op ready in {tmp_path}" in said[-1]
+    assert not any("compiling" in s for s in said)  # quiet when it works
+
+    monkeypatch.setattr(op_builder, "AsyncIOBuilder", builder("async_io", fails=True))
+    said.clear()
+    with pytest.raises(RuntimeError, match="Error building extension 'async_io'"):
+        build_ops(("async_io",), report=said.append)
+    assert said == ["compiling async_io\n"]

@@ -20,13 +20,13 @@ writes it for itself, and `offloadpp import-deepspeed` builds the engine the tra
 build (the same DeepSpeed JSON and model, on the meta device) to write it once, ahead of the run.
 
 Note: the NVMe optimizer's checkpoint. With `offload_optimizer` on NVMe, ZeRO-3 keeps the fp32
-partitions and moments in swap files and its optimizer files hold empty tensors in their place;
+partitions and moments of each sub-group of 1 MiB or more in swap files, and its optimizer files
+hold empty tensors in their place (smaller sub-groups stay in memory and in the file);
 save_checkpoint copies the swap files into TAG/offloaded_tensors/rankNN/, and only DeepSpeed's
 own engine, with the same swap folder layout, reads them back. ds_to_universal reads the optimizer
-files alone, so _staged first writes a copy of them with each sub-group's tensors read from its
-swap files (named after the ds_ids of the sub-group's first and last parameters) and converts
-that. (Written from DeepSpeed's source, stage3.py and swap_tensor/; not yet run against a real
-NVMe checkpoint: tests/test_ds_import.py's OFFLOAD.)
+files alone, so _staged first writes a copy of them with each swapped sub-group's tensors read
+from its swap files (named after the ds_ids of the sub-group's first and last parameters) and
+converts that (tests/test_ds_import.py, against real ZeRO-Infinity checkpoints with both kinds).
 
 Note: memory. The universal format is one file per parameter and state, so the offloadpp side
 holds one unit's array and one parameter at a time. DeepSpeed's conversion is the exception: it
@@ -193,17 +193,36 @@ def _staged(ds_path: str, work: str) -> str:
             raise DeepSpeedImportError(f"{f!r}: cannot tell its rank from its name")
         rank = int(m.group(1))
         model = _load(next((g for g in models if f"zero_pp_rank_{rank}_" in os.path.basename(g)), models[0]))
-        sd = torch.load(f, map_location="cpu", weights_only=False)  # (its tensors are empty: swapped out)
+        sd = torch.load(
+            f, map_location="cpu", weights_only=False
+        )  # (a swapped sub-group's tensors are empty)
         _fill_from_swap(sd["optimizer_state_dict"], model, os.path.join(off, f"rank{rank:02d}"), f)
         torch.save(sd, os.path.join(stage, os.path.basename(f)))
     return stage
 
 
 def _fill_from_swap(osd: dict, model: dict, folder: str, where: str) -> None:
-    """Each ZeRO-3 sub-group's fp32 partition and Adam moments, read from DeepSpeed's swap files
-    in `folder`. DeepSpeed names them after the ds_ids of the sub-group's first and last parameter
-    (`A_B.tensor.swp`, `exp_avg-A_B.tensor.swp`, ...); ds_ids count the module's parameters in
-    order, so each sub-group's file follows from its parameters' places in the module."""
+    """Each ZeRO-3 sub-group's fp32 partition and Adam moments that DeepSpeed kept on NVMe, read
+    from its swap files in `folder` (Note: the NVMe optimizer's checkpoint). Only sub-groups of at
+    least DeepSpeed's least aio size (1 MiB, or the aio block size) go to NVMe; the others keep
+    their tensors in the optimizer file, where they stay. DeepSpeed names a swap file after the
+    ds_ids of its sub-group's first and last parameter (`A_B.tensor.swp`, `exp_avg-A_B.tensor.swp`,
+    ...), and ds_ids count the parameters an engine converts, in the module's order, from wherever
+    the process's count stood: each file follows from its sub-group's places in the module plus
+    one offset, found as the one that names a file for every swapped sub-group."""
+    groups = model.get("param_shapes") or []
+    state = osd["optimizer_state_dict"]["state"]
+    if len(groups) != len(osd["fp32_flat_groups"]):
+        raise DeepSpeedImportError(
+            f"{where!r}: {len(osd['fp32_flat_groups'])} ZeRO sub-group(s), its model file {len(groups)}"
+        )
+    swapped = [
+        i for i in range(len(groups))
+        if osd["fp32_flat_groups"][i].numel() == 0
+        or any(state.get(i, {}).get(k) is None or state[i][k].numel() == 0 for k in ("exp_avg", "exp_avg_sq"))
+    ]  # fmt: skip
+    if not swapped:
+        return
     if not os.path.isdir(folder):
         raise DeepSpeedImportError(f"{where!r}: its optimizer state was on NVMe and {folder!r} is missing")
     files = {}
@@ -211,26 +230,29 @@ def _fill_from_swap(osd: dict, model: dict, folder: str, where: str) -> None:
         m = _SWAP_FILE.match(name)
         if m:
             files[(m.group(1) or "fp32", int(m.group(2)), int(m.group(3)))] = os.path.join(folder, name)
-    groups = model.get("param_shapes") or []
     # ds_ids follow module.parameters(): the state dict's order, buffers and tied second names aside
     named = {n for g in groups for n in g}
     order = {n: i for i, n in enumerate(k for k in (model.get("module") or {}) if k in named)}
-    if (
-        not files
-        or len(groups) != len(osd["fp32_flat_groups"])
-        or any(n not in order for g in groups for n in g)
-    ):
+    if any(n not in order for i in swapped for n in groups[i]):
         raise DeepSpeedImportError(
-            f"{where!r}: its NVMe optimizer files in {folder!r} cannot be matched to its parameters"
+            f"{where!r}: the parameters of its model file's param_shapes are not all in its module state"
         )
-    base = min(a for (_, a, _) in files) - min(order[next(iter(g))] for g in groups if g)
+    spans = {i: (order[next(iter(groups[i]))], order[list(groups[i])[-1]]) for i in swapped}
+    offsets = None
+    for first, last in spans.values():
+        fits = {a - first for (key, a, b) in files if key == "fp32" and b - a == last - first}
+        offsets = fits if offsets is None else offsets & fits
+    if len(offsets) != 1:
+        raise DeepSpeedImportError(
+            f"{where!r}: {len(swapped)} sub-group(s) were on NVMe and the swap files in {folder!r} "
+            f"({sorted(os.listdir(folder))[:6]}...) cannot be matched to them"
+        )
+    base = offsets.pop()
     pc = osd.get("partition_count", 1)  # (the data-parallel ranks the state is split over)
     partitions = max(int(pc[0] if isinstance(pc, (list, tuple)) else pc), 1)
-    state = osd["optimizer_state_dict"]["state"]
-    for i, g in enumerate(groups):
-        names = list(g)
-        a, b = order[names[0]] + base, order[names[-1]] + base
-        numel = sum(-(-_numel(s) // partitions) for s in g.values())
+    for i in swapped:
+        a, b = spans[i][0] + base, spans[i][1] + base
+        numel = sum(-(-_numel(s) // partitions) for s in groups[i].values())
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             path = files.get((key, a, b))
             if path is None or os.path.getsize(path) < numel * 4:
@@ -241,7 +263,7 @@ def _fill_from_swap(osd: dict, model: dict, folder: str, where: str) -> None:
             if key == "fp32":
                 osd["fp32_flat_groups"][i] = t
             else:
-                state[i][key] = t
+                state.setdefault(i, {})[key] = t
 
 
 def _numel(shape) -> int:

@@ -66,7 +66,6 @@ class OffloadppEngine(DeepSpeedEngine):
         self._capture = None  # a window of micro-batch steps running (trainer_window.run_window)
         self._step_applied = False
         self._boundary_flag: Optional[bool] = None  # set_gradient_accumulation_boundary
-        self._micro_in_window = 0
         self._pending: Optional[bool] = None  # a backward without its step(): was it a boundary?
         # DeepSpeed's MonitorMaster, as DeepSpeedEngine.monitor (scripts write their own events
         # through it too); StepEvents feeds it what DeepSpeedEngine writes, and our reports (monitor.py)
@@ -114,6 +113,26 @@ class OffloadppEngine(DeepSpeedEngine):
         return False
 
     # ---- DeepSpeedEngine's training API -------------------------------------------------
+    @property
+    def _micro_in_window(self) -> int:
+        """Micro-batches of the open window whose step completed: the runtime's count, which a
+        rolled-back window resets (one count, so the two never disagree on the next boundary)."""
+        return self.runtime.micro_in_window
+
+    @contextlib.contextmanager
+    def _window_rolled_back_on_error(self):
+        """A runtime forward, backward or step that raises has rolled the open window back to
+        the last completed step (runtime/transaction.py, abort): this engine's half of the window
+        goes too, the pending micro-batch and the losses the monitors had from it, so that the
+        next window's train_loss is its own (as DeepSpeed's PipelineEngine starts each
+        train_batch's loss afresh)."""
+        try:
+            yield
+        except BaseException:
+            self._pending = None
+            self._events.discard()
+            raise
+
     def forward(self, *inputs, **kwargs):
         if self._capture is None:
             self._finish_micro()
@@ -121,7 +140,8 @@ class OffloadppEngine(DeepSpeedEngine):
             inputs, kwargs = _cast_floats((inputs, kwargs), torch.float16)
         if self._capture is not None:  # a micro-batch of a window: the window's forward runs it
             return self.runtime.module(*inputs, **kwargs)
-        return self.runtime(*inputs, **kwargs)
+        with self._window_rolled_back_on_error():
+            return self.runtime(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of one micro-batch. Like DeepSpeed, the loss is divided by the gradient
@@ -138,7 +158,8 @@ class OffloadppEngine(DeepSpeedEngine):
         self._push_hypers()
         boundary = self.is_gradient_accumulation_boundary()
         self.runtime.set_boundary(boundary)
-        self.runtime.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        with self._window_rolled_back_on_error():
+            self.runtime.backward(loss, scale_wrt_gas=scale_wrt_gas)
         self._events.backward(loss, 1.0 / self.gradient_accumulation_steps() if scale_wrt_gas else 1.0)
         self._pending = boundary
         return loss
@@ -240,7 +261,9 @@ class OffloadppEngine(DeepSpeedEngine):
         self.module.train()
         batches = self._pull(None, self.gradient_accumulation_steps())
         self._push_hypers()
-        self._window_done(self.runtime.train_window(batches))
+        with self._window_rolled_back_on_error():
+            result = self.runtime.train_window(batches)
+        self._window_done(result)
         self.agg_train_loss = self.last_window.mean_loss
         return self.agg_train_loss
 
@@ -276,10 +299,10 @@ class OffloadppEngine(DeepSpeedEngine):
         return result
 
     def _complete_micro(self):
-        report = self.runtime.step()
+        with self._window_rolled_back_on_error():
+            report = self.runtime.step()
         self._pending = None
         self.micro_steps += 1
-        self._micro_in_window = 0 if report is not None else self._micro_in_window + 1
         return report
 
     def _finish_micro(self) -> None:

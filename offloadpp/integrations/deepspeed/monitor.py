@@ -127,6 +127,10 @@ class StepEvents:
         part = loss.detach().float() * factor
         self._loss = part if self._loss is None else self._loss + part
 
+    def discard(self) -> None:
+        """Forgets the open window's losses (a window rolled back writes nothing)."""
+        self._loss = None
+
     def write(self, *, samples: int, lr: float, loss_scale: Optional[float], report) -> list:
         """Writes the step's events at x = samples (rank 0; every rank takes part in the loss's
         mean over the ranks); returns them (rank 0's, [] elsewhere)."""

@@ -17,6 +17,13 @@ from a clean state and what earlier complete builds left is kept.
 The demo, the benchmarks that load DeepSpeed's ops and tests/conftest.py call
 `clear_stale_build_locks`; `python -m offloadpp.integrations.deepspeed.op_locks` runs it
 from a shell (scripts/demo.sh).
+
+Note: building ahead of time. ZeRO-Infinity's NVMe path loads DeepSpeed's async_io (which loads
+pin_memory first) and, for the offloaded optimizer, cpu_adam: about 510 CPU seconds of compiling
+together the first time, 4.5-6 minutes on a quiet 2-core machine (docs/performance.md,
+"DeepSpeed's ops"). `make setup` (scripts/bootstrap.sh) builds them once with `build_ops`, as
+their first use would (the same builders, into the same TORCH_EXTENSIONS_DIR), so that no test
+waits on a build; a later load finds them built (ninja has no work) in a few seconds.
 """
 
 from __future__ import annotations
@@ -156,5 +163,41 @@ def clear_stale_build_locks(
     return removed
 
 
+# DeepSpeed's ops ZeRO-Infinity's NVMe path loads (op folder -> its builder in deepspeed.ops.op_builder)
+ZERO_INFINITY_OPS = {
+    "pin_memory": "PinMemoryBuilder",
+    "cpu_adam": "CPUAdamBuilder",
+    "async_io": "AsyncIOBuilder",
+}
+
+
+def build_ops(ops=tuple(ZERO_INFINITY_OPS), report: Callable[[str], None] = print) -> dict[str, float]:
+    """Builds (or finds built) each of DeepSpeed's ops `ops` under extensions_root(), as their
+    first use would, after clearing stale build locks; says each one's seconds and returns them.
+    The compiler's output goes to the log only where a build fails (its error says why)."""
+    import contextlib
+    import io
+
+    from deepspeed.ops import op_builder
+
+    clear_stale_build_locks(report=report)
+    took = {}
+    for op in ops:
+        t0 = time.perf_counter()
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(said):
+                getattr(op_builder, ZERO_INFINITY_OPS[op])().load(verbose=False)
+        except Exception:
+            report(said.getvalue())
+            raise
+        took[op] = time.perf_counter() - t0
+        report(f"offloadpp: DeepSpeed's {op} op ready in {extensions_root()} ({took[op]:.0f} s)")
+    return took
+
+
 if __name__ == "__main__":
-    clear_stale_build_locks(sys.argv[1] if len(sys.argv) > 1 else None)
+    if sys.argv[1:2] == ["--build"]:
+        build_ops(tuple(sys.argv[2:]) or tuple(ZERO_INFINITY_OPS))
+    else:
+        clear_stale_build_locks(sys.argv[1] if len(sys.argv) > 1 else None)

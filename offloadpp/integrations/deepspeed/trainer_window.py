@@ -81,9 +81,10 @@ def run_window(engine, batches: list, micro_step: Callable[[Any], Any]):
     engine._push_hypers()
     engine._capture = cap
     try:
-        result = engine.runtime.train_window(
-            batches, forward=forward, scale_wrt_gas=lambda: cap.scale_wrt_gas is not False
-        )
+        with engine._window_rolled_back_on_error():  # (a window that raised leaves the monitors nothing)
+            result = engine.runtime.train_window(
+                batches, forward=forward, scale_wrt_gas=lambda: cap.scale_wrt_gas is not False
+            )
     finally:
         engine._capture = None
         engine._boundary_flag = flag
