@@ -20,7 +20,8 @@ Note: holds. Several parties may need a slot's buffer at once: the schedule (the
 soon: COMPUTE), the optimizer (its update is pending: OPTIM), the next step's first visits (the
 buffer just updated is reused instead of read back: NEXT), an export (state_dict: EXPORT). A slot
 keeps its buffer while any hold is set (WRITE: a write of it is queued, not yet started); when the last goes the buffer returns to its pool,
-reusable once the read or write still using it is done. A resident slot never lets go.
+reusable once the read or write still using it is done, and the work each release named (`after`: a copy to
+the device still reading it), whichever hold it dropped. A resident slot never lets go.
 """
 
 from __future__ import annotations
