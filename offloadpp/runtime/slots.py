@@ -20,7 +20,8 @@ Note: holds. Several parties may need a slot's buffer at once: the schedule (the
 soon: COMPUTE), the optimizer (its update is pending: OPTIM), the next step's first visits (the
 buffer just updated is reused instead of read back: NEXT), an export (state_dict: EXPORT). A slot
 keeps its buffer while any hold is set (WRITE: a write of it is queued, not yet started); when the last goes the buffer returns to its pool,
-reusable once the read or write still using it is done. A resident slot never lets go.
+reusable once the read or write still using it is done, and the work each release named (`after`: a copy to
+the device still reading it), whichever hold it dropped. A resident slot never lets go.
 """
 
 from __future__ import annotations
@@ -142,6 +143,9 @@ class Slot:
         self.holds = Hold.NONE
         self._read: Optional[Waitable] = None
         self._write: Optional[Waitable] = None
+        # Work still reading the buffer that a hold's release named (`after`) while other holds
+        # kept it: the buffer goes back to the pool only after it, whichever hold goes last.
+        self._after: list[Waitable] = []
         self.bytes_read = 0
         # The moments' reads leave their CRC-32C to the fused Adam (set by the unit; docs/io.md
         # "Checksums in the Adam pass"); `check` is the read's DeferredCheck until the buffer goes.
@@ -189,9 +193,10 @@ class Slot:
         self.holds = Hold.NONE
         if self.resident or self.state is SlotState.EMPTY:
             return
-        self.pool.put(self.buffer, after=(self._read,))
+        self.pool.put(self.buffer, after=(self._read, *self._after))
         self.buffer = None
         self._read = None
+        self._after = []
         self.check = None
         self.state = SlotState.EMPTY
 
@@ -274,13 +279,20 @@ class Slot:
             self._committed = generation
 
     def release(self, hold: Hold, after: tuple = ()) -> None:
-        """Drops `hold`; with no hold left the buffer goes back to the pool."""
+        """Drops `hold`; with no hold left the buffer goes back to the pool, once `after` (work
+        still reading it) and what earlier releases named are done."""
         self.holds &= ~hold
-        if self.holds or self.resident or self.state is SlotState.EMPTY:
+        if self.resident or self.state is SlotState.EMPTY:
             return
-        self.pool.put(self.buffer, after=(self._read, self._write, *after))
+        self._after.extend(w for w in after if w is not None)
+        if self.holds:
+            # (a copy to the device from the buffer may still be queued when another hold goes
+            # last: CopyWeights.pump releases COMPUTE while NEXT or WRITE keeps the buffer)
+            return
+        self.pool.put(self.buffer, after=(self._read, self._write, *self._after))
         self.buffer = None
         self._read = None
+        self._after = []
         self.check = None
         self.state = SlotState.EMPTY
 
