@@ -193,7 +193,11 @@ class Slot:
         self.holds = Hold.NONE
         if self.resident or self.state is SlotState.EMPTY:
             return
-        self.pool.put(self.buffer, after=(self._read, *self._after))
+        self._give_back(self._read, *self._after)
+
+    def _give_back(self, *after) -> None:
+        """The buffer back to its pool, reusable once `after` (work still using it) is done."""
+        self.pool.put(self.buffer, after=after)
         self.buffer = None
         self._read = None
         self._after = []
@@ -289,12 +293,7 @@ class Slot:
             # (a copy to the device from the buffer may still be queued when another hold goes
             # last: CopyWeights.pump releases COMPUTE while NEXT or WRITE keeps the buffer)
             return
-        self.pool.put(self.buffer, after=(self._read, self._write, *self._after))
-        self.buffer = None
-        self._read = None
-        self._after = []
-        self.check = None
-        self.state = SlotState.EMPTY
+        self._give_back(self._read, self._write, *self._after)
 
     def flush(self) -> None:
         """Waits for this slot's write, if any."""
