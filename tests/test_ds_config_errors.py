@@ -310,6 +310,24 @@ def test_a_config_json_dump_wrote_with_nan_names_the_key_and_value(tmp_path, mon
         offloadpp.initialize(model=tiny_gpt2(), config=str(path))
 
 
+@pytest.mark.parametrize("block", [True, False])
+def test_a_dict_config_with_nan_names_the_key_and_value(tmp_path, monkeypatch, block):
+    """A dict config goes to DeepSpeed as it is, where a NaN clipping or an infinite beta would
+    train on without a word: refused naming each key, on either engine."""
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kw: pytest.fail("DeepSpeed got a NaN config"))
+    cfg = ds_config(tmp_path / "nvme", gradient_clipping=float("nan"))
+    cfg["optimizer"]["params"]["betas"] = (0.9, float("-inf"))
+    cfg["offloadpp"]["enabled"] = block
+    with pytest.raises(
+        OffloadppConfigError,
+        match=r"^DeepSpeed config \(dict\): gradient_clipping: NaN, optimizer\.params\.betas\[1\]: -Infinity are not "
+        r"numbers; write a finite number",
+    ):
+        offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+
+
 def test_a_misspelt_nvme_path_is_named_as_an_unknown_key(tmp_path):
     """ "nvme_pth" in both offload blocks: the unknown key and the right name (was: "no directory
     for swap files")."""

@@ -125,6 +125,7 @@ def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None
     if config is None:
         raise OffloadppConfigError("no DeepSpeed config: pass config=... or args.deepspeed_config")
     if isinstance(config, dict):
+        _no_non_finite_in_dict(config)
         return config
     if not isinstance(config, (str, os.PathLike)):
         raise OffloadppConfigError(
@@ -198,6 +199,33 @@ def _parse_text(text: str, where: str) -> dict:
 _NON_FINITE = re.compile(r"^\s*([-+]?(?:NaN|Infinity))\s*,?\s*$")
 
 
+def _non_finite(value, parsed: bool) -> list[tuple[str, str]]:
+    """(key path, word) of each NaN or infinity in `value`: floats where a parser (or the caller)
+    made them, or, where hjson read a bare word as text (`parsed` False), the text "NaN," etc."""
+    found: list[tuple[str, str]] = []
+
+    def walk(v, path: str) -> None:
+        if isinstance(v, dict):
+            for k, sub in v.items():
+                walk(sub, f"{path}.{k}" if path else str(k))
+        elif isinstance(v, (list, tuple)):
+            for i, sub in enumerate(v):
+                walk(sub, f"{path}[{i}]")
+        elif parsed and isinstance(v, float) and not math.isfinite(v):
+            found.append((path, {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[repr(v)]))
+        elif not parsed and isinstance(v, str) and _NON_FINITE.match(v):
+            found.append((path, _NON_FINITE.match(v).group(1)))
+
+    walk(value, "")
+    return found
+
+
+def _not_numbers(found: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in found) + (
+        " is not a number" if len(found) == 1 else " are not numbers"
+    )
+
+
 def _no_non_finite(text: str, value: Optional[dict], where: str) -> None:
     """Note: NaN and Infinity. json.dump writes float('nan') as the bare word NaN (Infinity,
     -Infinity), which JSON has no room for; DeepSpeed's parser (hjson) then either fails with a
@@ -205,34 +233,30 @@ def _no_non_finite(text: str, value: Optional[dict], where: str) -> None:
     text "NaN," and goes on. Either way the config is refused naming the key and the value:
     Python's json reads them (when the text is plain JSON) for the keys; otherwise each word
     hjson read as text is found in `value`."""
-    found: list[tuple[str, str]] = []
-
-    def walk(v, path: str, parsed: bool) -> None:
-        if isinstance(v, dict):
-            for k, sub in v.items():
-                walk(sub, f"{path}.{k}" if path else str(k), parsed)
-        elif isinstance(v, list):
-            for i, sub in enumerate(v):
-                walk(sub, f"{path}[{i}]", parsed)
-        elif parsed and isinstance(v, float) and not math.isfinite(v):
-            found.append((path, {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[repr(v)]))
-        elif not parsed and isinstance(v, str) and _NON_FINITE.match(v):
-            found.append((path, _NON_FINITE.match(v).group(1)))
-
     try:
-        walk(json.loads(text), "", True)
+        found = _non_finite(json.loads(text), True)
     except ValueError:  # not plain JSON (comments, trailing commas): what hjson read as text
         if value is not None:
-            walk(value, "", False)
+            found = _non_finite(value, False)
         else:  # neither parser read it: the bare words after a key
-            found += re.findall(r'"([^"\n]+)"\s*:\s*([-+]?(?:NaN|Infinity))\b', text)
+            found = re.findall(r'"([^"\n]+)"\s*:\s*([-+]?(?:NaN|Infinity))\b', text)
     if found:
         raise OffloadppConfigError(
-            f"{where}: "
-            + ", ".join(f"{k}: {v}" for k, v in found)
-            + (" is not a number" if len(found) == 1 else " are not numbers")
-            + " JSON can hold (json.dump writes float('nan') and float('inf') so; DeepSpeed would "
-            "misread it); write a finite number, or leave the key out for its default"
+            f"{where}: {_not_numbers(found)} JSON can hold (json.dump writes float('nan') and float('inf') so; "
+            "DeepSpeed would misread it); write a finite number, or leave the key out for its default"
+        )
+
+
+def _no_non_finite_in_dict(config: dict) -> None:
+    """A config passed as a dict reaches DeepSpeed as it is, where a NaN or infinite setting
+    (gradient_clipping, lr, a beta) trains on without a word and every weight turns NaN: refused
+    naming each key, as for a file. The offloadpp block's own fields say what they expect
+    (validate_settings), so only DeepSpeed's keys are looked at here."""
+    found = _non_finite({k: v for k, v in config.items() if k != "offloadpp"}, True)
+    if found:
+        raise OffloadppConfigError(
+            f"DeepSpeed config (dict): {_not_numbers(found)}; write a finite number, or leave the key out for "
+            "its default"
         )
 
 
