@@ -339,3 +339,19 @@ def test_a_header_is_sealed_by_the_engine_before_it_is_written(io_backend, tmp_p
         eng.submit([[[(True, f, hdr.ptr, 4096, 0, 0, 0, payload.ptr, 8, 4090)]]], True, 4096)
     assert ei.value.errno == errno.EINVAL
     eng.close()
+
+
+@pytest.mark.parametrize("err, hinted", [(errno.EINVAL, True), (errno.ENOSPC, False), (errno.EROFS, False)])
+def test_auto_suggests_dropping_o_direct_only_where_o_direct_was_refused(tmp_path, monkeypatch, err, hinted):
+    """A filesystem that refuses O_DIRECT (EINVAL) is helped by o_direct=False; a full or
+    read-only disk is not, and the message must not send the user there."""
+    from offloadpp.io import engine as io_engine
+
+    probes = [io_engine.BackendProbe(name=n, available=True, works=False, detail=os.strerror(err), errno=err)
+              for n in io_engine.BACKENDS]  # fmt: skip
+    monkeypatch.setattr(io_engine, "probe_backends", lambda directory, o_direct=True: probes)
+    monkeypatch.setattr(io_engine, "_auto_cache", {})
+    with pytest.raises(OSError) as ei:
+        io_engine.resolve_backend(IOConfig(backend="auto"), str(tmp_path))
+    assert ei.value.errno == err
+    assert ("o_direct=False" in str(ei.value)) is hinted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass
@@ -87,7 +88,12 @@ def resolve_backend(config: IOConfig, directory: str) -> str:
             return p.name
     first = next((p for p in probes if p.available), probes[0])
     detail = "; ".join(f"{p.name}: {p.detail}" for p in probes)
-    hint = " (set IOConfig(o_direct=False) for filesystems without O_DIRECT)" if config.o_direct else ""
+    # only a refused O_DIRECT (EINVAL at open) is helped by dropping it; a full or read-only disk is not
+    hint = (
+        " (set IOConfig(o_direct=False) for filesystems without O_DIRECT)"
+        if config.o_direct and first.errno == errno.EINVAL
+        else ""
+    )
     raise swap_error(first.errno, f"every I/O backend ({detail}){hint}", directory)
 
 
