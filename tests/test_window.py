@@ -291,8 +291,10 @@ def run_both(tmp_path, dtype: str, windows, model=gpt2, monkeypatch=None, **sett
 _ULP = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # (half a unit in the last place of a value near 1)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_16bit_vertical_window_keeps_the_horizontal_sum_rounded_once(tmp_path, windows, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,device", [("bf16", "cpu"), ("fp16", "cpu"), ("bf16", "standin")])
+def test_16bit_vertical_window_keeps_the_horizontal_sum_rounded_once(
+    tmp_path, windows, dtype, device, monkeypatch
+):
     """bf16 and fp16 compute (fp16 with loss scaling, its overflow check over the window's one
     backward), dropout on, clipping 1.0, the deferred step: the first vertical window's update
     reads each unit's gradients as the horizontal window's fp32 sums rounded once to the compute
@@ -300,11 +302,25 @@ def test_16bit_vertical_window_keeps_the_horizontal_sum_rounded_once(tmp_path, w
     fp32 on the device as it sums them, then kept in 16 bits: Plan.window_grad_dtype's Note);
     norms and weights follow within that rounding. Fails without the fp32 sum
     (runtime/window_grads.py: autograd's sum rounds at every micro-batch) and if the window keeps
-    its sums in fp32 (the dtype)."""
+    its sums in fp32 (the dtype). On the GPU's copy path (the stand-in accelerator) the sums are
+    rounded on the device, before their copy to the host."""
     from numerics import compare_weights, key_bias_mask
 
     from offloadpp.planner import LossScaling
 
+    copied = []  # the dtypes of the gradients copied to the host (the copy path)
+    if device == "standin":
+        from conftest import set_device
+
+        from offloadpp.runtime.optimizer import OptimizerPipeline
+
+        set_device(monkeypatch, "standin")
+        to_host = OptimizerPipeline._grads_to_host
+        monkeypatch.setattr(
+            OptimizerPipeline,
+            "_grads_to_host",
+            lambda self, g: (copied.append(g[0][2].dtype), to_host(self, g))[1],
+        )
     scaling = {"loss_scaling": LossScaling(initial_scale_power=8)} if dtype == "fp16" else {}
     got = run_both(tmp_path, dtype, windows, monkeypatch=monkeypatch, **scaling)
     (h_loss, h_res, h_w, h_g), (v_loss, v_res, v_w, v_g) = got["horizontal"], got["vertical"]
@@ -316,6 +332,7 @@ def test_16bit_vertical_window_keeps_the_horizontal_sum_rounded_once(tmp_path, w
         h, v = h_g[name][1], v_g[name][1]
         assert h.dtype == torch.float32 and v.dtype == half, name
         assert torch.equal(v, h.to(half)), name
+    assert set(copied) == ({half} if device == "standin" else set())  # (autograd's, and the windows' sums)
     assert v_loss[: 2 * G] == h_loss[: 2 * G]  # (the third window starts from rounded-apart weights)
     assert v_loss == pytest.approx(h_loss, rel=1e-4)
     for h, v in zip(h_res, v_res):
