@@ -224,6 +224,7 @@ def test_plan_prints_both_schedules_and_what_train_batch_gains(tmp_path, capsys)
         "train_batch (and the Trainer's window) runs it vertically" in out
         and "x faster than a per-micro-batch loop" in out
     )
+    assert "grads=fp32 (a window's: bf16)" in out  # (Plan.window_grad_dtype)
     assert (
         run(p.parse_args(base + ["--grad-accum", str(G), "--accumulation", "horizontal", "--top", "0"])) == 0
     )
