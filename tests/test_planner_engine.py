@@ -125,3 +125,32 @@ def test_a_vertical_plan_sets_each_step_beside_the_way_it_ran(tmp_path, hw_path)
     assert [w.vertical for w in windows] == [False, True]
     assert windows[0].report.predicted_s == pytest.approx(e.predicted_loop.step_s)
     assert windows[1].report.predicted_s == pytest.approx(e.predicted.step_s)
+
+
+def test_a_deferred_vertical_windows_bytes_are_the_estimates(tmp_path, hw_path):
+    """bf16, clipping with the deferred step, every array on SSD: a vertical window's gradients
+    wait for their update in their home in bf16 (Plan.window_grad_dtype: its fp32 sum rounded
+    once), and the window moves, kind by kind, the bytes its estimate counts; a per-micro-batch
+    loop's window keeps fp32 sums there, run after the vertical windows too (the slots retyped
+    back: its bytes are its estimate's, Resolved.loop_estimate). Fails if the runtime keeps the
+    window's sums in fp32 (twice the gradients' bytes)."""
+    cfg = _config(tmp_path, hardware_profile=hw_path, micro_batch=2, seq_len=16, gradient_clipping=1e-3,
+                  speculate="off", compute_dtype="bf16", gradient_accumulation_steps=2, accumulation="vertical",
+                  optim_prefetch_depth=0, device_budget_bytes=None, host_budget_bytes=None)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    with assemble_engine(tiny(), cfg, hyper=AdamHyper(lr=1e-3)) as e:
+        assert e.plan.vertical and e.plan.deferred_update and not e.plan.speculative
+        windows = [e.train_window([{"input_ids": x, "labels": x} for x in torch.randint(0, 256, (2, 2, 16), generator=g)])
+                   for _ in range(3)]  # fmt: skip
+        n = sum(u.padded_numel for u in e.plan.units)
+        loop = _train(e, 4)  # (two windows of a per-micro-batch loop after them: fp32 sums again)
+    assert loop[-1].ssd_by_kind == e.predicted_loop.ssd_by_kind
+    assert [w.vertical for w in windows] == [False, True, True]
+    assert {w.report.updates for w in windows} == {"deferred"}
+    got = {k: (r, w) for k, r, w in windows[-1].report.ssd_by_kind}
+    # bf16, each unit's written once for its deferred update but the first one's (kept in memory
+    # for the next forward's first visit: pending.py) and read back for it
+    assert 0 < got["gradients"][1] < 2 * n and got["gradients"][0] == got["gradients"][1]
+    assert windows[-1].report.ssd_by_kind == e.predicted.ssd_by_kind
+    loop_grads = {k: (r, w) for k, r, w in e.predicted_loop.ssd_by_kind}["gradients"]
+    assert loop_grads[1] >= 4 * n  # (fp32 sums accumulated in their home)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offloadpp.runtime.memory import BufferPool
-from offloadpp.runtime.slots import Hold, Slot, Txn
+from offloadpp.runtime.slots import Hold, Slot, SlotError, Txn
 
 
 class _Copy:
@@ -50,3 +50,39 @@ def test_buffer_reused_only_after_every_released_holds_work(last):
     assert other.data_ptr() != buf.data_ptr(), "the buffer was handed out while a copy still read it"
     copy.finish()
     assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()
+
+
+def test_a_gradient_slot_takes_a_windows_dtype_between_uses():
+    """Slot.retype (a vertical window keeps its gradient sums in the compute dtype where a
+    per-micro-batch loop of the same plan accumulates fp32: Plan.window_grad_dtype): an empty
+    slot's next buffer has the new dtype and what it held is dropped (zeros, not the old key); a
+    resident one views its buffer in it; a slot holding data, a transactional one, or a wider
+    dtype are refused; None goes back to the dtype it was built with."""
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    slot = Slot("u.grads", 64, torch.float32, pool, store=None, resident=False)
+    slot.acquire(Hold.OPTIM, overwrite=True)
+    slot.wait().fill_(3.0)
+    slot.will_write(0)  # (its newest data, as a write would record it)
+    with pytest.raises(SlotError, match="u.grads: retype to torch.bfloat16 while it holds data"):
+        slot.retype(torch.bfloat16)
+    slot.release(Hold.OPTIM)
+    slot.retype(torch.bfloat16)
+    assert slot.nbytes == 128 and not slot.on_disk
+    slot.acquire(Hold.OPTIM)
+    got = slot.wait()
+    assert got.dtype == torch.bfloat16 and got.numel() == 64 and not got.any()
+    slot.release(Hold.OPTIM)
+    slot.retype(None)
+    assert slot.dtype == torch.float32
+    with pytest.raises(SlotError, match="wider than its torch.float16"):
+        Slot("v.grads", 8, torch.float16, pool, store=None, resident=False).retype(torch.float32)
+    with pytest.raises(SlotError, match="while it holds data"):
+        Slot("v.master", 8, torch.float32, pool, store=None, resident=False, txn=Txn()).retype(torch.float16)
+    home = Slot("w.grads", 64, torch.float32, pool, store=None, resident=True)
+    home.make_resident()
+    raw = home.buffer
+    home.retype(torch.float16)
+    assert home.buffer.dtype == torch.float16 and home.buffer.numel() == 64
+    assert home.buffer.data_ptr() == raw.data_ptr()
+    home.retype(None)
+    assert home.buffer is raw

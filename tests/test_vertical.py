@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from test_planner import GPT2_CUDA, _cuda_machine, cuda_hw
+from test_planner import GPT2_CUDA, _cuda_machine, cpu_hw, cuda_hw
 
 from offloadpp.planner import PlanError, Settings, resolve, streaming_plan
 from offloadpp.planner.activations import act_units, held_bytes, need_bytes, peak_bytes_at
@@ -68,8 +68,34 @@ def test_a_vertical_window_moves_each_units_weights_once_and_its_gradients_never
     assert sum(w for _, w in kinds(vertical).values()) == vertical.ssd_write_bytes
     assert vertical.compute_s == pytest.approx(horizontal.compute_s, rel=1e-9)
     assert vertical.step_s < horizontal.step_s
-    # a sum over micro-batches leaves the device in fp32, as accumulation keeps it
-    assert window_plan(vplan).grad_dtype == "fp32" and one.grad_dtype == "bf16"
+    # the window's sum leaves the device rounded once to the compute dtype (Plan.window_grad_dtype),
+    # where a per-micro-batch loop with the same plan accumulates fp32 in their home
+    assert window_plan(vplan).grad_dtype == "bf16" == vplan.window_grad_dtype == one.grad_dtype
+    assert vplan.grad_dtype == "fp32"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_deferred_windows_gradients_go_through_their_home_in_16_bits_as_one_steps(device):
+    """Clipping with the deferred step: a vertical window's gradients wait in their home (SSD)
+    for the update, in the compute dtype (Plan.window_grad_dtype): the same bytes as one step of
+    G = 1 moves, half of what fp32 sums would (the runtime keeps them so: tests/test_window.py);
+    on CUDA they cross the link in it too. Fails if the window's sums are counted in fp32."""
+    m, hw = _model(), _slow_ssd() if device == "cuda" else cpu_hw()
+    units = m.unit_specs()
+    kw = dict(device=device, compute_dtype="bf16", prefetch_depth=1, optim_prefetch_depth=1,
+              deferred_update=True, clipping=True)  # fmt: skip
+    step = estimate(streaming_plan(units, **kw), hw, m)
+    vplan = as_vertical(streaming_plan(units, micro_batches=G, **kw), G)
+    window = window_plan(vplan)
+    vertical = estimate(window, hw, window_profile(m, G))
+
+    def grads(e):
+        return {k: (r, w) for k, r, w in e.ssd_by_kind}["gradients"]
+
+    assert window.grad_dtype == "bf16" and grads(step)[1] > 0
+    assert grads(vertical) == grads(step)  # (fp32 sums: twice these)
+    if device == "cuda":
+        assert vertical.d2h_bytes == step.d2h_bytes
 
 
 def test_a_window_holds_g_micro_batches_activations_and_runs_them_one_at_a_time():
@@ -198,6 +224,7 @@ def test_plan_prints_both_schedules_and_what_train_batch_gains(tmp_path, capsys)
         "train_batch (and the Trainer's window) runs it vertically" in out
         and "x faster than a per-micro-batch loop" in out
     )
+    assert "grads=fp32 (a window's: bf16)" in out  # (Plan.window_grad_dtype)
     assert (
         run(p.parse_args(base + ["--grad-accum", str(G), "--accumulation", "horizontal", "--top", "0"])) == 0
     )

@@ -29,6 +29,11 @@ def describe(plan) -> str:
         f"deferred_update={plan.deferred_update}{' (speculative)' if plan.speculative else ''} "
         f"fill_gaps={plan.fill_gaps}"
         + (f" grads={plan.grad_dtype}" if plan.persistent_grads or plan.compute_dtype != "fp32" else "")
+        + (
+            f" (a window's: {plan.window_grad_dtype})"
+            if plan.vertical and plan.window_grad_dtype != plan.grad_dtype
+            else ""
+        )
         + (f" ranks={plan.ranks} (each keeps 1/{plan.ranks} of the state)" if plan.ranks > 1 else ""),
         f"  budgets: {describe_budgets(plan)}; resident: device {fmt_bytes(plan.resident_device_bytes())}, "
         f"host {fmt_bytes(plan.resident_host_bytes())}; ssd {fmt_bytes(plan.ssd_bytes())}",

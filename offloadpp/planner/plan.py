@@ -391,12 +391,34 @@ class Plan:
         takes them as they are and upcasts each element to fp32 as it reads it (exact: every
         16-bit value is an fp32 value), so an fp32 copy holds nothing more and costs twice the
         bytes through host memory and the SSD. Exceptions, kept fp32: accumulation over
-        micro-batches (a sum of 16-bit gradients rounded to 16 bits at every micro-batch is not
-        the fp32 sum torch's mixed-precision recipe keeps in `param.grad` of an fp32 master) and
-        several ranks (the gradients are reduced over the ranks into fp32 shards). ZeRO-Infinity
-        upcasts to fp32 before NVMe (docs/runtime.md). A vertical window's gradients, summed over
-        its micro_batches on the device, are handed out in fp32 for the same reason."""
-        if self.compute_dtype == "fp32" or self.accumulate_grads or self.ranks > 1 or self.micro_batches > 1:
+        micro-batches in the home (a sum of 16-bit gradients rounded to 16 bits at every
+        micro-batch is not the fp32 sum torch's mixed-precision recipe keeps in `param.grad` of
+        an fp32 master) and several ranks (the gradients are reduced over the ranks into fp32
+        shards). ZeRO-Infinity upcasts to fp32 before NVMe (docs/runtime.md). A vertical
+        window's gradients are summed in fp32 on the device and rounded once to this dtype as
+        they are handed to their home: `window_grad_dtype`."""
+        return "fp32" if self.accumulate_grads else self.window_grad_dtype
+
+    @property
+    def window_grad_dtype(self) -> str:
+        """The dtype a vertical window's gradients are kept in after their sum over its
+        micro-batches (planner/vertical.py window_plan's grad_dtype; the runtime's grads slots
+        take it for a window run whole: runtime/optimizer.py).
+
+        Note: what the one rounding changes. The window's sum is made in fp32 on the device from
+        each micro-batch's 16-bit gradients (runtime/window_grads.py) and rounded once to the
+        compute dtype: the gradient a micro-batch of all the window's sequences gets in one
+        backward (its weight gradients are fp32-accumulated GEMMs over its tokens rounded once
+        to 16 bits), which the horizontal path keeps in 16 bits for a deferred step too. Against
+        the horizontal window's fp32 sum in the home it differs by that rounding (half a unit in
+        the last place of the sum) and, in fp16, overflows where the sum exceeds the fp16 range
+        though no micro-batch's gradient does (the step is skipped and the loss scale halved, as
+        for that one large micro-batch). ZeRO-Infinity sums a window's gradients in the model's
+        dtype at every micro-batch (DeepSpeed's grad_accum_dtype defaults to it) before it
+        upcasts them for NVMe: rounded G times, this once. Kept so, a window's gradients move
+        half the bytes through host memory, the link and the SSD. fp32 where the compute is
+        fp32 or several ranks reduce the gradients into fp32 shards."""
+        if self.compute_dtype == "fp32" or self.ranks > 1:
             return "fp32"
         return self.compute_dtype
 

@@ -31,7 +31,7 @@ class Request:
     ranks: int = 1  # data-parallel ranks the optimizer state is partitioned over (UnitSpec.shards)
     link: Optional[RankLink] = None  # with several ranks: per node, and the collectives' bandwidth
     # A vertical window of this many micro-batches planned as one step (planner/vertical.py): the
-    # plans carry it (Plan.micro_batches: gradients summed over it are handed out in fp32).
+    # plans carry it (Plan.micro_batches).
     window: int = 1
     # Another schedule's estimate of the same window (the vertical one's, resolve._with_window):
     # a plan slower than it loses to it, so once the best replayed is, candidates whose lower

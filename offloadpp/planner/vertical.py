@@ -13,8 +13,10 @@ step with the model profile of the window (`window_profile`: each unit's FLOPs, 
 bytes G times one micro-batch's, as a micro-batch of G x b sequences has them) and the plan's
 gradients not accumulated across micro-batches in their home (`window_plan`); bytes by kind,
 the link, the peaks and the activation policies all come out of the same replay as any step's.
-Gradients handed out after a sum over micro-batches are fp32 (Plan.grad_dtype), as
-accumulation in their home keeps them: a 16-bit sum is not the sum torch keeps in `param.grad`.
+With 16-bit compute the window's gradients are summed in fp32 on the device and rounded once
+to the compute dtype as they are handed out (Plan.window_grad_dtype and its Note): they cross
+the link, host memory and the SSD (a deferred update's) in 16 bits, as one step's do, where a
+per-micro-batch loop with the same plan keeps its fp32 sum in their home (Plan.grad_dtype).
 
 A visit runs its micro-batches one at a time, so what a unit holds at once is what its policy
 keeps of the others and one micro-batch's forward or backward (a recompute's G checkpoints and
@@ -80,8 +82,8 @@ def as_vertical(window: Plan, micro_batches: int) -> Plan:
 
 def window_plan(plan: Plan) -> Plan:
     """The plan as its vertical window runs (and is replayed): gradients not accumulated in their
-    home (summed on the device), the window's activation policies; micro_batches kept (their
-    sum is handed out in fp32)."""
+    home (summed on the device and kept in Plan.window_grad_dtype), the window's activation
+    policies; micro_batches kept."""
     if not plan.vertical:
         raise PlanError("window_plan: the plan is not vertical (Plan.vertical is False)")
     return replace(plan, accumulate_grads=False, vertical=False, activations=plan.vertical_activations)

@@ -3,7 +3,8 @@
 Vertical (runtime/window.py): forward runs unit by unit, each unit over all G micro-batches
 while its weights are bound; one backward over the G losses runs unit by unit in reverse, each
 unit's gradients summed over the micro-batches on the device (by autograd, or in fp32 with
-16-bit compute: runtime/window_grads.py) and handed to the optimizer once; the step follows.
+16-bit compute: runtime/window_grads.py, then rounded once to the compute dtype: Plan.window_grad_dtype)
+and handed to the optimizer once; the step follows.
 Weights are read once for forward and once for backward per window, and the gradients never
 leave the device between micro-batches.
 
@@ -27,6 +28,7 @@ import torch
 
 from .config import StepReport
 from .rng import RngState, Tape, TapeRecorder, predicted_starts, shape_key
+from .unit import TORCH_DTYPES
 from .window import VerticalForward
 from .window_grads import GradSums
 
@@ -134,6 +136,16 @@ class WindowRunner:
         """The window run vertically; None if the RNG did not follow the tapes (rerun it)."""
         e = self.engine
         e._boundary_override = True  # one backward, on the window's boundary
+        # its gradients kept in the dtype a window's are (Plan.window_grad_dtype): in the
+        # gradient slots acquired from its forward on (the optimizer reads ahead), for this window
+        e.optimizer.window_grads = TORCH_DTYPES[e.plan.window_grad_dtype]
+        try:
+            return self._vertical_run(batches, keys, loss_fn, forward, scale)
+        finally:
+            e.optimizer.window_grads = None
+
+    def _vertical_run(self, batches: list, keys: list, loss_fn, forward, scale) -> Optional[WindowResult]:
+        e = self.engine
         outs, off, starts = self._forward_vertical(forward, batches, keys)
         if off is not None:
             log.warning(

@@ -109,6 +109,8 @@ class OptimizerPipeline(PendingUpdates):
         self.speculating = False  # this window's deferred updates run speculatively (speculation.py)
         self._spec_asked = False  # (asked for the window; speculating: on its boundary)
         self.grad_scale = 1.0  # fp16: the loss scale the speculative updates divide by
+        # a vertical window's gradient dtype, set for it (Plan.window_grad_dtype); None: the slots' own
+        self.window_grads: Optional[torch.dtype] = None
         # deferred windows: the units whose state is read during backward and whose gradients stay
         # in memory until their update (update_order[:q+1]); a speculating step keeps theirs too
         self._kept: frozenset = frozenset()
@@ -186,8 +188,14 @@ class OptimizerPipeline(PendingUpdates):
         while self._absorb_cursor < min(upto, len(self.order)):
             u = self.order[self._absorb_cursor]
             if u.grads_persist:
-                u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro)
+                self._acquire_grads(u, overwrite=self.first_micro)
             self._absorb_cursor += 1
+
+    def _acquire_grads(self, u: Unit, *, overwrite: bool) -> None:
+        """The gradient buffer held; a window's first gradients (overwrite) in its dtype."""
+        if overwrite:
+            u.grads.retype(self.window_grads)
+        u.grads.acquire(Hold.OPTIM, overwrite=overwrite)
 
     def _advance_update(
         self, upto: int, *, with_grads: bool = False, order: Optional[list] = None, sliding: bool = False
@@ -258,7 +266,7 @@ class OptimizerPipeline(PendingUpdates):
             self._submit(job)
             self._slide()
             return
-        u.grads.acquire(Hold.OPTIM, overwrite=self.first_micro or not u.grads_persist)
+        self._acquire_grads(u, overwrite=self.first_micro or not u.grads_persist)
         if self.device.copies and grads:
             job.staging, job.grads_event, grads = self._grads_to_host(grads)
         job.grads = grads

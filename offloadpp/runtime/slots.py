@@ -134,6 +134,8 @@ class Slot:
         self._latest: Optional[int] = None  # generation of the newest data
         self.numel = numel
         self.dtype = dtype
+        self.home_dtype = dtype  # as built; `retype` may change `dtype` between uses (gradients)
+        self._resident_raw: Optional[torch.Tensor] = None  # a resident buffer as allocated (retype)
         self.pool = pool
         self.store = store
         self.resident = resident
@@ -211,11 +213,35 @@ class Slot:
     def make_resident(self, initial: Optional[torch.Tensor] = None) -> None:
         """Allocates the permanent buffer of a resident slot (zeros, or a copy of `initial`)."""
         self.buffer = self.pool.get(self.numel, self.dtype)
+        self._resident_raw = self.buffer
         if initial is None:
             self.buffer.zero_()
         else:
             self.buffer.copy_(initial)
         self.state = SlotState.READY
+
+    def retype(self, dtype: Optional[torch.dtype]) -> None:
+        """Holds `dtype` (None: the dtype it was built with) from its next use on; what it held
+        is dropped (the next acquire overwrites or reads zeros). For gradients, which a new window
+        overwrites: a vertical window keeps its sums in the compute dtype where a per-micro-batch
+        loop of the same plan accumulates fp32 (Plan.window_grad_dtype). The slot must hold
+        nothing; a resident one views its buffer, allocated for the dtype it was built with, as
+        `dtype` (no wider than that)."""
+        dtype = self.home_dtype if dtype is None else dtype
+        if dtype == self.dtype:
+            return
+        if self.txn is not None or self.holds or (not self.resident and self.state is not SlotState.EMPTY):
+            raise SlotError(
+                f"{self.name}: retype to {dtype} while it holds data ({self.state.value}, {self.holds})"
+            )
+        if dtype.itemsize > self.home_dtype.itemsize:
+            raise SlotError(f"{self.name}: retype to {dtype}, wider than its {self.home_dtype}")
+        self.flush()  # (a write of the old dtype's key ends before the key is laid out again)
+        self._latest = self._committed = None  # nothing written in the new dtype yet: zeros
+        self.dtype = dtype
+        if self._resident_raw is not None:
+            raw = self._resident_raw
+            self.buffer = raw if dtype == raw.dtype else raw.view(torch.uint8)[: self.nbytes].view(dtype)
 
     def acquire(self, hold: Hold, *, overwrite: bool = False) -> None:
         """Makes sure a buffer is (being) filled with the current data; `overwrite`: the caller

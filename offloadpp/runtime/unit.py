@@ -291,7 +291,8 @@ class Unit:
 
     def take_grads(self) -> list[tuple[int, ParamSlot, torch.Tensor]]:
         """Removes the gradients autograd left on the parameters, or a vertical window's fp32 sums
-        where it made them: [(index, slot, grad)]."""
+        where it made them, rounded once to the dtype the window keeps them in (the gradient
+        slot's, Plan.window_grad_dtype), on the device: [(index, slot, grad)]."""
         out = []
         for i, (p, s) in enumerate(self.params):
             g = p.grad
@@ -300,7 +301,7 @@ class Unit:
                 if g is not None:  # (none reaches the parameter where the window sums: kept if one did)
                     total.add_(g)
                     p.grad = None
-                g = total
+                g = total.to(self.grads.dtype)  # (the sum itself where they are fp32)
             if g is None:
                 continue
             if g.shape != s.shape:

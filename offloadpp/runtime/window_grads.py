@@ -17,13 +17,15 @@ adds it into the parameter's fp32 sum on the device (`Unit.summed`), and returns
 place, so nothing reaches AccumulateGrad. When a parameter's last edge has delivered, the
 executor counts its gradient as its post-accumulate-grad hook would (which it ignores for the
 parameters summed here), and the unit, its gradients complete, is handed to the optimizer with
-the fp32 sums (`Unit.take_grads`): the optimizer's buffer is fp32 already (Plan.grad_dtype), and
-the sums leave the device in fp32, as the planner counts them (planner/vertical.py). A
+the fp32 sums (`Unit.take_grads`), each rounded once to the dtype the window keeps its gradients
+in (Plan.window_grad_dtype: the compute dtype with one rank, its Note says what that changes) on
+the device, so they leave it, and reach their home, in 16 bits, as the planner counts them. A
 parameter used more than once in a micro-batch (an output projection tied to the embedding)
 has its edges of that micro-batch summed in its own dtype first, as that micro-batch's
 AccumulateGrad sums them horizontally. Only the order of the fp32 additions differs from the
-horizontal window's (the last micro-batch first); on the tests' GPT-2 the weights come out equal
-to the last bit (tests/test_window.py).
+horizontal window's (the last micro-batch first); on the tests' GPT-2 the sums come out equal to
+the last bit, so a window's rounded sums are the horizontal window's fp32 sums rounded once
+(tests/test_window.py).
 
 Cost: the walk visits every node of the G graphs once per window, in Python (a 12-layer GPT-2
 window of 8 micro-batches has 6,124 nodes: 0.1 s on the 2-core development VM under load, 16 us a
