@@ -252,7 +252,7 @@ def test_misread_gradients_are_the_swapped_ones_off_512_bytes():
 
     from offloadpp.integrations.deepspeed.ds_import import misread_gradients
 
-    def llama(width):  # param_shapes as ZeRO-3 split them into sub-groups (sub_group_size 3e5)
+    def llama(width):  # param_shapes in two sub-groups, as ZeRO-3 split the 64-wide one (sub_group_size 3e5)
         layer = lambda i: [(f"model.layers.{i}.self_attn.{p}_proj.weight", [width, width]) for p in "qkvo"] + [
             (f"model.layers.{i}.mlp.{p}_proj.weight", [2 * width, width]) for p in ("gate", "up", "down")
         ]  # fmt: skip

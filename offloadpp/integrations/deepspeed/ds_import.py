@@ -285,7 +285,7 @@ def misread_gradients(
     groups: list, swapped: list[int], partitions: int, ds_config: Optional[dict]
 ) -> list[str]:
     """The parameters whose gradients DeepSpeed 0.19.8's NVMe optimizer reads back into an address
-    that is not 512-byte aligned, and so not at all (its PartitionedOptimizerSwapper: a swappable
+    that is not 512-byte aligned, and so not at all (both its optimizer swappers: a swappable
     gradient, the part of it in whole 1 KiB runs that is at least the least aio size, is read into
     the sub-group's pinned, aligned buffer at the parameter's offset in the sub-group; DeepSpeed's
     aio reads nothing into a misaligned address and reports success: tests/test_ds_import.py). The
