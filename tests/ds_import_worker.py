@@ -7,7 +7,8 @@ Trains a small GPT-2 or Llama on real DeepSpeed ZeRO-Infinity (ZeRO stage 3, par
 optimizer on NVMe) for `first` steps, saves a checkpoint (tag "step{first}") and goes on `then`
 more steps: those losses and final weights are the reference an import into offloadpp must meet.
 Then a fresh DeepSpeed engine on other weights loads the checkpoint back and trains the same
-steps (`resumed`: DeepSpeed 0.19.8's own resume, which differs; test_ds_import.py's Note).
+steps (`resumed`: DeepSpeed 0.19.8's own resume, which differs; test_ds_import.py's Note), and
+the same steps run on plain PyTorch (`pytorch`: the check that ZeRO-Infinity's run is sound).
 """
 
 from __future__ import annotations
@@ -53,8 +54,18 @@ def on_nvme(config: dict, nvme: str) -> dict:
 
 def tiny(kind: str, seed: int):
     """A GPT-2 or a Llama small enough for a test, whose embeddings (and Llama's head) reach
-    DeepSpeed's least aio size, 1 MiB (4096 x 64 fp32): ZeRO-Infinity keeps smaller tensors and
-    sub-groups in memory, so with a smaller model nothing would go to NVMe."""
+    DeepSpeed's least aio size, 1 MiB (GPT-2's 4096 x 64, Llama's 2048 x 128 fp32): ZeRO-Infinity
+    keeps smaller tensors and sub-groups in memory, so with a smaller model nothing would go to NVMe.
+
+    Note: the Llama's width. Every Llama parameter is a multiple of 128 values (512 bytes), so each
+    starts 512-byte aligned in its ZeRO sub-group. DeepSpeed 0.19.8 reads a swapped gradient back
+    from NVMe straight into its sub-group's buffer at that offset, and its O_DIRECT read into an
+    address that is not 512-byte aligned reads nothing and reports success
+    (test_ds_import.test_deepspeed_aio_reads_nothing_into_a_misaligned_buffer): at width 64 the
+    RMSNorm weights (64 values, 256 bytes) put the untied head's gradient off by 256 bytes, and
+    ZeRO-Infinity itself trained the head on zeros and another sub-group's stale gradient from its
+    first step with lr > 0 (departing from PyTorch by 3.5e-3 at step 3, 1.4e-2 at step 5), so its run
+    was no reference. GPT-2's only swapped gradient (its embedding's) starts its sub-group."""
     import transformers
 
     torch.manual_seed(seed)
@@ -62,8 +73,8 @@ def tiny(kind: str, seed: int):
         cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32, vocab_size=4096,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32,
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=2048, max_position_embeddings=32,
                                    attention_dropout=0.0)  # fmt: skip
     return transformers.LlamaForCausalLM(cfg)
 
@@ -79,6 +90,30 @@ def train(engine, data) -> list[float]:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def pytorch(spec: dict) -> list[float]:
+    """The same steps on plain PyTorch (torch.optim.AdamW, DeepSpeed's WarmupDecayLR class, the
+    config's settings): ZeRO-Infinity's losses must meet these, or its run is no reference."""
+    from deepspeed.runtime.lr_schedules import WarmupDecayLR
+
+    cfg = spec["config"]
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["scheduler"]["type"] == "WarmupDecayLR", cfg
+    assert not cfg.get("gradient_clipping") and cfg.get("gradient_accumulation_steps", 1) == 1, cfg
+    model = tiny(spec["model"], 0)
+    o = cfg["optimizer"]["params"]
+    opt = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+                            weight_decay=o["weight_decay"])  # fmt: skip
+    sched = WarmupDecayLR(opt, **cfg["scheduler"]["params"])
+    losses = []
+    for ids in batches(spec["first"] + spec["then"]):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
         losses.append(float(loss.detach()))
     return losses
 
@@ -123,7 +158,14 @@ def main(spec_path: str, out: str) -> int:
         "weights": weights(engine),
     }
     torch.save(
-        {"before": before, "after": after, "weights": final, "lr_at_save": lr_at_save, "resumed": resumed},
+        {
+            "before": before,
+            "after": after,
+            "weights": final,
+            "lr_at_save": lr_at_save,
+            "resumed": resumed,
+            "pytorch": pytorch(spec),
+        },
         out,
     )
     return 0

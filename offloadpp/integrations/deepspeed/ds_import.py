@@ -250,6 +250,18 @@ def _fill_from_swap(osd: dict, model: dict, folder: str, where: str) -> None:
     base = offsets.pop()
     pc = osd.get("partition_count", 1)  # (the data-parallel ranks the state is split over)
     partitions = max(int(pc[0] if isinstance(pc, (list, tuple)) else pc), 1)
+    misread = misread_gradients(groups, swapped, partitions, model.get("ds_config"))
+    if misread:
+        log.warning(
+            "offloadpp: %s: the ZeRO-Infinity run that saved it trained %s on gradients DeepSpeed did not read "
+            "back from NVMe (each starts at a byte offset in its sub-group that is not a multiple of 512; "
+            "DeepSpeed 0.19.8 reads a swapped gradient "
+            "into the sub-group's buffer at that offset, and an O_DIRECT read into an address that is not "
+            "512-byte aligned reads nothing and reports success). Their state carries over as saved; offloadpp "
+            "trains them on their gradients from here, so the run will not retrace that run's own continuation "
+            "(docs/checkpoints.md, 'Moving a run over from ZeRO-Infinity')",
+            where, misread[:8] + ([f"and {len(misread) - 8} more"] if len(misread) > 8 else []),
+        )  # fmt: skip
     for i in swapped:
         a, b = spans[i][0] + base, spans[i][1] + base
         numel = sum(-(-_numel(s) // partitions) for s in groups[i].values())
@@ -264,6 +276,33 @@ def _fill_from_swap(osd: dict, model: dict, folder: str, where: str) -> None:
                 osd["fp32_flat_groups"][i] = t
             else:
                 state.setdefault(i, {})[key] = t
+
+
+_O_DIRECT_ALIGN = 512  # the least alignment an O_DIRECT read's buffer needs (a 512-byte sector)
+
+
+def misread_gradients(
+    groups: list, swapped: list[int], partitions: int, ds_config: Optional[dict]
+) -> list[str]:
+    """The parameters whose gradients DeepSpeed 0.19.8's NVMe optimizer reads back into an address
+    that is not 512-byte aligned, and so not at all (both its optimizer swappers: a swappable
+    gradient, the part of it in whole 1 KiB runs that is at least the least aio size, is read into
+    the sub-group's pinned, aligned buffer at the parameter's offset in the sub-group; DeepSpeed's
+    aio reads nothing into a misaligned address and reports success: tests/test_ds_import.py). The
+    run that saved the checkpoint trained them on what that buffer held. `groups`: the model file's
+    param_shapes (one ordered dict per sub-group), `swapped`: the sub-groups on NVMe."""
+    aio = (ds_config or {}).get("aio") or {}
+    least = max(1 << 20, int(aio.get("block_size", 1 << 20)))  # (MIN_AIO_BYTES, the aio block size)
+    run = 1024 * int(aio.get("intra_op_parallelism", 1)) // 4  # (AIO_ALIGNED_BYTES, in fp32 values)
+    out = []
+    for i in swapped:
+        offset = 0
+        for name, shape in groups[i].items():
+            numel = -(-_numel(shape) // partitions)
+            if numel // run * run * 4 >= least and offset * 4 % _O_DIRECT_ALIGN:
+                out.append(name)
+            offset += numel
+    return out
 
 
 def _numel(shape) -> int:
