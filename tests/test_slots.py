@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offloadpp.runtime.memory import BufferPool
-from offloadpp.runtime.slots import Hold, Slot, Txn
+from offloadpp.runtime.slots import Hold, Slot, SlotError, Txn
 
 
 class _Copy:
@@ -50,3 +50,39 @@ def test_buffer_reused_only_after_every_released_holds_work(last):
     assert other.data_ptr() != buf.data_ptr(), "the buffer was handed out while a copy still read it"
     copy.finish()
     assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()
+
+
+def test_rollback_gives_the_buffer_back_only_after_its_write():
+    """An aborted step rolls back slots whose writes are still draining from their buffers: those
+    it started itself for the last completed step (transaction.abort: the pending updates it
+    completes, the queued writes it flushes), to the committed generation, on slots another hold
+    kept. The buffer goes back to its pool after the write, or the next read into it lands in
+    the committed file."""
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    slot = Slot("u.master", 64, torch.float32, pool, store=None, resident=False, txn=Txn())
+    slot.acquire(Hold.COMPUTE)  # (the forward's fetch, which the abort interrupted)
+    slot.acquire(Hold.OPTIM, overwrite=True)
+    buf = slot.wait()
+    write = _Copy()  # the write of `buf` to the committed generation, still under way
+    slot.wrote(write, slot.write_generation())
+    slot.release(Hold.OPTIM)
+    slot.rollback()
+    assert slot.buffer is None
+    assert pool.get(64, torch.float32).data_ptr() != buf.data_ptr(), "handed out while its write read it"
+    write.finish()
+    assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()
+
+
+def test_a_release_naming_work_on_a_buffer_already_given_back_is_refused():
+    """A release that names work still reading the buffer (`after`) after an earlier release let
+    the last hold go cannot keep its promise: the buffer is back in the pool. It raises rather
+    than drop the work (the optimizer released the master, which with fp32 is the compute copy,
+    before the compute copy with the resident refresh's copy: tests/test_runtime_device.py)."""
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    slot = Slot("u.master", 64, torch.float32, pool, store=None, resident=False)
+    slot.acquire(Hold.OPTIM)
+    slot.wait()
+    slot.release(Hold.OPTIM)
+    slot.release(Hold.OPTIM)  # (nothing named: a no-op, as before)
+    with pytest.raises(SlotError, match="u.master: .*given back already"):
+        slot.release(Hold.OPTIM, after=(_Copy(),))

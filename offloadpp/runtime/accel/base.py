@@ -69,6 +69,9 @@ class Accelerator(abc.ABC):
     copies: False where a device buffer is the host buffer itself (no copy, no stream, no event).
     torch_device: where compute runs and device tensors live.
     collective_backend: torch.distributed's backend for device tensors.
+    poisons_host_reuse: the runtime's host buffer pools fill a buffer they make reusable with
+        0xFF bytes (NaN), as whatever takes it next would overwrite it: a copy still reading it
+        that its release did not name (`after`) then delivers NaN at once (the stand-in only).
     """
 
     kind: str
@@ -76,6 +79,7 @@ class Accelerator(abc.ABC):
     copies: bool
     torch_device: torch.device
     collective_backend: str = "gloo"
+    poisons_host_reuse: bool = False
 
     # ---- device memory ---------------------------------------------------------------------
     @abc.abstractmethod
