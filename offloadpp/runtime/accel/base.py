@@ -8,7 +8,7 @@ use by an event. CUDA (cuda.py) and the stand-in (standin.py) take that path wit
 of the runtime, so a CPU test run on the stand-in executes what a GPU executes.
 
 Note: sites. Every wait that orders a copy before its use, and every stream-ordered free, names
-its site (`site="unit.bind"`). The stand-in skips the one named by OFFLOADPP_STANDIN_SKIP, so
+its site (`site="unit.bind"`), as does the one order kept on the host by a flag (`holds_back`). The stand-in skips the one named by OFFLOADPP_STANDIN_SKIP, so
 scripts/standin_mutations.py can remove each in turn and see a test catch it; the other
 implementations ignore the name.
 """
@@ -138,6 +138,12 @@ class Accelerator(abc.ABC):
     def after(self, event: Event, *, site: str) -> SitedWait:
         """`event` as a pool Waitable whose host wait is `site`."""
         return SitedWait(self, event, site)
+
+    def holds_back(self, *, site: str) -> bool:
+        """A host-side order the runtime keeps before it queues a copy (a flag, not an event:
+        device.CopyWeights waits for a pending update, Slot.updating): True, but where the
+        stand-in skips `site`."""
+        return True
 
     # ---- the device as a whole -------------------------------------------------------------
     def set_capacity(self, nbytes: Optional[int]) -> None:  # noqa: B027 - nothing by default

@@ -31,7 +31,7 @@ scripts/standin_mutations.py; the first skip of each stand-in appends the site t
 OFFLOADPP_STANDIN_SKIP_LOG names, if any. A skipped free reclaims the buffer at once, ordered
 after no stream (compute's use included); a skipped host wait is taken at its worst
 (standin_stream.py); a pool's `after` whose site is skipped is done at once, as if the runtime
-had given the buffer back without it.
+had given the buffer back without it; a skipped `holds_back` lets the copy be queued at once.
 """
 
 from __future__ import annotations
@@ -380,6 +380,9 @@ class StandinAccelerator(Accelerator):
             self._at_worst(event)
             return
         event.wait()
+
+    def holds_back(self, *, site: str) -> bool:
+        return not self._skips(site)
 
     def query(self, event: Event, *, site: str) -> bool:
         if self._skips(site):
