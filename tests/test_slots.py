@@ -86,3 +86,28 @@ def test_a_release_naming_work_on_a_buffer_already_given_back_is_refused():
     slot.release(Hold.OPTIM)  # (nothing named: a no-op, as before)
     with pytest.raises(SlotError, match="u.master: .*given back already"):
         slot.release(Hold.OPTIM, after=(_Copy(),))
+
+
+def test_work_a_kept_buffer_collects_is_dropped_once_done():
+    """A buffer another hold keeps across steps (the weights of a unit kept for the next forward)
+    gets one copy's release per step: the work already done is not kept, or the list grows
+    without end (a copy's event per step, for the whole run), and a release still names the
+    work that is not done."""
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    slot = Slot("u.weights", 64, torch.float32, pool, store=None, resident=False)
+    slot.acquire(Hold.NEXT)
+    buf = slot.wait()
+    copies = []
+    for _ in range(100):
+        slot.acquire(Hold.COMPUTE)
+        copies.append(_Copy())
+        slot.release(Hold.COMPUTE, after=(copies[-1],))
+        copies[-1].finish()
+    last = _Copy()
+    slot.acquire(Hold.COMPUTE)
+    slot.release(Hold.COMPUTE, after=(last,))
+    assert len(slot._after) <= 2
+    slot.release(Hold.NEXT)
+    assert pool.get(64, torch.float32).data_ptr() != buf.data_ptr()
+    last.finish()
+    assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()

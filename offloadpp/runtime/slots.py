@@ -298,7 +298,9 @@ class Slot:
                     "given back already (an earlier release of the slot's last hold did not name it)"
                 )
             return
-        self._after.extend(after)
+        # (work already done is dropped: a buffer another hold keeps for good, the weights of a
+        # unit kept across steps, collected one copy's event per step without end)
+        self._after = [w for w in self._after if not w.done()] + after
         if self.holds:
             # (a copy to the device from the buffer may still be queued when another hold goes
             # last: CopyWeights.pump releases COMPUTE while NEXT or WRITE keeps the buffer)
