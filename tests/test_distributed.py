@@ -425,7 +425,9 @@ def test_16bit_compute_over_two_ranks(tmp_path, on_device):
     assert compare_weights(weights(out), want, lr=LR, steps=3) < 0.1
 
 
-def test_on_the_standin_a_checkpoint_loads_into_weights_resident_on_the_device_over_two_ranks(tmp_path, monkeypatch):
+def test_on_the_standin_a_checkpoint_loads_into_weights_resident_on_the_device_over_two_ranks(
+    tmp_path, monkeypatch
+):
     """Two ranks whose units' weights stay on the device save a checkpoint and load it in a new
     run, which gathers each unit's loaded shards into its resident weights (sharded_checkpoint.py,
     _regather_resident): the resumed run trains like two steps of one process. On the stand-in
