@@ -31,27 +31,6 @@ class _Copy:
         self.finished = True
 
 
-@pytest.mark.parametrize("last", ["release", "rollback"])
-def test_buffer_reused_only_after_every_released_holds_work(last):
-    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
-    slot = Slot("u.master", 64, torch.float32, pool, store=None, resident=False, txn=Txn())
-    slot.acquire(Hold.COMPUTE)
-    slot.acquire(Hold.NEXT)
-    buf = slot.wait()
-    copy = _Copy()
-    slot.release(Hold.COMPUTE, after=(copy,))  # a copy to the device still reads `buf`
-    assert slot.buffer is buf  # (NEXT keeps it)
-    if last == "release":
-        slot.release(Hold.NEXT)
-    else:
-        slot.rollback()
-    assert slot.buffer is None
-    other = pool.get(64, torch.float32)
-    assert other.data_ptr() != buf.data_ptr(), "the buffer was handed out while a copy still read it"
-    copy.finish()
-    assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()
-
-
 def test_rollback_gives_the_buffer_back_only_after_its_write():
     """An aborted step rolls back slots whose writes are still draining from their buffers: those
     it started itself for the last completed step (transaction.abort: the pending updates it
@@ -110,4 +89,25 @@ def test_work_a_kept_buffer_collects_is_dropped_once_done():
     slot.release(Hold.NEXT)
     assert pool.get(64, torch.float32).data_ptr() != buf.data_ptr()
     last.finish()
+    assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()
+
+
+@pytest.mark.parametrize("last", ["release", "rollback"])
+def test_buffer_reused_only_after_every_released_holds_work(last):
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    slot = Slot("u.master", 64, torch.float32, pool, store=None, resident=False, txn=Txn())
+    slot.acquire(Hold.COMPUTE)
+    slot.acquire(Hold.NEXT)
+    buf = slot.wait()
+    copy = _Copy()
+    slot.release(Hold.COMPUTE, after=(copy,))  # a copy to the device still reads `buf`
+    assert slot.buffer is buf  # (NEXT keeps it)
+    if last == "release":
+        slot.release(Hold.NEXT)
+    else:
+        slot.rollback()
+    assert slot.buffer is None
+    other = pool.get(64, torch.float32)
+    assert other.data_ptr() != buf.data_ptr(), "the buffer was handed out while a copy still read it"
+    copy.finish()
     assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()
