@@ -425,6 +425,28 @@ def test_16bit_compute_over_two_ranks(tmp_path, on_device):
     assert compare_weights(weights(out), want, lr=LR, steps=3) < 0.1
 
 
+def test_on_the_standin_a_checkpoint_loads_into_weights_resident_on_the_device_over_two_ranks(
+    tmp_path, monkeypatch
+):
+    """Two ranks whose units' weights stay on the device save a checkpoint and load it in a new
+    run, which gathers each unit's loaded shards into its resident weights (sharded_checkpoint.py,
+    _regather_resident): the resumed run trains like two steps of one process. On the stand-in
+    (the copy path: the gather's event orders the next bind; the host waited on it once through a
+    method events do not have, and the load failed on every device with copies)."""
+    from conftest import set_device
+
+    set_device(monkeypatch, "standin")
+    budgets = ["--budgets", f"{64 << 20},{64 << 20}"]
+    (tmp_path / "nv_a").mkdir()
+    torchrun([str(tmp_path / "a"), "--nvme", str(tmp_path / "nv_a"), "--steps", "1", "--clip", "1.0",
+              "--save", str(tmp_path / "ck"), *budgets])  # fmt: skip
+    assert all(t == "device" for t in ranks(tmp_path / "a")[0]["resident"])
+    (tmp_path / "nv_b").mkdir()
+    torchrun([str(tmp_path / "b"), "--nvme", str(tmp_path / "nv_b"), "--steps", "1", "--from-step", "1",
+              "--clip", "1.0", "--load", str(tmp_path / "ck"), *budgets])  # fmt: skip
+    assert compare_weights(weights(tmp_path / "b"), reference(2, clip=1.0, parts=2), lr=LR, steps=2) < 1e-5
+
+
 def test_a_group_restarted_by_torchrun_starts_again(tmp_path):
     """Under `torchrun --max-restarts 1` (c10d rendezvous) a rank killed with SIGKILL brings the
     group down and back: the new group starts although one of its ranks comes seconds after the

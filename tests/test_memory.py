@@ -68,3 +68,63 @@ def test_the_longest_wait_for_room_is_reported_on_any_thread():
     pool.get(512, torch.float32)
     pool.charge(1024)  # fits: no wait
     assert pool.longest_wait_s == 0.0
+
+
+class _Copy:
+    """A copy still reading a returned buffer until `finish()`."""
+
+    def __init__(self):
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.finished = True
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_a_poisoning_pool_fills_a_buffer_with_nan_once_it_is_reusable_not_before():
+    """The stand-in's host pools (Accelerator.poisons_host_reuse): a buffer is NaN from the moment
+    the pool may hand it out, so a copy still reading it that no `after` named reads NaN at
+    once; a buffer whose work is still under way keeps its bytes until that work is done."""
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt), poison=True)
+    buf = pool.get(64, torch.float32)
+    buf.fill_(1.0)
+    copy = _Copy()
+    pool.put(buf, after=[copy])
+    other = pool.get(64, torch.float32)  # (not `buf`: its copy is under way)
+    assert other.data_ptr() != buf.data_ptr() and torch.all(buf == 1.0)
+    copy.finish()
+    pool.put(other)
+    assert torch.isnan(other).all()
+    assert pool.get(64, torch.float32).data_ptr() in (buf.data_ptr(), other.data_ptr())
+    assert torch.isnan(buf).all()  # reclaimed by that get: poisoned as it became reusable
+
+    plain = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    b = plain.get(64, torch.float32)
+    b.fill_(1.0)
+    plain.put(b)
+    assert torch.all(b == 1.0)  # (a pool that does not poison leaves the bytes)
+
+
+class _FailingWrite:
+    """A write under way that fails: its error is its owner's (the store keeps it)."""
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_buffer_whose_write_failed_is_reusable_and_the_get_does_not_raise_its_error():
+    """An aborted step's rollback gives a buffer back after its write (Slot.rollback), which may be
+    the write that failed: the pool waits for it to be over, and the error stays with the store
+    (the step's interruption reported it), not with the next get that waits for room."""
+    pool = BufferPool("host", 256, lambda n, dt: torch.empty(n, dtype=dt))
+    buf = pool.get(64, torch.float32)  # the whole budget
+    pool.put(buf, after=[_FailingWrite()])
+    assert pool.get(32, torch.float32).numel() == 32  # waited for the write, then made room

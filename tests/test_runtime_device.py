@@ -180,8 +180,11 @@ def test_bf16_gradients_are_kept_bf16_and_update_as_their_fp32_upcast(tmp_path, 
         ((Tier.DEVICE, Tier.SSD), (Tier.DEVICE, Tier.HOST), (Tier.SSD, Tier.SSD), (Tier.DEVICE, Tier.SSD)),
         # all resident, masters in host memory: nothing but the update waits for a refresh's copy
         ((Tier.DEVICE, Tier.HOST),) * 4,
+        # all resident, masters on SSD: the refresh reads the master (fp32: the compute copy),
+        # whose buffer goes back to its pool after that copy, not as the update lets it go
+        ((Tier.DEVICE, Tier.SSD),) * 4,
     ],
-    ids=["mixed", "resident"],
+    ids=["mixed", "resident", "resident_ssd"],
 )
 @pytest.mark.parametrize("clip", [0.0, 1.0])  # updates in backward / deferred to the step's end
 def test_on_the_standin_weights_resident_on_the_device_train_like_adamw(tmp_path, monkeypatch, clip, homes):

@@ -31,6 +31,67 @@ class _Copy:
         self.finished = True
 
 
+def test_rollback_gives_the_buffer_back_only_after_its_write():
+    """An aborted step rolls back slots whose writes are still draining from their buffers: those
+    it started itself for the last completed step (transaction.abort: the pending updates it
+    completes, the queued writes it flushes), to the committed generation, on slots another hold
+    kept. The buffer goes back to its pool after the write, or the next read into it lands in
+    the committed file."""
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    slot = Slot("u.master", 64, torch.float32, pool, store=None, resident=False, txn=Txn())
+    slot.acquire(Hold.COMPUTE)  # (the forward's fetch, which the abort interrupted)
+    slot.acquire(Hold.OPTIM, overwrite=True)
+    buf = slot.wait()
+    write = _Copy()  # the write of `buf` to the committed generation, still under way
+    slot.wrote(write, slot.write_generation())
+    slot.release(Hold.OPTIM)
+    slot.rollback()
+    assert slot.buffer is None
+    assert pool.get(64, torch.float32).data_ptr() != buf.data_ptr(), "handed out while its write read it"
+    write.finish()
+    assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()
+
+
+def test_a_release_naming_work_on_a_buffer_already_given_back_is_refused():
+    """A release that names work still reading the buffer (`after`) after an earlier release let
+    the last hold go cannot keep its promise: the buffer is back in the pool. It raises rather
+    than drop the work (the optimizer released the master, which with fp32 is the compute copy,
+    before the compute copy with the resident refresh's copy: tests/test_runtime_device.py)."""
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    slot = Slot("u.master", 64, torch.float32, pool, store=None, resident=False)
+    slot.acquire(Hold.OPTIM)
+    slot.wait()
+    slot.release(Hold.OPTIM)
+    slot.release(Hold.OPTIM)  # (nothing named: a no-op, as before)
+    with pytest.raises(SlotError, match="u.master: .*given back already"):
+        slot.release(Hold.OPTIM, after=(_Copy(),))
+
+
+def test_work_a_kept_buffer_collects_is_dropped_once_done():
+    """A buffer another hold keeps across steps (the weights of a unit kept for the next forward)
+    gets one copy's release per step: the work already done is not kept, or the list grows
+    without end (a copy's event per step, for the whole run), and a release still names the
+    work that is not done."""
+    pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))
+    slot = Slot("u.weights", 64, torch.float32, pool, store=None, resident=False)
+    slot.acquire(Hold.NEXT)
+    buf = slot.wait()
+    copies = []
+    for _ in range(100):
+        slot.acquire(Hold.COMPUTE)
+        copies.append(_Copy())
+        slot.release(Hold.COMPUTE, after=(copies[-1],))
+        copies[-1].finish()
+    last = _Copy()
+    slot.acquire(Hold.COMPUTE)
+    slot.release(Hold.COMPUTE, after=(last,))
+    assert len(slot._after) <= 2
+    slot.release(Hold.NEXT)
+    assert pool.get(64, torch.float32).data_ptr() != buf.data_ptr()
+    last.finish()
+    assert pool.get(64, torch.float32).data_ptr() == buf.data_ptr()
+
+
 @pytest.mark.parametrize("last", ["release", "rollback"])
 def test_buffer_reused_only_after_every_released_holds_work(last):
     pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt))

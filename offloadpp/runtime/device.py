@@ -285,7 +285,9 @@ class CopyWeights:
     def pump(self) -> None:
         """Starts the host-to-device copy once the host copy has arrived (and, where a pending
         update makes it, once the update is done: Slot.updating)."""
-        if self.state is SlotState.LOADING and not self._copied and not self.source.updating:
+        if self.state is SlotState.LOADING and not self._copied:
+            if self.source.updating and self.device.accel.holds_back(site="weights.after_update"):
+                return
             read = self.source.pending_read
             if read is None or read.done():
                 self._start_copy(self.source.wait())

@@ -198,7 +198,8 @@ class OffloadEngine(BetweenSteps):
         self.device_pool = BufferPool(
             "device", budgets.buffer_bytes, lambda n, dt: aligned_empty(n, dt, pin=False)
         )
-        self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt))
+        self.host_pool = BufferPool("host", budgets.host_bytes, lambda n, dt: aligned_empty(n, dt),
+                                    poison=self.device.accel.poisons_host_reuse)  # fmt: skip
         if self.device.copies:
             self.device.budget_bytes = budgets.buffer_bytes
         # the stand-in's capacity, unless set: the device budget where it counts everything the

@@ -91,14 +91,22 @@ class _Pending:
 
     def wait(self) -> None:
         for w in self.after:
-            w.wait()
+            try:
+                w.wait()
+            except OSError:  # the buffer is free once the work is over, failed or not: a failed
+                pass  # write is its owner's to report (the store keeps it), not this get's
 
 
 class BufferPool:
     """Buffers of one kind of memory (the device, or host) for one engine, within a byte budget."""
 
-    def __init__(self, name: str, budget_bytes: int, alloc: Callable[[int, torch.dtype], torch.Tensor]):
+    def __init__(self, name: str, budget_bytes: int, alloc: Callable[[int, torch.dtype], torch.Tensor],
+                 *, poison: bool = False):  # fmt: skip
+        """poison: a buffer made reusable is filled with 0xFF bytes (NaN) first (the stand-in
+        accelerator's `poisons_host_reuse`: a copy still reading it that no `after` named then
+        reads NaN at once, not only when the buffer is reused in time)."""
         self.name = name
+        self.poison = poison
         self.budget_bytes = budget_bytes
         self.pace_bytes: Optional[int] = None  # see the module Note; None: the budget
         self._alloc = alloc
@@ -258,6 +266,8 @@ class BufferPool:
 
     # ---- internals (lock held) -----------------------------------------------------------
     def _add_free(self, buf: torch.Tensor) -> None:
+        if self.poison:
+            buf.view(torch.uint8).fill_(0xFF)
         self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
 
     def _wait_oldest_pending(self) -> None:

@@ -551,12 +551,16 @@ class OptimizerPipeline(PendingUpdates):
         if (job.lazy or job.update) and self.device.copies and u.weights.resident:
             u.weights.refresh()  # the device's copy takes the new weights
             after = (u.weights.last_copy,)
+        # The compute copy goes first, with the refresh's copy still reading it: with fp32 it is
+        # the master, whose release without it (it came first) gave the buffer back to the pool
+        # with the copy queued, and the device took whatever was read into it next.
         if job.lazy:
             self._lazy_inflight.discard(u.name)
             u.compute.updating = False  # (its device copy may be made now: CopyWeights.pump)
-            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
-                s.release(Hold.OPTIM)
             u.compute.release(Hold.OPTIM, after=after)
+            for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
+                if s is not u.compute:
+                    s.release(Hold.OPTIM)
         elif job.update:
             for a, b, step, upd, _ in job.segments:
                 if upd:
@@ -565,9 +569,10 @@ class OptimizerPipeline(PendingUpdates):
                             u.steps[k] = step + 1
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.acquire(Hold.NEXT)
-            for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):
-                s.release(Hold.OPTIM)
             u.compute.release(Hold.OPTIM, after=after)
+            for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):
+                if s is not u.compute:
+                    s.release(Hold.OPTIM)
             u.phase = UnitPhase.UPDATED
         elif not job.keep_grads:
             u.grads.release(Hold.OPTIM)

@@ -191,11 +191,13 @@ class Slot:
         """Back to the last completed step: the newest data is forgotten, and a buffer that may
         hold it is given back (a resident slot cannot be rolled back: the engine checks)."""
         self._latest = self._committed
-        self._write = None
+        write, self._write = self._write, None
         self.holds = Hold.NONE
         if self.resident or self.state is SlotState.EMPTY:
             return
-        self._give_back(self._read, *self._after)
+        # (a write still reading the buffer is waited for, whatever its generation: an aborted
+        # step rolls back slots whose committed writes it has just started, transaction.abort)
+        self._give_back(self._read, write, *self._after)
 
     def _give_back(self, *after) -> None:
         """The buffer back to its pool, reusable once `after` (work still using it) is done."""
@@ -312,9 +314,19 @@ class Slot:
         """Drops `hold`; with no hold left the buffer goes back to the pool, once `after` (work
         still reading it) and what earlier releases named are done."""
         self.holds &= ~hold
-        if self.resident or self.state is SlotState.EMPTY:
+        if self.resident:
             return
-        self._after.extend(w for w in after if w is not None)
+        after = [w for w in after if w is not None]
+        if self.state is SlotState.EMPTY:
+            if after:  # (the work reads a buffer the pool may have handed out already)
+                raise SlotError(
+                    f"{self.name}: {hold} released naming work that still reads the buffer, which was "
+                    "given back already (an earlier release of the slot's last hold did not name it)"
+                )
+            return
+        # (work already done is dropped: a buffer another hold keeps for good, the weights of a
+        # unit kept across steps, collected one copy's event per step without end)
+        self._after = [w for w in self._after if not w.done()] + after
         if self.holds:
             # (a copy to the device from the buffer may still be queued when another hold goes
             # last: CopyWeights.pump releases COMPUTE while NEXT or WRITE keeps the buffer)

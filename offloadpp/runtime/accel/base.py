@@ -8,7 +8,7 @@ use by an event. CUDA (cuda.py) and the stand-in (standin.py) take that path wit
 of the runtime, so a CPU test run on the stand-in executes what a GPU executes.
 
 Note: sites. Every wait that orders a copy before its use, and every stream-ordered free, names
-its site (`site="unit.bind"`). The stand-in skips the one named by OFFLOADPP_STANDIN_SKIP, so
+its site (`site="unit.bind"`), as does the one order kept on the host by a flag (`holds_back`). The stand-in skips the one named by OFFLOADPP_STANDIN_SKIP, so
 scripts/standin_mutations.py can remove each in turn and see a test catch it; the other
 implementations ignore the name.
 """
@@ -69,6 +69,9 @@ class Accelerator(abc.ABC):
     copies: False where a device buffer is the host buffer itself (no copy, no stream, no event).
     torch_device: where compute runs and device tensors live.
     collective_backend: torch.distributed's backend for device tensors.
+    poisons_host_reuse: the runtime's host buffer pools fill a buffer they make reusable with
+        0xFF bytes (NaN), as whatever takes it next would overwrite it: a copy still reading it
+        that its release did not name (`after`) then delivers NaN at once (the stand-in only).
     """
 
     kind: str
@@ -76,6 +79,7 @@ class Accelerator(abc.ABC):
     copies: bool
     torch_device: torch.device
     collective_backend: str = "gloo"
+    poisons_host_reuse: bool = False
 
     # ---- device memory ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -134,6 +138,12 @@ class Accelerator(abc.ABC):
     def after(self, event: Event, *, site: str) -> SitedWait:
         """`event` as a pool Waitable whose host wait is `site`."""
         return SitedWait(self, event, site)
+
+    def holds_back(self, *, site: str) -> bool:
+        """A host-side order the runtime keeps before it queues a copy (a flag, not an event:
+        device.CopyWeights waits for a pending update, Slot.updating): True, but where the
+        stand-in skips `site`."""
+        return True
 
     # ---- the device as a whole -------------------------------------------------------------
     def set_capacity(self, nbytes: Optional[int]) -> None:  # noqa: B027 - nothing by default

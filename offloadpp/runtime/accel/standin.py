@@ -7,7 +7,8 @@ wait made visible:
 - device memory is its own: buffers from empty() are CPU tensors of their own (never a host
   buffer), within a capacity (OFFLOADPP_STANDIN_BYTES, else the plan's device budget set by the
   engine, else unlimited); past it empty() raises torch.OutOfMemoryError as CUDA does;
-- fresh and freed buffers are filled with NaN; a freed buffer is reused only after every stream
+- fresh and freed buffers are filled with NaN (and the runtime's host buffer pools fill a
+  buffer they make reusable with NaN: `poisons_host_reuse`); a freed buffer is reused only after every stream
   that used it (record_use) has passed the point of the free, as record_stream promises;
 - each side stream is a worker thread running its queue in order, each item after a random delay
   (seeded: OFFLOADPP_STANDIN_SEED, printed), so a copy lands well after the call that queued it;
@@ -30,7 +31,7 @@ scripts/standin_mutations.py; the first skip of each stand-in appends the site t
 OFFLOADPP_STANDIN_SKIP_LOG names, if any. A skipped free reclaims the buffer at once, ordered
 after no stream (compute's use included); a skipped host wait is taken at its worst
 (standin_stream.py); a pool's `after` whose site is skipped is done at once, as if the runtime
-had given the buffer back without it.
+had given the buffer back without it; a skipped `holds_back` lets the copy be queued at once.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class StandinAccelerator(Accelerator):
     plan_device = "cuda"  # (planned as a device with memory of its own behind a link)
     copies = True
     collective_backend = "gloo"
+    poisons_host_reuse = True  # (base.py)
 
     def __init__(self, *, seed: Optional[int] = None, capacity_bytes: Optional[int] = None,
                  delay_ms: Optional[float] = None, skip: Optional[str] = None):  # fmt: skip
@@ -378,6 +380,9 @@ class StandinAccelerator(Accelerator):
             self._at_worst(event)
             return
         event.wait()
+
+    def holds_back(self, *, site: str) -> bool:
+        return not self._skips(site)
 
     def query(self, event: Event, *, site: str) -> bool:
         if self._skips(site):

@@ -17,11 +17,6 @@ start coming back within the budget. `saved_tensors_hooks(pack, unpack)` is acti
 whole forward: pack hands autograd a SavedRef (or a ParamView for a parameter, a RecomputeRef
 inside a recompute segment), unpack rebuilds the tensor from wherever its bytes are then.
 
-Note: release. A SavedStorage is released once every SavedRef to it was unpacked, at the next
-unit boundary of backward (not at once: a custom Function may read ctx.saved_tensors twice within
-one node), and whatever is left at end_backward. A second backward over the same graph
-(retain_graph) is therefore refused with an error naming the unit.
-
 Note: pieces. A partial unit whose root module has children runs each child's call as its own
 segment (a piece: for a transformer block the two norms, the attention, the MLP), with its own
 checkpoint (the child's arguments) and kept outputs. In backward a piece is recomputed when
@@ -47,20 +42,16 @@ always. A hook on the loss starts the head's backward (_head_backward, and the r
 on_head_backward) before the fused backward runs; the grad hooks on the norm's output fire once
 the fused backward gave it its gradient.
 
-Note: auto. A plan made without a model profile leaves `auto` under a budget: the first forward
-measures the auto units (bytes saved, FLOPs through a dispatch-mode counter) while sending them to
-host memory, which is within any budget, and the planner decides from that (planner/decide.py
-measured_activations); from the next forward on, its choice applies. The runtime has no rule.
+The manager's parts: units.py (each unit's state in a step), backward.py (backward's side:
+entering units, fetching ahead, releasing), reports.py (the stats, the auto policies resolved).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import logging
 import time
-from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -68,9 +59,10 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_leaves, tree_map
 
-from offloadpp.planner import ActivationSettings, decide, fmt_bytes
+from offloadpp.planner import ActivationSettings
 
 from ..accel import Accelerator, accelerator
+from .backward import ManagerBackward
 from .gelu import restore_gelu, substitute_gelu
 from .head import FusedHead, fusable_head
 from .loss import causal_lm, restore_loss, substitute_loss, uses_causal_lm_loss
@@ -95,76 +87,14 @@ from .records import (
     storage_key,
     swappable,
 )
+from .reports import ManagerReports
 from .swap import Swapper
+from .units import ActPhase, UnitActivations
 
 log = logging.getLogger("offloadpp.runtime")
 
 
-class ActPhase(enum.Enum):
-    IDLE = "idle"  # no saved activations
-    FORWARD = "forward"  # its forward ran (or runs) in this step
-    BACKWARD = "backward"  # backward reached it
-    DONE = "done"  # backward moved past it
-
-
-@dataclass(frozen=True)
-class ActivationStats:
-    """Cumulative since the last reset_stats(); bytes, seconds."""
-
-    saved_bytes: int  # distinct storages saved (dedup), all policies but recompute
-    d2h_bytes: int  # device -> host (swap-out copies)
-    h2d_bytes: int  # host -> device (swap-in copies; on the CPU device, handed over without a copy)
-    ssd_write_bytes: int
-    ssd_read_bytes: int
-    swap_out_wait_s: float  # forward waiting for swap-outs (budget), or release waiting for them
-    swap_in_wait_s: float  # backward waiting for activations to arrive
-    recompute_s: float  # backward re-running forwards of recompute units
-    peak_device_bytes: int  # accounted activation bytes on the device
-    peak_host_bytes: int
-    budget_bytes: Optional[int]
-    fetch_misses: int  # records backward needed before any prefetch asked for them
-    dedup_hits: int  # saved tensors that were views of an already saved storage
-    param_refs: int  # saved tensors that were parameters (never swapped)
-    cache_hits: int  # storages whose unchanged SSD copy from an earlier step was reused
-
-    @property
-    def within_budget(self) -> bool:
-        return self.budget_bytes is None or self.peak_device_bytes <= self.budget_bytes
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-class UnitActivations:
-    """One unit's saved activations in the current step, and its policy."""
-
-    def __init__(self, name: str, roots: tuple[nn.Module, ...], requested: ActPolicy):
-        self.name = name
-        self.roots = roots
-        self.requested = requested
-        self.policy = ActPolicy.HOST if requested is ActPolicy.AUTO else requested  # AUTO: profiled as host
-        self.phase = ActPhase.IDLE
-        self.position = -1  # in this step's forward order
-        self.records: list[SavedStorage] = []  # in pack order
-        self.segments: list[Segment] = []
-        self.fetch_cursor = 0  # records[:fetch_cursor] are not asked for yet (fetched from the end)
-        self.saved_bytes = 0  # bytes of the storages it saved first, this step
-        self.flops = 0
-        self.params = ParamIndex()
-
-    def __repr__(self) -> str:
-        return f"UnitActivations({self.name!r}, {self.policy.value}, {self.phase.value})"
-
-    def reset(self) -> None:
-        self.phase = ActPhase.IDLE
-        self.position = -1
-        self.records = []
-        self.segments = []
-        self.fetch_cursor = 0
-        self.saved_bytes = 0
-
-
-class ActivationManager:
+class ActivationManager(ManagerBackward, ManagerReports):
     def __init__(
         self,
         units: Sequence[tuple[str, Sequence[nn.Module]]],
@@ -614,186 +544,6 @@ class ActivationManager:
                     seen.add(weak)
                     total += t.untyped_storage().nbytes()
         return total
-
-    def _drop_segment(self, seg: Segment) -> None:
-        if seg.state is SegState.SAVED or seg.state is SegState.RECORDING:
-            self.swapper.add_device(-seg.input_bytes)
-        elif seg.state is SegState.RECOMPUTED:
-            self.swapper.add_device(-seg.recomputed_bytes)
-        seg.drop()
-
-    def drain(self) -> None:
-        """Waits until every swap-out started so far has left the device (and its SSD write is
-        done). Backward does not need this; tests and benchmarks do."""
-        sw = self.swapper
-        sw.make_room(sw.device_bytes + 1, 0)  # waits for every job
-        for rec in list(sw.writing):
-            sw._finish_write(rec, block=True)
-        sw.pump()
-
-    # ---- backward ------------------------------------------------------------------------
-    def start_backward(self) -> None:
-        """Optional: starts fetching the last units' activations before backward runs."""
-        self._in_backward = True
-        self._index.clear()
-        self.swapper.pump()
-        self._prefetch()
-
-    def _enter_backward(self, unit: UnitActivations) -> None:
-        if not self._in_backward:
-            self.start_backward()
-        if unit.phase is not ActPhase.FORWARD or unit is self.outside:
-            return
-        self.swapper.pump()
-        self._release_consumed()
-        if self._bw_unit is not None:
-            self._bw_unit.phase = ActPhase.DONE
-        unit.phase = ActPhase.BACKWARD
-        self._bw_unit = unit
-        self._prefetch()
-
-    def _release_consumed(self) -> None:
-        for rec in self._consumed:
-            self.swapper.release(rec)
-        self._consumed.clear()
-
-    def _prefetch(self) -> None:
-        """Fetches the unit backward runs (whatever the budget), then the next prefetch_units
-        units in backward order while they fit the budget, each in its reverse pack order."""
-        cur = self._bw_unit
-        start = cur.position if cur is not None else len(self._order)
-        if cur is not None:
-            todo = [seg for seg in cur.segments if seg.state is SegState.SAVED]
-            # pieces: the records of the piece to recompute next (and of the one before it, within
-            # the budget), not the whole unit's (see the Note on pieces)
-            self._fetch_unit(cur, force=True, floor=self._fetch_floor(cur))
-            if cur.policy.partial and len(todo) > 1:
-                self._fetch_unit(cur, force=False, floor=self._fetch_floor(cur, 2))
-            if todo:
-                # its recompute is still to come and will hold all it saves: the units after it
-                # are fetched once that is counted (_unpack_recomputed), within what is left
-                return
-        for j in range(1, self.config.prefetch_units + 1):
-            if start - j < 0 or not self._fetch_unit(
-                self._order[start - j], force=False, floor=self._fetch_floor(self._order[start - j])
-            ):
-                break
-            if any(seg.state is SegState.SAVED for seg in self._order[start - j].segments):
-                break  # it will hold all it recomputes: nothing beyond it now (its checkpoint is fetched)
-
-    @staticmethod
-    def _fetch_floor(u: UnitActivations, pieces: int = 1) -> int:
-        """The first of u's records its next `pieces` recomputes need: a partial unit's pieces are
-        fetched piece by piece (see the Note on pieces), any other unit's records all at once."""
-        todo = [seg for seg in u.segments if seg.state is SegState.SAVED]
-        if not u.policy.partial or len(todo) <= pieces:
-            return 0
-        return todo[len(todo) - pieces].first_record
-
-    def _fetch_unit(self, u: UnitActivations, force: bool, floor: int = 0) -> bool:
-        """Fetches u's records from the last not asked for down to index `floor`, in reverse
-        pack order; False when the budget stopped it (never with force)."""
-        sw = self.swapper
-        while u.fetch_cursor > floor:
-            rec = u.records[u.fetch_cursor - 1]
-            s = rec.state
-            if s in (RecState.HOST, RecState.WRITING, RecState.ON_SSD) or (
-                s is RecState.MOVING_OUT and not rec.want_in
-            ):
-                extra = 0 if s is RecState.MOVING_OUT else rec.nbytes
-                if not force and self.budget is not None and sw.device_bytes + extra > self.budget:
-                    return False
-                sw.fetch(rec)
-            u.fetch_cursor -= 1
-        return True
-
-    def end_backward(self) -> None:
-        """Releases everything of this step; the next forward starts clean."""
-        self._consumed.clear()
-        for u in self.units + [self.outside]:
-            for rec in u.records:
-                self.swapper.release(rec)
-            for seg in u.segments:
-                self._drop_segment(seg)
-            u.reset()
-        self.swapper.sweep_cache()
-        self._order.clear()
-        self._index.clear()
-        self._bw_unit = None
-        self._in_backward = False
-
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        self.start_backward()
-        try:
-            loss.backward(**kwargs)
-        finally:
-            self.end_backward()
-
-    # ---- auto ----------------------------------------------------------------------------
-    def _resolve_from_probe(self) -> None:
-        self.resolve(
-            [UnitActProfile(u.name, u.saved_bytes, float(u.flops)) for u in self.units],
-            self.outside.saved_bytes,
-        )
-
-    def resolve(self, profiles: Sequence[UnitActProfile], outside_bytes: int = 0) -> None:
-        """Fixes the policy of every `auto` unit from per-unit profiles (forward order), as the
-        planner decides it (the Note on auto)."""
-        room = None if self.budget is None else self.budget - outside_bytes  # (outside: always kept)
-        chosen = decide.measured_activations(profiles, [u.requested.value for u in self.units], room,
-                                             device=self.accel.plan_device, host_bytes=self.config.host_budget_bytes)  # fmt: skip
-        for u, p in zip(self.units, chosen):
-            u.policy = ActPolicy(p)
-        self.profiles = tuple(profiles)
-        self._probing = False
-        log.info("activation policies (auto resolved):\n%s", self.describe(profiles))
-
-    def policies(self) -> dict[str, str]:
-        return {u.name: u.policy.value for u in self.units}
-
-    def describe(self, profiles: Optional[Sequence[UnitActProfile]] = None) -> str:
-        profiles = profiles if profiles is not None else self.profiles
-        lines = [f"  {'unit':<28} {'policy':>9} {'requested':>9} {'saved':>11} {'GFLOP':>8}"]
-        for i, u in enumerate(self.units):
-            b = profiles[i].bytes if profiles else u.saved_bytes
-            f = profiles[i].flops if profiles else u.flops
-            lines.append(
-                f"  {u.name:<28} {u.policy.value:>9} {u.requested.value:>9} {fmt_bytes(b):>11} {f / 1e9:>8.3f}"
-            )
-        lines.append(f"  budget: {fmt_bytes(self.budget) if self.budget else 'none'}")
-        return "\n".join(lines)
-
-    # ---- stats ---------------------------------------------------------------------------
-    def reset_stats(self) -> None:
-        sw = self.swapper
-        sw.d2h_bytes = sw.h2d_bytes = sw.ssd_write_bytes = sw.ssd_read_bytes = 0
-        sw.swap_out_wait_s = sw.swap_in_wait_s = 0.0
-        sw.cache_hits = 0
-        sw.peak_device_bytes = sw.device_bytes
-        sw.peak_host_bytes = sw.host_bytes
-        self.saved_bytes = 0
-        self.recompute_s = 0.0
-        self.fetch_misses = self.dedup_hits = self.param_refs = 0
-
-    def stats(self) -> ActivationStats:
-        sw = self.swapper
-        return ActivationStats(
-            saved_bytes=self.saved_bytes,
-            d2h_bytes=sw.d2h_bytes,
-            h2d_bytes=sw.h2d_bytes,
-            ssd_write_bytes=sw.ssd_write_bytes,
-            ssd_read_bytes=sw.ssd_read_bytes,
-            swap_out_wait_s=sw.swap_out_wait_s,
-            swap_in_wait_s=sw.swap_in_wait_s,
-            recompute_s=self.recompute_s,
-            peak_device_bytes=sw.peak_device_bytes,
-            peak_host_bytes=sw.peak_host_bytes,
-            budget_bytes=self.budget,
-            fetch_misses=self.fetch_misses,
-            dedup_hits=self.dedup_hits,
-            param_refs=self.param_refs,
-            cache_hits=sw.cache_hits,
-        )
 
     # ---- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:

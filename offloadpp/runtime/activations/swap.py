@@ -119,8 +119,9 @@ class Swapper:
         self.mover = _CopyMover(accel) if accel.copies else _HostMover()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="offloadpp-act")
         self.pool = BufferPool(
-            "activations", host_budget_bytes or UNLIMITED, lambda n, dt: aligned_empty(n, dt)
-        )
+            "activations", host_budget_bytes or UNLIMITED, lambda n, dt: aligned_empty(n, dt),
+            poison=accel.poisons_host_reuse,
+        )  # fmt: skip
         self.key_prefix = f"{key_prefix}{next(_instances)}"  # managers sharing a store never share keys
         self.moving_out: deque[SavedStorage] = deque()  # swap-out jobs, in submission order
         self.writing: list[SavedStorage] = []  # puts in flight

@@ -324,10 +324,11 @@ def _regather_resident(units: list[Unit], dp: DataParallel) -> None:
             continue
         u.compute.acquire(Hold.EXPORT)
         shard, full = u.compute.wait(), u.weights.tensor
-        ev = dp.fetch.run(lambda: place_and_gather(u, shard, full, dp, u.device, worker=False))  # noqa: B023
-        if ev is not None:
-            ev.synchronize()  # (the shard's buffer is read by the copy up)
-        u.compute.release(Hold.EXPORT)
+        # with copies: the next bind's compute waits for the gather (gathered.bind), and the
+        # shard's host buffer goes back after the copy up reads it (gathered.host_reuse); the
+        # host waited for it here once, on a method events do not have (on every copies device)
+        u.weights._event = dp.fetch.run(lambda: place_and_gather(u, shard, full, dp, u.device, worker=False))  # noqa: B023
+        u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
 
 
 __all__ = [

@@ -1,0 +1,136 @@
+"""Backward's side of the ActivationManager (`ManagerBackward`, a mixin of manager.py's class):
+entering each unit's backward, fetching the activations of the next units ahead of need within
+the budget, in the order backward uses them, and releasing what backward consumed.
+
+Note: release. A SavedStorage is released once every SavedRef to it was unpacked, at the next
+unit boundary of backward (not at once: a custom Function may read ctx.saved_tensors twice within
+one node), and whatever is left at end_backward. A second backward over the same graph
+(retain_graph) is therefore refused with an error naming the unit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .recompute import Segment, SegState
+from .records import RecState
+from .units import ActPhase, UnitActivations
+
+
+class ManagerBackward:
+    """The manager's backward (manager.py's ActivationManager sets what it reads: `units`,
+    `outside`, `swapper`, `config`, `budget`, `_order`, `_index`, `_consumed`, `_bw_unit`,
+    `_in_backward`)."""
+
+    def _drop_segment(self, seg: Segment) -> None:
+        if seg.state is SegState.SAVED or seg.state is SegState.RECORDING:
+            self.swapper.add_device(-seg.input_bytes)
+        elif seg.state is SegState.RECOMPUTED:
+            self.swapper.add_device(-seg.recomputed_bytes)
+        seg.drop()
+
+    def drain(self) -> None:
+        """Waits until every swap-out started so far has left the device (and its SSD write is
+        done). Backward does not need this; tests and benchmarks do."""
+        sw = self.swapper
+        sw.make_room(sw.device_bytes + 1, 0)  # waits for every job
+        for rec in list(sw.writing):
+            sw._finish_write(rec, block=True)
+        sw.pump()
+
+    def start_backward(self) -> None:
+        """Optional: starts fetching the last units' activations before backward runs."""
+        self._in_backward = True
+        self._index.clear()
+        self.swapper.pump()
+        self._prefetch()
+
+    def _enter_backward(self, unit: UnitActivations) -> None:
+        if not self._in_backward:
+            self.start_backward()
+        if unit.phase is not ActPhase.FORWARD or unit is self.outside:
+            return
+        self.swapper.pump()
+        self._release_consumed()
+        if self._bw_unit is not None:
+            self._bw_unit.phase = ActPhase.DONE
+        unit.phase = ActPhase.BACKWARD
+        self._bw_unit = unit
+        self._prefetch()
+
+    def _release_consumed(self) -> None:
+        for rec in self._consumed:
+            self.swapper.release(rec)
+        self._consumed.clear()
+
+    def _prefetch(self) -> None:
+        """Fetches the unit backward runs (whatever the budget), then the next prefetch_units
+        units in backward order while they fit the budget, each in its reverse pack order."""
+        cur = self._bw_unit
+        start = cur.position if cur is not None else len(self._order)
+        if cur is not None:
+            todo = [seg for seg in cur.segments if seg.state is SegState.SAVED]
+            # pieces: the records of the piece to recompute next (and of the one before it, within
+            # the budget), not the whole unit's (see the Note on pieces)
+            self._fetch_unit(cur, force=True, floor=self._fetch_floor(cur))
+            if cur.policy.partial and len(todo) > 1:
+                self._fetch_unit(cur, force=False, floor=self._fetch_floor(cur, 2))
+            if todo:
+                # its recompute is still to come and will hold all it saves: the units after it
+                # are fetched once that is counted (_unpack_recomputed), within what is left
+                return
+        for j in range(1, self.config.prefetch_units + 1):
+            if start - j < 0 or not self._fetch_unit(
+                self._order[start - j], force=False, floor=self._fetch_floor(self._order[start - j])
+            ):
+                break
+            if any(seg.state is SegState.SAVED for seg in self._order[start - j].segments):
+                break  # it will hold all it recomputes: nothing beyond it now (its checkpoint is fetched)
+
+    @staticmethod
+    def _fetch_floor(u: UnitActivations, pieces: int = 1) -> int:
+        """The first of u's records its next `pieces` recomputes need: a partial unit's pieces are
+        fetched piece by piece (see the Note on pieces), any other unit's records all at once."""
+        todo = [seg for seg in u.segments if seg.state is SegState.SAVED]
+        if not u.policy.partial or len(todo) <= pieces:
+            return 0
+        return todo[len(todo) - pieces].first_record
+
+    def _fetch_unit(self, u: UnitActivations, force: bool, floor: int = 0) -> bool:
+        """Fetches u's records from the last not asked for down to index `floor`, in reverse
+        pack order; False when the budget stopped it (never with force)."""
+        sw = self.swapper
+        while u.fetch_cursor > floor:
+            rec = u.records[u.fetch_cursor - 1]
+            s = rec.state
+            if s in (RecState.HOST, RecState.WRITING, RecState.ON_SSD) or (
+                s is RecState.MOVING_OUT and not rec.want_in
+            ):
+                extra = 0 if s is RecState.MOVING_OUT else rec.nbytes
+                if not force and self.budget is not None and sw.device_bytes + extra > self.budget:
+                    return False
+                sw.fetch(rec)
+            u.fetch_cursor -= 1
+        return True
+
+    def end_backward(self) -> None:
+        """Releases everything of this step; the next forward starts clean."""
+        self._consumed.clear()
+        for u in self.units + [self.outside]:
+            for rec in u.records:
+                self.swapper.release(rec)
+            for seg in u.segments:
+                self._drop_segment(seg)
+            u.reset()
+        self.swapper.sweep_cache()
+        self._order.clear()
+        self._index.clear()
+        self._bw_unit = None
+        self._in_backward = False
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        self.start_backward()
+        try:
+            loss.backward(**kwargs)
+        finally:
+            self.end_backward()
