@@ -83,3 +83,27 @@ def test_when_and_done_by():
     assert not done_by((1.0, d), 5.0)
     d.t = 3.0
     assert done_by((1.0, d, None), 3.0) and not done_by((d,), 2.9)
+
+
+def test_a_replayed_slot_frees_after_every_release_s_after():
+    """runtime/slots.py keeps the `after` of each release while another hold keeps the buffer;
+    the replay's slot does too, so a copy still reading it (a refresh, a pump's copy) holds the
+    memory until it is done whichever hold goes last (was: dropped, the buffer freed early)."""
+    from offloadpp.planner.desim import Pool
+    from offloadpp.planner.simulate_units import NEXT, OPTIM, READY, Slot
+
+    pool = Pool(budget=1 << 20)
+    s = Slot(
+        key="u.master",
+        nbytes=4096,
+        pool=pool,
+        resident=False,
+        on_disk=False,
+        state=READY,
+        holds={OPTIM, NEXT},
+    )
+    s.release(None, OPTIM, after=5.0)  # the refresh's copy reads the buffer until t=5
+    assert not pool.pending
+    s.release(None, NEXT)
+    ((n, ready),) = pool.pending
+    assert n == 4096 and 5.0 in ready and not done_by(ready, 4.0)

@@ -439,9 +439,11 @@ class Sim:
             u.compute.updating = False
             if refresh:
                 w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
+            # the compute copy first: with fp32 it is the master's slot, and the release that names
+            # the refresh's copy must find the buffer still held (runtime/optimizer.py _complete)
+            u.compute.release(self, OPTIM, after=w.copy_done if refresh else 0.0)
             for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
                 s.release(self, OPTIM)
-            u.compute.release(self, OPTIM, after=w.copy_done if refresh else 0.0)
         elif job.update:
             after = 0.0
             if refresh:
@@ -449,9 +451,9 @@ class Sim:
                 after = w.copy_done
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.holds.add(NEXT)
+            u.compute.release(self, OPTIM, after=after)  # (first: as above)
             for s in (u.master, u.exp_avg, u.exp_avg_sq) + (() if job.keep_grads else (u.grads,)):
                 s.release(self, OPTIM)
-            u.compute.release(self, OPTIM, after=after)
             u.phase = "updated"
         elif not job.keep_grads:
             u.grads.release(self, OPTIM)

@@ -32,6 +32,7 @@ class Slot:
     read_done: When = None
     write_done: Optional[Done] = None
     updating: bool = False  # a compute copy its pending update has not made yet (runtime Slot.updating)
+    after: float = 0.0  # the latest `after` of the releases while another hold kept the buffer
 
     def acquire(self, sim: Replay, hold: str, overwrite: bool = False) -> Iterator:
         self.holds.add(hold)
@@ -56,11 +57,13 @@ class Slot:
             self.state = READY
 
     def release(self, sim: Replay, hold: str, after: float = 0.0) -> None:
+        # every release's `after` counts, whichever hold goes last (runtime Slot.release keeps them)
+        self.after = max(self.after, after)
         self.holds.discard(hold)
         if self.holds or self.resident or self.state == EMPTY:
             return
-        self.pool.put(self.nbytes, self.read_done, self.write_done, after)
-        self.state = EMPTY
+        self.pool.put(self.nbytes, self.read_done, self.write_done, self.after)
+        self.state, self.after = EMPTY, 0.0
 
     def wrote(self, done: Done) -> None:
         self.write_done = done
