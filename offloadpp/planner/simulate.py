@@ -440,7 +440,7 @@ class Sim:
             if refresh:
                 w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
             # the compute copy first: with fp32 it is the master's slot, and the release that names
-            # the refresh's copy must find the buffer still held (runtime/optimizer.py _complete)
+            # the refresh's copy must find the buffer still held (runtime/optimizer_completion.py _complete)
             u.compute.release(self, OPTIM, after=w.copy_done if refresh else 0.0)
             for s in (u.master, u.exp_avg, u.exp_avg_sq, u.grads):
                 s.release(self, OPTIM)
