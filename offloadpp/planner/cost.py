@@ -37,7 +37,7 @@ from .hardware import HardwareProfile
 from .model_profile import ModelProfile
 from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes
 from .ranks import RankLink, rank_share
-from .schedule import build_schedule
+from .schedule import cached_schedule
 from .simulate import Costs, Sim
 from .simulate_act import ActWork
 from .traffic import ByKind, by_key_kinds
@@ -210,7 +210,7 @@ def replay(
         io_slowdown=1.0 if cuda else hardware.compute_slowdown_under_io,
     )
     m = sim.marks[-1]
-    sched = build_schedule(plan)
+    sched = cached_schedule(plan)  # (the one the replay just walked)
     recompute = sum(fwd[n] * recompute_fraction(policies.get(n, "keep")) for n in fwd)
     compute = micro_batches * (sum(fwd[n] + bwd[n] for n in fwd) + recompute)
     adam = sum(u.numel for u in plan.units) / plan.ranks / costs.adam_rate

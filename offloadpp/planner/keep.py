@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 from .peaks import peak_bytes
 from .plan import Plan, PlanError, Tier, fmt_bytes
-from .schedule import build_schedule, grads_order
+from .schedule import cached_schedule, grads_order
 
 # What a fill can keep (a (unit, what) step); for ties see the module Note.
 ARRAYS = ("weights@device", "master@device", "weights@host", "master@host", "grads@host", "moments@host")
@@ -42,7 +42,7 @@ def fits(plan: Plan, device_bytes: int, host_bytes: int) -> bool:
 def saved_bytes(plan: Plan) -> dict[str, int]:
     """SSD bytes per step per key (`<unit>.<array>`) of the streaming plan `plan`: what keeping
     that array in memory saves (the module Note)."""
-    sched = build_schedule(plan)
+    sched = cached_schedule(plan)  # (each fill at these depths starts from the same streaming plan)
     fetches = {u.name: 0 for u in plan.units}
     prev: frozenset = frozenset()
     for alive in sched.alive:
