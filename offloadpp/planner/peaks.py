@@ -45,18 +45,55 @@ _HOLDS: dict[tuple, tuple] = {}
 _HOLDS_MAX = 64
 
 
-def _holds_for(plan: Plan) -> tuple:
-    """schedule.holds of the plan's shape, found once per shape (the placements do not matter)."""
+def _holds_for(plan: Plan) -> tuple[tuple, tuple]:
+    """schedule.holds of the plan's shape, found once per shape (the placements do not matter),
+    as (device rows, host rows) over the units' indices: (grads, computing, others) and (window,
+    fetching, kept, kept shards). Note: the two peaks are maxima over the visits of sums of
+    non-negative terms, each peak on its own, so a row equal to another, or one whose every part
+    is within another's (its gradients no more), never sets a peak: only the rows left are priced
+    (each placement is priced thousands of times in a search; the rows are found once)."""
     key = _shape_key(plan)
-    hs = _HOLDS.get(key)
-    if hs is None:
+    rows = _HOLDS.get(key)
+    if rows is None:
         sched = structure(plan)
         sched = replace(sched, next_keep_until=_first_alive(sched, sched.next_keep))
-        hs = tuple(holds(plan, sched))
+        index = {u.name: i for i, u in enumerate(plan.units)}
+
+        def ix(names) -> tuple[int, ...]:
+            return tuple(sorted(index[n] for n in names))
+
+        dev, host = set(), set()
+        for h in holds(plan, sched):
+            dev.add((h.grads, ix(h.device & h.computing), ix(h.device - h.computing)))
+            host.add((ix(h.window), ix(h.fetching), ix(h.kept), ix(h.kept_shards)))
+        rows = (_undominated(dev, lambda a, b: a[0] <= b[0] and _within(a[1:], b[1:])),
+                _undominated(host, _within))  # fmt: skip
         if len(_HOLDS) >= _HOLDS_MAX:
             _HOLDS.pop(next(iter(_HOLDS)))
-        _HOLDS[key] = hs
-    return hs
+        _HOLDS[key] = rows
+    return rows
+
+
+def _within(a: tuple, b: tuple) -> bool:
+    """Every part of `a` (tuples of unit indices, a unit counted as often as it appears) is in b's."""
+    for x, y in zip(a, b):
+        if len(x) > len(y):
+            return False
+        left = list(y)
+        for i in x:
+            if i not in left:
+                return False
+            left.remove(i)
+    return True
+
+
+def _undominated(rows: set, within) -> tuple:
+    rows_ = sorted(rows, key=lambda r: -sum(len(x) if isinstance(x, tuple) else 0 for x in r))
+    out: list = []
+    for r in rows_:
+        if not any(within(r, o) for o in out):
+            out.append(r)
+    return tuple(out)
 
 
 def clear_cache() -> None:
@@ -72,7 +109,7 @@ def clear_cache() -> None:
 # few units at a time: each unit's terms are priced once. (The plan's derived properties are in
 # the key as read, not the fields they derive from: a property changed (a test patches
 # grad_dtype) is a new key.)
-_TERMS: dict[tuple, tuple[int, ...]] = {}
+_TERMS: dict[tuple, tuple] = {}
 _TERMS_MAX = 1 << 16
 
 
@@ -85,8 +122,12 @@ def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
     """(device weights, the trainable weights alone (held for the optimizer or the next forward:
     Holds.computing), fetching, optimizer window, kept gradients, kept shard, resident host);
     shape: _shape_of(plan)."""
-    key = (shape, u, p)
-    t = _TERMS.get(key)
+    # (keyed by identity, the unit and placement held in the entry so neither id is reused while
+    # it is there: hashing a UnitSpec's every field, thousands of times a search, cost more than
+    # the pricing; an equal placement made anew is priced anew, once)
+    key = (shape, id(u), id(p))
+    e = _TERMS.get(key)
+    t = e[2] if e is not None and e[0] is u and e[1] is p else None
     if t is None:
         cdt, dev = plan.compute_dtype, p.weights is Tier.DEVICE
         t = (0 if dev else u.weights_bytes(cdt), 0 if dev else held_weights_bytes(plan, u, False),
@@ -95,7 +136,7 @@ def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
              plan.unit_resident_host_bytes(u, p))  # fmt: skip
         if len(_TERMS) >= _TERMS_MAX:
             _TERMS.clear()
-        _TERMS[key] = t
+        _TERMS[key] = (u, p, t)
     return t
 
 
@@ -110,38 +151,27 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     ):
         s = build_schedule(plan)
         return s.peak_device_bytes, s.peak_host_bytes
-    hs = _holds_for(plan)
-    device_w = {}
-    trainable_w = {}  # held for the optimizer or the next forward: no frozen segment (Holds.computing)
-    ssd_w = {}
-    ob = {}
-    kb = {}
-    sb = {}
-    resident_host = 0
+    dev_rows, host_rows = _holds_for(plan)
     shape = _shape_of(plan)
-    for u, p in plan:
-        (device_w[u.name], trainable_w[u.name], ssd_w[u.name], ob[u.name], kb[u.name], sb[u.name],
-         rh) = _terms(plan, shape, u, p)  # fmt: skip
-        resident_host += rh
+    terms = [_terms(plan, shape, u, p) for u, p in plan]
+    device_w = [t[0] for t in terms]
+    trainable_w = [t[1] for t in terms]  # held for the optimizer or the next forward: no frozen segment
+    ssd_w = [t[2] for t in terms]
+    ob = [t[3] for t in terms]
+    kb = [t[4] for t in terms]
+    sb = [t[5] for t in terms]
+    resident_host = sum(t[6] for t in terms)
     dev = host = 0
-    for h in hs:
-        d = h.grads
-        for n in h.device:
-            d += device_w[n] if n in h.computing else trainable_w[n]
-        x = 0
-        for n in h.window:
-            x += ob[n]
-        for n in h.fetching:
-            x += ssd_w[n]
-        for n in h.kept:
-            x += kb[n]
-        for n in h.kept_shards:
-            x += sb[n]
+    for grads, computing, others in dev_rows:
+        d = grads + sum(map(device_w.__getitem__, computing)) + sum(map(trainable_w.__getitem__, others))
         dev = d if d > dev else dev
+    for window, fetching, kept, kept_shards in host_rows:
+        x = (sum(map(ob.__getitem__, window)) + sum(map(ssd_w.__getitem__, fetching))
+             + sum(map(kb.__getitem__, kept)) + sum(map(sb.__getitem__, kept_shards)))  # fmt: skip
         host = x if x > host else host
     # (schedule.drain_host_bytes(plan), from the terms at hand: the largest window's and the
     # resident host arrays)
-    return dev + drain_device_bytes(plan), host + max(ob.values(), default=0) + resident_host
+    return dev + drain_device_bytes(plan), host + max(ob, default=0) + resident_host
 
 
 __all__ = ["clear_cache", "peak_bytes"]
