@@ -48,10 +48,8 @@ _HOLDS_MAX = 64
 def _holds_for(plan: Plan) -> tuple[tuple, tuple]:
     """schedule.holds of the plan's shape, found once per shape (the placements do not matter),
     as (device rows, host rows) over the units' indices: (grads, computing, others) and (window,
-    fetching, kept, kept shards). Note: the two peaks are maxima over the visits of sums of
-    non-negative terms, each peak on its own, so a row equal to another, or one whose every part
-    is within another's (its gradients no more), never sets a peak: only the rows left are priced
-    (each placement is priced thousands of times in a search; the rows are found once)."""
+    fetching, kept, kept shards). The two peaks are maxima over the visits, each on its own: rows
+    equal to another are priced once (_Priced)."""
     key = _shape_key(plan)
     rows = _HOLDS.get(key)
     if rows is None:
@@ -66,34 +64,11 @@ def _holds_for(plan: Plan) -> tuple[tuple, tuple]:
         for h in holds(plan, sched):
             dev.add((h.grads, ix(h.device & h.computing), ix(h.device - h.computing)))
             host.add((ix(h.window), ix(h.fetching), ix(h.kept), ix(h.kept_shards)))
-        rows = (_undominated(dev, lambda a, b: a[0] <= b[0] and _within(a[1:], b[1:])),
-                _undominated(host, _within))  # fmt: skip
+        rows = (tuple(dev), tuple(host))
         if len(_HOLDS) >= _HOLDS_MAX:
             _HOLDS.pop(next(iter(_HOLDS)))
         _HOLDS[key] = rows
     return rows
-
-
-def _within(a: tuple, b: tuple) -> bool:
-    """Every part of `a` (tuples of unit indices, a unit counted as often as it appears) is in b's."""
-    for x, y in zip(a, b):
-        if len(x) > len(y):
-            return False
-        left = list(y)
-        for i in x:
-            if i not in left:
-                return False
-            left.remove(i)
-    return True
-
-
-def _undominated(rows: set, within) -> tuple:
-    rows_ = sorted(rows, key=lambda r: -sum(len(x) if isinstance(x, tuple) else 0 for x in r))
-    out: list = []
-    for r in rows_:
-        if not any(within(r, o) for o in out):
-            out.append(r)
-    return tuple(out)
 
 
 def clear_cache() -> None:
