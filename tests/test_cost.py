@@ -189,6 +189,25 @@ def test_accumulation_counts_micro_batches():
         estimate(in_memory(stream(m)), hw(), m, micro_batches=2)
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_step_of_several_micro_batches_is_steady_after_two(deferred, monkeypatch):
+    """A step of several micro-batches is replayed twice, not three times (planning time, issue
+    36): its first step already ends as a steady one does, so the estimate is the three-step one.
+    Updates deferred to the next step's visits are not steady after two: those walk three."""
+    import offloadpp.planner.cost as cost
+
+    m = analytic_profile(GPT2, micro_batch=1, seq_len=64, compute_dtype="bf16")
+    h = hw(device="cuda", device_flops_per_s={"bf16": 50e9}, adam_params_per_s={1: 0.5e9})
+    plan = stream(m, device="cuda", compute_dtype="bf16", accumulate_grads=True, deferred_update=deferred)
+    assert cost.replay_steps(plan, 4) == (3 if deferred else 2)
+    assert (
+        cost.replay_steps(plan, 1) == 3 and cost.replay_steps(replace(plan, accumulate_grads=False), 1) == 3
+    )
+    two = estimate(plan, h, m, micro_batches=4)
+    monkeypatch.setattr(cost, "replay_steps", lambda plan, micro_batches: 3)
+    assert two.step_s == pytest.approx(estimate(plan, h, m, micro_batches=4).step_s, rel=1e-9)
+
+
 def test_cuda_plan_moves_weights_over_the_link():
     m = analytic_profile(GPT2, micro_batch=1, seq_len=64, compute_dtype="bf16")
     h = hw(device="cuda", device_flops_per_s={"bf16": 100e12}, h2d_gbps=0.5, d2h_gbps=0.5)

@@ -82,6 +82,16 @@ def test_auto_is_within_5pc_of_the_hand_written_plans_on_profile_1_llama():
     assert hand_violation(hw, p) is None
 
 
+def test_auto_keeps_a_units_16_bit_copy_with_its_master_as_the_hand_written_fill_does():
+    """Profile 6 (666 GiB host, SSD write 2.9 GB/s), the 7B Llama shape, b32: the hand-written
+    "moments first" fill keeps each unit's master and its 16-bit copy in host memory (11.96 s);
+    the search's fills kept masters and moments but left every copy on SSD (13.49 s, 1.13x).
+    fills.WEIGHTS_FILL is that fill (11.96 s)."""
+    hw, dtype = random_profile(6)
+    p = plan_point(hw, "llama-7b", 32, dtype)
+    assert hand_violation(hw, p) is None
+
+
 def test_a_seeded_slice_of_the_sweep_holds_every_property():
     """The default run's slice: two profiles, a 7B Llama shape cut to 2 layers, three micro-batches
     (the long sweep is `offloadpp bench planner-properties`)."""

@@ -271,57 +271,70 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         resume(p)
     first = procs[0]
     guard = 0
-    n_helpers = len(procs) - 1
+    # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
+    # events; branches and locals here, not helper calls, keep planning within its 2 s)
     while first[1][0] != "done":
         guard += 1
         if guard > 10_000_000:
             raise RuntimeError("cost model replay did not finish (internal error)")
         t = sim.t
-        ssd.advance(t)
+        if ssd.cur is not None and ssd.cur_end <= t:
+            ssd.advance(t)
         progressed = False
         for p in procs:  # requests that are already satisfied resume at once
             req = p[1]
             kind = req[0]
-            if (
-                (kind == "cpu" and p[2] <= 1e-12)
-                or (kind == "wait" and done_by(req[1], t))
-                or (kind == "cond" and req[1]())
-                or (kind == "until" and req[1] <= t)
-            ):
-                resume(p)
-                progressed = True
+            if kind == "cpu":
+                if p[2] > 1e-12:
+                    continue
+            elif kind == "wait":
+                if not done_by(req[1], t):
+                    continue
+            elif kind == "cond":
+                if not req[1]():
+                    continue
+            elif kind != "until" or req[1] > t:
+                continue
+            resume(p)
+            progressed = True
         if progressed:
             continue
         computing = first[1][0] == "cpu"
         busy_helpers = 0
-        for p in procs[1:]:
-            if p[1][0] == "cpu":
+        for p in procs:
+            if p[1][0] == "cpu" and p is not first:
                 busy_helpers += 1
         main_rate = (1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (
-            io_slowdown if ssd.busy else 1.0
+            io_slowdown if ssd.cur is not None else 1.0
         )
         helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
-        rates = [main_rate] + [helper_rate] * n_helpers
         nxt, first_done = ssd.next_event(), None
-        for p, r in zip(procs, rates):
-            kind = p[1][0]
+        r = main_rate
+        for p in procs:
+            req = p[1]
+            kind = req[0]
             if kind == "cpu":
-                if t + p[2] / r < nxt:
-                    nxt, first_done = t + p[2] / r, p
+                end = t + p[2] / r
+                if end < nxt:
+                    nxt, first_done = end, p
             elif kind == "until":
-                if p[1][1] < nxt:
-                    nxt, first_done = p[1][1], None
+                if req[1] < nxt:
+                    nxt, first_done = req[1], None
             elif kind == "wait":
-                last = max(map(when, p[1][1]), default=0.0)
+                last = max(map(when, req[1]), default=0.0)
                 if last < nxt:
                     nxt, first_done = last, None
+            r = helper_rate
         if nxt == INF:
             waits = ", ".join(p[1][0] for p in procs)
             raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
         dt = nxt - t
-        for p, r in zip(procs, rates):
+        r = main_rate
+        for p in procs:
             if p[1][0] == "cpu":
-                p[2] = max(0.0, p[2] - dt * r)
+                left = p[2] - dt * r
+                p[2] = left if left > 0.0 else 0.0
+            r = helper_rate
         if first_done is not None:
             first_done[2] = 0.0  # exactly done, whatever the rounding of t + work / rate
         if computing:

@@ -29,9 +29,13 @@ def _ordered_fill(base: Plan, order: list[str], arrays: tuple[str, ...], req: Re
     """Keeps `arrays` of the units in `order` (all of the first array's units, then the next
     array's) while the budgets allow: the fills a person tuning by hand would try."""
     masters = ("master@device", "master@host") if base.device == "cpu" else ("master@host",)
-    steps = [
-        tuple((u, w) for w in (masters if what == "master" else (what,))) for what in arrays for u in order
-    ]
+    steps = []
+    for what in arrays:
+        for u in order:
+            if what == "master+weights":  # a unit's master, then its 16-bit copy, in host memory
+                steps += [((u, "master@host"),), ((u, "weights@host"),)]
+            else:
+                steps.append(tuple((u, w) for w in (masters if what == "master" else (what,))))
     return _fill(base, steps, req)
 
 
@@ -40,6 +44,15 @@ FILLS = (
     ("forward, moments first", False, ("moments@host", "master")),
     ("backward, master first", True, ("master", "moments@host")),
 )
+
+
+# With 16-bit compute on CUDA, also the fill a person keeping a unit's weights in host memory makes
+# by hand (planner_grid's): its master and its 16-bit copy (read at every fetch, written by the
+# update). The fills above leave every copy on SSD, and keep.py's rule ranks the copies first but
+# then, ties going to gradients, leaves moments on SSD: issue 36's property sweep, profile 6 (666
+# GiB host, SSD write 2.9 GB/s), Llama 7B b16 / b32: 8.99 / 13.49 s against the hand-written
+# 8.54 / 11.96 s (now 6.17 / 11.96 s).
+WEIGHTS_FILL = ("forward, master with its 16-bit copy first", False, ("master+weights", "moments@host"))
 
 
 def _placements(base: Plan, req: Request, reserve: int) -> dict:
@@ -56,7 +69,8 @@ def _placements(base: Plan, req: Request, reserve: int) -> dict:
         keep(base, rq.budgets.device_bytes, rq.budgets.host_bytes).placements, "by bytes saved" + tag
     )
     names = [u.name for u in base.units]
-    for label, backward, arrays in FILLS:
+    fills = FILLS + ((WEIGHTS_FILL,) if base.separate_weights and base.device != "cpu" else ())
+    for label, backward, arrays in fills:
         filled = _ordered_fill(base, names[::-1] if backward else names, arrays, rq)
         tried.setdefault(filled.placements, label + tag)
     return tried

@@ -22,11 +22,11 @@ units the next forward's pending updates read first), the rest in forward order.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from .peaks import peak_bytes
 from .plan import Plan, PlanError, Tier, fmt_bytes
-from .schedule import build_schedule, grads_order
+from .schedule import cached_schedule, grads_order
 
 # What a fill can keep (a (unit, what) step); for ties see the module Note.
 ARRAYS = ("weights@device", "master@device", "weights@host", "master@host", "grads@host", "moments@host")
@@ -42,7 +42,7 @@ def fits(plan: Plan, device_bytes: int, host_bytes: int) -> bool:
 def saved_bytes(plan: Plan) -> dict[str, int]:
     """SSD bytes per step per key (`<unit>.<array>`) of the streaming plan `plan`: what keeping
     that array in memory saves (the module Note)."""
-    sched = build_schedule(plan)
+    sched = cached_schedule(plan)  # (each fill at these depths starts from the same streaming plan)
     fetches = {u.name: 0 for u in plan.units}
     prev: frozenset = frozenset()
     for alive in sched.alive:
@@ -151,17 +151,6 @@ def upgraded(plan: Plan, p, what: str):
     return new
 
 
-def applied(plan: Plan, unit: str, what: str) -> Optional[Plan]:
-    """The plan with one more array kept in memory, or None if that does not apply."""
-    idx = [u.name for u in plan.units].index(unit)
-    new = upgraded(plan, plan.placements[idx], what)
-    if new is None:
-        return None
-    placements = list(plan.placements)
-    placements[idx] = new
-    return replace(plan, placements=tuple(placements))
-
-
 def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Plan], bool]) -> Plan:
     """Applies `steps` in order (each the first of its (unit, what) alternatives that fits) while
     `ok` (the budgets) allows. The longest prefix that fits with first alternatives is found by bisection
@@ -169,12 +158,19 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
     misses in a row: O(log n) schedule walks where a plain loop takes n."""
 
     index = {u.name: i for i, u in enumerate(base.units)}
+    made: dict = {}  # (placement, what) -> upgraded(): the bisection makes each again and again
+
+    def up(p, what: str):
+        key = (p, what)
+        if key not in made:
+            made[key] = upgraded(base, p, what)
+        return made[key]
 
     def prefix(n: int) -> Plan:
         placements = list(base.placements)
         for step in steps[:n]:
             unit, what = step[0]
-            new = upgraded(base, placements[index[unit]], what)
+            new = up(placements[index[unit]], what)
             if new is not None:
                 placements[index[unit]] = new
         return replace(base, placements=tuple(placements))
@@ -189,7 +185,13 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
     plan, misses = prefix(lo), 0
     for step in steps[lo:]:
         for unit, what in step:
-            nxt = applied(plan, unit, what)
+            i = index[unit]
+            new = up(plan.placements[i], what)
+            nxt = (
+                None
+                if new is None
+                else replace(plan, placements=(*plan.placements[:i], new, *plan.placements[i + 1 :]))
+            )
             if nxt is not None and ok(nxt):
                 plan, misses = nxt, -1
                 break

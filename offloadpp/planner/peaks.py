@@ -45,18 +45,30 @@ _HOLDS: dict[tuple, tuple] = {}
 _HOLDS_MAX = 64
 
 
-def _holds_for(plan: Plan) -> tuple:
-    """schedule.holds of the plan's shape, found once per shape (the placements do not matter)."""
+def _holds_for(plan: Plan) -> tuple[tuple, tuple]:
+    """schedule.holds of the plan's shape, found once per shape (the placements do not matter),
+    as (device rows, host rows) over the units' indices: (grads, computing, others) and (window,
+    fetching, kept, kept shards). The two peaks are maxima over the visits, each on its own: rows
+    equal to another are priced once (_Priced)."""
     key = _shape_key(plan)
-    hs = _HOLDS.get(key)
-    if hs is None:
+    rows = _HOLDS.get(key)
+    if rows is None:
         sched = structure(plan)
         sched = replace(sched, next_keep_until=_first_alive(sched, sched.next_keep))
-        hs = tuple(holds(plan, sched))
+        index = {u.name: i for i, u in enumerate(plan.units)}
+
+        def ix(names) -> tuple[int, ...]:
+            return tuple(sorted(index[n] for n in names))
+
+        dev, host = set(), set()
+        for h in holds(plan, sched):
+            dev.add((h.grads, ix(h.device & h.computing), ix(h.device - h.computing)))
+            host.add((ix(h.window), ix(h.fetching), ix(h.kept), ix(h.kept_shards)))
+        rows = (tuple(dev), tuple(host))
         if len(_HOLDS) >= _HOLDS_MAX:
             _HOLDS.pop(next(iter(_HOLDS)))
-        _HOLDS[key] = hs
-    return hs
+        _HOLDS[key] = rows
+    return rows
 
 
 def clear_cache() -> None:
@@ -64,6 +76,7 @@ def clear_cache() -> None:
     nothing)."""
     _HOLDS.clear()
     _TERMS.clear()
+    _LAST.clear()
     clear_schedules()
 
 
@@ -72,7 +85,7 @@ def clear_cache() -> None:
 # few units at a time: each unit's terms are priced once. (The plan's derived properties are in
 # the key as read, not the fields they derive from: a property changed (a test patches
 # grad_dtype) is a new key.)
-_TERMS: dict[tuple, tuple[int, ...]] = {}
+_TERMS: dict[tuple, tuple] = {}
 _TERMS_MAX = 1 << 16
 
 
@@ -85,8 +98,12 @@ def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
     """(device weights, the trainable weights alone (held for the optimizer or the next forward:
     Holds.computing), fetching, optimizer window, kept gradients, kept shard, resident host);
     shape: _shape_of(plan)."""
-    key = (shape, u, p)
-    t = _TERMS.get(key)
+    # (keyed by identity, the unit and placement held in the entry so neither id is reused while
+    # it is there: hashing a UnitSpec's every field, thousands of times a search, cost more than
+    # the pricing; an equal placement made anew is priced anew, once)
+    key = (shape, id(u), id(p))
+    e = _TERMS.get(key)
+    t = e[2] if e is not None and e[0] is u and e[1] is p else None
     if t is None:
         cdt, dev = plan.compute_dtype, p.weights is Tier.DEVICE
         t = (0 if dev else u.weights_bytes(cdt), 0 if dev else held_weights_bytes(plan, u, False),
@@ -95,7 +112,7 @@ def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
              plan.unit_resident_host_bytes(u, p))  # fmt: skip
         if len(_TERMS) >= _TERMS_MAX:
             _TERMS.clear()
-        _TERMS[key] = t
+        _TERMS[key] = (u, p, t)
     return t
 
 
@@ -110,38 +127,79 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     ):
         s = build_schedule(plan)
         return s.peak_device_bytes, s.peak_host_bytes
-    hs = _holds_for(plan)
-    device_w = {}
-    trainable_w = {}  # held for the optimizer or the next forward: no frozen segment (Holds.computing)
-    ssd_w = {}
-    ob = {}
-    kb = {}
-    sb = {}
-    resident_host = 0
     shape = _shape_of(plan)
-    for u, p in plan:
-        (device_w[u.name], trainable_w[u.name], ssd_w[u.name], ob[u.name], kb[u.name], sb[u.name],
-         rh) = _terms(plan, shape, u, p)  # fmt: skip
-        resident_host += rh
-    dev = host = 0
-    for h in hs:
-        d = h.grads
-        for n in h.device:
-            d += device_w[n] if n in h.computing else trainable_w[n]
-        x = 0
-        for n in h.window:
-            x += ob[n]
-        for n in h.fetching:
-            x += ssd_w[n]
-        for n in h.kept:
-            x += kb[n]
-        for n in h.kept_shards:
-            x += sb[n]
-        dev = d if d > dev else dev
-        host = x if x > host else host
+    small = (plan.device, plan.compute_dtype, plan.prefetch_depth, plan.optim_prefetch_depth, plan.accumulate_grads,
+             plan.deferred_update, plan.speculative, plan.clipping, plan.ranks, shape)  # fmt: skip
+    last = _LAST.get(small)
+    if last is None or last.units is not plan.units:
+        last = _LAST[small] = _Priced(plan, shape)
+    else:
+        last.move_to(plan, shape)
     # (schedule.drain_host_bytes(plan), from the terms at hand: the largest window's and the
     # resident host arrays)
-    return dev + drain_device_bytes(plan), host + max(ob.values(), default=0) + resident_host
+    return (max(last.dev, default=0) + drain_device_bytes(plan),
+            max(last.host, default=0) + max((t[3] for t in last.terms), default=0) + last.resident_host)  # fmt: skip
+
+
+# Which of a row's parts reads which unit term (_terms' order): device rows (computing, others),
+# host rows (window, fetching, kept, kept shards)
+_DEV_TERM = (0, 1)
+_HOST_TERM = (3, 2, 4, 5)
+
+
+class _Priced:
+    """The last plan priced at one shape: its placements, their unit terms and every row's sum.
+    Note: the placements a search prices one after another differ in a few units (a fill adds
+    one array at a time); the next is priced by moving the sums of the rows the changed units
+    are in, not by summing every row again (integers: the same peaks to the byte)."""
+
+    def __init__(self, plan: Plan, shape: tuple) -> None:
+        dev_rows, host_rows = _holds_for(plan)
+        n = len(plan.units)
+        self.units = plan.units
+        self.placements = plan.placements
+        self.terms = [_terms(plan, shape, u, p) for u, p in plan]
+        # unit index -> [(row, term index)], once per appearance
+        self.dev_in: list[list] = [[] for _ in range(n)]
+        self.host_in: list[list] = [[] for _ in range(n)]
+        self.dev = []
+        for r, (grads, *parts) in enumerate(dev_rows):
+            total = grads
+            for part, k in zip(parts, _DEV_TERM):
+                for i in part:
+                    self.dev_in[i].append((r, k))
+                    total += self.terms[i][k]
+            self.dev.append(total)
+        self.host = []
+        for r, parts in enumerate(host_rows):
+            total = 0
+            for part, k in zip(parts, _HOST_TERM):
+                for i in part:
+                    self.host_in[i].append((r, k))
+                    total += self.terms[i][k]
+            self.host.append(total)
+        self.resident_host = sum(t[6] for t in self.terms)
+
+    def move_to(self, plan: Plan, shape: tuple) -> None:
+        old = self.placements
+        if old is plan.placements:
+            return
+        for i, (u, p) in enumerate(zip(plan.units, plan.placements)):
+            if p is old[i]:
+                continue
+            before, after = self.terms[i], _terms(plan, shape, u, p)
+            if after == before:
+                continue
+            for r, k in self.dev_in[i]:
+                self.dev[r] += after[k] - before[k]
+            for r, k in self.host_in[i]:
+                self.host[r] += after[k] - before[k]
+            self.resident_host += after[6] - before[6]
+            self.terms[i] = after
+        self.placements = plan.placements
+
+
+_LAST: dict[tuple, _Priced] = {}
 
 
 __all__ = ["clear_cache", "peak_bytes"]
