@@ -30,6 +30,14 @@ def test_table_has_the_ratio_column():
     assert "peak device mem (GiB) | n/a | n/a | n/a |" in table
 
 
+def test_table_shows_the_steps_own_peak_rss_apart_from_the_build():
+    ours = _run("offloadpp", [1, 1, 1], [1] * 3)
+    ours["phase_peak_rss_bytes"] = {"build": 2**32, "initialize": 2**31, "steps": 3 * 2**29}
+    summ = {"zero": summarize(_run("zero", [1, 1, 1], [1] * 3)), "offloadpp": summarize(ours)}
+    assert summ["offloadpp"]["steps_peak_rss_gib"] == 1.5
+    assert "| peak RSS of the steps (GiB) | n/a | 1.50 | n/a |" in format_table(summ)
+
+
 def test_worker_turns_grant_steps_in_chunks(monkeypatch, capsys):
     import io
 

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 
-def _issue_engine(tmp_path, clipping: float, dtype: str = "bf16"):
+def _issue_engine(tmp_path, clipping: float, dtype: str = "bf16", host_budget: typing.Optional[int] = None):
     """Issue 37's shape through offloadpp.initialize: GPT-2, 2 layers, width 64, vocabulary 512,
     micro-batch 2, 16-bit on the CPU device, the state on SSD."""
     import offloadpp
@@ -37,7 +37,7 @@ def _issue_engine(tmp_path, clipping: float, dtype: str = "bf16"):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
-        "offloadpp": {"enabled": True},
+        "offloadpp": {"enabled": True, **({"host_budget_bytes": host_budget} if host_budget else {})},
     }  # fmt: skip
     engine, *_ = offloadpp.initialize(model=model, model_parameters=model.parameters(), config=ds)
     for pool in (engine.runtime.device_pool, engine.runtime.host_pool):
@@ -56,6 +56,29 @@ def test_issue_37_shape_trains_without_a_wait(tmp_path, seq):
         g = torch.Generator().manual_seed(seq)
         for _ in range(3):
             x = torch.randint(0, 512, (2, seq), generator=g)
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+            dev = engine.last_report.budget("device")
+            assert dev.longest_wait_s < 1.0, dev
+            assert dev.run_peak_bytes <= dev.budget_bytes
+    finally:
+        engine.close()
+
+
+def test_a_16bit_compute_copy_kept_in_host_memory_is_drawn_from_the_host_pool(tmp_path):
+    """bf16 on the CPU device with host memory to spare: the plan keeps units' 16-bit weights in
+    host memory (planner/keep.py's "weights@host", counted as host bytes). The runtime drew those
+    copies from the device pool, where they filled the streaming device budget: the next unit
+    waited for room that never came (GPT-2 1.31B in issue 33's A/B; here at initialize)."""
+    from offloadpp.planner import Tier
+
+    engine = _issue_engine(tmp_path, 1.0, host_budget=20_000_000)
+    try:
+        plan = engine.runtime.plan
+        assert any(p.weights is Tier.HOST for p in plan.placements), plan.describe()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            x = torch.randint(0, 512, (2, 16), generator=g)
             engine.backward(engine(input_ids=x, labels=x).loss)
             engine.step()
             dev = engine.last_report.budget("device")

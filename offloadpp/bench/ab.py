@@ -197,6 +197,10 @@ def summarize(r: dict) -> dict:
         "tokens_per_s": r["tokens_per_step"] / step_s,
         "tflops": 6 * r["params"] * r["tokens_per_step"] / step_s / 1e12,
         "peak_rss_gib": r["peak_rss_bytes"] / 2**30,
+        # the steps alone (VmHWM reset after initialize): the engine's, without the model's build
+        "steps_peak_rss_gib": r["phase_peak_rss_bytes"]["steps"] / 2**30
+        if r.get("phase_peak_rss_bytes", {}).get("steps")
+        else None,
         "peak_device_gib": None if r["peak_device_bytes"] is None else r["peak_device_bytes"] / 2**30,
         "ssd_read_gib": r["ssd_read_bytes"] / 2**30,
         "ssd_write_gib": r["ssd_write_bytes"] / 2**30,
@@ -233,6 +237,7 @@ def format_table(summ: dict[str, dict]) -> str:
         ("tokens/s", "tokens_per_s", "{:.0f}"),
         ("achieved TFLOP/s (6NT)", "tflops", "{:.4f}"),
         ("peak RSS (GiB)", "peak_rss_gib", "{:.2f}"),
+        ("peak RSS of the steps (GiB)", "steps_peak_rss_gib", "{:.2f}"),
         ("peak device mem (GiB)", "peak_device_gib", "{:.2f}"),
         ("SSD read (GiB)", "ssd_read_gib", "{:.2f}"),
         ("SSD written (GiB)", "ssd_write_gib", "{:.2f}"),
@@ -307,6 +312,12 @@ def run(args: argparse.Namespace) -> int:
         cap = summ[s]["device_memory_cap_gib"]
         print(f"{s}: device {summ[s]['device']}" + (f", memory capped to {cap:.1f} GiB" if cap else ""))
     print(table)
+    for s in sides:
+        phases = results[s].get("phase_peak_rss_bytes") or {}
+        if phases:
+            print(
+                f"{s}: peak RSS by phase " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in phases.items())
+            )
     for other in sides[1:]:
         diffs = [
             abs(a["loss"] - b["loss"]) for a, b in zip(results[sides[0]]["steps"], results[other]["steps"])

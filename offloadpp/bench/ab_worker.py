@@ -103,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             zero[key]["nvme_path"] = args.nvme_dir
     if args.side != "zero":
         cfg["offloadpp"]["nvme_paths"] = [args.nvme_dir]
+    from offloadpp.bench.capacity import phase_peak
+
     preset, model = _build_model(args.model, args.init)
+    # Peak RSS by phase: building the whole model and loading its weights (the harness's doing,
+    # before the engine sees it) can be the run's peak at 1.31B, and would hide the engine's own.
+    peaks = {"build": phase_peak()}
     if args.side == "zero":  # DeepSpeed JIT-builds its ops: an interrupted build's lock would hang it
         from offloadpp.integrations.deepspeed.op_locks import clear_stale_build_locks
 
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
     init_s = time.perf_counter() - t_init
+    peaks["initialize"] = phase_peak()
 
     micro = cfg.get("train_micro_batch_size_per_gpu", preset.micro_batch)
     gas = cfg.get("gradient_accumulation_steps", 1)
@@ -155,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             f"[{args.side}] step {step} {dt:.3f}s loss {steps[-1]['loss']:.5f}", file=sys.stderr, flush=True
         )
     io1 = _proc_io()
+    peaks["steps"] = phase_peak()
 
     tokens_per_step = micro * gas * seq_len
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
@@ -165,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_step": tokens_per_step,
         "init_seconds": init_s,
         "steps": steps,
-        "peak_rss_bytes": _peak_rss_bytes(),
+        # resetting VmHWM between phases also resets ru_maxrss (one high-water mark in the kernel)
+        "peak_rss_bytes": max(_peak_rss_bytes(), *peaks.values()),
+        "phase_peak_rss_bytes": peaks,
         "ssd_read_bytes": io1["read_bytes"] - io0["read_bytes"],
         "ssd_write_bytes": io1["write_bytes"] - io0["write_bytes"],
         "peak_device_bytes": _peak_device_bytes(engine),

@@ -151,7 +151,7 @@ def _batches(args, n: int):
     return [torch.randint(0, 50257, (args.batch, args.seq), generator=g) for _ in range(n)]
 
 
-def _phase_peak() -> int:
+def phase_peak() -> int:
     """This process's peak RSS since the last call (VmHWM), then the peak is reset to the current
     RSS (Linux's clear_refs 5), so each phase of a run gets its own peak; 0 where unreadable."""
     try:
@@ -214,11 +214,11 @@ def _offloadpp_child(args, work: str) -> dict:
     with Init(config=cfg):
         model = GPT2LMHeadModel(_gpt2_config(args))
     n = sum(p.numel() for p in model.parameters())
-    peaks = {"build under Init": _phase_peak()}
+    peaks = {"build under Init": phase_peak()}
     before_engine = _rss()
     engine, *_ = initialize(model=model, config=cfg)
     init_s = time.perf_counter() - t0
-    peaks["initialize"] = _phase_peak()
+    peaks["initialize"] = phase_peak()
     rt = engine.runtime
     _log(rt.plan.describe())
     data = _batches(args, args.steps + 1)
@@ -237,7 +237,7 @@ def _offloadpp_child(args, work: str) -> dict:
         steps.append(time.perf_counter() - t)
         reports.append(engine.last_report)
         _log(engine.last_report.summary())
-    peaks["steps"] = _phase_peak()
+    peaks["steps"] = phase_peak()
     accounted = {b.name: b.run_peak_bytes for b in rt.budget_report()}
     out.update(
         step_s=steps, losses=losses, reports=[r.as_dict() for r in reports], disk_bytes=rt.disk_bytes(),
@@ -254,20 +254,20 @@ def _offloadpp_child(args, work: str) -> dict:
         t = time.perf_counter()
         engine.save_checkpoint(ckpt, tag="a")
         save_s = time.perf_counter() - t
-        peaks["save"] = _phase_peak()
+        peaks["save"] = phase_peak()
         x = data[args.steps]
         loss_a = _train_step(engine, x)
-        peaks["step after save"] = _phase_peak()
+        peaks["step after save"] = phase_peak()
         t = time.perf_counter()
         engine.load_checkpoint(ckpt, tag="a")
         load_s = time.perf_counter() - t
-        peaks["load"] = _phase_peak()
+        peaks["load"] = phase_peak()
         loss_b = _train_step(engine, x)
-        peaks["step after load"] = _phase_peak()
+        peaks["step after load"] = phase_peak()
         t = time.perf_counter()
         engine.save_pretrained(os.path.join(work, "export"))
         export_s = time.perf_counter() - t
-        peaks["export"] = _phase_peak()
+        peaks["export"] = phase_peak()
         export_bytes = sum(
             os.path.getsize(os.path.join(work, "export", f)) for f in os.listdir(os.path.join(work, "export"))
         )
@@ -287,12 +287,12 @@ def _offloadpp_child(args, work: str) -> dict:
         import offloadpp.bench.capacity_export as cx
 
         cx.reference(engine, work, data[0])
-        peaks["reference logits"] = _phase_peak()
+        peaks["reference logits"] = phase_peak()
         if args.export:
-            out["export"] = cx.export_phase(engine, args, work, data[0], _phase_peak)
+            out["export"] = cx.export_phase(engine, args, work, data[0], phase_peak)
             peaks.update(out["export"].pop("peaks"))
         if args.export_checkpoint:
-            out["checkpoint_export"] = cx.checkpoint_phase(engine, work, _phase_peak)
+            out["checkpoint_export"] = cx.checkpoint_phase(engine, work, phase_peak)
     engine.close()
     out["phase_peak_rss"] = peaks
     del torch

@@ -43,7 +43,7 @@ def reference(engine, work: str, batch) -> None:
 
 def export_phase(engine, args, work: str, batch, phase_peak) -> dict:
     """Runs the two exports on `engine` (between steps; reference() ran); returns their numbers.
-    phase_peak(): the process's peak RSS since the last call (capacity._phase_peak)."""
+    phase_peak(): the process's peak RSS since the last call (capacity.phase_peak)."""
     from transformers import Trainer, TrainingArguments
 
     from offloadpp.integrations.deepspeed import patch_deepspeed

@@ -188,7 +188,9 @@ class Unit:
         if alias:
             self.compute = self.master
         else:
-            pool = sim.device_pool if plan.compute_copy_on_device else sim.host_pool  # (runtime Unit's rule)
+            # (runtime Unit's rule: a copy kept in host memory is the host pool's)
+            on_device = plan.compute_copy_on_device and homes["weights"] is not Tier.HOST
+            pool = sim.device_pool if on_device else sim.host_pool
             self.compute = slot("weights", n * cdt, pool)
         self.exp_avg = slot("exp_avg", n * 4, sim.host_pool)
         self.exp_avg_sq = slot("exp_avg_sq", n * 4, sim.host_pool)

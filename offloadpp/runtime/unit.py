@@ -83,9 +83,13 @@ class Unit:
         if alias:
             self.compute = self.master
         else:
-            self.compute = slot(
-                "weights", self.compute_dtype, device_pool if plan.compute_copy_on_device else host_pool
-            )
+            # The 16-bit compute copy on the CPU device is device memory, but where the plan keeps
+            # it in host memory (home HOST: planner/keep.py's "weights@host") it is the plan's host
+            # bytes (Plan.resident_host_bytes) and drawn from the host pool: drawn from the device
+            # pool, the kept copies filled the device budget and the next streamed unit waited
+            # for room that never came (GPT-2 1.31B, bf16, issue 33's A/B).
+            on_device = plan.compute_copy_on_device and homes["weights"] is not Tier.HOST
+            self.compute = slot("weights", self.compute_dtype, device_pool if on_device else host_pool)
         self.exp_avg = slot("exp_avg", torch.float32, host_pool)
         self.exp_avg_sq = slot("exp_avg_sq", torch.float32, host_pool)
         # read only for the update: their CRC-32C is taken in the Adam pass (runtime/jobs.py)
