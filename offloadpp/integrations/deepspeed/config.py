@@ -125,7 +125,7 @@ def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None
     if config is None:
         raise OffloadppConfigError("no DeepSpeed config: pass config=... or args.deepspeed_config")
     if isinstance(config, dict):
-        _no_non_finite_in_dict(config)
+        _no_nan_in_dict(config)
         return config
     if not isinstance(config, (str, os.PathLike)):
         raise OffloadppConfigError(
@@ -247,16 +247,17 @@ def _no_non_finite(text: str, value: Optional[dict], where: str) -> None:
         )
 
 
-def _no_non_finite_in_dict(config: dict) -> None:
-    """A config passed as a dict reaches DeepSpeed as it is, where a NaN or infinite setting
-    (gradient_clipping, lr, a beta) trains on without a word and every weight turns NaN: refused
-    naming each key, as for a file. The offloadpp block's own fields say what they expect
-    (validate_settings), so only DeepSpeed's keys are looked at here."""
-    found = _non_finite({k: v for k, v in config.items() if k != "offloadpp"}, True)
+def _no_nan_in_dict(config: dict) -> None:
+    """A config passed as a dict reaches DeepSpeed as it is, where a NaN setting (gradient_clipping,
+    lr, a beta) trains on without a word and every weight turns NaN: refused naming each key.
+    Infinity is a value here, not a misread word: transformers' Trainer passes steps_per_print
+    inf to mean never (a file cannot hold it: _no_non_finite). The offloadpp block's own fields
+    say what they expect (validate_settings), so only DeepSpeed's keys are looked at here."""
+    found = [(k, v) for k, v in _non_finite({k: v for k, v in config.items() if k != "offloadpp"}, True)
+             if v == "NaN"]  # fmt: skip
     if found:
         raise OffloadppConfigError(
-            f"DeepSpeed config (dict): {_not_numbers(found)}; write a finite number, or leave the key out for "
-            "its default"
+            f"DeepSpeed config (dict): {_not_numbers(found)}; write a number, or leave the key out for its default"
         )
 
 
