@@ -45,6 +45,19 @@ def _issue_engine(tmp_path, clipping: float, dtype: str = "bf16", host_budget: t
     return engine
 
 
+def _steps_within_the_device_budget(engine, *, steps: int, seq: int, seed: int) -> None:
+    """`steps` training steps on random tokens, each within the device budget and without a wait
+    for room (one that never ends raises BudgetExceededError: after 3 s, _issue_engine)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 512, (2, seq), generator=g)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        dev = engine.last_report.budget("device")
+        assert dev.longest_wait_s < 1.0, dev
+        assert dev.run_peak_bytes <= dev.budget_bytes
+
+
 @pytest.mark.parametrize("seq", [16, 32])
 def test_issue_37_shape_trains_without_a_wait(tmp_path, seq):
     """bf16 without clipping: every update runs in backward and writes a new bf16 copy of its
@@ -53,14 +66,7 @@ def test_issue_37_shape_trains_without_a_wait(tmp_path, seq):
     step waited for room that never came and raised BudgetExceededError (after 60 s)."""
     engine = _issue_engine(tmp_path, 0.0)
     try:
-        g = torch.Generator().manual_seed(seq)
-        for _ in range(3):
-            x = torch.randint(0, 512, (2, seq), generator=g)
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            engine.step()
-            dev = engine.last_report.budget("device")
-            assert dev.longest_wait_s < 1.0, dev
-            assert dev.run_peak_bytes <= dev.budget_bytes
+        _steps_within_the_device_budget(engine, steps=3, seq=seq, seed=seq)
     finally:
         engine.close()
 
@@ -76,14 +82,7 @@ def test_a_16bit_compute_copy_kept_in_host_memory_is_drawn_from_the_host_pool(tm
     try:
         plan = engine.runtime.plan
         assert any(p.weights is Tier.HOST for p in plan.placements), plan.describe()
-        g = torch.Generator().manual_seed(0)
-        for _ in range(2):
-            x = torch.randint(0, 512, (2, 16), generator=g)
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            engine.step()
-            dev = engine.last_report.budget("device")
-            assert dev.longest_wait_s < 1.0, dev
-            assert dev.run_peak_bytes <= dev.budget_bytes
+        _steps_within_the_device_budget(engine, steps=2, seq=16, seed=0)
     finally:
         engine.close()
 

@@ -6,6 +6,7 @@ import threading
 import time
 
 import torch
+from waitables import QueuedCopy
 
 from offloadpp.runtime.memory import BufferPool, timed_elsewhere
 
@@ -70,22 +71,6 @@ def test_the_longest_wait_for_room_is_reported_on_any_thread():
     assert pool.longest_wait_s == 0.0
 
 
-class _Copy:
-    """A copy still reading a returned buffer until `finish()`."""
-
-    def __init__(self):
-        self.finished = False
-
-    def done(self) -> bool:
-        return self.finished
-
-    def wait(self) -> None:
-        self.finished = True
-
-    def finish(self) -> None:
-        self.finished = True
-
-
 def test_a_poisoning_pool_fills_a_buffer_with_nan_once_it_is_reusable_not_before():
     """The stand-in's host pools (Accelerator.poisons_host_reuse): a buffer is NaN from the moment
     the pool may hand it out, so a copy still reading it that no `after` named reads NaN at
@@ -93,7 +78,7 @@ def test_a_poisoning_pool_fills_a_buffer_with_nan_once_it_is_reusable_not_before
     pool = BufferPool("host", 1 << 20, lambda n, dt: torch.empty(n, dtype=dt), poison=True)
     buf = pool.get(64, torch.float32)
     buf.fill_(1.0)
-    copy = _Copy()
+    copy = QueuedCopy()
     pool.put(buf, after=[copy])
     other = pool.get(64, torch.float32)  # (not `buf`: its copy is under way)
     assert other.data_ptr() != buf.data_ptr() and torch.all(buf == 1.0)

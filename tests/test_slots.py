@@ -9,26 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from waitables import QueuedCopy
 
 from offloadpp.runtime.memory import BufferPool
 from offloadpp.runtime.slots import Hold, Slot, SlotError, Txn
-
-
-class _Copy:
-    """A copy still queued on a stream until `finish()`: a pool Waitable."""
-
-    def __init__(self):
-        self.finished = False
-
-    def done(self) -> bool:
-        return self.finished
-
-    def wait(self) -> None:
-        if not self.finished:
-            raise AssertionError("the pool waited for a copy this test never finishes")
-
-    def finish(self) -> None:
-        self.finished = True
 
 
 def test_rollback_gives_the_buffer_back_only_after_its_write():
@@ -42,7 +26,7 @@ def test_rollback_gives_the_buffer_back_only_after_its_write():
     slot.acquire(Hold.COMPUTE)  # (the forward's fetch, which the abort interrupted)
     slot.acquire(Hold.OPTIM, overwrite=True)
     buf = slot.wait()
-    write = _Copy()  # the write of `buf` to the committed generation, still under way
+    write = QueuedCopy()  # the write of `buf` to the committed generation, still under way
     slot.wrote(write, slot.write_generation())
     slot.release(Hold.OPTIM)
     slot.rollback()
@@ -64,7 +48,7 @@ def test_a_release_naming_work_on_a_buffer_already_given_back_is_refused():
     slot.release(Hold.OPTIM)
     slot.release(Hold.OPTIM)  # (nothing named: a no-op, as before)
     with pytest.raises(SlotError, match="u.master: .*given back already"):
-        slot.release(Hold.OPTIM, after=(_Copy(),))
+        slot.release(Hold.OPTIM, after=(QueuedCopy(),))
 
 
 def test_work_a_kept_buffer_collects_is_dropped_once_done():
@@ -79,10 +63,10 @@ def test_work_a_kept_buffer_collects_is_dropped_once_done():
     copies = []
     for _ in range(100):
         slot.acquire(Hold.COMPUTE)
-        copies.append(_Copy())
+        copies.append(QueuedCopy())
         slot.release(Hold.COMPUTE, after=(copies[-1],))
         copies[-1].finish()
-    last = _Copy()
+    last = QueuedCopy()
     slot.acquire(Hold.COMPUTE)
     slot.release(Hold.COMPUTE, after=(last,))
     assert len(slot._after) <= 2
@@ -99,7 +83,7 @@ def test_buffer_reused_only_after_every_released_holds_work(last):
     slot.acquire(Hold.COMPUTE)
     slot.acquire(Hold.NEXT)
     buf = slot.wait()
-    copy = _Copy()
+    copy = QueuedCopy()
     slot.release(Hold.COMPUTE, after=(copy,))  # a copy to the device still reads `buf`
     assert slot.buffer is buf  # (NEXT keeps it)
     if last == "release":
