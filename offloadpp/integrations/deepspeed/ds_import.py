@@ -264,7 +264,7 @@ def _fill_from_swap(osd: dict, model: dict, folder: str, where: str) -> None:
         )  # fmt: skip
     for i in swapped:
         a, b = spans[i][0] + base, spans[i][1] + base
-        numel = sum(-(-_numel(s) // partitions) for s in groups[i].values())
+        numel = sum(_partition_numel(s, partitions) for s in groups[i].values())
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             path = files.get((key, a, b))
             if path is None or os.path.getsize(path) < numel * 4:
@@ -298,11 +298,16 @@ def misread_gradients(
     for i in swapped:
         offset = 0
         for name, shape in groups[i].items():
-            numel = -(-_numel(shape) // partitions)
+            numel = _partition_numel(shape, partitions)
             if numel // run * run * 4 >= least and offset * 4 % _O_DIRECT_ALIGN:
                 out.append(name)
             offset += numel
     return out
+
+
+def _partition_numel(shape, partitions: int) -> int:
+    """A parameter's values in one rank's partition (DeepSpeed pads each to a whole share)."""
+    return -(-_numel(shape) // partitions)
 
 
 def _numel(shape) -> int:
