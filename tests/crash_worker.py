@@ -74,13 +74,16 @@ def step(engine, i: int) -> float:
 
 
 class Marks:
-    """(phase, count) in a 16-byte file the test maps too: written by the child at each change."""
+    """(phase, count, landed) in a 24-byte file the test maps too: written by the child at each
+    change; `landed` is 1 + the phase a Ctrl-C was raised in (0: none yet)."""
+
+    SIZE = 24
 
     def __init__(self, path: str):
         import mmap
 
         self._f = open(path, "r+b")
-        self._m = mmap.mmap(self._f.fileno(), 16)
+        self._m = mmap.mmap(self._f.fileno(), self.SIZE)
 
     def set(self, phase: int) -> None:
         import struct
@@ -92,6 +95,38 @@ class Marks:
         import struct
 
         return struct.unpack_from("<qq", self._m, 0)
+
+    def set_landed(self, phase: int) -> None:
+        import struct
+
+        struct.pack_into("<q", self._m, 16, phase + 1)
+
+    def landed(self) -> int:
+        """The phase the child's KeyboardInterrupt was raised in; -1: none was."""
+        import struct
+
+        return struct.unpack_from("<q", self._m, 16)[0] - 1
+
+
+def raise_keyboard_interrupt_saying_where(marks: Marks) -> None:
+    """SIGINT raises KeyboardInterrupt as Python's default handler does, first noting where: in
+    the marked phase if offloadpp's code is on the stack, else IDLE. The mark alone cannot say:
+    a signal sent while the child was marked in a step may be raised a moment later, after the
+    step returned (in the test's own code, where the engine has nothing to report)."""
+    import signal
+
+    import offloadpp
+
+    pkg = os.path.dirname(offloadpp.__file__) + os.sep
+
+    def handler(signum, frame):
+        f = frame
+        while f is not None and not f.f_code.co_filename.startswith(pkg):
+            f = f.f_back
+        marks.set_landed(marks.get()[0] if f is not None else IDLE)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
 
 
 def train(root: str, clip: float, marks: Marks | None = None, times=None) -> None:
@@ -212,12 +247,14 @@ def zygote() -> None:
                 # Ctrl-C as a script run from a terminal gets it: a suite started in the background
                 # (`make test &`, nohup) inherits SIGINT ignored, and the child would never see one
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                m = Marks(marks)
+                raise_keyboard_interrupt_saying_where(m)
                 _own_tqdm_lock()
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
                 err = os.open(os.path.join(root, "stderr"), os.O_WRONLY | os.O_CREAT, 0o644)
                 os.dup2(err, 2)
-                train(root, clip, Marks(marks))  # Ctrl-C: the KeyboardInterrupt ends the interpreter
+                train(root, clip, m)  # Ctrl-C: the KeyboardInterrupt ends the interpreter
                 os._exit(0)
             print(f"@@ {pid}", flush=True)
         elif cmd == "wait":

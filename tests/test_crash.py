@@ -88,11 +88,12 @@ def reference(tmp_path_factory):
 def _kill_during(zygote: Zygote, root: str, target: int, nth: int, window_s: float, sig=signal.SIGKILL,
                  run: str = "run") -> tuple[int, int]:  # fmt: skip
     """Starts a training child, sends it `sig` U(0, window_s) after it entered phase `target` for
-    the nth time; returns the phase it was in then (-1: it finished first) and its exit status."""
+    the nth time; returns the phase it was in then (-1: it finished first; for SIGINT, the phase
+    its KeyboardInterrupt was raised in, which may come after the mark) and its exit status."""
     os.makedirs(root)
     path = os.path.join(root, "marks")
     with open(path, "wb") as f:
-        f.write(bytes(16))
+        f.write(bytes(W.Marks.SIZE))
     marks = W.Marks(path)
     pid = int(zygote.ask(f"{run} {root} 1.0 {path}"))
     seen, last, at = 0, 0, -1
@@ -111,7 +112,10 @@ def _kill_during(zygote: Zygote, root: str, target: int, nth: int, window_s: flo
         if phase == W.IDLE and count == 2 * (2 * W.STEPS + 1):  # every mark made: done
             break
         time.sleep(0.0002)
-    return at, int(zygote.ask(f"wait {pid}"))
+    status = int(zygote.ask(f"wait {pid}"))
+    if sig == signal.SIGINT and at != -1:
+        at = marks.landed()
+    return at, status
 
 
 @pytest.mark.parametrize("target", [W.STEP, W.SAVE], ids=["in-step", "in-save"])

@@ -180,3 +180,38 @@ def test_a_pending_update_interrupted_before_its_job_is_said_not_waited_for(tmp_
     assert not t.is_alive(), "complete_pending spun with nothing in flight"
     assert raised and unit.name in str(raised[0].value) and "interrupted" in str(raised[0].value)
     eng.close()
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import test_pending as T
+from test_runtime import batches, tiny_gpt2
+eng = T._engine(__import__("pathlib").Path(sys.argv[1]), tiny_gpt2())
+x = batches(1)[0]
+eng.backward(eng(input_ids=x, labels=x).loss)
+eng.step()
+print("before", T._pending(eng), flush=True)
+atexit.register(lambda: print("after", T._pending(eng), eng._closed, flush=True))  # runs after the close
+if sys.argv[2] == "raise":
+    raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+def test_a_script_that_ends_without_close_applies_the_last_steps_pending_updates_at_exit(tmp_path, how):
+    """The interpreter stops its thread pools before atexit callbacks run: a close at atexit found
+    the optimizer's worker refusing the pending updates ("closing an engine at exit: cannot
+    schedule new futures after shutdown"); a Ctrl-C test's child printed it. The close now runs
+    before the pools stop (runtime/lifetime.py), whether the script returns or raises."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), how], cwd=here, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "closing an engine at exit" not in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("before", "after"))]
+    assert lines[0] != "before 0" and lines[-1] == "after 0 True", (r.stdout, r.stderr[-3000:])
+    assert (r.returncode == 0) == (how == "return"), r.stderr[-3000:]
