@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -93,3 +94,21 @@ def test_bench_planner_scale_smoke(tmp_path, capsys):
     assert rows[8]["step_s"] > 0 and rows[16]["step_s"] > 0 and rows[32]["step_s"] > 0
     assert "refused" in rows[64] and 32 <= rows[64]["largest_micro_batch"] < 64
     assert "| GPT-3 175B | 64 | bf16 | refused" in capsys.readouterr().out
+
+
+def test_bench_planner_scale_counts_every_micro_batch_of_a_window(tmp_path):
+    """With gradient_accumulation_steps 4 the estimate is a window's time: its model TFLOPS count
+    the four micro-batches' FLOPs (they counted one, and showed a quarter of the throughput)."""
+    from offloadpp.bench import planner_scale
+
+    rows = {}
+    for cfg in ("ds_config.json", "ds_config_g4.json"):
+        out = tmp_path / f"{cfg}.out.json"
+        args = ["--only", "13b", "--dtype", "fp16", "--batches", "8", "--json", str(out),
+                "--config", os.path.join("docs", "paper", cfg)]  # fmt: skip
+        assert _run(planner_scale, args) == 0
+        rows[cfg] = json.loads(out.read_text())["rows"][0]
+    one, four = rows["ds_config.json"], rows["ds_config_g4.json"]
+    assert (one["micro_batches_per_step"], four["micro_batches_per_step"]) == (1, 4)
+    flops_one, flops_four = one["tflops"] * one["step_s"], four["tflops"] * four["step_s"]
+    assert flops_four == pytest.approx(4 * flops_one, rel=1e-9)

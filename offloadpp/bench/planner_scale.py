@@ -11,7 +11,8 @@ SSD space), with the units of the model's analytic profile (the runtime's units:
 tests/test_profiling.py); a configuration that cannot fit is shown refused with the largest
 micro-batch that would. Planning time is the resolve stage's CPU time (process time: on a shared
 machine the wall clock measures the neighbours), median of --repeats runs, on this machine (its
-wall time too, in the JSON); model TFLOPS count the forward and backward FLOPs of the profile (not the recompute).
+wall time too, in the JSON); model TFLOPS count the forward and backward FLOPs of the profile (not the recompute)
+over every micro-batch of the step (a config with gradient_accumulation_steps G: G of them).
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def plan_row(model_cfg: dict, name: str, batch: int, dtype: str, hw, config: str
     if "refused" in row:
         return row
     e, plan = r.estimate, r.plan
-    flops = sum(u.forward_flops + u.backward_flops for u in prof.units)
+    # step_s is the optimizer step: a window of G micro-batches where the config accumulates
+    window = settings.gradient_accumulation_steps
+    flops = window * sum(u.forward_flops + u.backward_flops for u in prof.units)
     acts = {p: plan.activations.count(p) for p in POLICIES if p in plan.activations}
     row.update(
         step_s=e.step_s, bound=e.bound, floor_s=e.floor_s, tflops=flops / e.step_s / 1e12,
@@ -96,7 +99,7 @@ def plan_row(model_cfg: dict, name: str, batch: int, dtype: str, hw, config: str
         budgets={"device": plan.budgets.device_bytes, "activations": plan.budgets.activation_bytes,
                  "host": plan.budgets.host_bytes},
         resident_device_bytes=plan.resident_device_bytes(), resident_host_bytes=plan.resident_host_bytes(),
-        activations=acts, candidates=len(r.candidates),
+        activations=acts, candidates=len(r.candidates), micro_batches_per_step=window,
     )  # fmt: skip
     return row
 
