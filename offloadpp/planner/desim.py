@@ -44,6 +44,9 @@ class Done:
         self.t = t
 
 
+# What a step of the replay that may wait returns for `yield from`: NOTHING (nothing to wait
+# for, done at once), a tuple of requests, or a generator (simulate_units.py, Pool.get)
+NOTHING: tuple = ()
 When = Union[float, Done, None]  # a time, a request's completion, or nothing to wait for
 INF = float("inf")
 
@@ -216,13 +219,30 @@ class Pool:
         self.free: dict[int, int] = {}
         self.pending: deque[tuple[int, tuple[When, ...]]] = deque()  # (bytes, done when all are)
 
-    def get(self, sim: Replay, n: int) -> Iterator:
-        while self.pending and done_by(self.pending[0][1], sim.t):
-            self._add_free(self.pending.popleft()[0])
+    def get(self, sim: Replay, n: int) -> Iterable:
+        """A buffer of `n` bytes, as `yield from pool.get(sim, n)`: where none needs waiting for
+        (the common case) it is taken at once and nothing is yielded (an empty tuple: the replay
+        makes no generator for it), else the rest is a generator that waits (_get_waiting)."""
+        pending = self.pending
+        while pending and done_by(pending[0][1], sim.t):
+            self._add_free(pending.popleft()[0])
         if self.free.get(n):
             self.free[n] -= 1
-            return
+            return NOTHING
         self._trim(n)
+        while self.allocated + n > self.budget and pending:
+            if not done_by(pending[0][1], sim.t):
+                return self._get_waiting(sim, n)
+            self._add_free(pending.popleft()[0])
+            if self.free.get(n):
+                self.free[n] -= 1
+                return NOTHING
+            self._trim(n)
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+        return NOTHING
+
+    def _get_waiting(self, sim: Replay, n: int) -> Iterator:
         while self.allocated + n > self.budget and self.pending:
             m, ready = self.pending.popleft()
             if not done_by(ready, sim.t):
@@ -257,23 +277,14 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
     """Runs `main` and the `helpers` together until `main` is done."""
     ssd = sim.ssd
     procs: list[list] = [[g, None, 0.0] for g in (main, *helpers)]  # [generator, request, remaining cpu work]
-
-    def resume(p: list) -> None:
-        try:
-            req = next(p[0])
-        except StopIteration:
-            p[1] = ("done",)
-            return
-        p[1] = req
-        p[2] = req[1] if req[0] == "cpu" else 0.0
-
     for p in procs:
-        resume(p)
+        _resume(p)
     first = procs[0]
     guard = 0
     # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
-    # events; branches and locals here, not helper calls, keep planning within its 2 s)
-    while first[1][0] != "done":
+    # events; branches and locals here, not helper calls, keep planning within its 2 s: a thread
+    # is resumed inline, and the rates and the next event are found in one pass)
+    while first[1] is not _DONE:
         guard += 1
         if guard > 10_000_000:
             raise RuntimeError("cost model replay did not finish (internal error)")
@@ -287,15 +298,22 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
             if kind == "cpu":
                 if p[2] > 1e-12:
                     continue
-            elif kind == "wait":
-                if not done_by(req[1], t):
-                    continue
             elif kind == "cond":
                 if not req[1]():
                     continue
+            elif kind == "wait":
+                if not done_by(req[1], t):
+                    continue
             elif kind != "until" or req[1] > t:
                 continue
-            resume(p)
+            try:
+                req = next(p[0])
+            except StopIteration:
+                p[1] = _DONE
+                p[2] = 0.0
+            else:
+                p[1] = req
+                p[2] = req[1] if req[0] == "cpu" else 0.0
             progressed = True
         if progressed:
             continue
@@ -308,7 +326,8 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
             io_slowdown if ssd.cur is not None else 1.0
         )
         helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
-        nxt, first_done = ssd.next_event(), None
+        nxt = ssd.cur_end if ssd.cur is not None else INF
+        first_done = None
         r = main_rate
         for p in procs:
             req = p[1]
@@ -329,12 +348,13 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
             waits = ", ".join(p[1][0] for p in procs)
             raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
         dt = nxt - t
-        r = main_rate
-        for p in procs:
-            if p[1][0] == "cpu":
-                left = p[2] - dt * r
-                p[2] = left if left > 0.0 else 0.0
-            r = helper_rate
+        if computing or busy_helpers:
+            r = main_rate
+            for p in procs:
+                if p[1][0] == "cpu":
+                    left = p[2] - dt * r
+                    p[2] = left if left > 0.0 else 0.0
+                r = helper_rate
         if first_done is not None:
             first_done[2] = 0.0  # exactly done, whatever the rounding of t + work / rate
         if computing:
@@ -342,4 +362,17 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         sim.t = nxt
 
 
-__all__ = ["Done", "Fifo", "Pool", "Ssd", "When", "done_by", "run", "when"]
+_DONE = ("done",)
+
+
+def _resume(p: list) -> None:
+    try:
+        req = next(p[0])
+    except StopIteration:
+        p[1] = _DONE
+        return
+    p[1] = req
+    p[2] = req[1] if req[0] == "cpu" else 0.0
+
+
+__all__ = ["NOTHING", "Done", "Fifo", "Pool", "Ssd", "When", "done_by", "run", "when"]

@@ -108,16 +108,7 @@ class Sim:
         self.queue: deque[Job] = deque()  # submitted, not started by the worker
         self.closed = False
         self.held: list[Unit] = []
-        self.fetch_order = []  # as the executor: in the order of need, units kept between two uses last
-        for i in range(len(self.sched.visits)):
-            alive = self.sched.alive[i]
-            names: list[str] = []
-            for v in self.sched.visits[i:]:
-                if len(names) == len(alive):
-                    break
-                names.extend(n for n in v.needs if n not in names and n in alive)
-            names.extend(sorted(alive - set(names)))
-            self.fetch_order.append(tuple(names))
+        self.fetch_order = _fetch_order(self.sched)
         self.marks: list[dict] = []  # per step: times of its phases
         self.adam_busy_s = 0.0
         self.compute_busy_s = 0.0
@@ -263,7 +254,8 @@ class Sim:
         for u in list(self.held):
             if u.name not in want:
                 yield from self.drop(u)
-        yield from pending.apply_pending(self, self.fetch_order[i])
+        if self.lazy:  # (else no update is ever pending: simulate_pending.defer is not called)
+            yield from pending.apply_pending(self, self.fetch_order[i])
         for name in self.fetch_order[i]:
             u = self.by_name[name]
             if all(u is not h for h in self.held):
@@ -282,7 +274,8 @@ class Sim:
             if i >= t or any(u is h for h in self.held):
                 u.compute.release(self, NEXT)
         for name in self.sched.visits[i].needs:
-            yield from pending.wait_pending(self, self.by_name[name])
+            if self.lazy:
+                yield from pending.wait_pending(self, self.by_name[name])
             yield from self.by_name[name].weights.wait(self)
         self.cursor = i
 
@@ -506,6 +499,35 @@ class Sim:
                     yield ("cpu", len(now) * self.costs.io_issue_s)
                 job.write_done = [(s, self.ssd.submit(self.t, s.nbytes, write=True, key=s.key)) for s in now]
             job.done_t = self.t
+
+
+# schedule -> its fetch order: the search replays a plan with several activation choices and on a
+# slow SSD, each Sim of it with the same schedule (schedule.cached_schedule); keyed by identity,
+# the schedule held in the entry so its id is not reused while it is there
+_FETCH_ORDERS: dict[int, tuple[Schedule, list]] = {}
+_FETCH_ORDERS_MAX = 64
+
+
+def _fetch_order(sched: Schedule) -> list[tuple[str, ...]]:
+    """Per visit, the units `alive` holds as the executor fetches them: in the order of need,
+    units kept between two uses last."""
+    e = _FETCH_ORDERS.get(id(sched))
+    if e is not None and e[0] is sched:
+        return e[1]
+    out = []
+    for i in range(len(sched.visits)):
+        alive = sched.alive[i]
+        names: list[str] = []
+        for v in sched.visits[i:]:
+            if len(names) == len(alive):
+                break
+            names.extend(n for n in v.needs if n not in names and n in alive)
+        names.extend(sorted(alive - set(names)))
+        out.append(tuple(names))
+    if len(_FETCH_ORDERS) >= _FETCH_ORDERS_MAX:
+        _FETCH_ORDERS.pop(next(iter(_FETCH_ORDERS)))
+    _FETCH_ORDERS[id(sched)] = (sched, out)
+    return out
 
 
 __all__ = ["Costs", "Sim"]
