@@ -10,6 +10,12 @@ Note: the requests a thread yields.
   ("cond", fn)       wait until fn() is true (a job done, a queue not empty).
   ("wait", items)    wait until every item is done: times, and SSD requests' Done (whose time is
                      known only once the SSD has served them: a later read can delay a write).
+Events: the loop moves its clock to the next time a thread can go on (its CPU work done, the
+time it waits for, the last of the requests it waits for) or the SSD's state matters: where a
+thread waits for an SSD request not served yet, and where the SSD's work slows compute (the CPU
+device, below). Elsewhere a request the SSD finishes is served when the clock passes it
+(Ssd.advance serves each at its own time; a submit serves all before it): a "cond" never reads
+the SSD's state, only what the threads set.
 CPU sharing: the main thread's work is the device's compute; the helpers' (the optimizer's
 worker, the activation mover) is memory-bound CPU work. On the CPU acting as the device, while
 compute and helpers work at once, compute advances at 1/compute_slowdown and the helpers share
@@ -281,6 +287,7 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         _resume(p)
     first = procs[0]
     guard = 0
+    ssd_paces = io_slowdown != 1.0
     # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
     # events; branches and locals here, not helper calls, keep planning within its 2 s: a thread
     # is resumed inline, and the rates and the next event are found in one pass)
@@ -326,8 +333,9 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
             io_slowdown if ssd.cur is not None else 1.0
         )
         helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
-        nxt = ssd.cur_end if ssd.cur is not None else INF
+        nxt = INF
         first_done = None
+        served = False  # a thread waits for an SSD request not served yet
         r = main_rate
         for p in procs:
             req = p[1]
@@ -343,7 +351,13 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
                 last = max(map(when, req[1]), default=0.0)
                 if last < nxt:
                     nxt, first_done = last, None
+                elif last == INF:
+                    served = True
             r = helper_rate
+        if ssd.cur is not None and ssd.cur_end <= nxt and (served or ssd_paces or nxt == INF):
+            # (the end of an SSD request is an event of its own only where a thread may wait for
+            # it, or where the SSD's work slows compute: see the Note on events)
+            nxt, first_done = ssd.cur_end, None
         if nxt == INF:
             waits = ", ".join(p[1][0] for p in procs)
             raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
