@@ -87,8 +87,15 @@ class _Tally:
         self.read_bytes = 0
         self.write_bytes = 0
         self.busy_s = 0.0
-        self.by_key: dict[str, int] = {}
         self.by_key_dir: dict[tuple[str, bool], int] = {}
+
+    @property
+    def by_key(self) -> dict[str, int]:
+        """Bytes per key, both directions (in the order the keys first moved)."""
+        out: dict[str, int] = {}
+        for (key, _), n in self.by_key_dir.items():
+            out[key] = out.get(key, 0) + n
+        return out
 
     def _count(self, nbytes: int, write: bool, key: str) -> None:
         if write:
@@ -96,8 +103,8 @@ class _Tally:
         else:
             self.read_bytes += nbytes
         if key:
-            self.by_key[key] = self.by_key.get(key, 0) + nbytes
-            self.by_key_dir[(key, write)] = self.by_key_dir.get((key, write), 0) + nbytes
+            k = (key, write)
+            self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
 
 
 class _Req:
@@ -142,10 +149,11 @@ class Ssd(_Tally):
     def submit(self, t: float, nbytes: int, write: bool, key: str = "", after: Optional[Done] = None) -> Done:
         """Queues a request at `t` (the replay's now); with `after` (a write's Done) it is queued
         once that is done, as slots._ReadAfterWrite issues a read of a key whose write drains."""
-        self.advance(t)
+        if self.cur is not None and self.cur_end <= t:
+            self.advance(t)
         self._count(nbytes, write, key)
         req = _Req(nbytes, write, after)
-        if when(after) > t:
+        if after is not None and (after.t is None or after.t > t):  # (when(after) > t)
             self.held.append(req)
         else:
             self._queue(req, t, idle=self.cur is None)

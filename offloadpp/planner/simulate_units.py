@@ -19,7 +19,7 @@ EMPTY, LOADING, READY = 0, 1, 2
 COMPUTE, OPTIM, NEXT, WRITE = "compute", "optim", "next", "write"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (thousands made per candidate replayed, read at every step)
 class Slot:
     key: str
     nbytes: int
@@ -290,7 +290,7 @@ class Unit:
         return tuple(out)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     unit: Unit
     before: list = field(default_factory=list)  # times the job waits for
