@@ -298,7 +298,7 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
     ssd_paces = io_slowdown != 1.0
     # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
     # events; branches and locals here, not helper calls, keep planning within its 2 s: a thread
-    # is resumed inline, and the rates and the next event are found in one pass)
+    # is resumed inline, and the threads computing are counted by the pass that resumes)
     while first[1] is not _DONE:
         guard += 1
         if guard > 10_000_000:
@@ -307,11 +307,14 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         if ssd.cur is not None and ssd.cur_end <= t:
             ssd.advance(t)
         progressed = False
+        busy_helpers = 0  # (of the threads not resumed: counted for the rates below)
         for p in procs:  # requests that are already satisfied resume at once
             req = p[1]
             kind = req[0]
             if kind == "cpu":
                 if p[2] > 1e-12:
+                    if p is not first:
+                        busy_helpers += 1
                     continue
             elif kind == "cond":
                 if not req[1]():
@@ -333,10 +336,6 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         if progressed:
             continue
         computing = first[1][0] == "cpu"
-        busy_helpers = 0
-        for p in procs:
-            if p[1][0] == "cpu" and p is not first:
-                busy_helpers += 1
         main_rate = (1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (
             io_slowdown if ssd.cur is not None else 1.0
         )
