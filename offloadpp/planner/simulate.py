@@ -122,12 +122,13 @@ class Sim:
 
     # ---- the main thread ----------------------------------------------------------------
     def main(self, steps: int) -> Iterator:
-        for _ in range(steps):
+        for step in range(steps):
+            # (the bytes per key only for the last step, the one reported: cost.replay)
+            last = step == steps - 1
             m = {"start": self.t, "ssd_r0": self.ssd.read_bytes, "ssd_w0": self.ssd.write_bytes,
                  "h2d0": self.h2d.read_bytes, "d2h0": self.d2h.read_bytes, "adam0": self.adam_busy_s,
                  "net0": self.net.read_bytes if self.net is not None else 0,
-                 "pool_wait0": self.pool_wait_s, "by_key0": dict(self.ssd.by_key),
-                 "by_dir0": dict(self.ssd.by_key_dir)}  # fmt: skip
+                 "pool_wait0": self.pool_wait_s, "by_dir0": dict(self.ssd.by_key_dir) if last else {}}  # fmt: skip
             for micro in range(self.micro_batches):
                 first, boundary = micro == 0, micro == self.micro_batches - 1
                 yield from self.begin_micro(first, boundary)
@@ -181,9 +182,13 @@ class Sim:
             m.update(end=self.t, ssd_r=self.ssd.read_bytes - m["ssd_r0"], ssd_w=self.ssd.write_bytes - m["ssd_w0"],
                      h2d=self.h2d.read_bytes - m["h2d0"], d2h=self.d2h.read_bytes - m["d2h0"],
                      net=(self.net.read_bytes if self.net is not None else 0) - m["net0"],
-                     adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"],
-                     by_key={k: v - m["by_key0"].get(k, 0) for k, v in self.ssd.by_key.items()},
-                     by_dir={k: v - m["by_dir0"].get(k, 0) for k, v in self.ssd.by_key_dir.items()})  # fmt: skip
+                     adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"])  # fmt: skip
+            if last:
+                by_dir = {k: v - m["by_dir0"].get(k, 0) for k, v in self.ssd.by_key_dir.items()}
+                by_key: dict[str, int] = {}
+                for (k, _), v in by_dir.items():  # (both directions: desim._Tally.by_key)
+                    by_key[k] = by_key.get(k, 0) + v
+                m.update(by_key=by_key, by_dir=by_dir)
             self.marks.append(m)
         self.closed = True
 
