@@ -18,7 +18,7 @@ from offloadpp.planner.model_profile import ModelProfile, ModelProfileError, Uni
 from offloadpp.planner.peaks import peak_bytes
 from offloadpp.planner.planfile import load_plan, plan_from_dict, plan_to_dict, save_plan
 from offloadpp.planner.request import Request
-from offloadpp.planner.search import describe_buffers, plan, search
+from offloadpp.planner.search import describe_buffers, plan, remembering, search
 from offloadpp.planner.ssd_room import ssd_need_bytes
 
 GPT2 = {
@@ -207,6 +207,25 @@ def test_more_memory_means_less_ssd_traffic():
         r = search(hw, m, request(dev + int(frac * total), host_bytes=host + int(frac * total)))
         traffic.append(r.best.estimate.ssd_read_bytes + r.best.estimate.ssd_write_bytes)
     assert traffic[0] > traffic[1] > traffic[2] == 0
+
+
+def test_searches_remembered_in_a_resolve_differ_where_their_requests_do():
+    # (search.remembering: what a search enumerated and replayed is reused only by a search of the
+    # same profiles and the same request but for its bar)
+    hw, m = cpu_hw(ssd_read_gbps=0.3, ssd_write_gbps=0.3), gpt2_profile()
+    dev, host = _stream_needs(hw, m)
+    total = sum(u.padded_numel for u in m.unit_specs()) * 4
+    small, large = request(dev, host_bytes=host), request(dev + 3 * total, host_bytes=host + 3 * total)
+    alone = [search(hw, m, r).best for r in (small, large)]
+    assert alone[0].estimate.step_s > alone[1].estimate.step_s  # (more memory: less traffic)
+    with remembering():
+        got = [search(hw, m, r).best for r in (small, large, replace(small, beat_s=1e9))]
+        again = search(hw, m, small)
+    for a, b in zip(alone + alone[:1], got):
+        assert (b.plan.placements, b.estimate) == (a.plan.placements, a.estimate)
+    # the same request again (another bar or none) replays nothing anew: its estimates are the ones kept
+    assert again.best.estimate is got[0].estimate and got[2].estimate is got[0].estimate
+    assert search(hw, m, small).best.estimate is not got[0].estimate  # (outside: nothing kept)
 
 
 def test_fixed_prefetch_depth_is_respected():

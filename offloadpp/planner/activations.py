@@ -70,6 +70,7 @@ host memory is the device's own; SSD is tried on CUDA too.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Protocol, Sequence
 
@@ -259,6 +260,29 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     else:
         out[{"keep": "kept", "host": "host", "ssd": "ssd"}[policy]] = u.saved
     return out
+
+
+def _per_unit(f):
+    """f(unit, policy), remembered: the search asks the same units' sizes under each choice it
+    makes, hundreds of thousands of times a plan (ActUnit is frozen; keyed by identity, the unit
+    held in the entry so its id is not reused while it is there)."""
+    memo: dict = {}
+
+    def remembered(u: ActUnit, policy: str) -> int:
+        e = memo.get((id(u), policy))
+        if e is not None and e[0] is u:
+            return e[1]
+        n = f(u, policy)
+        if len(memo) >= 1 << 16:
+            memo.clear()
+        memo[(id(u), policy)] = (u, n)
+        return n
+
+    return functools.wraps(f)(remembered)
+
+
+peak_bytes_at = _per_unit(peak_bytes_at)
+backward_bytes = _per_unit(backward_bytes)
 
 
 def act_units(model: Profiled) -> tuple[ActUnit, ...]:

@@ -113,9 +113,28 @@ def activation_policies(plan: Plan) -> dict[str, str]:
     return {u.name: getattr(a, "value", a) for u, a in zip(plan.units, acts)}
 
 
+# (the search bounds and replays hundreds of plans of the same units, profiles and dtype: their
+# times are found once; keyed by the profiles' identity, both held in the entry so neither id is
+# reused while it is there. The dicts returned are shared: read them, never write.)
+_TIMES: dict[tuple, tuple] = {}
+_TIMES_MAX = 16
+
+
 def compute_times(plan: Plan, hardware: HardwareProfile, model: ModelProfile) -> tuple[dict, dict]:
     """(forward_s, backward_s) per unit on this hardware: measured when the profile was taken on
     this device kind, else FLOPs / FLOP/s."""
+    key = (id(hardware), id(model), plan.compute_dtype, tuple(u.name for u in plan.units))
+    e = _TIMES.get(key)
+    if e is not None and e[0] is hardware and e[1] is model:
+        return e[2]
+    times = _compute_times(plan, hardware, model)
+    if len(_TIMES) >= _TIMES_MAX:
+        _TIMES.pop(next(iter(_TIMES)))
+    _TIMES[key] = (hardware, model, times)
+    return times
+
+
+def _compute_times(plan: Plan, hardware: HardwareProfile, model: ModelProfile) -> tuple[dict, dict]:
     names = [u.name for u in plan.units]
     have = {u.name for u in model.units}
     missing = [n for n in names if n not in have]

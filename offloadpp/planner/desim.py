@@ -10,6 +10,12 @@ Note: the requests a thread yields.
   ("cond", fn)       wait until fn() is true (a job done, a queue not empty).
   ("wait", items)    wait until every item is done: times, and SSD requests' Done (whose time is
                      known only once the SSD has served them: a later read can delay a write).
+Events: the loop moves its clock to the next time a thread can go on (its CPU work done, the
+time it waits for, the last of the requests it waits for) or the SSD's state matters: where a
+thread waits for an SSD request not served yet, and where the SSD's work slows compute (the CPU
+device, below). Elsewhere a request the SSD finishes is served when the clock passes it
+(Ssd.advance serves each at its own time; a submit serves all before it): a "cond" never reads
+the SSD's state, only what the threads set.
 CPU sharing: the main thread's work is the device's compute; the helpers' (the optimizer's
 worker, the activation mover) is memory-bound CPU work. On the CPU acting as the device, while
 compute and helpers work at once, compute advances at 1/compute_slowdown and the helpers share
@@ -44,6 +50,9 @@ class Done:
         self.t = t
 
 
+# What a step of the replay that may wait returns for `yield from`: NOTHING (nothing to wait
+# for, done at once), a tuple of requests, or a generator (simulate_units.py, Pool.get)
+NOTHING: tuple = ()
 When = Union[float, Done, None]  # a time, a request's completion, or nothing to wait for
 INF = float("inf")
 
@@ -78,8 +87,15 @@ class _Tally:
         self.read_bytes = 0
         self.write_bytes = 0
         self.busy_s = 0.0
-        self.by_key: dict[str, int] = {}
         self.by_key_dir: dict[tuple[str, bool], int] = {}
+
+    @property
+    def by_key(self) -> dict[str, int]:
+        """Bytes per key, both directions (in the order the keys first moved)."""
+        out: dict[str, int] = {}
+        for (key, _), n in self.by_key_dir.items():
+            out[key] = out.get(key, 0) + n
+        return out
 
     def _count(self, nbytes: int, write: bool, key: str) -> None:
         if write:
@@ -87,8 +103,8 @@ class _Tally:
         else:
             self.read_bytes += nbytes
         if key:
-            self.by_key[key] = self.by_key.get(key, 0) + nbytes
-            self.by_key_dir[(key, write)] = self.by_key_dir.get((key, write), 0) + nbytes
+            k = (key, write)
+            self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
 
 
 class _Req:
@@ -133,10 +149,11 @@ class Ssd(_Tally):
     def submit(self, t: float, nbytes: int, write: bool, key: str = "", after: Optional[Done] = None) -> Done:
         """Queues a request at `t` (the replay's now); with `after` (a write's Done) it is queued
         once that is done, as slots._ReadAfterWrite issues a read of a key whose write drains."""
-        self.advance(t)
+        if self.cur is not None and self.cur_end <= t:
+            self.advance(t)
         self._count(nbytes, write, key)
         req = _Req(nbytes, write, after)
-        if when(after) > t:
+        if after is not None and (after.t is None or after.t > t):  # (when(after) > t)
             self.held.append(req)
         else:
             self._queue(req, t, idle=self.cur is None)
@@ -216,13 +233,30 @@ class Pool:
         self.free: dict[int, int] = {}
         self.pending: deque[tuple[int, tuple[When, ...]]] = deque()  # (bytes, done when all are)
 
-    def get(self, sim: Replay, n: int) -> Iterator:
-        while self.pending and done_by(self.pending[0][1], sim.t):
-            self._add_free(self.pending.popleft()[0])
+    def get(self, sim: Replay, n: int) -> Iterable:
+        """A buffer of `n` bytes, as `yield from pool.get(sim, n)`: where none needs waiting for
+        (the common case) it is taken at once and nothing is yielded (an empty tuple: the replay
+        makes no generator for it), else the rest is a generator that waits (_get_waiting)."""
+        pending = self.pending
+        while pending and done_by(pending[0][1], sim.t):
+            self._add_free(pending.popleft()[0])
         if self.free.get(n):
             self.free[n] -= 1
-            return
+            return NOTHING
         self._trim(n)
+        while self.allocated + n > self.budget and pending:
+            if not done_by(pending[0][1], sim.t):
+                return self._get_waiting(sim, n)
+            self._add_free(pending.popleft()[0])
+            if self.free.get(n):
+                self.free[n] -= 1
+                return NOTHING
+            self._trim(n)
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+        return NOTHING
+
+    def _get_waiting(self, sim: Replay, n: int) -> Iterator:
         while self.allocated + n > self.budget and self.pending:
             m, ready = self.pending.popleft()
             if not done_by(ready, sim.t):
@@ -257,23 +291,15 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
     """Runs `main` and the `helpers` together until `main` is done."""
     ssd = sim.ssd
     procs: list[list] = [[g, None, 0.0] for g in (main, *helpers)]  # [generator, request, remaining cpu work]
-
-    def resume(p: list) -> None:
-        try:
-            req = next(p[0])
-        except StopIteration:
-            p[1] = ("done",)
-            return
-        p[1] = req
-        p[2] = req[1] if req[0] == "cpu" else 0.0
-
     for p in procs:
-        resume(p)
+        _resume(p)
     first = procs[0]
     guard = 0
+    ssd_paces = io_slowdown != 1.0
     # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
-    # events; branches and locals here, not helper calls, keep planning within its 2 s)
-    while first[1][0] != "done":
+    # events; branches and locals here, not helper calls, keep planning within its 2 s: a thread
+    # is resumed inline, and the threads computing are counted by the pass that resumes)
+    while first[1] is not _DONE:
         guard += 1
         if guard > 10_000_000:
             raise RuntimeError("cost model replay did not finish (internal error)")
@@ -281,34 +307,42 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         if ssd.cur is not None and ssd.cur_end <= t:
             ssd.advance(t)
         progressed = False
+        busy_helpers = 0  # (of the threads not resumed: counted for the rates below)
         for p in procs:  # requests that are already satisfied resume at once
             req = p[1]
             kind = req[0]
             if kind == "cpu":
                 if p[2] > 1e-12:
-                    continue
-            elif kind == "wait":
-                if not done_by(req[1], t):
+                    if p is not first:
+                        busy_helpers += 1
                     continue
             elif kind == "cond":
                 if not req[1]():
                     continue
+            elif kind == "wait":
+                if not done_by(req[1], t):
+                    continue
             elif kind != "until" or req[1] > t:
                 continue
-            resume(p)
+            try:
+                req = next(p[0])
+            except StopIteration:
+                p[1] = _DONE
+                p[2] = 0.0
+            else:
+                p[1] = req
+                p[2] = req[1] if req[0] == "cpu" else 0.0
             progressed = True
         if progressed:
             continue
         computing = first[1][0] == "cpu"
-        busy_helpers = 0
-        for p in procs:
-            if p[1][0] == "cpu" and p is not first:
-                busy_helpers += 1
         main_rate = (1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (
             io_slowdown if ssd.cur is not None else 1.0
         )
         helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
-        nxt, first_done = ssd.next_event(), None
+        nxt = INF
+        first_done = None
+        served = False  # a thread waits for an SSD request not served yet
         r = main_rate
         for p in procs:
             req = p[1]
@@ -324,17 +358,24 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
                 last = max(map(when, req[1]), default=0.0)
                 if last < nxt:
                     nxt, first_done = last, None
+                elif last == INF:
+                    served = True
             r = helper_rate
+        if ssd.cur is not None and ssd.cur_end <= nxt and (served or ssd_paces or nxt == INF):
+            # (the end of an SSD request is an event of its own only where a thread may wait for
+            # it, or where the SSD's work slows compute: see the Note on events)
+            nxt, first_done = ssd.cur_end, None
         if nxt == INF:
             waits = ", ".join(p[1][0] for p in procs)
             raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
         dt = nxt - t
-        r = main_rate
-        for p in procs:
-            if p[1][0] == "cpu":
-                left = p[2] - dt * r
-                p[2] = left if left > 0.0 else 0.0
-            r = helper_rate
+        if computing or busy_helpers:
+            r = main_rate
+            for p in procs:
+                if p[1][0] == "cpu":
+                    left = p[2] - dt * r
+                    p[2] = left if left > 0.0 else 0.0
+                r = helper_rate
         if first_done is not None:
             first_done[2] = 0.0  # exactly done, whatever the rounding of t + work / rate
         if computing:
@@ -342,4 +383,17 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         sim.t = nxt
 
 
-__all__ = ["Done", "Fifo", "Pool", "Ssd", "When", "done_by", "run", "when"]
+_DONE = ("done",)
+
+
+def _resume(p: list) -> None:
+    try:
+        req = next(p[0])
+    except StopIteration:
+        p[1] = _DONE
+        return
+    p[1] = req
+    p[2] = req[1] if req[0] == "cpu" else 0.0
+
+
+__all__ = ["NOTHING", "Done", "Fifo", "Pool", "Ssd", "When", "done_by", "run", "when"]

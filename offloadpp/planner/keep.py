@@ -39,16 +39,18 @@ def fits(plan: Plan, device_bytes: int, host_bytes: int) -> bool:
     return dev <= device_bytes and host <= host_bytes
 
 
-def saved_bytes(plan: Plan) -> dict[str, int]:
+def saved_bytes(plan: Plan, fetched: bool = True) -> dict[str, int]:
     """SSD bytes per step per key (`<unit>.<array>`) of the streaming plan `plan`: what keeping
-    that array in memory saves (the module Note)."""
-    sched = cached_schedule(plan)  # (each fill at these depths starts from the same streaming plan)
+    that array in memory saves (the module Note). fetched=False: without the fetches the
+    schedule makes (its weights and masters count none: for a caller that reads neither)."""
     fetches = {u.name: 0 for u in plan.units}
-    prev: frozenset = frozenset()
-    for alive in sched.alive:
-        for n in alive - prev:
-            fetches[n] += 1
-        prev = alive
+    if fetched:
+        sched = cached_schedule(plan)  # (each fill at these depths starts from the same streaming plan)
+        prev: frozenset = frozenset()
+        for alive in sched.alive:
+            for n in alive - prev:
+                fetches[n] += 1
+            prev = alive
     out = {}
     cdt = plan.compute_dtype
     for u in plan.units:
@@ -73,7 +75,9 @@ def ranked(plan: Plan, arrays: Sequence[str] = ARRAYS) -> list[tuple[float, tupl
     """(SSD bytes saved per byte held, alternatives) for every array of `arrays` that could stay in
     memory, best first (the module Note's order). The alternatives are one array's homes, the
     device's first: (unit, what) pairs, of which a fill takes the first that fits."""
-    saved = saved_bytes(plan)
+    # (the schedule's fetches count for the weights and masters only: a fill of the gradients,
+    # fills.py's last, builds no schedule of the plan it fills)
+    saved = saved_bytes(plan, fetched=any(a.split("@")[0] in ("master", "weights") for a in arrays))
     cdt = plan.compute_dtype
     grads_rank = {n: i for i, n in enumerate(grads_order(plan))} if plan.persistent_grads else {}
     rows = []

@@ -85,7 +85,7 @@ from .profiles import (  # noqa: F401 (re-exported: assemble.py and the CLI read
 from .ranks import RankLink
 from .request import Request
 from .schedule import build_schedule
-from .search import _raise_infeasible, act_planner, search
+from .search import _raise_infeasible, act_planner, remembering, search
 from .spec import PLAN_AUTO, Budgets, Settings
 from .ssd_room import ssd_need_bytes
 from .vertical import as_vertical, fits_per_micro_batch, window_note, window_profile, window_settings
@@ -177,7 +177,8 @@ def resolve(
         _check_units(model, units)
         model = model.with_fused_loss(settings.activations.fused_loss)
     given = _Given(units, machine, hardware, model, io_set, deferral)
-    return _with_window(settings, given, saved)
+    with remembering():  # (a window's horizontal schedule may be searched twice: search.py's Note)
+        return _with_window(settings, given, saved)
 
 
 @dataclass(frozen=True)

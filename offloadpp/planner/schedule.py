@@ -36,7 +36,7 @@ embeddings' new copy came on top of the blocks kept for the next forward, waited
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Mapping, Optional
 
 from .decide import lazy_runtime
@@ -271,15 +271,19 @@ def staged_fetch(plan: Plan) -> bool:
 
 
 # plan -> its schedule: the search replays one plan with several activation choices and on a slow
-# SSD (search.py), and building a 175B schedule is a third of its replay's time
+# SSD (search.py), and building a 175B schedule is a third of its replay's time. The same
+# placements come with several activation budgets (search.py), which the schedule does not read:
+# they are not in the key. (64: a search's plans at a few depths, replayed again by the robust pick)
 _SCHEDULES: dict[tuple, Schedule] = {}
-_SCHEDULES_MAX = 8
+_SCHEDULES_MAX = 64
+_KEY_FIELDS = tuple(f.name for f in fields(Plan) if f.compare and f.name != "budgets")
 
 
 def cached_schedule(plan: Plan) -> Schedule:
     """build_schedule(plan), remembered for the last few plans (a Schedule is frozen; the plan's
     derived properties are in the key as read: one changed, as a test may patch, is a new key)."""
-    key = (plan, plan.grad_dtype, plan.persistent_grads, plan.separate_weights, plan.ranks)
+    key = (*(getattr(plan, f) for f in _KEY_FIELDS), plan.grad_dtype, plan.persistent_grads,
+           plan.separate_weights, plan.ranks)  # fmt: skip
     s = _SCHEDULES.get(key)
     if s is None:
         s = build_schedule(plan)

@@ -35,8 +35,9 @@ fit, the largest micro-batch whose activations would.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Optional
 
 from .activations import ActChoice, ActPlanner, act_units, fixed_policies, peak_bytes_at
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
@@ -125,7 +126,132 @@ def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:
     return [(k, q) for k in ks for q in qs]
 
 
+@dataclass
+class _Enumerated:
+    """What a search enumerated (its candidates with their bounds) and what it replayed, for a
+    search of the same inputs with another bar (Request.beat_s) in the same resolve (remembering)."""
+
+    hardware: HardwareProfile
+    model: ModelProfile
+    units: list
+    acts: ActPlanner
+    groups: list  # (least bound, label, plan, [(bound, i, choice)])
+    smallest: Optional[Plan]
+    replays: dict = field(default_factory=dict)  # (id(plan), slow SSD?, policies) -> _score's
+
+
+# Note: the search remembered. With accumulation resolve searches the horizontal schedule up to
+# twice, with another bar each time (resolve._with_window); the candidates, their bounds and any
+# replay are the same. While resolve() runs (remembering), a search keeps them by its inputs
+# (the profiles by identity, the request but its bar by value) and the next search of the same
+# inputs starts from them.
+_REMEMBERED: Optional[dict] = None
+
+
+@contextmanager
+def remembering() -> Iterator[None]:
+    """Searches made inside share what they enumerated and replayed (the Note above)."""
+    global _REMEMBERED
+    outer = _REMEMBERED
+    _REMEMBERED = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _REMEMBERED = outer
+
+
+def _enumerated(hardware: HardwareProfile, model: ModelProfile, req: Request) -> _Enumerated:
+    key = (id(hardware), id(model), repr(replace(req, beat_s=None)))
+    e = _REMEMBERED.get(key) if _REMEMBERED is not None else None
+    if e is not None and e.hardware is hardware and e.model is model:
+        return e
+    e = _enumerate(hardware, model, req)
+    if _REMEMBERED is not None:
+        _REMEMBERED[key] = e
+    return e
+
+
 def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> SearchResult:
+    e = _enumerated(hardware, model, req)
+    units, acts, groups, counted = e.units, e.acts, e.groups, req.counted
+    if not groups:
+        _raise_infeasible(e.smallest, req, acts, model)
+    slow = _slow(hardware)
+
+    def score(plan: Plan, policies: dict, on_slow: bool = False) -> StepEstimate:
+        key = (id(plan), on_slow, tuple(sorted(policies.items())))
+        got = e.replays.get(key)
+        if got is None:
+            got = e.replays[key] = _score(plan, slow if on_slow else hardware, model, req, policies)[0]
+        return got
+
+    def candidate(label: str, plan: Plan, c: ActChoice) -> Candidate:
+        est = score(plan, c.as_dict())
+        return Candidate(label + (f"; activations: {c.label}" if counted else ""), plan, est, c.policies)
+
+    # 1. the placements, each with its activation choice of least bound, from the least bound up
+    groups.sort(key=lambda g: g[0])
+    cands: list[Candidate] = []
+    best_s = float("inf")
+    # a replay walks every visit of three steps: on models of many units, fewer of them
+    max_replays = ROBUST_MAX if len(units) <= MANY_UNITS else MANY_REPLAYS
+    slow_s: dict[int, float] = {}  # id(candidate) -> its estimate on the slow SSD
+    reach = float("inf")  # no candidate whose estimate is beyond this can win the robust pick
+    for lb, label, plan, bounds in groups:
+        if (
+            lb > min(best_s * (1 + ROBUST_WINDOW), reach)
+            or len(cands) >= max_replays
+            or _beaten(req, best_s, lb)
+        ):
+            break
+        c = bounds[0][2]
+        cands.append(candidate(label, plan, c))
+        if cands[-1].estimate.step_s < best_s:
+            best = cands[-1]
+            improved = best.estimate.step_s < best_s * (1 - RESCORE_GAIN)
+            best_s = best.estimate.step_s
+            if not improved:
+                continue  # (the reach of a best only slightly worse still holds every contender)
+            # Note: a slower SSD never makes a step shorter, so a candidate can win the robust
+            # pick (the least mean of both estimates, to TIE_FRAC) only if its own estimate is
+            # within TIE_FRAC of the best's mean: beyond that nothing needs replaying
+            slow_s[id(best)] = score(best.plan, dict(best.activations), on_slow=True).step_s
+            reach = (1 + TIE_FRAC) * (best_s + slow_s[id(best)]) / 2
+    replayed = len(cands)
+    # 2. the other activation choices of the best few placements
+    cands.sort(key=lambda c: c.estimate.step_s)
+    by_plan = {id(g[2]): g for g in groups}
+    many = len(units) > MANY_UNITS
+    beaten = _beaten(req, best_s)
+    for top in [] if beaten else _tops(cands, 1 if many else ACT_TOP_PLACEMENTS, extra=0 if many else 2):
+        _, label, plan, bounds = by_plan[id(top.plan)]
+        for lb, _, c in bounds[1:]:
+            if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
+                cands.append(candidate(label, plan, c))
+                best_s = min(best_s, cands[-1].estimate.step_s)
+                replayed += 1
+    total = sum(len(g[3]) for g in groups)
+    cands.sort(key=lambda c: c.estimate.step_s)
+    best = (
+        cands[0]
+        if beaten
+        else _robust_pick(cands, hardware, model, req, slow_s, lambda p, a: score(p, a, on_slow=True))
+    )
+    notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
+             f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound"
+             + (f"; none left could beat another schedule's {req.beat_s:.3f} s" if beaten else "") + ")",)  # fmt: skip
+    best_plan = replace(
+        best.plan, notes=notes + explain(replace(best.plan, placements=all_on_ssd(units)), best.plan)
+    )
+    if counted:
+        best_plan = replace(best_plan, activations=tuple(p for _, p in best.activations))
+    best = replace(best, plan=best_plan)
+    return SearchResult(best, tuple(cands), total - replayed)
+
+
+def _enumerate(hardware: HardwareProfile, model: ModelProfile, req: Request) -> _Enumerated:
+    """The candidates: every placement at every depth, with the activation choices that fit the
+    room it leaves and their lower bounds (the module Note, 1-4)."""
     units = shard_units(model.unit_specs(), req.ranks)
     b = req.budgets
     common = dict(device=hardware.device, budgets=b, micro_batches=req.window, **plan_shape(req.settings))
@@ -178,63 +304,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
             bounds = [(_bound(plan, c, hardware, model, req), i, c) for i, c in enumerate(choices)]
             if bounds:
                 groups.append((min(bounds)[0], label, plan, sorted(bounds)))
-    if not groups:
-        _raise_infeasible(smallest, req, acts, model)
-    # 1. the placements, each with its activation choice of least bound, from the least bound up
-    groups.sort(key=lambda g: g[0])
-    cands: list[Candidate] = []
-    best_s = float("inf")
-    slow = _slow(hardware)
-    # a replay walks every visit of three steps: on models of many units, fewer of them
-    max_replays = ROBUST_MAX if len(units) <= MANY_UNITS else MANY_REPLAYS
-    slow_s: dict[int, float] = {}  # id(candidate) -> its estimate on the slow SSD
-    reach = float("inf")  # no candidate whose estimate is beyond this can win the robust pick
-    for lb, label, plan, bounds in groups:
-        if (
-            lb > min(best_s * (1 + ROBUST_WINDOW), reach)
-            or len(cands) >= max_replays
-            or _beaten(req, best_s, lb)
-        ):
-            break
-        c = bounds[0][2]
-        cands.append(_candidate(label, plan, c, counted, hardware, model, req))
-        if cands[-1].estimate.step_s < best_s:
-            best = cands[-1]
-            improved = best.estimate.step_s < best_s * (1 - RESCORE_GAIN)
-            best_s = best.estimate.step_s
-            if not improved:
-                continue  # (the reach of a best only slightly worse still holds every contender)
-            # Note: a slower SSD never makes a step shorter, so a candidate can win the robust
-            # pick (the least mean of both estimates, to TIE_FRAC) only if its own estimate is
-            # within TIE_FRAC of the best's mean: beyond that nothing needs replaying
-            slow_s[id(best)] = _score(best.plan, slow, model, req, dict(best.activations))[0].step_s
-            reach = (1 + TIE_FRAC) * (best_s + slow_s[id(best)]) / 2
-    replayed = len(cands)
-    # 2. the other activation choices of the best few placements
-    cands.sort(key=lambda c: c.estimate.step_s)
-    by_plan = {id(g[2]): g for g in groups}
-    many = len(units) > MANY_UNITS
-    beaten = _beaten(req, best_s)
-    for top in [] if beaten else _tops(cands, 1 if many else ACT_TOP_PLACEMENTS, extra=0 if many else 2):
-        _, label, plan, bounds = by_plan[id(top.plan)]
-        for lb, _, c in bounds[1:]:
-            if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
-                cands.append(_candidate(label, plan, c, counted, hardware, model, req))
-                best_s = min(best_s, cands[-1].estimate.step_s)
-                replayed += 1
-    total = sum(len(g[3]) for g in groups)
-    cands.sort(key=lambda c: c.estimate.step_s)
-    best = cands[0] if beaten else _robust_pick(cands, hardware, model, req, slow_s)
-    notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
-             f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound"
-             + (f"; none left could beat another schedule's {req.beat_s:.3f} s" if beaten else "") + ")",)  # fmt: skip
-    best_plan = replace(
-        best.plan, notes=notes + explain(replace(best.plan, placements=all_on_ssd(units)), best.plan)
-    )
-    if counted:
-        best_plan = replace(best_plan, activations=tuple(p for _, p in best.activations))
-    best = replace(best, plan=best_plan)
-    return SearchResult(best, tuple(cands), total - replayed)
+    return _Enumerated(hardware, model, units, acts, groups, smallest)
 
 
 def _beaten(req: Request, best_s: float, lb: float = float("inf")) -> bool:
@@ -261,11 +331,6 @@ def _tops(cands: list[Candidate], n: int, extra: int) -> list[Candidate]:
 def _bound(plan: Plan, c: ActChoice, hw: HardwareProfile, model: ModelProfile, req: Request) -> float:
     return lower_bound(plan, hw, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
                        activations=c.as_dict(), link=req.link)  # fmt: skip
-
-
-def _candidate(label: str, plan: Plan, c: ActChoice, counted: bool, hw, model, req: Request) -> Candidate:
-    e = _score(plan, hw, model, req, c.as_dict())[0]
-    return Candidate(label + (f"; activations: {c.label}" if counted else ""), plan, e, c.policies)
 
 
 IO_GAIN = 0.9  # another I/O setting is used only if it moves a byte in at most this much time
@@ -300,12 +365,13 @@ def _slow(hw: HardwareProfile) -> HardwareProfile:
 
 
 def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfile, req: Request,
-                 slow_s: Optional[dict] = None) -> Candidate:  # fmt: skip
+                 slow_s: Optional[dict] = None, on_slow=None) -> Candidate:  # fmt: skip
     """The candidate to run. Note: the SSD's bandwidth moves from run to run (up to 2x on the
     development machine, DESIGN.md), and a plan whose I/O sits on the critical path pays for
     every slow moment. So the candidates within ROBUST_WINDOW of the best estimate are scored
     again with the SSD at SLOW_SSD of its measured rate, and the one with the least mean of the
-    two estimates wins; means within TIE_FRAC go to the plan moving fewer SSD bytes."""
+    two estimates wins; means within TIE_FRAC go to the plan moving fewer SSD bytes. on_slow:
+    (plan, policies) -> its estimate on the slow SSD (the search's, which remembers them)."""
     best_s = cands[0].estimate.step_s
     ref = cands[0].estimate
     many = len(cands[0].plan.units) > MANY_UNITS
@@ -332,7 +398,12 @@ def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfil
         # (a slower SSD never makes a step shorter)
         if (c.estimate.step_s + max(floor, c.estimate.step_s)) / 2 > top * (1 + TIE_FRAC):
             continue
-        pessimistic = slow_s[id(c)] if id(c) in slow_s else _score(c.plan, slow, model, req, acts)[0].step_s
+        if id(c) in slow_s:
+            pessimistic = slow_s[id(c)]
+        elif on_slow is not None:
+            pessimistic = on_slow(c.plan, acts).step_s
+        else:
+            pessimistic = _score(c.plan, slow, model, req, acts)[0].step_s
         score[id(c)] = seen[same] = (c.estimate.step_s + pessimistic) / 2
         top = min(top, score[id(c)])
     near = [c for c in near if id(c) in score]

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import offloadpp.planner.simulate_pending as pending
 
 from .decide import lazy_applies
-from .desim import Fifo, Pool, Ssd, done_by
+from .desim import NOTHING, Fifo, Pool, Ssd, done_by
 from .plan import DTYPE_BYTES, Plan
 from .ranks import RankLink
 from .schedule import Schedule, cached_schedule, flush_rank
@@ -108,16 +108,8 @@ class Sim:
         self.queue: deque[Job] = deque()  # submitted, not started by the worker
         self.closed = False
         self.held: list[Unit] = []
-        self.fetch_order = []  # as the executor: in the order of need, units kept between two uses last
-        for i in range(len(self.sched.visits)):
-            alive = self.sched.alive[i]
-            names: list[str] = []
-            for v in self.sched.visits[i:]:
-                if len(names) == len(alive):
-                    break
-                names.extend(n for n in v.needs if n not in names and n in alive)
-            names.extend(sorted(alive - set(names)))
-            self.fetch_order.append(tuple(names))
+        self.fetch_order = _fetch_order(self.sched)
+        self.next_keep_until = [(self.by_name[n], t) for n, t in self.sched.next_keep_until.items()]
         self.marks: list[dict] = []  # per step: times of its phases
         self.adam_busy_s = 0.0
         self.compute_busy_s = 0.0
@@ -130,12 +122,13 @@ class Sim:
 
     # ---- the main thread ----------------------------------------------------------------
     def main(self, steps: int) -> Iterator:
-        for _ in range(steps):
+        for step in range(steps):
+            # (the bytes per key only for the last step, the one reported: cost.replay)
+            last = step == steps - 1
             m = {"start": self.t, "ssd_r0": self.ssd.read_bytes, "ssd_w0": self.ssd.write_bytes,
                  "h2d0": self.h2d.read_bytes, "d2h0": self.d2h.read_bytes, "adam0": self.adam_busy_s,
                  "net0": self.net.read_bytes if self.net is not None else 0,
-                 "pool_wait0": self.pool_wait_s, "by_key0": dict(self.ssd.by_key),
-                 "by_dir0": dict(self.ssd.by_key_dir)}  # fmt: skip
+                 "pool_wait0": self.pool_wait_s, "by_dir0": dict(self.ssd.by_key_dir) if last else {}}  # fmt: skip
             for micro in range(self.micro_batches):
                 first, boundary = micro == 0, micro == self.micro_batches - 1
                 yield from self.begin_micro(first, boundary)
@@ -189,25 +182,38 @@ class Sim:
             m.update(end=self.t, ssd_r=self.ssd.read_bytes - m["ssd_r0"], ssd_w=self.ssd.write_bytes - m["ssd_w0"],
                      h2d=self.h2d.read_bytes - m["h2d0"], d2h=self.d2h.read_bytes - m["d2h0"],
                      net=(self.net.read_bytes if self.net is not None else 0) - m["net0"],
-                     adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"],
-                     by_key={k: v - m["by_key0"].get(k, 0) for k, v in self.ssd.by_key.items()},
-                     by_dir={k: v - m["by_dir0"].get(k, 0) for k, v in self.ssd.by_key_dir.items()})  # fmt: skip
+                     adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"])  # fmt: skip
+            if last:
+                by_dir = {k: v - m["by_dir0"].get(k, 0) for k, v in self.ssd.by_key_dir.items()}
+                by_key: dict[str, int] = {}
+                for (k, _), v in by_dir.items():  # (both directions: desim._Tally.by_key)
+                    by_key[k] = by_key.get(k, 0) + v
+                m.update(by_key=by_key, by_dir=by_dir)
             self.marks.append(m)
         self.closed = True
 
-    def compute(self, seconds: float) -> Iterator:
+    # Note: the steps below that often wait for nothing (compute of one micro-batch, the
+    # optimizer's windows when they do not move) return what `yield from` runs, as
+    # simulate_units' acquire and wait do: a tuple of requests, or a generator only where more
+    # than one request or a wait may follow.
+    def compute(self, seconds: float) -> Iterable:
         """The device computes for `seconds` of a unit's visit. A vertical window's visit runs
         its micro-batches one at a time, and each micro-batch reaching the unit pumps the held
         weights (the executor's hooks, runtime/executor.py): a prefetched unit's host-to-device
         copy starts once its read is in, within the visit, not at the next one."""
         if self.window == 1:
-            yield ("cpu", seconds)
-            return
+            return (("cpu", seconds),)
+        return self._compute_window(seconds)
+
+    def _compute_window(self, seconds: float) -> Iterator:
         for m in range(self.window):
             if m:
                 for u in self.held:
                     u.weights.pump(self)
-            if not any(u.weights.uncopied for u in self.held):  # (no pump to come can start a copy)
+            for u in self.held:  # (no pump to come can start a copy: the rest at once)
+                if u.weights.uncopied:
+                    break
+            else:
                 yield ("cpu", seconds * (self.window - m) / self.window)
                 return
             yield ("cpu", seconds / self.window)
@@ -220,7 +226,12 @@ class Sim:
         if boundary and not self.deferred:
             yield from self.advance_update(self.optim_prefetch_depth + 1)
 
-    def advance_absorb(self, upto: int) -> Iterator:
+    def advance_absorb(self, upto: int) -> Iterable:
+        if self.absorb_cursor >= min(upto, len(self.order)):
+            return NOTHING
+        return self._advance_absorb(upto)
+
+    def _advance_absorb(self, upto: int) -> Iterator:
         while self.absorb_cursor < min(upto, len(self.order)):
             u = self.order[self.absorb_cursor]
             if self.dp and u.accum_persist:
@@ -243,8 +254,13 @@ class Sim:
             yield from self.advance_update(self.optim_prefetch_depth + 1)
 
     def advance_update(self, upto: int, with_grads: bool = False, order: Optional[list] = None,
-                       sliding: bool = False) -> Iterator:  # fmt: skip
+                       sliding: bool = False) -> Iterable:  # fmt: skip
         order = self.update_order if order is None else order
+        if self.update_cursor >= min(upto, len(order)):
+            return NOTHING
+        return self._advance_update(upto, with_grads, order, sliding)
+
+    def _advance_update(self, upto: int, with_grads: bool, order: list, sliding: bool) -> Iterator:
         while self.update_cursor < min(upto, len(order)):
             u = order[self.update_cursor]
             if sliding and not u.can_speculate:
@@ -263,12 +279,14 @@ class Sim:
         for u in list(self.held):
             if u.name not in want:
                 yield from self.drop(u)
-        yield from pending.apply_pending(self, self.fetch_order[i])
+        if self.lazy:  # (else no update is ever pending: simulate_pending.defer is not called)
+            yield from pending.apply_pending(self, self.fetch_order[i])
+        by_name, held = self.by_name, self.held
         for name in self.fetch_order[i]:
-            u = self.by_name[name]
-            if all(u is not h for h in self.held):
+            u = by_name[name]
+            if u not in held:  # (units compare by identity)
                 yield from u.weights.acquire(self)
-                self.held.append(u)
+                held.append(u)
         for u in self.held:
             u.weights.pump(self)
         if self.in_backward or i >= min(self.sched.prefetch_depth, self.sched.num_forward - 1):
@@ -277,12 +295,12 @@ class Sim:
             if n and self.costs.io_issue_s:
                 yield ("cpu", n * self.costs.io_issue_s)
         # the kept updated weights: held now, or past their first hold
-        for name, t in self.sched.next_keep_until.items() if not self.in_backward else ():
-            u = self.by_name[name]
-            if i >= t or any(u is h for h in self.held):
+        for u, t in self.next_keep_until if not self.in_backward else ():
+            if i >= t or u in self.held:
                 u.compute.release(self, NEXT)
         for name in self.sched.visits[i].needs:
-            yield from pending.wait_pending(self, self.by_name[name])
+            if self.lazy:
+                yield from pending.wait_pending(self, self.by_name[name])
             yield from self.by_name[name].weights.wait(self)
         self.cursor = i
 
@@ -378,10 +396,10 @@ class Sim:
         if sliding:
             yield from self.slide()
 
-    def slide(self) -> Iterator:
+    def slide(self) -> Iterable:
         """optimizer._slide: a speculating window moves on as a unit is handed out."""
         self.submitted += 1
-        yield from self.advance_update(
+        return self.advance_update(
             self.submitted + self.optim_prefetch_depth + 1, order=self.order, sliding=True
         )
 
@@ -501,11 +519,41 @@ class Sim:
             if job.regather_bytes:
                 yield ("until", self.net.submit(self.t, job.regather_bytes, write=False))
             if not job.defer_writes:
-                now = [s for s in job.writes if not _late(job, s)]
+                now = [s for s in job.writes if not _late(job, s)] if job.defer_moments else job.writes
                 if now and self.costs.io_issue_s:
                     yield ("cpu", len(now) * self.costs.io_issue_s)
-                job.write_done = [(s, self.ssd.submit(self.t, s.nbytes, write=True, key=s.key)) for s in now]
+                submit, t = self.ssd.submit, self.t
+                job.write_done = [(s, submit(t, s.nbytes, write=True, key=s.key)) for s in now]
             job.done_t = self.t
+
+
+# schedule -> its fetch order: the search replays a plan with several activation choices and on a
+# slow SSD, each Sim of it with the same schedule (schedule.cached_schedule); keyed by identity,
+# the schedule held in the entry so its id is not reused while it is there
+_FETCH_ORDERS: dict[int, tuple[Schedule, list]] = {}
+_FETCH_ORDERS_MAX = 64
+
+
+def _fetch_order(sched: Schedule) -> list[tuple[str, ...]]:
+    """Per visit, the units `alive` holds as the executor fetches them: in the order of need,
+    units kept between two uses last."""
+    e = _FETCH_ORDERS.get(id(sched))
+    if e is not None and e[0] is sched:
+        return e[1]
+    out = []
+    for i in range(len(sched.visits)):
+        alive = sched.alive[i]
+        names: list[str] = []
+        for v in sched.visits[i:]:
+            if len(names) == len(alive):
+                break
+            names.extend(n for n in v.needs if n not in names and n in alive)
+        names.extend(sorted(alive - set(names)))
+        out.append(tuple(names))
+    if len(_FETCH_ORDERS) >= _FETCH_ORDERS_MAX:
+        _FETCH_ORDERS.pop(next(iter(_FETCH_ORDERS)))
+    _FETCH_ORDERS[id(sched)] = (sched, out)
+    return out
 
 
 __all__ = ["Costs", "Sim"]

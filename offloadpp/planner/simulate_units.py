@@ -10,16 +10,16 @@ step's replay that imports them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
-from .desim import Done, Pool, Replay, When, done_by
+from .desim import NOTHING, Done, Pool, Replay, When, done_by
 from .plan import DTYPE_BYTES, Plan, Tier
 
 EMPTY, LOADING, READY = 0, 1, 2
 COMPUTE, OPTIM, NEXT, WRITE = "compute", "optim", "next", "write"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (thousands made per candidate replayed, read at every step)
 class Slot:
     key: str
     nbytes: int
@@ -34,27 +34,51 @@ class Slot:
     updating: bool = False  # a compute copy its pending update has not made yet (runtime Slot.updating)
     after: float = 0.0  # the latest `after` of the releases while another hold kept the buffer
 
-    def acquire(self, sim: Replay, hold: str, overwrite: bool = False) -> Iterator:
+    # Note: acquire and wait return what `yield from` runs: NOTHING where nothing is to be
+    # waited for (most calls: the slot is held already, its buffer free, its read in), a
+    # generator only where the replay may wait; it makes thousands of calls per candidate.
+    def acquire(self, sim: Replay, hold: str, overwrite: bool = False) -> Iterable:
         self.holds.add(hold)
         if self.state != EMPTY:
-            return
-        yield from self.pool.get(sim, self.nbytes)
+            return NOTHING
+        got = self.pool.get(sim, self.nbytes)
+        if got is not NOTHING:
+            return self._load(sim, overwrite, got)
+        return self._loaded(sim, overwrite)
+
+    def _load(self, sim: Replay, overwrite: bool, got: Iterable) -> Iterator:
+        yield from got
+        yield from self._loaded(sim, overwrite)
+
+    def _loaded(self, sim: Replay, overwrite: bool) -> Iterable:
+        """The buffer is taken: its contents, read unless overwritten or not on disk."""
         if overwrite or not self.on_disk:
             self.state = READY
-        else:
-            if sim.costs.io_issue_s:
-                yield ("cpu", sim.costs.io_issue_s)
-            # issued once our own write of this key is done (slots._ReadAfterWrite), not blocking
-            self.read_done = sim.ssd.submit(
-                sim.t, self.nbytes, write=False, key=self.key, after=self.write_done
-            )
-            self.state = LOADING
+            return NOTHING
+        if sim.costs.io_issue_s:
+            return self._issue(sim)
+        self._read(sim)
+        return NOTHING
 
-    def wait(self, sim: Replay) -> Iterator:
+    def _issue(self, sim: Replay) -> Iterator:
+        yield ("cpu", sim.costs.io_issue_s)
+        self._read(sim)
+
+    def _read(self, sim: Replay) -> None:
+        # issued once our own write of this key is done (slots._ReadAfterWrite), not blocking
+        self.read_done = sim.ssd.submit(sim.t, self.nbytes, write=False, key=self.key, after=self.write_done)
+        self.state = LOADING
+
+    def wait(self, sim: Replay) -> Iterable:
         if self.state == LOADING:
             if not done_by((self.read_done,), sim.t):
-                yield ("wait", (self.read_done,))
+                return self._wait_read()
             self.state = READY
+        return NOTHING
+
+    def _wait_read(self) -> Iterator:
+        yield ("wait", (self.read_done,))
+        self.state = READY
 
     def release(self, sim: Replay, hold: str, after: float = 0.0) -> None:
         # every release's `after` counts, whichever hold goes last (runtime Slot.release keeps them)
@@ -76,14 +100,14 @@ class CpuWeights:
     def __init__(self, source: Slot):
         self.source = source
 
-    def acquire(self, sim: Replay) -> Iterator:
-        yield from self.source.acquire(sim, COMPUTE)
+    def acquire(self, sim: Replay) -> Iterable:
+        return self.source.acquire(sim, COMPUTE)
 
     def pump(self, sim: Replay) -> None:
         pass
 
-    def wait(self, sim: Replay) -> Iterator:
-        yield from self.source.wait(sim)
+    def wait(self, sim: Replay) -> Iterable:
+        return self.source.wait(sim)
 
     def release(self, sim: Replay) -> None:
         self.source.release(sim, COMPUTE)
@@ -130,10 +154,20 @@ class CudaWeights:
         self.copy_done = sim.h2d.submit(sim.t, self.source.nbytes, write=False)
         self.copied = True
 
-    def acquire(self, sim: Replay) -> Iterator:
+    def acquire(self, sim: Replay) -> Iterable:
         if self.state != EMPTY:
-            return
-        yield from self.source.acquire(sim, COMPUTE)
+            return NOTHING
+        got = self.source.acquire(sim, COMPUTE)
+        if got is not NOTHING:
+            return self._acquire(sim, got)
+        self._fetched(sim)
+        return NOTHING
+
+    def _acquire(self, sim: Replay, got: Iterable) -> Iterator:
+        yield from got
+        self._fetched(sim)
+
+    def _fetched(self, sim: Replay) -> None:
         self.copied = False
         self.state = LOADING
         self.pump(sim)
@@ -152,12 +186,22 @@ class CudaWeights:
         """Fetched, its device copy not started: a pump may start it."""
         return self.state == LOADING and not self.copied
 
-    def wait(self, sim: Replay) -> Iterator:
+    def wait(self, sim: Replay) -> Iterable:
         if self.state == LOADING:
             if not self.copied:
-                yield from self.source.wait(sim)
+                got = self.source.wait(sim)
+                if got is not NOTHING:
+                    return self._wait(sim, got)
                 self.pump(sim)
             self.state = READY
+        if self.copy_done > sim.t:
+            return (("until", self.copy_done),)
+        return NOTHING
+
+    def _wait(self, sim: Replay, got: Iterable) -> Iterator:
+        yield from got
+        self.pump(sim)
+        self.state = READY
         if self.copy_done > sim.t:
             yield ("until", self.copy_done)
 
@@ -246,7 +290,7 @@ class Unit:
         return tuple(out)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     unit: Unit
     before: list = field(default_factory=list)  # times the job waits for
