@@ -163,6 +163,37 @@ def test_replay_moves_the_checkpoints_and_runs_the_recompute():
     assert est["recompute_ssd"].peak_activation_bytes < est["recompute"].peak_activation_bytes
 
 
+def test_replay_of_nested_recompute_moves_the_checkpoints_and_runs_the_forward_twice():
+    """recompute_nested_ssd moves what recompute_ssd moves (each block's checkpoint), adds a
+    second forward of each block to the compute, and its backward holds the block's four
+    pieces' arguments and the largest piece's saved bytes, not all the block saves: a lower
+    device peak than recompute_ssd's (ActUnit.nested; runtime: recompute.py, Note on nested)."""
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
+    r = resolve(Settings(plan="auto"), m.unit_specs(),
+                Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
+                hardware=cpu_hw(), model=m)  # fmt: skip
+    blocks = [u.name for u in m.units if u.name.startswith("transformer.h.")]
+    est = {p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks})
+           for p in ("keep", "recompute_ssd", "recompute_nested_ssd")}  # fmt: skip
+    for kind in ("ssd_write_bytes", "ssd_read_bytes"):
+        assert getattr(est["recompute_nested_ssd"], kind) == getattr(est["recompute_ssd"], kind)
+    fwd = sum(u.forward_flops for u in m.units if u.name in blocks) / 100e9
+    assert abs(est["recompute_nested_ssd"].compute_s - est["keep"].compute_s - 2 * fwd) < 1e-9
+    assert est["recompute_nested_ssd"].peak_activation_bytes < est["recompute_ssd"].peak_activation_bytes
+    b = next(a for a in act_units(m) if a.name == blocks[0])
+    assert b.nested() == 4 * b.inputs + max(p[0] - b.inputs for p in b.pieces) < b.recomputed()
+    assert (
+        backward_bytes(b, "recompute_nested_ssd") == b.nested()
+        and held_bytes(b, "recompute_nested") == b.inputs
+    )
+    assert split_bytes(b, "recompute_nested_host") == {
+        "kept": 0,
+        "host": b.inputs,
+        "ssd": 0,
+        "recomputed": b.saved,
+    }
+
+
 def test_plan_printout_gives_the_split_per_unit():
     m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
     s = Settings(plan="auto", activations={"policy": "recompute_ssd"})

@@ -12,6 +12,11 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              recompute, with the inputs (the activation checkpoint) swapped as host/ssd swap the
              saved bytes: nothing of the unit stays on the device between its forward and its
              backward; the checkpoint comes back ahead of the recompute (the paper's scheme).
+  recompute_nested, recompute_nested_host, recompute_nested_ssd
+             recompute (the checkpoint kept, or swapped as recompute_host/ssd's), holding at the
+             unit's backward only its pieces' boundaries (each piece's argument: for a block the
+             residual stream, one width-sized tensor a piece) and one piece's saved bytes at a time,
+             for a second forward of the unit (runtime/activations/recompute.py, Note on nested).
   partial, partial_host, partial_ssd
              selective recomputation: the outputs of the unit's matmuls and attention (`partial`
              bytes, from the model profile) stay with its inputs (partial) or are swapped with them
@@ -91,7 +96,7 @@ LOSS_CHUNK_ELEMS = 1 << 24
 
 
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
-            "partial_ssd")  # fmt: skip
+            "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd")  # fmt: skip
 MIXES = (0.25, 0.5, 0.75)
 # the candidates are made again with a fused head recomputing (see the Note on the head's loss)
 # where its logits take at least this share of the room: below it the logits free too little
@@ -100,25 +105,38 @@ MIXES = (0.25, 0.5, 0.75)
 # every batch made planning 1.6x slower)
 HEAD_TWIN_SHARE = 0.25
 # nothing of the unit stays on the device between its forward and its backward
-SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd"))
+SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",
+                      "recompute_nested_host", "recompute_nested_ssd"))  # fmt: skip
 CHECKPOINT_SWAPS = {
     "recompute_host": "host",
     "recompute_ssd": "ssd",
     "partial_host": "host",
     "partial_ssd": "ssd",
+    "recompute_nested_host": "host",
+    "recompute_nested_ssd": "ssd",
 }
 PARTIAL = frozenset(("partial", "partial_host", "partial_ssd"))
+NESTED = frozenset(("recompute_nested", "recompute_nested_host", "recompute_nested_ssd"))
 
 
 def recomputes(policy: str) -> bool:
     """Runs the unit's forward again in backward (wholly, or its cheap operators: partial)."""
-    return policy in ("recompute", "recompute_host", "recompute_ssd") or policy in PARTIAL
+    return policy in ("recompute", "recompute_host", "recompute_ssd") or policy in PARTIAL or policy in NESTED
 
 
 def recompute_fraction(policy: str) -> float:
-    """The share of the unit's forward FLOPs its recompute runs again: all of them, or none for
-    partial (only the cheap operators, which the FLOP count does not count either)."""
+    """The share of the unit's forward FLOPs its recompute runs again: all of them, twice for
+    nested (the unit's, then each piece's), or none for partial (only the cheap operators, which
+    the FLOP count does not count either)."""
+    if policy in NESTED:
+        return 2.0
     return 0.0 if policy in PARTIAL or not recomputes(policy) else 1.0
+
+
+def checkpoint_tier(policy: str) -> str:
+    """Where a recomputing unit's checkpoint is between its forward and its backward: "kept",
+    "host" or "ssd"."""
+    return CHECKPOINT_SWAPS.get(policy, "kept")
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,16 @@ class ActUnit:
         but a fused head's logits, which come one chunk at a time."""
         return max(self.saved - self.logits, self.checkpoint)
 
+    def nested(self) -> int:
+        """What a nested recompute holds at most once it ran (runtime/activations/recompute.py,
+        Note on nested): its pieces' arguments (a block's residual stream: the unit's input's size,
+        one a piece) and the largest piece's saved bytes beyond its argument; a unit without
+        pieces recomputes whole."""
+        if not self.pieces:
+            return self.recomputed()
+        boundaries = len(self.pieces) * self.inputs
+        return max(boundaries + max(max(0, p[0] - self.inputs) for p in self.pieces), self.checkpoint)
+
 
 def _head(u: ActUnit, policy: str) -> str:
     """A fused head's partial policy as it runs: the logits are its matmul's output, which partial
@@ -179,7 +207,7 @@ def held_bytes(u: ActUnit, policy: str) -> int:
     policy = _head(u, policy)
     if policy == "partial":
         return u.partial_inputs + u.partial
-    return u.saved if policy == "keep" else u.checkpoint if policy == "recompute" else 0
+    return u.saved if policy == "keep" else u.checkpoint if policy in ("recompute", "recompute_nested") else 0
 
 
 def backward_bytes(u: ActUnit, policy: str) -> int:
@@ -197,6 +225,8 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
         return max(piece_peaks(u, policy))
     if policy in PARTIAL:
         return max(u.saved, u.inputs) + u.partial_extra + u.grad + u.workspace
+    if policy in NESTED:
+        return u.nested() + u.grad + u.workspace
     return (u.recomputed() if recomputes(policy) else u.saved) + u.grad + u.workspace
 
 
@@ -255,7 +285,7 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
         out[{"partial": "kept", "partial_host": "host", "partial_ssd": "ssd"}[policy]] = u.moved(policy)
     elif recomputes(policy):
         out["recomputed"] = u.saved
-        out[{"recompute": "kept", "recompute_host": "host", "recompute_ssd": "ssd"}[policy]] = u.checkpoint
+        out[checkpoint_tier(policy)] = u.checkpoint
     else:
         out[{"keep": "kept", "host": "host", "ssd": "ssd"}[policy]] = u.saved
     return out
@@ -359,7 +389,7 @@ class ActPlanner:
         SSD read worst)."""
 
         def sent(p: str, where: str) -> str:
-            return where if p in ("host", "ssd") else f"{p.split('_')[0]}_{where}"
+            return where if p in ("host", "ssd") else f"{p.rsplit('_', 1)[0]}_{where}"
 
         if to != "host":
             return {n: (sent(p, to) if p in SWAPPING else p) for n, p in chosen.items()}
@@ -526,7 +556,7 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
     return out
 
 
-__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "LOSS_CHUNK_ELEMS", "PARTIAL",
+__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL",
            "POLICIES", "SWAPPING", "act_units",
-           "backward_bytes", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
+           "backward_bytes", "checkpoint_tier", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip
