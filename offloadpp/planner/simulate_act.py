@@ -120,7 +120,7 @@ class ActReplay:
         if not recomputes(self.policy(unit)):
             return 0.0
         return (
-            self.sim.costs.forward_s[unit] * recompute_fraction(self.policy(unit))
+            self.sim.costs.forward_s[unit] * recompute_fraction(self.policy(unit), self.units.get(unit))
             + self.sim.costs.forward_visit_s
         )
 

@@ -343,7 +343,15 @@ class ActivationManager(ManagerBackward, ManagerReports):
         seg.close(output)
 
     def _piece_pre(self, unit: UnitActivations, module, args, kwargs):
-        """A child of a partial unit's root: one piece, its own segment (see the Note on pieces)."""
+        """A child of a partial unit's root: one piece, its own segment (see the Note on pieces);
+        of a nested unit's: where its saved tensors begin (recompute.py, Note on nested)."""
+        if self._active and unit.policy.nested and self._stack and self._stack[-1][0] is unit:
+            seg = self._stack[-1][1]
+            if type(seg) is Segment and module in seg.piece_modules:
+                if not seg.piece_depth:
+                    seg.last_piece_start = seg.count
+                seg.piece_depth += 1
+            return None
         if not self._active or not self._stack or self._stack[-1] != (unit, None) or not unit.policy.partial:
             return None
         self._stack.append((unit, self._open_segment(unit, module, args, kwargs)))
@@ -353,6 +361,10 @@ class ActivationManager(ManagerBackward, ManagerReports):
         if not self._active or not self._stack or self._stack[-1][0] is not unit:
             return None
         seg = self._stack[-1][1]
+        if unit.policy.nested:
+            if type(seg) is Segment and module in seg.piece_modules:
+                seg.piece_depth -= 1
+            return None
         if type(seg) is not Segment or seg.fn != module.forward:
             return None
         self._stack.pop()

@@ -51,6 +51,13 @@ piece runs and dropped when it ends. An unpack whose index lies in a piece's ran
 piece's forward again (phase B), from its arguments and RNG state, collecting its saved tensors
 into the range; the piece's arguments are then dropped. Backward of the block thus holds the
 boundaries and one piece's saved tensors, in the order autograd runs the pieces (last to first).
+A piece whose argument is the previous piece's output (a block's attention and MLP take the
+norms' outputs) holds no boundary for it: its recompute makes it again by running the previous
+piece without grad from that piece's own arguments and RNG state (the same operators on the same
+bytes), as partial derives its checkpoints; a block then holds two boundaries, not four.
+The last piece (the forward marks where its call began, `last_piece_start`) is the one backward
+needs first: phase A keeps what it saves instead of running it again (a GPT-2 block's MLP, about
+two thirds of its FLOPs), so the price is the forward of the other pieces, not of the whole unit.
 Why not torch.utils.checkpoint nested inside the recompute: the graph backward runs is the
 forward's, whose saved tensors are this segment's RecomputeRefs by index; a checkpoint opened in
 the recompute would own the graph the recompute builds, which is thrown away. This is torch's
@@ -247,17 +254,65 @@ class _Piece:
     """One call of a nested unit's piece in the recompute (see the Note on nested): its
     arguments (detached, requires_grad as they were), RNG state, and saved-tensor range."""
 
-    __slots__ = ("module", "args", "kwargs", "rng_cpu", "rng_dev", "start", "end", "nbytes", "taken", "state")
+    __slots__ = (
+        "module",
+        "args",
+        "kwargs",
+        "rng_cpu",
+        "rng_dev",
+        "start",
+        "end",
+        "nbytes",
+        "taken",
+        "state",
+        "kept",
+        "output",
+        "version",
+    )
 
     def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, seg: Segment, start: int):
         self.module = module
-        self.args, self.kwargs = tree_map(_boundary, (args, kwargs))
+        prev = seg.pieces[-1] if seg.pieces else None
+
+        def arg(x):
+            if prev is not None and prev.derives(x):  # (see the Note on nested: derived arguments)
+                return _FromPrev(prev, x.requires_grad)
+            return _boundary(x)
+
+        self.args, self.kwargs = tree_map(arg, (args, kwargs))
         self.rng_cpu, self.rng_dev = _rng_states(seg.device)
         self.start = start
         self.end = -1
         self.nbytes = 0  # what its saved tensors take (measured in phase A)
         self.taken = 0
         self.state = SegState.SAVED
+        # the unit's last piece, which backward needs first: its saved tensors are kept from the
+        # unit's recompute instead of being made again (see the Note on nested)
+        self.kept = start == seg.last_piece_start
+        self.output: Optional[weakref.ref] = None  # its output tensor, while the next piece may take it
+        self.version = -1
+
+    def derives(self, x: Any) -> bool:
+        """x is this piece's output, unchanged since, and its arguments are still held: the next
+        piece's argument x can be made again from them instead of being held."""
+        return (
+            isinstance(x, torch.Tensor)
+            and self.args is not None
+            and self.output is not None
+            and self.output() is x
+            and x._version == self.version
+        )
+
+
+class _FromPrev:
+    """A nested piece's argument that is the previous piece's output: made again from that
+    piece's arguments when needed (see the Note on nested)."""
+
+    __slots__ = ("piece", "requires_grad")
+
+    def __init__(self, piece: _Piece, requires_grad: bool):
+        self.piece = piece
+        self.requires_grad = requires_grad
 
 
 def _boundary(x):
@@ -309,6 +364,8 @@ class Segment:
         # nested: the modules whose calls are pieces, then each call's _Piece (see the Note on nested)
         self.piece_modules: tuple[torch.nn.Module, ...] = ()
         self.pieces: list[_Piece] = []
+        self.last_piece_start = -1  # the saved-tensor index the last piece's call started at, in forward
+        self.piece_depth = 0  # (forward: inside a piece's call)
         # a piece's output tensor (see the Note on derived checkpoints)
         self.output: Optional[weakref.ref] = None
         self.output_version = -1
@@ -369,7 +426,7 @@ class Segment:
             # saved RecomputeRefs, into a cycle Python's collector cannot see.
             if inside:
                 in_piece.append(t)
-                collected.append(None)
+                collected.append(t.detach() if inside[-1].kept else None)
             else:
                 collected.append(t.detach())
             return len(collected) - 1
@@ -385,12 +442,19 @@ class Segment:
                 "(use another activation policy for this unit)"
             )
         self.tensors = collected
-        boundaries = [t for t in collected if t is not None]
+        kept = [p for p in self.pieces if p.kept]
+        boundaries = [
+            t
+            for i, t in enumerate(collected)
+            if t is not None and not any(p.start <= i < p.end for p in kept)
+        ]
         boundaries += [
             t for p in self.pieces for t in tree_leaves((p.args, p.kwargs)) if isinstance(t, torch.Tensor)
         ]
         # nested: the largest piece's saved tensors counted from here on (see the Note on nested)
         self.recomputed_bytes = measure(boundaries) + max((p.nbytes for p in self.pieces), default=0)
+        for p in kept:
+            p.args = p.kwargs = None
         self.args = self.kwargs = None  # the inputs are no longer needed
         self.log = None
         self.state = SegState.RECOMPUTED
@@ -443,13 +507,14 @@ class Segment:
         def never(_: Any):
             raise ActivationError(f"unit {self.unit!r}: the recomputed graph was used for backward")
 
+        args, kwargs = tree_map(self._piece_arg, (p.args, p.kwargs))
         with _rng_from(self.device, p.rng_cpu, p.rng_dev), contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(collect, never))
             for c in self._autocasts():
                 stack.enter_context(c)
             try:
-                p.module(*p.args, **p.kwargs)
+                p.module(*args, **kwargs)
             except Exception as e:
                 raise ActivationError(
                     f"unit {self.unit!r}: recomputing its piece {type(p.module).__name__} in backward failed: {e}"
@@ -463,6 +528,29 @@ class Segment:
         self.tensors[p.start : p.end] = collected
         p.args = p.kwargs = None
         p.state = SegState.RECOMPUTED
+
+    def _piece_arg(self, x: Any) -> Any:
+        """A piece's argument for its recompute: a derived one made again (the previous piece run
+        without grad from its own arguments and RNG state: the same operators on the same bytes
+        give the same tensor), the others as held."""
+        if type(x) is not _FromPrev:
+            return x
+        prev = x.piece
+        if prev.args is None:
+            raise ActivationError(
+                f"unit {self.unit!r}: a piece's argument was to be made again after the piece before it was "
+                "recomputed (use recompute for this unit)"
+            )
+        args, kwargs = tree_map(self._piece_arg, (prev.args, prev.kwargs))
+        with (
+            _rng_from(self.device, prev.rng_cpu, prev.rng_dev),
+            torch.no_grad(),
+            contextlib.ExitStack() as stack,
+        ):
+            for c in self._autocasts():
+                stack.enter_context(c)
+            t = prev.module(*args, **kwargs)
+        return t.requires_grad_(True) if x.requires_grad else t
 
     def take(self, ref: RecomputeRef) -> torch.Tensor:
         index = ref.index
@@ -522,9 +610,13 @@ def _piece_hooks(module, seg: Segment, inside: list, in_piece: list, collected: 
         leaves = [t for t in tree_leaves((p.args, p.kwargs)) if isinstance(t, torch.Tensor)]
         p.nbytes = measure(in_piece, exclude=leaves)
         in_piece.clear()
+        if isinstance(output, torch.Tensor):  # (the next piece may take it: _Piece.derives)
+            p.output, p.version = weakref.ref(output), output._version
         if p.end == p.start:  # saved nothing: never recomputed
             p.args = p.kwargs = None
             p.state = SegState.DONE
+        elif p.kept:  # its saved tensors are collected already
+            p.state = SegState.RECOMPUTED
         return None
 
     handles = (
