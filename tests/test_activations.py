@@ -84,6 +84,9 @@ MIX = {
         "partial",
         "partial_host",
         "partial_ssd",
+        "recompute_nested",
+        "recompute_nested_host",
+        "recompute_nested_ssd",
         "auto",
         "mix",
     ],
@@ -121,17 +124,17 @@ def test_gradients_equal_the_run_without_swapping(policy, store, data, on_device
                 # reads are counted over the run)
                 assert 0 < s.ssd_write_bytes <= s.d2h_bytes
                 reads += s.ssd_read_bytes
-            if policy == "recompute":
+            if policy in ("recompute", "recompute_nested"):
                 assert s.recompute_s > 0 and s.d2h_bytes == 0
             ckpt = 6 * data.numel() * 64 * 4 + data.numel() * 8 + data.shape[1] * 8
-            if policy.startswith("recompute_"):
+            if policy.startswith("recompute_") and policy != "recompute_nested":
                 # only the checkpoints moved: the inputs of the 4 blocks, of ln_f and lm_head (the
                 # head unit's two roots), and the embedding's token ids (int64)
                 # (a copy backward wants before the worker started it is cancelled, the bytes never
                 # left: on a loaded machine the last units' may be)
                 ckpt = 6 * data.numel() * 64 * 4 + data.numel() * 8 + data.shape[1] * 8
                 assert s.recompute_s > 0 and 0 < s.d2h_bytes <= ckpt and s.h2d_bytes == s.d2h_bytes
-                assert (s.ssd_write_bytes > 0) == (policy == "recompute_ssd")
+                assert (s.ssd_write_bytes > 0) == policy.endswith("_ssd")
             if policy.startswith("partial"):  # the matmuls' outputs moved (or stayed), not recomputed
                 assert s.recompute_s > 0 and (s.d2h_bytes > ckpt) == (policy != "partial")
                 assert (s.ssd_write_bytes > 0) == (policy == "partial_ssd")
@@ -584,7 +587,9 @@ def test_bench_activations_plan_contender(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("policy", ["host", "ssd", "recompute", "recompute_host", "recompute_ssd"])
+@pytest.mark.parametrize(
+    "policy", ["host", "ssd", "recompute", "recompute_host", "recompute_ssd", "recompute_nested_host"]
+)
 def test_cuda_gradients_and_allocator_peak(policy, store, data):
     """On a GPU: side streams and pinned buffers give the same gradients, and the allocator's peak
     over the step stays below keeping everything."""

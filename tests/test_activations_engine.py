@@ -132,7 +132,16 @@ def _torch_adamw(ref, data, lr: float) -> list[float]:
 
 @pytest.mark.parametrize("kind,device", [("gpt2", "cpu"), ("llama", "cpu"), ("gpt2", "standin")])
 @pytest.mark.parametrize(
-    "policy", ["recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd"]
+    "policy",
+    [
+        "recompute_host",
+        "recompute_ssd",
+        "partial",
+        "partial_host",
+        "partial_ssd",
+        "recompute_nested_host",
+        "recompute_nested_ssd",
+    ],
 )
 def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, monkeypatch, kind, device, policy):
     """Recompute with the checkpoint swapped to host / to SSD, and partial (selective) recompute

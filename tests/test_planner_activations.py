@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace as dc_replace
 
 import pytest
 from test_planner import GPT2, cpu_hw
@@ -24,7 +25,7 @@ from offloadpp.planner.activations import (
 )
 from offloadpp.planner.cost import estimate
 from offloadpp.planner.hardware import HardwareProfile
-from offloadpp.planner.model_profile import analytic_profile
+from offloadpp.planner.model_profile import ModelProfileError, analytic_profile
 from offloadpp.planner.spec import ActivationSettings
 
 PAPER = os.path.join(os.path.dirname(__file__), "..", "docs", "paper")
@@ -161,6 +162,61 @@ def test_replay_moves_the_checkpoints_and_runs_the_recompute():
     for p in ("recompute", "recompute_ssd"):
         assert abs(est[p].compute_s - est["keep"].compute_s - fwd) < 1e-9
     assert est["recompute_ssd"].peak_activation_bytes < est["recompute"].peak_activation_bytes
+
+
+def test_replay_of_nested_recompute_moves_the_checkpoints_and_runs_the_pieces_again():
+    """recompute_nested_ssd moves what recompute_ssd moves (each block's checkpoint), adds to the
+    compute a forward of each block and one of its pieces but the last (the MLP, whose saved
+    tensors the block's recompute keeps: its share of the FLOPs, analytic), and its backward holds
+    the block's four pieces' arguments and the largest piece's saved bytes, not all the block
+    saves: a lower device peak than recompute_ssd's (ActUnit.nested; runtime: recompute.py,
+    Note on nested)."""
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
+    r = resolve(Settings(plan="auto"), m.unit_specs(),
+                Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
+                hardware=cpu_hw(), model=m)  # fmt: skip
+    blocks = [u.name for u in m.units if u.name.startswith("transformer.h.")]
+    est = {p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks})
+           for p in ("keep", "recompute_ssd", "recompute_nested_ssd")}  # fmt: skip
+    for kind in ("ssd_write_bytes", "ssd_read_bytes"):
+        assert getattr(est["recompute_nested_ssd"], kind) == getattr(est["recompute_ssd"], kind)
+    fwd = sum(u.forward_flops for u in m.units if u.name in blocks) / 100e9
+    mlp = sum(u.forward_flops * u.last_piece_share for u in m.units if u.name in blocks) / 100e9
+    d, inner, t = (
+        256,
+        1024,
+        4 * 64,
+    )  # (test_planner's GPT2: the MLP's two matmuls, 2 x t x d x inner FLOPs each)
+    assert mlp == pytest.approx(len(blocks) * 4 * t * d * inner / 100e9) and 0 < mlp < fwd
+    assert abs(est["recompute_nested_ssd"].compute_s - est["keep"].compute_s - (2 * fwd - mlp)) < 1e-9
+    assert est["recompute_nested_ssd"].peak_activation_bytes < est["recompute_ssd"].peak_activation_bytes
+    b = next(a for a in act_units(m) if a.name == blocks[0])
+    # (the two norms' arguments held, the attention's and the MLP's made again from them)
+    assert b.nested() == 2 * b.inputs + max(p[0] - p[1] for p in b.pieces) < b.recomputed()
+    assert (
+        backward_bytes(b, "recompute_nested_ssd") == b.nested()
+        and held_bytes(b, "recompute_nested") == b.inputs
+    )
+    split = {"kept": 0, "host": b.inputs, "ssd": 0, "recomputed": b.saved}
+    assert split_bytes(b, "recompute_nested_host") == split
+    with pytest.raises(ModelProfileError, match="last_piece_share"):
+        dc_replace(m.units[1], last_piece_share=1.5)
+
+
+def test_nested_recompute_is_offered_where_the_whole_recompute_does_not_fit():
+    """Blocks whose whole recompute (1000 bytes at its backward) passes the room, where nested
+    (the two norms' 100-byte arguments and the largest piece, 500) fits: the
+    recomputing choices come again with nested in place of recompute, every one within the room
+    (issue 36's cliffs); where the whole recompute fits, nested is not offered."""
+    pieces = ((100, 100, 0, 0), (400, 0, 300, 100), (100, 100, 0, 0), (500, 0, 300, 100))
+    us = [ActUnit(f"u{i}", 1000, 100, 10_000, True, 600, 200, pieces, last_piece_share=0.6) for i in range(6)]
+    assert us[0].nested() == 700 < us[0].recomputed() == 1000
+    cands = ActPlanner(us, {}, device="cuda").candidates(800)
+    nested = [c for c in cands if "nested recompute" in c.label]
+    assert nested and all(c.need_bytes <= 800 for c in cands), [c.label for c in cands]
+    assert any(set(c.as_dict().values()) <= {"recompute_nested_host", "recompute_nested"} for c in nested)
+    assert not any("recompute" in p for c in cands for p in c.as_dict().values() if "nested" not in p)
+    assert not any("nested" in c.label for c in ActPlanner(us, {}, device="cuda").candidates(1200))
 
 
 def test_plan_printout_gives_the_split_per_unit():

@@ -26,8 +26,8 @@ from types import SimpleNamespace
 BAR = 1.3
 CONTENDERS = ("none", "keep", "host", "ssd", "recompute")
 # selectable too: the checkpoint swapped to SSD, partial (selective) recompute with its kept
-# outputs on SSD, and the planner's choice for the budget
-EXTRA = ("recompute_ssd", "partial_ssd", "plan")
+# outputs on SSD, the nested recompute from a checkpoint on SSD, and the planner's choice for the budget
+EXTRA = ("recompute_ssd", "partial_ssd", "recompute_nested_ssd", "plan")
 PLAN_BAR = 1.15  # the planner's choice against keeping everything (no budget)
 BYTES_BAR = 0.10  # its measured activation bytes against the cost model's
 
@@ -257,7 +257,7 @@ def _measure(args, env: SimpleNamespace, batch: int) -> dict:
         out["modelled"] = {
             p: {**_modelled(args, env, batch, budget, p), "measured_ssd_bytes": med[p]["ssd_write_bytes"]
                 + med[p]["ssd_read_bytes"], "measured_recompute_s": med[p]["recompute_s"]}
-            for p in policies if p in ("host", "ssd", "recompute", "recompute_ssd", "partial_ssd")
+            for p in policies if p in ("host", "ssd", "recompute", "recompute_ssd", "partial_ssd", "recompute_nested_ssd")
         }  # fmt: skip
     if planned is not None:
         got = med["plan"]
@@ -280,7 +280,7 @@ def _modelled(args, env: SimpleNamespace, batch: int, budget, policy: str) -> di
     """The cost model's activation terms for every unit under `policy` (units that cannot
     recompute keep), for the fixed contenders: what it moves to and from SSD and recomputes."""
     from offloadpp.planner import HardwareProfile, analytic_profile
-    from offloadpp.planner.activations import recompute_fraction, recomputes
+    from offloadpp.planner.activations import act_units, recompute_fraction, recomputes
     from offloadpp.planner.cost import compute_times, estimate
 
     hw = HardwareProfile.from_json(args.hardware)
@@ -291,9 +291,12 @@ def _modelled(args, env: SimpleNamespace, batch: int, budget, policy: str) -> di
     est = estimate(plan, hw, prof, activations=pol, act_prefetch_units=args.prefetch_units)
     fwd_s, _ = compute_times(plan, hw, prof)
     again = [n for n, p in pol.items() if recomputes(p)]
-    # as the replay charges it (simulate_act.py recompute_s): partial runs no matmul again
+    acts = {a.name: a for a in act_units(prof)}
+    # as the replay charges it (simulate_act.py recompute_s): partial runs no matmul again, nested
+    # its pieces but the last once more
     return {"ssd_write_bytes": est.ssd_write_bytes, "ssd_read_bytes": est.ssd_read_bytes,
-            "recompute_s": sum(fwd_s[n] * recompute_fraction(pol[n]) + hw.runtime_forward_visit_s for n in again),
+            "recompute_s": sum(fwd_s[n] * recompute_fraction(pol[n], acts[n]) + hw.runtime_forward_visit_s
+                               for n in again),
             "peak_activation_bytes": est.peak_activation_bytes}  # fmt: skip
 
 

@@ -12,6 +12,11 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              recompute, with the inputs (the activation checkpoint) swapped as host/ssd swap the
              saved bytes: nothing of the unit stays on the device between its forward and its
              backward; the checkpoint comes back ahead of the recompute (the paper's scheme).
+  recompute_nested, recompute_nested_host, recompute_nested_ssd
+             recompute (the checkpoint kept, or swapped as recompute_host/ssd's), holding at the
+             unit's backward only its pieces' boundaries (the norms' arguments: for a block the
+             residual stream twice) and one piece's saved bytes at a time, for a second forward of
+             its pieces but the last (runtime/activations/recompute.py, Note on nested).
   partial, partial_host, partial_ssd
              selective recomputation: the outputs of the unit's matmuls and attention (`partial`
              bytes, from the model profile) stay with its inputs (partial) or are swapped with them
@@ -63,9 +68,13 @@ what fits and then pinning on the device the checkpoints that still fit; and par
 recompute in those (where the profile knows the partial bytes): every recomputable unit partial
 with its kept outputs swapped, keeping whole units what fits; and a quarter, half or three
 quarters of them partial, spread evenly, the rest recomputed with swapped checkpoints (not on
-models of many units: each choice costs a replay). Swaps go to host memory on CUDA
-(to SSD beyond the host memory left for them) and to SSD on the CPU acting as the device, where
-host memory is the device's own; SSD is tried on CUDA too.
+models of many units: each choice costs a replay). Where even the whole recompute does not fit
+(every recomputable unit recomputing, its checkpoint swapped: a block's backward holds all it
+saved; issue 36's cliffs), the recomputing choices are made again with the nested recompute in
+its place (recompute_nested*: the block's pieces' boundaries and one piece at a time, for a
+second forward), before partial, which moves 12x the checkpoint's bytes, is the only way left.
+Swaps go to host memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the
+CPU acting as the device, where host memory is the device's own; SSD is tried on CUDA too.
 """
 
 from __future__ import annotations
@@ -92,7 +101,7 @@ LOSS_CHUNK_ELEMS = 1 << 24
 
 
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
-            "partial_ssd")  # fmt: skip
+            "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd")  # fmt: skip
 MIXES = (0.25, 0.5, 0.75)
 # the candidates are made again with a fused head recomputing (see the Note on the head's loss)
 # where its logits take at least this share of the room: below it the logits free too little
@@ -101,25 +110,40 @@ MIXES = (0.25, 0.5, 0.75)
 # every batch made planning 1.6x slower)
 HEAD_TWIN_SHARE = 0.25
 # nothing of the unit stays on the device between its forward and its backward
-SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd"))
+SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",
+                      "recompute_nested_host", "recompute_nested_ssd"))  # fmt: skip
 CHECKPOINT_SWAPS = {
     "recompute_host": "host",
     "recompute_ssd": "ssd",
     "partial_host": "host",
     "partial_ssd": "ssd",
+    "recompute_nested_host": "host",
+    "recompute_nested_ssd": "ssd",
 }
 PARTIAL = frozenset(("partial", "partial_host", "partial_ssd"))
+NESTED = frozenset(("recompute_nested", "recompute_nested_host", "recompute_nested_ssd"))
+NESTED_SWAPS = frozenset(("recompute_nested_host", "recompute_nested_ssd"))
 
 
 def recomputes(policy: str) -> bool:
     """Runs the unit's forward again in backward (wholly, or its cheap operators: partial)."""
-    return policy in ("recompute", "recompute_host", "recompute_ssd") or policy in PARTIAL
+    return policy in ("recompute", "recompute_host", "recompute_ssd") or policy in PARTIAL or policy in NESTED
 
 
-def recompute_fraction(policy: str) -> float:
-    """The share of the unit's forward FLOPs its recompute runs again: all of them, or none for
-    partial (only the cheap operators, which the FLOP count does not count either)."""
+def recompute_fraction(policy: str, unit: Optional[ActUnit] = None) -> float:
+    """The share of the unit's forward FLOPs its recompute runs again: all of them; for nested
+    the unit's and then each piece's but the last (its share: ActUnit.last_piece_share, 0 where
+    not known); none for partial (only the cheap operators, which the FLOP count does not count
+    either)."""
+    if policy in NESTED:
+        return 2.0 - (unit.last_piece_share if unit is not None else 0.0)
     return 0.0 if policy in PARTIAL or not recomputes(policy) else 1.0
+
+
+def checkpoint_tier(policy: str) -> str:
+    """Where a recomputing unit's checkpoint is between its forward and its backward: "kept",
+    "host" or "ssd"."""
+    return CHECKPOINT_SWAPS.get(policy, "kept")
 
 
 @dataclass(frozen=True)
@@ -144,6 +168,8 @@ class ActUnit:
     # a vertical window's unit (planner/vertical.py): every size above is this many micro-batches'
     # (the workspace one buffer's), which its visits run one at a time (see window_bytes)
     micro_batches: int = 1
+    # of flops, the share in its last piece, which a nested recompute runs once (0: not known)
+    last_piece_share: float = 0.0
 
     @property
     def partial_inputs(self) -> int:
@@ -168,6 +194,17 @@ class ActUnit:
         but a fused head's logits, which come one chunk at a time."""
         return max(self.saved - self.logits, self.checkpoint)
 
+    def nested(self) -> int:
+        """What a nested recompute holds at most once it ran (runtime/activations/recompute.py,
+        Note on nested): its pieces' held arguments (each piece's `inputs`: a block's norms take
+        the residual stream, the attention and the MLP the norms' outputs, made again from the
+        norms' arguments, 0) and the largest piece's saved bytes beyond its held argument; a unit
+        without pieces recomputes whole."""
+        if not self.pieces:
+            return self.recomputed()
+        held = sum(p[1] for p in self.pieces)
+        return max(held + max(p[0] - p[1] for p in self.pieces), self.checkpoint)
+
 
 def _head(u: ActUnit, policy: str) -> str:
     """A fused head's partial policy as it runs: the logits are its matmul's output, which partial
@@ -180,7 +217,7 @@ def held_bytes(u: ActUnit, policy: str) -> int:
     policy = _head(u, policy)
     if policy == "partial":
         return u.partial_inputs + u.partial
-    return u.saved if policy == "keep" else u.checkpoint if policy == "recompute" else 0
+    return u.saved if policy == "keep" else u.checkpoint if policy in ("recompute", "recompute_nested") else 0
 
 
 def backward_bytes(u: ActUnit, policy: str) -> int:
@@ -198,6 +235,8 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
         return max(piece_peaks(u, policy))
     if policy in PARTIAL:
         return max(u.saved, u.inputs) + u.partial_extra + u.grad + u.workspace
+    if policy in NESTED:
+        return u.nested() + u.grad + u.workspace
     return (u.recomputed() if recomputes(policy) else u.saved) + u.grad + u.workspace
 
 
@@ -256,7 +295,7 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
         out[{"partial": "kept", "partial_host": "host", "partial_ssd": "ssd"}[policy]] = u.moved(policy)
     elif recomputes(policy):
         out["recomputed"] = u.saved
-        out[{"recompute": "kept", "recompute_host": "host", "recompute_ssd": "ssd"}[policy]] = u.checkpoint
+        out[checkpoint_tier(policy)] = u.checkpoint
     else:
         out[{"keep": "kept", "host": "host", "ssd": "ssd"}[policy]] = u.saved
     return out
@@ -294,7 +333,8 @@ def act_units(model: Profiled) -> tuple[ActUnit, ...]:
         loss = ({"logits": u.logits_bytes, "loss_input": u.loss_input_bytes, "workspace": u.loss_workspace_bytes}
                 if u.fused_loss else {"grad": u.logits_bytes})  # fmt: skip
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
-                           u.partial_bytes, u.partial_extra_bytes, u.pieces, **loss, micro_batches=g))  # fmt: skip
+                           u.partial_bytes, u.partial_extra_bytes, u.pieces, **loss, micro_batches=g,
+                           last_piece_share=u.last_piece_share))  # fmt: skip
         prev = u.output_bytes
     return tuple(out)
 
@@ -383,7 +423,7 @@ class ActPlanner:
         SSD read worst)."""
 
         def sent(p: str, where: str) -> str:
-            return where if p in ("host", "ssd") else f"{p.split('_')[0]}_{where}"
+            return where if p in ("host", "ssd") else f"{p.rsplit('_', 1)[0]}_{where}"
 
         if to != "host":
             return {n: (sent(p, to) if p in SWAPPING else p) for n, p in chosen.items()}
@@ -445,9 +485,11 @@ class ActPlanner:
         the need fits `room`."""
         return self._upgrade_what_fits(chosen, room, SWAPPING, "keep")
 
-    def _pin_what_fits(self, chosen: dict[str, str], room: int) -> dict[str, str]:
-        """`chosen` with its swapped checkpoints kept on the device while the need fits `room`."""
-        return self._upgrade_what_fits(chosen, room, frozenset(CHECKPOINT_SWAPS), "recompute")
+    def _pin_what_fits(self, chosen: dict[str, str], room: int, to: str = "recompute") -> dict[str, str]:
+        """`chosen` with its swapped checkpoints kept on the device (as `to`: recompute, or
+        recompute_nested for the nested ones) while the need fits `room`."""
+        frm = NESTED_SWAPS if to == "recompute_nested" else frozenset(CHECKPOINT_SWAPS) - NESTED_SWAPS
+        return self._upgrade_what_fits(chosen, room, frm, to)
 
     def candidates(self, room: int) -> tuple[ActChoice, ...]:
         """The choices whose need fits `room` device bytes (the first is keeping all, alone,
@@ -464,15 +506,33 @@ class ActPlanner:
         self._cache[room] = out
         return out
 
-    def _candidates(self, room: int) -> tuple[ActChoice, ...]:
+    def _offers_nested(self, room: int) -> bool:
+        """Nested recompute is offered where the whole recompute does not fit (every recomputable
+        unit recomputing with its checkpoint swapped, the rest swapped, needs more than `room`)
+        and some unit's nested recompute holds less (see the Note on the candidates)."""
+        rec = [u for u in self.free if u.can_recompute]
+        if not any(u.pieces and u.nested() < u.recomputed() for u in rec):
+            return False
+        base = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute_ssd" for u in rec}, **self.fixed}
+        return need_bytes(self.units, base) > room
+
+    def _families(self, room: int) -> list[ActChoice]:
         found = self._family(room)
+        if self._offers_nested(room):  # (the family again, nested in place of recompute)
+            found += [
+                c for c in self._family(room, "recompute_nested") if any(p in NESTED for _, p in c.policies)
+            ]
+        return found
+
+    def _candidates(self, room: int) -> tuple[ActChoice, ...]:
+        found = self._families(room)
         heads = {
             u.name: "recompute" for u in self.free if u.can_recompute and u.logits >= HEAD_TWIN_SHARE * room
         }
         if heads:  # (see the Note on the head's loss)
             twin = ActPlanner(self.units, {**self.fixed, **heads}, device=self.device, host_bytes=self.host_bytes,
                               mixes=self.mixes)  # fmt: skip
-            found += [replace(c, label=f"{c.label}, head recomputed") for c in twin._family(room)]
+            found += [replace(c, label=f"{c.label}, head recomputed") for c in twin._families(room)]
         seen, out = set(), []
         for c in found:
             if c.need_bytes <= room and c.policies not in seen:
@@ -480,16 +540,19 @@ class ActPlanner:
                 out.append(c)
         return tuple(out)
 
-    def _family(self, room: int) -> list[ActChoice]:
+    def _family(self, room: int, again: str = "recompute") -> list[ActChoice]:
+        """again: the recompute policy of the family (recompute, or recompute_nested: its label
+        says "nested recompute")."""
         ranked = self._ranked()
         found: list[ActChoice] = []
         rec: dict[str, str] = {}
+        name = "recompute" if again == "recompute" else "nested recompute"
         for u in ranked:
             if need_bytes(self.units, {**rec, **self.fixed}) <= room:
                 break
             if u.can_recompute:
-                rec[u.name] = "recompute"
-        found.append(self._choice("recompute lowest FLOPs/byte", rec))
+                rec[u.name] = again
+        found.append(self._choice(f"{name} lowest FLOPs/byte", rec))
         recomputable = [u for u in ranked if u.can_recompute]
         swaps = ("host", "ssd") if self.device == "cuda" else ("ssd",)
         for to in swaps:
@@ -500,9 +563,9 @@ class ActPlanner:
                 head = recomputable[: round(frac * len(recomputable))]
                 if not head:
                     continue
-                mixed = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute" for u in head}}
+                mixed = {**{u.name: "ssd" for u in self.free}, **{u.name: again for u in head}}
                 if frac < 1.0:
-                    found.append(self._choice(f"recompute {frac:.0%}, swap to {to}",
+                    found.append(self._choice(f"{name} {frac:.0%}, swap to {to}",
                                               self._swap_to(self._keep_what_fits(mixed, room), to)))  # fmt: skip
                 # the paper's scheme: the recomputing units' checkpoints leave the device too
                 # (tried with the first tier only: to host on CUDA, which sends to SSD what host
@@ -510,10 +573,10 @@ class ActPlanner:
                 # costs a replay, and 175B must plan within 2 s)
                 if to != swaps[0]:
                     continue
-                ckpt = {**mixed, **{u.name: "recompute_ssd" for u in head}}
+                ckpt = {**mixed, **{u.name: f"{again}_ssd" for u in head}}
                 kept = self._keep_what_fits(ckpt, room)
-                found.append(self._choice(f"recompute {frac:.0%} with checkpoints to {to}, swap to {to}",
-                                          self._swap_to(self._pin_what_fits(kept, room), to)))  # fmt: skip
+                found.append(self._choice(f"{name} {frac:.0%} with checkpoints to {to}, swap to {to}",
+                                          self._swap_to(self._pin_what_fits(kept, room, again), to)))  # fmt: skip
         # selective recomputation: the recomputable units partial (the profile knows their kept
         # bytes, and keeping them is less than all they save), their kept outputs swapped with the
         # checkpoint; whole units kept, then partial units pinned, along the ranking while they fit
@@ -532,12 +595,12 @@ class ActPlanner:
             rest = [u for u in recomputable if u not in partial]
             for frac in MIXES if self.mixes else ():
                 head = [u for i, u in enumerate(partial) if int((i + 1) * frac) > int(i * frac)]
-                base = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute_ssd" for u in partial + rest},
+                base = {**{u.name: "ssd" for u in self.free}, **{u.name: f"{again}_ssd" for u in partial + rest},
                         **{u.name: "partial_ssd" for u in head}}  # fmt: skip
                 kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
                                                frozenset(("partial_ssd",)), "partial")  # fmt: skip
-                found.append(self._choice(f"partial {frac:.0%}, recompute the rest with checkpoints to {swaps[0]}",
-                                          self._swap_to(self._pin_what_fits(kept, room), swaps[0])))  # fmt: skip
+                found.append(self._choice(f"partial {frac:.0%}, {name} the rest with checkpoints to {swaps[0]}",
+                                          self._swap_to(self._pin_what_fits(kept, room, again), swaps[0])))  # fmt: skip
         return found
 
 
@@ -550,7 +613,7 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
     return out
 
 
-__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "LOSS_CHUNK_ELEMS", "PARTIAL",
+__all__ = ["ActChoice", "ActPlanner", "ActUnit", "CHECKPOINT_SWAPS", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL",
            "POLICIES", "SWAPPING", "act_units",
-           "backward_bytes", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
+           "backward_bytes", "checkpoint_tier", "fixed_policies", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
-from .activations import act_units, recompute_fraction, recomputes
+from .activations import NESTED, act_units, recompute_fraction, recomputes
 from .decide import lazy_applies, lazy_runtime
 from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
@@ -158,7 +158,8 @@ class ReplayOptions:
 
     adam_threads: the runtime's Adam threads; micro_batches: of one optimizer step;
     activations: per unit "keep" | "host" | "ssd" | "recompute" | "recompute_host" |
-    "recompute_ssd" | "partial" | "partial_host" | "partial_ssd" (default: the plan's, else keep
+    "recompute_ssd" | "partial" | "partial_host" | "partial_ssd" | "recompute_nested" |
+    "recompute_nested_host" | "recompute_nested_ssd" (default: the plan's, else keep
     everything); act_prefetch_units: backward's
     activation read-ahead; link: over several ranks, the ranks per node and the collectives'
     bandwidth (needed there); deferred: for a speculative plan, replay a step that defers its
@@ -244,7 +245,8 @@ def replay(
     )
     m = sim.marks[-1]
     sched = cached_schedule(plan)  # (the one the replay just walked)
-    recompute = sum(fwd[n] * recompute_fraction(policies.get(n, "keep")) for n in fwd)
+    acts = sim.act.units
+    recompute = sum(fwd[n] * recompute_fraction(policies.get(n, "keep"), acts.get(n)) for n in fwd)
     compute = micro_batches * (sum(fwd[n] + bwd[n] for n in fwd) + recompute)
     adam = sum(u.numel for u in plan.units) / plan.ranks / costs.adam_rate
     ssd_s = m["ssd_r"] / ssd.read_bps + m["ssd_w"] / ssd.write_bps
@@ -327,7 +329,8 @@ def lower_bound(
     fwd, bwd = compute_times(plan, hardware, model)
     policies = activations if activations is not None else activation_policies(plan)
     n = len(fwd)
-    recompute = sum(fwd[u] * recompute_fraction(p) + hardware.runtime_forward_visit_s
+    nested = {a.name: a for a in act_units(model)} if any(p in NESTED for p in policies.values()) else {}
+    recompute = sum(fwd[u] * recompute_fraction(p, nested.get(u)) + hardware.runtime_forward_visit_s
                     for u, p in policies.items() if recomputes(p))  # fmt: skip
     visits = n * (hardware.runtime_forward_visit_s + hardware.runtime_backward_visit_s)
     compute = micro_batches * (sum(fwd.values()) + sum(bwd.values()) + visits + recompute)

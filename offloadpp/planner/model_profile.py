@@ -48,6 +48,9 @@ class UnitProfile:
     # a partial unit runs each child of its root as a piece (runtime/activations/manager.py, Note
     # on pieces): per piece in forward order (saved, inputs, partial, partial_extra) bytes
     pieces: tuple[tuple[int, int, int, int], ...] = ()
+    # of forward_flops, the share in the root's last child (a block's MLP), which a nested recompute
+    # runs once (runtime/activations/recompute.py, Note on nested); 0: not known (it runs twice)
+    last_piece_share: float = 0.0
     forward_s: Optional[float] = None  # measured, one micro-batch (see the module note)
     backward_s: Optional[float] = None
     frozen_numel: int = 0  # frozen parameters owned, apart from numel (UnitSpec.frozen_numel)
@@ -72,6 +75,10 @@ class UnitProfile:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.last_piece_share, (int, float)) or not 0 <= self.last_piece_share <= 1:
+            raise ModelProfileError(
+                f"unit {self.name!r}: last_piece_share must be a share in [0, 1], got {self.last_piece_share!r}"
+            )
         for name in ("forward_s", "backward_s"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
@@ -298,7 +305,7 @@ def analytic_profile(
             UnitProfile(f"transformer.h.{i}", block_numel, 2 * t * lin + 4 * b * s * s * d,
                         2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb,
                         partial_bytes=sum(p[2] for p in pieces), partial_extra_bytes=sum(p[3] for p in pieces),
-                        pieces=pieces)
+                        pieces=pieces, last_piece_share=4 * t * d * inner / (2 * t * lin + 4 * b * s * s * d))
             for i in range(n_layer)
         ]  # fmt: skip
         head_numel = 2 * d + (0 if tied else vocab * d)
@@ -338,7 +345,8 @@ def analytic_profile(
         units += [
             UnitProfile(f"model.layers.{i}", block_numel, 2 * t * lin + attn_flops, 2 * (2 * t * lin + attn_flops),
                         act_elems * eb, t * d * eb, partial_bytes=sum(p[2] for p in pieces),
-                        partial_extra_bytes=sum(p[3] for p in pieces), pieces=pieces)
+                        partial_extra_bytes=sum(p[3] for p in pieces), pieces=pieces,
+                        last_piece_share=6 * t * d * ff / (2 * t * lin + attn_flops))
             for i in range(n_layer)
         ]  # fmt: skip
         units.append(UnitProfile("head", d + (0 if tied else vocab * d), 2 * t * d * vocab, 4 * t * d * vocab,

@@ -11,6 +11,10 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
   recompute_host, recompute_ssd
              as recompute, with the checkpoint moved as host/ssd move saved bytes (copied out in
              forward, fetched back ahead of the recompute).
+  recompute_nested, recompute_nested_host, recompute_nested_ssd
+             as recompute and its swapped-checkpoint forms, holding in backward the unit's pieces'
+             boundaries and one piece's saved bytes (ActUnit.nested); the recompute runs the
+             unit's forward twice (recompute_fraction).
   partial, partial_host, partial_ssd
              as recompute, the outputs of the matmuls and attention held (or moved) with the
              checkpoint; the recompute runs no matmul (only the per-visit time is added).
@@ -36,6 +40,7 @@ from typing import Iterator, Mapping, Optional
 
 from .activations import (
     CHECKPOINT_SWAPS,
+    NESTED,
     PARTIAL,
     POLICIES,
     SWAPPING,
@@ -115,7 +120,7 @@ class ActReplay:
         if not recomputes(self.policy(unit)):
             return 0.0
         return (
-            self.sim.costs.forward_s[unit] * recompute_fraction(self.policy(unit))
+            self.sim.costs.forward_s[unit] * recompute_fraction(self.policy(unit), self.units.get(unit))
             + self.sim.costs.forward_visit_s
         )
 
@@ -274,6 +279,8 @@ class ActReplay:
         u = self.units.get(unit)
         if u is not None and self.policy(unit) in PARTIAL:  # (piece by piece: backward_bytes)
             return backward_bytes(u, self.policy(unit))
+        if u is not None and self.policy(unit) in NESTED:  # (its boundaries and one piece's)
+            return u.nested()
         if u is not None:  # (a fused head's logits come one chunk at a time: ActUnit.recomputed)
             return u.recomputed()
         return max(self.act_bytes.get(unit, 0), self.inputs.get(unit, 0))

@@ -23,13 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
 ActivationPolicyName = Literal[
     "keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd",
-    "auto",
+    "recompute_nested", "recompute_nested_host", "recompute_nested_ssd", "auto",
 ]  # fmt: skip
 # Bytes per element of the dtypes the runtime uses, by the names the settings use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPUTE_DTYPES = tuple(DTYPE_BYTES)
 ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial",
-                       "partial_host", "partial_ssd", "auto")  # fmt: skip
+                       "partial_host", "partial_ssd", "recompute_nested", "recompute_nested_host",
+                       "recompute_nested_ssd", "auto")  # fmt: skip
 PLAN_DEFAULT = "default"
 PLAN_AUTO = "auto"
 
@@ -72,7 +73,10 @@ class ActivationSettings(_Frozen):
         device), "recompute_host" / "recompute_ssd" (recompute, the checkpoint swapped to host
         memory / on to SSD and fetched back ahead of the recompute), "partial" / "partial_host" /
         "partial_ssd" (selective recomputation: the outputs of matmuls, attention and dropout kept,
-        or swapped with the checkpoint; only the cheap operators run again), or "auto": the planner chooses per unit (plan
+        or swapped with the checkpoint; only the cheap operators run again), "recompute_nested" /
+        "recompute_nested_host" / "recompute_nested_ssd" (recompute from the one checkpoint kept or
+        swapped as recompute*'s, holding the block's pieces' boundaries, then each piece again
+        when backward reaches it: one piece's saved tensors at a time), or "auto": the planner chooses per unit (plan
         "auto": by the cost model, within the room the placement leaves; otherwise keep what fits
         the budget, the fewest FLOPs per byte first, then host, then SSD; with no budget, keep).
     overrides: per-unit policies by unit name (unknown names are refused when the units are known).

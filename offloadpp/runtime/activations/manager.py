@@ -135,7 +135,9 @@ class ActivationManager(ManagerBackward, ManagerReports):
             )
             for i, (n, r) in enumerate(units)
         ]
-        ssd = {ActPolicy.SSD, ActPolicy.RECOMPUTE_SSD} | ({ActPolicy.AUTO} if self.budget else set())
+        ssd = {ActPolicy.SSD, ActPolicy.RECOMPUTE_SSD, ActPolicy.RECOMPUTE_NESTED_SSD} | (
+            {ActPolicy.AUTO} if self.budget else set()
+        )
         needs_ssd = [u.name for u in self.units if u.requested in ssd]  # (auto under a budget: may)
         if needs_ssd and store is None:
             raise ValueError(f"units {needs_ssd} swap activations to SSD (or may), no TensorStore was given")
@@ -320,6 +322,8 @@ class ActivationManager(ManagerBackward, ManagerReports):
             inputs = self._measure(tree_leaves((args, kwargs)), unit.params)
         seg = Segment(unit.name, module.forward, args, kwargs, self.device, inputs)
         seg.owner = unit
+        if unit.policy.nested:  # (recompute.py, Note on nested)
+            seg.piece_modules = tuple(c for c in module.children() if any(True for _ in c.parameters()))
         seg.first_record = first
         self.swapper.add_device(inputs)
         unit.segments.append(seg)
@@ -339,7 +343,15 @@ class ActivationManager(ManagerBackward, ManagerReports):
         seg.close(output)
 
     def _piece_pre(self, unit: UnitActivations, module, args, kwargs):
-        """A child of a partial unit's root: one piece, its own segment (see the Note on pieces)."""
+        """A child of a partial unit's root: one piece, its own segment (see the Note on pieces);
+        of a nested unit's: where its saved tensors begin (recompute.py, Note on nested)."""
+        if self._active and unit.policy.nested and self._stack and self._stack[-1][0] is unit:
+            seg = self._stack[-1][1]
+            if type(seg) is Segment and module in seg.piece_modules:
+                if not seg.piece_depth:
+                    seg.last_piece_start = seg.count
+                seg.piece_depth += 1
+            return None
         if not self._active or not self._stack or self._stack[-1] != (unit, None) or not unit.policy.partial:
             return None
         self._stack.append((unit, self._open_segment(unit, module, args, kwargs)))
@@ -349,6 +361,10 @@ class ActivationManager(ManagerBackward, ManagerReports):
         if not self._active or not self._stack or self._stack[-1][0] is not unit:
             return None
         seg = self._stack[-1][1]
+        if unit.policy.nested:
+            if type(seg) is Segment and module in seg.piece_modules:
+                seg.piece_depth -= 1
+            return None
         if type(seg) is not Segment or seg.fn != module.forward:
             return None
         self._stack.pop()
@@ -518,7 +534,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
             with record_function("offloadpp::act_recompute"):
                 unit.params.rebuild(unit.roots)  # the runtime may have rebound the weights
                 ckpt: list[torch.Tensor] = []  # a swapped checkpoint, back: its record counts it
-                seg.recompute(lambda ts: self._measure(ts, unit.params, exclude=ckpt),
+                seg.recompute(lambda ts, exclude=(): self._measure(ts, unit.params, exclude=ckpt + list(exclude)),
                               restore=functools.partial(self._restore, ckpt))  # fmt: skip
             self.recompute_s += time.perf_counter() - t0
             self.swapper.add_device(seg.recomputed_bytes - seg.input_bytes)
@@ -527,6 +543,13 @@ class ActivationManager(ManagerBackward, ManagerReports):
             raise ActivationError(
                 f"unit {seg.unit!r}: a recomputed activation was unpacked after backward released it"
             )
+        piece = seg.piece_at(h.index) if seg.pieces else None
+        if piece is not None:  # nested: this piece's saved tensors (counted since the recompute)
+            t0 = time.perf_counter()
+            with record_function("offloadpp::act_recompute_piece"):
+                unit.params.rebuild(unit.roots)
+                seg.recompute_piece(piece)
+            self.recompute_s += time.perf_counter() - t0
         t = seg.take(h)
         if seg.finished:
             self._drop_segment(seg)

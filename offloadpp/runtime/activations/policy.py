@@ -8,6 +8,13 @@
     recompute_host, recompute_ssd
                recompute, with the inputs (the activation checkpoint) swapped as host/ssd swap
                saved tensors, and fetched back ahead of the recompute.
+    recompute_nested, recompute_nested_host, recompute_nested_ssd
+               as recompute / recompute_host / recompute_ssd (only the unit's inputs are held or
+               swapped), but backward runs the unit's forward again holding only its pieces'
+               boundaries (the arguments of each child module that holds parameters: a
+               transformer block's norms, attention, MLP), and then each piece's forward again
+               when backward reaches it: the block's backward holds one piece's saved tensors at
+               a time, for one more forward of the pieces (recompute.py, Note on nested).
     partial, partial_host, partial_ssd
                selective recomputation (Korthikanti et al. 2022): the outputs of the operators
                expensive to run again (matmuls, attention) and of random ones (dropout) are kept
@@ -37,6 +44,9 @@ class ActPolicy(str, Enum):
     RECOMPUTE = "recompute"
     RECOMPUTE_HOST = "recompute_host"
     RECOMPUTE_SSD = "recompute_ssd"
+    RECOMPUTE_NESTED = "recompute_nested"
+    RECOMPUTE_NESTED_HOST = "recompute_nested_host"
+    RECOMPUTE_NESTED_SSD = "recompute_nested_ssd"
     PARTIAL = "partial"
     PARTIAL_HOST = "partial_host"
     PARTIAL_SSD = "partial_ssd"
@@ -56,19 +66,29 @@ class ActPolicy(str, Enum):
         return self in (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD)
 
     @property
+    def nested(self) -> bool:
+        """Recomputes the unit from its one checkpoint, then piece by piece (recompute.py)."""
+        return self in _NESTED
+
+    @property
     def checkpoint(self) -> Optional[ActPolicy]:
         """Where a recomputing unit's inputs (and a partial unit's kept outputs) go (HOST, SSD),
         None where they stay."""
         return _CHECKPOINT.get(self)
 
 
-_RECOMPUTING = frozenset(
+_NESTED = frozenset(
+    (ActPolicy.RECOMPUTE_NESTED, ActPolicy.RECOMPUTE_NESTED_HOST, ActPolicy.RECOMPUTE_NESTED_SSD)
+)
+_RECOMPUTING = _NESTED | frozenset(
     (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
     + (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD)
 )
 _CHECKPOINT = {
     ActPolicy.RECOMPUTE_HOST: ActPolicy.HOST,
     ActPolicy.RECOMPUTE_SSD: ActPolicy.SSD,
+    ActPolicy.RECOMPUTE_NESTED_HOST: ActPolicy.HOST,
+    ActPolicy.RECOMPUTE_NESTED_SSD: ActPolicy.SSD,
     ActPolicy.PARTIAL_HOST: ActPolicy.HOST,
     ActPolicy.PARTIAL_SSD: ActPolicy.SSD,
 }

@@ -1,0 +1,143 @@
+"""The nested recompute (recompute_nested*, runtime/activations/recompute.py, Note on nested)
+around plain torch models, no engine: a block recomputed from its one checkpoint holding its
+pieces' boundaries, then each piece again when backward reaches it, with the gradients of the run
+without swapping (dropout on), below the device peak of the whole block's recompute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_activations import VOCAB, _CountMatmuls, data, rel_diff, run_step, store, tiny_gpt2
+
+from offloadpp.planner import ActivationSettings
+from offloadpp.runtime.activations.manager import ActivationManager
+
+transformers = pytest.importorskip("transformers")
+
+__all__ = ["data", "store"]  # (the fixtures, shared with test_activations.py)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nested_recompute_holds_one_piece_at_a_time(store, on_device, dtype):
+    """recompute_nested* keeps only the block's checkpoint (kept or swapped as recompute*'s) and
+    recomputes the block holding its pieces' boundaries, then each piece (norms, attention, MLP)
+    again when backward reaches it (recompute.py, Note on nested): under a budget of 90% of what
+    one block saves, recompute_nested_host stays within it where recompute_host (the whole block
+    at once) cannot, with the gradients of the run without swapping (dropout on), in fp32 and
+    bf16, on the CPU and on the stand-in."""
+    from offloadpp.profiling.model import profile_model
+
+    x = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
+    ref = tiny_gpt2(n_embd=128).to(dtype)
+    block = (
+        profile_model(copy.deepcopy(ref), {"input_ids": x, "labels": x}, repeats=1).units[1].activation_bytes
+    )
+    _, want = run_step(ref, x)
+    budget = int(0.9 * block)
+    peaks = {}
+    for policy in ("recompute_host", "recompute_nested_host", "recompute_nested_ssd", "recompute_nested"):
+        model = copy.deepcopy(ref)
+        cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0)
+        with ActivationManager.for_model(model, cfg, store=store) as mgr:
+            for _ in range(2 if policy == "recompute_nested_host" else 1):
+                _, got = run_step(model, x, mgr)
+                assert rel_diff(got, want) <= 1e-6, policy
+                s = mgr.stats()
+                assert s.fetch_misses == 0
+                assert (s.d2h_bytes > 0) == (policy != "recompute_nested")
+                assert (s.ssd_write_bytes > 0) == policy.endswith("_ssd")
+                peaks[policy] = s.peak_device_bytes
+                mgr.reset_stats()
+    assert peaks["recompute_nested_host"] <= budget < block <= peaks["recompute_host"], (peaks, budget, block)
+    assert peaks["recompute_nested_ssd"] <= budget, peaks
+    # (kept checkpoints: the 6 roots' inputs stay on the device, 4 x 64 x 128 values each)
+    assert peaks["recompute_nested"] <= budget + 6 * x.numel() * 128 * dtype.itemsize, peaks
+
+
+def test_nested_recompute_runs_the_pieces_but_the_last_once_more(store, data):
+    """Backward under recompute_nested runs each linear layer of a block once more than
+    recompute does, but the MLP's (the last piece, which backward needs first: what it saves is
+    kept from the block's recompute): per block, 4 once (the block's recompute) and the
+    attention's 2 once again (its piece's); the head's once (no pieces: a plain recompute)."""
+    counts = {}
+    for policy in ("keep", "recompute", "recompute_nested"):
+        model = tiny_gpt2(dropout=0.0)
+        with ActivationManager.for_model(
+            model, ActivationSettings(policy=policy, min_swap_bytes=0), store=store
+        ) as mgr:
+            with mgr.forward():
+                loss = model(input_ids=data, labels=data).loss
+            counter = _CountMatmuls()
+            with counter:
+                mgr.backward(loss)
+        counts[policy] = counter.n
+    assert counts["recompute"] == counts["keep"] + 4 * 4 + 1, counts
+    assert counts["recompute_nested"] == counts["keep"] + (4 + 2) * 4 + 1, counts
+
+
+def test_nested_recompute_of_a_llama_block(store, data):
+    """A Llama block's pieces (its norms, attention with the rotary tables handed in, MLP) replay
+    exactly, attention dropout on."""
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, attention_dropout=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg)
+    _, want = run_step(ref, data)
+    model = copy.deepcopy(ref)
+    cfg = ActivationSettings(policy="recompute_nested_ssd", min_swap_bytes=0)
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        for _ in range(2):
+            _, got = run_step(model, data, mgr)
+            assert rel_diff(got, want) <= 1e-6
+            assert mgr.stats().fetch_misses == 0
+            mgr.reset_stats()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_allocator_peak_of_nested_is_below_the_whole_recompute(store):
+    """On a GPU the allocator agrees with the accounting: a step under recompute_nested_host
+    allocates less at its peak than under recompute_host, same gradients (dropout on)."""
+    x = torch.randint(0, VOCAB, (8, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    ref = tiny_gpt2(n_embd=256).cuda()
+    _, want = run_step(ref, x)
+    peaks = {}
+    for policy in ("recompute_host", "recompute_nested_host"):
+        model = copy.deepcopy(ref)
+        with ActivationManager.for_model(
+            model, ActivationSettings(policy=policy, min_swap_bytes=0), store=store
+        ) as mgr:
+            run_step(model, x, mgr)  # (host buffers and gradients allocated once)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            _, got = run_step(model, x, mgr)
+            torch.cuda.synchronize()
+            peaks[policy] = torch.cuda.max_memory_allocated() - base
+            assert rel_diff(got, want) <= 1e-6, policy
+    assert peaks["recompute_nested_host"] < peaks["recompute_host"], peaks
+
+
+def test_nested_makes_the_attentions_and_the_mlps_arguments_again(store, data, monkeypatch):
+    """A nested block's attention and MLP take the norms' outputs: their recompute makes them again
+    from the norms' own arguments instead of holding them (recompute.py, Note on nested): the
+    accounted peak is at least one width-sized tensor lower than holding them, same gradients."""
+    from offloadpp.runtime.activations.recompute import _Piece
+
+    ref = tiny_gpt2()
+    _, want = run_step(ref, data)
+    peaks = {}
+    for derive in (True, False):
+        if not derive:
+            monkeypatch.setattr(_Piece, "derives", lambda self, x: False)
+        model = copy.deepcopy(ref)
+        cfg = ActivationSettings(policy="recompute_nested_host", min_swap_bytes=0)
+        with ActivationManager.for_model(model, cfg, store=store) as mgr:
+            _, got = run_step(model, data, mgr)
+            assert rel_diff(got, want) <= 1e-6, derive
+            peaks[derive] = mgr.stats().peak_device_bytes
+    assert peaks[False] - peaks[True] >= data.numel() * 64 * 4, peaks
