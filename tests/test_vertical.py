@@ -320,3 +320,33 @@ def test_the_replay_copies_a_fetched_unit_up_within_the_window_visit_its_read_en
     assert min(t for t in fwd.values() if t) > copy_s  # (a block's compute hides the next unit's copy)
     e = estimate(plan, hw, model)
     assert e.forward_s - sum(fwd.values()) < 2.5 * copy_s  # (len(units) copies waited for: 6)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_cpu_windows_backward_visit_holds_each_micro_batchs_gradients_and_their_sum(dtype):
+    """On the CPU device a 16-bit vertical window keeps each micro-batch's gradient of the unit in
+    backward until the unit's are complete and sums them once (runtime/window_grads.py): its
+    backward visits hold G 16-bit gradients and the rounded sum, and the peak counts them; fp32
+    (autograd's own sum), a per-micro-batch loop and one step hold one gradient. Fails if the
+    window's visits are counted as one step's."""
+    from offloadpp.planner.peaks import peak_bytes
+    from offloadpp.planner.schedule import build_schedule, holds, structure
+
+    units = _model().unit_specs()
+    kw = dict(device="cpu", compute_dtype=dtype, prefetch_depth=1, optim_prefetch_depth=1)
+    one = streaming_plan(units, **kw)
+    vplan = as_vertical(streaming_plan(units, micro_batches=G, **kw), G)
+    window = window_plan(vplan)
+    size = {u.name: u.padded_numel for u in units}
+
+    def grads(plan):
+        return {h.visit: h.grads for h in holds(plan, structure(plan)) if h.grads}
+
+    per = 4 if dtype == "fp32" else 2 * G + 2  # (bytes a parameter)
+    backward = [v for v in structure(window).visits if v.backward]
+    assert grads(window) == {v.index: size[v.unit] * per for v in backward}
+    assert grads(one) == {v.index: size[v.unit] * (4 if dtype == "fp32" else 2) for v in backward}
+    assert grads(vplan) == grads(one)  # (a per-micro-batch loop: one micro-batch's gradients at a time)
+    more = peak_bytes(window)[0] - peak_bytes(one)[0]
+    assert more == 0 if dtype == "fp32" else more >= min(size[v.unit] for v in backward) * 2 * G
+    assert peak_bytes(window)[0] == build_schedule(window).peak_device_bytes

@@ -22,6 +22,9 @@ from offloadpp.optim.hyper import AdamHyper
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NO_DTYPE = 3
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+# An extension built before sum_parts_ existed (a tree whose _C was copied before it): callers
+# sum with torch instead (runtime/window_grads.py), the same bits, slower, until it is rebuilt.
+HAVE_SUM_PARTS = hasattr(_C, "adam_sum")
 
 __all__ = [
     "StateCrcs",
