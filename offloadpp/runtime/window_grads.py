@@ -148,9 +148,12 @@ class GradSums:
                 g = self._partial.pop(part) if g is None else self._partial.pop(part) + g
             if self._parts[part] > 0:
                 # a parameter used more than once in a micro-batch (tied embeddings): its edges
-                # summed in its own dtype first, as that micro-batch's AccumulateGrad would
+                # summed in its own dtype first, as that micro-batch's AccumulateGrad would (held
+                # until its last edge: planner/schedule.py tied_partial_bytes counts them)
                 if g is not None:
                     self._partial[part] = g
+                    if self._keep:
+                        self._charge(g)
             elif g is not None:
                 kept = u.summed.get(i)
                 if kept is None:
