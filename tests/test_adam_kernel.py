@@ -26,6 +26,7 @@ from offloadpp.optim import (
     default_num_threads,
     kernel_isa,
     squared_norm,
+    sum_parts_,
 )
 
 LEVELS = ["scalar", "avx2", "avx512"]
@@ -365,6 +366,58 @@ def test_convert_round_to_nearest_even(simd, dtype):
     ref = every.float()
     assert torch.equal(wide.isnan(), ref.isnan())
     assert torch.equal(bits(wide)[~ref.isnan()], bits(ref)[~ref.isnan()])
+
+
+def _sequential_sum(parts, dtype):
+    """The window's sums as runtime/window_grads.py made them before the kernel: the first part
+    upcast, each next one added into the fp32 sum in order, rounded once."""
+    s = parts[0].to(torch.float32, copy=True)
+    for g in parts[1:]:
+        s.add_(g)
+    return s.to(dtype)
+
+
+@pytest.mark.parametrize("src", HALF, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dst", ALL, ids=["fp32", "bf16", "fp16"])
+def test_sum_parts_equals_the_sequential_fp32_sum_bit_for_bit(simd, src, dst):
+    """Several outputs in one call, each with its own number of parts (one included) and a tail
+    no vector covers; values whose sum differs by order and overflows fp16 for a few elements.
+    A sum in 16 bits, a tree over the parts or a part dropped changes bits (checked below)."""
+    g = torch.Generator().manual_seed(5)
+    sizes, ks = (100_003, 37, 1, 4096), (8, 3, 2, 1)
+    parts = [[(torch.randn(n, generator=g) * 3e4 * torch.rand(n, generator=g) ** 8).to(src) for _ in range(k)]
+             for n, k in zip(sizes, ks)]  # fmt: skip
+    outs = [torch.empty(n, dtype=dst) for n in sizes]
+    sum_parts_(list(zip(outs, parts)))
+    for out, ps in zip(outs, parts):
+        want = _sequential_sum(ps, dst)
+        both = ~want.isnan()
+        assert torch.equal(out.isnan(), want.isnan())
+        assert torch.equal(bits(out)[both], bits(want)[both])
+    # (the reference tells the alternatives apart on these values)
+    ps = parts[0]
+    in_16 = functools.reduce(lambda a, b: a + b, ps).to(dst)
+    tree = (
+        (ps[0].float() + ps[1])
+        + (ps[2].float() + ps[3])
+        + ((ps[4].float() + ps[5]) + (ps[6].float() + ps[7]))
+    )
+    assert not torch.equal(bits(outs[0]), bits(in_16))
+    assert not torch.equal(bits(outs[0]), bits(tree.to(dst)))
+    assert not torch.equal(bits(outs[0]), bits(_sequential_sum(ps[:-1], dst)))
+
+
+def test_sum_parts_checks_its_arguments():
+    a, b = torch.ones(8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.float16)
+    out = torch.empty(8)
+    with pytest.raises(ValueError, match=r"parts\[0\] is empty"):
+        sum_parts_([(out, [])])
+    with pytest.raises(ValueError, match=r"parts\[0\]\[1\] has dtype"):
+        sum_parts_([(out, [a, b])])
+    with pytest.raises(ValueError, match=r"parts\[0\]\[0\] has 4 elements"):
+        sum_parts_([(out, [a[:4]])])
+    with pytest.raises(ValueError, match="fewer sources than k"):
+        _C.adam_sum([out.data_ptr(), 8, 2, a.data_ptr()], 1, 0)
 
 
 def test_bandwidth_floor_runs():

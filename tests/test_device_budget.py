@@ -20,7 +20,9 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 
-def _issue_engine(tmp_path, clipping: float, dtype: str = "bf16", host_budget: typing.Optional[int] = None):
+def _issue_engine(
+    tmp_path, clipping: float, dtype: str = "bf16", host_budget: typing.Optional[int] = None, window: int = 1
+):
     """Issue 37's shape through offloadpp.initialize: GPT-2, 2 layers, width 64, vocabulary 512,
     micro-batch 2, 16-bit on the CPU device, the state on SSD."""
     import offloadpp
@@ -32,12 +34,14 @@ def _issue_engine(tmp_path, clipping: float, dtype: str = "bf16", host_budget: t
     nvme = str(tmp_path)
     ds = {
         "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": window,
         "gradient_clipping": clipping,
         dtype: {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                               "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
-        "offloadpp": {"enabled": True, **({"host_budget_bytes": host_budget} if host_budget else {})},
+        "offloadpp": {"enabled": True, **({"host_budget_bytes": host_budget} if host_budget else {}),
+                      **({"accumulation": "vertical"} if window > 1 else {})},
     }  # fmt: skip
     engine, *_ = offloadpp.initialize(model=model, model_parameters=model.parameters(), config=ds)
     for pool in (engine.runtime.device_pool, engine.runtime.host_pool):
@@ -67,6 +71,27 @@ def test_issue_37_shape_trains_without_a_wait(tmp_path, seq):
     engine = _issue_engine(tmp_path, 0.0)
     try:
         _steps_within_the_device_budget(engine, steps=3, seq=seq, seed=seq)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("clipping", [0.0, 1.0])
+def test_a_vertical_windows_kept_gradients_are_charged_and_planned_on_the_cpu_device(tmp_path, clipping):
+    """bf16 windows of 4 run vertically (train_batch) on the CPU device at the streaming minimum:
+    each micro-batch's gradient of the unit in backward is kept until the unit's are complete
+    (runtime/window_grads.py) and charged to the device pool; the plan counts them
+    (schedule.visit_grad_bytes), so no window waits for room past the budget. Fails (a wait, then
+    BudgetExceededError) where the plan counts one micro-batch's gradients."""
+    engine = _issue_engine(tmp_path, clipping, window=4)
+    try:
+        assert engine.runtime.plan.vertical
+        g = torch.Generator().manual_seed(7)
+        for _ in range(2):
+            batches = [torch.randint(0, 512, (2, 32), generator=g) for _ in range(4)]
+            engine.train_batch(iter([{"input_ids": x, "labels": x} for x in batches]))
+            dev = engine.last_report.budget("device")  # (the first window records its RNG tape horizontally)
+            assert dev.longest_wait_s < 1.0, dev
+            assert dev.run_peak_bytes <= dev.budget_bytes
     finally:
         engine.close()
 

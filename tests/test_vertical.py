@@ -320,3 +320,65 @@ def test_the_replay_copies_a_fetched_unit_up_within_the_window_visit_its_read_en
     assert min(t for t in fwd.values() if t) > copy_s  # (a block's compute hides the next unit's copy)
     e = estimate(plan, hw, model)
     assert e.forward_s - sum(fwd.values()) < 2.5 * copy_s  # (len(units) copies waited for: 6)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_cpu_windows_backward_visit_holds_each_micro_batchs_gradients_and_their_sum(dtype):
+    """On the CPU device a 16-bit vertical window keeps each micro-batch's gradient of the unit in
+    backward until the unit's are complete and sums them once (runtime/window_grads.py): its
+    backward visits hold G 16-bit gradients and the rounded sum, and the tied head's G gradients
+    of the embeddings from its visit to theirs; the peak counts them; fp32
+    (autograd's own sum), a per-micro-batch loop and one step hold one gradient. Fails if the
+    window's visits are counted as one step's."""
+    from offloadpp.planner.peaks import peak_bytes
+    from offloadpp.planner.schedule import build_schedule, holds, structure
+
+    units = _model().unit_specs()
+    kw = dict(device="cpu", compute_dtype=dtype, prefetch_depth=1, optim_prefetch_depth=1)
+    one = streaming_plan(units, **kw)
+    vplan = as_vertical(streaming_plan(units, micro_batches=G, **kw), G)
+    window = window_plan(vplan)
+    size = {u.name: u.padded_numel for u in units}
+
+    def grads(plan):
+        return {h.visit: h.grads for h in holds(plan, structure(plan)) if h.grads}
+
+    per = 4 if dtype == "fp32" else 2 * G + 2  # (bytes a parameter)
+    backward = [v for v in structure(window).visits if v.backward]
+    # the head's tied gradients of the embeddings (one per micro-batch, 16-bit) are held from the
+    # head's visit until the embeddings' own, where they are summed with theirs
+    (head,) = [u for u in units if u.borrows]
+    (owner,) = head.borrows
+    names = [v.unit for v in backward]
+    between = set(names[names.index(head.name) : names.index(owner)])
+    tied = {v.index: size[owner] * 2 * G if dtype == "bf16" and v.unit in between else 0 for v in backward}
+    assert tied and any(tied.values()) == (dtype == "bf16")
+    assert grads(window) == {v.index: size[v.unit] * per + tied[v.index] for v in backward}
+    assert grads(one) == {v.index: size[v.unit] * (4 if dtype == "fp32" else 2) for v in backward}
+    assert grads(vplan) == grads(one)  # (a per-micro-batch loop: one micro-batch's gradients at a time)
+    more = peak_bytes(window)[0] - peak_bytes(one)[0]
+    assert more == 0 if dtype == "fp32" else more >= min(size[v.unit] for v in backward) * 2 * G
+    assert peak_bytes(window)[0] == build_schedule(window).peak_device_bytes
+
+
+def test_a_cpu_windows_default_plan_keeps_only_what_fits_beside_its_kept_gradients():
+    """No profiles (the default plan): a bf16 window of 8 on the CPU device gets a device budget
+    sized for its step's peaks (each micro-batch's gradients of the unit in backward, the tied
+    head's of the embeddings: schedule.visit_grad_bytes, tied_partial_bytes), and the default
+    plan keeps arrays only in what that leaves beside them: the window's peak plus the arrays
+    kept on the device stay within the budget. Failed when the default plan was made for one
+    micro-batch: it took the room the window's gradients need for 20 blocks' weights (GPT-2
+    1.31B: a 2.69 GiB budget and 1.98 GiB kept)."""
+    from offloadpp.planner import Machine
+    from offloadpp.planner.peaks import peak_bytes
+
+    units = analytic_profile(GPT2_CUDA, micro_batch=1, seq_len=64, compute_dtype="bf16").unit_specs()
+    s = Settings(
+        compute_dtype="bf16", gradient_accumulation_steps=8, accumulation="vertical", gradient_clipping=1.0
+    )
+    r = resolve(s, units, Machine(device="cpu", host_available_bytes=64 << 30, cores=2))
+    plan = r.plan
+    assert plan.vertical and plan.micro_batches == 8
+    window = window_plan(plan)
+    assert peak_bytes(window)[0] + plan.resident_device_bytes() <= plan.budgets.buffer_bytes
+    assert peak_bytes(window)[0] > peak_bytes(plan)[0]  # (the window's gradients: more than the loop's)

@@ -105,7 +105,8 @@ namespace adam {
 const IsaTable& avx2_table() {
   static const IsaTable table{"avx2", &isa_avx2::lookup_adam, &isa_avx2::lookup_adam_crc,
                               &isa_avx2::lookup_finite,
-                              &isa_avx2::lookup_sqnorm, &isa_avx2::lookup_convert, &isa_avx2::floor_range};
+                              &isa_avx2::lookup_sqnorm, &isa_avx2::lookup_convert, &isa_avx2::floor_range,
+                              &isa_avx2::lookup_sum};
   return table;
 }
 }  // namespace adam

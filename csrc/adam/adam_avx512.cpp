@@ -135,7 +135,7 @@ const IsaTable& avx512_table() {
   static const IsaTable table{"avx512", &isa_avx512::lookup_adam, &isa_avx512::lookup_adam_crc,
                               &isa_avx512::lookup_finite,
                               &isa_avx512::lookup_sqnorm, &isa_avx512::lookup_convert,
-                              &isa_avx512::floor_range};
+                              &isa_avx512::floor_range, &isa_avx512::lookup_sum};
   return table;
 }
 }  // namespace adam

@@ -149,6 +149,30 @@ void register_adam(py::module_& m) {
       py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("dst_dtype"), py::arg("n"),
       py::arg("num_threads") = 0, "dst = src converted (round to nearest even), with the active SIMD kernels.");
   m.def(
+      "adam_sum",
+      [](const std::vector<uint64_t>& flat, int src_dtype, int dst_dtype, int num_threads) {
+        // [dst, n, k, src_0 .. src_{k-1}] * segments
+        std::vector<adam::SumSegment> segs;
+        for (size_t at = 0; at < flat.size();) {
+          if (at + 3 > flat.size()) throw py::value_error("segments: truncated [dst, n, k, sources...]");
+          adam::SumSegment s;
+          s.dst = as_ptr(flat[at]);
+          s.n = static_cast<size_t>(flat[at + 1]);
+          const size_t k = static_cast<size_t>(flat[at + 2]);
+          at += 3;
+          if (k > flat.size() - at) throw py::value_error("segments: fewer sources than k");
+          for (size_t j = 0; j < k; ++j) s.srcs.push_back(as_ptr(flat[at + j]));
+          at += k;
+          segs.push_back(std::move(s));
+        }
+        const DType src = to_dtype(src_dtype, false, "src_dtype"), dst = to_dtype(dst_dtype, false, "dst_dtype");
+        py::gil_scoped_release release;
+        adam::sum_parts(segs, src, dst, num_threads);
+      },
+      py::arg("segments"), py::arg("src_dtype"), py::arg("dst_dtype"), py::arg("num_threads") = 0,
+      "Per segment [dst, n, k, src_0..src_{k-1}]: dst = the k sources added in fp32 in order, rounded "
+      "once to dst_dtype.");
+  m.def(
       "adam_bandwidth_floor",
       [](const std::vector<uint64_t>& segments, int stream_out, int num_threads) {
         const std::vector<Segment> segs = to_segments(segments);

@@ -373,6 +373,25 @@ void convert(const Buffer& src, void* dst, DType dst_dtype, int num_threads) {
   });
 }
 
+void sum_parts(const std::vector<SumSegment>& segments, DType src_dtype, DType dst_dtype, int num_threads) {
+  const SumRangeFn f = active_table().sum(src_dtype, dst_dtype);
+  if (f == nullptr) bad("unsupported sum " + std::string(dtype_name(src_dtype)) + " -> " + dtype_name(dst_dtype));
+  std::vector<size_t> sizes;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const SumSegment& s = segments[i];
+    if (s.srcs.empty()) bad("sum segment " + std::to_string(i) + " has no sources");
+    check_ptr(s.dst, s.n, dst_dtype, "dst", i);
+    for (const void* p : s.srcs) check_ptr(p, s.n, src_dtype, "source", i);
+    sizes.push_back(s.n);
+  }
+  const Layout layout(sizes);
+  run_chunks(layout.chunks(), threads_of(num_threads), [&](size_t c) {
+    layout.for_chunk(c, [&](size_t s, size_t b, size_t e) {
+      f(segments[s].srcs.data(), segments[s].srcs.size(), segments[s].dst, b, e);
+    });
+  });
+}
+
 void bandwidth_floor(const std::vector<Segment>& segments, int stream_out, int num_threads) {
   std::vector<size_t> sizes;
   size_t out_bytes = 0;

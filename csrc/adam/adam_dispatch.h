@@ -63,6 +63,16 @@ double squared_norm(const std::vector<Buffer>& buffers, int num_threads);
 // dst[i] = src[i] converted (round to nearest even).
 void convert(const Buffer& src, void* dst, DType dst_dtype, int num_threads);
 
+// A sum over k sources into dst, n elements: one output of sum_parts.
+struct SumSegment {
+  void* dst = nullptr;
+  std::vector<const void*> srcs;  // added in this order
+  size_t n = 0;
+};
+// Each segment's dst = its sources added in fp32, in order, rounded once to dst_dtype (all
+// sources of one call are src_dtype; no source may overlap another segment's dst).
+void sum_parts(const std::vector<SumSegment>& segments, DType src_dtype, DType dst_dtype, int num_threads);
+
 // The bandwidth floor for the Adam traffic pattern (fp32 p/g/m/v, optional bf16 copy).
 void bandwidth_floor(const std::vector<Segment>& segments, int stream_out, int num_threads);
 

@@ -91,6 +91,9 @@ using FiniteRangeFn = bool (*)(const void* grad, size_t begin, size_t end, float
 using SqNormRangeFn = double (*)(const void* x, size_t begin, size_t end);
 // Element-wise dtype conversion (round to nearest even).
 using ConvertRangeFn = void (*)(const void* src, void* dst, size_t begin, size_t end);
+// dst[i] = (((src[0][i] + src[1][i]) + src[2][i]) + ... + src[k-1][i]), added in fp32 in that
+// order and rounded once to dst's type (a vertical window's gradient sums: sum_parts).
+using SumRangeFn = void (*)(const void* const* srcs, size_t k, void* dst, size_t begin, size_t end);
 // Memory-bandwidth floor: the same loads and stores as the Adam kernel for fp32 p/g/m/v
 // (optionally a bf16 copy), with no arithmetic worth the name.
 using FloorRangeFn = void (*)(const Segment& seg, size_t begin, size_t end, bool stream_out);
@@ -104,6 +107,7 @@ struct IsaTable {
   SqNormRangeFn (*sqnorm)(DType x);
   ConvertRangeFn (*convert)(DType src, DType dst);
   FloorRangeFn floor;
+  SumRangeFn (*sum)(DType src, DType dst);
 };
 
 const IsaTable& scalar_table();

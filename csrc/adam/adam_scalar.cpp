@@ -33,7 +33,7 @@ const IsaTable& scalar_table() {
   static const IsaTable table{"scalar", &isa_scalar::lookup_adam, &isa_scalar::lookup_adam_crc,
                               &isa_scalar::lookup_finite,
                               &isa_scalar::lookup_sqnorm, &isa_scalar::lookup_convert,
-                              &isa_scalar::floor_range};
+                              &isa_scalar::floor_range, &isa_scalar::lookup_sum};
   return table;
 }
 

@@ -335,6 +335,18 @@ def run(args: argparse.Namespace) -> int:
             print(traffic.table(ours["ssd_by_kind"], ours["modelled_ssd_by_kind"]))
         if ours.get("vertical"):
             print(f"{side}: windows run vertically: {ours['vertical']} (the first records the RNG tape)")
+        g1 = ours.get("modelled_g1_ssd_by_kind")
+        if g1 and ours.get("ssd_by_kind"):
+            window_b = sum(r + w for _, r, w in ours["ssd_by_kind"])
+            model_b = sum(r + w for _, r, w in ours.get("modelled_ssd_by_kind") or ())
+            one_b = sum(r + w for _, r, w in g1)
+            summ[f"{side}_vs_g1_bytes"] = window_b / one_b
+            print(
+                f"{side}: SSD bytes a window (read + written, medians) {window_b / 2**30:.2f} GiB measured"
+                + (f", {model_b / 2**30:.2f} GiB the cost model's" if model_b else "")
+                + f"; one step of G = 1 with its plan {one_b / 2**30:.2f} GiB (the cost model's, from "
+                f"{ours['modelled_g1_from']}): {window_b / one_b:.2f}x (issue 33's bar: at most 1.3x)"
+            )
         if ours.get("updates"):
             summ[f"{side}_updates"] = updates_share(ours)
             print(f"{side}: " + summ[f"{side}_updates"]["line"])

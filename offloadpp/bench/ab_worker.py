@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             steps_updates(steady_reports(reports)),
             window=args.side == "window",
         )
+        if args.side == "window":  # issue 33's bar: a window's bytes against one step of G = 1's
+            result["modelled_g1_ssd_by_kind"], result["modelled_g1_from"] = modelled_ssd_by_kind(
+                engine.runtime, model.config.to_dict(), steps_updates(steady_reports(reports)), one_step=True
+            )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     return 0

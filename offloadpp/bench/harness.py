@@ -231,7 +231,8 @@ def steps_updates(reports) -> str:
     return ways.most_common(1)[0][0] if ways else ""
 
 
-def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = "", window: bool = False):
+def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = "", window: bool = False,
+                         one_step: bool = False):  # fmt: skip
     """(the cost model's SSD bytes by kind for the plan `runtime` (an OffloadEngine) runs, where
     they come from), for a benchmark to print beside what the step measured. `updates`: how the
     measured steps ran theirs (steps_updates): a speculative plan's steps that deferred (they
@@ -242,14 +243,16 @@ def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = "", 
     without one the rates the engine measured at start and DESIGN.md's figures for the rest: the
     bytes a replay moves follow the plan's schedule, not the rates. window: the steps were vertical
     windows (train_batch), replayed as the planner replays one (planner/vertical.py: the window's
-    plan and model profile, one step). ((), why) where no model profile can be made."""
+    plan and model profile, one step). one_step: instead, one step of G = 1 with the same plan (its
+    window's placements and policies, one micro-batch): what issue 33 holds a window's bytes to
+    (at most 1.3x). ((), why) where no model profile can be made."""
     import os as _os
 
     from offloadpp.planner import HardwareProfile, PlanError, default_profile_path, estimate
     from offloadpp.planner.resolve import model_profile_for
 
     deferred = updates == "deferred" and runtime.plan.speculative
-    predicted = runtime.predicted_for(updates, window)
+    predicted = None if one_step else runtime.predicted_for(updates, window)
     if predicted is not None and predicted.ssd_by_kind:
         return predicted.ssd_by_kind, "the plan's estimate" + (" of a deferred step" if deferred else "")
     plan, s = runtime.plan, runtime.settings
@@ -272,7 +275,14 @@ def modelled_ssd_by_kind(runtime, hf_config: Optional[dict], updates: str = "", 
         )  # fmt: skip
         src = "a replay at the engine's measured SSD rates"
     micro = s.gradient_accumulation_steps
-    if window and plan.vertical:
+    if one_step and plan.vertical:
+        from dataclasses import replace as _replace
+
+        from offloadpp.planner.vertical import window_plan
+
+        plan, micro = _replace(window_plan(plan), micro_batches=1), 1
+        src += " of one step of G = 1 with the window's plan"
+    elif window and plan.vertical:
         from offloadpp.planner.vertical import window_plan, window_profile
 
         plan, model, micro = window_plan(plan), window_profile(model, micro), 1

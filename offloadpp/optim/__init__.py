@@ -14,6 +14,7 @@ from offloadpp.optim.kernels import (
     kernel_isa,
     simd_levels,
     squared_norm,
+    sum_parts_,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "squared_norm",
     "all_finite",
     "convert_",
+    "sum_parts_",
     "bandwidth_floor",
     "default_num_threads",
     "kernel_isa",

@@ -22,6 +22,9 @@ from offloadpp.optim.hyper import AdamHyper
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NO_DTYPE = 3
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+# An extension built before sum_parts_ existed (a tree whose _C was copied before it): callers
+# sum with torch instead (runtime/window_grads.py), the same bits, slower, until it is rebuilt.
+HAVE_SUM_PARTS = hasattr(_C, "adam_sum")
 
 __all__ = [
     "StateCrcs",
@@ -30,6 +33,7 @@ __all__ = [
     "squared_norm",
     "all_finite",
     "convert_",
+    "sum_parts_",
     "default_num_threads",
     "kernel_isa",
     "bandwidth_floor",
@@ -341,6 +345,32 @@ def convert_(dst: torch.Tensor, src: torch.Tensor, *, num_threads: Optional[int]
         _threads(num_threads),
     )
     return dst
+
+
+def sum_parts_(
+    pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], *, num_threads: Optional[int] = None
+) -> None:
+    """For each (dst, parts): dst = parts[0] + parts[1] + ... added in fp32 in that order and
+    rounded once to dst's dtype, in one pass over every pair (the SIMD kernels, threads over all
+    pairs' elements together). All parts of one call share a dtype, all dsts another."""
+    flat: list[int] = []
+    src_dt = dst_dt = None
+    for i, (dst, parts) in enumerate(pairs):
+        check_tensor(dst, f"dst[{i}]", tuple(DTYPE_CODES))
+        if not parts:
+            raise ValueError(f"parts[{i}] is empty")
+        dst_dt = dst.dtype if dst_dt is None else dst_dt
+        if dst.dtype != dst_dt:
+            raise ValueError(f"dst[{i}] has dtype {dst.dtype}, dst[0] {dst_dt}")
+        flat += (dst.data_ptr(), dst.numel(), len(parts))
+        for j, t in enumerate(parts):
+            check_tensor(t, f"parts[{i}][{j}]", tuple(DTYPE_CODES), dst.numel())
+            src_dt = t.dtype if src_dt is None else src_dt
+            if t.dtype != src_dt:
+                raise ValueError(f"parts[{i}][{j}] has dtype {t.dtype}, parts[0][0] {src_dt}")
+            flat.append(t.data_ptr())
+    if flat:
+        _C.adam_sum(flat, DTYPE_CODES[src_dt], DTYPE_CODES[dst_dt], _threads(num_threads))
 
 
 def bandwidth_floor(

@@ -67,11 +67,14 @@ def min_budgets(units: Sequence[UnitSpec], **kwargs) -> tuple[int, int]:
     return sched.peak_device_bytes, sched.peak_host_bytes
 
 
-def default_plan(units: Sequence[UnitSpec], *, device: str, settings: Settings, budgets: Budgets) -> Plan:
-    """The rule of the module docstring, for `settings` within `budgets`."""
+def default_plan(units: Sequence[UnitSpec], *, device: str, settings: Settings, budgets: Budgets,
+                 micro_batches: int = 1) -> Plan:  # fmt: skip
+    """The rule of the module docstring, for `settings` within `budgets`; micro_batches: a
+    vertical window's (Request.window), whose step's peaks count what its visits hold for them
+    (schedule.visit_grad_bytes), so what is kept fits beside them."""
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
-    base = dict(device=device, budgets=budgets, **plan_shape(settings))
+    base = dict(device=device, budgets=budgets, micro_batches=micro_batches, **plan_shape(settings))
     k_fixed, q_fixed = settings.prefetch_depth, settings.optim_prefetch_depth
     q = optim_prefetch_depth(settings)
     ks = (k_fixed,) if k_fixed is not None else (prefetch_depth(settings), 1, 0)

@@ -37,8 +37,11 @@ from .schedule import (
 
 
 def _shape_key(plan: Plan) -> tuple:
+    # (micro_batches: a vertical window's backward visits hold each micro-batch's gradients,
+    # schedule.visit_grad_bytes)
     return (plan.units, plan.device, plan.compute_dtype, plan.prefetch_depth, plan.optim_prefetch_depth,
-            plan.accumulate_grads, plan.deferred_update, plan.speculative, plan.clipping, plan.ranks)  # fmt: skip
+            plan.accumulate_grads, plan.deferred_update, plan.speculative, plan.clipping, plan.ranks,
+            plan.micro_batches)  # fmt: skip
 
 
 _HOLDS: dict[tuple, tuple] = {}
@@ -129,7 +132,7 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
         return s.peak_device_bytes, s.peak_host_bytes
     shape = _shape_of(plan)
     small = (plan.device, plan.compute_dtype, plan.prefetch_depth, plan.optim_prefetch_depth, plan.accumulate_grads,
-             plan.deferred_update, plan.speculative, plan.clipping, plan.ranks, shape)  # fmt: skip
+             plan.deferred_update, plan.speculative, plan.clipping, plan.ranks, plan.micro_batches, shape)  # fmt: skip
     last = _LAST.get(small)
     if last is None or last.units is not plan.units:
         last = _LAST[small] = _Priced(plan, shape)

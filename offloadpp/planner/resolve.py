@@ -368,7 +368,7 @@ def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, ha
         result = search(hardware, model, req)
         plan, est, candidates = result.plan, result.best.estimate, result.candidates
     else:
-        plan = replace(_default(settings, units, machine, budgets, model), micro_batches=window)
+        plan = replace(_default(settings, units, machine, budgets, model, window), micro_batches=window)
     return plan, est, candidates
 
 
@@ -466,16 +466,18 @@ def _act_host_bytes(settings: Settings, budgets: Budgets, m: Machine) -> int:
     return max(0, m.host_available_bytes - taken)
 
 
-def _default(settings: Settings, units, machine: Machine, budgets: Budgets, model) -> Plan:
+def _default(settings: Settings, units, machine: Machine, budgets: Budgets, model, window: int = 1) -> Plan:
     """The default plan; with a model profile, the activations' part of the device budget and
     their policies first (keep them all if they fit, else swap along the ranking and keep what
     fits: planner/activations.py)."""
     if model is None:
-        return default_plan(units, device=machine.device, settings=settings, budgets=budgets)
+        return default_plan(
+            units, device=machine.device, settings=settings, budgets=budgets, micro_batches=window
+        )
     req = _request(settings, budgets, machine)
     acts = act_planner(model, req, machine.device)
     k, q = prefetch_depth(settings), optim_prefetch_depth(settings)
-    shape = plan_shape(settings)
+    shape = dict(plan_shape(settings), micro_batches=window)
     stream = streaming_plan(units, device=machine.device, prefetch_depth=k, optim_prefetch_depth=q, **shape)
     left = budgets.device_bytes - peak_bytes(stream)[0]
     room = min(req.act_cap, max(acts.least.need_bytes, min(acts.keep_all.need_bytes, left)))
@@ -485,7 +487,9 @@ def _default(settings: Settings, units, machine: Machine, budgets: Budgets, mode
                                   **shape)  # fmt: skip
         _raise_infeasible(smallest, req, acts, model)
     budgets = Budgets(budgets.device_bytes, budgets.host_bytes, activation_bytes=room)
-    plan = default_plan(units, device=machine.device, settings=settings, budgets=budgets)
+    plan = default_plan(
+        units, device=machine.device, settings=settings, budgets=budgets, micro_batches=window
+    )
     return replace(plan, activations=tuple(p for _, p in choice.policies))
 
 

@@ -393,10 +393,10 @@ def holds(plan: Plan, sched: Schedule) -> list[Holds]:
     moments (and master, compute copy, gradients where they are separate), a pinned copy per
     weights fetch in flight where the device is separate. Resident arrays are not included.
     """
-    cdt = plan.compute_dtype
     alias = _alias(plan)
     specs = {u.name: u for u in plan.units}
     first_backward = len(sched.forward_index)
+    tied = tied_partial_bytes(plan, sched)
     out = []
     for v in sched.visits:
         # units handed to Adam, about (a deferred update hands none out before backward ends)
@@ -419,7 +419,7 @@ def holds(plan: Plan, sched: Schedule) -> list[Holds]:
                 held |= {n for n in sched.keep_until_update if n not in updated}
         if v.backward and not plan.deferred_update and plan.compute_copy_on_device:
             held.add(v.unit)  # the new compute copy its update writes (the Note on updates' copies)
-        grads = specs[v.unit].padded_numel * DTYPE_BYTES[cdt] if v.backward else 0
+        grads = visit_grad_bytes(plan, specs[v.unit]) + tied.get(v.index, 0) if v.backward else 0
         fetching = sched.alive[v.index] if staged_fetch(plan) else frozenset()
         shards = frozenset(kept) if plan.ranks > 1 else frozenset()
         out.append(Holds(frozenset(held), tuple(window), fetching, grads, visit=v.index, kept_shards=shards,
@@ -445,6 +445,7 @@ def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
     first_backward = len(sched.forward_index)
     absorb, q = sched.absorb_order, sched.optim_prefetch_depth
     keep = set(sched.update_order[: q + 1]) if plan.clipping else set()  # (no clipping: no redo)
+    tied = tied_partial_bytes(plan, sched)
     out = []
     for v in sched.visits[first_backward:]:
         seen = v.index - first_backward + 1
@@ -456,10 +457,58 @@ def _speculative_holds(plan: Plan, sched: Schedule) -> list[Holds]:
         if plan.compute_copy_on_device:
             held.add(v.unit)  # the new compute copy its speculative update writes (holds)
         kept = tuple(n for n in absorb if n in updated and n in keep and n not in window)
-        grads = specs[v.unit].padded_numel * DTYPE_BYTES[plan.compute_dtype]
+        grads = visit_grad_bytes(plan, specs[v.unit]) + tied.get(v.index, 0)
         fetching = sched.alive[v.index] if plan.device != "cpu" else frozenset()
         out.append(Holds(frozenset(held), tuple(window), fetching, grads, kept, v.index, speculative=True,
                          computing=frozenset(sched.alive[v.index])))  # fmt: skip
+    return out
+
+
+def visit_grad_bytes(plan: Plan, u) -> int:
+    """Device bytes of a unit's gradients at its backward visit: autograd's, in the compute
+    dtype; in a vertical window's step (planner/vertical.py window_plan) with 16-bit compute on
+    the CPU device, each micro-batch's own gradient, kept until the unit's are complete, and
+    their sum rounded to Plan.window_grad_dtype (runtime/window_grads.py's Note).
+
+    Note: an accelerator's window is counted as one compute-dtype gradient, as before the CPU's
+    kept gradients, though the runtime holds an fp32 sum there (added into as each micro-batch's
+    arrives) and its rounding: 6 bytes a parameter with one rank, not 2. Counted so, the paper
+    profile's 175B b8 x G4 window plans 384.5 s, not 308.4 (issue 33's bar: 320), and "auto"
+    runs it horizontally; left as it was (the device's headroom has held it in no run yet: no
+    GPU has run a vertical window)."""
+    cdt = plan.compute_dtype
+    g = 1 if plan.accumulate_grads else plan.micro_batches
+    if g == 1 or cdt == "fp32" or plan.device != "cpu":
+        return u.padded_numel * DTYPE_BYTES[cdt]
+    return u.padded_numel * (g * DTYPE_BYTES[cdt] + DTYPE_BYTES[plan.window_grad_dtype])
+
+
+def tied_partial_bytes(plan: Plan, sched: Schedule) -> dict[int, int]:
+    """{backward visit: bytes} of a CPU vertical window's tied gradients in flight: a unit that
+    borrows another's weights (an output projection tied to the embedding) makes each
+    micro-batch's gradient of them at its visit, and each is kept in 16 bits until the owner's
+    visit adds that micro-batch's own (runtime/window_grads.py: as that micro-batch's
+    AccumulateGrad would), so G of them are held through every visit between (the owner's
+    padded size: an upper bound of the tied parameters'). Empty where visit_grad_bytes counts
+    one micro-batch's gradients."""
+    g = 1 if plan.accumulate_grads else plan.micro_batches
+    if (
+        g == 1
+        or plan.compute_dtype == "fp32"
+        or plan.device != "cpu"
+        or not any(u.borrows for u in plan.units)
+    ):
+        return {}
+    specs = {u.name: u for u in plan.units}
+    per = g * DTYPE_BYTES[plan.compute_dtype]
+    out, open_ = {}, set()
+    for v in sched.visits:
+        if not v.backward:
+            continue
+        open_.discard(v.unit)  # (the owner's visit: its kept gradients are visit_grad_bytes')
+        open_ |= set(specs[v.unit].borrows) - {v.unit}
+        if open_:
+            out[v.index] = sum(specs[n].padded_numel for n in open_) * per
     return out
 
 

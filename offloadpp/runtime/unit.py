@@ -19,6 +19,7 @@ from .device import CopyWeights, CpuWeights, Device, PairWeights, UpcastWeights,
 from .memory import BufferPool
 from .partition import ParamSlot, UnitLayout
 from .slots import Hold, Slot, Txn, tagged
+from .window_grads import sum_window
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -148,8 +149,9 @@ class Unit:
         self.sq_norm: Optional[float] = None  # of the accumulated gradients, when needed
         self.speculated = False  # updated during this step's backward before its validation
         self.held_grads: Optional[list] = None  # autograd's gradients, kept for a redo (direct path)
-        # a vertical window's fp32 gradient sums by parameter index, until taken (runtime/window_grads.py)
-        self.summed: dict[int, torch.Tensor] = {}
+        # a vertical window's kept 16-bit gradients by parameter index, in the order they arrived,
+        # until taken and summed (runtime/window_grads.py)
+        self.summed: dict[int, list[torch.Tensor]] = {}
         self.pending = None  # a deferred update to apply at the next visit (runtime/pending.py)
         self.bound = False
         self._flat: Optional[torch.Tensor] = None  # device weights the params view, when bound
@@ -294,25 +296,34 @@ class Unit:
         ]
 
     def take_grads(self) -> list[tuple[int, ParamSlot, torch.Tensor]]:
-        """Removes the gradients autograd left on the parameters, or a vertical window's fp32 sums
-        where it made them, rounded once to the dtype the window keeps them in (the gradient
-        slot's, Plan.window_grad_dtype), on the device: [(index, slot, grad)]."""
-        out = []
+        """Removes the gradients autograd left on the parameters, or a vertical window's kept
+        micro-batch gradients where it made them, summed in fp32 and rounded once to the dtype
+        the window keeps them in (the gradient slot's, Plan.window_grad_dtype), on the device:
+        [(index, slot, grad)]."""
+        got: list = []
+        kept: list = []  # (position in got, the parameter's kept gradients)
         for i, (p, s) in enumerate(self.params):
             g = p.grad
-            total = self.summed.pop(i, None)
-            if total is not None:
-                if g is not None:  # (none reaches the parameter where the window sums: kept if one did)
-                    total.add_(g)
+            parts = self.summed.pop(i, None)
+            if parts is not None:
+                if g is not None:  # (none reaches the parameter where the window sums: added last if one did)
+                    parts.append(g)
                     p.grad = None
-                g = total.to(self.grads.dtype)  # (the sum itself where they are fp32)
-            if g is None:
+                kept.append((len(got), parts))
+            elif g is None:
                 continue
+            got.append([i, s, g])
+        if kept:
+            for (k, _), total in zip(kept, sum_window([parts for _, parts in kept], self.grads.dtype)):
+                got[k][2] = total
+            del kept
+        out = []
+        for i, s, g in got:
             if g.shape != s.shape:
                 raise UnitStateError(
                     f"parameter {s.name!r}: gradient of shape {tuple(g.shape)}, expected {tuple(s.shape)}"
                 )
-            p.grad = None
+            self.params[i][0].grad = None
             self.got_grad[i] = True
             out.append((i, s, g))
         return out

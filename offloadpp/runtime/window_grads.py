@@ -13,13 +13,15 @@ How. Before the window's backward, `GradSums` walks the G graphs from their loss
 post-hook on every node with an edge into a trainable parameter's AccumulateGrad (a matmul's
 backward, a transpose's, the fused head's). The hook takes that edge's gradient (one
 micro-batch's, exactly as the horizontal window's backward makes it) out of the node's outputs,
-adds it into the parameter's fp32 sum on the device (`Unit.summed`), and returns None in its
-place, so nothing reaches AccumulateGrad. When a parameter's last edge has delivered, the
-executor counts its gradient as its post-accumulate-grad hook would (which it ignores for the
-parameters summed here), and the unit, its gradients complete, is handed to the optimizer with
-the fp32 sums (`Unit.take_grads`), each rounded once to the dtype the window keeps its gradients
-in (Plan.window_grad_dtype: the compute dtype with one rank, its Note says what that changes) on
-the device, so they leave it, and reach their home, in 16 bits, as the planner counts them. A
+keeps it on the device as it is (16 bits) in the parameter's list (`Unit.summed`), and returns
+None in its place, so nothing reaches AccumulateGrad. When a parameter's last edge has
+delivered, the executor counts its gradient as its post-accumulate-grad hook would (which it
+ignores for the parameters summed here); when the unit's gradients are complete it is handed to
+the optimizer (`Unit.take_grads`), which sums each parameter's kept gradients (`sum_window`) in
+fp32, in the order they arrived, rounded once to the dtype the window keeps its gradients in
+(Plan.window_grad_dtype: the compute dtype with one rank, its Note says what that changes) on
+the device, so they leave it, and reach their home, in 16 bits, as the planner counts them (an
+accelerator keeps one fp32 sum instead, added into as each arrives: see the next Note). A
 parameter used more than once in a micro-batch (an output projection tied to the embedding)
 has its edges of that micro-batch summed in its own dtype first, as that micro-batch's
 AccumulateGrad sums them horizontally. Only the order of the fp32 additions differs from the
@@ -27,10 +29,26 @@ horizontal window's (the last micro-batch first); on the tests' GPT-2 the sums c
 the last bit, so a window's rounded sums are the horizontal window's fp32 sums rounded once
 (tests/test_window.py).
 
+Note: why the gradients are kept and summed once. Adding each micro-batch's 16-bit gradient into
+an fp32 sum as it arrives (`to(float32)`, then `add_`) moves about 10 bytes per element per
+micro-batch through memory, on backward's own thread: on the CPU device that was 2.2 s of a 6.8 s
+backward of a 12-layer GPT-2 window of 8 (docs/performance.md). Kept until the unit is complete,
+the G gradients are read once and the rounded sum written once by one SIMD pass over all the
+unit's parameters (offloadpp.optim.sum_parts_, csrc/adam: 2G + 2 bytes an element; 14x faster
+than the adds at 50M elements x 8, `scripts/grad_sums.py`), with the same additions in the same
+order, so the same bits. The price is memory: the device holds the unit's G 16-bit gradients
+in its backward visit instead of one fp32 sum, which the planner counts
+(planner/schedule.py `visit_grad_bytes`) and the CPU device's pool is charged with as they are
+kept (as optimizer._charge_grads charges the sums). Where the kernel does not apply (mixed
+dtypes, a gradient not laid out densely) the same additions run in torch. On an accelerator
+(`Device.copies`: CUDA, the stand-in) the adds are cheap (about 22 ms a window at GPT-2 1.31B)
+and a large model's unit (a 175B layer: 1.8G parameters) has no room for G 16-bit copies of
+its gradients beside its weights, so there each gradient is added into one fp32 sum as it
+arrives, the same additions in the same order.
+
 Cost: the walk visits every node of the G graphs once per window, in Python (a 12-layer GPT-2
 window of 8 micro-batches has 6,124 nodes: 0.1 s on the 2-core development VM under load, 16 us a
-node, beside a window of seconds), one hook call per tapped node in backward, and the device
-holds one fp32 sum per parameter of the unit in backward. fp32 compute
+node, beside a window of seconds), one hook call per tapped node in backward. fp32 compute
 needs none of this: autograd's sum is fp32 already.
 """
 
@@ -38,9 +56,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+import weakref
+from typing import Iterator, Optional
 
 import torch
+
+from offloadpp.optim.kernels import HALF_DTYPES, HAVE_SUM_PARTS, sum_parts_
 
 
 class GradSums:
@@ -56,6 +77,10 @@ class GradSums:
         self._left: dict[int, int] = {}  # edges into each parameter's AccumulateGrad yet to run
         self._parts: dict[tuple[int, int], int] = {}  # the same by (parameter, micro-batch)
         self._partial: dict[tuple[int, int], torch.Tensor] = {}  # 16-bit sums of those run so far
+        # kept and summed once where the device is the CPU's (the Note); an accelerator adds each
+        # into an fp32 sum as it arrives (cheap there, and G 16-bit copies of a unit's gradients
+        # would not fit beside a large model's unit): Unit.summed then holds [the fp32 sum]
+        self._keep = not executor.optimizer.device.copies
 
     @contextlib.contextmanager
     def summing(self, losses: list) -> Iterator[None]:
@@ -103,6 +128,15 @@ class GradSums:
                         self._parts[pid, m] = self._parts.get((pid, m), 0) + 1
         return taps
 
+    def _charge(self, g: torch.Tensor) -> None:
+        """On the CPU device a kept gradient is the device's memory outside its pool: charged to
+        it until dropped (optimizer._charge_grads' Note), so backward waits at the budget."""
+        pool = self._executor.optimizer.grad_pool
+        if pool is not None:
+            n = g.numel() * g.element_size()
+            weakref.finalize(g, pool.uncharge, n)
+            pool.charge(n)
+
     def _hook(self, outs: list, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
         grads = list(grad_inputs)
         for k, pid, m in outs:
@@ -114,16 +148,84 @@ class GradSums:
                 g = self._partial.pop(part) if g is None else self._partial.pop(part) + g
             if self._parts[part] > 0:
                 # a parameter used more than once in a micro-batch (tied embeddings): its edges
-                # summed in its own dtype first, as that micro-batch's AccumulateGrad would
+                # summed in its own dtype first, as that micro-batch's AccumulateGrad would (held
+                # until its last edge: planner/schedule.py tied_partial_bytes counts them)
                 if g is not None:
                     self._partial[part] = g
+                    if self._keep:
+                        self._charge(g)
             elif g is not None:
-                s = u.summed.get(i)
-                if s is None:
-                    u.summed[i] = g.to(torch.float32, copy=True)
+                kept = u.summed.get(i)
+                if kept is None:
+                    u.summed[i] = [g if self._keep else g.to(torch.float32, copy=True)]
+                elif self._keep:
+                    kept.append(g)  # (summed once the unit is complete: the Note)
                 else:
-                    s.add_(g)
+                    kept[0].add_(g)
+                if self._keep:
+                    self._charge(g)
             self._left[pid] -= 1
             if self._left[pid] == 0:
                 self._executor.param_grad_done(u)
         return tuple(grads)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill its memory without gaps or overlap, in some order of its dimensions
+    (a transposed gradient is; a slice is not)."""
+    if t.is_contiguous():
+        return True
+    expect = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda x: x[1]):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _fused(parts: list) -> Optional[torch.Tensor]:
+    """parts[0] as the kernel's layout, where every part can be summed by it element for element
+    in memory order: the CPU, one 16-bit dtype, the same shape and strides, dense."""
+    first = parts[0]
+    if (
+        not HAVE_SUM_PARTS
+        or first.device.type != "cpu"
+        or first.dtype not in HALF_DTYPES
+        or not _dense(first)
+    ):
+        return None
+    for t in parts[1:]:
+        if (
+            t.device != first.device
+            or t.dtype != first.dtype
+            or t.shape != first.shape
+            or t.stride() != first.stride()
+        ):
+            return None
+    return first
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's memory as a 1-d view, in memory order."""
+    return t if t.is_contiguous() and t.dim() == 1 else t.as_strided((t.numel(),), (1,))
+
+
+def sum_window(parts_of: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each list's tensors added in fp32 in their order and rounded once to `dtype`: one kernel
+    pass over all of them where it applies (the Note), else torch's adds (the same bits)."""
+    out: list[Optional[torch.Tensor]] = [None] * len(parts_of)
+    by_dtype: dict[torch.dtype, list] = {}
+    for j, parts in enumerate(parts_of):
+        first = _fused(parts)
+        if first is None:
+            s = parts[0].to(torch.float32, copy=len(parts) > 1)  # (one part: an accelerator's own sum)
+            for g in parts[1:]:
+                s.add_(g)
+            out[j] = s.to(dtype)  # (the sum itself where it is fp32)
+            continue
+        o = torch.empty_like(first, dtype=dtype)  # (a dense input's strides: the parts' layout)
+        out[j] = o
+        by_dtype.setdefault(first.dtype, []).append((_flat(o), [_flat(t) for t in parts]))
+    for pairs in by_dtype.values():
+        sum_parts_(pairs)
+    return out  # type: ignore[return-value]
