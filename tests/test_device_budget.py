@@ -142,6 +142,7 @@ FAST = (
     Case("llama", 2, 64, 256, 2, 16, "fp16", 1.0, "recompute", True, "cpu", seed=2, accumulation=2),
     Case("llama", 1, 96, 1024, 3, 8, "fp32", 1.0, "partial_ssd", False, "standin", seed=3),
     Case("gpt2", 3, 64, 128, 1, 16, "bf16", 1.0, "auto", True, "cpu", seed=4),
+    Case("gpt2", 2, 64, 256, 2, 16, "bf16", 1.0, "recompute_nested_host", False, "standin", seed=5),
 )
 
 
