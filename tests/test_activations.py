@@ -156,14 +156,11 @@ class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_partial_recompute_runs_no_matmul_again(store, data):
-    """Backward under partial runs the matmuls backward itself needs and no more (keep's
-    count): the forward's outputs of c_attn, c_proj, c_fc, the MLP's c_proj and the head's
-    projection come back instead of being computed again; recompute runs each of them again."""
+def matmuls_in_backward(store, data, policies) -> dict:
+    """{policy: the matmuls one backward of tiny_gpt2 (no dropout) runs under it}."""
     counts = {}
-    for policy in ("keep", "recompute", "partial"):
+    for policy in policies:
         model = tiny_gpt2(dropout=0.0)
-        # (the fused head keeps its logits under partial: the output of its matmul)
         cfg = ActivationSettings(policy=policy, min_swap_bytes=0)
         with ActivationManager.for_model(model, cfg, store=store) as mgr:
             with mgr.forward():
@@ -172,6 +169,15 @@ def test_partial_recompute_runs_no_matmul_again(store, data):
             with counter:
                 mgr.backward(loss)
         counts[policy] = counter.n
+    return counts
+
+
+def test_partial_recompute_runs_no_matmul_again(store, data):
+    """Backward under partial runs the matmuls backward itself needs and no more (keep's
+    count): the forward's outputs of c_attn, c_proj, c_fc, the MLP's c_proj and the head's
+    projection come back instead of being computed again; recompute runs each of them again."""
+    # (the fused head keeps its logits under partial: the output of its matmul)
+    counts = matmuls_in_backward(store, data, ("keep", "recompute", "partial"))
     assert counts["partial"] == counts["keep"] > 0, counts
     assert counts["recompute"] == counts["keep"] + 4 * 4 + 1, counts  # four a block, the head's
 

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_activations import VOCAB, _CountMatmuls, data, rel_diff, run_step, store, tiny_gpt2
+from test_activations import VOCAB, data, matmuls_in_backward, rel_diff, run_step, store, tiny_gpt2
 
 from offloadpp.planner import ActivationSettings
 from offloadpp.runtime.activations.manager import ActivationManager
@@ -61,18 +61,7 @@ def test_nested_recompute_runs_the_pieces_but_the_last_once_more(store, data):
     recompute does, but the MLP's (the last piece, which backward needs first: what it saves is
     kept from the block's recompute): per block, 4 once (the block's recompute) and the
     attention's 2 once again (its piece's); the head's once (no pieces: a plain recompute)."""
-    counts = {}
-    for policy in ("keep", "recompute", "recompute_nested"):
-        model = tiny_gpt2(dropout=0.0)
-        with ActivationManager.for_model(
-            model, ActivationSettings(policy=policy, min_swap_bytes=0), store=store
-        ) as mgr:
-            with mgr.forward():
-                loss = model(input_ids=data, labels=data).loss
-            counter = _CountMatmuls()
-            with counter:
-                mgr.backward(loss)
-        counts[policy] = counter.n
+    counts = matmuls_in_backward(store, data, ("keep", "recompute", "recompute_nested"))
     assert counts["recompute"] == counts["keep"] + 4 * 4 + 1, counts
     assert counts["recompute_nested"] == counts["keep"] + (4 + 2) * 4 + 1, counts
 
