@@ -154,3 +154,26 @@ def test_a_deferred_vertical_windows_bytes_are_the_estimates(tmp_path, hw_path):
     assert windows[-1].report.ssd_by_kind == e.predicted.ssd_by_kind
     loop_grads = {k: (r, w) for k, r, w in e.predicted_loop.ssd_by_kind}["gradients"]
     assert loop_grads[1] >= 4 * n  # (fp32 sums accumulated in their home)
+
+
+def test_one_step_of_g1_with_a_windows_plan_moves_its_state_as_the_window_does(tmp_path, hw_path):
+    """`bench ab`'s G = 1 line (issue 33: a window's SSD bytes at most 1.3x one step of G = 1's):
+    harness.modelled_ssd_by_kind(one_step=True) replays one micro-batch's step with the vertical
+    window's plan. Weights and optimizer state move as in the window (each read once for forward
+    and once for backward, the state once); activations swapped to SSD are one micro-batch's,
+    the window's at least G times them."""
+    from offloadpp.bench.harness import modelled_ssd_by_kind
+    from offloadpp.planner import ActivationSettings
+
+    cfg = _config(tmp_path, hardware_profile=hw_path, micro_batch=2, seq_len=16, compute_dtype="bf16",
+                  gradient_accumulation_steps=4, accumulation="vertical", activations=ActivationSettings(policy="ssd"),
+                  device_budget_bytes=None, host_budget_bytes=None)  # fmt: skip
+    model = tiny()
+    with assemble_engine(model, cfg, hyper=AdamHyper(lr=1e-3)) as e:
+        assert e.plan.vertical
+        window, _ = modelled_ssd_by_kind(e, model.config.to_dict(), window=True)
+        one, src = modelled_ssd_by_kind(e, model.config.to_dict(), one_step=True)
+    w, o = ({k: (r, wr) for k, r, wr in b} for b in (window, one))
+    assert "one step of G = 1" in src
+    assert w["weights"] == o["weights"] and w["optimizer_state"] == o["optimizer_state"]
+    assert o["activations"][1] > 0 and w["activations"][1] >= 4 * o["activations"][1]

@@ -93,3 +93,19 @@ def test_the_sum_drops_no_micro_batch_and_adds_in_fp32():
             in_16 += t
         assert not torch.equal(got, in_16)
         assert not torch.equal(got, sum_window([parts[:-1]], torch.bfloat16)[0])
+
+
+def test_a_stale_extension_sums_with_torch_the_same_bits_and_says_so(monkeypatch, caplog):
+    """An offloadpp._C built before sum_parts_ (a tree whose extension was copied from an older
+    build): the window's sums run in torch, equal bit for bit, with one warning to rebuild."""
+    import offloadpp.runtime.window_grads as wg
+
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(33, 7, generator=g).mul(50).bfloat16() for _ in range(G)]
+    want = sum_window([parts], torch.bfloat16)[0]
+    monkeypatch.setattr(wg, "HAVE_SUM_PARTS", False)
+    monkeypatch.setattr(wg, "_warned_stale", False)
+    with caplog.at_level("WARNING", logger="offloadpp.runtime"):
+        got = [sum_window([parts], torch.bfloat16)[0] for _ in range(2)]
+    assert all(torch.equal(x, want) for x in got)
+    assert sum("predates sum_parts_" in r.message for r in caplog.records) == 1

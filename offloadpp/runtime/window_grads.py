@@ -56,12 +56,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from typing import Iterator, Optional
 
 import torch
 
 from offloadpp.optim.kernels import HALF_DTYPES, HAVE_SUM_PARTS, sum_parts_
+
+log = logging.getLogger("offloadpp.runtime")
+_warned_stale = False
 
 
 class GradSums:
@@ -186,7 +190,15 @@ def _dense(t: torch.Tensor) -> bool:
 def _fused(parts: list) -> Optional[torch.Tensor]:
     """parts[0] as the kernel's layout, where every part can be summed by it element for element
     in memory order: the CPU, one 16-bit dtype, the same shape and strides, dense."""
+    global _warned_stale
     first = parts[0]
+    if not HAVE_SUM_PARTS and first.device.type == "cpu" and not _warned_stale:
+        _warned_stale = True
+        log.warning(
+            "offloadpp: the native extension offloadpp._C predates sum_parts_ (built before it was added): "
+            "vertical windows sum their gradients with torch, the same bits several times slower; rebuild it "
+            "(python setup.py build_ext --inplace, or make setup)"
+        )
     if (
         not HAVE_SUM_PARTS
         or first.device.type != "cpu"
