@@ -468,18 +468,16 @@ def visit_grad_bytes(plan: Plan, u) -> int:
     """Device bytes of a unit's gradients at its backward visit: autograd's, in the compute
     dtype; in a vertical window's step (planner/vertical.py window_plan) with 16-bit compute on
     the CPU device, each micro-batch's own gradient, kept until the unit's are complete, and
-    their sum rounded to Plan.window_grad_dtype (runtime/window_grads.py's Note).
-
-    Note: an accelerator's window is counted as one compute-dtype gradient, as before the CPU's
-    kept gradients, though the runtime holds an fp32 sum there (added into as each micro-batch's
-    arrives) and its rounding: 6 bytes a parameter with one rank, not 2. Counted so, the paper
-    profile's 175B b8 x G4 window plans 384.5 s, not 308.4 (issue 33's bar: 320), and "auto"
-    runs it horizontally; left as it was (the device's headroom has held it in no run yet: no
-    GPU has run a vertical window)."""
+    their sum rounded to Plan.window_grad_dtype (runtime/window_grads.py's Note); on an
+    accelerator, one fp32 sum a parameter, added into as each micro-batch's gradient arrives and
+    rounded once the parameter's last one has (so at most 4 bytes a parameter; issue 33's paper
+    estimates with this count: 175B b8 x G4 313.0 s, clipped 447.6 s, 13B b8 x G4 22.6 s)."""
     cdt = plan.compute_dtype
     g = 1 if plan.accumulate_grads else plan.micro_batches
-    if g == 1 or cdt == "fp32" or plan.device != "cpu":
+    if g == 1 or cdt == "fp32":
         return u.padded_numel * DTYPE_BYTES[cdt]
+    if plan.device != "cpu":
+        return u.padded_numel * DTYPE_BYTES["fp32"]
     return u.padded_numel * (g * DTYPE_BYTES[cdt] + DTYPE_BYTES[plan.window_grad_dtype])
 
 
