@@ -139,7 +139,6 @@ def _torch_adamw(ref, data, lr: float) -> list[float]:
         "partial",
         "partial_host",
         "partial_ssd",
-        "recompute_nested_host",
         "recompute_nested_ssd",
     ],
 )

@@ -37,7 +37,7 @@ def test_nested_recompute_holds_one_piece_at_a_time(store, on_device, dtype):
     _, want = run_step(ref, x)
     budget = int(0.9 * block)
     peaks = {}
-    for policy in ("recompute_host", "recompute_nested_host", "recompute_nested_ssd", "recompute_nested"):
+    for policy in ("recompute_host", "recompute_nested_host"):
         model = copy.deepcopy(ref)
         cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0)
         with ActivationManager.for_model(model, cfg, store=store) as mgr:
@@ -46,14 +46,10 @@ def test_nested_recompute_holds_one_piece_at_a_time(store, on_device, dtype):
                 assert rel_diff(got, want) <= 1e-6, policy
                 s = mgr.stats()
                 assert s.fetch_misses == 0
-                assert (s.d2h_bytes > 0) == (policy != "recompute_nested")
-                assert (s.ssd_write_bytes > 0) == policy.endswith("_ssd")
+                assert s.d2h_bytes > 0 and s.ssd_write_bytes == 0  # (the checkpoints moved to host)
                 peaks[policy] = s.peak_device_bytes
                 mgr.reset_stats()
     assert peaks["recompute_nested_host"] <= budget < block <= peaks["recompute_host"], (peaks, budget, block)
-    assert peaks["recompute_nested_ssd"] <= budget, peaks
-    # (kept checkpoints: the 6 roots' inputs stay on the device, 4 x 64 x 128 values each)
-    assert peaks["recompute_nested"] <= budget + 6 * x.numel() * 128 * dtype.itemsize, peaks
 
 
 def test_nested_recompute_runs_the_pieces_but_the_last_once_more(store, data):
