@@ -28,7 +28,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from planning_time import PAPER, PAPER_HW, POINTS  # noqa: E402
+from planning_time import PAPER, PAPER_HW, POINTS, resolve_paper_point  # noqa: E402
 
 ONE_SSD_HW = os.path.join(PAPER, "rtx4090-1ssd.hardware.json")
 PAPER_POINTS = POINTS + [
@@ -54,29 +54,17 @@ def _row(label: str, r, took: float) -> dict:
 
 def worker(seed: int, n: int) -> None:
     """Plans every point with the offloadpp on PYTHONPATH; one JSON line per point on stdout."""
-    import time
-
     from offloadpp.bench.planner_properties import plan_point, random_profile
-    from offloadpp.bench.planner_scale import SEQ_LEN, _settings
-    from offloadpp.planner import HardwareProfile, InfeasibleError, analytic_profile, resolve
-    from offloadpp.planner.peaks import clear_cache
-    from offloadpp.planner.resolve import machine_for
+    from offloadpp.planner import InfeasibleError
 
     for hw_path, name, batch, config in PAPER_POINTS:
-        hw = HardwareProfile.from_json(hw_path)
-        with open(os.path.join(PAPER, f"gpt3-{name}.config.json")) as f:
-            cfg = json.load(f)
-        prof = analytic_profile(cfg, micro_batch=batch, seq_len=SEQ_LEN, compute_dtype="fp16", name=name)
-        settings = _settings(os.path.join(PAPER, config), "fp16", batch)
         label = f"{os.path.basename(hw_path).split('.')[0]} {name.upper()} b{batch} {config}"
-        clear_cache()
-        t0 = time.process_time()
         try:
-            r = resolve(settings, prof.unit_specs(), machine_for(hw), hardware=hw, model=prof)
+            r, cpu = resolve_paper_point(hw_path, name, batch, config)
         except InfeasibleError as e:
             print(json.dumps({"point": label, "refused": str(e)}), flush=True)
             continue
-        print(json.dumps(_row(label, r, time.process_time() - t0)), flush=True)
+        print(json.dumps(_row(label, r, cpu)), flush=True)
     for profile, model, batch in random_points(seed, n):
         hw, dtype = random_profile(profile)
         label = f"profile {profile} {model} {dtype} b{batch}"

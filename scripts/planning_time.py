@@ -32,8 +32,10 @@ POINTS = (
 )
 
 
-def worker() -> None:
-    """Plans every point with the offloadpp on PYTHONPATH; one JSON line per point on stdout."""
+def resolve_paper_point(hw_path: str, name: str, batch: int, config: str):
+    """Plans one docs/paper point from nothing, as `offloadpp bench planner-scale` does (fp16,
+    its sequence length): (the resolve result, its CPU seconds). Raises InfeasibleError where
+    the point is refused. Imports offloadpp here: the workers run with a tree on PYTHONPATH."""
     import time
 
     from offloadpp.bench.planner_scale import SEQ_LEN, _settings
@@ -41,16 +43,21 @@ def worker() -> None:
     from offloadpp.planner.peaks import clear_cache
     from offloadpp.planner.resolve import machine_for
 
+    hw = HardwareProfile.from_json(hw_path)
+    with open(os.path.join(PAPER, f"gpt3-{name}.config.json")) as f:
+        cfg = json.load(f)
+    prof = analytic_profile(cfg, micro_batch=batch, seq_len=SEQ_LEN, compute_dtype="fp16", name=name)
+    settings = _settings(os.path.join(PAPER, config), "fp16", batch)
+    clear_cache()  # from nothing, as `offloadpp plan` plans
+    t0 = time.process_time()
+    r = resolve(settings, prof.unit_specs(), machine_for(hw), hardware=hw, model=prof)
+    return r, time.process_time() - t0
+
+
+def worker() -> None:
+    """Plans every point with the offloadpp on PYTHONPATH; one JSON line per point on stdout."""
     for hw_path, name, batch, config in POINTS:
-        hw = HardwareProfile.from_json(hw_path)
-        with open(os.path.join(PAPER, f"gpt3-{name}.config.json")) as f:
-            cfg = json.load(f)
-        prof = analytic_profile(cfg, micro_batch=batch, seq_len=SEQ_LEN, compute_dtype="fp16", name=name)
-        settings = _settings(os.path.join(PAPER, config), "fp16", batch)
-        clear_cache()  # from nothing, as `offloadpp plan` plans
-        t0 = time.process_time()
-        r = resolve(settings, prof.unit_specs(), machine_for(hw), hardware=hw, model=prof)
-        cpu = time.process_time() - t0
+        r, cpu = resolve_paper_point(hw_path, name, batch, config)
         p = r.plan
         plan = repr((p.placements, p.activations, p.prefetch_depth, p.optim_prefetch_depth, p.micro_batches))
         print(json.dumps({"point": _label(hw_path, name, batch, config), "cpu_s": cpu,

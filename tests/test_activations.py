@@ -182,20 +182,27 @@ def test_partial_recompute_runs_no_matmul_again(store, data):
     assert counts["recompute"] == counts["keep"] + 4 * 4 + 1, counts  # four a block, the head's
 
 
+def one_block_under_budget(dtype: torch.dtype = torch.float32):
+    """(x, the model, its gradients without swapping, what one block saves, 90% of that): the
+    budget a policy recomputing a block piece by piece meets and the whole block's recompute
+    cannot."""
+    from offloadpp.profiling.model import profile_model
+
+    x = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
+    ref = tiny_gpt2(n_embd=128).to(dtype)
+    block = (
+        profile_model(copy.deepcopy(ref), {"input_ids": x, "labels": x}, repeats=1).units[1].activation_bytes
+    )
+    _, want = run_step(ref, x)
+    return x, ref, want, block, int(0.9 * block)
+
+
 def test_partial_pieces_hold_one_piece_at_a_time(store):
     """A partial block is recomputed piece by piece (its norms, its attention, its MLP), so its
     backward holds one piece's tensors and not the whole block's: under a budget of 90% of what
     one block saves, partial_host stays within it where recompute_host (the whole block at once)
     cannot, with the gradients of the run without swapping (dropout on)."""
-    from offloadpp.profiling.model import profile_model
-
-    x = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
-    ref = tiny_gpt2(n_embd=128)
-    block = (
-        profile_model(copy.deepcopy(ref), {"input_ids": x, "labels": x}, repeats=1).units[1].activation_bytes
-    )
-    _, want = run_step(ref, x)
-    budget = int(0.9 * block)
+    x, ref, want, block, budget = one_block_under_budget()
     peaks = {}
     for policy in ("recompute_host", "partial_host"):
         model = copy.deepcopy(ref)

@@ -9,7 +9,16 @@ import copy
 
 import pytest
 import torch
-from test_activations import VOCAB, data, matmuls_in_backward, rel_diff, run_step, store, tiny_gpt2
+from test_activations import (
+    VOCAB,
+    data,
+    matmuls_in_backward,
+    one_block_under_budget,
+    rel_diff,
+    run_step,
+    store,
+    tiny_gpt2,
+)
 
 from offloadpp.planner import ActivationSettings
 from offloadpp.runtime.activations.manager import ActivationManager
@@ -27,15 +36,7 @@ def test_nested_recompute_holds_one_piece_at_a_time(store, on_device, dtype):
     one block saves, recompute_nested_host stays within it where recompute_host (the whole block
     at once) cannot, with the gradients of the run without swapping (dropout on), in fp32 and
     bf16, on the CPU and on the stand-in."""
-    from offloadpp.profiling.model import profile_model
-
-    x = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1))
-    ref = tiny_gpt2(n_embd=128).to(dtype)
-    block = (
-        profile_model(copy.deepcopy(ref), {"input_ids": x, "labels": x}, repeats=1).units[1].activation_bytes
-    )
-    _, want = run_step(ref, x)
-    budget = int(0.9 * block)
+    x, ref, want, block, budget = one_block_under_budget(dtype)
     peaks = {}
     for policy in ("recompute_host", "recompute_nested_host"):
         model = copy.deepcopy(ref)
