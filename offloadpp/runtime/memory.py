@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -217,6 +218,17 @@ class BufferPool:
             self.charged_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
             self.step_peak_bytes = max(self.step_peak_bytes, self.allocated_bytes)
+
+    def charge_until_dropped(self, tensors) -> None:
+        """charge() the tensors' bytes, each given back (uncharge) when it is dropped, by
+        whichever thread drops it last."""
+        total = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            weakref.finalize(t, self.uncharge, n)
+            total += n
+        if total:
+            self.charge(total)
 
     def uncharge(self, nbytes: int) -> None:
         """`nbytes` charged earlier are gone (any thread)."""

@@ -38,7 +38,6 @@ lives in memory, and a redo, are updated after backward as deferred updates are 
 from __future__ import annotations
 
 import os
-import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -306,9 +305,7 @@ class OptimizerPipeline(JobCompletion, PendingUpdates):
         pool = self.grad_pool
         if pool is None or not grads:
             return
-        for _, _, g in grads:
-            weakref.finalize(g, pool.uncharge, g.numel() * g.element_size())
-        pool.charge(sum(g.numel() * g.element_size() for _, _, g in grads))
+        pool.charge_until_dropped(g for _, _, g in grads)
 
     def reclaim(self) -> bool:
         """A pool short of room (memory.py's Note): the oldest job completed, else the oldest

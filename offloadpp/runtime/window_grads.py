@@ -59,7 +59,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -139,9 +138,7 @@ class GradSums:
         it until dropped (optimizer._charge_grads' Note), so backward waits at the budget."""
         pool = self._executor.optimizer.grad_pool
         if pool is not None:
-            n = g.numel() * g.element_size()
-            weakref.finalize(g, pool.uncharge, n)
-            pool.charge(n)
+            pool.charge_until_dropped((g,))
 
     def _hook(self, outs: list, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
         grads = list(grad_inputs)
