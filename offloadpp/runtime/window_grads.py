@@ -232,12 +232,12 @@ def sum_window(parts_of: list[list[torch.Tensor]], dtype: torch.dtype) -> list[t
     out: list[Optional[torch.Tensor]] = [None] * len(parts_of)
     by_dtype: dict[torch.dtype, list] = {}
     for j, parts in enumerate(parts_of):
-        first = _fused(parts)
         if len(parts) == 1 and parts[0].dtype == dtype:
-            out[j] = parts[0]  # an accelerator's sum, rounded at the parameter's last edge
+            out[j] = parts[0]  # (an accelerator's sum, rounded at the parameter's last edge)
             continue
+        first = _fused(parts)
         if first is None:
-            s = parts[0].to(torch.float32, copy=len(parts) > 1)  # (one part: an accelerator's own sum)
+            s = parts[0].to(torch.float32, copy=len(parts) > 1)  # (one part: rounded from fp32 below)
             for g in parts[1:]:
                 s.add_(g)
             out[j] = s.to(dtype)  # (the sum itself where it is fp32)
