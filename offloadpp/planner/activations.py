@@ -292,7 +292,7 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     policy = _head(u, policy)
     if policy in PARTIAL:  # the kept outputs autograd saves anyway are not recomputed
         out["recomputed"] = max(0, u.saved - (u.partial - u.partial_extra))
-        out[{"partial": "kept", "partial_host": "host", "partial_ssd": "ssd"}[policy]] = u.moved(policy)
+        out[checkpoint_tier(policy)] = u.moved(policy)
     elif recomputes(policy):
         out["recomputed"] = u.saved
         out[checkpoint_tier(policy)] = u.checkpoint
