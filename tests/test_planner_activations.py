@@ -14,8 +14,8 @@ import pytest
 from test_planner import GPT2, cpu_hw
 
 from offloadpp.planner import InfeasibleError, Machine, Settings, resolve
+from offloadpp.planner.act_candidates import ActPlanner
 from offloadpp.planner.activations import (
-    ActPlanner,
     ActUnit,
     act_units,
     backward_bytes,

@@ -316,7 +316,8 @@ def _plan(args, env: SimpleNamespace, batch: int, budget: int) -> dict:
     replayed by the cost model on --hardware with the model and its optimizer in memory, the
     fastest kept), with what the cost model says they move and recompute."""
     from offloadpp.planner import HardwareProfile, analytic_profile
-    from offloadpp.planner.activations import ActPlanner, act_units, recomputes
+    from offloadpp.planner.act_candidates import ActPlanner
+    from offloadpp.planner.activations import act_units, recomputes
     from offloadpp.planner.cost import compute_times, estimate
 
     hw = HardwareProfile.from_json(args.hardware)

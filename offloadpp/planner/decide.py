@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .activations import ActChoice, ActPlanner, ActUnit, recomputes
+from .act_candidates import ActChoice, ActPlanner
+from .activations import ActUnit, recomputes
 from .spec import DTYPE_BYTES
 
 # The prefetch depths where the settings leave them to the planner ("auto"): the deepest the

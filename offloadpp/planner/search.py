@@ -39,7 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
-from .activations import ActChoice, ActPlanner, act_units, fixed_policies, peak_bytes_at
+from .act_candidates import ActChoice, ActPlanner, fixed_policies
+from .activations import act_units, peak_bytes_at
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .decide import speculates
 from .default import plan_shape, streaming_plan

@@ -1,0 +1,313 @@
+"""The activation choices the planner scores for one model: per-unit policies (activations.py)
+made along a ranking of the units, and the smallest that can run. Pure (no torch).
+
+Note: the candidates (`candidates`). When keeping everything does not fit the room a placement
+leaves, units are ranked by forward FLOPs per saved byte, lowest first (the paper's rule: the
+cheapest to recompute per byte freed, and the hardest to hide a swap behind; among equals the
+later unit, which backward needs first). Then: recompute along the ranking until the need fits;
+swap everything and keep along the ranking what still fits; recompute the first quarter, half or
+three quarters of the ranking, swap the rest and keep what fits; the same with the recomputing
+units' checkpoints swapped too (every recomputable unit, or the head of the ranking), keeping
+what fits and then pinning on the device the checkpoints that still fit; and partial in place of
+recompute in those (where the profile knows the partial bytes): every recomputable unit partial
+with its kept outputs swapped, keeping whole units what fits; and a quarter, half or three
+quarters of them partial, spread evenly, the rest recomputed with swapped checkpoints (not on
+models of many units: each choice costs a replay). Where even the whole recompute does not fit
+(every recomputable unit recomputing, its checkpoint swapped: a block's backward holds all it
+saved; issue 36's cliffs), the recomputing choices are made again with the nested recompute in
+its place (recompute_nested*: the block's pieces' boundaries and one piece at a time, for a
+second forward), before partial, which moves 12x the checkpoint's bytes, is the only way left.
+Swaps go to host memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the
+CPU acting as the device, where host memory is the device's own; SSD is tried on CUDA too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional, Sequence
+
+from .activations import (
+    CHECKPOINT_SWAPS,
+    NESTED,
+    NESTED_SWAPS,
+    SWAPPING,
+    ActUnit,
+    held_bytes,
+    need_bytes,
+    peak_bytes_at,
+    recomputes,
+)
+
+MIXES = (0.25, 0.5, 0.75)
+# the candidates are made again with a fused head recomputing (see the Note on the head's loss)
+# where its logits take at least this share of the room: below it the logits free too little
+# to pay for the head's forward again, and each twin costs a replay (paper sweep, 13B fp16: at
+# micro-batch 8-64, logits 5-40% of the room, the twin never won; at 128, 80%, it did; twinning
+# every batch made planning 1.6x slower)
+HEAD_TWIN_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class ActChoice:
+    label: str
+    policies: tuple[tuple[str, str], ...]  # (unit, policy) for every unit, forward order
+    need_bytes: int
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.policies)
+
+
+class ActPlanner:
+    """The activation choices for one model and settings.
+
+    fixed: policies the settings fix (per-unit overrides; every unit when the settings' policy is
+    not "auto"); the others are the planner's to choose. host_bytes: host memory swapped
+    activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu".
+    mixes: offer partial and recompute mixed (search.py: not on models of many units)."""
+
+    def __init__(self, units: Sequence[ActUnit], fixed: Mapping[str, str], *, device: str,
+                 host_bytes: Optional[int] = None, mixes: bool = True):  # fmt: skip
+        self.units = tuple(units)
+        self.mixes = mixes  # partial and recompute mixed (each costs a replay: off on 175B)
+        self.fixed = {n: ("keep" if recomputes(p) and not self._unit(n).can_recompute else p)
+                      for n, p in fixed.items() if p != "auto"}  # fmt: skip
+        self.free = [u for u in self.units if u.name not in self.fixed]
+        self.device = device
+        self.host_bytes = host_bytes
+        self._cache: dict[int, tuple[ActChoice, ...]] = {}
+
+    def _unit(self, name: str) -> ActUnit:
+        return next(u for u in self.units if u.name == name)
+
+    def _choice(self, label: str, chosen: Mapping[str, str]) -> ActChoice:
+        pol = {**{u.name: "keep" for u in self.units}, **chosen, **self.fixed}
+        return ActChoice(label, tuple((u.name, pol[u.name]) for u in self.units), need_bytes(self.units, pol))
+
+    @property
+    def keep_all(self) -> ActChoice:
+        return self._choice("keep", {})
+
+    @property
+    def swap_all(self) -> ActChoice:
+        """Every free unit swapped whole."""
+        return self._choice("swap all", {u.name: "ssd" for u in self.free})
+
+    @property
+    def least(self) -> ActChoice:
+        """The choice with the least need: every free unit swapped (what must stay stays), or
+        partial with its kept outputs swapped where that holds less in backward (a partial unit
+        is recomputed piece by piece)."""
+
+        def least_of(u: ActUnit) -> str:
+            if u.can_recompute and 0 < u.partial < u.saved:
+                return min(("ssd", "partial_ssd"), key=lambda p: peak_bytes_at(u, p))
+            if u.can_recompute and u.logits:
+                return min(("ssd", "recompute_ssd"), key=lambda p: peak_bytes_at(u, p))
+            return "ssd"
+
+        return self._choice("swap all", {u.name: least_of(u) for u in self.free})
+
+    def _ranked(self) -> list[ActUnit]:
+        idx = {u.name: i for i, u in enumerate(self.units)}
+        return sorted(
+            (u for u in self.free if u.saved > 0),
+            key=lambda u: (u.flops / u.saved, -idx[u.name]),
+        )
+
+    def _swap_to(self, chosen: dict[str, str], to: str) -> dict[str, str]:
+        """`chosen` with its swaps (and swapped checkpoints) sent to `to`; to host only within the
+        host memory left for them (the units with the fewest FLOPs per byte first: they hide an
+        SSD read worst)."""
+
+        def sent(p: str, where: str) -> str:
+            return where if p in ("host", "ssd") else f"{p.rsplit('_', 1)[0]}_{where}"
+
+        if to != "host":
+            return {n: (sent(p, to) if p in SWAPPING else p) for n, p in chosen.items()}
+        left = self.host_bytes
+        out = dict(chosen)
+        for u in self._ranked():
+            p = out.get(u.name)
+            if p in SWAPPING:
+                n = u.moved(p)
+                if left is None or n <= left:
+                    out[u.name] = sent(p, "host")
+                    left = None if left is None else left - n
+                else:
+                    out[u.name] = sent(p, "ssd")
+        return out
+
+    def _upgrade_what_fits(
+        self, chosen: dict[str, str], room: int, frm: frozenset, to: str
+    ) -> dict[str, str]:
+        """`chosen` with its units whose policy is in `frm` set to `to` along the ranking while the
+        need fits `room` (keep: no swap nor recompute; recompute: the checkpoint pinned).
+
+        Changing unit p's policy changes what unit p holds during its backward and what every
+        later unit's backward starts with by the same amount for all of them, so the need becomes
+        max(the peak before p, p's own, the peak after p + the change): running maxima, rebuilt
+        only when a unit changes."""
+        out = {**dict(chosen), **self.fixed}
+        units = self.units
+        pos = {u.name: i for i, u in enumerate(units)}
+
+        def maxima() -> tuple[list[int], list[int], list[int]]:
+            held, at, before = 0, [], []
+            for u in units:
+                p = out.get(u.name, "keep")
+                before.append(held)
+                at.append(held + peak_bytes_at(u, p))
+                held += held_bytes(u, p)
+            upto, after = [0] * (len(at) + 1), [0] * (len(at) + 1)
+            for i, x in enumerate(at):
+                upto[i + 1] = max(upto[i], x)
+            for i in range(len(at) - 1, -1, -1):
+                after[i] = max(after[i + 1], at[i])
+            return upto, after, before
+
+        upto, after, before = maxima()
+        for u in self._ranked():
+            p = out.get(u.name)
+            if p in frm and (not recomputes(to) or u.can_recompute):
+                i = pos[u.name]
+                grow = held_bytes(u, to) - held_bytes(u, p)
+                own = before[i] + peak_bytes_at(u, to)
+                if max(upto[i], own, after[i + 1] + grow) <= room:
+                    out[u.name] = to
+                    upto, after, before = maxima()
+        return out
+
+    def _keep_what_fits(self, chosen: dict[str, str], room: int) -> dict[str, str]:
+        """`chosen` with its swapped units (swapped checkpoints too) kept along the ranking while
+        the need fits `room`."""
+        return self._upgrade_what_fits(chosen, room, SWAPPING, "keep")
+
+    def _pin_what_fits(self, chosen: dict[str, str], room: int, to: str = "recompute") -> dict[str, str]:
+        """`chosen` with its swapped checkpoints kept on the device (as `to`: recompute, or
+        recompute_nested for the nested ones) while the need fits `room`."""
+        frm = NESTED_SWAPS if to == "recompute_nested" else frozenset(CHECKPOINT_SWAPS) - NESTED_SWAPS
+        return self._upgrade_what_fits(chosen, room, frm, to)
+
+    def candidates(self, room: int) -> tuple[ActChoice, ...]:
+        """The choices whose need fits `room` device bytes (the first is keeping all, alone,
+        when it fits); () when even the least does not."""
+        if room in self._cache:
+            return self._cache[room]
+        keep = self.keep_all
+        if keep.need_bytes <= room:
+            out: tuple[ActChoice, ...] = (keep,)
+        elif self.least.need_bytes > room:
+            out = ()
+        else:
+            out = self._candidates(room)
+        self._cache[room] = out
+        return out
+
+    def _offers_nested(self, room: int) -> bool:
+        """Nested recompute is offered where the whole recompute does not fit (every recomputable
+        unit recomputing with its checkpoint swapped, the rest swapped, needs more than `room`)
+        and some unit's nested recompute holds less (see the Note on the candidates)."""
+        rec = [u for u in self.free if u.can_recompute]
+        if not any(u.pieces and u.nested() < u.recomputed() for u in rec):
+            return False
+        base = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute_ssd" for u in rec}, **self.fixed}
+        return need_bytes(self.units, base) > room
+
+    def _families(self, room: int) -> list[ActChoice]:
+        found = self._family(room)
+        if self._offers_nested(room):  # (the family again, nested in place of recompute)
+            found += [
+                c for c in self._family(room, "recompute_nested") if any(p in NESTED for _, p in c.policies)
+            ]
+        return found
+
+    def _candidates(self, room: int) -> tuple[ActChoice, ...]:
+        found = self._families(room)
+        heads = {
+            u.name: "recompute" for u in self.free if u.can_recompute and u.logits >= HEAD_TWIN_SHARE * room
+        }
+        if heads:  # (see the Note on the head's loss)
+            twin = ActPlanner(self.units, {**self.fixed, **heads}, device=self.device, host_bytes=self.host_bytes,
+                              mixes=self.mixes)  # fmt: skip
+            found += [replace(c, label=f"{c.label}, head recomputed") for c in twin._families(room)]
+        seen, out = set(), []
+        for c in found:
+            if c.need_bytes <= room and c.policies not in seen:
+                seen.add(c.policies)
+                out.append(c)
+        return tuple(out)
+
+    def _family(self, room: int, again: str = "recompute") -> list[ActChoice]:
+        """again: the recompute policy of the family (recompute, or recompute_nested: its label
+        says "nested recompute")."""
+        ranked = self._ranked()
+        found: list[ActChoice] = []
+        rec: dict[str, str] = {}
+        name = "recompute" if again == "recompute" else "nested recompute"
+        for u in ranked:
+            if need_bytes(self.units, {**rec, **self.fixed}) <= room:
+                break
+            if u.can_recompute:
+                rec[u.name] = again
+        found.append(self._choice(f"{name} lowest FLOPs/byte", rec))
+        recomputable = [u for u in ranked if u.can_recompute]
+        swaps = ("host", "ssd") if self.device == "cuda" else ("ssd",)
+        for to in swaps:
+            base = {u.name: "ssd" for u in self.free}
+            found.append(self._choice(f"swap to {to}, keep what fits",
+                                      self._swap_to(self._keep_what_fits(base, room), to)))  # fmt: skip
+            for frac in MIXES + (1.0,):
+                head = recomputable[: round(frac * len(recomputable))]
+                if not head:
+                    continue
+                mixed = {**{u.name: "ssd" for u in self.free}, **{u.name: again for u in head}}
+                if frac < 1.0:
+                    found.append(self._choice(f"{name} {frac:.0%}, swap to {to}",
+                                              self._swap_to(self._keep_what_fits(mixed, room), to)))  # fmt: skip
+                # the paper's scheme: the recomputing units' checkpoints leave the device too
+                # (tried with the first tier only: to host on CUDA, which sends to SSD what host
+                # memory cannot take, and so is never slower than all to SSD; each candidate
+                # costs a replay, and 175B must plan within 2 s)
+                if to != swaps[0]:
+                    continue
+                ckpt = {**mixed, **{u.name: f"{again}_ssd" for u in head}}
+                kept = self._keep_what_fits(ckpt, room)
+                found.append(self._choice(f"{name} {frac:.0%} with checkpoints to {to}, swap to {to}",
+                                          self._swap_to(self._pin_what_fits(kept, room, again), to)))  # fmt: skip
+        # selective recomputation: the recomputable units partial (the profile knows their kept
+        # bytes, and keeping them is less than all they save), their kept outputs swapped with the
+        # checkpoint; whole units kept, then partial units pinned, along the ranking while they fit
+        partial = [u for u in recomputable if 0 < u.partial < u.saved]
+        if partial:
+            for frac in (1.0,):  # (a half was never the fastest on the paper's sweep; each costs a replay)
+                head = partial[: round(frac * len(partial))]
+                base = {**{u.name: "ssd" for u in self.free}, **{u.name: "partial_ssd" for u in head}}
+                kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
+                                               frozenset(("partial_ssd",)), "partial")  # fmt: skip
+                found.append(self._choice(f"partial {frac:.0%}, swap to {swaps[0]}",
+                                          self._swap_to(kept, swaps[0])))  # fmt: skip
+            # a mix: partial moves its kept outputs (14 x width a token for a GPT-2 block) over
+            # the link, recompute only its checkpoint but runs its forward again; spread evenly
+            # (every other unit at a half) so that neither the link nor the compute queues up
+            rest = [u for u in recomputable if u not in partial]
+            for frac in MIXES if self.mixes else ():
+                head = [u for i, u in enumerate(partial) if int((i + 1) * frac) > int(i * frac)]
+                base = {**{u.name: "ssd" for u in self.free}, **{u.name: f"{again}_ssd" for u in partial + rest},
+                        **{u.name: "partial_ssd" for u in head}}  # fmt: skip
+                kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
+                                               frozenset(("partial_ssd",)), "partial")  # fmt: skip
+                found.append(self._choice(f"partial {frac:.0%}, {name} the rest with checkpoints to {swaps[0]}",
+                                          self._swap_to(self._pin_what_fits(kept, room, again), swaps[0])))  # fmt: skip
+        return found
+
+
+def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]:
+    """The policies the settings fix: the per-unit overrides, and every unit's when the policy
+    is not "auto"."""
+    act = settings_activations
+    out = {n: act.policy for n in names} if act.policy != "auto" else {}
+    out.update({n: p for n, p in act.overrides.items() if p != "auto"})
+    return out
+
+
+__all__ = ["HEAD_TWIN_SHARE", "MIXES", "ActChoice", "ActPlanner", "fixed_policies"]
