@@ -1,4 +1,4 @@
-"""The nested recompute (recompute_nested*, runtime/activations/recompute.py, Note on nested)
+"""The nested recompute (recompute_nested*, runtime/activations/nested.py, Note on nested)
 around plain torch models, no engine: a block recomputed from its one checkpoint holding its
 pieces' boundaries, then each piece again when backward reaches it, with the gradients of the run
 without swapping (dropout on), below the device peak of the whole block's recompute."""
@@ -32,7 +32,7 @@ __all__ = ["data", "store"]  # (the fixtures, shared with test_activations.py)
 def test_nested_recompute_holds_one_piece_at_a_time(store, on_device, dtype):
     """recompute_nested* keeps only the block's checkpoint (kept or swapped as recompute*'s) and
     recomputes the block holding its pieces' boundaries, then each piece (norms, attention, MLP)
-    again when backward reaches it (recompute.py, Note on nested): under a budget of 90% of what
+    again when backward reaches it (nested.py, Note on nested): under a budget of 90% of what
     one block saves, recompute_nested_host stays within it where recompute_host (the whole block
     at once) cannot, with the gradients of the run without swapping (dropout on), in fp32 and
     bf16, on the CPU and on the stand-in."""
@@ -110,16 +110,16 @@ def test_cuda_allocator_peak_of_nested_is_below_the_whole_recompute(store):
 
 def test_nested_makes_the_attentions_and_the_mlps_arguments_again(store, data, monkeypatch):
     """A nested block's attention and MLP take the norms' outputs: their recompute makes them again
-    from the norms' own arguments instead of holding them (recompute.py, Note on nested): the
+    from the norms' own arguments instead of holding them (nested.py, Note on nested): the
     accounted peak is at least one width-sized tensor lower than holding them, same gradients."""
-    from offloadpp.runtime.activations.recompute import _Piece
+    from offloadpp.runtime.activations.nested import Piece
 
     ref = tiny_gpt2()
     _, want = run_step(ref, data)
     peaks = {}
     for derive in (True, False):
         if not derive:
-            monkeypatch.setattr(_Piece, "derives", lambda self, x: False)
+            monkeypatch.setattr(Piece, "derives", lambda self, x: False)
         model = copy.deepcopy(ref)
         cfg = ActivationSettings(policy="recompute_nested_host", min_swap_bytes=0)
         with ActivationManager.for_model(model, cfg, store=store) as mgr:

@@ -169,7 +169,7 @@ def test_replay_of_nested_recompute_moves_the_checkpoints_and_runs_the_pieces_ag
     compute a forward of each block and one of its pieces but the last (the MLP, whose saved
     tensors the block's recompute keeps: its share of the FLOPs, analytic), and its backward holds
     the block's four pieces' arguments and the largest piece's saved bytes, not all the block
-    saves: a lower device peak than recompute_ssd's (ActUnit.nested; runtime: recompute.py,
+    saves: a lower device peak than recompute_ssd's (ActUnit.nested; runtime: nested.py,
     Note on nested)."""
     m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
     r = resolve(Settings(plan="auto"), m.unit_specs(),

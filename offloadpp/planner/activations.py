@@ -16,7 +16,7 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              recompute (the checkpoint kept, or swapped as recompute_host/ssd's), holding at the
              unit's backward only its pieces' boundaries (the norms' arguments: for a block the
              residual stream twice) and one piece's saved bytes at a time, for a second forward of
-             its pieces but the last (runtime/activations/recompute.py, Note on nested).
+             its pieces but the last (runtime/activations/nested.py, Note on nested).
   partial, partial_host, partial_ssd
              selective recomputation: the outputs of the unit's matmuls and attention (`partial`
              bytes, from the model profile) stay with its inputs (partial) or are swapped with them
@@ -172,7 +172,7 @@ class ActUnit:
         return max(self.saved - self.logits, self.checkpoint)
 
     def nested(self) -> int:
-        """What a nested recompute holds at most once it ran (runtime/activations/recompute.py,
+        """What a nested recompute holds at most once it ran (runtime/activations/nested.py,
         Note on nested): its pieces' held arguments (each piece's `inputs`: a block's norms take
         the residual stream, the attention and the MLP the norms' outputs, made again from the
         norms' arguments, 0) and the largest piece's saved bytes beyond its held argument; a unit

@@ -49,7 +49,7 @@ class UnitProfile:
     # on pieces): per piece in forward order (saved, inputs, partial, partial_extra) bytes
     pieces: tuple[tuple[int, int, int, int], ...] = ()
     # of forward_flops, the share in the root's last child (a block's MLP), which a nested recompute
-    # runs once (runtime/activations/recompute.py, Note on nested); 0: not known (it runs twice)
+    # runs once (runtime/activations/nested.py, Note on nested); 0: not known (it runs twice)
     last_piece_share: float = 0.0
     forward_s: Optional[float] = None  # measured, one micro-batch (see the module note)
     backward_s: Optional[float] = None

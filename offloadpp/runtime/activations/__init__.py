@@ -7,7 +7,11 @@ saves in each unit's forward.
     reports.py    ActivationStats, and the auto policies resolved from the first forward
     swap.py       Swapper: device -> host -> SSD and back, within the activation budget
     records.py    what is saved (SavedStorage, SavedRef, ParamView) and its states
-    recompute.py  recompute segments (a unit's forward run again in backward) and the FLOP counter
+    recompute.py  recompute segments (a unit's forward run again in backward)
+    nested.py     a nested recompute's pieces, run again one at a time
+    partial.py    selective recomputation's operator log (Recorder, Replayer)
+    states.py     a segment's states and the RNG state it runs again from
+    flops.py      the FLOP counter of the probe
     policy.py     the policies and what a step measures for auto (pure)
 """
 

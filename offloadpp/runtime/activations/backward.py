@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .recompute import Segment, SegState
+from .recompute import Segment
 from .records import RecState
+from .states import SegState
 from .units import ActPhase, UnitActivations
 
 

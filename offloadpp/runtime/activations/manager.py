@@ -63,20 +63,13 @@ from offloadpp.planner import ActivationSettings
 
 from ..accel import Accelerator, accelerator
 from .backward import ManagerBackward
+from .flops import FlopCounter
 from .gelu import restore_gelu, substitute_gelu
 from .head import FusedHead, fusable_head
 from .loss import causal_lm, restore_loss, substitute_loss, uses_causal_lm_loss
+from .partial import OpLog, Recorder
 from .policy import ActPolicy, UnitActProfile
-from .recompute import (
-    CheckpointRef,
-    DerivedRef,
-    FlopCounter,
-    OpLog,
-    RecomputeRef,
-    Recorder,
-    Segment,
-    SegState,
-)
+from .recompute import CheckpointRef, DerivedRef, RecomputeRef, Segment
 from .records import (
     ActivationError,
     ParamIndex,
@@ -88,6 +81,7 @@ from .records import (
     swappable,
 )
 from .reports import ManagerReports
+from .states import SegState
 from .swap import Swapper
 from .units import ActPhase, UnitActivations
 
@@ -322,7 +316,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
             inputs = self._measure(tree_leaves((args, kwargs)), unit.params)
         seg = Segment(unit.name, module.forward, args, kwargs, self.device, inputs)
         seg.owner = unit
-        if unit.policy.nested:  # (recompute.py, Note on nested)
+        if unit.policy.nested:  # (nested.py, Note on nested)
             seg.piece_modules = tuple(c for c in module.children() if any(True for _ in c.parameters()))
         seg.first_record = first
         self.swapper.add_device(inputs)
@@ -344,7 +338,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
 
     def _piece_pre(self, unit: UnitActivations, module, args, kwargs):
         """A child of a partial unit's root: one piece, its own segment (see the Note on pieces);
-        of a nested unit's: where its saved tensors begin (recompute.py, Note on nested)."""
+        of a nested unit's: where its saved tensors begin (nested.py, Note on nested)."""
         if self._active and unit.policy.nested and self._stack and self._stack[-1][0] is unit:
             seg = self._stack[-1][1]
             if type(seg) is Segment and module in seg.piece_modules:

@@ -14,14 +14,14 @@
                boundaries (the arguments of each child module that holds parameters: a
                transformer block's norms, attention, MLP), and then each piece's forward again
                when backward reaches it: the block's backward holds one piece's saved tensors at
-               a time, for one more forward of the pieces (recompute.py, Note on nested).
+               a time, for one more forward of the pieces (nested.py, Note on nested).
     partial, partial_host, partial_ssd
                selective recomputation (Korthikanti et al. 2022): the outputs of the operators
                expensive to run again (matmuls, attention) and of random ones (dropout) are kept
                (partial) or swapped with the checkpoint (partial_host, partial_ssd); backward
                runs the unit's forward again from the checkpoint, handing those outputs back
                instead of running their operators, so only the cheap ones (norms, activation
-               functions, reshapes) are recomputed (recompute.py, Note on partial).
+               functions, reshapes) are recomputed (partial.py, Note on partial).
     auto       decided per unit by the planner (planner/decide.py): in the plan where it had a
                model profile, else from what the first step measures (the manager's Note on
                auto: measured_activations).
@@ -67,7 +67,7 @@ class ActPolicy(str, Enum):
 
     @property
     def nested(self) -> bool:
-        """Recomputes the unit from its one checkpoint, then piece by piece (recompute.py)."""
+        """Recomputes the unit from its one checkpoint, then piece by piece (nested.py)."""
         return self in _NESTED
 
     @property

@@ -1,4 +1,5 @@
-"""Recompute at unit granularity (non-reentrant checkpointing), and the FLOP counter of the probe.
+"""Recompute at unit granularity (non-reentrant checkpointing): a recompute unit's Segment.
+Its partial operator log is in partial.py, its nested pieces in nested.py.
 
 Note: how a recompute segment works. One call of a recompute unit's root module is a Segment.
 In forward, every tensor autograd saves inside it is replaced by a RecomputeRef (segment, index)
@@ -16,19 +17,6 @@ device bytes between forward and backward; the record is fetched back ahead of t
 like any swapped record, and `restore` rebuilds the argument (with requires_grad as it was) just
 before the forward runs again. The bytes are the same bytes, so the recompute is as exact.
 
-Note: partial (selective recomputation). A partial unit's Segment also carries an OpLog. While
-its forward runs, a dispatch mode (Recorder) logs every operator in order; the outputs of the
-operators expensive to run again (matmuls, attention: KEEP_OPS) are handed to `keep`, which
-makes them records of the unit (kept, or swapped with the checkpoint as partial_host/partial_ssd
-say); each random operator (tagged nondeterministic_seeded: dropout, in place or not) logs the
-RNG state it drew from. In backward the forward runs again under a Replayer: the i-th kept or
-random operator it meets must be the i-th logged one (a check raises otherwise; the cheap
-operators are not logged, so a forward that builds a constant once and caches it still replays); a logged output is handed back (fetched like any
-record) instead of running the operator, a random operator runs again from its own RNG state
-(the skipped operators may have drawn from the RNG too: attention's dropout on CUDA), the rest
-run. Dropout masks are therefore the forward's, bit for bit, without keeping them. A kept output changed in place before the unit's forward ended would be replayed
-with the wrong bytes: the version counters are checked when the forward ends (and raise).
-
 Note: derived checkpoints. A piece's tensor argument that is the output of the piece just before
 it, where that piece ran no kept and no random operator (a norm: its Segment logged nothing), is
 neither kept nor moved: the argument becomes a DerivedRef, and the recompute gets it by running
@@ -38,34 +26,6 @@ in backward, still needs, so it is read without being unpacked), and only while 
 checkpoint). A transformer block's attention
 and MLP take the two norms' outputs: a GPT-2 block moves 12 x width values a token, not 14. The
 norm runs the same operators on the same bytes, so the argument is the forward's, bit for bit.
-
-Note: nested (recompute_nested*). A block's whole recompute holds everything the block saves at
-once (a GPT-2 block: 16-18 x width values a token); where that does not fit the device, partial
-moves 12x the checkpoint's bytes. Nested keeps the one checkpoint and pays a forward instead. Its
-pieces are the root's direct children that hold parameters (a block's norms, attention, MLP).
-The first unpack runs the root's forward again (phase A) under a pack hook that keeps what the
-root's own operators save and, inside a piece, keeps nothing: each piece's call is logged as a
-_Piece (its arguments, detached with requires_grad as they were: the boundaries; its RNG
-state; the range of saved-tensor indices it fills), and its saved tensors are measured while the
-piece runs and dropped when it ends. An unpack whose index lies in a piece's range runs that
-piece's forward again (phase B), from its arguments and RNG state, collecting its saved tensors
-into the range; the piece's arguments are then dropped. Backward of the block thus holds the
-boundaries and one piece's saved tensors, in the order autograd runs the pieces (last to first).
-A piece whose argument is the previous piece's output (a block's attention and MLP take the
-norms' outputs) holds no boundary for it: its recompute makes it again by running the previous
-piece without grad from that piece's own arguments and RNG state (the same operators on the same
-bytes), as partial derives its checkpoints; a block then holds two boundaries, not four.
-The last piece (the forward marks where its call began, `last_piece_start`) is the one backward
-needs first: phase A keeps what it saves instead of running it again (a GPT-2 block's MLP, about
-two thirds of its FLOPs), so the price is the forward of the other pieces, not of the whole unit.
-Why not torch.utils.checkpoint nested inside the recompute: the graph backward runs is the
-forward's, whose saved tensors are this segment's RecomputeRefs by index; a checkpoint opened in
-the recompute would own the graph the recompute builds, which is thrown away. This is torch's
-non-reentrant scheme (a recompute filling saved-tensor slots by index, RNG state forked and
-restored) applied once more, one level down, to the slots of one piece. DeepSpeed's
-activation checkpointing (reentrant, runtime/activation_checkpointing) has no nesting. The
-accounting counts, from phase A, the boundaries and the largest piece's saved bytes (what the
-block's backward holds at most), so backward's prefetch of the next units leaves that room.
 
 Note: KV caches. Hugging Face models hand each block a cache object (even in training) that the
 block appends its keys and values to: running the block again would append them twice and
@@ -79,23 +39,16 @@ against the forward's, so that case raises instead of computing wrong gradients.
 from __future__ import annotations
 
 import contextlib
-import enum
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import flop_registry
 
+from .nested import FromPrev, Piece, piece_hooks
+from .partial import OpLog, Replayer
 from .records import ActivationError
-
-
-class SegState(enum.Enum):
-    RECORDING = "recording"  # its forward is running
-    SAVED = "saved"  # forward done: arguments and RNG state held, nothing else
-    RECOMPUTED = "recomputed"  # backward ran it again; its saved tensors wait to be unpacked
-    DONE = "done"  # every saved tensor was unpacked, or backward ended
+from .states import SegState, rng_from
 
 
 class RecomputeRef:
@@ -130,213 +83,6 @@ class DerivedRef:
         self.requires_grad = requires_grad
 
 
-KEEP_OPS = frozenset(
-    getattr(torch.ops.aten, n)
-    for n in (
-        "mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution",
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_flash_attention_forward", "_efficient_attention_forward",
-    )
-    if hasattr(torch.ops.aten, n)
-)  # fmt: skip
-
-
-def keeps_output(func) -> bool:
-    """A partial unit keeps this operator's outputs (see the Note on partial)."""
-    return func._overloadpacket in KEEP_OPS
-
-
-def _random(func) -> bool:
-    return torch.Tag.nondeterministic_seeded in func.tags
-
-
-class _Rng:
-    """The RNG state a random operator drew from in forward (CPU, and its accelerator's: the
-    device module's generator, torch.get_device_module)."""
-
-    __slots__ = ("cpu", "dev", "device")
-
-    def __init__(self, args, kwargs) -> None:
-        dev = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
-        dev = torch.device(kwargs.get("device") or "cpu") if dev is None else dev
-        self.device = dev if dev.type != "cpu" else None
-        self.cpu = torch.get_rng_state()
-        self.dev = torch.get_device_module(dev.type).get_rng_state(dev) if self.device is not None else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.device is not None:
-            torch.get_device_module(self.device.type).set_rng_state(self.dev, self.device)
-
-
-class OpLog:
-    """A partial unit's logged operators in forward order: (operator, its outputs with each tensor
-    replaced by what `keep` returned) for the kept ones, (operator, its RNG state) for the random
-    ones; the other operators are not logged (they run again as they come)."""
-
-    def __init__(self) -> None:
-        self.ops: list[tuple[Any, Any]] = []
-        self.kept: list[tuple[torch.Tensor, int]] = []  # (output, its version when kept)
-
-
-class Recorder(TorchDispatchMode):
-    """Logs a partial unit's forward (see the Note on partial); keep(t) -> what stands for t."""
-
-    def __init__(self, unit: str, log: OpLog, keep: Callable[[torch.Tensor], Any]) -> None:
-        super().__init__()
-        self.unit = unit
-        self.log = log
-        self.keep = keep
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _random(func):  # replayed from the same RNG state (dropout masks are not kept)
-            rng = _Rng(args, kwargs)
-            self.log.ops.append((func, rng))
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if not keeps_output(func):
-            return out
-        if func._schema.is_mutable:
-            raise ActivationError(
-                f"unit {self.unit!r}: partial cannot replay the in-place operator {func} (use recompute)"
-            )
-
-        def kept(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            self.log.kept.append((t, t._version))
-            return self.keep(t)
-
-        self.log.ops.append((func, tree_map(kept, out)))
-        return out
-
-    def check(self) -> None:
-        for t, version in self.log.kept:
-            if t._version != version:
-                raise ActivationError(
-                    f"unit {self.unit!r}: an operator's output kept for the partial recompute was changed in "
-                    "place later in the unit's forward; use recompute for this unit"
-                )
-        self.log.kept.clear()
-
-
-class Replayer(TorchDispatchMode):
-    """Runs a partial unit's forward again, handing back the logged outputs (restore(x) -> the
-    tensor x stands for)."""
-
-    def __init__(self, unit: str, log: OpLog, restore: Callable[[Any], Any]) -> None:
-        super().__init__()
-        self.unit = unit
-        self.log = log
-        self.restore = restore
-        self.i = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (_random(func) or keeps_output(func)):
-            return func(*args, **(kwargs or {}))
-        if self.i >= len(self.log.ops) or self.log.ops[self.i][0] is not func:
-            want = self.log.ops[self.i][0] if self.i < len(self.log.ops) else "the end of its forward"
-            raise ActivationError(
-                f"unit {self.unit!r}: the partial recompute ran {func} as operator {self.i}, the forward "
-                f"ran {want}; partial needs a forward that runs the same operators again (use recompute)"
-            )
-        out = self.log.ops[self.i][1]
-        self.i += 1
-        if type(out) is _Rng:
-            out.restore()
-            return func(*args, **(kwargs or {}))
-        return tree_map(self.restore, out)
-
-
-class _Piece:
-    """One call of a nested unit's piece in the recompute (see the Note on nested): its
-    arguments (detached, requires_grad as they were), RNG state, and saved-tensor range."""
-
-    __slots__ = (
-        "module",
-        "args",
-        "kwargs",
-        "rng_cpu",
-        "rng_dev",
-        "start",
-        "end",
-        "nbytes",
-        "taken",
-        "state",
-        "kept",
-        "output",
-        "version",
-    )
-
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, seg: Segment, start: int):
-        self.module = module
-        prev = seg.pieces[-1] if seg.pieces else None
-
-        def arg(x):
-            if prev is not None and prev.derives(x):  # (see the Note on nested: derived arguments)
-                return _FromPrev(prev, x.requires_grad)
-            return _boundary(x)
-
-        self.args, self.kwargs = tree_map(arg, (args, kwargs))
-        self.rng_cpu, self.rng_dev = _rng_states(seg.device)
-        self.start = start
-        self.end = -1
-        self.nbytes = 0  # what its saved tensors take (measured in phase A)
-        self.taken = 0
-        self.state = SegState.SAVED
-        # the unit's last piece, which backward needs first: its saved tensors are kept from the
-        # unit's recompute instead of being made again (see the Note on nested)
-        self.kept = start == seg.last_piece_start
-        self.output: Optional[weakref.ref] = None  # its output tensor, while the next piece may take it
-        self.version = -1
-
-    def derives(self, x: Any) -> bool:
-        """x is this piece's output, unchanged since, and its arguments are still held: the next
-        piece's argument x can be made again from them instead of being held."""
-        return (
-            isinstance(x, torch.Tensor)
-            and self.args is not None
-            and self.output is not None
-            and self.output() is x
-            and x._version == self.version
-        )
-
-
-class _FromPrev:
-    """A nested piece's argument that is the previous piece's output: made again from that
-    piece's arguments when needed (see the Note on nested)."""
-
-    __slots__ = ("piece", "requires_grad")
-
-    def __init__(self, piece: _Piece, requires_grad: bool):
-        self.piece = piece
-        self.requires_grad = requires_grad
-
-
-def _boundary(x):
-    if not isinstance(x, torch.Tensor):
-        return x
-    return x.detach().requires_grad_(x.requires_grad) if x.requires_grad else x.detach()
-
-
-def _rng_states(device: torch.device):
-    dev = torch.get_device_module(device.type).get_rng_state(device) if device.type != "cpu" else None
-    return torch.get_rng_state(), dev
-
-
-@contextlib.contextmanager
-def _rng_from(device: torch.device, cpu: torch.Tensor, dev: Optional[torch.Tensor]):
-    """Runs with the RNG state (cpu, dev); the global RNG is left as it was."""
-    devices = [device] if device.type != "cpu" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        torch.set_rng_state(cpu)
-        if dev is not None:
-            torch.get_device_module(device.type).set_rng_state(dev, device)
-        yield
-
-
 class Segment:
     def __init__(
         self, unit: str, fn: Callable, args: tuple, kwargs: dict, device: torch.device, input_bytes: int
@@ -361,9 +107,9 @@ class Segment:
         self.recomputed_bytes = 0  # accounted from the recompute until DONE
         self.log: Optional[OpLog] = None  # partial: the forward's operators (see the Note on partial)
         self.first_record = 0  # the unit's records from this index on were made in or after this segment
-        # nested: the modules whose calls are pieces, then each call's _Piece (see the Note on nested)
+        # nested: the modules whose calls are pieces, then each call's Piece (see the Note on nested)
         self.piece_modules: tuple[torch.nn.Module, ...] = ()
-        self.pieces: list[_Piece] = []
+        self.pieces: list[Piece] = []
         self.last_piece_start = -1  # the saved-tensor index the last piece's call started at, in forward
         self.piece_depth = 0  # (forward: inside a piece's call)
         # a piece's output tensor (see the Note on derived checkpoints)
@@ -417,7 +163,7 @@ class Segment:
         if restore is not None:
             self.args, self.kwargs = tree_map(restore, (self.args, self.kwargs))
         collected: list[Optional[torch.Tensor]] = []
-        inside: list[_Piece] = []  # nested: the piece running (its saved tensors, measured, dropped)
+        inside: list[Piece] = []  # nested: the piece running (its saved tensors, measured, dropped)
         in_piece: list[torch.Tensor] = []
 
         def collect(t: torch.Tensor) -> int:
@@ -433,7 +179,7 @@ class Segment:
 
         with contextlib.ExitStack() as hooks:
             for m in self.piece_modules:
-                hooks.enter_context(_piece_hooks(m, self, inside, in_piece, collected, measure))
+                hooks.enter_context(piece_hooks(m, self, inside, in_piece, collected, measure))
             self._run_again(collect, restore)
         if len(collected) != self.count:
             raise ActivationError(
@@ -463,7 +209,7 @@ class Segment:
         def never(_: Any):
             raise ActivationError(f"unit {self.unit!r}: the recomputed graph was used for backward")
 
-        with _rng_from(self.device, self.rng_cpu, self.rng_dev):
+        with rng_from(self.device, self.rng_cpu, self.rng_dev):
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(collect, never):
                 ctxs = self._autocasts()
                 if self.log is not None:
@@ -488,14 +234,14 @@ class Segment:
                 f"{ctxs[-1].i}; partial needs a forward that runs the same operators again (use recompute)"
             )
 
-    def piece_at(self, index: int) -> Optional[_Piece]:
+    def piece_at(self, index: int) -> Optional[Piece]:
         """The nested piece whose saved tensors include `index` and are still to be recomputed."""
         for p in self.pieces:
             if p.start <= index < p.end:
                 return p if p.state is SegState.SAVED else None
         return None
 
-    def recompute_piece(self, p: _Piece) -> None:
+    def recompute_piece(self, p: Piece) -> None:
         """Phase B (see the Note on nested): the piece's forward again, from its arguments and RNG
         state, its saved tensors into its range."""
         collected: list[torch.Tensor] = []
@@ -508,7 +254,7 @@ class Segment:
             raise ActivationError(f"unit {self.unit!r}: the recomputed graph was used for backward")
 
         args, kwargs = tree_map(self._piece_arg, (p.args, p.kwargs))
-        with _rng_from(self.device, p.rng_cpu, p.rng_dev), contextlib.ExitStack() as stack:
+        with rng_from(self.device, p.rng_cpu, p.rng_dev), contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(collect, never))
             for c in self._autocasts():
@@ -533,7 +279,7 @@ class Segment:
         """A piece's argument for its recompute: a derived one made again (the previous piece run
         without grad from its own arguments and RNG state: the same operators on the same bytes
         give the same tensor), the others as held."""
-        if type(x) is not _FromPrev:
+        if type(x) is not FromPrev:
             return x
         prev = x.piece
         if prev.args is None:
@@ -543,7 +289,7 @@ class Segment:
             )
         args, kwargs = tree_map(self._piece_arg, (prev.args, prev.kwargs))
         with (
-            _rng_from(self.device, prev.rng_cpu, prev.rng_dev),
+            rng_from(self.device, prev.rng_cpu, prev.rng_dev),
             torch.no_grad(),
             contextlib.ExitStack() as stack,
         ):
@@ -588,67 +334,8 @@ class Segment:
         self.state = SegState.DONE
 
 
-@contextlib.contextmanager
-def _piece_hooks(module, seg: Segment, inside: list, in_piece: list, collected: list, measure: Callable):
-    """Phase A's hooks on one piece module (see the Note on nested): a call not inside another
-    piece is logged as a _Piece; what it saves is measured when it ends, and dropped."""
-
-    def pre(mod, args, kwargs):
-        if inside:  # (a piece called inside another is part of it)
-            inside.append(inside[-1])
-            return None
-        p = _Piece(mod, args, kwargs, seg, len(collected))
-        seg.pieces.append(p)
-        inside.append(p)
-        return None
-
-    def post(mod, args, kwargs, output):
-        p = inside.pop()
-        if inside:
-            return None
-        p.end = len(collected)
-        leaves = [t for t in tree_leaves((p.args, p.kwargs)) if isinstance(t, torch.Tensor)]
-        p.nbytes = measure(in_piece, exclude=leaves)
-        in_piece.clear()
-        if isinstance(output, torch.Tensor):  # (the next piece may take it: _Piece.derives)
-            p.output, p.version = weakref.ref(output), output._version
-        if p.end == p.start:  # saved nothing: never recomputed
-            p.args = p.kwargs = None
-            p.state = SegState.DONE
-        elif p.kept:  # its saved tensors are collected already
-            p.state = SegState.RECOMPUTED
-        return None
-
-    handles = (
-        module.register_forward_pre_hook(pre, with_kwargs=True),
-        module.register_forward_hook(post, with_kwargs=True),
-    )
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def _without_cache(x):
     """None for a KV cache argument, the argument otherwise (see the Note on caches)."""
     if isinstance(x, torch.Tensor) or not (hasattr(x, "update") and hasattr(x, "get_seq_length")):
         return x
     return None
-
-
-class FlopCounter(TorchDispatchMode):
-    """Counts FLOPs of the operators torch.utils.flop_counter knows (matmuls, convolutions,
-    attention on CUDA); used once, in the forward that profiles units for `auto`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
-        return out
