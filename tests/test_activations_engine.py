@@ -185,13 +185,13 @@ def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, monkeypatch,
 
 
 @pytest.mark.parametrize("kind,device", [("gpt2", "cpu"), ("llama", "cpu"), ("gpt2", "standin")])
-@pytest.mark.parametrize("head", ["keep", "host", "ssd", "recompute", "recompute_ssd"])
+@pytest.mark.parametrize("head", ["keep", "host", "ssd", "recompute", "recompute_ssd", "grad_in_forward"])
 def test_fused_head_trains_like_torch_adamw(tmp_path, data, monkeypatch, kind, device, head):
     """The fused head (runtime/activations/head.py) under the engine, the head unit's policy
     `head`, dropout on, GPT-2's lm_head tied to the embeddings and Llama's not, in chunks of
     48 rows (6 a batch): the weights after three AdamW steps equal torch's AdamW on the plain
     model with Hugging Face's own head and loss; the logits are a placeholder; the head kept
-    its logits or only their input, as its policy says."""
+    its logits, only their input, or (grad_in_forward) the gradients, as its policy says."""
     from conftest import set_device
     from numerics import compare_weights
 
@@ -217,6 +217,8 @@ def test_fused_head_trains_like_torch_adamw(tmp_path, data, monkeypatch, kind, d
             h, logits = x.numel() * model.config.hidden_size * 4, x.numel() * VOCAB * 4
             if head in ("keep", "host", "ssd"):  # the norm's saves (its input at least), h, the logits
                 assert saved >= h + h + logits, saved
+            elif head == "grad_in_forward":  # the norm's, grad_h and grad_W (fp32): tests/test_head_grad.py
+                assert saved >= h + h + VOCAB * model.config.hidden_size * 4, saved
             else:  # h only, and the norm's input where recompute_ssd swaps it (a checkpoint record)
                 assert saved == (2 * h if head == "recompute_ssd" else h), saved
         assert got == pytest.approx(want, rel=1e-5)

@@ -23,14 +23,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
 ActivationPolicyName = Literal[
     "keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd",
-    "recompute_nested", "recompute_nested_host", "recompute_nested_ssd", "auto",
+    "recompute_nested", "recompute_nested_host", "recompute_nested_ssd", "grad_in_forward", "auto",
 ]  # fmt: skip
 # Bytes per element of the dtypes the runtime uses, by the names the settings use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPUTE_DTYPES = tuple(DTYPE_BYTES)
 ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial",
                        "partial_host", "partial_ssd", "recompute_nested", "recompute_nested_host",
-                       "recompute_nested_ssd", "auto")  # fmt: skip
+                       "recompute_nested_ssd", "grad_in_forward", "auto")  # fmt: skip
+# the fused head's own policy (runtime/activations/head.py, Note on gradients in forward): a
+# per-unit override of the head's unit, never the policy of every unit
+HEAD_ONLY_POLICIES = ("grad_in_forward",)
 PLAN_DEFAULT = "default"
 PLAN_AUTO = "auto"
 
@@ -80,6 +83,11 @@ class ActivationSettings(_Frozen):
         "auto": by the cost model, within the room the placement leaves; otherwise keep what fits
         the budget, the fewest FLOPs per byte first, then host, then SSD; with no budget, keep).
     overrides: per-unit policies by unit name (unknown names are refused when the units are known).
+        The fused head's unit (a causal LM's output embedding, fused_loss) may also take
+        "grad_in_forward": its loss's forward makes the gradients of h, W and b chunk by chunk and
+        holds them (grad_h in the compute dtype, grad_W in fp32) in place of the logits; backward
+        scales them by the incoming gradient (runtime/activations/head.py, Note on gradients in
+        forward). Refused as `policy` and on any other unit.
     budget_bytes: device bytes the saved activations may take, a part of the device budget (None:
         what the device budget leaves once the runtime's buffers are counted, when a model profile
         says how large the activations are; else no limit). Forward waits for swap-outs when it
@@ -102,6 +110,16 @@ class ActivationSettings(_Frozen):
     prefetch_units: int = Field(2, ge=0)
     min_swap_bytes: int = Field(64 << 10, ge=0)
     fused_loss: bool = True
+
+    @field_validator("policy")
+    @classmethod
+    def _not_head_only(cls, v: str) -> str:
+        if v in HEAD_ONLY_POLICIES:
+            raise ValueError(
+                f"activations.policy {v!r} applies to the fused head's unit only: name that unit in "
+                f'activations.overrides (e.g. {{"head": "{v}"}}) instead'
+            )
+        return v
 
 
 class Settings(_Frozen):
@@ -270,6 +288,7 @@ class Budgets:
 
 __all__ = [
     "ACTIVATION_POLICIES",
+    "HEAD_ONLY_POLICIES",
     "COMPUTE_DTYPES",
     "DTYPE_BYTES",
     "ActivationSettings",

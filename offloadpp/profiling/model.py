@@ -113,7 +113,7 @@ class ModelProfiler:
         import torch
 
         from offloadpp.runtime.activations.gelu import substitute_gelu
-        from offloadpp.runtime.activations.head import FusedHead, fusable_head
+        from offloadpp.runtime.activations.head import KEEP_LOGITS, FusedHead, fusable_head
         from offloadpp.runtime.activations.loss import causal_lm, substitute_loss, uses_causal_lm_loss
         from offloadpp.runtime.partition import find_units, layout_units
 
@@ -134,7 +134,7 @@ class ModelProfiler:
         self.loss = substitute_loss(model)
         lin = fusable_head(causal_lm(model)) if loss_fn is None and uses_causal_lm_loss(model) else None
         self.fused = (
-            FusedHead(model, lin, scope=contextlib.nullcontext, keep_logits=lambda: True) if lin else None
+            FusedHead(model, lin, scope=contextlib.nullcontext, mode=lambda: KEEP_LOGITS) if lin else None
         )
         if self.fused is not None:
             self.fused.install()

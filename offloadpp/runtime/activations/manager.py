@@ -65,7 +65,7 @@ from ..accel import Accelerator, accelerator
 from .backward import ManagerBackward
 from .flops import FlopCounter
 from .gelu import restore_gelu, substitute_gelu
-from .head import FusedHead, fusable_head
+from .head import FusedHead, fusable_head, head_mode, refuse_grad_in_forward
 from .loss import causal_lm, restore_loss, substitute_loss, uses_causal_lm_loss
 from .partial import OpLog, Recorder
 from .policy import ActPolicy, UnitActProfile
@@ -145,6 +145,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
         self._gelus: list[nn.Module] = []
         self._loss = None
         self._fused: Optional[FusedHead] = None  # the fused head (head.py), where it applies
+        self._head_owner: Optional[UnitActivations] = None  # the unit that owns its output embedding
         # the runtime's: called with the head unit's name when backward reaches the fused loss
         self.on_head_backward: Optional[Callable[[str], None]] = None
         self._order: list[UnitActivations] = []
@@ -191,6 +192,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
         # the loss saving the logits only (offloadpp/runtime/activations/loss.py)
         self._loss = substitute_loss(self._model)
         self._install_fused_head()
+        self._check_grad_in_forward()
         for u in self.units:
             for m in u.roots:
                 self._handles.append(
@@ -225,9 +227,14 @@ class ActivationManager(ManagerBackward, ManagerReports):
         if owner is None:
             return
         self._fused = FusedHead(self._model, lin, scope=functools.partial(self._head_scope, owner),
-                                keep_logits=lambda: owner.policy.partial or not owner.policy.recomputes, gate=lambda: self._active,
+                                mode=lambda: head_mode(owner.policy), gate=lambda: self._active,
                                 on_backward=functools.partial(self._head_backward, owner))  # fmt: skip
+        self._head_owner = owner
         self._fused.install()
+
+    def _check_grad_in_forward(self) -> None:
+        owner = self._head_owner.name if self._fused is not None and self._head_owner is not None else None
+        refuse_grad_in_forward({u.name: u.requested for u in self.units}, owner)
 
     def _head_backward(self, unit: UnitActivations) -> None:
         """Backward reached the fused loss: the head's backward starts here (its records are
@@ -241,8 +248,11 @@ class ActivationManager(ManagerBackward, ManagerReports):
     def _head_scope(self, unit: UnitActivations):
         """The fused loss runs after the head unit's forward closed (see the Note on the fused
         head): what it saves becomes the head's records, with the head's policy (keep, host, ssd),
-        else its checkpoint's (partial*: h and the logits; recompute*: h only)."""
+        else its checkpoint's (partial*: h and the logits; recompute*: h only); grad_in_forward:
+        grad_h, grad_W and grad_b, kept."""
         policy = (unit.policy.checkpoint or ActPolicy.KEEP) if unit.policy.recomputes else unit.policy
+        if policy is ActPolicy.GRAD_IN_FORWARD:  # (the gradients it holds are kept: head.py)
+            policy = ActPolicy.KEEP
         if self._flops is not None:
             unit.flops -= self._flops.total
         self._stack.append((unit, policy))

@@ -22,6 +22,12 @@
                runs the unit's forward again from the checkpoint, handing those outputs back
                instead of running their operators, so only the cheap ones (norms, activation
                functions, reshapes) are recomputed (partial.py, Note on partial).
+    grad_in_forward
+               the fused head's unit only (head.py, Note on gradients in forward): its loss's
+               forward makes the gradients of h, W and b chunk by chunk, holds them (grad_h in
+               the compute dtype, grad_W in fp32) instead of the logits, and its backward scales
+               them by the incoming gradient: no logits held nor computed again. Kept on the
+               device (not swapped); what the unit saves besides (its norm's) is kept.
     auto       decided per unit by the planner (planner/decide.py): in the plan where it had a
                model profile, else from what the first step measures (the manager's Note on
                auto: measured_activations).
@@ -50,6 +56,7 @@ class ActPolicy(str, Enum):
     PARTIAL = "partial"
     PARTIAL_HOST = "partial_host"
     PARTIAL_SSD = "partial_ssd"
+    GRAD_IN_FORWARD = "grad_in_forward"
     AUTO = "auto"
 
     @property
