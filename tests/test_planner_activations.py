@@ -13,20 +13,24 @@ from dataclasses import replace as dc_replace
 import pytest
 from test_planner import GPT2, cpu_hw
 
-from offloadpp.planner import InfeasibleError, Machine, Settings, resolve
-from offloadpp.planner.act_candidates import ActPlanner
+from offloadpp.planner import InfeasibleError, Machine, PlanError, Settings, resolve
+from offloadpp.planner.act_candidates import HEAD_TWIN_SHARE, ActPlanner
 from offloadpp.planner.activations import (
     ActUnit,
     act_units,
     backward_bytes,
+    forward_bytes,
+    forward_moved,
     held_bytes,
     need_bytes,
+    recompute_fraction,
     split_bytes,
 )
 from offloadpp.planner.cost import estimate
 from offloadpp.planner.hardware import HardwareProfile
 from offloadpp.planner.model_profile import ModelProfileError, analytic_profile
 from offloadpp.planner.spec import ActivationSettings
+from offloadpp.planner.vertical import window_profile
 
 PAPER = os.path.join(os.path.dirname(__file__), "..", "docs", "paper")
 
@@ -294,8 +298,9 @@ def test_paper_13b_sweep_is_planned_b32_recompute_b64_partial_with_host_memory()
             )
             fwd = sum(u.forward_flops for u in m.units) / hw.device_flops_per_s["fp16"]
             assert r.estimate.forward_s < 0.75 * (fwd + moved / (hw.d2h_gbps * 1e9)), r.estimate
-        if b == 128:  # the logits (12.3 GiB) leave the room to the blocks: the fused head recomputes them
-            assert r.plan.activations[-1] == "recompute", r.plan.activations
+        if b == 128:  # the logits (12.3 GiB) leave the room to the blocks: the fused head makes its
+            # gradients in forward (was: recomputed its logits, 0.45 s more compute)
+            assert r.plan.activations[-1] == "grad_in_forward", r.plan.activations
     assert tflops[32] > 113 and tflops[64] >= tflops[32] and tflops[128] >= tflops[64], tflops
     # the model's own loss: the logits' gradient beside them (27.4 GiB at the head) does not fit
     s = Settings(plan="auto", compute_dtype="fp16", offload_params=True, offload_optimizer=True, micro_batch=128,
@@ -339,3 +344,61 @@ def test_a_fused_head_recomputes_its_logits_and_a_plain_heads_gradient_is_counte
     )
     assert fused.least.as_dict()["head"] == "recompute_ssd" and own.least.as_dict()["head"] == "ssd"
     assert fused.least.need_bytes < own.least.need_bytes
+
+
+def test_a_head_making_its_gradients_in_forward_holds_them_and_runs_its_backward_there():
+    """grad_in_forward (runtime/activations/head.py, Note on gradients in forward): the head holds
+    what keep holds but the logits, plus its weight's fp32 gradient (grad_h takes h's bytes), and
+    h beside them in its forward; nothing moves or runs again; its backward's time is counted in
+    its forward (the step's compute unchanged, keep's)."""
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64, compute_dtype="bf16")
+    t, vocab, width = 4 * 64, GPT2["vocab_size"], GPT2["n_embd"]
+    head = act_units(m)[-1]
+    held = head.saved - head.logits + vocab * width * 4
+    assert held_bytes(head, "grad_in_forward") == backward_bytes(head, "grad_in_forward") == held
+    assert forward_bytes(head, "grad_in_forward") == held + t * width * 2
+    assert split_bytes(head, "grad_in_forward") == {"kept": held, "host": 0, "ssd": 0, "recomputed": 0}
+    assert recompute_fraction("grad_in_forward") == 0 and head.moved("grad_in_forward") == head.saved
+    # a vertical window of 2: each micro-batch's forward holds its own weight gradient
+    assert act_units(window_profile(m, 2))[-1].weight_grad == 2 * vocab * width * 4
+    fwd, bwd = {"head": 1.0, "b": 2.0}, {"head": 3.0, "b": 4.0}
+    assert forward_moved(fwd, bwd, {"head": "keep"}) == (fwd, bwd)
+    assert forward_moved(fwd, bwd, {"head": "grad_in_forward"}) == (
+        {"head": 4.0, "b": 2.0},
+        {"head": 0.0, "b": 4.0},
+    )
+    r = resolve(Settings(plan="auto", compute_dtype="bf16"), m.unit_specs(),
+                Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
+                hardware=cpu_hw(), model=m)  # fmt: skip
+    est = {p: estimate(r.plan, cpu_hw(), m, activations={"head": p}) for p in ("keep", "grad_in_forward")}
+    assert abs(est["grad_in_forward"].compute_s - est["keep"].compute_s) < 1e-9
+    assert est["grad_in_forward"].ssd_write_bytes == est["keep"].ssd_write_bytes
+
+
+def test_grad_in_forward_is_a_fused_heads_only():
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
+    with pytest.raises(PlanError, match=r"\['transformer.h.0'\].*only a fused causal-LM head"):
+        ActPlanner(act_units(m), {"transformer.h.0": "grad_in_forward"}, device="cuda")
+    with pytest.raises(PlanError, match=r"\['head'\]"):  # the model's own loss: no fused head
+        ActPlanner(act_units(m.with_fused_loss(False)), {"head": "grad_in_forward"}, device="cuda")
+    assert ActPlanner(act_units(m), {"head": "grad_in_forward"}, device="cuda").keep_all.as_dict()[
+        "head"
+    ] == ("grad_in_forward")
+
+
+def test_the_head_twin_makes_its_gradients_in_forward_where_that_fits():
+    """Where the head's logits are a large share of the room, the candidates are made again with
+    the head out of the way: each making its gradients in forward where that fits (it runs
+    nothing again), else recomputing its logits (it holds least)."""
+    blocks = [ActUnit(f"b{i}", 1000, 100, 10_000, True) for i in range(4)]
+    head = ActUnit("head", 2100, 100, 1000, True, logits=1800, loss_input=100, weight_grad=900)
+    units = blocks + [head]
+    assert forward_bytes(head, "grad_in_forward") < forward_bytes(head, "keep")
+    room = 2500
+    assert head.logits >= HEAD_TWIN_SHARE * room
+    heads = {c.as_dict()["head"] for c in ActPlanner(units, {}, device="cuda").candidates(room)}
+    assert "grad_in_forward" in heads, heads
+    # too little room for the gradients and h beside the earlier units' checkpoints: recompute
+    tight = need_bytes(units, {**{b.name: "recompute_ssd" for b in blocks}, "head": "recompute"})
+    heads = {c.as_dict()["head"] for c in ActPlanner(units, {}, device="cuda").candidates(tight)}
+    assert "recompute" in heads and "grad_in_forward" not in heads, heads

@@ -28,6 +28,7 @@ from typing import Mapping, Optional, Sequence
 
 from .activations import (
     CHECKPOINT_SWAPS,
+    GRAD_IN_FORWARD,
     NESTED,
     NESTED_SWAPS,
     SWAPPING,
@@ -37,6 +38,7 @@ from .activations import (
     peak_bytes_at,
     recomputes,
 )
+from .plan import PlanError
 
 MIXES = (0.25, 0.5, 0.75)
 # the candidates are made again with a fused head recomputing (see the Note on the head's loss)
@@ -71,6 +73,12 @@ class ActPlanner:
         self.mixes = mixes  # partial and recompute mixed (each costs a replay: off on 175B)
         self.fixed = {n: ("keep" if recomputes(p) and not self._unit(n).can_recompute else p)
                       for n, p in fixed.items() if p != "auto"}  # fmt: skip
+        bad = [n for n, p in self.fixed.items() if p == GRAD_IN_FORWARD and not self._unit(n).logits]
+        if bad:
+            raise PlanError(
+                f"activations.overrides gives {bad} the policy 'grad_in_forward', which only a fused causal-LM "
+                "head can take (activations.fused_loss, the unit owning the output embedding)"
+            )
         self.free = [u for u in self.units if u.name not in self.fixed]
         self.device = device
         self.host_bytes = host_bytes
@@ -223,19 +231,28 @@ class ActPlanner:
 
     def _candidates(self, room: int) -> tuple[ActChoice, ...]:
         found = self._families(room)
-        heads = {
-            u.name: "recompute" for u in self.free if u.can_recompute and u.logits >= HEAD_TWIN_SHARE * room
-        }
+        heads = [u.name for u in self.free if u.can_recompute and u.logits >= HEAD_TWIN_SHARE * room]
         if heads:  # (see the Note on the head's loss)
-            twin = ActPlanner(self.units, {**self.fixed, **heads}, device=self.device, host_bytes=self.host_bytes,
-                              mixes=self.mixes)  # fmt: skip
-            found += [replace(c, label=f"{c.label}, head recomputed") for c in twin._families(room)]
+            twin = ActPlanner(self.units, {**self.fixed, **{n: "recompute" for n in heads}}, device=self.device,
+                              host_bytes=self.host_bytes, mixes=self.mixes)  # fmt: skip
+            found += [self._grads_in_forward(c, heads, room) for c in twin._families(room)]
         seen, out = set(), []
         for c in found:
             if c.need_bytes <= room and c.policies not in seen:
                 seen.add(c.policies)
                 out.append(c)
         return tuple(out)
+
+    def _grads_in_forward(self, c: ActChoice, heads: list[str], room: int) -> ActChoice:
+        """A choice of the head twin with its heads making their gradients in forward in place of
+        recomputing their logits, where that fits `room`: it runs nothing again, holds t x width
+        more at its peak (h beside grad_h), and nothing else changes (see the Note on the head's
+        loss); else the choice as it is. (One choice, not two: each costs a replay, and where it
+        fits the recompute was never the faster on the paper's and the data-sheet profiles.)"""
+        grads = self._choice(
+            f"{c.label}, head gradients in forward", {**c.as_dict(), **{n: GRAD_IN_FORWARD for n in heads}}
+        )
+        return grads if grads.need_bytes <= room else replace(c, label=f"{c.label}, head recomputed")
 
     def _family(self, room: int, again: str = "recompute") -> list[ActChoice]:
         """again: the recompute policy of the family (recompute, or recompute_nested: its label

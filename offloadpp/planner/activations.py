@@ -23,6 +23,11 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              (partial_host, partial_ssd); backward runs only the cheap operators again (norms,
              activation functions: no matmul FLOPs), then holds all it saved plus the kept outputs
              autograd does not save (`partial_extra`), until its backward is done.
+  grad_in_forward
+             a fused causal-LM head only (runtime/activations/head.py, Note on gradients in
+             forward): its loss's forward makes the gradients of h, W and b and holds them (grad_h
+             in place of h, the fp32 grad_W in place of the logits) until its backward, which only
+             scales them: all its backward FLOPs run in forward (`forward_moved`), none again.
 
 Note: the need. Backward visits the units last to first, and releases a unit's activations once
 its backward is done. At unit j's backward every earlier unit still holds what its policy keeps
@@ -57,6 +62,11 @@ made twice where a fused head is free to choose and its logits are a large share
 (act_candidates.HEAD_TWIN_SHARE): as below, and with the head recomputing, its checkpoint pinned (it is the
 last unit of forward and the first of backward: its checkpoint would come straight back).
 
+A fused head may also make its gradients in forward (grad_in_forward): it holds what keep holds
+but the logits and h, and grad_h and the fp32 grad_W instead (`grads_held`), its forward h as
+well; nothing moves, nothing runs again, and its backward's FLOPs are counted in its forward
+(`forward_moved`). The twin of the candidates is made with it as with the recompute.
+
 The choices the planner scores are made in act_candidates.py (ActPlanner).
 """
 
@@ -84,7 +94,9 @@ LOSS_CHUNK_ELEMS = 1 << 24
 
 
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
-            "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd")  # fmt: skip
+            "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd",
+            "grad_in_forward")  # fmt: skip
+GRAD_IN_FORWARD = "grad_in_forward"  # (a fused head's only: see the Note on the head's loss)
 # nothing of the unit stays on the device between its forward and its backward
 SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",
                       "recompute_nested_host", "recompute_nested_ssd"))  # fmt: skip
@@ -142,6 +154,7 @@ class ActUnit:
     loss_input: int = 0
     grad: int = 0
     workspace: int = 0  # the fused loss's backward beyond the gradients the buffers count
+    weight_grad: int = 0  # its fp32 weight gradient, which grad_in_forward holds from its forward
     # a vertical window's unit (planner/vertical.py): every size above is this many micro-batches'
     # (the workspace one buffer's), which its visits run one at a time (see window_bytes)
     micro_batches: int = 1
@@ -158,6 +171,13 @@ class ActUnit:
         """What a recomputing unit holds or moves between its forward and its backward: its
         inputs, and a fused head's loss input."""
         return self.inputs + self.loss_input
+
+    @property
+    def grads_held(self) -> int:
+        """What a grad_in_forward head holds from its forward to its backward: what it saves but
+        the logits (its norm's; grad_h in place of h, the same bytes) and the fp32 weight
+        gradient (one for each micro-batch of a vertical window)."""
+        return self.saved - self.logits + self.weight_grad
 
     def moved(self, policy: str) -> int:
         """Bytes that leave the device between its forward and its backward (swapping policies)."""
@@ -194,6 +214,8 @@ def held_bytes(u: ActUnit, policy: str) -> int:
     policy = _head(u, policy)
     if policy == "partial":
         return u.partial_inputs + u.partial
+    if policy == GRAD_IN_FORWARD:
+        return u.grads_held
     return u.saved if policy == "keep" else u.checkpoint if policy in ("recompute", "recompute_nested") else 0
 
 
@@ -214,6 +236,8 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
         return max(u.saved, u.inputs) + u.partial_extra + u.grad + u.workspace
     if policy in NESTED:
         return u.nested() + u.grad + u.workspace
+    if policy == GRAD_IN_FORWARD:  # (it scales what it holds: no workspace beyond it)
+        return u.grads_held
     return (u.recomputed() if recomputes(policy) else u.saved) + u.grad + u.workspace
 
 
@@ -250,6 +274,8 @@ def forward_bytes(u: ActUnit, policy: str) -> int:
         return max(p[1] + p[2] for p in u.pieces)
     if policy in PARTIAL:
         return u.moved(policy)
+    if policy == GRAD_IN_FORWARD:  # (h, its input, lives through the forward beside grad_h)
+        return u.grads_held + u.loss_input
     return u.checkpoint if recomputes(policy) else u.saved
 
 
@@ -273,9 +299,24 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     elif recomputes(policy):
         out["recomputed"] = u.saved
         out[checkpoint_tier(policy)] = u.checkpoint
+    elif policy == GRAD_IN_FORWARD:
+        out["kept"] = u.grads_held
     else:
         out[{"keep": "kept", "host": "host", "ssd": "ssd"}[policy]] = u.saved
     return out
+
+
+def forward_moved(fwd: Mapping[str, float], bwd: Mapping[str, float], policies: Mapping[str, str]):
+    """(forward_s, backward_s) per unit with a grad_in_forward head's backward time counted in
+    its forward, where it runs (its backward only scales what forward made); the dicts given
+    when no unit makes its gradients in forward (they are shared: never written)."""
+    moved = [n for n, p in policies.items() if p == GRAD_IN_FORWARD and n in bwd]
+    if not moved:
+        return fwd, bwd
+    fwd, bwd = dict(fwd), dict(bwd)
+    for n in moved:
+        fwd[n], bwd[n] = fwd[n] + bwd[n], 0.0
+    return fwd, bwd
 
 
 def _per_unit(f):
@@ -307,7 +348,8 @@ def act_units(model: Profiled) -> tuple[ActUnit, ...]:
     out, prev = [], 0
     g = getattr(model, "window", 1)
     for u in model.units:
-        loss = ({"logits": u.logits_bytes, "loss_input": u.loss_input_bytes, "workspace": u.loss_workspace_bytes}
+        loss = ({"logits": u.logits_bytes, "loss_input": u.loss_input_bytes, "workspace": u.loss_workspace_bytes,
+                 "weight_grad": u.loss_weight_grad_bytes * g}
                 if u.fused_loss else {"grad": u.logits_bytes})  # fmt: skip
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
                            u.partial_bytes, u.partial_extra_bytes, u.pieces, **loss, micro_batches=g,
@@ -327,7 +369,7 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
     return peak
 
 
-__all__ = ["ActUnit", "CHECKPOINT_SWAPS", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL",
+__all__ = ["ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL",
            "POLICIES", "RECOMPUTE", "SWAPPING", "act_units",
-           "backward_bytes", "checkpoint_tier", "forward_bytes", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
+           "backward_bytes", "checkpoint_tier", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
-from .activations import NESTED, act_units, recompute_fraction, recomputes
+from .activations import NESTED, act_units, forward_moved, recompute_fraction, recomputes
 from .decide import lazy_applies, lazy_runtime
 from .desim import Fifo, Ssd, run
 from .hardware import HardwareProfile
@@ -197,7 +197,9 @@ def replay(
         raise PlanError(f"micro_batches must be >= 1, got {micro_batches}")
     if (micro_batches > 1) != plan.accumulate_grads:
         raise PlanError(f"micro_batches={micro_batches} but plan.accumulate_grads={plan.accumulate_grads}")
-    fwd, bwd = compute_times(plan, hardware, model)
+    policies = activations if activations is not None else activation_policies(plan)
+    # (a grad_in_forward head runs its backward's matmuls in its forward)
+    fwd, bwd = forward_moved(*compute_times(plan, hardware, model), policies)
     cuda = plan.device == "cuda"
     costs = Costs(
         forward_s=fwd,
@@ -217,7 +219,6 @@ def replay(
     ssd = Ssd(rb * 1e9, wb * 1e9, hardware.ssd_latency_s, inflight_bytes=block * depth)
     h2d = Fifo(hardware.h2d_gbps * 1e9, hardware.h2d_gbps * 1e9)
     d2h = Fifo(hardware.d2h_gbps * 1e9, hardware.d2h_gbps * 1e9)
-    policies = activations if activations is not None else activation_policies(plan)
     sim = Sim(
         plan,
         costs,

@@ -66,12 +66,16 @@ class UnitProfile:
     # compute, that gradient summed in fp32 over the chunks (runtime/activations/head.py, Note on
     # exactness): vocabulary x width x 4 bytes, 0.96 GiB at GPT-3 13B
     loss_workspace_bytes: int = 0
+    # the fused head's weight (and bias) gradient summed in fp32, which its `grad_in_forward`
+    # policy makes in forward and holds until backward (runtime/activations/head.py, Note on
+    # gradients in forward): vocabulary x width x 4 bytes whatever the compute dtype
+    loss_weight_grad_bytes: int = 0
     fused_loss: bool = True
 
     def __post_init__(self) -> None:
         for name in ("numel", "forward_flops", "backward_flops", "activation_bytes", "output_bytes", "partial_bytes",
                      "partial_extra_bytes", "frozen_numel", "logits_bytes", "loss_input_bytes",
-                     "loss_workspace_bytes"):  # fmt: skip
+                     "loss_workspace_bytes", "loss_weight_grad_bytes"):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be an int >= 0, got {v!r}")
@@ -254,7 +258,8 @@ def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 def _loss_bytes(tokens: int, width: int, vocab: int, eb: int) -> dict[str, int]:
     """A causal-LM head's loss fields (UnitProfile.logits_bytes and friends)."""
     return {"logits_bytes": tokens * vocab * eb, "loss_input_bytes": tokens * width * eb,
-            "loss_workspace_bytes": vocab * width * 4 if eb < 4 else 0}  # fmt: skip
+            "loss_workspace_bytes": vocab * width * 4 if eb < 4 else 0,
+            "loss_weight_grad_bytes": vocab * width * 4}  # fmt: skip
 
 
 def analytic_profile(

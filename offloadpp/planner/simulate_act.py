@@ -18,6 +18,10 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
   partial, partial_host, partial_ssd
              as recompute, the outputs of the matmuls and attention held (or moved) with the
              checkpoint; the recompute runs no matmul (only the per-visit time is added).
+  grad_in_forward
+             a fused head's: nothing moves nor runs again; it holds its gradients from its
+             forward to its backward (ActUnit.grads_held), and its backward's time is in its
+             forward's (cost.py replay, activations.forward_moved).
 Backward fetches the activations of the unit it reaches and of the next `prefetch_units` units
 (in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
 cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
@@ -40,6 +44,7 @@ from typing import Iterator, Mapping, Optional
 
 from .activations import (
     CHECKPOINT_SWAPS,
+    GRAD_IN_FORWARD,
     NESTED,
     PARTIAL,
     POLICIES,
@@ -139,7 +144,15 @@ class ActReplay:
         pieces = self._window_chunks(unit) or self._piece_bytes(unit)
         if (pol in CHECKPOINT_SWAPS and pol in PARTIAL or self._window_chunks(unit)) and sum(pieces) > 0:
             return tuple((p / sum(pieces), p) for p in pieces)
-        return ((1.0, self._held_in(unit) if recomputes(pol) else self.act_bytes.get(unit, 0)),)
+        return ((1.0, self._held_in(unit) if recomputes(pol) else self._kept(unit)),)
+
+    def _kept(self, unit: str) -> int:
+        """What a unit that neither recomputes nor swaps holds from its forward to its backward:
+        all it saved, or a grad_in_forward head's gradients (ActUnit.grads_held)."""
+        u = self.units.get(unit)
+        if u is not None and self.policy(unit) == GRAD_IN_FORWARD:
+            return u.grads_held
+        return self.act_bytes.get(unit, 0)
 
     def _window_chunks(self, unit: str) -> tuple[int, ...]:
         """A vertical window's swapped unit (planner/vertical.py): its forward runs the window's
@@ -219,9 +232,7 @@ class ActReplay:
                 if self.inflight and self.inflight[0] is job and (job.copy_done is not None or job.cancelled):
                     self.inflight.popleft()
             self._add(grow)
-        self.counted[unit] = (
-            self._recomputed(unit) if recomputes(self.policy(unit)) else self.act_bytes.get(unit, 0)
-        )
+        self.counted[unit] = self._recomputed(unit) if recomputes(self.policy(unit)) else self._kept(unit)
         self._prefetch_after(unit)
         r = self.ready.get(unit)
         if r is None and unit in self.out:  # fetched while its copy was running: ready when it ends
