@@ -249,3 +249,40 @@ def test_under_the_engine_fp16_loss_scaling_and_accumulation(tmp_path, monkeypat
     assert out["keep"][0] == out["grad_in_forward"][0]
     want, got = out["keep"][1], out["grad_in_forward"][1]
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_on_the_users_path_through_initialize(tmp_path):
+    """A DeepSpeed script's path: `offloadpp.initialize` with the head's override in the
+    `"offloadpp"` block (tiny GPT-2, its head tied to the embedding, G = 2, clipping 1.0): four
+    micro-batches give the keep head's losses and weights bit for bit; the policy given as every
+    unit's is refused naming the field."""
+    from test_deepspeed_integration import batches, ds_config, tiny_gpt2
+
+    import offloadpp
+
+    data = batches(4)
+    out = {}
+    for head in ("keep", "grad_in_forward"):
+        block = {"enabled": True, "activations": {"policy": "keep", "overrides": {"head": head}}}
+        cfg = ds_config(
+            tmp_path / head, gradient_accumulation_steps=2, gradient_clipping=1.0, offloadpp=block
+        )
+        engine, *_ = offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+        try:
+            assert engine.runtime.plan.activations[-1] == head
+            losses = []
+            for ids in data:
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            out[head] = losses, {k: v.clone() for k, v in engine.module.state_dict().items()}
+        finally:
+            engine.close()
+    assert out["keep"][0] == out["grad_in_forward"][0]
+    assert all(torch.equal(out["grad_in_forward"][1][k], v) for k, v in out["keep"][1].items())
+    cfg = ds_config(
+        tmp_path / "every", offloadpp={"enabled": True, "activations": {"policy": "grad_in_forward"}}
+    )
+    with pytest.raises(Exception, match="fused head's unit only"):
+        offloadpp.initialize(model=tiny_gpt2(), config=cfg)
