@@ -144,6 +144,8 @@ class ActReplay:
         pieces = self._window_chunks(unit) or self._piece_bytes(unit)
         if (pol in CHECKPOINT_SWAPS and pol in PARTIAL or self._window_chunks(unit)) and sum(pieces) > 0:
             return tuple((p / sum(pieces), p) for p in pieces)
+        if pol == GRAD_IN_FORWARD and unit in self.units:  # (h beside its gradients until its forward ends)
+            return ((1.0, self._kept(unit) + self.units[unit].loss_input),)
         return ((1.0, self._held_in(unit) if recomputes(pol) else self._kept(unit)),)
 
     def _kept(self, unit: str) -> int:
@@ -200,6 +202,8 @@ class ActReplay:
                 job.produced += 1
             return
         pol = self.policy(unit)
+        if pol == GRAD_IN_FORWARD and unit in self.units:  # (h is freed: its gradients stay)
+            self.device_bytes -= self.units[unit].loss_input
         to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
         n = self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
