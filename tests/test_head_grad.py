@@ -286,3 +286,34 @@ def test_on_the_users_path_through_initialize(tmp_path):
     )
     with pytest.raises(Exception, match="fused head's unit only"):
         offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+
+
+def test_in_a_vertical_window_it_trains_as_the_keep_head(tmp_path):
+    """A vertical window (G = 4 micro-batches, each unit over all of them; dropout on, clipping
+    1.0), the head making its gradients in forward, one set a micro-batch: the losses and weights
+    of the keep head (which tests/test_window.py holds to torch's AdamW) bit for bit, both
+    windows after the first run vertically."""
+    from test_window import LR, G, gpt2, run_windows
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+
+    g = torch.Generator().manual_seed(1)
+    windows = [[torch.randint(0, 128, (2, 32), generator=g) for _ in range(G)] for _ in range(3)]
+    ref = gpt2()
+    out = {}
+    for head in ("keep", "grad_in_forward"):
+        s = Settings(gradient_accumulation_steps=G, gradient_clipping=1.0, accumulation="vertical",
+                     activations=ActivationSettings(policy="keep", overrides={"head": head}))  # fmt: skip
+        (tmp_path / head).mkdir()
+        cfg = RuntimeConfig(nvme_paths=[str(tmp_path / head)], settings=s, device="cpu", ssd_read_gbps=2.0,
+                            ssd_write_gbps=2.0)  # fmt: skip
+        with assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=LR, weight_decay=0.01)) as eng:
+            assert eng.activations.policies()["head"] == head
+            losses, results = run_windows(eng, windows)
+            assert [r.vertical for r in results] == [False, True, True]
+            out[head] = losses, {k: v.clone() for k, v in eng.module.state_dict().items()}
+    assert out["keep"][0] == out["grad_in_forward"][0]
+    assert all(torch.equal(out["grad_in_forward"][1][k], v) for k, v in out["keep"][1].items())
