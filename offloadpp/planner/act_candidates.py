@@ -45,7 +45,9 @@ MIXES = (0.25, 0.5, 0.75)
 # where its logits take at least this share of the room: below it the logits free too little
 # to pay for the head's forward again, and each twin costs a replay (paper sweep, 13B fp16: at
 # micro-batch 8-64, logits 5-40% of the room, the twin never won; at 128, 80%, it did; twinning
-# every batch made planning 1.6x slower)
+# every batch made planning 1.6x slower). Each twin choice has the head make its gradients in
+# forward instead where that fits the room (`_grads_in_forward`): no recompute, so even then the
+# twin wins only where the logits are a large share of the room (data-sheet 13B b48, b64: keep)
 HEAD_TWIN_SHARE = 0.25
 
 
