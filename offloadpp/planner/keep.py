@@ -177,7 +177,7 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
             new = up(placements[index[unit]], what)
             if new is not None:
                 placements[index[unit]] = new
-        return replace(base, placements=tuple(placements))
+        return base.with_placements(tuple(placements))
 
     lo, hi = 0, len(steps)
     while lo < hi:
@@ -194,7 +194,7 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
             nxt = (
                 None
                 if new is None
-                else replace(plan, placements=(*plan.placements[:i], new, *plan.placements[i + 1 :]))
+                else plan.with_placements((*plan.placements[:i], new, *plan.placements[i + 1 :]))
             )
             if nxt is not None and ok(nxt):
                 plan, misses = nxt, -1
