@@ -162,13 +162,15 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
     misses in a row: O(log n) schedule walks where a plain loop takes n."""
 
     index = {u.name: i for i, u in enumerate(base.units)}
-    made: dict = {}  # (placement, what) -> upgraded(): the bisection makes each again and again
+    # (id(placement), what) -> (placement, upgraded()): the bisection makes each again and again
+    # (keyed by identity, the placement held in the entry: hashing a placement's tiers cost more)
+    made: dict = {}
 
     def up(p, what: str):
-        key = (p, what)
-        if key not in made:
-            made[key] = upgraded(base, p, what)
-        return made[key]
+        e = made.get((id(p), what))
+        if e is None or e[0] is not p:
+            e = made[(id(p), what)] = (p, upgraded(base, p, what))
+        return e[1]
 
     def prefix(n: int) -> Plan:
         placements = list(base.placements)

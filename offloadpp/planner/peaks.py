@@ -22,10 +22,10 @@ from dataclasses import replace
 
 from .plan import Plan, Tier
 from .schedule import (
+    _alias,
     _first_alive,
     build_schedule,
     clear_schedules,
-    drain_device_bytes,
     fetch_host_bytes,
     held_weights_bytes,
     holds,
@@ -99,7 +99,8 @@ def _shape_of(plan: Plan) -> tuple:
 
 def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
     """(device weights, the trainable weights alone (held for the optimizer or the next forward:
-    Holds.computing), fetching, optimizer window, kept gradients, kept shard, resident host);
+    Holds.computing), fetching, optimizer window, kept gradients, kept shard, resident host,
+    resident device weights, a master on SSD (schedule.drain_device_bytes' two parts));
     shape: _shape_of(plan)."""
     # (keyed by identity, the unit and placement held in the entry so neither id is reused while
     # it is there: hashing a UnitSpec's every field, thousands of times a search, cost more than
@@ -112,7 +113,8 @@ def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
         t = (0 if dev else u.weights_bytes(cdt), 0 if dev else held_weights_bytes(plan, u, False),
              fetch_host_bytes(plan, u, p),
              optim_host_bytes(plan, u, p), kept_grad_bytes(plan, u, p), kept_host_bytes(plan, u, p),
-             plan.unit_resident_host_bytes(u, p))  # fmt: skip
+             plan.unit_resident_host_bytes(u, p), u.weights_bytes(cdt) if dev else 0,
+             u.master_bytes if p.master is Tier.SSD else 0)  # fmt: skip
         if len(_TERMS) >= _TERMS_MAX:
             _TERMS.clear()
         _TERMS[key] = (u, p, t)
@@ -138,9 +140,11 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
         last = _LAST[small] = _Priced(plan, shape)
     else:
         last.move_to(plan, shape)
-    # (schedule.drain_host_bytes(plan), from the terms at hand: the largest window's and the
-    # resident host arrays)
-    return (max(last.dev, default=0) + drain_device_bytes(plan),
+    # (schedule.drain_device_bytes(plan) and drain_host_bytes(plan), from the terms at hand: the
+    # largest master on SSD where the weights alias it, the resident device weights; the largest
+    # window's and the resident host arrays)
+    drain = max((t[8] for t in last.terms), default=0) if _alias(plan) else 0
+    return (max(last.dev, default=0) + drain + last.resident_device,
             max(last.host, default=0) + max((t[3] for t in last.terms), default=0) + last.resident_host)  # fmt: skip
 
 
@@ -182,6 +186,7 @@ class _Priced:
                     total += self.terms[i][k]
             self.host.append(total)
         self.resident_host = sum(t[6] for t in self.terms)
+        self.resident_device = sum(t[7] for t in self.terms)
 
     def move_to(self, plan: Plan, shape: tuple) -> None:
         old = self.placements
@@ -198,6 +203,7 @@ class _Priced:
             for r, k in self.host_in[i]:
                 self.host[r] += after[k] - before[k]
             self.resident_host += after[6] - before[6]
+            self.resident_device += after[7] - before[7]
             self.terms[i] = after
         self.placements = plan.placements
 
