@@ -8,6 +8,9 @@ Note: the requests a thread yields.
   ("cpu", seconds)   work on the cores; how fast it advances depends on who else works (below).
   ("until", t)       wait for a known time (an I/O completion).
   ("cond", fn)       wait until fn() is true (a job done, a queue not empty).
+  ("idle", q, sim)   a worker with nothing to do: wait until q.queue is not empty or sim.closed
+                     (a "cond" the loop checks without a call: idle workers are checked at
+                     every pass).
   ("wait", items)    wait until every item is done: times, and SSD requests' Done (whose time is
                      known only once the SSD has served them: a later read can delay a write).
 Events: the loop moves its clock to the next time a thread can go on (its CPU work done, the
@@ -306,7 +309,7 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         t = sim.t
         if ssd.cur is not None and ssd.cur_end <= t:
             ssd.advance(t)
-        progressed = False
+        progressed = others = False
         busy_helpers = 0  # (of the threads not resumed: counted for the rates below)
         for p in procs:  # requests that are already satisfied resume at once
             req = p[1]
@@ -316,11 +319,26 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
                     if p is not first:
                         busy_helpers += 1
                     continue
+            elif kind == "idle":
+                if not req[1].queue and not req[2].closed:
+                    continue
             elif kind == "cond":
                 if not req[1]():
                     continue
             elif kind == "wait":
-                if not done_by(req[1], t):
+                ready = True
+                for x in req[1]:  # (done_by, inline)
+                    if x is None:
+                        continue
+                    if x.__class__ is Done:
+                        x = x.t
+                        if x is None:
+                            ready = False
+                            break
+                    if x > t:
+                        ready = False
+                        break
+                if not ready:
                     continue
             elif kind != "until" or req[1] > t:
                 continue
@@ -333,8 +351,20 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
                 p[1] = req
                 p[2] = req[1] if req[0] == "cpu" else 0.0
             progressed = True
+            if p is not first:
+                others = True
         if progressed:
-            continue
+            # (another pass, unless only the main thread resumed, the helpers checked after it,
+            # and its new request waits for the clock: work, or a time to come. Then that pass
+            # would resume nothing, as no SSD request ends by now either)
+            if others or (ssd.cur is not None and ssd.cur_end <= t):
+                continue
+            req = first[1]
+            if req[0] == "cpu":
+                if first[2] <= 1e-12:
+                    continue
+            elif req[0] != "until" or req[1] <= t:
+                continue
         computing = first[1][0] == "cpu"
         main_rate = (1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (
             io_slowdown if ssd.cur is not None else 1.0

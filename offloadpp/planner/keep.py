@@ -172,9 +172,14 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
             e = made[(id(p), what)] = (p, upgraded(base, p, what))
         return e[1]
 
+    # the longest prefix that fits so far: the bisection's next prefixes start from it (the steps
+    # apply in order, each to what the steps before it made)
+    fitting = [0, base.placements]
+
     def prefix(n: int) -> Plan:
-        placements = list(base.placements)
-        for step in steps[:n]:
+        start, placements = fitting
+        placements = list(placements)
+        for step in steps[start:n]:
             unit, what = step[0]
             new = up(placements[index[unit]], what)
             if new is not None:
@@ -182,13 +187,16 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
         return base.with_placements(tuple(placements))
 
     lo, hi = 0, len(steps)
+    plan = base
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ok(prefix(mid)):
-            lo = mid
+        p = prefix(mid)
+        if ok(p):
+            lo, plan = mid, p
+            fitting[:] = [mid, p.placements]
         else:
             hi = mid - 1
-    plan, misses = prefix(lo), 0
+    plan, misses = plan if lo else prefix(0), 0
     for step in steps[lo:]:
         for unit, what in step:
             i = index[unit]

@@ -203,7 +203,10 @@ class Sim:
         copy starts once its read is in, within the visit, not at the next one."""
         if self.window == 1:
             return (("cpu", seconds),)
-        return self._compute_window(seconds)
+        for u in self.held:  # (no copy to start: the visit's micro-batches at once, as below)
+            if u.weights.uncopied:
+                return self._compute_window(seconds)
+        return (("cpu", seconds * self.window / self.window),)
 
     def _compute_window(self, seconds: float) -> Iterator:
         for m in range(self.window):
@@ -502,7 +505,7 @@ class Sim:
     def worker(self) -> Iterator:
         while True:
             if not self.queue:
-                yield ("cond", lambda: bool(self.queue) or self.closed)
+                yield ("idle", self, self)
                 if not self.queue:
                     return
             job = self.queue.popleft()

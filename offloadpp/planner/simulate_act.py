@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 from .activations import (
     CHECKPOINT_SWAPS,
@@ -51,7 +51,7 @@ from .activations import (
     recompute_fraction,
     recomputes,
 )
-from .desim import Replay, When, done_by, when
+from .desim import NOTHING, Replay, When, done_by, when
 
 
 def _per_unit(f):
@@ -180,9 +180,16 @@ class ActReplay:
         )
         return tuple(b // g for _ in range(g) for b in base)
 
-    def before_forward(self, unit: str, own: int) -> Iterator:
+    def before_forward(self, unit: str, own: int) -> Iterable:
         """A part of the unit's forward saves `own` bytes (a recomputing one keeps its inputs):
-        within the budget, waiting for the oldest copies out."""
+        within the budget, waiting for the oldest copies out (what `yield from` runs: nothing
+        where it fits at once)."""
+        if self.budget is None or self.device_bytes + own <= self.budget or not self.inflight:
+            self._add(own)
+            return NOTHING
+        return self._before_forward(unit, own)
+
+    def _before_forward(self, unit: str, own: int) -> Iterator:
         if self.budget is not None:
             t0 = self.sim.t
             while self.device_bytes + own > self.budget and self.inflight:
@@ -375,7 +382,7 @@ class ActReplay:
         sim = self.sim
         while True:
             if not self.queue:
-                yield ("cond", lambda: bool(self.queue) or sim.closed)
+                yield ("idle", self, sim)
                 if not self.queue:
                     return
             job = self.queue.popleft()
