@@ -154,7 +154,13 @@ class Ssd(_Tally):
         once that is done, as slots._ReadAfterWrite issues a read of a key whose write drains."""
         if self.cur is not None and self.cur_end <= t:
             self.advance(t)
-        self._count(nbytes, write, key)
+        if write:  # (_count, inline: a replay submits thousands)
+            self.write_bytes += nbytes
+        else:
+            self.read_bytes += nbytes
+        if key:
+            k = (key, write)
+            self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
         req = _Req(nbytes, write, after)
         if after is not None and (after.t is None or after.t > t):  # (when(after) > t)
             self.held.append(req)
@@ -167,9 +173,8 @@ class Ssd(_Tally):
         while self.cur is not None and self.cur_end <= t:
             req, end = self.cur, self.cur_end
             self.busy_s += end - self.cur_start
-            req.left -= max(0.0, end - self.cur_start - self.cur_lat) * (
-                self.write_bps if req.write else self.read_bps
-            )
+            served = end - self.cur_start - self.cur_lat
+            req.left -= (served if served > 0.0 else 0.0) * (self.write_bps if req.write else self.read_bps)
             self.cur = None
             if req.left > 0.5:  # a write that let reads pass: it goes on first among the writes
                 self.writes.appendleft(req)
@@ -217,7 +222,7 @@ class Fifo(_Tally):
         dur = nbytes / (self.write_bps if write else self.read_bps)
         if t >= self.free_t:
             dur += self.latency_s
-        start = max(t, self.free_t)
+        start = self.free_t if self.free_t > t else t
         self.free_t = start + dur
         self.busy_s += dur
         self._count(nbytes, write, key)
@@ -241,8 +246,21 @@ class Pool:
         (the common case) it is taken at once and nothing is yielded (an empty tuple: the replay
         makes no generator for it), else the rest is a generator that waits (_get_waiting)."""
         pending = self.pending
-        while pending and done_by(pending[0][1], sim.t):
-            self._add_free(pending.popleft()[0])
+        t = sim.t
+        while pending:
+            for x in pending[0][1]:  # (done_by, inline)
+                if x is None:
+                    continue
+                if x.__class__ is Done:
+                    x = x.t
+                    if x is None:
+                        break
+                if x > t:
+                    break
+            else:
+                self._add_free(pending.popleft()[0])
+                continue
+            break
         if self.free.get(n):
             self.free[n] -= 1
             return NOTHING
@@ -256,7 +274,8 @@ class Pool:
                 return NOTHING
             self._trim(n)
         self.allocated += n
-        self.peak = max(self.peak, self.allocated)
+        if self.allocated > self.peak:
+            self.peak = self.allocated
         return NOTHING
 
     def _get_waiting(self, sim: Replay, n: int) -> Iterator:
@@ -272,7 +291,8 @@ class Pool:
                 return
             self._trim(n)
         self.allocated += n
-        self.peak = max(self.peak, self.allocated)
+        if self.allocated > self.peak:
+            self.peak = self.allocated
 
     def put(self, n: int, *ready: When) -> None:
         self.pending.append((n, ready))
@@ -385,7 +405,17 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
                 if req[1] < nxt:
                     nxt, first_done = req[1], None
             elif kind == "wait":
-                last = max(map(when, req[1]), default=0.0)
+                last = 0.0  # (the latest of the items' `when`, inline)
+                for x in req[1]:
+                    if x is None:
+                        continue
+                    if x.__class__ is Done:
+                        x = x.t
+                        if x is None:
+                            last = INF
+                            break
+                    if x > last:
+                        last = x
                 if last < nxt:
                     nxt, first_done = last, None
                 elif last == INF:

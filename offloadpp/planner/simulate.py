@@ -427,8 +427,9 @@ class Sim:
         for s in slots:
             if s.state == LOADING:
                 job.before.append(s.read_done)
-            if not done_by((s.write_done,), self.t):
-                job.before.append(s.write_done)
+            w = s.write_done  # (a Done or None: done_by((w,), self.t), inline)
+            if w is not None and (w.t is None or w.t > self.t):
+                job.before.append(w)
 
     def submit(self, job: Job) -> None:
         self.jobs.append(job)

@@ -149,7 +149,8 @@ class ActReplay:
 
     def _add(self, n: int) -> None:
         self.device_bytes += n
-        self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+        if self.device_bytes > self.peak_bytes:
+            self.peak_bytes = self.device_bytes
 
     # ---- forward -------------------------------------------------------------------------
     @_per_unit
