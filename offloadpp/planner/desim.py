@@ -45,12 +45,15 @@ class Replay(Protocol):
 
 
 class Done:
-    """When an SSD request finishes: `t` is None until the SSD has served it."""
+    """When an SSD request finishes: `t` is None until the SSD has served it. Also the request
+    itself, as the SSD holds it (Ssd.submit: one object a request, thousands a replay): its
+    bytes, those left to serve, its direction and the write it is issued after."""
 
-    __slots__ = ("t",)
+    __slots__ = ("t", "nbytes", "left", "write", "after")
 
-    def __init__(self, t: Optional[float] = None):
-        self.t = t
+    def __init__(self, t: Optional[float] = None, nbytes: int = 0, write: bool = False,
+                 after: Optional[Done] = None):  # fmt: skip
+        self.t, self.nbytes, self.left, self.write, self.after = t, nbytes, float(nbytes), write, after
 
 
 # What a step of the replay that may wait returns for `yield from`: NOTHING (nothing to wait
@@ -110,14 +113,6 @@ class _Tally:
             self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
 
 
-class _Req:
-    __slots__ = ("nbytes", "left", "write", "done", "after")
-
-    def __init__(self, nbytes: int, write: bool, after: Optional[Done]):
-        self.nbytes, self.left, self.write, self.after = nbytes, float(nbytes), write, after
-        self.done = Done()
-
-
 class Ssd(_Tally):
     """The SSD as io/engine serves it: one device bandwidth, requests in two queues, and each
     free block slot goes to the oldest queued read before any queued write. A read that arrives
@@ -135,10 +130,10 @@ class Ssd(_Tally):
     ):
         self.read_bps, self.write_bps, self.latency_s = read_bps, write_bps, latency_s
         self.inflight_bytes = inflight_bytes
-        self.reads: deque[_Req] = deque()
-        self.writes: deque[_Req] = deque()
-        self.held: list[_Req] = []  # reads issued once their key's write is done
-        self.cur: Optional[_Req] = None
+        self.reads: deque[Done] = deque()
+        self.writes: deque[Done] = deque()
+        self.held: list[Done] = []  # reads issued once their key's write is done
+        self.cur: Optional[Done] = None
         self.cur_start = self.cur_end = self.cur_lat = 0.0
         super().__init__()
 
@@ -161,12 +156,12 @@ class Ssd(_Tally):
         if key:
             k = (key, write)
             self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
-        req = _Req(nbytes, write, after)
+        req = Done(None, nbytes, write, after)
         if after is not None and (after.t is None or after.t > t):  # (when(after) > t)
             self.held.append(req)
         else:
             self._queue(req, t, idle=self.cur is None)
-        return req.done
+        return req
 
     def advance(self, t: float) -> None:
         """Serves everything that ends by `t`."""
@@ -179,7 +174,7 @@ class Ssd(_Tally):
             if req.left > 0.5:  # a write that let reads pass: it goes on first among the writes
                 self.writes.appendleft(req)
             else:
-                req.done.t = end
+                req.t = end
                 if self.held:
                     go = [r for r in self.held if when(r.after) <= end]
                     self.held = [r for r in self.held if when(r.after) > end]
@@ -187,7 +182,7 @@ class Ssd(_Tally):
                         self._queue(r, end, idle=False)
             self._start(end, idle=False)
 
-    def _queue(self, req: _Req, t: float, idle: bool) -> None:
+    def _queue(self, req: Done, t: float, idle: bool) -> None:
         (self.writes if req.write else self.reads).append(req)
         if self.cur is None:
             self._start(t, idle)
