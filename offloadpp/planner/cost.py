@@ -152,6 +152,24 @@ def _compute_times(plan: Plan, hardware: HardwareProfile, model: ModelProfile) -
     return fwd, bwd
 
 
+# (a model's saved bytes and activation units by name, for every replay and bound of a search:
+# found once per model profile; keyed by identity, the profile held in the entry so its id is not
+# reused while it is there. The dicts returned are shared: read them, never write.)
+_ACTS: dict[int, tuple] = {}
+_ACTS_MAX = 16
+
+
+def _model_acts(model: ModelProfile) -> tuple[dict, dict]:
+    e = _ACTS.get(id(model))
+    if e is not None and e[0] is model:
+        return e[1]
+    acts = ({u.name: u.activation_bytes for u in model.units}, {a.name: a for a in act_units(model)})
+    if len(_ACTS) >= _ACTS_MAX:
+        _ACTS.pop(next(iter(_ACTS)))
+    _ACTS[id(model)] = (model, acts)
+    return acts
+
+
 @dataclass(frozen=True)
 class ReplayOptions:
     """What estimate() and replay() take beside the plan and the profiles.
@@ -227,8 +245,8 @@ def replay(
         micro_batches=micro_batches,
         acts=ActWork(
             policies=policies,
-            saved_bytes={u.name: u.activation_bytes for u in model.units},
-            units={a.name: a for a in act_units(model)},
+            saved_bytes=_model_acts(model)[0],
+            units=_model_acts(model)[1],
             prefetch_units=act_prefetch_units,
         ),
         link=link,
@@ -329,7 +347,7 @@ def lower_bound(
     t = _plan_terms(plan, hardware, model, adam_threads, micro_batches, link)
     fwd = t.fwd
     policies = activations if activations is not None else activation_policies(plan)
-    nested = {a.name: a for a in act_units(model)} if any(p in NESTED for p in policies.values()) else {}
+    nested = _model_acts(model)[1] if any(p in NESTED for p in policies.values()) else {}
     recompute = sum(fwd[u] * recompute_fraction(p, nested.get(u)) + hardware.runtime_forward_visit_s
                     for u, p in policies.items() if recomputes(p))  # fmt: skip
     compute = micro_batches * (t.visit_compute + recompute)
