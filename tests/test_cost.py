@@ -418,3 +418,19 @@ def test_the_activation_replay_remembers_each_units_parts_for_its_own_policies()
     other = replay({"a": "recompute_host", "b": "partial_host"})
     assert other.forward_parts("a") == ((1.0, 10),) and other.forward_parts("b") == parts
     assert (other.recompute_s("a"), other.recompute_s("b")) == (1.5, 0.5)
+
+
+def test_each_model_profile_gets_its_own_activation_sizes_in_the_replay():
+    """cost._model_acts finds a profile's saved bytes and activation units once for every replay
+    of a search: another profile of the same units (another sequence length) gets its own."""
+    import offloadpp.planner.cost as cost
+
+    short, long = model(seq_len=32), model(seq_len=128)
+    assert cost._model_acts(short)[0] != cost._model_acts(long)[0]
+    h = hw(ssd_read_gbps=0.5, ssd_write_gbps=0.5)
+    plan = stream(short)
+    swapped = {u.name: "ssd" for u in short.units}
+    got = [estimate(plan, h, m, activations=swapped) for m in (short, long)]
+    cost._ACTS.clear()
+    assert [estimate(plan, h, m, activations=swapped) for m in (long, short)][::-1] == got
+    assert got[0].ssd_write_bytes < got[1].ssd_write_bytes  # (the longer sequence saves more)
