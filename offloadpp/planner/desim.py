@@ -311,7 +311,7 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
     procs: list[list] = [[g, None, 0.0] for g in (main, *helpers)]  # [generator, request, remaining cpu work]
     for p in procs:
         _resume(p)
-    first = procs[0]
+    first, side = procs[0], procs[1:]  # (the main thread, the helpers)
     guard = 0
     ssd_paces = io_slowdown != 1.0
     # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
@@ -424,13 +424,14 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
             waits = ", ".join(p[1][0] for p in procs)
             raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
         dt = nxt - t
-        if computing or busy_helpers:
-            r = main_rate
-            for p in procs:
+        if computing:
+            left = first[2] - dt * main_rate
+            first[2] = left if left > 0.0 else 0.0
+        if busy_helpers:  # (every helper whose request is work: counted by the pass)
+            for p in side:
                 if p[1][0] == "cpu":
-                    left = p[2] - dt * r
+                    left = p[2] - dt * helper_rate
                     p[2] = left if left > 0.0 else 0.0
-                r = helper_rate
         if first_done is not None:
             first_done[2] = 0.0  # exactly done, whatever the rounding of t + work / rate
         if computing:
