@@ -364,3 +364,73 @@ def test_plan_estimate_and_runtime_hold_the_same_ssd_bytes(which):
     grads = sum(v for k, v in homes.items() if k.endswith(".grads"))
     assert written <= est.ssd_write_bytes <= written + grads  # each once (persistent grads: when on SSD)
     assert set(k for k, v in by_key.items() if v) <= set(homes)
+
+
+def test_a_lower_bound_is_each_plans_and_each_activation_choices_own():
+    """cost.lower_bound finds the terms that do not read the activations once per plan (the
+    search bounds every activation choice of a placement): another plan, even one equal in its
+    units and depths, gets its own terms, and each activation choice of one plan its own bound."""
+    import offloadpp.planner.cost as cost
+    from offloadpp.planner.cost import lower_bound
+
+    m = model()
+    h = hw(ssd_read_gbps=0.5, ssd_write_gbps=0.5)
+    streamed, kept = stream(m), in_memory(stream(m))
+    names = [u.name for u in m.units]
+    recompute = {n: "recompute" for n in names[1:]}
+    got = [
+        lower_bound(streamed, h, m),
+        lower_bound(kept, h, m),
+        lower_bound(streamed, h, m, activations=recompute),
+    ]
+    cost._TERMS.clear()  # (from nothing, in another order)
+    fresh = [
+        lower_bound(streamed, h, m, activations=recompute),
+        lower_bound(kept, h, m),
+        lower_bound(streamed, h, m),
+    ]
+    assert got == fresh[::-1]
+    assert got[0] > got[1]  # streaming is bound by its SSD bytes, the in-memory plan is not
+    assert lower_bound(kept, h, m, activations=recompute) > got[1]  # (the recompute's forward again)
+
+
+def test_the_activation_replay_remembers_each_units_parts_for_its_own_policies():
+    """simulate_act remembers a unit's parts and sizes for the replay (its policies do not change
+    while it runs): each unit gets its own, and another replay with other policies its own."""
+    from types import SimpleNamespace
+
+    from offloadpp.planner.activations import ActUnit
+    from offloadpp.planner.simulate_act import ActReplay
+
+    sim = SimpleNamespace(sched=SimpleNamespace(visits=()), costs=SimpleNamespace(forward_s={"a": 1.0, "b": 1.0},
+                          forward_visit_s=0.5), cuda=True)  # fmt: skip
+    pieces = ((100, 10, 30, 0), (200, 20, 60, 0))
+    units = {n: ActUnit(n, 300, 10, 1, True, partial=90, pieces=pieces) for n in "ab"}
+    saved = {"a": 300, "b": 300}
+
+    def replay(policies):
+        return ActReplay(sim, policies, saved, 2, None, units)
+
+    r = replay({"a": "partial_host", "b": "keep"})
+    parts = r.forward_parts("a")
+    assert parts == ((40 / 120, 40), (80 / 120, 80)) and r.forward_parts("a") is parts
+    assert r.forward_parts("b") == ((1.0, 300),) and (r.recompute_s("a"), r.recompute_s("b")) == (0.5, 0.0)
+    other = replay({"a": "recompute_host", "b": "partial_host"})
+    assert other.forward_parts("a") == ((1.0, 10),) and other.forward_parts("b") == parts
+    assert (other.recompute_s("a"), other.recompute_s("b")) == (1.5, 0.5)
+
+
+def test_each_model_profile_gets_its_own_activation_sizes_in_the_replay():
+    """cost._model_acts finds a profile's saved bytes and activation units once for every replay
+    of a search: another profile of the same units (another sequence length) gets its own."""
+    import offloadpp.planner.cost as cost
+
+    short, long = model(seq_len=32), model(seq_len=128)
+    assert cost._model_acts(short)[0] != cost._model_acts(long)[0]
+    h = hw(ssd_read_gbps=0.5, ssd_write_gbps=0.5)
+    plan = stream(short)
+    swapped = {u.name: "ssd" for u in short.units}
+    got = [estimate(plan, h, m, activations=swapped) for m in (short, long)]
+    cost._ACTS.clear()
+    assert [estimate(plan, h, m, activations=swapped) for m in (long, short)][::-1] == got
+    assert got[0].ssd_write_bytes < got[1].ssd_write_bytes  # (the longer sequence saves more)

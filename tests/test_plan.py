@@ -364,3 +364,57 @@ def test_a_16bit_frozen_segment_stays_16bit_under_fp32_compute():
     plan = streaming_plan((u,), device="cpu", prefetch_depth=0, optim_prefetch_depth=0, compute_dtype="fp32")
     assert plan.frozen_ssd_bytes() == 2 * f
     assert plan_from_dict(plan_to_dict(plan))[0].units == (u,)
+
+
+def test_with_placements_makes_the_plan_replace_makes():
+    """Plan.with_placements (the search's fills, which skip the plan's checks) gives the plan
+    dataclasses.replace gives: equal, same repr, its own placements."""
+    base = streaming_plan(
+        UNITS, device="cuda", compute_dtype="bf16", prefetch_depth=1, optim_prefetch_depth=2
+    )
+    placements = tuple(replace(p, moments=Tier.HOST) if i % 2 else p for i, p in enumerate(base.placements))
+    fast, checked = base.with_placements(placements), replace(base, placements=placements)
+    assert fast == checked and repr(fast) == repr(checked)
+    assert fast.placements is placements and base.placements is not placements
+    assert fast.resident_host_bytes() == checked.resident_host_bytes() > base.resident_host_bytes()
+
+
+def test_peaks_tell_apart_placements_made_anew_that_differ_in_one_tier():
+    """planner.peaks remembers a unit's terms by the placement's tiers, not the placement object (a
+    fill makes equal placements anew): a placement made anew with one tier changed is priced as
+    itself, and one made anew equal to an earlier one as that one."""
+    from offloadpp.planner.peaks import clear_cache, peak_bytes
+
+    clear_cache()
+    base = streaming_plan(
+        UNITS, device="cuda", compute_dtype="bf16", prefetch_depth=1, optim_prefetch_depth=1
+    )
+    seen = []
+    for moments in (Tier.SSD, Tier.HOST, Tier.SSD):
+        for grads in (Tier.SSD, Tier.HOST):
+            # (every placement a new object, equal to an earlier one where the tiers are)
+            placements = tuple(Placement(p.unit, p.weights, p.master, moments if p.unit == "h.2" else p.moments,
+                                         grads if p.unit == "h.2" else p.grads) for p in base.placements)  # fmt: skip
+            plan = replace(base, placements=placements)
+            s = build_schedule(plan)
+            assert peak_bytes(plan) == (s.peak_device_bytes, s.peak_host_bytes)
+            seen.append(peak_bytes(plan))
+    assert len(set(seen)) == 2 and seen[:2] == seen[4:]  # (grads' home is no peak here: no accumulation)
+    assert seen[0] != seen[2]
+
+
+def test_a_schedule_remembered_by_the_plan_is_built_again_for_a_derived_property_changed(monkeypatch):
+    """schedule.cached_schedule finds a plan's schedule by its identity first; a derived property
+    patched (as tests do) is in that key too, so the plan gets the schedule built with it."""
+    from offloadpp.planner.schedule import cached_schedule, clear_schedules
+
+    clear_schedules()
+    plan = streaming_plan(
+        UNITS, device="cuda", compute_dtype="bf16", prefetch_depth=1, optim_prefetch_depth=1
+    )
+    first = cached_schedule(plan)
+    assert cached_schedule(plan) is first
+    monkeypatch.setattr(Plan, "grad_dtype", property(lambda self: "fp32"))
+    patched = cached_schedule(plan)
+    assert patched is not first and patched == build_schedule(plan)
+    assert patched.peak_host_bytes != first.peak_host_bytes

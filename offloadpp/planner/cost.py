@@ -152,6 +152,24 @@ def _compute_times(plan: Plan, hardware: HardwareProfile, model: ModelProfile) -
     return fwd, bwd
 
 
+# (a model's saved bytes and activation units by name, for every replay and bound of a search:
+# found once per model profile; keyed by identity, the profile held in the entry so its id is not
+# reused while it is there. The dicts returned are shared: read them, never write.)
+_ACTS: dict[int, tuple] = {}
+_ACTS_MAX = 16
+
+
+def _model_acts(model: ModelProfile) -> tuple[dict, dict]:
+    e = _ACTS.get(id(model))
+    if e is not None and e[0] is model:
+        return e[1]
+    acts = ({u.name: u.activation_bytes for u in model.units}, {a.name: a for a in act_units(model)})
+    if len(_ACTS) >= _ACTS_MAX:
+        _ACTS.pop(next(iter(_ACTS)))
+    _ACTS[id(model)] = (model, acts)
+    return acts
+
+
 @dataclass(frozen=True)
 class ReplayOptions:
     """What estimate() and replay() take beside the plan and the profiles.
@@ -228,8 +246,8 @@ def replay(
         micro_batches=micro_batches,
         acts=ActWork(
             policies=policies,
-            saved_bytes={u.name: u.activation_bytes for u in model.units},
-            units={a.name: a for a in act_units(model)},
+            saved_bytes=_model_acts(model)[0],
+            units=_model_acts(model)[1],
             prefetch_units=act_prefetch_units,
         ),
         link=link,
@@ -327,14 +345,62 @@ def lower_bound(
     several ranks each rank's link carries, per step, every unit's gradients reduced once and
     its weights gathered at least once (forward, or after the update where resident)."""
     hardware, link = _for_rank(plan, hardware, link)
-    fwd, bwd = compute_times(plan, hardware, model)
+    t = _plan_terms(plan, hardware, model, adam_threads, micro_batches, link)
+    fwd = t.fwd
     policies = activations if activations is not None else activation_policies(plan)
-    n = len(fwd)
-    nested = {a.name: a for a in act_units(model)} if any(p in NESTED for p in policies.values()) else {}
+    nested = _model_acts(model)[1] if any(p in NESTED for p in policies.values()) else {}
     recompute = sum(fwd[u] * recompute_fraction(p, nested.get(u)) + hardware.runtime_forward_visit_s
                     for u, p in policies.items() if recomputes(p))  # fmt: skip
+    compute = micro_batches * (t.visit_compute + recompute)
+    # a deferred update starts once backward is over (a speculative one, in a step that
+    # validates, as it would without clipping; one applied at the next visit, beside the forward)
+    serial = compute + t.adam * t.deferred / t.numel if t.deferred and not t.lazy else 0.0
+    return max(compute, t.worker, serial, t.ssd, t.link_s, t.comm_s)
+
+
+@dataclass(frozen=True)
+class _PlanTerms:
+    """lower_bound's terms that do not read the activations: what the search bounds each of a
+    placement's activation choices with (its Note has why each is a bound)."""
+
+    fwd: dict
+    visit_compute: float  # forward and backward of every unit and their visits, one micro-batch
+    adam: float
+    worker: float
+    deferred: float  # parameters whose updates wait for the end of backward
+    numel: float
+    lazy: bool
+    ssd: float
+    link_s: float
+    comm_s: float
+
+
+# (the search bounds every activation choice of each placement: the rest of the bound is found
+# once per plan; keyed by identity, the plan and the profiles held in the entry so no id is
+# reused while it is there)
+_TERMS: dict[tuple, tuple] = {}
+_TERMS_MAX = 64
+
+
+def _plan_terms(plan: Plan, hardware: HardwareProfile, model: ModelProfile, adam_threads: int,
+                micro_batches: int, link: Optional[RankLink]) -> _PlanTerms:  # fmt: skip
+    key = (id(plan), id(hardware), id(model), adam_threads, micro_batches, link)
+    e = _TERMS.get(key)
+    if e is not None and e[0] is plan and e[1] is hardware and e[2] is model:
+        return e[3]
+    terms = _find_plan_terms(plan, hardware, model, adam_threads, micro_batches, link)
+    if len(_TERMS) >= _TERMS_MAX:
+        _TERMS.pop(next(iter(_TERMS)))
+    _TERMS[key] = (plan, hardware, model, terms)
+    return terms
+
+
+def _find_plan_terms(plan: Plan, hardware: HardwareProfile, model: ModelProfile, adam_threads: int,
+                     micro_batches: int, link: Optional[RankLink]) -> _PlanTerms:  # fmt: skip
+    fwd, bwd = compute_times(plan, hardware, model)
+    n = len(fwd)
     visits = n * (hardware.runtime_forward_visit_s + hardware.runtime_backward_visit_s)
-    compute = micro_batches * (sum(fwd.values()) + sum(bwd.values()) + visits + recompute)
+    visit_compute = sum(fwd.values()) + sum(bwd.values()) + visits
     numel = sum(u.numel for u in plan.units) / plan.ranks
     adam = numel / max(
         hardware.adam_rate(adam_threads), hardware.adam_rate(max(adam_threads, hardware.cpu_cores))
@@ -353,9 +419,6 @@ def lower_bound(
     norm = deferred * plan.ranks if absorbed else 0
     absorb = (absorbed * micro_batches * 8 + norm * 4) / memcpy
     worker = absorb + adam
-    # a deferred update starts once backward is over (a speculative one, in a step that
-    # validates, as it would without clipping; one applied at the next visit, beside the forward)
-    serial = compute + adam * deferred / numel if deferred and not lazy_applies(plan) else 0.0
     sched_keep = _next_keep(plan)
     cdt = plan.compute_dtype
     read = write = 0
@@ -387,7 +450,9 @@ def lower_bound(
         else 0.0
     )
     comm_s = comm / (link.bus_gbps() * 1e9) if dp else 0.0
-    return max(compute, worker, serial, ssd, link_s, comm_s)
+    return _PlanTerms(
+        fwd, visit_compute, adam, worker, deferred, numel, lazy_applies(plan), ssd, link_s, comm_s
+    )
 
 
 def _speculates(plan: Plan, u, p) -> bool:

@@ -8,6 +8,9 @@ Note: the requests a thread yields.
   ("cpu", seconds)   work on the cores; how fast it advances depends on who else works (below).
   ("until", t)       wait for a known time (an I/O completion).
   ("cond", fn)       wait until fn() is true (a job done, a queue not empty).
+  ("idle", q, sim)   a worker with nothing to do: wait until q.queue is not empty or sim.closed
+                     (a "cond" the loop checks without a call: idle workers are checked at
+                     every pass).
   ("wait", items)    wait until every item is done: times, and SSD requests' Done (whose time is
                      known only once the SSD has served them: a later read can delay a write).
 Events: the loop moves its clock to the next time a thread can go on (its CPU work done, the
@@ -42,12 +45,15 @@ class Replay(Protocol):
 
 
 class Done:
-    """When an SSD request finishes: `t` is None until the SSD has served it."""
+    """When an SSD request finishes: `t` is None until the SSD has served it. Also the request
+    itself, as the SSD holds it (Ssd.submit: one object a request, thousands a replay): its
+    bytes, those left to serve, its direction and the write it is issued after."""
 
-    __slots__ = ("t",)
+    __slots__ = ("t", "nbytes", "left", "write", "after")
 
-    def __init__(self, t: Optional[float] = None):
-        self.t = t
+    def __init__(self, t: Optional[float] = None, nbytes: int = 0, write: bool = False,
+                 after: Optional[Done] = None):  # fmt: skip
+        self.t, self.nbytes, self.left, self.write, self.after = t, nbytes, float(nbytes), write, after
 
 
 # What a step of the replay that may wait returns for `yield from`: NOTHING (nothing to wait
@@ -107,14 +113,6 @@ class _Tally:
             self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
 
 
-class _Req:
-    __slots__ = ("nbytes", "left", "write", "done", "after")
-
-    def __init__(self, nbytes: int, write: bool, after: Optional[Done]):
-        self.nbytes, self.left, self.write, self.after = nbytes, float(nbytes), write, after
-        self.done = Done()
-
-
 class Ssd(_Tally):
     """The SSD as io/engine serves it: one device bandwidth, requests in two queues, and each
     free block slot goes to the oldest queued read before any queued write. A read that arrives
@@ -132,10 +130,10 @@ class Ssd(_Tally):
     ):
         self.read_bps, self.write_bps, self.latency_s = read_bps, write_bps, latency_s
         self.inflight_bytes = inflight_bytes
-        self.reads: deque[_Req] = deque()
-        self.writes: deque[_Req] = deque()
-        self.held: list[_Req] = []  # reads issued once their key's write is done
-        self.cur: Optional[_Req] = None
+        self.reads: deque[Done] = deque()
+        self.writes: deque[Done] = deque()
+        self.held: list[Done] = []  # reads issued once their key's write is done
+        self.cur: Optional[Done] = None
         self.cur_start = self.cur_end = self.cur_lat = 0.0
         super().__init__()
 
@@ -151,27 +149,32 @@ class Ssd(_Tally):
         once that is done, as slots._ReadAfterWrite issues a read of a key whose write drains."""
         if self.cur is not None and self.cur_end <= t:
             self.advance(t)
-        self._count(nbytes, write, key)
-        req = _Req(nbytes, write, after)
+        if write:  # (_count, inline: a replay submits thousands)
+            self.write_bytes += nbytes
+        else:
+            self.read_bytes += nbytes
+        if key:
+            k = (key, write)
+            self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
+        req = Done(None, nbytes, write, after)
         if after is not None and (after.t is None or after.t > t):  # (when(after) > t)
             self.held.append(req)
         else:
             self._queue(req, t, idle=self.cur is None)
-        return req.done
+        return req
 
     def advance(self, t: float) -> None:
         """Serves everything that ends by `t`."""
         while self.cur is not None and self.cur_end <= t:
             req, end = self.cur, self.cur_end
             self.busy_s += end - self.cur_start
-            req.left -= max(0.0, end - self.cur_start - self.cur_lat) * (
-                self.write_bps if req.write else self.read_bps
-            )
+            served = end - self.cur_start - self.cur_lat
+            req.left -= (served if served > 0.0 else 0.0) * (self.write_bps if req.write else self.read_bps)
             self.cur = None
             if req.left > 0.5:  # a write that let reads pass: it goes on first among the writes
                 self.writes.appendleft(req)
             else:
-                req.done.t = end
+                req.t = end
                 if self.held:
                     go = [r for r in self.held if when(r.after) <= end]
                     self.held = [r for r in self.held if when(r.after) > end]
@@ -179,7 +182,7 @@ class Ssd(_Tally):
                         self._queue(r, end, idle=False)
             self._start(end, idle=False)
 
-    def _queue(self, req: _Req, t: float, idle: bool) -> None:
+    def _queue(self, req: Done, t: float, idle: bool) -> None:
         (self.writes if req.write else self.reads).append(req)
         if self.cur is None:
             self._start(t, idle)
@@ -214,7 +217,7 @@ class Fifo(_Tally):
         dur = nbytes / (self.write_bps if write else self.read_bps)
         if t >= self.free_t:
             dur += self.latency_s
-        start = max(t, self.free_t)
+        start = self.free_t if self.free_t > t else t
         self.free_t = start + dur
         self.busy_s += dur
         self._count(nbytes, write, key)
@@ -238,8 +241,21 @@ class Pool:
         (the common case) it is taken at once and nothing is yielded (an empty tuple: the replay
         makes no generator for it), else the rest is a generator that waits (_get_waiting)."""
         pending = self.pending
-        while pending and done_by(pending[0][1], sim.t):
-            self._add_free(pending.popleft()[0])
+        t = sim.t
+        while pending:
+            for x in pending[0][1]:  # (done_by, inline)
+                if x is None:
+                    continue
+                if x.__class__ is Done:
+                    x = x.t
+                    if x is None:
+                        break
+                if x > t:
+                    break
+            else:
+                self._add_free(pending.popleft()[0])
+                continue
+            break
         if self.free.get(n):
             self.free[n] -= 1
             return NOTHING
@@ -253,7 +269,8 @@ class Pool:
                 return NOTHING
             self._trim(n)
         self.allocated += n
-        self.peak = max(self.peak, self.allocated)
+        if self.allocated > self.peak:
+            self.peak = self.allocated
         return NOTHING
 
     def _get_waiting(self, sim: Replay, n: int) -> Iterator:
@@ -269,7 +286,8 @@ class Pool:
                 return
             self._trim(n)
         self.allocated += n
-        self.peak = max(self.peak, self.allocated)
+        if self.allocated > self.peak:
+            self.peak = self.allocated
 
     def put(self, n: int, *ready: When) -> None:
         self.pending.append((n, ready))
@@ -293,7 +311,7 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
     procs: list[list] = [[g, None, 0.0] for g in (main, *helpers)]  # [generator, request, remaining cpu work]
     for p in procs:
         _resume(p)
-    first = procs[0]
+    first, side = procs[0], procs[1:]  # (the main thread, the helpers)
     guard = 0
     ssd_paces = io_slowdown != 1.0
     # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
@@ -306,7 +324,7 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         t = sim.t
         if ssd.cur is not None and ssd.cur_end <= t:
             ssd.advance(t)
-        progressed = False
+        progressed = others = False
         busy_helpers = 0  # (of the threads not resumed: counted for the rates below)
         for p in procs:  # requests that are already satisfied resume at once
             req = p[1]
@@ -316,11 +334,26 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
                     if p is not first:
                         busy_helpers += 1
                     continue
+            elif kind == "idle":
+                if not req[1].queue and not req[2].closed:
+                    continue
             elif kind == "cond":
                 if not req[1]():
                     continue
             elif kind == "wait":
-                if not done_by(req[1], t):
+                ready = True
+                for x in req[1]:  # (done_by, inline)
+                    if x is None:
+                        continue
+                    if x.__class__ is Done:
+                        x = x.t
+                        if x is None:
+                            ready = False
+                            break
+                    if x > t:
+                        ready = False
+                        break
+                if not ready:
                     continue
             elif kind != "until" or req[1] > t:
                 continue
@@ -333,8 +366,20 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
                 p[1] = req
                 p[2] = req[1] if req[0] == "cpu" else 0.0
             progressed = True
+            if p is not first:
+                others = True
         if progressed:
-            continue
+            # (another pass, unless only the main thread resumed, the helpers checked after it,
+            # and its new request waits for the clock: work, or a time to come. Then that pass
+            # would resume nothing, as no SSD request ends by now either)
+            if others or (ssd.cur is not None and ssd.cur_end <= t):
+                continue
+            req = first[1]
+            if req[0] == "cpu":
+                if first[2] <= 1e-12:
+                    continue
+            elif req[0] != "until" or req[1] <= t:
+                continue
         computing = first[1][0] == "cpu"
         main_rate = (1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (
             io_slowdown if ssd.cur is not None else 1.0
@@ -355,7 +400,17 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
                 if req[1] < nxt:
                     nxt, first_done = req[1], None
             elif kind == "wait":
-                last = max(map(when, req[1]), default=0.0)
+                last = 0.0  # (the latest of the items' `when`, inline)
+                for x in req[1]:
+                    if x is None:
+                        continue
+                    if x.__class__ is Done:
+                        x = x.t
+                        if x is None:
+                            last = INF
+                            break
+                    if x > last:
+                        last = x
                 if last < nxt:
                     nxt, first_done = last, None
                 elif last == INF:
@@ -369,13 +424,14 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
             waits = ", ".join(p[1][0] for p in procs)
             raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
         dt = nxt - t
-        if computing or busy_helpers:
-            r = main_rate
-            for p in procs:
+        if computing:
+            left = first[2] - dt * main_rate
+            first[2] = left if left > 0.0 else 0.0
+        if busy_helpers:  # (every helper whose request is work: counted by the pass)
+            for p in side:
                 if p[1][0] == "cpu":
-                    left = p[2] - dt * r
+                    left = p[2] - dt * helper_rate
                     p[2] = left if left > 0.0 else 0.0
-                r = helper_rate
         if first_done is not None:
             first_done[2] = 0.0  # exactly done, whatever the rounding of t + work / rate
         if computing:

@@ -162,31 +162,41 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
     misses in a row: O(log n) schedule walks where a plain loop takes n."""
 
     index = {u.name: i for i, u in enumerate(base.units)}
-    made: dict = {}  # (placement, what) -> upgraded(): the bisection makes each again and again
+    # (id(placement), what) -> (placement, upgraded()): the bisection makes each again and again
+    # (keyed by identity, the placement held in the entry: hashing a placement's tiers cost more)
+    made: dict = {}
 
     def up(p, what: str):
-        key = (p, what)
-        if key not in made:
-            made[key] = upgraded(base, p, what)
-        return made[key]
+        e = made.get((id(p), what))
+        if e is None or e[0] is not p:
+            e = made[(id(p), what)] = (p, upgraded(base, p, what))
+        return e[1]
+
+    # the longest prefix that fits so far: the bisection's next prefixes start from it (the steps
+    # apply in order, each to what the steps before it made)
+    fitting = [0, base.placements]
 
     def prefix(n: int) -> Plan:
-        placements = list(base.placements)
-        for step in steps[:n]:
+        start, placements = fitting
+        placements = list(placements)
+        for step in steps[start:n]:
             unit, what = step[0]
             new = up(placements[index[unit]], what)
             if new is not None:
                 placements[index[unit]] = new
-        return replace(base, placements=tuple(placements))
+        return base.with_placements(tuple(placements))
 
     lo, hi = 0, len(steps)
+    plan = base
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ok(prefix(mid)):
-            lo = mid
+        p = prefix(mid)
+        if ok(p):
+            lo, plan = mid, p
+            fitting[:] = [mid, p.placements]
         else:
             hi = mid - 1
-    plan, misses = prefix(lo), 0
+    plan, misses = plan if lo else prefix(0), 0
     for step in steps[lo:]:
         for unit, what in step:
             i = index[unit]
@@ -194,7 +204,7 @@ def take(base: Plan, steps: list[tuple[tuple[str, str], ...]], ok: Callable[[Pla
             nxt = (
                 None
                 if new is None
-                else replace(plan, placements=(*plan.placements[:i], new, *plan.placements[i + 1 :]))
+                else plan.with_placements((*plan.placements[:i], new, *plan.placements[i + 1 :]))
             )
             if nxt is not None and ok(nxt):
                 plan, misses = nxt, -1

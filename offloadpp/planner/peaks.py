@@ -19,13 +19,14 @@ phase after backward); such plans (small, CPU) are priced by building their sche
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from .plan import Plan, Tier
 from .schedule import (
+    _alias,
     _first_alive,
     build_schedule,
     clear_schedules,
-    drain_device_bytes,
     fetch_host_bytes,
     held_weights_bytes,
     holds,
@@ -99,23 +100,26 @@ def _shape_of(plan: Plan) -> tuple:
 
 def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
     """(device weights, the trainable weights alone (held for the optimizer or the next forward:
-    Holds.computing), fetching, optimizer window, kept gradients, kept shard, resident host);
+    Holds.computing), fetching, optimizer window, kept gradients, kept shard, resident host,
+    resident device weights, a master on SSD (schedule.drain_device_bytes' two parts));
     shape: _shape_of(plan)."""
-    # (keyed by identity, the unit and placement held in the entry so neither id is reused while
-    # it is there: hashing a UnitSpec's every field, thousands of times a search, cost more than
-    # the pricing; an equal placement made anew is priced anew, once)
-    key = (shape, id(u), id(p))
+    # (keyed by the unit's identity, the unit held in the entry so its id is not reused while it
+    # is there: hashing a UnitSpec's every field, thousands of times a search, cost more than the
+    # pricing; and by the placement's tiers, by identity too (Tier's members are singletons;
+    # hashing an Enum is a Python call): a fill makes equal placements anew again and again)
+    key = (shape, id(u), p.unit, id(p.weights), id(p.master), id(p.moments), id(p.grads))
     e = _TERMS.get(key)
-    t = e[2] if e is not None and e[0] is u and e[1] is p else None
+    t = e[1] if e is not None and e[0] is u else None
     if t is None:
         cdt, dev = plan.compute_dtype, p.weights is Tier.DEVICE
         t = (0 if dev else u.weights_bytes(cdt), 0 if dev else held_weights_bytes(plan, u, False),
              fetch_host_bytes(plan, u, p),
              optim_host_bytes(plan, u, p), kept_grad_bytes(plan, u, p), kept_host_bytes(plan, u, p),
-             plan.unit_resident_host_bytes(u, p))  # fmt: skip
+             plan.unit_resident_host_bytes(u, p), u.weights_bytes(cdt) if dev else 0,
+             u.master_bytes if p.master is Tier.SSD else 0)  # fmt: skip
         if len(_TERMS) >= _TERMS_MAX:
             _TERMS.clear()
-        _TERMS[key] = (u, p, t)
+        _TERMS[key] = (u, t)
     return t
 
 
@@ -138,10 +142,14 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
         last = _LAST[small] = _Priced(plan, shape)
     else:
         last.move_to(plan, shape)
-    # (schedule.drain_host_bytes(plan), from the terms at hand: the largest window's and the
-    # resident host arrays)
-    return (max(last.dev, default=0) + drain_device_bytes(plan),
-            max(last.host, default=0) + max((t[3] for t in last.terms), default=0) + last.resident_host)  # fmt: skip
+    if last.peaks is None:  # (else the terms did not change since the last plan priced)
+        # (schedule.drain_device_bytes(plan) and drain_host_bytes(plan), from the terms at hand:
+        # the largest master on SSD where the weights alias it, the resident device weights; the
+        # largest window's and the resident host arrays)
+        drain = max((t[8] for t in last.terms), default=0) if _alias(plan) else 0
+        last.peaks = (max(last.dev, default=0) + drain + last.resident_device,
+                      max(last.host, default=0) + max((t[3] for t in last.terms), default=0) + last.resident_host)  # fmt: skip
+    return last.peaks
 
 
 # Which of a row's parts reads which unit term (_terms' order): device rows (computing, others),
@@ -182,22 +190,27 @@ class _Priced:
                     total += self.terms[i][k]
             self.host.append(total)
         self.resident_host = sum(t[6] for t in self.terms)
+        self.resident_device = sum(t[7] for t in self.terms)
+        self.peaks: Optional[tuple[int, int]] = None  # (peak_bytes' answer, until a term changes)
 
     def move_to(self, plan: Plan, shape: tuple) -> None:
         old = self.placements
         if old is plan.placements:
             return
-        for i, (u, p) in enumerate(zip(plan.units, plan.placements)):
+        units = plan.units
+        for i, p in enumerate(plan.placements):
             if p is old[i]:
                 continue
-            before, after = self.terms[i], _terms(plan, shape, u, p)
-            if after == before:
+            before, after = self.terms[i], _terms(plan, shape, units[i], p)
+            if after is before or after == before:
                 continue
+            self.peaks = None
             for r, k in self.dev_in[i]:
                 self.dev[r] += after[k] - before[k]
             for r, k in self.host_in[i]:
                 self.host[r] += after[k] - before[k]
             self.resident_host += after[6] - before[6]
+            self.resident_device += after[7] - before[7]
             self.terms[i] = after
         self.placements = plan.placements
 

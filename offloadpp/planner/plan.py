@@ -348,6 +348,17 @@ class Plan:
                     "master itself, so master must be 'host'"
                 )
 
+    def with_placements(self, placements: tuple[Placement, ...]) -> Plan:
+        """This plan with other placements of its units, made without checking the plan again:
+        for the search's fills (planner/keep.py), which make thousands of plans from one, each
+        placement checked on its own when it was made (keep.upgraded: `_check_placement`). The
+        placements must name the units in order; everything else was checked when this plan was
+        made, and __post_init__ reads nothing else of them."""
+        new = object.__new__(Plan)
+        new.__dict__.update(self.__dict__)
+        new.__dict__["placements"] = placements
+        return new
+
     # ---- lookups -------------------------------------------------------------------------
     def unit(self, name: str) -> UnitSpec:
         for u in self.units:

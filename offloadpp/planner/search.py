@@ -197,12 +197,28 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # a replay walks every visit of three steps: on models of many units, fewer of them
     max_replays = ROBUST_MAX if len(units) <= MANY_UNITS else MANY_REPLAYS
     slow_s: dict[int, float] = {}  # id(candidate) -> its estimate on the slow SSD
-    reach = float("inf")  # no candidate whose estimate is beyond this can win the robust pick
+    # no candidate whose estimate is beyond the reach can win the robust pick; found lazily (the
+    # Note on the reach below): `reach_of` is the best it is set by while its slow replay waits
+    reach, reach_of, reach_lo = float("inf"), None, float("inf")
+
+    def beyond_reach(x: float) -> bool:
+        """x > reach, the best's slow replay made only where its lower bound cannot say."""
+        nonlocal reach, reach_of
+        if reach_of is None:
+            return x > reach
+        if x <= reach_lo:
+            return False
+        slow_s[id(reach_of)] = score(reach_of.plan, dict(reach_of.activations), on_slow=True).step_s
+        reach = (1 + TIE_FRAC) * (reach_of.estimate.step_s + slow_s[id(reach_of)]) / 2
+        reach_of = None
+        return x > reach
+
     for lb, label, plan, bounds in groups:
         if (
-            lb > min(best_s * (1 + ROBUST_WINDOW), reach)
-            or len(cands) >= max_replays
+            len(cands) >= max_replays
             or _beaten(req, best_s, lb)
+            or lb > best_s * (1 + ROBUST_WINDOW)
+            or beyond_reach(lb)
         ):
             break
         c = bounds[0][2]
@@ -215,9 +231,15 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
                 continue  # (the reach of a best only slightly worse still holds every contender)
             # Note: a slower SSD never makes a step shorter, so a candidate can win the robust
             # pick (the least mean of both estimates, to TIE_FRAC) only if its own estimate is
-            # within TIE_FRAC of the best's mean: beyond that nothing needs replaying
-            slow_s[id(best)] = score(best.plan, dict(best.activations), on_slow=True).step_s
-            reach = (1 + TIE_FRAC) * (best_s + slow_s[id(best)]) / 2
+            # within TIE_FRAC of the best's mean: beyond that nothing needs replaying.
+            # Note on the reach: the best's slow replay is made only when a bound is compared
+            # with the reach and its lower bound on the slow SSD (cost.lower_bound: no replay
+            # beats it) does not already put the reach above that bound: the same comparisons
+            # come out, and a best superseded or never compared costs no slow replay
+            reach_of = best
+            floor = lower_bound(best.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
+                                activations=dict(best.activations), link=req.link)  # fmt: skip
+            reach_lo = (1 + TIE_FRAC) * (best_s + floor) / 2
     replayed = len(cands)
     # 2. the other activation choices of the best few placements
     cands.sort(key=lambda c: c.estimate.step_s)
@@ -227,7 +249,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     for top in [] if beaten else _tops(cands, 1 if many else ACT_TOP_PLACEMENTS, extra=0 if many else 2):
         _, label, plan, bounds = by_plan[id(top.plan)]
         for lb, _, c in bounds[1:]:
-            if lb <= min(best_s * (1 + ROBUST_WINDOW), reach):
+            if not (lb > best_s * (1 + ROBUST_WINDOW) or beyond_reach(lb)):
                 cands.append(candidate(label, plan, c))
                 best_s = min(best_s, cands[-1].estimate.step_s)
                 replayed += 1

@@ -109,6 +109,8 @@ class Sim:
         self.closed = False
         self.held: list[Unit] = []
         self.fetch_order = _fetch_order(self.sched)
+        # the visit from which the step's last writes start (enter: after the first fetches)
+        self.flush_from = min(self.sched.prefetch_depth, self.sched.num_forward - 1)
         self.next_keep_until = [(self.by_name[n], t) for n, t in self.sched.next_keep_until.items()]
         self.marks: list[dict] = []  # per step: times of its phases
         self.adam_busy_s = 0.0
@@ -203,7 +205,10 @@ class Sim:
         copy starts once its read is in, within the visit, not at the next one."""
         if self.window == 1:
             return (("cpu", seconds),)
-        return self._compute_window(seconds)
+        for u in self.held:  # (no copy to start: the visit's micro-batches at once, as below)
+            if u.weights.uncopied:
+                return self._compute_window(seconds)
+        return (("cpu", seconds * self.window / self.window),)
 
     def _compute_window(self, seconds: float) -> Iterator:
         for m in range(self.window):
@@ -276,9 +281,12 @@ class Sim:
     def enter(self, i: int) -> Iterator:
         self.reap()
         want = self.sched.alive[i]
-        for u in list(self.held):
-            if u.name not in want:
-                yield from self.drop(u)
+        for u in self.held:
+            if u.name not in want:  # (something to drop: the units held, in order)
+                for u in list(self.held):
+                    if u.name not in want:
+                        yield from self.drop(u)
+                break
         if self.lazy:  # (else no update is ever pending: simulate_pending.defer is not called)
             yield from pending.apply_pending(self, self.fetch_order[i])
         by_name, held = self.by_name, self.held
@@ -289,10 +297,10 @@ class Sim:
                 held.append(u)
         for u in self.held:
             u.weights.pump(self)
-        if self.in_backward or i >= min(self.sched.prefetch_depth, self.sched.num_forward - 1):
+        if self.queued_writes and (self.in_backward or i >= self.flush_from):
             n = len(self.queued_writes)
             self.flush_writes()
-            if n and self.costs.io_issue_s:
+            if self.costs.io_issue_s:
                 yield ("cpu", n * self.costs.io_issue_s)
         # the kept updated weights: held now, or past their first hold
         for u, t in self.next_keep_until if not self.in_backward else ():
@@ -424,8 +432,9 @@ class Sim:
         for s in slots:
             if s.state == LOADING:
                 job.before.append(s.read_done)
-            if not done_by((s.write_done,), self.t):
-                job.before.append(s.write_done)
+            w = s.write_done  # (a Done or None: done_by((w,), self.t), inline)
+            if w is not None and (w.t is None or w.t > self.t):
+                job.before.append(w)
 
     def submit(self, job: Job) -> None:
         self.jobs.append(job)
@@ -502,7 +511,7 @@ class Sim:
     def worker(self) -> Iterator:
         while True:
             if not self.queue:
-                yield ("cond", lambda: bool(self.queue) or self.closed)
+                yield ("idle", self, self)
                 if not self.queue:
                     return
             job = self.queue.popleft()

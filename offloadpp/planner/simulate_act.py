@@ -38,9 +38,10 @@ saved tensor there).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 from .activations import (
     CHECKPOINT_SWAPS,
@@ -55,7 +56,28 @@ from .activations import (
     recompute_fraction,
     recomputes,
 )
-from .desim import Replay, When, done_by, when
+from .desim import NOTHING, Replay, When, done_by, when
+
+
+def _per_unit(f):
+    """A method of one unit's sizes or shares, remembered for the replay: they read only the
+    replay's policies and profiles, which do not change while it runs, and a replay asks for
+    them at every visit of every step."""
+    memo_name = f"_memo_{f.__name__}"
+
+    def remembered(self, unit: str):
+        memo = self.__dict__.get(memo_name)
+        if memo is None:
+            memo = self.__dict__[memo_name] = {}
+        got = memo.get(unit, _MISSING)
+        if got is _MISSING:
+            got = memo[unit] = f(self, unit)
+        return got
+
+    return functools.wraps(f)(remembered)
+
+
+_MISSING = object()
 
 
 @dataclass(eq=False)
@@ -121,6 +143,7 @@ class ActReplay:
     def active(self) -> bool:
         return any(p != "keep" for p in self.policies.values())
 
+    @_per_unit
     def recompute_s(self, unit: str) -> float:
         if not recomputes(self.policy(unit)):
             return 0.0
@@ -131,9 +154,11 @@ class ActReplay:
 
     def _add(self, n: int) -> None:
         self.device_bytes += n
-        self.peak_bytes = max(self.peak_bytes, self.device_bytes)
+        if self.device_bytes > self.peak_bytes:
+            self.peak_bytes = self.device_bytes
 
     # ---- forward -------------------------------------------------------------------------
+    @_per_unit
     def forward_parts(self, unit: str) -> tuple[tuple[float, int], ...]:
         """The unit's forward as (share of its compute, bytes it saves) parts: one, or a swapped
         partial unit's pieces, each entering the budget as it runs (the runtime's pack hook waits
@@ -156,6 +181,7 @@ class ActReplay:
             return u.grads_held
         return self.act_bytes.get(unit, 0)
 
+    @_per_unit
     def _window_chunks(self, unit: str) -> tuple[int, ...]:
         """A vertical window's swapped unit (planner/vertical.py): its forward runs the window's
         micro-batches one at a time, each saving and copying out its share (its pieces' shares,
@@ -170,9 +196,16 @@ class ActReplay:
         )
         return tuple(b // g for _ in range(g) for b in base)
 
-    def before_forward(self, unit: str, own: int) -> Iterator:
+    def before_forward(self, unit: str, own: int) -> Iterable:
         """A part of the unit's forward saves `own` bytes (a recomputing one keeps its inputs):
-        within the budget, waiting for the oldest copies out."""
+        within the budget, waiting for the oldest copies out (what `yield from` runs: nothing
+        where it fits at once)."""
+        if self.budget is None or self.device_bytes + own <= self.budget or not self.inflight:
+            self._add(own)
+            return NOTHING
+        return self._before_forward(unit, own)
+
+    def _before_forward(self, unit: str, own: int) -> Iterator:
         if self.budget is not None:
             t0 = self.sim.t
             while self.device_bytes + own > self.budget and self.inflight:
@@ -263,6 +296,7 @@ class ActReplay:
             if not self._fetch(name, force=False) or recomputes(self.policy(name)):
                 break
 
+    @_per_unit
     def backward_parts(self, unit: str) -> tuple[float, ...]:
         """The unit's backward as shares of its compute: one, or a partial unit's pieces last to
         first (their shares as in forward_parts), between which `next_piece` releases what the
@@ -288,6 +322,7 @@ class ActReplay:
         """The unit's backward is done: its activations (and a recompute's inputs) are released."""
         self.device_bytes -= self.counted.pop(unit)
 
+    @_per_unit
     def _recomputed(self, unit: str) -> int:
         """What a recompute holds once it ran: all the unit saved, its inputs included (as the
         runtime counts it: planner/activations.py backward_bytes)."""
@@ -300,6 +335,7 @@ class ActReplay:
             return u.recomputed()
         return max(self.act_bytes.get(unit, 0), self.inputs.get(unit, 0))
 
+    @_per_unit
     def _piece_bytes(self, unit: str) -> tuple[int, ...]:
         """What each piece of a partial unit moves (its inputs and kept outputs), forward order;
         () for any other unit."""
@@ -308,6 +344,7 @@ class ActReplay:
             return ()
         return tuple(p[1] + p[2] for p in u.pieces)
 
+    @_per_unit
     def _held_in(self, unit: str) -> int:
         """What a recomputing unit holds (or moves) between its forward and its backward: its
         inputs, and a partial unit's kept outputs (its pieces' inputs)."""
@@ -361,7 +398,7 @@ class ActReplay:
         sim = self.sim
         while True:
             if not self.queue:
-                yield ("cond", lambda: bool(self.queue) or sim.closed)
+                yield ("idle", self, sim)
                 if not self.queue:
                     return
             job = self.queue.popleft()

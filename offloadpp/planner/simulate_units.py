@@ -82,7 +82,8 @@ class Slot:
 
     def release(self, sim: Replay, hold: str, after: float = 0.0) -> None:
         # every release's `after` counts, whichever hold goes last (runtime Slot.release keeps them)
-        self.after = max(self.after, after)
+        if after > self.after:
+            self.after = after
         self.holds.discard(hold)
         if self.holds or self.resident or self.state == EMPTY:
             return
@@ -175,7 +176,12 @@ class CudaWeights:
     def pump(self, sim: Replay) -> None:
         if self.state == LOADING and not self.copied and not self.source.updating:
             s = self.source
-            if s.state != LOADING or done_by((s.read_done,), sim.t):
+            r = s.read_done  # (done_by((r,), sim.t), inline: every visit pumps every unit held)
+            if (
+                s.state != LOADING
+                or r is None
+                or ((r.t is not None and r.t <= sim.t) if r.__class__ is Done else r <= sim.t)
+            ):
                 s.state = READY if s.state == LOADING else s.state
                 self._copy(sim)
                 if not s.resident:
