@@ -16,6 +16,8 @@ from test_planner import GPT2, cpu_hw
 from offloadpp.planner import InfeasibleError, Machine, PlanError, Settings, resolve
 from offloadpp.planner.act_candidates import HEAD_TWIN_SHARE, ActPlanner
 from offloadpp.planner.activations import (
+    TAIL,
+    TAIL_PIECES,
     ActUnit,
     act_units,
     backward_bytes,
@@ -402,3 +404,58 @@ def test_the_head_twin_makes_its_gradients_in_forward_where_that_fits():
     tight = need_bytes(units, {**{b.name: "recompute_ssd" for b in blocks}, "head": "recompute"})
     heads = {c.as_dict()["head"] for c in ActPlanner(units, {}, device="cuda").candidates(tight)}
     assert "recompute" in heads and "grad_in_forward" not in heads, heads
+
+
+def test_a_tail_keeps_its_last_pieces_and_moves_the_rest():
+    """partial_host_tail (planner/activations.py, Note on the tail): the last TAIL_PIECES pieces'
+    checkpoints and kept outputs stay from forward to backward, the others move as partial_host's;
+    a piece's records leave once the TAIL_PIECES-th piece after it opens, so its forward holds
+    three pieces' at once; its backward holds what partial_host's does. The replay copies out
+    the tails' bytes less than partial_host, and its peak stays within the need under a budget
+    that binds."""
+    from dataclasses import replace
+
+    pieces = ((10, 100, 0, 0), (300, 100, 250, 50), (10, 100, 0, 0), (20, 100, 150, 0))
+    u = ActUnit("b", 340, 100, 1, True, partial=400, partial_extra=50, pieces=pieces)
+    assert TAIL_PIECES == 2 and u.tail == 100 + 250
+    assert held_bytes(u, TAIL) == 350 and u.moved(TAIL) == u.moved("partial_host") - 350 == 450
+    assert forward_bytes(u, TAIL) == 350 + 100 + 250 > forward_bytes(u, "partial_host")
+    assert backward_bytes(u, TAIL) == backward_bytes(u, "partial_host")
+    assert split_bytes(u, TAIL) == {**split_bytes(u, "partial_host"), "kept": 350, "host": 450}
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64, compute_dtype="bf16")
+    # (compute slow beside the link: every copy out is done before backward wants it, none cancelled)
+    hw = cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=25.0, d2h_gbps=25.0, cpu_cores=16,
+                device_flops_per_s={"fp32": 1e10, "bf16": 1e10}, compute_slowdown_under_adam=1.0,
+                adam_slowdown_under_compute=1.0)  # fmt: skip
+    r = resolve(Settings(plan="auto", compute_dtype="bf16"), m.unit_specs(),
+                Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=16),
+                hardware=hw, model=m)  # fmt: skip
+    blocks = [a for a in act_units(m) if a.name.startswith("transformer.h.")]
+    est = {
+        p: estimate(r.plan, hw, m, activations={b.name: p for b in blocks}) for p in ("partial_host", TAIL)
+    }
+    assert est["partial_host"].d2h_bytes - est[TAIL].d2h_bytes == sum(b.tail for b in blocks) > 0
+    need = need_bytes(act_units(m), {b.name: TAIL for b in blocks})
+    plan = replace(r.plan, budgets=replace(r.plan.budgets, activation_bytes=need))  # a budget that binds
+    assert 0 < estimate(plan, hw, m, activations={b.name: TAIL for b in blocks}).peak_activation_bytes <= need
+
+
+def test_the_block_before_the_head_keeps_its_last_pieces_where_the_room_cannot_keep_it_whole():
+    """Where the head's logits are a large share of the room (the head twin), a choice whose unit
+    just before the head is partial_host is offered again with it partial_host_tail, where that
+    fits the room and keeping it whole (partial) does not; nowhere else (GPT-3 13B's width, 4
+    blocks, micro-batch 128: a block's partial bytes are 15 GiB, the head's logits 12.3 GiB)."""
+    cfg = {**_paper("gpt3-13b.config.json"), "n_layer": 4}
+    units = act_units(analytic_profile(cfg, micro_batch=128, seq_len=1024, compute_dtype="fp16"))
+    blocks = [u.name for u in units if ".h." in u.name]
+    base = {**{b: "partial_host" for b in blocks}, "head": "grad_in_forward"}
+    room = need_bytes(units, {**base, blocks[-1]: TAIL})
+    assert need_bytes(units, {**base, blocks[-1]: "partial"}) > room >= units[-1].logits
+    found = [c.as_dict() for c in ActPlanner(units, {}, device="cuda").candidates(room)]
+    assert {"embed": "keep", **base, blocks[-1]: TAIL} in found, found
+    assert all(c[b] != TAIL for c in found for b in blocks[:-1])
+    roomy = need_bytes(units, {**base, blocks[-1]: "partial"})  # keeping it whole fits: no tail
+    assert all(
+        c[blocks[-1]] != TAIL
+        for c in (c.as_dict() for c in ActPlanner(units, {}, device="cuda").candidates(roomy))
+    )

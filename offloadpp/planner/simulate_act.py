@@ -18,6 +18,9 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
   partial, partial_host, partial_ssd
              as recompute, the outputs of the matmuls and attention held (or moved) with the
              checkpoint; the recompute runs no matmul (only the per-visit time is added).
+  partial_host_tail
+             partial_host but its last TAIL_PIECES pieces, kept (planner/activations.py, Note on
+             the tail): a piece is copied out once the TAIL_PIECES-th after it was saved.
   grad_in_forward
              a fused head's: nothing moves nor runs again; it holds its gradients from its
              forward to its backward (ActUnit.grads_held), and its backward's time is in its
@@ -49,6 +52,8 @@ from .activations import (
     PARTIAL,
     POLICIES,
     SWAPPING,
+    TAIL,
+    TAIL_PIECES,
     ActUnit,
     backward_bytes,
     piece_peaks,
@@ -71,6 +76,7 @@ class _Out:
     pieces: tuple[int, ...] = ()  # a partial unit's pieces: copied out one by one, each freed when done
     produced: int = 1  # of those, how many its forward has saved so far
     copied: int = 0  # and how many are copied out
+    lag: int = 0  # a piece is copied once this many more pieces were saved (partial_host_tail's)
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,9 @@ class ActReplay:
     def _stalled(self, job: _Out) -> bool:
         """The worker cannot copy more of `job` until the forward saves its next piece (on CUDA
         pieces are copied as they come, on the CPU the unit's bytes in one memmove)."""
-        return job.produced < len(job.pieces) and (not self.sim.cuda or job.copied >= job.produced)
+        return job.produced < len(job.pieces) + job.lag and (
+            not self.sim.cuda or job.copied + job.lag >= job.produced
+        )
 
     def after_forward(self, unit: str, part: int = 0) -> None:
         """Part `part` of the unit's forward (forward_parts) is done: at the first, its copy out
@@ -209,7 +217,8 @@ class ActReplay:
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
         if to in ("host", "ssd") and n > 0:
-            job = _Out(unit, n, to == "ssd", pieces=self._window_chunks(unit) or self._piece_bytes(unit))
+            job = _Out(unit, n, to == "ssd", pieces=self._window_chunks(unit) or self._swapped_pieces(unit),
+                       lag=TAIL_PIECES - 1 if pol == TAIL else 0)  # fmt: skip
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
@@ -226,7 +235,8 @@ class ActReplay:
         else:  # what it recomputes is counted before any prefetch
             # (its inputs among them; a partial unit's pieces, fetched and recomputed one by one,
             # can hold less than all they moved: counted as one change, no passing peak)
-            grow = rest + self._recomputed(unit) - self._held_in(unit)
+            # (a partial_host_tail unit's last piece, kept since its forward, is among them)
+            grow = rest + self._recomputed(unit) - self._held_in(unit) - self._tail(unit)
             # copies out still running (the replay starts a unit's copies at its forward's end, the
             # runtime as each tensor is saved): wait for them as the runtime's would have ended
             while self.budget is not None and self.device_bytes + grow > self.budget and self.inflight:
@@ -308,6 +318,18 @@ class ActReplay:
             return ()
         return tuple(p[1] + p[2] for p in u.pieces)
 
+    def _swapped_pieces(self, unit: str) -> tuple[int, ...]:
+        """The pieces whose bytes leave the device: a partial_host_tail unit's but its last
+        TAIL_PIECES (kept on the device, see planner/activations.py's Note on the tail);
+        _piece_bytes otherwise."""
+        pieces = self._piece_bytes(unit)
+        return pieces[:-TAIL_PIECES] if self.policy(unit) == TAIL else pieces
+
+    def _tail(self, unit: str) -> int:
+        """What a partial_host_tail unit keeps on the device from its forward to its backward."""
+        u = self.units.get(unit)
+        return u.tail if u is not None and self.policy(unit) == TAIL else 0
+
     def _held_in(self, unit: str) -> int:
         """What a recomputing unit holds (or moves) between its forward and its backward: its
         inputs, and a partial unit's kept outputs (its pieces' inputs)."""
@@ -334,7 +356,7 @@ class ActReplay:
             return True
         # a partial unit's pieces are fetched piece by piece: its backward starts once its last
         # piece's bytes are back (the others come back during it), a prefetch needs room for those
-        chunks = self._window_chunks(unit) or self._piece_bytes(
+        chunks = self._window_chunks(unit) or self._swapped_pieces(
             unit
         )  # (a window's: its last micro-batch's first)
         first = chunks[-1] if chunks else job.nbytes
@@ -353,8 +375,26 @@ class ActReplay:
         job.back = True
         self._add(first)
         self.rest[unit] = job.nbytes - first
+        if self._tail(unit) and isinstance(done, float):  # (see _tail_credit)
+            done = max(sim.t, done - self._tail_credit(unit))
         self.ready[unit] = (done, h2d, job.nbytes)
         return True
+
+    def _tail_credit(self, unit: str) -> float:
+        """A partial_host_tail unit's backward starts with its kept pieces, and needs its swapped
+        ones only once those are done: its backward time in the kept pieces that run before it
+        reads a swapped byte (a piece whose input is derived from the previous piece's output
+        recomputes that piece's checkpoint first: planner/activations.py, Note on the tail)."""
+        u = self.units[unit]
+        shares = self.backward_parts(unit)  # (last to first)
+        kept, credit = len(u.pieces) - len(self._swapped_pieces(unit)), 0.0
+        for k in range(kept):
+            piece = u.pieces[len(u.pieces) - 1 - k]
+            if piece[1] == 0 and k == kept - 1:  # (its input is made again from a swapped piece's)
+                break
+            credit += shares[k]
+        work = self.sim.costs.backward_s[unit] + self.sim.costs.backward_visit_s + self.recompute_s(unit)
+        return credit * work
 
     # ---- the activation worker -------------------------------------------------------------
     def worker(self) -> Iterator:
@@ -368,16 +408,16 @@ class ActReplay:
             job.started = True
             if sim.cuda:
                 for k, part in enumerate(job.pieces or (job.nbytes,)):
-                    if k >= job.produced:  # this piece's forward has not run yet
-                        yield ("cond", lambda job=job, k=k: job.produced > k)
+                    if k + job.lag >= job.produced:  # this piece's forward (or the lag's) has not run yet
+                        yield ("cond", lambda job=job, k=k: job.produced > k + job.lag)
                     done = sim.d2h.submit(sim.t, part, write=False)
                     if done > sim.t:
                         yield ("until", done)
                     self.device_bytes -= part  # this piece's copy is out: its device bytes are free
                     job.copied += 1
             else:
-                if job.produced < len(job.pieces):
-                    yield ("cond", lambda job=job: job.produced >= len(job.pieces))
+                if job.produced < len(job.pieces) + job.lag:
+                    yield ("cond", lambda job=job: job.produced >= len(job.pieces) + job.lag)
                 yield ("cpu", job.nbytes / sim.costs.memcpy_bps)
                 self.device_bytes -= job.nbytes  # the copy is out: the device bytes are free
             self.swapped_bytes += job.nbytes
