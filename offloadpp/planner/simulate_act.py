@@ -77,6 +77,7 @@ class _Out:
     produced: int = 1  # of those, how many its forward has saved so far
     copied: int = 0  # and how many are copied out
     lag: int = 0  # a piece is copied once this many more pieces were saved (partial_host_tail's)
+    parts: tuple[tuple[int, ...], ...] = ()  # per piece, its records' bytes (_swapped_parts)
 
 
 @dataclass(frozen=True)
@@ -217,8 +218,10 @@ class ActReplay:
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
         if to in ("host", "ssd") and n > 0:
-            job = _Out(unit, n, to == "ssd", pieces=self._window_chunks(unit) or self._swapped_pieces(unit),
-                       lag=TAIL_PIECES - 1 if pol == TAIL else 0)  # fmt: skip
+            window = self._window_chunks(unit)
+            job = _Out(unit, n, to == "ssd", pieces=window or self._swapped_pieces(unit),
+                       lag=TAIL_PIECES - 1 if pol == TAIL else 0,
+                       parts=() if window else self._swapped_parts(unit))  # fmt: skip
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
@@ -325,6 +328,17 @@ class ActReplay:
         pieces = self._piece_bytes(unit)
         return pieces[:-TAIL_PIECES] if self.policy(unit) == TAIL else pieces
 
+    def _swapped_parts(self, unit: str) -> tuple[tuple[int, ...], ...]:
+        """Per swapped piece, its records' bytes in save order (its checkpoint, then the storages
+        of its kept outputs: ActUnit.piece_kept): the worker copies them one by one, each freeing
+        its device bytes when its copy ends, as the runtime's copies out do; () where the profile
+        does not know them (a piece then leaves as one)."""
+        u = self.units.get(unit)
+        pieces = self._swapped_pieces(unit)
+        if u is None or not pieces or len(u.piece_kept) != len(u.pieces):
+            return ()
+        return tuple(((p[1],) if p[1] else ()) + k for p, k in zip(u.pieces[: len(pieces)], u.piece_kept))
+
     def _tail(self, unit: str) -> int:
         """What a partial_host_tail unit keeps on the device from its forward to its backward."""
         u = self.units.get(unit)
@@ -410,10 +424,11 @@ class ActReplay:
                 for k, part in enumerate(job.pieces or (job.nbytes,)):
                     if k + job.lag >= job.produced:  # this piece's forward (or the lag's) has not run yet
                         yield ("cond", lambda job=job, k=k: job.produced > k + job.lag)
-                    done = sim.d2h.submit(sim.t, part, write=False)
-                    if done > sim.t:
-                        yield ("until", done)
-                    self.device_bytes -= part  # this piece's copy is out: its device bytes are free
+                    for rec in job.parts[k] if job.parts else (part,):  # (its records one by one)
+                        done = sim.d2h.submit(sim.t, rec, write=False)
+                        if done > sim.t:
+                            yield ("until", done)
+                        self.device_bytes -= rec  # this record's copy is out: its device bytes are free
                     job.copied += 1
             else:
                 if job.produced < len(job.pieces) + job.lag:
