@@ -461,18 +461,22 @@ def test_the_block_before_the_head_keeps_its_last_pieces_where_the_room_cannot_k
     )
 
 
-def test_the_replay_frees_a_swapped_pieces_records_one_by_one():
+def test_the_replay_copies_a_swapped_pieces_records_one_by_one_from_their_saves():
     """The runtime copies each record out on its own (a piece's checkpoint, each storage of its
-    kept outputs) and frees its bytes when that copy ends (runtime/activations/swap.py); the
-    replay does the same where the profile knows the pieces' kept storages (piece_kept): forward,
-    waiting on the link under a budget that binds, waits less than with each piece leaving as
-    one, for the same bytes moved. A piece_kept that does not sum to the pieces' is refused."""
+    kept outputs) from when it is saved, and frees its bytes when that copy ends
+    (runtime/activations/swap.py); the replay does the same where the profile knows the pieces'
+    kept storages (piece_kept) and when each is saved (piece_kept_at): forward, waiting on the
+    link under a budget that binds, waits less than with the records freed one by one but
+    copied from the piece's end, and that less than with each piece leaving as one, for the same
+    bytes moved. A piece_kept (or piece_kept_at) that does not fit the pieces is refused."""
     from dataclasses import replace
 
     m = analytic_profile(GPT2, micro_batch=4, seq_len=64, compute_dtype="bf16")
     blocks = [u for u in m.units if u.name.startswith("transformer.h.")]
     assert all(len(u.piece_kept) == len(u.pieces) and max(map(len, u.piece_kept)) > 1 for u in blocks)
-    coarse = replace(m, units=tuple(replace(u, piece_kept=()) for u in m.units))
+    # (each piece as one record; its records, freed one by one; and copied out from their saves)
+    coarse = replace(m, units=tuple(replace(u, piece_kept=(), piece_kept_at=()) for u in m.units))
+    unsaved = replace(m, units=tuple(replace(u, piece_kept_at=()) for u in m.units))
     hw = cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=1.0, d2h_gbps=1.0, cpu_cores=16,
                 device_flops_per_s={"fp32": 1e12, "bf16": 1e12}, compute_slowdown_under_adam=1.0,
                 adam_slowdown_under_compute=1.0)  # fmt: skip
@@ -482,8 +486,11 @@ def test_the_replay_frees_a_swapped_pieces_records_one_by_one():
     acts = {u.name: "partial_host" for u in blocks}
     need = need_bytes(act_units(m), acts)
     plan = replace(r.plan, budgets=replace(r.plan.budgets, activation_bytes=need))
-    fine, whole = (estimate(plan, hw, p, activations=acts) for p in (m, coarse))
-    assert fine.forward_s < whole.forward_s and fine.d2h_bytes == whole.d2h_bytes, (fine, whole)
+    fine, freed, whole = (estimate(plan, hw, p, activations=acts) for p in (m, unsaved, coarse))
+    assert fine.forward_s < freed.forward_s < whole.forward_s, (fine, freed, whole)
+    assert fine.d2h_bytes == freed.d2h_bytes == whole.d2h_bytes
     assert fine.peak_activation_bytes <= need
-    with pytest.raises(ModelProfileError, match="piece_kept"):
+    with pytest.raises(ModelProfileError, match="piece_kept must"):
         replace(blocks[0], piece_kept=((1,),) * len(blocks[0].pieces))
+    with pytest.raises(ModelProfileError, match="piece_kept_at must"):
+        replace(blocks[0], piece_kept_at=tuple((1.0, 0.5)[: len(k)] for k in blocks[0].piece_kept))

@@ -169,6 +169,7 @@ class ActUnit:
     pieces: tuple[tuple[int, int, int, int], ...] = ()
     # per piece, the storages of its kept outputs in save order (UnitProfile.piece_kept; () not known)
     piece_kept: tuple[tuple[int, ...], ...] = ()
+    piece_kept_at: tuple[tuple[float, ...], ...] = ()  # (when each is saved: UnitProfile.piece_kept_at)
     # a causal LM's head (see the Note on the head's loss): of `saved`, the logits a recompute
     # computes again chunk by chunk, and the loss's input, kept beside the checkpoint; the
     # logits' gradient its backward holds whole (the model's own loss, not fused); 0 elsewhere
@@ -392,7 +393,8 @@ def act_units(model: Profiled) -> tuple[ActUnit, ...]:
                 if u.fused_loss else {"grad": u.logits_bytes})  # fmt: skip
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
                            u.partial_bytes, u.partial_extra_bytes, u.pieces, piece_kept=u.piece_kept, **loss,
-                           micro_batches=g, last_piece_share=u.last_piece_share))  # fmt: skip
+                           piece_kept_at=u.piece_kept_at, micro_batches=g,
+                           last_piece_share=u.last_piece_share))  # fmt: skip
         prev = u.output_bytes
     return tuple(out)
 

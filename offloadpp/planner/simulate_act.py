@@ -120,6 +120,7 @@ class ActReplay:
         self.wait_s = 0.0  # forward waiting for copies out
         self.rest: dict[str, int] = {}  # a partial unit's bytes fetched with its backward, not before
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
+        self._subs: dict[str, tuple] = {}  # unit -> its forward's parts where its records are saved
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -148,12 +149,51 @@ class ActReplay:
         The pieces' FLOPs are not in the profile: a piece's share of the compute is its share of
         the bytes it moves (its input and its matmuls' outputs, which grow with its FLOPs)."""
         pol = self.policy(unit)
+        sub = self._sub_parts(unit)
+        if sub:
+            return tuple((share, sum(recs)) for share, recs in sub)
         pieces = self._window_chunks(unit) or self._piece_bytes(unit)
         if (pol in CHECKPOINT_SWAPS and pol in PARTIAL or self._window_chunks(unit)) and sum(pieces) > 0:
             return tuple((p / sum(pieces), p) for p in pieces)
         if pol == GRAD_IN_FORWARD and unit in self.units:  # (h beside its gradients until its forward ends)
             return ((1.0, self._kept(unit) + self.units[unit].loss_input),)
         return ((1.0, self._held_in(unit) if recomputes(pol) else self._kept(unit)),)
+
+    def _sub_parts(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
+        """A swapped partial unit's forward split where its records are saved (ActUnit.piece_kept
+        and piece_kept_at), as (share of its compute, the records saved at its end): each part's
+        records enter the budget at its start (the runtime's pack hook waits at the save, later)
+        and are copied out from its end (when saved, as the runtime's are), a piece's checkpoint
+        with its first part's (the runtime saves it as the piece starts, earlier). () where the
+        profile does not say when they are saved, for a tail unit (forward_parts' pieces) and a
+        vertical window's unit."""
+        got = self._subs.get(unit)
+        if got is None:
+            got = self._subs[unit] = self._split(unit)
+        return got
+
+    def _split(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
+        u = self.units.get(unit)
+        pol = self.policy(unit)
+        if (
+            u is None or pol == TAIL or pol not in CHECKPOINT_SWAPS or pol not in PARTIAL or u.micro_batches != 1
+            or not u.pieces or len(u.piece_kept_at) != len(u.pieces) or len(u.piece_kept) != len(u.pieces)
+        ):  # fmt: skip
+            return ()
+        pieces = self._piece_bytes(unit)
+        total = sum(pieces)
+        if total <= 0:
+            return ()
+        out: list[tuple[float, tuple[int, ...]]] = []
+        for p, kept, at, nbytes in zip(u.pieces, u.piece_kept, u.piece_kept_at, pieces):
+            share, recs, prev = nbytes / total, [p[1]] if p[1] else [], 0.0
+            for r, a in zip(kept, at):
+                recs.append(r)
+                out.append((share * (a - prev), tuple(recs)))
+                recs, prev = [], a
+            if recs or prev < 1.0:
+                out.append((share * (1.0 - prev), tuple(recs)))
+        return tuple(out)
 
     def _kept(self, unit: str) -> int:
         """What a unit that neither recomputes nor swaps holds from its forward to its backward:
@@ -218,10 +258,10 @@ class ActReplay:
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
         if to in ("host", "ssd") and n > 0:
-            window = self._window_chunks(unit)
-            job = _Out(unit, n, to == "ssd", pieces=window or self._swapped_pieces(unit),
+            window, sub = self._window_chunks(unit), self._sub_parts(unit)
+            job = _Out(unit, n, to == "ssd", pieces=window or tuple(sum(r) for _, r in sub) or self._swapped_pieces(unit),
                        lag=TAIL_PIECES - 1 if pol == TAIL else 0,
-                       parts=() if window else self._swapped_parts(unit))  # fmt: skip
+                       parts=() if window else tuple(r for _, r in sub) or self._swapped_parts(unit))  # fmt: skip
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
@@ -280,7 +320,7 @@ class ActReplay:
         """The unit's backward as shares of its compute: one, or a partial unit's pieces last to
         first (their shares as in forward_parts), between which `next_piece` releases what the
         pieces done held."""
-        if self._window_chunks(unit):  # (a window's backward: its pieces, the micro-batches together)
+        if self._window_chunks(unit) or self._sub_parts(unit):  # (a window's: the micro-batches together)
             pieces = self._piece_bytes(unit)
             return tuple(p / sum(pieces) for p in reversed(pieces)) if sum(pieces) > 0 else (1.0,)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
