@@ -415,6 +415,8 @@ def test_a_tail_keeps_its_last_pieces_and_moves_the_rest():
     that binds."""
     from dataclasses import replace
 
+    from offloadpp.planner.spec import fmt_bytes
+
     pieces = ((10, 100, 0, 0), (300, 100, 250, 50), (10, 100, 0, 0), (20, 100, 150, 0))
     u = ActUnit("b", 340, 100, 1, True, partial=400, partial_extra=50, pieces=pieces)
     assert TAIL_PIECES == 2 and u.tail == 100 + 250
@@ -438,6 +440,15 @@ def test_a_tail_keeps_its_last_pieces_and_moves_the_rest():
     need = need_bytes(act_units(m), {b.name: TAIL for b in blocks})
     plan = replace(r.plan, budgets=replace(r.plan.budgets, activation_bytes=need))  # a budget that binds
     assert 0 < estimate(plan, hw, m, activations={b.name: TAIL for b in blocks}).peak_activation_bytes <= need
+    # the printout's split: the tail kept, the rest in host memory
+    s = Settings(plan="auto", compute_dtype="bf16", activations={"overrides": {blocks[-1].name: TAIL}})
+    text = resolve(s, m.unit_specs(), Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30,
+                   cores=16), hardware=hw, model=m).plan.describe()  # fmt: skip
+    row = next(line for line in text.splitlines() if line.split()[:2] == [blocks[-1].name, TAIL])
+    assert row.split()[4:8] == [
+        *fmt_bytes(blocks[-1].tail).split(),
+        *fmt_bytes(blocks[-1].moved(TAIL)).split(),
+    ]
 
 
 def test_the_block_before_the_head_keeps_its_last_pieces_where_the_room_cannot_keep_it_whole():
