@@ -14,7 +14,7 @@ from offloadpp.bench.device_budget import Case, cases, check
 from offloadpp.planner import Plan, UnitSpec, all_on_ssd
 from offloadpp.planner.peaks import peak_bytes
 from offloadpp.planner.schedule import build_schedule, holds, structure
-from offloadpp.planner.spec import ActivationPolicyName
+from offloadpp.planner.spec import HEAD_ONLY_POLICIES, ActivationPolicyName
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -143,6 +143,7 @@ FAST = (
     Case("llama", 1, 96, 1024, 3, 8, "fp32", 1.0, "partial_ssd", False, "standin", seed=3),
     Case("gpt2", 3, 64, 128, 1, 16, "bf16", 1.0, "auto", True, "cpu", seed=4),
     Case("gpt2", 2, 64, 256, 2, 16, "bf16", 1.0, "recompute_nested_host", False, "standin", seed=5),
+    Case("llama", 2, 64, 256, 2, 16, "fp16", 1.0, "partial_host_tail", True, "standin", seed=6),
 )
 
 
@@ -163,4 +164,5 @@ def test_the_sweep_is_seeded_and_spans_its_ranges():
     assert min(c.vocab for c in a) == 64 and max(c.vocab for c in a) == 4096
     assert {c.clipping > 0 for c in a} == {True, False} and {c.fused for c in a} == {True, False}
     assert {c.device for c in a} == {"cpu", "standin"} and {c.accumulation for c in a} == {1, 2}
-    assert {c.policy for c in a} == set(typing.get_args(ActivationPolicyName))
+    # (the fused head's own policies are no policy of every unit: spec.HEAD_ONLY_POLICIES)
+    assert {c.policy for c in a} == set(typing.get_args(ActivationPolicyName)) - set(HEAD_ONLY_POLICIES)

@@ -16,6 +16,8 @@ from test_planner import GPT2, cpu_hw
 from offloadpp.planner import InfeasibleError, Machine, PlanError, Settings, resolve
 from offloadpp.planner.act_candidates import HEAD_TWIN_SHARE, ActPlanner
 from offloadpp.planner.activations import (
+    TAIL,
+    TAIL_PIECES,
     ActUnit,
     act_units,
     backward_bytes,
@@ -402,3 +404,104 @@ def test_the_head_twin_makes_its_gradients_in_forward_where_that_fits():
     tight = need_bytes(units, {**{b.name: "recompute_ssd" for b in blocks}, "head": "recompute"})
     heads = {c.as_dict()["head"] for c in ActPlanner(units, {}, device="cuda").candidates(tight)}
     assert "recompute" in heads and "grad_in_forward" not in heads, heads
+
+
+def test_a_tail_keeps_its_last_pieces_and_moves_the_rest():
+    """partial_host_tail (planner/activations.py, Note on the tail): the last TAIL_PIECES pieces'
+    checkpoints and kept outputs stay from forward to backward, the others move as partial_host's;
+    a piece's records leave once the TAIL_PIECES-th piece after it opens, so its forward holds
+    three pieces' at once; its backward holds what partial_host's does. The replay copies out
+    the tails' bytes less than partial_host, and its peak stays within the need under a budget
+    that binds."""
+    from dataclasses import replace
+
+    from offloadpp.planner.spec import fmt_bytes
+
+    pieces = ((10, 100, 0, 0), (300, 100, 250, 50), (10, 100, 0, 0), (20, 100, 150, 0))
+    u = ActUnit("b", 340, 100, 1, True, partial=400, partial_extra=50, pieces=pieces)
+    assert TAIL_PIECES == 2 and u.tail == 100 + 250
+    assert held_bytes(u, TAIL) == 350 and u.moved(TAIL) == u.moved("partial_host") - 350 == 450
+    assert forward_bytes(u, TAIL) == 350 + 100 + 250 > forward_bytes(u, "partial_host")
+    assert backward_bytes(u, TAIL) == backward_bytes(u, "partial_host")
+    assert split_bytes(u, TAIL) == {**split_bytes(u, "partial_host"), "kept": 350, "host": 450}
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64, compute_dtype="bf16")
+    # (compute slow beside the link: every copy out is done before backward wants it, none cancelled)
+    hw = cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=25.0, d2h_gbps=25.0, cpu_cores=16,
+                device_flops_per_s={"fp32": 1e10, "bf16": 1e10}, compute_slowdown_under_adam=1.0,
+                adam_slowdown_under_compute=1.0)  # fmt: skip
+    r = resolve(Settings(plan="auto", compute_dtype="bf16"), m.unit_specs(),
+                Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=16),
+                hardware=hw, model=m)  # fmt: skip
+    blocks = [a for a in act_units(m) if a.name.startswith("transformer.h.")]
+    est = {
+        p: estimate(r.plan, hw, m, activations={b.name: p for b in blocks}) for p in ("partial_host", TAIL)
+    }
+    assert est["partial_host"].d2h_bytes - est[TAIL].d2h_bytes == sum(b.tail for b in blocks) > 0
+    need = need_bytes(act_units(m), {b.name: TAIL for b in blocks})
+    plan = replace(r.plan, budgets=replace(r.plan.budgets, activation_bytes=need))  # a budget that binds
+    assert 0 < estimate(plan, hw, m, activations={b.name: TAIL for b in blocks}).peak_activation_bytes <= need
+    # the printout's split: the tail kept, the rest in host memory
+    s = Settings(plan="auto", compute_dtype="bf16", activations={"overrides": {blocks[-1].name: TAIL}})
+    text = resolve(s, m.unit_specs(), Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30,
+                   cores=16), hardware=hw, model=m).plan.describe()  # fmt: skip
+    row = next(line for line in text.splitlines() if line.split()[:2] == [blocks[-1].name, TAIL])
+    assert row.split()[4:8] == [
+        *fmt_bytes(blocks[-1].tail).split(),
+        *fmt_bytes(blocks[-1].moved(TAIL)).split(),
+    ]
+
+
+def test_the_block_before_the_head_keeps_its_last_pieces_where_the_room_cannot_keep_it_whole():
+    """Where the head's logits are a large share of the room (the head twin), a choice whose unit
+    just before the head is partial_host is offered again with it partial_host_tail, where that
+    fits the room and keeping it whole (partial) does not; nowhere else (GPT-3 13B's width, 4
+    blocks, micro-batch 128: a block's partial bytes are 15 GiB, the head's logits 12.3 GiB)."""
+    cfg = {**_paper("gpt3-13b.config.json"), "n_layer": 4}
+    units = act_units(analytic_profile(cfg, micro_batch=128, seq_len=1024, compute_dtype="fp16"))
+    blocks = [u.name for u in units if ".h." in u.name]
+    base = {**{b: "partial_host" for b in blocks}, "head": "grad_in_forward"}
+    room = need_bytes(units, {**base, blocks[-1]: TAIL})
+    assert need_bytes(units, {**base, blocks[-1]: "partial"}) > room >= units[-1].logits
+    found = [c.as_dict() for c in ActPlanner(units, {}, device="cuda").candidates(room)]
+    assert {"embed": "keep", **base, blocks[-1]: TAIL} in found, found
+    assert all(c[b] != TAIL for c in found for b in blocks[:-1])
+    roomy = need_bytes(units, {**base, blocks[-1]: "partial"})  # keeping it whole fits: no tail
+    assert all(
+        c[blocks[-1]] != TAIL
+        for c in (c.as_dict() for c in ActPlanner(units, {}, device="cuda").candidates(roomy))
+    )
+
+
+def test_the_replay_copies_a_swapped_pieces_records_one_by_one_from_their_saves():
+    """The runtime copies each record out on its own (a piece's checkpoint, each storage of its
+    kept outputs) from when it is saved, and frees its bytes when that copy ends
+    (runtime/activations/swap.py); the replay does the same where the profile knows the pieces'
+    kept storages (piece_kept) and when each is saved (piece_kept_at): forward, waiting on the
+    link under a budget that binds, waits less than with the records freed one by one but
+    copied from the piece's end, and that less than with each piece leaving as one, for the same
+    bytes moved. A piece_kept (or piece_kept_at) that does not fit the pieces is refused."""
+    from dataclasses import replace
+
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64, compute_dtype="bf16")
+    blocks = [u for u in m.units if u.name.startswith("transformer.h.")]
+    assert all(len(u.piece_kept) == len(u.pieces) and max(map(len, u.piece_kept)) > 1 for u in blocks)
+    # (each piece as one record; its records, freed one by one; and copied out from their saves)
+    coarse = replace(m, units=tuple(replace(u, piece_kept=(), piece_kept_at=()) for u in m.units))
+    unsaved = replace(m, units=tuple(replace(u, piece_kept_at=()) for u in m.units))
+    hw = cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=1.0, d2h_gbps=1.0, cpu_cores=16,
+                device_flops_per_s={"fp32": 1e12, "bf16": 1e12}, compute_slowdown_under_adam=1.0,
+                adam_slowdown_under_compute=1.0)  # fmt: skip
+    r = resolve(Settings(plan="auto", compute_dtype="bf16"), m.unit_specs(),
+                Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=16),
+                hardware=hw, model=m)  # fmt: skip
+    acts = {u.name: "partial_host" for u in blocks}
+    need = need_bytes(act_units(m), acts)
+    plan = replace(r.plan, budgets=replace(r.plan.budgets, activation_bytes=need))
+    fine, freed, whole = (estimate(plan, hw, p, activations=acts) for p in (m, unsaved, coarse))
+    assert fine.forward_s < freed.forward_s < whole.forward_s, (fine, freed, whole)
+    assert fine.d2h_bytes == freed.d2h_bytes == whole.d2h_bytes
+    assert fine.peak_activation_bytes <= need
+    with pytest.raises(ModelProfileError, match="piece_kept must"):
+        replace(blocks[0], piece_kept=((1,),) * len(blocks[0].pieces))
+    with pytest.raises(ModelProfileError, match="piece_kept_at must"):
+        replace(blocks[0], piece_kept_at=tuple((1.0, 0.5)[: len(k)] for k in blocks[0].piece_kept))

@@ -32,6 +32,7 @@ from .activations import (
     NESTED,
     NESTED_SWAPS,
     SWAPPING,
+    TAIL,
     ActUnit,
     held_bytes,
     need_bytes,
@@ -237,7 +238,9 @@ class ActPlanner:
         if heads:  # (see the Note on the head's loss)
             twin = ActPlanner(self.units, {**self.fixed, **{n: "recompute" for n in heads}}, device=self.device,
                               host_bytes=self.host_bytes, mixes=self.mixes)  # fmt: skip
-            found += [self._grads_in_forward(c, heads, room) for c in twin._families(room)]
+            for c in twin._families(room):
+                c = self._grads_in_forward(c, heads, room)
+                found += [c] + self._tails(c, heads, room)
         seen, out = set(), []
         for c in found:
             if c.need_bytes <= room and c.policies not in seen:
@@ -255,6 +258,26 @@ class ActPlanner:
             f"{c.label}, head gradients in forward", {**c.as_dict(), **{n: GRAD_IN_FORWARD for n in heads}}
         )
         return grads if grads.need_bytes <= room else replace(c, label=f"{c.label}, head recomputed")
+
+    def _tails(self, c: ActChoice, heads: list[str], room: int) -> list[ActChoice]:
+        """The choice with the unit just before the head keeping its last pieces on the device
+        (partial_host_tail, see the Note on the tail) where it is partial_host and the room cannot
+        keep it whole (partial): the head's forward follows it at once, and its backward comes
+        first, so what it keeps is neither copied out nor fetched back; [] elsewhere. (Only on
+        the head twin: each choice costs a replay.)"""
+        pol = c.as_dict()
+        names = [u.name for u in self.units]
+        before = {names[names.index(h) - 1] for h in heads if names.index(h) > 0}
+        out = []
+        for n in sorted(before):
+            if pol.get(n) != "partial_host" or n in self.fixed:
+                continue
+            if self._choice(c.label, {**pol, n: "partial"}).need_bytes <= room:
+                continue  # (it fits whole: the families keep it partial where that pays)
+            tail = self._choice(f"{c.label}, {n} keeps its last pieces", {**pol, n: TAIL})
+            if tail.need_bytes <= room:
+                out.append(tail)
+        return out
 
     def _family(self, room: int, again: str = "recompute") -> list[ActChoice]:
         """again: the recompute policy of the family (recompute, or recompute_nested: its label

@@ -23,6 +23,9 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              (partial_host, partial_ssd); backward runs only the cheap operators again (norms,
              activation functions: no matmul FLOPs), then holds all it saved plus the kept outputs
              autograd does not save (`partial_extra`), until its backward is done.
+  partial_host_tail
+             partial_host, its last TAIL_PIECES pieces' checkpoints and kept outputs kept on the
+             device (see the Note on the tail).
   grad_in_forward
              a fused causal-LM head only (runtime/activations/head.py, Note on gradients in
              forward): its loss's forward makes the gradients of h, W and b and holds them (grad_h
@@ -67,6 +70,20 @@ but the logits and h, and grad_h and the fp32 grad_W instead (`grads_held`), its
 well; nothing moves, nothing runs again, and its backward's FLOPs are counted in its forward
 (`forward_moved`). The twin of the candidates is made with it as with the recompute.
 
+Note: the tail. A partial_host_tail unit (runtime/activations/policy.py) keeps the records of
+its last TAIL_PIECES pieces on the device (for a block: the second norm's checkpoint and the
+MLP's kept outputs, `ActUnit.tail`) and moves the others as partial_host does; a piece's records
+are held back until the TAIL_PIECES-th piece after it opens, so its forward holds up to
+TAIL_PIECES + 1 pieces' at once (`forward_bytes`), and what it holds from forward to backward is
+its tail. Backward starts with the kept pieces and needs the swapped ones only after them (the
+runtime fetches the last swapped piece first: backward.py `_fetch_floor`); the replay lets the
+unit's backward start once the swapped bytes can be back by the time its kept pieces' backward is
+done (simulate_act.py `_tail_credit`). Offered for the unit just before a fused head where the
+room cannot keep it whole (act_candidates.py `_tails`): the head's forward follows it at once and
+its backward comes first, so what it keeps is neither copied out nor fetched back. It does not
+shorten forward where forward waits on the link: what the tail keeps is room the copies cannot
+use, so forward still waits until the bytes produced before the head less the room are out.
+
 The choices the planner scores are made in act_candidates.py (ActPlanner).
 """
 
@@ -95,7 +112,7 @@ LOSS_CHUNK_ELEMS = 1 << 24
 
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
             "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd",
-            "grad_in_forward")  # fmt: skip
+            "grad_in_forward", "partial_host_tail")  # fmt: skip
 GRAD_IN_FORWARD = "grad_in_forward"  # (a fused head's only: see the Note on the head's loss)
 # nothing of the unit stays on the device between its forward and its backward
 SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",
@@ -105,11 +122,14 @@ CHECKPOINT_SWAPS = {
     "recompute_ssd": "ssd",
     "partial_host": "host",
     "partial_ssd": "ssd",
+    "partial_host_tail": "host",  # (but its last pieces' bytes: kept, see the Note on the tail)
     "recompute_nested_host": "host",
     "recompute_nested_ssd": "ssd",
 }
 RECOMPUTE = frozenset(("recompute", "recompute_host", "recompute_ssd"))
-PARTIAL = frozenset(("partial", "partial_host", "partial_ssd"))
+PARTIAL = frozenset(("partial", "partial_host", "partial_ssd", "partial_host_tail"))
+TAIL = "partial_host_tail"  # (see the Note on the tail)
+TAIL_PIECES = 2  # the pieces a partial_host_tail unit keeps: a block's second norm and its MLP
 NESTED = frozenset(("recompute_nested", "recompute_nested_host", "recompute_nested_ssd"))
 NESTED_SWAPS = frozenset(("recompute_nested_host", "recompute_nested_ssd"))
 
@@ -147,6 +167,9 @@ class ActUnit:
     # a partial unit's pieces (the children of its root), forward order: (saved, inputs, partial,
     # partial_extra) each; () where it is one piece
     pieces: tuple[tuple[int, int, int, int], ...] = ()
+    # per piece, the storages of its kept outputs in save order (UnitProfile.piece_kept; () not known)
+    piece_kept: tuple[tuple[int, ...], ...] = ()
+    piece_kept_at: tuple[tuple[float, ...], ...] = ()  # (when each is saved: UnitProfile.piece_kept_at)
     # a causal LM's head (see the Note on the head's loss): of `saved`, the logits a recompute
     # computes again chunk by chunk, and the loss's input, kept beside the checkpoint; the
     # logits' gradient its backward holds whole (the model's own loss, not fused); 0 elsewhere
@@ -179,9 +202,19 @@ class ActUnit:
         gradient (one for each micro-batch of a vertical window)."""
         return self.saved - self.logits + self.weight_grad
 
+    @property
+    def tail(self) -> int:
+        """What a partial_host_tail unit keeps on the device from its forward to its backward: its
+        last TAIL_PIECES pieces' checkpoints and kept outputs (all of them where it has no more)."""
+        if not self.pieces:
+            return self.partial_inputs + self.partial
+        return sum(p[1] + p[2] for p in self.pieces[-TAIL_PIECES:])
+
     def moved(self, policy: str) -> int:
         """Bytes that leave the device between its forward and its backward (swapping policies)."""
         policy = _head(self, policy)
+        if policy == TAIL:
+            return self.partial_inputs + self.partial - self.tail
         if policy in PARTIAL:
             return self.partial_inputs + self.partial
         return self.checkpoint if recomputes(policy) else self.saved
@@ -216,6 +249,8 @@ def held_bytes(u: ActUnit, policy: str) -> int:
         return u.partial_inputs + u.partial
     if policy == GRAD_IN_FORWARD:
         return u.grads_held
+    if policy == TAIL:
+        return u.tail
     return u.saved if policy == "keep" else u.checkpoint if policy in ("recompute", "recompute_nested") else 0
 
 
@@ -270,6 +305,9 @@ def forward_bytes(u: ActUnit, policy: str) -> int:
     checkpoints and kept outputs: a swapped one's piece by piece, each piece's waiting for the
     earlier ones' copies), as the replay counts them (simulate_act.py forward_parts)."""
     policy = _head(u, policy)
+    if policy == TAIL:  # (a piece's records leave when the TAIL_PIECES-th after it opens)
+        moved = [p[1] + p[2] for p in u.pieces] or [u.tail]
+        return max(sum(moved[k : k + TAIL_PIECES + 1]) for k in range(len(moved)))
     if policy in PARTIAL and policy in CHECKPOINT_SWAPS and u.pieces:
         return max(p[1] + p[2] for p in u.pieces)
     if policy in PARTIAL:
@@ -296,6 +334,8 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     if policy in PARTIAL:  # the kept outputs autograd saves anyway are not recomputed
         out["recomputed"] = max(0, u.saved - (u.partial - u.partial_extra))
         out[checkpoint_tier(policy)] = u.moved(policy)
+        if policy == TAIL:  # (its last pieces' stay)
+            out["kept"] = u.tail
     elif recomputes(policy):
         out["recomputed"] = u.saved
         out[checkpoint_tier(policy)] = u.checkpoint
@@ -352,7 +392,8 @@ def act_units(model: Profiled) -> tuple[ActUnit, ...]:
                  "weight_grad": u.loss_weight_grad_bytes * g}
                 if u.fused_loss else {"grad": u.logits_bytes})  # fmt: skip
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
-                           u.partial_bytes, u.partial_extra_bytes, u.pieces, **loss, micro_batches=g,
+                           u.partial_bytes, u.partial_extra_bytes, u.pieces, piece_kept=u.piece_kept, **loss,
+                           piece_kept_at=u.piece_kept_at, micro_batches=g,
                            last_piece_share=u.last_piece_share))  # fmt: skip
         prev = u.output_bytes
     return tuple(out)
@@ -370,6 +411,6 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
 
 
 __all__ = ["ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL",
-           "POLICIES", "RECOMPUTE", "SWAPPING", "act_units",
+           "POLICIES", "RECOMPUTE", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units",
            "backward_bytes", "checkpoint_tier", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

@@ -177,7 +177,8 @@ class ReplayOptions:
     adam_threads: the runtime's Adam threads; micro_batches: of one optimizer step;
     activations: per unit "keep" | "host" | "ssd" | "recompute" | "recompute_host" |
     "recompute_ssd" | "partial" | "partial_host" | "partial_ssd" | "recompute_nested" |
-    "recompute_nested_host" | "recompute_nested_ssd" | "grad_in_forward" (a fused head's only)
+    "recompute_nested_host" | "recompute_nested_ssd" | "partial_host_tail" | "grad_in_forward" (a fused
+    head's only)
     (default: the plan's, else keep everything); act_prefetch_units: backward's
     activation read-ahead; link: over several ranks, the ranks per node and the collectives'
     bandwidth (needed there); deferred: for a speculative plan, replay a step that defers its

@@ -48,6 +48,13 @@ class UnitProfile:
     # a partial unit runs each child of its root as a piece (runtime/activations/manager.py, Note
     # on pieces): per piece in forward order (saved, inputs, partial, partial_extra) bytes
     pieces: tuple[tuple[int, int, int, int], ...] = ()
+    # per piece, the storages of its kept outputs (its `partial` bytes) in the order its forward
+    # saves them: each is a record of its own, whose copy out frees its bytes when it ends
+    # (runtime/activations/swap.py); () where not known: a piece's kept outputs count as one
+    piece_kept: tuple[tuple[int, ...], ...] = ()
+    # and for each of those storages the share of its piece's forward FLOPs run when it is saved
+    # (the end of the matmul or attention that makes it); () where not known
+    piece_kept_at: tuple[tuple[float, ...], ...] = ()
     # of forward_flops, the share in the root's last child (a block's MLP), which a nested recompute
     # runs once (runtime/activations/nested.py, Note on nested); 0: not known (it runs twice)
     last_piece_share: float = 0.0
@@ -87,6 +94,20 @@ class UnitProfile:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
                 raise ModelProfileError(f"unit {self.name!r}: {name} must be None or seconds >= 0, got {v!r}")
+        if self.piece_kept and [sum(k) for k in self.piece_kept] != [p[2] for p in self.pieces]:
+            raise ModelProfileError(
+                f"unit {self.name!r}: piece_kept must give each piece's kept storages, summing to its "
+                f"partial bytes {[p[2] for p in self.pieces]}, got {[list(k) for k in self.piece_kept]}"
+            )
+        at = self.piece_kept_at
+        if at and (
+            [len(a) for a in at] != [len(k) for k in self.piece_kept]
+            or any(not 0 <= x <= y <= 1 for a in at for x, y in zip((0.0,) + tuple(a), a))
+        ):
+            raise ModelProfileError(
+                f"unit {self.name!r}: piece_kept_at must give, for each of piece_kept's storages, a "
+                f"non-decreasing share of its piece's FLOPs in [0, 1], got {[list(a) for a in at]}"
+            )
 
     def spec(self) -> UnitSpec:
         return UnitSpec(self.name, self.numel, tuple(self.borrows), self.backward_needs_weights,
@@ -201,7 +222,9 @@ class ModelProfile:
         kw = dict(d)
         kw["units"] = tuple(
             UnitProfile(**{**u, "borrows": tuple(u.get("borrows", ())),
-                           "pieces": tuple(tuple(int(x) for x in p) for p in u.get("pieces", ()))})
+                           "pieces": tuple(tuple(int(x) for x in p) for p in u.get("pieces", ())),
+                           "piece_kept": tuple(tuple(int(x) for x in p) for p in u.get("piece_kept", ())),
+                           "piece_kept_at": tuple(tuple(float(x) for x in p) for p in u.get("piece_kept_at", ()))})
             for u in d["units"]
         )  # fmt: skip
         kw["gemms"] = tuple(tuple(int(x) for x in g) for g in d.get("gemms", ()))
@@ -306,11 +329,18 @@ def analytic_profile(
         norm = (x, x, 0, 0)
         pieces = (norm, (5 * x + lse, 0, 5 * x + lse, x), norm,
                   (x + wide * t * inner * eb, 0, x + t * inner * eb, x))  # fmt: skip
+        # (the kept storages in save order: c_attn's q/k/v, the attention's output and statistics,
+        # c_proj's; c_fc's, the MLP's c_proj's)
+        kept = ((), (3 * x, x, lse, x), (), (t * inner * eb, x))
+        qkv, core, proj = 6 * t * d * d, 4 * b * s * s * d, 2 * t * d * d  # (the attention's FLOPs)
+        a = (qkv / (qkv + core + proj), (qkv + core) / (qkv + core + proj))
+        kept_at = ((), (a[0], a[1], a[1], 1.0), (), (0.5, 1.0))  # (c_fc and c_proj: as many FLOPs)
         units += [
             UnitProfile(f"transformer.h.{i}", block_numel, 2 * t * lin + 4 * b * s * s * d,
                         2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb,
                         partial_bytes=sum(p[2] for p in pieces), partial_extra_bytes=sum(p[3] for p in pieces),
-                        pieces=pieces, last_piece_share=4 * t * d * inner / (2 * t * lin + 4 * b * s * s * d))
+                        pieces=pieces, piece_kept=kept, piece_kept_at=kept_at,
+                        last_piece_share=4 * t * d * inner / (2 * t * lin + 4 * b * s * s * d))
             for i in range(n_layer)
         ]  # fmt: skip
         head_numel = 2 * d + (0 if tied else vocab * d)
@@ -347,11 +377,19 @@ def analytic_profile(
         norm = (2 * x, x, 0, 0)
         pieces = (norm, (x + 2 * q + 2 * k + lse, 0, 2 * q + 2 * k + lse + x, q + k + x), norm,
                   (x + 4 * f, 0, 2 * f + x, x))  # fmt: skip
+        kept = (
+            (),
+            (q, k, k, q, lse, x),
+            (),
+            (f, f, x),
+        )  # (q/k/v's, the attention's, o_proj's; gate, up, down)
+        fl = (q, k, k, attn_flops * eb / (2 * d), 0, q)  # (the FLOPs that make each, over 2 x width / eb)
+        kept_at = ((), tuple(sum(fl[: i + 1]) / sum(fl) for i in range(len(fl))), (), (1 / 3, 2 / 3, 1.0))
         units += [
             UnitProfile(f"model.layers.{i}", block_numel, 2 * t * lin + attn_flops, 2 * (2 * t * lin + attn_flops),
                         act_elems * eb, t * d * eb, partial_bytes=sum(p[2] for p in pieces),
-                        partial_extra_bytes=sum(p[3] for p in pieces), pieces=pieces,
-                        last_piece_share=6 * t * d * ff / (2 * t * lin + attn_flops))
+                        partial_extra_bytes=sum(p[3] for p in pieces), pieces=pieces, piece_kept=kept,
+                        piece_kept_at=kept_at, last_piece_share=6 * t * d * ff / (2 * t * lin + attn_flops))
             for i in range(n_layer)
         ]  # fmt: skip
         units.append(UnitProfile("head", d + (0 if tied else vocab * d), 2 * t * d * vocab, 4 * t * d * vocab,

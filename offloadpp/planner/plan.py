@@ -233,7 +233,7 @@ class Plan:
     # Per unit in forward order, (bytes its forward saves, bytes of its activation checkpoint:
     # its inputs) from the model profile the plan was made with; () when none. Only for the
     # printout's per-unit split (kept, host, ssd, recomputed): the runtime measures its own.
-    activation_sizes: tuple[tuple[int, int, int, int], ...] = field(default=(), compare=False)
+    activation_sizes: tuple[tuple[int, int, int, int, int], ...] = field(default=(), compare=False)
     # Vertical accumulation (Settings.accumulation, decided by decide.accumulation): a window of
     # `micro_batches` micro-batches driven whole (train_batch, the Trainer's window) visits each
     # unit once in forward over every micro-batch and once in backward, the unit's gradient summed
@@ -289,9 +289,9 @@ class Plan:
 
     def _check_activations(self) -> None:
         object.__setattr__(self, "activations", tuple(self.activations))  # a plan file gives a list
-        # (saved, checkpoint, kept by partial, of it not saved) per unit; a pair from an older plan
-        # file: no partial
-        sizes = tuple(tuple(int(x) for x in (tuple(sz) + (0, 0))[:4]) for sz in self.activation_sizes)
+        # (saved, checkpoint, kept by partial, of it not saved, a partial_host_tail's kept tail) per
+        # unit; fewer from an older plan file: no partial, no tail
+        sizes = tuple(tuple(int(x) for x in (tuple(sz) + (0, 0, 0))[:5]) for sz in self.activation_sizes)
         if sizes and len(sizes) != len(self.units):
             raise PlanError(
                 f"activation_sizes must give one entry per unit ({len(self.units)}), got {len(sizes)}"

@@ -542,9 +542,10 @@ def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
     """The plan with each unit's saved and checkpoint bytes from the model profile (printout);
     a partial unit's kept bytes count its pieces' checkpoints beyond its own inputs (the second
     norm's: what it moves is inputs + kept)."""
-    sizes = {a.name: (a.saved, a.checkpoint, a.partial + a.partial_inputs - a.inputs if a.partial else 0, a.partial_extra)
+    sizes = {a.name: (a.saved, a.checkpoint, a.partial + a.partial_inputs - a.inputs if a.partial else 0, a.partial_extra,
+                      a.tail if a.partial else 0)
              for a in act_units(model)}  # fmt: skip
-    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0, 0, 0)) for u in plan.units))
+    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0, 0, 0, 0)) for u in plan.units))
 
 
 def with_activation_policies(plan: Plan, settings: Settings) -> Plan:

@@ -18,6 +18,9 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
   partial, partial_host, partial_ssd
              as recompute, the outputs of the matmuls and attention held (or moved) with the
              checkpoint; the recompute runs no matmul (only the per-visit time is added).
+  partial_host_tail
+             partial_host but its last TAIL_PIECES pieces, kept (planner/activations.py, Note on
+             the tail): a piece is copied out once the TAIL_PIECES-th after it was saved.
   grad_in_forward
              a fused head's: nothing moves nor runs again; it holds its gradients from its
              forward to its backward (ActUnit.grads_held), and its backward's time is in its
@@ -50,6 +53,8 @@ from .activations import (
     PARTIAL,
     POLICIES,
     SWAPPING,
+    TAIL,
+    TAIL_PIECES,
     ActUnit,
     backward_bytes,
     piece_peaks,
@@ -93,6 +98,8 @@ class _Out:
     pieces: tuple[int, ...] = ()  # a partial unit's pieces: copied out one by one, each freed when done
     produced: int = 1  # of those, how many its forward has saved so far
     copied: int = 0  # and how many are copied out
+    lag: int = 0  # a piece is copied once this many more pieces were saved (partial_host_tail's)
+    parts: tuple[tuple[int, ...], ...] = ()  # per piece, its records' bytes (_swapped_parts)
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,7 @@ class ActReplay:
         self.wait_s = 0.0  # forward waiting for copies out
         self.rest: dict[str, int] = {}  # a partial unit's bytes fetched with its backward, not before
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
+        self._subs: dict[str, tuple] = {}  # unit -> its forward's parts where its records are saved
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -166,12 +174,51 @@ class ActReplay:
         The pieces' FLOPs are not in the profile: a piece's share of the compute is its share of
         the bytes it moves (its input and its matmuls' outputs, which grow with its FLOPs)."""
         pol = self.policy(unit)
+        sub = self._sub_parts(unit)
+        if sub:
+            return tuple((share, sum(recs)) for share, recs in sub)
         pieces = self._window_chunks(unit) or self._piece_bytes(unit)
         if (pol in CHECKPOINT_SWAPS and pol in PARTIAL or self._window_chunks(unit)) and sum(pieces) > 0:
             return tuple((p / sum(pieces), p) for p in pieces)
         if pol == GRAD_IN_FORWARD and unit in self.units:  # (h beside its gradients until its forward ends)
             return ((1.0, self._kept(unit) + self.units[unit].loss_input),)
         return ((1.0, self._held_in(unit) if recomputes(pol) else self._kept(unit)),)
+
+    def _sub_parts(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
+        """A swapped partial unit's forward split where its records are saved (ActUnit.piece_kept
+        and piece_kept_at), as (share of its compute, the records saved at its end): each part's
+        records enter the budget at its start (the runtime's pack hook waits at the save, later)
+        and are copied out from its end (when saved, as the runtime's are), a piece's checkpoint
+        with its first part's (the runtime saves it as the piece starts, earlier). () where the
+        profile does not say when they are saved, for a tail unit (forward_parts' pieces) and a
+        vertical window's unit."""
+        got = self._subs.get(unit)
+        if got is None:
+            got = self._subs[unit] = self._split(unit)
+        return got
+
+    def _split(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
+        u = self.units.get(unit)
+        pol = self.policy(unit)
+        if (
+            u is None or pol == TAIL or pol not in CHECKPOINT_SWAPS or pol not in PARTIAL or u.micro_batches != 1
+            or not u.pieces or len(u.piece_kept_at) != len(u.pieces) or len(u.piece_kept) != len(u.pieces)
+        ):  # fmt: skip
+            return ()
+        pieces = self._piece_bytes(unit)
+        total = sum(pieces)
+        if total <= 0:
+            return ()
+        out: list[tuple[float, tuple[int, ...]]] = []
+        for p, kept, at, nbytes in zip(u.pieces, u.piece_kept, u.piece_kept_at, pieces):
+            share, recs, prev = nbytes / total, [p[1]] if p[1] else [], 0.0
+            for r, a in zip(kept, at):
+                recs.append(r)
+                out.append((share * (a - prev), tuple(recs)))
+                recs, prev = [], a
+            if recs or prev < 1.0:
+                out.append((share * (1.0 - prev), tuple(recs)))
+        return tuple(out)
 
     def _kept(self, unit: str) -> int:
         """What a unit that neither recomputes nor swaps holds from its forward to its backward:
@@ -224,7 +271,9 @@ class ActReplay:
     def _stalled(self, job: _Out) -> bool:
         """The worker cannot copy more of `job` until the forward saves its next piece (on CUDA
         pieces are copied as they come, on the CPU the unit's bytes in one memmove)."""
-        return job.produced < len(job.pieces) and (not self.sim.cuda or job.copied >= job.produced)
+        return job.produced < len(job.pieces) + job.lag and (
+            not self.sim.cuda or job.copied + job.lag >= job.produced
+        )
 
     def after_forward(self, unit: str, part: int = 0) -> None:
         """Part `part` of the unit's forward (forward_parts) is done: at the first, its copy out
@@ -242,7 +291,10 @@ class ActReplay:
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
         if to in ("host", "ssd") and n > 0:
-            job = _Out(unit, n, to == "ssd", pieces=self._window_chunks(unit) or self._piece_bytes(unit))
+            window, sub = self._window_chunks(unit), self._sub_parts(unit)
+            job = _Out(unit, n, to == "ssd", pieces=window or tuple(sum(r) for _, r in sub) or self._swapped_pieces(unit),
+                       lag=TAIL_PIECES - 1 if pol == TAIL else 0,
+                       parts=() if window else tuple(r for _, r in sub) or self._swapped_parts(unit))  # fmt: skip
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
@@ -259,7 +311,8 @@ class ActReplay:
         else:  # what it recomputes is counted before any prefetch
             # (its inputs among them; a partial unit's pieces, fetched and recomputed one by one,
             # can hold less than all they moved: counted as one change, no passing peak)
-            grow = rest + self._recomputed(unit) - self._held_in(unit)
+            # (a partial_host_tail unit's last piece, kept since its forward, is among them)
+            grow = rest + self._recomputed(unit) - self._held_in(unit) - self._tail(unit)
             # copies out still running (the replay starts a unit's copies at its forward's end, the
             # runtime as each tensor is saved): wait for them as the runtime's would have ended
             while self.budget is not None and self.device_bytes + grow > self.budget and self.inflight:
@@ -301,7 +354,7 @@ class ActReplay:
         """The unit's backward as shares of its compute: one, or a partial unit's pieces last to
         first (their shares as in forward_parts), between which `next_piece` releases what the
         pieces done held."""
-        if self._window_chunks(unit):  # (a window's backward: its pieces, the micro-batches together)
+        if self._window_chunks(unit) or self._sub_parts(unit):  # (a window's: the micro-batches together)
             pieces = self._piece_bytes(unit)
             return tuple(p / sum(pieces) for p in reversed(pieces)) if sum(pieces) > 0 else (1.0,)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
@@ -344,6 +397,29 @@ class ActReplay:
             return ()
         return tuple(p[1] + p[2] for p in u.pieces)
 
+    def _swapped_pieces(self, unit: str) -> tuple[int, ...]:
+        """The pieces whose bytes leave the device: a partial_host_tail unit's but its last
+        TAIL_PIECES (kept on the device, see planner/activations.py's Note on the tail);
+        _piece_bytes otherwise."""
+        pieces = self._piece_bytes(unit)
+        return pieces[:-TAIL_PIECES] if self.policy(unit) == TAIL else pieces
+
+    def _swapped_parts(self, unit: str) -> tuple[tuple[int, ...], ...]:
+        """Per swapped piece, its records' bytes in save order (its checkpoint, then the storages
+        of its kept outputs: ActUnit.piece_kept): the worker copies them one by one, each freeing
+        its device bytes when its copy ends, as the runtime's copies out do; () where the profile
+        does not know them (a piece then leaves as one)."""
+        u = self.units.get(unit)
+        pieces = self._swapped_pieces(unit)
+        if u is None or not pieces or len(u.piece_kept) != len(u.pieces):
+            return ()
+        return tuple(((p[1],) if p[1] else ()) + k for p, k in zip(u.pieces[: len(pieces)], u.piece_kept))
+
+    def _tail(self, unit: str) -> int:
+        """What a partial_host_tail unit keeps on the device from its forward to its backward."""
+        u = self.units.get(unit)
+        return u.tail if u is not None and self.policy(unit) == TAIL else 0
+
     @_per_unit
     def _held_in(self, unit: str) -> int:
         """What a recomputing unit holds (or moves) between its forward and its backward: its
@@ -371,7 +447,7 @@ class ActReplay:
             return True
         # a partial unit's pieces are fetched piece by piece: its backward starts once its last
         # piece's bytes are back (the others come back during it), a prefetch needs room for those
-        chunks = self._window_chunks(unit) or self._piece_bytes(
+        chunks = self._window_chunks(unit) or self._swapped_pieces(
             unit
         )  # (a window's: its last micro-batch's first)
         first = chunks[-1] if chunks else job.nbytes
@@ -390,8 +466,26 @@ class ActReplay:
         job.back = True
         self._add(first)
         self.rest[unit] = job.nbytes - first
+        if self._tail(unit) and isinstance(done, float):  # (see _tail_credit)
+            done = max(sim.t, done - self._tail_credit(unit))
         self.ready[unit] = (done, h2d, job.nbytes)
         return True
+
+    def _tail_credit(self, unit: str) -> float:
+        """A partial_host_tail unit's backward starts with its kept pieces, and needs its swapped
+        ones only once those are done: its backward time in the kept pieces that run before it
+        reads a swapped byte (a piece whose input is derived from the previous piece's output
+        recomputes that piece's checkpoint first: planner/activations.py, Note on the tail)."""
+        u = self.units[unit]
+        shares = self.backward_parts(unit)  # (last to first)
+        kept, credit = len(u.pieces) - len(self._swapped_pieces(unit)), 0.0
+        for k in range(kept):
+            piece = u.pieces[len(u.pieces) - 1 - k]
+            if piece[1] == 0 and k == kept - 1:  # (its input is made again from a swapped piece's)
+                break
+            credit += shares[k]
+        work = self.sim.costs.backward_s[unit] + self.sim.costs.backward_visit_s + self.recompute_s(unit)
+        return credit * work
 
     # ---- the activation worker -------------------------------------------------------------
     def worker(self) -> Iterator:
@@ -405,16 +499,17 @@ class ActReplay:
             job.started = True
             if sim.cuda:
                 for k, part in enumerate(job.pieces or (job.nbytes,)):
-                    if k >= job.produced:  # this piece's forward has not run yet
-                        yield ("cond", lambda job=job, k=k: job.produced > k)
-                    done = sim.d2h.submit(sim.t, part, write=False)
-                    if done > sim.t:
-                        yield ("until", done)
-                    self.device_bytes -= part  # this piece's copy is out: its device bytes are free
+                    if k + job.lag >= job.produced:  # this piece's forward (or the lag's) has not run yet
+                        yield ("cond", lambda job=job, k=k: job.produced > k + job.lag)
+                    for rec in job.parts[k] if job.parts else (part,):  # (its records one by one)
+                        done = sim.d2h.submit(sim.t, rec, write=False)
+                        if done > sim.t:
+                            yield ("until", done)
+                        self.device_bytes -= rec  # this record's copy is out: its device bytes are free
                     job.copied += 1
             else:
-                if job.produced < len(job.pieces):
-                    yield ("cond", lambda job=job: job.produced >= len(job.pieces))
+                if job.produced < len(job.pieces) + job.lag:
+                    yield ("cond", lambda job=job: job.produced >= len(job.pieces) + job.lag)
                 yield ("cpu", job.nbytes / sim.costs.memcpy_bps)
                 self.device_bytes -= job.nbytes  # the copy is out: the device bytes are free
             self.swapped_bytes += job.nbytes

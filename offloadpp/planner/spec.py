@@ -23,14 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 ComputeDtype = Literal["fp32", "bf16", "fp16"]
 ActivationPolicyName = Literal[
     "keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd",
-    "recompute_nested", "recompute_nested_host", "recompute_nested_ssd", "grad_in_forward", "auto",
+    "recompute_nested", "recompute_nested_host", "recompute_nested_ssd", "grad_in_forward", "partial_host_tail",
+    "auto",
 ]  # fmt: skip
 # Bytes per element of the dtypes the runtime uses, by the names the settings use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPUTE_DTYPES = tuple(DTYPE_BYTES)
 ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial",
                        "partial_host", "partial_ssd", "recompute_nested", "recompute_nested_host",
-                       "recompute_nested_ssd", "grad_in_forward", "auto")  # fmt: skip
+                       "recompute_nested_ssd", "grad_in_forward", "partial_host_tail", "auto")  # fmt: skip
 # the fused head's own policy (runtime/activations/head.py, Note on gradients in forward): a
 # per-unit override of the head's unit, never the policy of every unit
 HEAD_ONLY_POLICIES = ("grad_in_forward",)
@@ -79,7 +80,9 @@ class ActivationSettings(_Frozen):
         or swapped with the checkpoint; only the cheap operators run again), "recompute_nested" /
         "recompute_nested_host" / "recompute_nested_ssd" (recompute from the one checkpoint kept or
         swapped as recompute*'s, holding the block's pieces' boundaries, then each piece again
-        when backward reaches it: one piece's saved tensors at a time), or "auto": the planner chooses per unit (plan
+        when backward reaches it: one piece's saved tensors at a time), "partial_host_tail"
+        (partial_host, the records of the unit's last two pieces kept on the device: a block's
+        second norm and MLP, which backward needs first), or "auto": the planner chooses per unit (plan
         "auto": by the cost model, within the room the placement leaves; otherwise keep what fits
         the budget, the fewest FLOPs per byte first, then host, then SSD; with no budget, keep).
     overrides: per-unit policies by unit name (unknown names are refused when the units are known).

@@ -128,7 +128,7 @@ def activation_ssd_bytes(plan: Plan) -> Optional[int]:
     if not plan.activation_sizes:
         return None
     total = 0
-    for a, (saved, ckpt, partial, extra) in zip(policies, plan.activation_sizes):
+    for a, (saved, ckpt, partial, extra, _) in zip(policies, plan.activation_sizes):
         if a not in SWAPPING or not a.endswith("ssd"):
             continue
         n = split_bytes(ActUnit("", saved, ckpt, 0, True, partial, extra), a)["ssd"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from offloadpp.planner.activations import TAIL_PIECES
+
 from .recompute import Segment
 from .records import RecState
 from .states import SegState
@@ -93,6 +95,8 @@ class ManagerBackward:
         """The first of u's records its next `pieces` recomputes need: a partial unit's pieces are
         fetched piece by piece (see the Note on pieces), any other unit's records all at once."""
         todo = [seg for seg in u.segments if seg.state is SegState.SAVED]
+        if u.policy.tail:  # (its last pieces' records are on the device: the next swapped ones)
+            pieces += max(0, len(todo) - max(0, len(u.segments) - TAIL_PIECES))
         if not u.policy.partial or len(todo) <= pieces:
             return 0
         return todo[len(todo) - pieces].first_record

@@ -60,6 +60,7 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_leaves, tree_map
 
 from offloadpp.planner import ActivationSettings
+from offloadpp.planner.activations import TAIL_PIECES
 
 from ..accel import Accelerator, accelerator
 from .backward import ManagerBackward
@@ -226,6 +227,8 @@ class ActivationManager(ManagerBackward, ManagerReports):
         owner = next((u for u in self.units if any(m is lin for r in u.roots for m in r.modules())), None)
         if owner is None:
             return
+        if owner.policy is ActPolicy.PARTIAL_HOST_TAIL:  # (its logits, the matmul's output, move
+            owner.policy = ActPolicy.PARTIAL_HOST  # as partial_host's: as the planner counts it)
         self._fused = FusedHead(self._model, lin, scope=functools.partial(self._head_scope, owner),
                                 mode=lambda: head_mode(owner.policy), gate=lambda: self._active,
                                 on_backward=functools.partial(self._head_backward, owner))  # fmt: skip
@@ -313,6 +316,8 @@ class ActivationManager(ManagerBackward, ManagerReports):
         return None
 
     def _open_segment(self, unit: UnitActivations, module, args, kwargs) -> Segment:
+        for rec in unit.open_piece(TAIL_PIECES) if unit.policy.tail else ():  # (policy.py)
+            self.swapper.swap_out(rec)
         first = len(unit.records)
         if unit.policy.partial and unit.segments:  # the previous piece's output, derived again
             prev = unit.segments[-1]
@@ -473,7 +478,9 @@ class ActivationManager(ManagerBackward, ManagerReports):
             rec = SavedStorage(unit, policy, st, weak, t._version)
             sw.make_room(rec.nbytes, self.budget)
             sw.hold(rec)
-            if policy.swaps:
+            if policy.swaps and unit.policy.tail and unit.held_back:
+                unit.held_back[-1].append(rec)  # (swapped once TAIL_PIECES more pieces opened)
+            elif policy.swaps:
                 sw.swap_out(rec)
             self._index[weak] = rec
             unit.saved_bytes += rec.nbytes

@@ -22,6 +22,13 @@
                runs the unit's forward again from the checkpoint, handing those outputs back
                instead of running their operators, so only the cheap ones (norms, activation
                functions, reshapes) are recomputed (partial.py, Note on partial).
+    partial_host_tail
+               as partial_host, but the records of the unit's last TAIL_PIECES pieces (for a
+               transformer block: the second norm's checkpoint and the MLP's kept outputs, which
+               backward needs first) stay on the device: each piece's records are held back
+               while it runs and the next one does, and are swapped out when the piece after
+               that opens, so the unit's last pieces are never copied (Note on the tail, in
+               planner/activations.py, which prices it).
     grad_in_forward
                the fused head's unit only (head.py, Note on gradients in forward): its loss's
                forward makes the gradients of h, W and b chunk by chunk, holds them (grad_h in
@@ -57,6 +64,7 @@ class ActPolicy(str, Enum):
     PARTIAL_HOST = "partial_host"
     PARTIAL_SSD = "partial_ssd"
     GRAD_IN_FORWARD = "grad_in_forward"
+    PARTIAL_HOST_TAIL = "partial_host_tail"
     AUTO = "auto"
 
     @property
@@ -70,7 +78,17 @@ class ActPolicy(str, Enum):
 
     @property
     def partial(self) -> bool:
-        return self in (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD)
+        return self in (
+            ActPolicy.PARTIAL,
+            ActPolicy.PARTIAL_HOST,
+            ActPolicy.PARTIAL_SSD,
+            ActPolicy.PARTIAL_HOST_TAIL,
+        )
+
+    @property
+    def tail(self) -> bool:
+        """Keeps its last TAIL_PIECES pieces' records on the device, swaps the others."""
+        return self is ActPolicy.PARTIAL_HOST_TAIL
 
     @property
     def nested(self) -> bool:
@@ -89,7 +107,7 @@ _NESTED = frozenset(
 )
 _RECOMPUTING = _NESTED | frozenset(
     (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
-    + (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD)
+    + (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
 )
 _CHECKPOINT = {
     ActPolicy.RECOMPUTE_HOST: ActPolicy.HOST,
@@ -97,6 +115,7 @@ _CHECKPOINT = {
     ActPolicy.RECOMPUTE_NESTED_HOST: ActPolicy.HOST,
     ActPolicy.RECOMPUTE_NESTED_SSD: ActPolicy.SSD,
     ActPolicy.PARTIAL_HOST: ActPolicy.HOST,
+    ActPolicy.PARTIAL_HOST_TAIL: ActPolicy.HOST,
     ActPolicy.PARTIAL_SSD: ActPolicy.SSD,
 }
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from .policy import ActPolicy
 from .recompute import Segment
-from .records import ParamIndex, SavedStorage
+from .records import ParamIndex, RecState, SavedStorage
 
 
 class ActPhase(enum.Enum):
@@ -32,6 +32,7 @@ class UnitActivations:
         self.records: list[SavedStorage] = []  # in pack order
         self.segments: list[Segment] = []
         self.fetch_cursor = 0  # records[:fetch_cursor] are not asked for yet (fetched from the end)
+        self.held_back: list[list[SavedStorage]] = []  # partial_host_tail: its last pieces' records
         self.saved_bytes = 0  # bytes of the storages it saved first, this step
         self.flops = 0
         self.params = ParamIndex()
@@ -39,10 +40,20 @@ class UnitActivations:
     def __repr__(self) -> str:
         return f"UnitActivations({self.name!r}, {self.policy.value}, {self.phase.value})"
 
+    def open_piece(self, keep: int) -> list[SavedStorage]:
+        """partial_host_tail (policy.py): a piece opens, its records are held back on the device;
+        those of the pieces more than `keep` back are returned, to be swapped out now."""
+        self.held_back.append([])
+        out: list[SavedStorage] = []
+        while len(self.held_back) > keep:
+            out += [r for r in self.held_back.pop(0) if r.state is RecState.DEVICE]
+        return out
+
     def reset(self) -> None:
         self.phase = ActPhase.IDLE
         self.position = -1
         self.records = []
         self.segments = []
         self.fetch_cursor = 0
+        self.held_back = []
         self.saved_bytes = 0
