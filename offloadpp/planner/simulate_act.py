@@ -107,6 +107,7 @@ class ActReplay:
         self.peak_bytes = 0
         self.wait_s = 0.0  # forward waiting for copies out
         self.rest: dict[str, int] = {}  # a partial unit's bytes fetched with its backward, not before
+        self.rest_up: dict[str, int] = {}  # of those, in host memory: copied up from its backward on
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
 
     def policy(self, unit: str) -> str:
@@ -204,6 +205,8 @@ class ActReplay:
         wait for its own."""
         self._fetch(unit, force=True)
         rest = self.rest.pop(unit, 0)  # (its other pieces' bytes come back during its backward)
+        if self.rest_up.get(unit):
+            self.sim.h2d.submit(self.sim.t, self.rest_up.pop(unit), write=False)
         if not recomputes(self.policy(unit)):
             self._add(rest)
         else:  # what it recomputes is counted before any prefetch
@@ -331,8 +334,10 @@ class ActReplay:
             done: When = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
         elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
             done, h2d = sim.h2d.submit(sim.t, first, write=False), False
-            if job.nbytes > first:
-                sim.h2d.submit(done, job.nbytes - first, write=False)
+            # (the other pieces' copies up start at its backward, as the runtime fetches them one
+            # piece ahead of its recompute (runtime/activations/backward.py): queued now, they
+            # would hold the link ahead of the weights the units before it need first)
+            self.rest_up[unit] = job.nbytes - first
         else:
             done = sim.t
         job.back = True
