@@ -141,6 +141,7 @@ class ActReplay:
         self.peak_bytes = 0
         self.wait_s = 0.0  # forward waiting for copies out
         self.rest: dict[str, int] = {}  # a partial unit's bytes fetched with its backward, not before
+        self.rest_up: dict[str, int] = {}  # of those, in host memory: copied up from its backward on
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
         self._subs: dict[str, tuple] = {}  # unit -> its forward's parts where its records are saved
 
@@ -306,6 +307,7 @@ class ActReplay:
         wait for its own."""
         self._fetch(unit, force=True)
         rest = self.rest.pop(unit, 0)  # (its other pieces' bytes come back during its backward)
+        self._rest_up(unit, after_read=False)
         if not recomputes(self.policy(unit)):
             self._add(rest)
         else:  # what it recomputes is counted before any prefetch
@@ -328,6 +330,7 @@ class ActReplay:
         if r is None and unit in self.out:  # fetched while its copy was running: ready when it ends
             yield ("cond", lambda: self.out[unit].copy_done is not None)
             self._fetch(unit, force=True)
+            self._rest_up(unit, after_read=False)
             r = self.ready.get(unit)
         if r is not None:
             got, h2d, nbytes = r
@@ -335,10 +338,21 @@ class ActReplay:
                 yield ("wait", (got,))
             if h2d:  # CUDA: copied up once the bytes are in host memory (the read's end)
                 t = self.sim.h2d.submit(when(got), nbytes, write=False)
+                self._rest_up(unit, after_read=True)  # (a partial unit's other pieces: not waited for)
                 if t > self.sim.t:
                     yield ("until", t)
         self.out.pop(unit, None)
         self.ready.pop(unit, None)
+
+    def _rest_up(self, unit: str, after_read: bool) -> None:
+        """A partial unit's pieces but the one its backward starts with are copied up from its
+        backward on, behind that one, as the runtime fetches them one piece ahead of their
+        recompute (runtime/activations/backward.py); queued at its prefetch they would hold the
+        link ahead of the weights the units before it need first. Read from SSD (after_read),
+        once its read is done; in host memory, now."""
+        r = self.ready.get(unit)
+        if unit in self.rest_up and r is not None and r[1] == after_read:
+            self.sim.h2d.submit(self.sim.t, self.rest_up.pop(unit), write=False)
 
     def _prefetch_after(self, unit: str) -> None:
         for name in self.backward_order[
@@ -459,16 +473,16 @@ class ActReplay:
             done: When = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
         elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
             done, h2d = sim.h2d.submit(sim.t, first, write=False), False
-            if job.nbytes > first:
-                sim.h2d.submit(done, job.nbytes - first, write=False)
         else:
             done = sim.t
+        if sim.cuda and job.nbytes > first:  # (the other pieces: _rest_up)
+            self.rest_up[unit] = job.nbytes - first
         job.back = True
         self._add(first)
         self.rest[unit] = job.nbytes - first
         if self._tail(unit) and isinstance(done, float):  # (see _tail_credit)
             done = max(sim.t, done - self._tail_credit(unit))
-        self.ready[unit] = (done, h2d, job.nbytes)
+        self.ready[unit] = (done, h2d, first)
         return True
 
     def _tail_credit(self, unit: str) -> float:
