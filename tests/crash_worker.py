@@ -108,25 +108,21 @@ class Marks:
         return struct.unpack_from("<q", self._m, 16)[0] - 1
 
 
-def raise_keyboard_interrupt_saying_where(marks: Marks) -> None:
-    """SIGINT raises KeyboardInterrupt as Python's default handler does, first noting where: in
-    the marked phase if offloadpp's code is on the stack, else IDLE. The mark alone cannot say:
-    a signal sent while the child was marked in a step may be raised a moment later, after the
-    step returned (in the test's own code, where the engine has nothing to report)."""
-    import signal
-
+def note_where_interrupted(marks: Marks, e: KeyboardInterrupt) -> None:
+    """Notes where a Ctrl-C's KeyboardInterrupt was raised: in the marked phase if offloadpp's
+    code was on the stack (its traceback passes through the package), else IDLE. The mark alone
+    cannot say: a signal sent while the child was marked in a step may be raised a moment later,
+    after the step returned (in the test's own code, where the engine has nothing to report).
+    Read from the traceback, not in a SIGINT handler of the test's own: the runtime holds Ctrl-C
+    in a step's end only under Python's default handler (transaction.holding_interrupts), as a
+    script run from a terminal has it."""
     import offloadpp
 
     pkg = os.path.dirname(offloadpp.__file__) + os.sep
-
-    def handler(signum, frame):
-        f = frame
-        while f is not None and not f.f_code.co_filename.startswith(pkg):
-            f = f.f_back
-        marks.set_landed(marks.get()[0] if f is not None else IDLE)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handler)
+    tb = e.__traceback__
+    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(pkg):
+        tb = tb.tb_next
+    marks.set_landed(marks.get()[0] if tb is not None else IDLE)
 
 
 def train(root: str, clip: float, marks: Marks | None = None, times=None) -> None:
@@ -248,13 +244,16 @@ def zygote() -> None:
                 # (`make test &`, nohup) inherits SIGINT ignored, and the child would never see one
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 m = Marks(marks)
-                raise_keyboard_interrupt_saying_where(m)
                 _own_tqdm_lock()
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
                 err = os.open(os.path.join(root, "stderr"), os.O_WRONLY | os.O_CREAT, 0o644)
                 os.dup2(err, 2)
-                train(root, clip, m)  # Ctrl-C: the KeyboardInterrupt ends the interpreter
+                try:
+                    train(root, clip, m)
+                except KeyboardInterrupt as e:  # Ctrl-C: the KeyboardInterrupt ends the interpreter
+                    note_where_interrupted(m, e)
+                    raise
                 os._exit(0)
             print(f"@@ {pid}", flush=True)
         elif cmd == "wait":
