@@ -406,6 +406,18 @@ def test_the_head_twin_makes_its_gradients_in_forward_where_that_fits():
     assert "recompute" in heads and "grad_in_forward" not in heads, heads
 
 
+def _gpu_plan(m, *, link_gbps: float, flops: float):
+    """A test GPU (link both ways at link_gbps, bf16 at `flops`, no slowdowns under Adam) and
+    `auto`'s bf16 plan for the model profile m with 8 GiB of device and host memory."""
+    hw = cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=link_gbps, d2h_gbps=link_gbps, cpu_cores=16,
+                device_flops_per_s={"fp32": flops, "bf16": flops}, compute_slowdown_under_adam=1.0,
+                adam_slowdown_under_compute=1.0)  # fmt: skip
+    r = resolve(Settings(plan="auto", compute_dtype="bf16"), m.unit_specs(),
+                Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=16),
+                hardware=hw, model=m)  # fmt: skip
+    return hw, r
+
+
 def test_a_tail_keeps_its_last_pieces_and_moves_the_rest():
     """partial_host_tail (planner/activations.py, Note on the tail): the last TAIL_PIECES pieces'
     checkpoints and kept outputs stay from forward to backward, the others move as partial_host's;
@@ -426,12 +438,7 @@ def test_a_tail_keeps_its_last_pieces_and_moves_the_rest():
     assert split_bytes(u, TAIL) == {**split_bytes(u, "partial_host"), "kept": 350, "host": 450}
     m = analytic_profile(GPT2, micro_batch=4, seq_len=64, compute_dtype="bf16")
     # (compute slow beside the link: every copy out is done before backward wants it, none cancelled)
-    hw = cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=25.0, d2h_gbps=25.0, cpu_cores=16,
-                device_flops_per_s={"fp32": 1e10, "bf16": 1e10}, compute_slowdown_under_adam=1.0,
-                adam_slowdown_under_compute=1.0)  # fmt: skip
-    r = resolve(Settings(plan="auto", compute_dtype="bf16"), m.unit_specs(),
-                Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=16),
-                hardware=hw, model=m)  # fmt: skip
+    hw, r = _gpu_plan(m, link_gbps=25.0, flops=1e10)
     blocks = [a for a in act_units(m) if a.name.startswith("transformer.h.")]
     est = {
         p: estimate(r.plan, hw, m, activations={b.name: p for b in blocks}) for p in ("partial_host", TAIL)
@@ -488,12 +495,7 @@ def test_the_replay_copies_a_swapped_pieces_records_one_by_one_from_their_saves(
     # (each piece as one record; its records, freed one by one; and copied out from their saves)
     coarse = replace(m, units=tuple(replace(u, piece_kept=(), piece_kept_at=()) for u in m.units))
     unsaved = replace(m, units=tuple(replace(u, piece_kept_at=()) for u in m.units))
-    hw = cpu_hw(device="cuda", device_name="test gpu", h2d_gbps=1.0, d2h_gbps=1.0, cpu_cores=16,
-                device_flops_per_s={"fp32": 1e12, "bf16": 1e12}, compute_slowdown_under_adam=1.0,
-                adam_slowdown_under_compute=1.0)  # fmt: skip
-    r = resolve(Settings(plan="auto", compute_dtype="bf16"), m.unit_specs(),
-                Machine("cuda", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=16),
-                hardware=hw, model=m)  # fmt: skip
+    hw, r = _gpu_plan(m, link_gbps=1.0, flops=1e12)
     acts = {u.name: "partial_host" for u in blocks}
     need = need_bytes(act_units(m), acts)
     plan = replace(r.plan, budgets=replace(r.plan.budgets, activation_bytes=need))
