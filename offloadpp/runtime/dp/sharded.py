@@ -91,6 +91,16 @@ class GatheredWeights:
     def refresh(self) -> None:
         pass  # the worker gathers a resident unit after its update, in its place in the job order
 
+    def regathered(self, event) -> None:
+        """A resident unit gathered again in place (after its update, or a checkpoint's load):
+        the next bind's compute, and the host shard's reuse (`last_copy`), wait for `event`
+        (place_and_gather's; None without copies)."""
+        if not self.resident:
+            raise RuntimeError(
+                f"{self.source.key}: only resident gathered weights are gathered again in place"
+            )
+        self._event = event
+
     @property
     def last_copy(self):
         return self.copy_done(site="gathered.host_reuse")

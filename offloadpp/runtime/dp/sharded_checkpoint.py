@@ -327,7 +327,8 @@ def _regather_resident(units: list[Unit], dp: DataParallel) -> None:
         # with copies: the next bind's compute waits for the gather (gathered.bind), and the
         # shard's host buffer goes back after the copy up reads it (gathered.host_reuse); the
         # host waited for it here once, on a method events do not have (on every copies device)
-        u.weights._event = dp.fetch.run(lambda: place_and_gather(u, shard, full, dp, u.device, worker=False))  # noqa: B023
+        gathered = dp.fetch.run(lambda: place_and_gather(u, shard, full, dp, u.device, worker=False))  # noqa: B023
+        u.weights.regathered(gathered)
         u.compute.release(Hold.EXPORT, after=(u.weights.last_copy,))
 
 

@@ -166,7 +166,7 @@ class ShardedOptimizerPipeline(OptimizerPipeline):
         accel = self.device.accel
         accel.thread_init()  # (the worker's thread)
         accel.wait_event(self.device.h2d, job.compute_done, site="dp.regather_after_compute")
-        u.weights._event = place_and_gather(u, src, u.weights.tensor, self.dp, self.device, worker=True)
+        u.weights.regathered(place_and_gather(u, src, u.weights.tensor, self.dp, self.device, worker=True))
 
     # ---- completion (main thread) -----------------------------------------------------------
     def _complete(self, job: _Job, done) -> None:
