@@ -179,11 +179,14 @@ def test_the_profiler_measures_what_the_analytic_profile_counts_for_the_mlp_piec
     assert sum(t.untyped_storage().nbytes() for t in plain.values()) > measured
 
 
-def test_the_engine_trains_a_llama_like_torch_adamw_and_its_blocks_save_less(tmp_path, monkeypatch):
-    """Three AdamW steps under the engine (keep, and partial_host: the MLP's forward replayed
-    with its kept matmuls) equal torch's AdamW on the plain model within 1e-5; each block's saved
-    bytes are the plain blocks' less two tensors at the inner width (the activation's output and
-    the product), as the analytic profile counts; the manager's remove restores the class."""
+@pytest.mark.parametrize("device", ["cpu", "standin"])
+def test_the_engine_trains_a_llama_like_torch_adamw_and_its_blocks_save_less(tmp_path, monkeypatch, device):
+    """Three AdamW steps under the engine, on the CPU and on the stand-in (keep, and partial_host:
+    the MLP's forward replayed with its kept matmuls), equal torch's AdamW on the plain model
+    within 1e-5; each block's saved bytes are the plain blocks' less two tensors at the inner
+    width (the activation's output and the product), as the analytic profile counts; the
+    manager's remove restores the class."""
+    from conftest import set_device
     from numerics import compare_weights
     from test_activations_engine import _tiny, _torch_adamw, config
     from transformers.models.llama.modeling_llama import LlamaMLP
@@ -191,6 +194,7 @@ def test_the_engine_trains_a_llama_like_torch_adamw_and_its_blocks_save_less(tmp
     from offloadpp.assemble import assemble_engine
     from offloadpp.optim import AdamHyper
 
+    set_device(monkeypatch, device)
     lr = 1e-3
     ref = _tiny("llama")
     data = [torch.randint(0, ref.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(i))
