@@ -20,7 +20,7 @@ LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, intermedia
              num_key_value_heads=2, vocab_size=128)  # fmt: skip
 
 
-def _mlp(family: str, dtype=torch.float32, **kw):
+def _mlp(family: str, dtype=torch.float32, width: int = 64, inner: int = 160, **kw):
     from transformers.models.llama.modeling_llama import LlamaMLP
     from transformers.models.mistral.modeling_mistral import MistralMLP
     from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
@@ -28,7 +28,7 @@ def _mlp(family: str, dtype=torch.float32, **kw):
     cls, config = {"llama": (LlamaMLP, transformers.LlamaConfig), "mistral": (MistralMLP, transformers.MistralConfig),
                    "qwen2": (Qwen2MLP, transformers.Qwen2Config)}[family]  # fmt: skip
     torch.manual_seed(0)
-    return cls(config(hidden_size=64, intermediate_size=160, **kw)).to(dtype)
+    return cls(config(hidden_size=width, intermediate_size=inner, **kw)).to(dtype)
 
 
 def _run(m, x, g):
@@ -74,6 +74,28 @@ def test_output_and_gradients_bit_identical_and_only_x_gate_and_up_saved(family,
     assert shapes == [(3, 7, 160), (3, 7, 160), (21, 64)], shapes  # x (the matmuls' view), gate, up
     restore_swiglu(held)
     assert type(m) is cls
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bit_identical_on_cuda_whole_and_within_rounding_in_pieces(monkeypatch, dtype):
+    """On a GPU (scripts/gpu_check.sh): the matmuls of the substitute's backward are the calls
+    autograd makes (cuBLAS on the same layouts), so the output and gradients equal the plain
+    module's bit for bit; in pieces of rows the elementwise gradients are within rounding."""
+    m = _mlp("llama", dtype, width=512, inner=1376).cuda()
+    x = torch.randn(4, 256, 512, dtype=dtype, device="cuda", requires_grad=True)
+    g = torch.randn(4, 256, 512, dtype=dtype, device="cuda")
+    y0, g0, _ = _run(m, x, g)
+    held = substitute_swiglu([m])
+    y1, g1, saved = _run(m, x, g)
+    assert torch.equal(y0, y1) and _same(g0, g1) and len(saved) == 3
+    monkeypatch.setattr(swiglu, "CHUNK_ELEMS", 100 * 1376)  # pieces of 100 rows, the last one short
+    _, g2, _ = _run(m, x, g)
+    restore_swiglu(held)
+    ulp = torch.finfo(dtype).eps
+    for a, b in zip(g0, g2):
+        assert (a.float() - b.float()).abs().max() <= 2 * ulp * a.float().abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
