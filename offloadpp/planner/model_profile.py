@@ -267,6 +267,9 @@ class ModelProfile:
 # formula's count unknown here, the tanh form's plain count as a bound (profile the model).
 MLP_SAVED = {name: 2 for name in ("gelu_new", "gelu_fast", "gelu_python_tanh", "gelu", "gelu_pytorch_tanh")}
 MLP_SAVED_OTHER = 5
+# A Llama-family MLP's (down(act(gate(x)) * up(x))) tensors saved at the inner width: gate's and
+# up's outputs, whatever its act_fn (offloadpp/runtime/activations/swiglu.py)
+GATED_MLP_SAVED = 2
 
 
 def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
@@ -363,20 +366,23 @@ def analytic_profile(
         block_numel = attn + 3 * d * ff + 2 * d
         lin = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * ff
         attn_flops = 4 * b * s * s * heads * hd
-        act_elems = t * (6 * d + 2 * heads * hd + 2 * kv * hd + 4 * ff) + 2 * b * s * heads
+        # at the inner width the MLP saves gate's and up's outputs only: the runtime makes the
+        # activation's output and the product again in backward (runtime/activations/swiglu.py),
+        # where plain autograd saves them too (4; peft's LoRA on down_proj: profile the model)
+        act_elems = t * (6 * d + 2 * heads * hd + 2 * kv * hd + GATED_MLP_SAVED * ff) + 2 * b * s * heads
         units = [UnitProfile("embed", vocab * d, 0, 0, 8 * t, t * d * eb, (), False)]
         # partial keeps q/k/v, the attention output and statistics, gate and up (saved anyway), and
         # o_proj's and down's outputs (not saved)
         # pieces: the two norms (2 x width each), self_attn (its input, rotated q/k, v, the output
         # and statistics; keeps q/k/v's projections, the output and o_proj's: q/k's projections
-        # and o_proj's are not saved otherwise), mlp (its input, gate, up, their activation and
-        # product; keeps gate, up and down's outputs); the attention's and the MLP's inputs are
-        # the norms' outputs, derived again (as for GPT-2 above)
+        # and o_proj's are not saved otherwise), mlp (its input, gate and up: their activation
+        # and product are made again in backward; keeps gate, up and down's outputs); the
+        # attention's and the MLP's inputs are the norms' outputs, derived again (as for GPT-2)
         x, q, k, f = t * d * eb, t * heads * hd * eb, t * kv * hd * eb, t * ff * eb
         lse = 2 * b * s * heads * eb
         norm = (2 * x, x, 0, 0)
         pieces = (norm, (x + 2 * q + 2 * k + lse, 0, 2 * q + 2 * k + lse + x, q + k + x), norm,
-                  (x + 4 * f, 0, 2 * f + x, x))  # fmt: skip
+                  (x + GATED_MLP_SAVED * f, 0, 2 * f + x, x))  # fmt: skip
         kept = (
             (),
             (q, k, k, q, lse, x),

@@ -8,7 +8,8 @@ Note: what is measured, and how.
   activation bytes  a saved_tensors_hooks pack hook charges every tensor autograd saves to the
              unit running, once per storage, parameters (and views of them) excluded: what the
              unit keeps alive from its forward to its backward, with the runtime's tanh-form
-             GELU in place (offloadpp/runtime/activations/gelu.py: it saves only its input).
+             GELU in place (offloadpp/runtime/activations/gelu.py: it saves only its input) and
+             its Llama MLP (swiglu.py: its input, gate's and up's outputs).
   output bytes  the unit's output tensors (what stays if the unit is recomputed).
   time       `repeats` further iterations with only the boundary hooks: forward visit j runs
              from unit j's first module to unit j+1's (the last includes the loss), backward
@@ -115,6 +116,7 @@ class ModelProfiler:
         from offloadpp.runtime.activations.gelu import substitute_gelu
         from offloadpp.runtime.activations.head import KEEP_LOGITS, FusedHead, fusable_head
         from offloadpp.runtime.activations.loss import causal_lm, substitute_loss, uses_causal_lm_loss
+        from offloadpp.runtime.activations.swiglu import substitute_swiglu
         from offloadpp.runtime.partition import find_units, layout_units
 
         self.model, self.batch, self.compute_dtype, self.name = model, batch, compute_dtype, name
@@ -128,6 +130,8 @@ class ModelProfiler:
         # measure what the runtime saves: its GELU saving only its input
         # (offloadpp/runtime/activations/gelu.py)
         self.gelus = substitute_gelu(modules[q] for d in defs for q in d.modules)
+        # and Llama's MLP saving its input, gate's and up's outputs only (swiglu.py)
+        self.swiglus = substitute_swiglu(modules[q] for d in defs for q in d.modules)
         # and its loss saving the logits only (offloadpp/runtime/activations/loss.py), fused with
         # the head's matmul (head.py) where the runtime fuses them: the head's saved bytes are its
         # input and the logits (its policy keeping them), its FLOPs the matmul's, both charged to it
@@ -157,10 +161,12 @@ class ModelProfiler:
     def close(self) -> None:
         from offloadpp.runtime.activations.gelu import restore_gelu
         from offloadpp.runtime.activations.loss import restore_loss
+        from offloadpp.runtime.activations.swiglu import restore_swiglu
 
         self.rec.remove()
         restore_gelu(self.gelus)
-        self.gelus = []
+        restore_swiglu(self.swiglus)
+        self.gelus, self.swiglus = [], []
         if self.fused is not None:
             self.fused.remove()
             self.fused = None

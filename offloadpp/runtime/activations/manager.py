@@ -84,6 +84,7 @@ from .records import (
 from .reports import ManagerReports
 from .states import SegState
 from .swap import Swapper
+from .swiglu import restore_swiglu, substitute_swiglu
 from .units import ActPhase, UnitActivations
 
 log = logging.getLogger("offloadpp.runtime")
@@ -144,6 +145,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
         self.swapper = Swapper(self.accel, store, key_prefix=key_prefix, host_budget_bytes=None)
         self._handles: list = []
         self._gelus: list[nn.Module] = []
+        self._swiglus: list[nn.Module] = []
         self._loss = None
         self._fused: Optional[FusedHead] = None  # the fused head (head.py), where it applies
         self._head_owner: Optional[UnitActivations] = None  # the unit that owns its output embedding
@@ -190,6 +192,8 @@ class ActivationManager(ManagerBackward, ManagerReports):
     def install(self) -> None:
         # GELU's formula saving only its input (gelu.py's Note); undone by remove()
         self._gelus = substitute_gelu(m for u in self.units for m in u.roots)
+        # Llama's MLP saving its input, gate's and up's outputs only (swiglu.py's Note)
+        self._swiglus = substitute_swiglu(m for u in self.units for m in u.roots)
         # the loss saving the logits only (offloadpp/runtime/activations/loss.py)
         self._loss = substitute_loss(self._model)
         self._install_fused_head()
@@ -211,7 +215,8 @@ class ActivationManager(ManagerBackward, ManagerReports):
             h.remove()
         self._handles.clear()
         restore_gelu(self._gelus)
-        self._gelus = []
+        restore_swiglu(self._swiglus)
+        self._gelus, self._swiglus = [], []
         if self._fused is not None:
             self._fused.remove()
             self._fused = None
