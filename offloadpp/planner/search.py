@@ -62,7 +62,7 @@ MAX_OPTIM = 3
 TIE_FRAC = 0.01
 # the robust pick chooses only among candidates this close to the best nominal estimate: what it
 # may give up on the measured machine for a slow SSD's sake (see _robust_pick's Note)
-NOMINAL_GIVE = 0.02
+NOMINAL_GIVE = 0.01
 ROBUST_WINDOW = 0.25  # the search replays candidates this far above the best estimate
 ROBUST_MAX = 24
 # beyond MANY_UNITS units (cost.py: a replay walks every visit of each step) at most
@@ -174,7 +174,7 @@ def remembering() -> Iterator[None]:
 
 
 def _enumerated(hardware: HardwareProfile, model: ModelProfile, req: Request) -> _Enumerated:
-    key = (id(hardware), id(model), repr(replace(req, beat_s=None)))
+    key = (id(hardware), id(model), repr(replace(req, beat_s=None, prefer=None)))
     e = _REMEMBERED.get(key) if _REMEMBERED is not None else None
     if e is not None and e.hardware is hardware and e.model is model:
         return e
@@ -293,11 +293,14 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
             replayed += 1
     total = sum(len(g[3]) for g in groups)
     cands.sort(key=lambda c: c.estimate.step_s)
-    best = (
-        cands[0]
-        if beaten
-        else _robust_pick(cands, hardware, model, req, slow_s, lambda p, a: score(p, a, on_slow=True))
-    )
+    if req.prefer is not None:
+        best = next((c for c in cands if (c.label, c.activations) == req.prefer), None)
+        if best is None:
+            raise PlanError(f"the search replayed no candidate {req.prefer[0]!r} (Request.prefer)")
+    elif beaten:
+        best = cands[0]
+    else:
+        best = _robust_pick(cands, hardware, model, req, slow_s, lambda p, a: score(p, a, on_slow=True))
     notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
              f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound"
              + (f"; none left could beat another schedule's {req.beat_s:.3f} s" if beaten else "") + ")",)  # fmt: skip
