@@ -483,6 +483,7 @@ def test_auto_takes_the_windows_candidate_whose_loop_holds_where_its_pick_slows_
     assert r.loop_estimate.step_s <= times["horizontal"] * (1 + LOOP_SLOWDOWN_TOLERANCE)
     forced = _gpt2_window(8, 4, gradient_clipping=1.0, accumulation="vertical")
     assert forced.plan.vertical and forced.loop_estimate.step_s > 1.02 * times["horizontal"]
+    assert any(f"the search's pick ({forced.estimate.step_s:.3f} s) would slow" in n for n in r.plan.notes)
 
 
 def test_auto_keeps_windows_horizontal_where_every_vertical_candidate_slows_a_loop():

@@ -238,3 +238,9 @@ def loop_candidates(candidates: Sequence, picked, horizontal_s: Optional[float])
             depths.add(at)
             out.append((c.label, c.activations))
     return out
+
+
+def loop_pick_note(pick_s: float, pick_loop_s: float) -> str:
+    """The vertical plan's note where it is not the window search's pick (loop_candidates)."""
+    return (f"the window's plan is the best of its candidates asked whose per-micro-batch loop is no slower than the "
+            f"horizontal plan's: the search's pick ({pick_s:.3f} s) would slow one to {pick_loop_s:.3f} s")  # fmt: skip

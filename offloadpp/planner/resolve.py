@@ -63,6 +63,7 @@ from .decide import (
     deferral_note,
     deferred_where,
     loop_candidates,
+    loop_pick_note,
     optim_prefetch_depth,
     overlap_pays,
     prefetch_depth,
@@ -287,11 +288,9 @@ def _with_window(settings: Settings, given: _Given, saved) -> Resolved:
     def with_loop(v: Resolved, horizontal: Resolved) -> tuple[Resolved, Optional[StepEstimate]]:
         """The vertical plan with the horizontal plan's gradient homes where a loop needs them, and
         its window run by a per-micro-batch loop (its placement, its micro-batches one by one)."""
-        loop_homes = loop_grads_homes(v.plan, horizontal.plan)
-        if loop_homes is not v.plan:
-            fitted, homes_why = fits_per_micro_batch(loop_homes, settings)
-            if homes_why is None:
-                v = replace(v, plan=fitted)
+        homes = loop_grads_homes(v.plan, horizontal.plan)
+        fitted, homes_why = fits_per_micro_batch(homes, settings) if homes is not v.plan else (v.plan, None)
+        v = v if homes_why is not None or fitted is v.plan else replace(v, plan=fitted)
         if hardware is None or model is None:
             return v, None
         return v, estimate(v.plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
@@ -331,6 +330,9 @@ def _with_window(settings: Settings, given: _Given, saved) -> Resolved:
     v, loop = next((o for o in options if accumulation(settings, h_s, o[0].estimate.step_s, None, o[1].step_s)),
                    (v, loop))  # fmt: skip
     v_s = v.estimate.step_s if v_s is not None else None
+    if options and v is not options[0][0]:
+        note = loop_pick_note(options[0][0].estimate.step_s, options[0][1].step_s)
+        v = replace(v, plan=replace(v.plan, notes=v.plan.notes + (note,)))
     vertical = accumulation(settings, h_s, v_s, why, loop_s=loop.step_s if loop is not None else None)
     if not vertical and horizontal.beaten_by is not None:  # (its search stopped at a bar)
         horizontal, h_s = horizontal_of(None)

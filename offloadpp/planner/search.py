@@ -303,7 +303,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     else:
         best = _robust_pick(cands, hardware, model, req, slow_s, lambda p, a: score(p, a, on_slow=True))
     notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
-             f"(best of {replayed} candidates replayed, {total - replayed} left out by their lower bound"
+             f"({'the one asked for' if req.prefer is not None else 'best'} of {replayed} candidates replayed, "
+             f"{total - replayed} left out by their lower bound"
              + (f"; none left could beat another schedule's {req.beat_s:.3f} s" if beaten else "") + ")",)  # fmt: skip
     best_plan = replace(
         best.plan, notes=notes + explain(replace(best.plan, placements=all_on_ssd(units)), best.plan)
