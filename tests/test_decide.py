@@ -150,3 +150,22 @@ def test_auto_accumulation_never_takes_a_plan_that_slows_a_per_micro_batch_loop(
     assert decide.accumulation(auto, 2.0, 1.0, loop_s=2.0 * (1 + 2 * tol)) is False
     assert decide.accumulation(forced, 2.0, 1.0, loop_s=20.0) is True
     assert decide.accumulation(auto, 2.0, 1.0) is True  # (no loop estimate: the windows decide)
+
+
+def test_the_windows_other_candidates_asked_about_the_loop():
+    """decide.loop_candidates' Note: where the window search's pick would slow a loop, its other
+    candidates faster than the horizontal plan are asked in turn, least estimate first, the
+    best of each pair of prefetch depths (the pick's pair is its own), as Request.prefer keys."""
+    from types import SimpleNamespace as NS
+
+    def cand(label, s, k, q=0):
+        plan = NS(prefetch_depth=k, optim_prefetch_depth=q)
+        return NS(label=label, activations=(("h.0", "keep"),), plan=plan, estimate=NS(step_s=s))
+
+    cands = [cand("a", 1.0, 1), cand("b", 1.01, 1), cand("c", 1.02, 2), cand("d", 1.03, 2), cand("e", 1.04, 0),
+             cand("f", 1.05, 1, 1), cand("g", 3.0, 3)]  # fmt: skip
+    got = decide.loop_candidates(cands, cands[0].estimate, 2.0)
+    assert [label for label, _ in got] == ["c", "e", "f"]
+    assert got[0] == ("c", (("h.0", "keep"),))
+    assert [label for label, _ in decide.loop_candidates(cands, cands[2].estimate, 1.045)] == ["a", "e"]
+    assert decide.loop_candidates(cands, cands[0].estimate, None) == []

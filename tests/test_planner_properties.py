@@ -141,7 +141,7 @@ def test_a_13b_block_too_large_to_recompute_whole_recomputes_nested_not_partial(
     assert any(p.startswith("recompute_nested") for p in pts[1].resolved.plan.activations)
 
 
-def test_the_robust_pick_gives_up_at_most_2pc_of_the_nominal_estimate():
+def test_the_robust_pick_gives_up_at_most_nominal_give_of_the_nominal_estimate():
     """Profile 7 (10 GiB device, SSD write 5.0 GB/s), the 7B Llama shape, b32 -> b64: the robust
     pick's tie-break (means within 1% go to fewer SSD bytes) took a nested plan at 110.06 s
     against the best's 102.46 s (17% fewer SSD bytes): 1.111x the time per token of b32. It now
@@ -154,6 +154,22 @@ def test_the_robust_pick_gives_up_at_most_2pc_of_the_nominal_estimate():
     assert batch_violations(pts) == []
     best = min(c.estimate.step_s for c in pts[1].resolved.candidates)
     assert pts[1].step_s <= best * (1 + NOMINAL_GIVE)
+
+
+def test_twice_the_link_never_makes_the_robust_pick_slower():
+    """Profile 2 (bf16), the 7B Llama shape, b128: with twice the link the best estimate is 41.82 s
+    (41.88 s without), and the robust pick took a plan at 42.44 s within its 2% window (its mean
+    on the slow SSD within 1% of the best's, 1.2% fewer SSD bytes): 1.013x the step, over the
+    1% that more of a resource may cost. The pick now gives up at most NOMINAL_GIVE, within
+    MORE_SLACK (the paper's 13B b8 x 4 window, which the 2% kept vertical, stays vertical through
+    decide.loop_candidates: tests/test_resolve.py)."""
+    from offloadpp.bench.planner_properties import MORE_SLACK
+    from offloadpp.planner.search import NOMINAL_GIVE
+
+    assert NOMINAL_GIVE <= MORE_SLACK
+    hw, dtype = random_profile(2)
+    base = plan_point(hw, "llama-7b", 128, dtype)
+    assert more_violation(base, plan_point(more(hw, "link"), "llama-7b", 128, dtype), "link") is None
 
 
 def test_a_partial_units_later_pieces_do_not_hold_the_link_ahead_of_the_weights():

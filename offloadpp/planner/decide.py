@@ -210,3 +210,37 @@ def accumulation(settings, horizontal_s: Optional[float], vertical_s: Optional[f
     if horizontal_s is None or vertical_s is None or vertical_s >= horizontal_s:
         return False
     return loop_s is None or loop_s <= horizontal_s * (1 + LOOP_SLOWDOWN_TOLERANCE)
+
+
+def loop_candidates(candidates: Sequence, picked, horizontal_s: Optional[float]) -> list[tuple]:
+    """The vertical window's candidates to ask, in turn, whether a per-micro-batch loop with them
+    holds, where the search's pick (`picked`: its estimate) would slow one: those estimated
+    faster than the horizontal plan (`horizontal_s`), least estimate first, the pick left out;
+    each as (label, activations), the search's Request.prefer. `candidates`: the window search's
+    (search.Candidate), least estimate first.
+
+    Note: why the pick is not the window's only plan. The search picks the window's plan for the
+    window alone (robustly: search._robust_pick), and "auto" runs it vertically only where a loop
+    with it loses nothing (accumulation). A plan only slightly slower for the window can keep the
+    loop (the paper's 13B b8 x 4 window: the best, 22.229 s, prefetches one unit and slows a loop
+    to 59.2 s against 55.3; the plan at 22.639 s prefetches two and does not); so the choice
+    compares the horizontal plan with the best vertical candidate whose loop holds, not with
+    whatever the pick's tie-break took (that tie-break once had to give up 2% of the estimate for
+    that window to stay vertical, over the 1% that more of a resource may cost: issue 36)."""
+    if horizontal_s is None:
+        return []
+    out, depths = [], set()
+    for c in candidates:
+        at = (c.plan.prefetch_depth, c.plan.optim_prefetch_depth)
+        if c.estimate is picked:
+            depths.add(at)
+        elif c.estimate.step_s < horizontal_s and at not in depths:
+            depths.add(at)
+            out.append((c.label, c.activations))
+    return out
+
+
+def loop_pick_note(pick_s: float, pick_loop_s: float) -> str:
+    """The vertical plan's note where it is not the window search's pick (loop_candidates)."""
+    return (f"the window's plan is the best of its candidates asked whose per-micro-batch loop is no slower than the "
+            f"horizontal plan's: the search's pick ({pick_s:.3f} s) would slow one to {pick_loop_s:.3f} s")  # fmt: skip

@@ -37,6 +37,10 @@ class Request:
     # a plan slower than it loses to it, so once the best replayed is, candidates whose lower
     # bound is above it are not replayed, nor scored again on a slow SSD (search.py).
     beat_s: Optional[float] = None
+    # The candidate to take instead of the robust pick's, by its (label, activations) (a vertical
+    # window whose pick would slow a per-micro-batch loop: resolve._with_window, decide.py's Note
+    # on the loop); it must be one the search replays.
+    prefer: Optional[tuple] = None
 
     @property
     def micro_batches(self) -> int:

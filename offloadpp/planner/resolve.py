@@ -62,6 +62,8 @@ from .decide import (
     clipping,
     deferral_note,
     deferred_where,
+    loop_candidates,
+    loop_pick_note,
     optim_prefetch_depth,
     overlap_pays,
     prefetch_depth,
@@ -88,7 +90,14 @@ from .schedule import build_schedule
 from .search import _raise_infeasible, act_planner, remembering, search
 from .spec import PLAN_AUTO, Budgets, Settings
 from .ssd_room import ssd_need_bytes
-from .vertical import as_vertical, fits_per_micro_batch, window_note, window_profile, window_settings
+from .vertical import (
+    as_vertical,
+    fits_per_micro_batch,
+    loop_grads_homes,
+    window_note,
+    window_profile,
+    window_settings,
+)
 
 
 def machine_for(hw: HardwareProfile) -> Machine:
@@ -195,14 +204,15 @@ class _Given:
 
 
 def _resolve_one(settings: Settings, given: _Given, saved, window: int = 1,
-                 beat_s: Optional[float] = None) -> Resolved:  # fmt: skip
+                 beat_s: Optional[float] = None, prefer: Optional[tuple] = None) -> Resolved:  # fmt: skip
     """resolve() for one schedule: a step of the settings' micro-batches, or (window > 1) a
     vertical window of that many planned as one step (planner/vertical.py). beat_s: another
-    schedule's estimate, which the search stops at (Request.beat_s)."""
+    schedule's estimate, which the search stops at (Request.beat_s); prefer: the search's
+    candidate to take (Request.prefer)."""
     units, machine, hardware, model = given.units, given.machine, given.hardware, given.model
     io_set, deferral = given.io_set, given.deferral
     budgets, settings = budgets_for(settings, units, machine, model, window)
-    ask = {"window": window, "beat_s": beat_s}
+    ask = {"window": window, "beat_s": beat_s, "prefer": prefer}
     try:
         plan, est, candidates = _make_plan(settings, units, machine, budgets, hardware, model, saved, ask)
     except PlanError:
@@ -261,20 +271,33 @@ def _with_window(settings: Settings, given: _Given, saved) -> Resolved:
     ):  # (no estimates: nothing to choose by, decide.accumulation)
         one = _resolve_one(settings, given, saved)
         return replace(one, plan=replace(one.plan, micro_batches=g))
-    v: Optional[Resolved] = None
-    why: Optional[str] = None
-    try:
-        window = replace(given, model=window_profile(model, g) if model is not None else None)
-        v = _resolve_one(window_settings(settings), window, None, window=g)
-    except InfeasibleError as e:
-        why = f"the activations of its {g} micro-batches held at once do not fit: {e}"
-    except PlanError as e:
-        why = str(e)
-    if v is not None:
-        vplan = as_vertical(v.plan, g)
-        vplan, why = fits_per_micro_batch(vplan, settings)
-        v = replace(v, plan=vplan, settings=v.settings.model_copy(
-            update={"gradient_accumulation_steps": g, "accumulation": settings.accumulation}))  # fmt: skip
+    window = replace(given, model=window_profile(model, g) if model is not None else None)
+
+    def vertical_of(prefer: Optional[tuple] = None) -> tuple[Optional[Resolved], Optional[str]]:
+        """The vertical window's resolve (the search's pick, or its candidate `prefer`), or why it cannot run."""
+        try:
+            v = _resolve_one(window_settings(settings), window, None, window=g, prefer=prefer)
+        except InfeasibleError as e:
+            return None, f"the activations of its {g} micro-batches held at once do not fit: {e}"
+        except PlanError as e:
+            return None, str(e)
+        vplan, why = fits_per_micro_batch(as_vertical(v.plan, g), settings)
+        return replace(v, plan=vplan, settings=v.settings.model_copy(
+            update={"gradient_accumulation_steps": g, "accumulation": settings.accumulation})), why  # fmt: skip
+
+    def with_loop(v: Resolved, horizontal: Resolved) -> tuple[Resolved, Optional[StepEstimate]]:
+        """The vertical plan with the horizontal plan's gradient homes where a loop needs them, and
+        its window run by a per-micro-batch loop (its placement, its micro-batches one by one)."""
+        homes = loop_grads_homes(v.plan, horizontal.plan)
+        fitted, homes_why = fits_per_micro_batch(homes, settings) if homes is not v.plan else (v.plan, None)
+        v = v if homes_why is not None or fitted is v.plan else replace(v, plan=fitted)
+        if hardware is None or model is None:
+            return v, None
+        return v, estimate(v.plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
+                           act_prefetch_units=settings.activations.prefetch_units,
+                           link=rank_link(settings, given.machine, hardware))  # fmt: skip
+
+    v, why = vertical_of()
     v_s = v.estimate.step_s if v is not None and v.estimate is not None and why is None else None
 
     def horizontal_of(beat_s: Optional[float]) -> tuple[Resolved, Optional[float]]:
@@ -287,29 +310,29 @@ def _with_window(settings: Settings, given: _Given, saved) -> Resolved:
 
     horizontal, h_s = horizontal_of(v_s)
     loop = None
+    options: list = []  # (vertical resolve, its loop), the pick first (decide.loop_candidates' Note)
     if v is not None and why is None:
-        loop_homes = _loop_grads_homes(v.plan, horizontal.plan)
-        if loop_homes is not v.plan:
-            fitted, homes_why = fits_per_micro_batch(loop_homes, settings)
-            if homes_why is None:
-                v = replace(v, plan=fitted)
-        if hardware is not None and model is not None:
-            # (the vertical plan run by a per-micro-batch loop: its placement, its micro-batches one by one)
-            loop = estimate(v.plan, hardware, model, adam_threads=v.settings.adam_threads, micro_batches=g,
-                            act_prefetch_units=settings.activations.prefetch_units,
-                            link=rank_link(settings, given.machine, hardware))  # fmt: skip
-    if (
-        loop is not None
-        and v_s is not None
-        and horizontal.beaten_by is not None
-        and settings.accumulation == "auto"
-    ):
+        v, loop = with_loop(v, horizontal)
+        if loop is not None and settings.accumulation == "auto":
+            options.append((v, loop))
+            for key in loop_candidates(v.candidates, v.estimate, h_s):
+                alt, alt_why = vertical_of(prefer=key)
+                if alt is not None and alt_why is None and alt.estimate is not None:
+                    options.append(with_loop(alt, horizontal))
+    if options and v_s is not None and horizontal.beaten_by is not None:
         # "auto" also asks that a loop with the vertical plan be no slower than the horizontal
         # plan's best (decide.accumulation): a search stopped at the window's bar says only that
         # its best is slower than the window; where the loop's bar is higher, search to that one.
-        bar = loop.step_s / (1 + LOOP_SLOWDOWN_TOLERANCE)
+        bar = min(lp.step_s for _, lp in options) / (1 + LOOP_SLOWDOWN_TOLERANCE)
         if bar > v_s:
             horizontal, h_s = horizontal_of(bar)
+    # the first whose loop holds, the pick where none does (its note says what the loop costs)
+    v, loop = next((o for o in options if accumulation(settings, h_s, o[0].estimate.step_s, None, o[1].step_s)),
+                   (v, loop))  # fmt: skip
+    v_s = v.estimate.step_s if v_s is not None else None
+    if options and v is not options[0][0]:
+        note = loop_pick_note(options[0][0].estimate.step_s, options[0][1].step_s)
+        v = replace(v, plan=replace(v.plan, notes=v.plan.notes + (note,)))
     vertical = accumulation(settings, h_s, v_s, why, loop_s=loop.step_s if loop is not None else None)
     if not vertical and horizontal.beaten_by is not None:  # (its search stopped at a bar)
         horizontal, h_s = horizontal_of(None)
@@ -326,20 +349,6 @@ def _with_window(settings: Settings, given: _Given, saved) -> Resolved:
     assert v is not None
     plan = replace(v.plan, window_s=window_s, notes=v.plan.notes + (note,))
     return replace(v, plan=plan, other=horizontal, loop_estimate=loop)
-
-
-def _loop_grads_homes(vplan: Plan, hplan: Plan) -> Plan:
-    """A vertical plan with the horizontal plan's gradient homes, where its window does not use
-    them (no deferred update: the window's sums go to the optimizer once, never through a home).
-    Its plan was made for one step of the window (window_settings), where nothing kept gradients
-    between micro-batches and their home was free to be anywhere (on SSD); a per-micro-batch loop
-    run with it accumulates there, and moved every unit's gradients through the SSD at each
-    micro-batch (GPT-2 on a 1 GB/s SSD: 6x the horizontal plan's loop)."""
-    if vplan.deferred_update:
-        return vplan
-    homes = {p.unit: p.grads for p in hplan.placements}
-    placements = tuple(replace(p, grads=homes.get(p.unit, p.grads)) for p in vplan.placements)
-    return vplan if placements == vplan.placements else replace(vplan, placements=placements)
 
 
 def _make_plan(settings: Settings, units, machine: Machine, budgets: Budgets, hardware, model, saved,
