@@ -302,6 +302,11 @@ def replay(
         comm_bytes=int(m["net"]),
         ssd_by_kind=by_key_kinds(m["by_dir"], plan.separate_weights),
     )
+    # the one reference cycle of a replay (the activation replay reads its Sim's clock): broken
+    # here, so the replay's thousands of objects go when it returns, not at the collector's next
+    # pass, which walks every object of the process (torch's and DeepSpeed's: 0.1-0.3 s, about
+    # once per point planned: 10-20% of the planning time, docs/performance.md, session 7)
+    sim.act.sim = None
     return est, m["by_key"]
 
 
