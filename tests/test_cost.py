@@ -4,12 +4,13 @@ runtime's (a tiny GPT-2 trained for a few steps: every plan must move exactly wh
 from __future__ import annotations
 
 import gc
+import sys
 from dataclasses import replace
 
 import pytest
 
 from offloadpp.planner import Budgets, PlanError, Settings, Tier, streaming_plan
-from offloadpp.planner.cost import estimate, replay
+from offloadpp.planner.cost import _replay, estimate, replay
 from offloadpp.planner.hardware import HardwareProfile
 from offloadpp.planner.model_profile import analytic_profile
 from offloadpp.planner.request import Request
@@ -454,3 +455,27 @@ def test_a_replay_leaves_nothing_for_the_cycle_collector():
     finally:
         if was:
             gc.enable()
+
+
+def test_the_cycle_collector_waits_while_a_replay_runs():
+    """Its passes during a replay only moved the replay's live objects on to the generation whose
+    pass walks the whole process (cost.replay's Note); it runs again once the replay is over."""
+    m = model()
+    passes = []
+
+    def count(phase, info):  # (a pass from within the replay: not its call nor its return)
+        f = sys._getframe(1)
+        while f is not None and f.f_code is not _replay.__code__:
+            f = f.f_back
+        if phase == "start" and f is not None:
+            passes.append(info["generation"])
+
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # (a pass at nearly every allocation while it runs)
+    gc.callbacks.append(count)
+    try:
+        replay(stream(m), hw(), m, activations={u.name: "ssd" for u in m.units})
+        assert passes == [] and gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*old)
