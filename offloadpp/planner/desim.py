@@ -159,8 +159,21 @@ class Ssd(_Tally):
         req = Done(None, nbytes, write, after)
         if after is not None and (after.t is None or after.t > t):  # (when(after) > t)
             self.held.append(req)
+            return req
+        # (_queue and _start, inline: the replay's most frequent request)
+        cur = self.cur
+        if cur is None:
+            self.cur, self.cur_start = req, t
+            self.cur_lat = lat = self.latency_s
+            self.cur_end = t + lat + req.left / (self.write_bps if write else self.read_bps)
         else:
-            self._queue(req, t, idle=self.cur is None)
+            (self.writes if write else self.reads).append(req)
+            if not write and cur.write:
+                # the next free block slot goes to the read: the write keeps its blocks in flight
+                start = self.cur_start + self.cur_lat
+                cut = (t if t > start else start) + self.inflight_bytes / self.write_bps
+                if cut < self.cur_end:
+                    self.cur_end = cut
         return req
 
     def advance(self, t: float) -> None:
@@ -180,7 +193,12 @@ class Ssd(_Tally):
                     self.held = [r for r in self.held if when(r.after) > end]
                     for r in go:
                         self._queue(r, end, idle=False)
-            self._start(end, idle=False)
+            if self.cur is None:  # (_start, inline)
+                q = self.reads or self.writes
+                if q:
+                    nxt = q.popleft()
+                    self.cur, self.cur_start, self.cur_lat = nxt, end, 0.0
+                    self.cur_end = end + nxt.left / (self.write_bps if nxt.write else self.read_bps)
 
     def _queue(self, req: Done, t: float, idle: bool) -> None:
         (self.writes if req.write else self.reads).append(req)
