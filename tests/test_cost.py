@@ -3,14 +3,12 @@ runtime's (a tiny GPT-2 trained for a few steps: every plan must move exactly wh
 
 from __future__ import annotations
 
-import gc
-import sys
 from dataclasses import replace
 
 import pytest
 
 from offloadpp.planner import Budgets, PlanError, Settings, Tier, streaming_plan
-from offloadpp.planner.cost import _replay, estimate, replay
+from offloadpp.planner.cost import estimate, replay
 from offloadpp.planner.hardware import HardwareProfile
 from offloadpp.planner.model_profile import analytic_profile
 from offloadpp.planner.request import Request
@@ -436,46 +434,3 @@ def test_each_model_profile_gets_its_own_activation_sizes_in_the_replay():
     cost._ACTS.clear()
     assert [estimate(plan, h, m, activations=swapped) for m in (long, short)][::-1] == got
     assert got[0].ssd_write_bytes < got[1].ssd_write_bytes  # (the longer sequence saves more)
-
-
-def test_a_replay_leaves_nothing_for_the_cycle_collector():
-    """The planner replays hundreds of candidates; each replay's objects (its requests, slots and
-    units: thousands) must go when it returns. Kept alive by a reference cycle, they waited for
-    the collector, whose full passes walk every object of the process (0.1-0.3 s with torch
-    imported, about once per point planned)."""
-    m = model()
-    acts = {u.name: "ssd" for u in m.units}
-    gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        est, _ = replay(stream(m), hw(), m, activations=acts)
-        assert est.step_s > 0
-        assert gc.collect() == 0
-    finally:
-        if was:
-            gc.enable()
-
-
-def test_the_cycle_collector_waits_while_a_replay_runs():
-    """Its passes during a replay only moved the replay's live objects on to the generation whose
-    pass walks the whole process (cost.replay's Note); it runs again once the replay is over."""
-    m = model()
-    passes = []
-
-    def count(phase, info):  # (a pass from within the replay: not its call nor its return)
-        f = sys._getframe(1)
-        while f is not None and f.f_code is not _replay.__code__:
-            f = f.f_back
-        if phase == "start" and f is not None:
-            passes.append(info["generation"])
-
-    old = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)  # (a pass at nearly every allocation while it runs)
-    gc.callbacks.append(count)
-    try:
-        replay(stream(m), hw(), m, activations={u.name: "ssd" for u in m.units})
-        assert passes == [] and gc.isenabled()
-    finally:
-        gc.callbacks.remove(count)
-        gc.set_threshold(*old)
