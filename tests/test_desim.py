@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from offloadpp.planner.desim import Done, Ssd, done_by, when
+from offloadpp.planner.desim import Done, Ssd, done_by, run, when
 
 MB = 1_000_000
 
@@ -107,3 +107,41 @@ def test_a_replayed_slot_frees_after_every_release_s_after():
     s.release(None, NEXT)
     ((n, ready),) = pool.pending
     assert n == 4096 and 5.0 in ready and not done_by(ready, 4.0)
+
+
+class _Clock:
+    """What run() reads of a replay: its clock, its SSD and two counters."""
+
+    def __init__(self, ssd: Ssd):
+        self.t, self.ssd, self.pool_wait_s, self.compute_busy_s = 0.0, ssd, 0.0, 0.0
+
+
+def test_run_wakes_each_thread_at_its_event_while_the_ssd_serves_alone():
+    """While no thread works and one waits for an SSD request not served yet, run() moves its
+    clock through the SSD's completions (desim._serve_idle): a thread waiting for SSD requests
+    goes on at the completion of the last, one waiting for a time at that time, and a read
+    submitted then still passes the queued write."""
+    ssd = Ssd(read_bps=100 * MB, write_bps=100 * MB, inflight_bytes=0)
+    sim = _Clock(ssd)
+    seen: dict = {}
+
+    def main():
+        reads = [ssd.submit(sim.t, 10 * MB, write=False) for _ in range(3)]  # 0.1 s each
+        w = ssd.submit(sim.t, 30 * MB, write=True)
+        yield ("wait", (reads[-1],))
+        seen["reads"] = sim.t
+        yield ("wait", (w,))
+        seen["write"] = sim.t
+
+    def helper():
+        yield ("until", 0.15)
+        seen["until"] = sim.t
+        yield ("until", 0.35)
+        seen["read"] = ssd.submit(sim.t, 10 * MB, write=False)  # passes the write's blocks
+        yield ("wait", (seen["read"],))
+        seen["read at"] = sim.t
+
+    run(sim, main(), [helper()], compute_slowdown=1.0, helper_slowdown=1.0)
+    assert seen["until"] == 0.15 and seen["reads"] == pytest.approx(0.3)
+    # the write ran 0.3-0.35, let the read pass (0.35-0.45), then the rest of its 0.3 s
+    assert seen["read at"] == pytest.approx(0.45) and seen["write"] == pytest.approx(0.7)

@@ -99,6 +99,11 @@ def test_a_seeded_slice_of_the_sweep_holds_every_property():
                 properties=("batch", "more", "hand"))  # fmt: skip
     assert rep.points == 6 and rep.checks["batch"] == 4 and rep.checks["hand"] == rep.planned > 0
     assert rep.violations == []
+    # each point's planning time, by what replans it alone (the JSON's "times")
+    assert [t[:4] for t in rep.times] == [
+        (s, "llama-7b@2", random_profile(s)[1], b) for s in (0, 1) for b in (16, 32, 64)
+    ]
+    assert all(t[5] > 0 for t in rep.times)
 
 
 def test_no_cliff_where_a_whole_block_recompute_stops_fitting():

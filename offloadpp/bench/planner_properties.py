@@ -280,6 +280,9 @@ class Report:
     planned: int = 0
     checks: dict = field(default_factory=lambda: {k: 0 for k in ("batch", "more", "hand", "time")})
     violations: list = field(default_factory=list)  # (property, seed, model, dtype, message)
+    # every point planned or refused: (seed, model, dtype, micro-batch, estimate s or None, CPU s),
+    # so a sweep's slowest points can be found and replanned alone (`--seed S --profiles 1`)
+    times: list = field(default_factory=list)
 
 
 def sweep(seed: int, profiles: int, models: list[str], batches: tuple[int, ...], n_more: int = 1,
@@ -293,6 +296,9 @@ def sweep(seed: int, profiles: int, models: list[str], batches: tuple[int, ...],
         for model in models:
             pts = [plan_point(hw, model, b, dtype) for b in sorted(batches)]
             rep.points += len(pts)
+            rep.times += [
+                (seed + i, model, dtype, p.micro_batch, p.step_s, round(p.plan_cpu_s, 4)) for p in pts
+            ]
             rep.planned += sum(p.step_s is not None for p in pts)
 
             def bad(prop: str, msg: Optional[str], _s=seed + i, _m=model, _d=dtype) -> None:
@@ -359,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "args": {k: v for k, v in vars(args).items() if not callable(v)}, "profiles_done": rep.profiles, "points": rep.points,
                        "planned": rep.planned, "checks": rep.checks, "violations": rep.violations,
+                       "times": rep.times,
                        "wall_s": time.perf_counter() - t0}, f, indent=2)  # fmt: skip
 
     rep = sweep(args.seed, args.profiles, models, batches, args.more, props,

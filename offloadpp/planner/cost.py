@@ -27,6 +27,7 @@ with Plan.speculative) is replayed as a step that validates: its updates run dur
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
@@ -203,7 +204,27 @@ def estimate(plan: Plan, hardware: HardwareProfile, model: ModelProfile, **optio
 def replay(
     plan: Plan, hardware: HardwareProfile, model: ModelProfile, **options
 ) -> tuple[StepEstimate, dict]:
-    """estimate(), plus the SSD bytes the steady step moves per key ("<unit>.<array>")."""
+    """estimate(), plus the SSD bytes the steady step moves per key ("<unit>.<array>").
+
+    Note: the cycle collector waits while a replay runs. A replay makes thousands of objects
+    (requests, slots, jobs) that live until it returns; the collector's passes in between found
+    them alive and moved them on to its oldest generation, whose pass walks every object of the
+    process (torch's and DeepSpeed's: 0.1-0.3 s, about every fourth point planned). A replay
+    makes no garbage that needs the collector (its one cycle is broken as it returns, which a
+    test checks), so pausing it frees nothing later than it would have been freed; nested and
+    concurrent replays only resume it if it ran when they started."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        return _replay(plan, hardware, model, **options)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _replay(
+    plan: Plan, hardware: HardwareProfile, model: ModelProfile, **options
+) -> tuple[StepEstimate, dict]:
     o = ReplayOptions(**options)
     adam_threads, micro_batches, activations, link = o.adam_threads, o.micro_batches, o.activations, o.link
     act_prefetch_units = o.act_prefetch_units
@@ -302,6 +323,11 @@ def replay(
         comm_bytes=int(m["net"]),
         ssd_by_kind=by_key_kinds(m["by_dir"], plan.separate_weights),
     )
+    # the one reference cycle of a replay (the activation replay reads its Sim's clock): broken
+    # here, so the replay's thousands of objects go when it returns, not at the collector's next
+    # pass, which walks every object of the process (torch's and DeepSpeed's: 0.1-0.3 s, about
+    # once per point planned: 10-20% of the planning time, docs/performance.md, session 7)
+    sim.act.sim = None
     return est, m["by_key"]
 
 

@@ -159,8 +159,21 @@ class Ssd(_Tally):
         req = Done(None, nbytes, write, after)
         if after is not None and (after.t is None or after.t > t):  # (when(after) > t)
             self.held.append(req)
+            return req
+        # (_queue and _start, inline: the replay's most frequent request)
+        cur = self.cur
+        if cur is None:
+            self.cur, self.cur_start = req, t
+            self.cur_lat = lat = self.latency_s
+            self.cur_end = t + lat + req.left / (self.write_bps if write else self.read_bps)
         else:
-            self._queue(req, t, idle=self.cur is None)
+            (self.writes if write else self.reads).append(req)
+            if not write and cur.write:
+                # the next free block slot goes to the read: the write keeps its blocks in flight
+                start = self.cur_start + self.cur_lat
+                cut = (t if t > start else start) + self.inflight_bytes / self.write_bps
+                if cut < self.cur_end:
+                    self.cur_end = cut
         return req
 
     def advance(self, t: float) -> None:
@@ -180,7 +193,12 @@ class Ssd(_Tally):
                     self.held = [r for r in self.held if when(r.after) > end]
                     for r in go:
                         self._queue(r, end, idle=False)
-            self._start(end, idle=False)
+            if self.cur is None:  # (_start, inline)
+                q = self.reads or self.writes
+                if q:
+                    nxt = q.popleft()
+                    self.cur, self.cur_start, self.cur_lat = nxt, end, 0.0
+                    self.cur_end = end + nxt.left / (self.write_bps if nxt.write else self.read_bps)
 
     def _queue(self, req: Done, t: float, idle: bool) -> None:
         (self.writes if req.write else self.reads).append(req)
@@ -419,6 +437,9 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
         if ssd.cur is not None and ssd.cur_end <= nxt and (served or ssd_paces or nxt == INF):
             # (the end of an SSD request is an event of its own only where a thread may wait for
             # it, or where the SSD's work slows compute: see the Note on events)
+            if served and not computing and not busy_helpers:
+                _serve_idle(ssd, sim, procs, nxt)
+                continue
             nxt, first_done = ssd.cur_end, None
         if nxt == INF:
             waits = ", ".join(p[1][0] for p in procs)
@@ -440,6 +461,31 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
 
 
 _DONE = ("done",)
+
+
+def _serve_idle(ssd: Ssd, sim: Replay, procs: list, until: float) -> None:
+    """run's clock through the SSD's completions while no thread works and one waits for an SSD
+    request not served yet, up to the first completion that serves every request some thread
+    waits for, or the next event of another kind (`until`: the earliest "until" time).
+
+    Note: why this is the loop's own passes, fewer. In each of those passes the clock moved to
+    the SSD's next completion and the next pass served it and resumed nothing: no thread works
+    (no work to advance, no busy time to count), a "cond" or an idle thread reads only what the
+    threads set (none runs), an "until" time is not reached, and a thread waiting for SSD
+    requests goes on only once all are served. The first pass that may resume a thread is
+    left to the loop, at the same clock, with the SSD in the same state."""
+    waits = [p[1][1] for p in procs if p[1][0] == "wait"]
+    while True:
+        sim.t = t = ssd.cur_end
+        ssd.advance(t)
+        for items in waits:
+            for x in items:
+                if x.__class__ is Done and x.t is None:
+                    break
+            else:  # (every request this thread waits for is served: the loop's pass decides)
+                return
+        if ssd.cur is None or ssd.cur_end > until:
+            return
 
 
 def _resume(p: list) -> None:

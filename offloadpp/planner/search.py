@@ -36,6 +36,7 @@ fit, the largest micro-batch whose activations would.
 
 from __future__ import annotations
 
+import gc
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -164,14 +165,21 @@ _REMEMBERED: Optional[dict] = None
 
 @contextmanager
 def remembering() -> Iterator[None]:
-    """Searches made inside share what they enumerated and replayed (the Note above)."""
+    """Searches made inside share what they enumerated and replayed (the Note above), and the
+    cycle collector waits (cost.replay's Note: the same holds of a search, whose candidates and
+    their replays live until it returns and which makes no garbage that needs the collector).
+    Nested and concurrent ones resume the collector only if it ran when they started."""
     global _REMEMBERED
     outer = _REMEMBERED
     _REMEMBERED = {} if outer is None else outer
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
         _REMEMBERED = outer
+        if collecting:
+            gc.enable()
 
 
 def _enumerated(hardware: HardwareProfile, model: ModelProfile, req: Request) -> _Enumerated:

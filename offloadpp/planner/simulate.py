@@ -312,24 +312,22 @@ class Sim:
             yield from self.by_name[name].weights.wait(self)
         self.cursor = i
 
-    def drop(self, u: Unit) -> Iterator:
-        if (
-            self.in_backward
-            and u.name in self.keep_until_update
-            and u.phase not in ("updating", "updated")
-            and self.boundary
-        ):
+    def drop(self, u: Unit) -> Iterable:
+        """What `yield from` runs to release a held unit: NOTHING outside backward (most drops),
+        where no slot is to be held for its update."""
+        if self.in_backward and self.boundary:
+            return self._drop_in_backward(u)
+        u.weights.release(self)
+        self.held.remove(u)  # (units compare by identity; each is held once)
+        return NOTHING
+
+    def _drop_in_backward(self, u: Unit) -> Iterator:
+        if u.name in self.keep_until_update and u.phase not in ("updating", "updated"):
             yield from u.master.acquire(self, OPTIM)  # == its weights: its update needs them
-        if (
-            self.in_backward
-            and self.lazy
-            and u.master is u.compute
-            and u.name in self.next_keep
-            and self.boundary
-        ):
+        if self.lazy and u.master is u.compute and u.name in self.next_keep:
             yield from u.compute.acquire(self, NEXT)  # kept for the next forward's pending update
         u.weights.release(self)
-        self.held = [h for h in self.held if h is not u]
+        self.held.remove(u)
 
     def on_grads(self, u: Unit) -> Iterator:
         if not u.grads_pending:

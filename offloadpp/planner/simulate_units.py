@@ -265,7 +265,9 @@ class Unit:
         self.bound = False
         self.phase = "idle"
         # updated speculatively only where its state all lives on SSD (runtime Unit.can_speculate)
-        self.can_speculate = all(x.stored for x in (self.master, self.compute, self.exp_avg, self.exp_avg_sq))
+        self.can_speculate = (
+            self.master.stored and self.compute.stored and self.exp_avg.stored and self.exp_avg_sq.stored
+        )
         self.speculated = False
         self.pending = False  # a deferred update to apply at the next visit (simulate_pending)
 
