@@ -12,8 +12,9 @@ import pytest
 
 from offloadpp.bench.device_budget import Case, cases, check
 from offloadpp.planner import Plan, UnitSpec, all_on_ssd
+from offloadpp.planner.holds import holds
 from offloadpp.planner.peaks import peak_bytes
-from offloadpp.planner.schedule import build_schedule, holds, structure
+from offloadpp.planner.schedule import build_schedule, structure
 from offloadpp.planner.spec import HEAD_ONLY_POLICIES, ActivationPolicyName
 
 transformers = pytest.importorskip("transformers")
@@ -80,7 +81,7 @@ def test_a_vertical_windows_kept_gradients_are_charged_and_planned_on_the_cpu_de
     """bf16 windows of 4 run vertically (train_batch) on the CPU device at the streaming minimum:
     each micro-batch's gradient of the unit in backward is kept until the unit's are complete
     (runtime/window_grads.py) and charged to the device pool; the plan counts them
-    (schedule.visit_grad_bytes), so no window waits for room past the budget. Fails (a wait, then
+    (holds.visit_grad_bytes), so no window waits for room past the budget. Fails (a wait, then
     BudgetExceededError) where the plan counts one micro-batch's gradients."""
     engine = _issue_engine(tmp_path, clipping, window=4)
     try:

@@ -330,8 +330,9 @@ def test_a_cpu_windows_backward_visit_holds_each_micro_batchs_gradients_and_thei
     of the embeddings from its visit to theirs; the peak counts them; fp32
     (autograd's own sum), a per-micro-batch loop and one step hold one gradient. Fails if the
     window's visits are counted as one step's."""
+    from offloadpp.planner.holds import holds
     from offloadpp.planner.peaks import peak_bytes
-    from offloadpp.planner.schedule import build_schedule, holds, structure
+    from offloadpp.planner.schedule import build_schedule, structure
 
     units = _model().unit_specs()
     kw = dict(device="cpu", compute_dtype=dtype, prefetch_depth=1, optim_prefetch_depth=1)
@@ -364,7 +365,7 @@ def test_a_cpu_windows_backward_visit_holds_each_micro_batchs_gradients_and_thei
 def test_a_cpu_windows_default_plan_keeps_only_what_fits_beside_its_kept_gradients():
     """No profiles (the default plan): a bf16 window of 8 on the CPU device gets a device budget
     sized for its step's peaks (each micro-batch's gradients of the unit in backward, the tied
-    head's of the embeddings: schedule.visit_grad_bytes, tied_partial_bytes), and the default
+    head's of the embeddings: holds.visit_grad_bytes, tied_partial_bytes), and the default
     plan keeps arrays only in what that leaves beside them: the window's peak plus the arrays
     kept on the device stay within the budget. Failed when the default plan was made for one
     micro-batch: it took the room the window's gradients need for 20 blocks' weights (GPT-2

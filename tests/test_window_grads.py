@@ -63,7 +63,7 @@ def test_window_gradients_are_the_fp32_sum_of_each_micro_batchs_own(copies):
     if copies:
         # an accelerator: one fp32 sum, added into as each micro-batch's arrived, rounded to the
         # window's gradient dtype as the parameter's last edge delivered (4 bytes a parameter at
-        # most: planner/schedule.py visit_grad_bytes), so each count saw those done rounded
+        # most: planner/holds.py visit_grad_bytes), so each count saw those done rounded
         assert [sum(parts[0].dtype == torch.bfloat16 for parts in d.values()) for d in ex.done] == [1, 2, 3]
         assert all(
             len(kept[i]) == 1 and torch.equal(kept[i][0], want[i].bfloat16()) for i in range(len(params))

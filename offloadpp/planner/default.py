@@ -71,7 +71,7 @@ def default_plan(units: Sequence[UnitSpec], *, device: str, settings: Settings, 
                  micro_batches: int = 1) -> Plan:  # fmt: skip
     """The rule of the module docstring, for `settings` within `budgets`; micro_batches: a
     vertical window's (Request.window), whose step's peaks count what its visits hold for them
-    (schedule.visit_grad_bytes), so what is kept fits beside them."""
+    (holds.visit_grad_bytes), so what is kept fits beside them."""
     if not units:
         raise PlanError("no units to plan: the model has no parameters")
     base = dict(device=device, budgets=budgets, micro_batches=micro_batches, **plan_shape(settings))

@@ -4,7 +4,7 @@ Pure (no torch). The planner tries hundreds of placements per prefetch depth; bu
 schedule for each (filling its gaps, keeping units across the step) walks every visit several
 times. What a visit holds depends only on the plan's shape (units, depths, device, precision,
 accumulation, deferral); the placements only decide how many bytes each held unit costs. So
-the holds are found once per shape (schedule.holds on schedule.structure) and each placement is
+the holds are found once per shape (holds.holds on schedule.structure) and each placement is
 priced over them.
 
 Note: why the unfilled schedule's peaks are the schedule's. Filling gaps (schedule._fill_gaps)
@@ -21,25 +21,22 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from .plan import Plan, Tier
-from .schedule import (
-    _alias,
-    _first_alive,
-    build_schedule,
-    clear_schedules,
+from .holds import (
+    alias_master,
     fetch_host_bytes,
     held_weights_bytes,
     holds,
     kept_grad_bytes,
     kept_host_bytes,
     optim_host_bytes,
-    structure,
 )
+from .plan import Plan, Tier
+from .schedule import _first_alive, build_schedule, clear_schedules, structure
 
 
 def _shape_key(plan: Plan) -> tuple:
     # (micro_batches: a vertical window's backward visits hold each micro-batch's gradients,
-    # schedule.visit_grad_bytes)
+    # holds.visit_grad_bytes)
     return (plan.units, plan.device, plan.compute_dtype, plan.prefetch_depth, plan.optim_prefetch_depth,
             plan.accumulate_grads, plan.deferred_update, plan.speculative, plan.clipping, plan.ranks,
             plan.micro_batches)  # fmt: skip
@@ -50,7 +47,7 @@ _HOLDS_MAX = 64
 
 
 def _holds_for(plan: Plan) -> tuple[tuple, tuple]:
-    """schedule.holds of the plan's shape, found once per shape (the placements do not matter),
+    """holds.holds of the plan's shape, found once per shape (the placements do not matter),
     as (device rows, host rows) over the units' indices: (grads, computing, others) and (window,
     fetching, kept, kept shards). The two peaks are maxima over the visits, each on its own: rows
     equal to another are priced once (_Priced)."""
@@ -101,7 +98,7 @@ def _shape_of(plan: Plan) -> tuple:
 def _terms(plan: Plan, shape: tuple, u, p) -> tuple[int, ...]:
     """(device weights, the trainable weights alone (held for the optimizer or the next forward:
     Holds.computing), fetching, optimizer window, kept gradients, kept shard, resident host,
-    resident device weights, a master on SSD (schedule.drain_device_bytes' two parts));
+    resident device weights, a master on SSD (holds.drain_device_bytes' two parts));
     shape: _shape_of(plan)."""
     # (keyed by the unit's identity, the unit held in the entry so its id is not reused while it
     # is there: hashing a UnitSpec's every field, thousands of times a search, cost more than the
@@ -143,10 +140,10 @@ def peak_bytes(plan: Plan) -> tuple[int, int]:
     else:
         last.move_to(plan, shape)
     if last.peaks is None:  # (else the terms did not change since the last plan priced)
-        # (schedule.drain_device_bytes(plan) and drain_host_bytes(plan), from the terms at hand:
+        # (holds.drain_device_bytes(plan) and drain_host_bytes(plan), from the terms at hand:
         # the largest master on SSD where the weights alias it, the resident device weights; the
         # largest window's and the resident host arrays)
-        drain = max((t[8] for t in last.terms), default=0) if _alias(plan) else 0
+        drain = max((t[8] for t in last.terms), default=0) if alias_master(plan) else 0
         last.peaks = (max(last.dev, default=0) + drain + last.resident_device,
                       max(last.host, default=0) + max((t[3] for t in last.terms), default=0) + last.resident_host)  # fmt: skip
     return last.peaks

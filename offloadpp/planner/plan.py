@@ -384,7 +384,7 @@ class Plan:
     def compute_copy_on_device(self) -> bool:
         """The separate compute copy (16-bit weights) is a device buffer: on the CPU acting as the
         device, one rank (runtime/unit.py draws it from the device pool, and an update that writes
-        a new copy takes it there, schedule.holds). On CUDA it is a host buffer copied up, and over
+        a new copy takes it there, holds.holds). On CUDA it is a host buffer copied up, and over
         several ranks a host shard gathered into the device's buffer."""
         return self.separate_weights and self.device == "cpu" and self.ranks == 1
 

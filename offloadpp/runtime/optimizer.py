@@ -179,7 +179,7 @@ class OptimizerPipeline(JobCompletion, PendingUpdates):
         self._kept = frozenset(u.name for u in self.update_order[: self.optim_prefetch_depth + 1])
         if self.boundary and self.speculating:
             # the window slides over the order gradients complete in, as where updates are not
-            # deferred (schedule._speculative_holds)
+            # deferred (holds._speculative_holds)
             self._advance_update(self.optim_prefetch_depth + 1, order=self.order, sliding=True)
         elif self.boundary and self.deferred:
             self._advance_update(self.optim_prefetch_depth + 1)

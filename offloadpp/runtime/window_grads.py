@@ -38,7 +38,7 @@ unit's parameters (offloadpp.optim.sum_parts_, csrc/adam: 2G + 2 bytes an elemen
 than the adds at 50M elements x 8, `scripts/grad_sums.py`), with the same additions in the same
 order, so the same bits. The price is memory: the device holds the unit's G 16-bit gradients
 in its backward visit instead of one fp32 sum, which the planner counts
-(planner/schedule.py `visit_grad_bytes`) and the CPU device's pool is charged with as they are
+(planner/holds.py `visit_grad_bytes`) and the CPU device's pool is charged with as they are
 kept (as optimizer._charge_grads charges the sums). Where the kernel does not apply (mixed
 dtypes, a gradient not laid out densely) the same additions run in torch. On an accelerator
 (`Device.copies`: CUDA, the stand-in) the adds are cheap (about 22 ms a window at GPT-2 1.31B)
