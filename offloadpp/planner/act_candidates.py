@@ -31,6 +31,8 @@ from .activations import (
     GRAD_IN_FORWARD,
     NESTED,
     NESTED_SWAPS,
+    PIECES,
+    PIECES_SWAPS,
     SWAPPING,
     TAIL,
     ActUnit,
@@ -195,8 +197,8 @@ class ActPlanner:
 
     def _pin_what_fits(self, chosen: dict[str, str], room: int, to: str = "recompute") -> dict[str, str]:
         """`chosen` with its swapped checkpoints kept on the device (as `to`: recompute, or
-        recompute_nested for the nested ones) while the need fits `room`."""
-        frm = NESTED_SWAPS if to == "recompute_nested" else frozenset(CHECKPOINT_SWAPS) - NESTED_SWAPS
+        recompute_nested / recompute_pieces for theirs) while the need fits `room`."""
+        frm = _SWAPS_OF.get(to, frozenset(CHECKPOINT_SWAPS) - NESTED_SWAPS - PIECES_SWAPS)
         return self._upgrade_what_fits(chosen, room, frm, to)
 
     def candidates(self, room: int) -> tuple[ActChoice, ...]:
@@ -226,10 +228,9 @@ class ActPlanner:
 
     def _families(self, room: int) -> list[ActChoice]:
         found = self._family(room)
-        if self._offers_nested(room):  # (the family again, nested in place of recompute)
-            found += [
-                c for c in self._family(room, "recompute_nested") if any(p in NESTED for _, p in c.policies)
-            ]
+        if self._offers_nested(room):  # (the family again, nested and pieces in place of recompute)
+            for again, kind in (("recompute_nested", NESTED), ("recompute_pieces", PIECES)):
+                found += [c for c in self._family(room, again) if any(p in kind for _, p in c.policies)]
         return found
 
     def _candidates(self, room: int) -> tuple[ActChoice, ...]:
@@ -280,12 +281,14 @@ class ActPlanner:
         return out
 
     def _family(self, room: int, again: str = "recompute") -> list[ActChoice]:
-        """again: the recompute policy of the family (recompute, or recompute_nested: its label
-        says "nested recompute")."""
+        """again: the recompute policy of the family (recompute, recompute_nested or
+        recompute_pieces: its label says "nested recompute", "pieces recompute")."""
         ranked = self._ranked()
         found: list[ActChoice] = []
         rec: dict[str, str] = {}
-        name = "recompute" if again == "recompute" else "nested recompute"
+        name = {"recompute": "recompute", "recompute_nested": "nested recompute"}.get(
+            again, "pieces recompute"
+        )
         for u in ranked:
             if need_bytes(self.units, {**rec, **self.fixed}) <= room:
                 break
@@ -341,6 +344,9 @@ class ActPlanner:
                 found.append(self._choice(f"partial {frac:.0%}, {name} the rest with checkpoints to {swaps[0]}",
                                           self._swap_to(self._pin_what_fits(kept, room, again), swaps[0])))  # fmt: skip
         return found
+
+
+_SWAPS_OF = {"recompute_nested": NESTED_SWAPS, "recompute_pieces": PIECES_SWAPS}
 
 
 def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]:
