@@ -16,7 +16,13 @@ models of many units: each choice costs a replay). Where even the whole recomput
 (every recomputable unit recomputing, its checkpoint swapped: a block's backward holds all it
 saved; issue 36's cliffs), the recomputing choices are made again with the nested recompute in
 its place (recompute_nested*: the block's pieces' boundaries and one piece at a time, for a
-second forward), before partial, which moves 12x the checkpoint's bytes, is the only way left.
+second forward), before partial, which moves 12x the checkpoint's bytes, is the only way left;
+and one more, every recomputable unit recomputing piece by piece from its pieces' own checkpoints
+swapped (recompute_pieces*: the compute of a whole recompute at one piece's peak, two checkpoints
+a block moved; `_pieces`). Where the step is nearly all compute it beats nested (the sweep's
+cliffs, profiles 1 and 9 at b128); where the link or the SSD is what the step waits on, nested's
+one checkpoint does. One choice, not nested's family again: each costs a replay, and the others
+(pieces in the family's other choices, pieces and nested mixed) never won on those profiles.
 Swaps go to host memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the
 CPU acting as the device, where host memory is the device's own; SSD is tried on CUDA too.
 """
@@ -31,7 +37,6 @@ from .activations import (
     GRAD_IN_FORWARD,
     NESTED,
     NESTED_SWAPS,
-    PIECES,
     PIECES_SWAPS,
     SWAPPING,
     TAIL,
@@ -228,10 +233,28 @@ class ActPlanner:
 
     def _families(self, room: int) -> list[ActChoice]:
         found = self._family(room)
-        if self._offers_nested(room):  # (the family again, nested and pieces in place of recompute)
-            for again, kind in (("recompute_nested", NESTED), ("recompute_pieces", PIECES)):
-                found += [c for c in self._family(room, again) if any(p in kind for _, p in c.policies)]
+        if self._offers_nested(room):  # (the family again, nested in place of recompute; pieces)
+            found += [
+                c for c in self._family(room, "recompute_nested") if any(p in NESTED for _, p in c.policies)
+            ]
+            found.append(self._pieces(room))
         return found
+
+    def _pieces(self, room: int) -> ActChoice:
+        """Every recomputable unit recomputing piece by piece from its pieces' own checkpoints
+        (recompute_pieces*), the checkpoints to the first tier (host on CUDA, beyond the host
+        memory left to SSD), whole units kept and then checkpoints pinned along the ranking while
+        they fit: the one choice of nested's family that pieces made faster than nested on the
+        sweep's cliffs (profiles 1 and 9, 13B and Llama b128: the other choices with pieces in
+        place of nested, and pieces and nested mixed, never won there, and each choice costs a
+        replay; see the Note on the candidates)."""
+        to = "host" if self.device == "cuda" else "ssd"
+        rec = [u for u in self._ranked() if u.can_recompute]
+        base = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute_pieces_ssd" for u in rec}}
+        kept = self._pin_what_fits(self._keep_what_fits(base, room), room, "recompute_pieces")
+        return self._choice(
+            f"pieces recompute 100% with checkpoints to {to}, swap to {to}", self._swap_to(kept, to)
+        )
 
     def _candidates(self, room: int) -> tuple[ActChoice, ...]:
         found = self._families(room)
@@ -281,8 +304,8 @@ class ActPlanner:
         return out
 
     def _family(self, room: int, again: str = "recompute") -> list[ActChoice]:
-        """again: the recompute policy of the family (recompute, recompute_nested or
-        recompute_pieces: its label says "nested recompute", "pieces recompute")."""
+        """again: the recompute policy of the family (recompute, or recompute_nested: its label
+        says "nested recompute")."""
         ranked = self._ranked()
         found: list[ActChoice] = []
         rec: dict[str, str] = {}
