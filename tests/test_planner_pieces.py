@@ -73,3 +73,25 @@ def test_pieces_are_offered_where_nested_is():
     assert any(set(c.as_dict().values()) <= {"recompute_pieces_host", "recompute_pieces"} for c in got)
     assert all(need_bytes(us, c.as_dict()) == c.need_bytes for c in got)
     assert not any("pieces" in c.label for c in ActPlanner(us, {}, device="cuda").candidates(1200))
+
+
+def test_a_vertical_windows_pieces_replay_per_micro_batch():
+    """A vertical window's recompute_pieces_ssd unit (G micro-batches, each piece's checkpoint per
+    micro-batch) replays: each micro-batch's two checkpoints a block move (the G = 4 paper window
+    raised an IndexError where the replay read the pieces of all micro-batches as one's)."""
+    from test_planner import GPT2_CUDA, cuda_hw
+
+    from offloadpp.planner import streaming_plan
+    from offloadpp.planner.vertical import as_vertical, window_plan, window_profile
+
+    g = 4
+    m = analytic_profile(GPT2_CUDA, micro_batch=1, seq_len=512, compute_dtype="bf16")
+    kw = dict(device="cuda", compute_dtype="bf16", prefetch_depth=1, optim_prefetch_depth=1)
+    plan = window_plan(as_vertical(streaming_plan(m.unit_specs(), micro_batches=g, **kw), g))
+    w = window_profile(m, g)
+    blocks = [u.name for u in w.units if u.name.startswith("transformer.h.")]
+    est = {p: estimate(plan, cuda_hw(), w, activations={b: p for b in blocks})
+           for p in ("keep", "recompute_ssd", "recompute_pieces_ssd")}  # fmt: skip
+    one = next(a for a in act_units(w) if a.name == blocks[0]).inputs
+    assert est["recompute_ssd"].ssd_write_bytes - est["keep"].ssd_write_bytes == len(blocks) * one
+    assert est["recompute_pieces_ssd"].ssd_write_bytes - est["keep"].ssd_write_bytes == 2 * len(blocks) * one

@@ -250,8 +250,11 @@ class ActPlanner:
         replay; see the Note on the candidates)."""
         to = "host" if self.device == "cuda" else "ssd"
         rec = [u for u in self._ranked() if u.can_recompute]
-        base = {**{u.name: "ssd" for u in self.free}, **{u.name: "recompute_pieces_ssd" for u in rec}}
+        # (a unit without pieces, the head, recomputes whole: what pieces would count it as)
+        base = {**{u.name: "ssd" for u in self.free},
+                **{u.name: "recompute_pieces_ssd" if u.pieces else "recompute_ssd" for u in rec}}  # fmt: skip
         kept = self._pin_what_fits(self._keep_what_fits(base, room), room, "recompute_pieces")
+        kept = self._pin_what_fits(kept, room)
         return self._choice(
             f"pieces recompute 100% with checkpoints to {to}, swap to {to}", self._swap_to(kept, to)
         )

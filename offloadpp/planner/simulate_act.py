@@ -503,9 +503,10 @@ class ActReplay:
             unit
         )  # (a window's: its last micro-batch's first)
         first = chunks[-1] if chunks else job.nbytes
-        if unit in self.pieces and chunks:  # (and the pieces its last piece's arguments are made from)
-            k, u = len(chunks) - 1, self.units[unit]
-            while k > 0 and u.pieces[k][1] == 0:
+        u = self.units.get(unit)
+        if unit in self.pieces and chunks and u is not None and u.pieces:  # (and the pieces its last
+            k = len(chunks) - 1  # piece's arguments are made from)
+            while k > 0 and u.pieces[k % len(u.pieces)][1] == 0:  # (a window's: per micro-batch)
                 k -= 1
             first = sum(chunks[k:])
         if not force and self.budget is not None and self.device_bytes + first > self.budget:

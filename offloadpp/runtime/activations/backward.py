@@ -99,7 +99,13 @@ class ManagerBackward:
             pieces += max(0, len(todo) - max(0, len(u.segments) - TAIL_PIECES))
         if not u.policy.piecewise or len(todo) <= pieces:
             return 0
-        return todo[len(todo) - pieces].first_record
+        k = len(todo) - pieces
+        # recompute_pieces: a piece whose argument is made again from the previous piece's
+        # checkpoint (a block's MLP, from the second norm's) has no record of its own to fetch
+        # ahead; its recompute reads that piece's (recompute.py, Note on derived checkpoints)
+        while u.policy.recompute_pieces and k > 0 and todo[k].derived:
+            k -= 1
+        return todo[k].first_record
 
     def _fetch_unit(self, u: UnitActivations, force: bool, floor: int = 0) -> bool:
         """Fetches u's records from the last not asked for down to index `floor`, in reverse

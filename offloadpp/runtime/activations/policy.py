@@ -103,6 +103,11 @@ class ActPolicy(str, Enum):
         return self in _PIECEWISE
 
     @property
+    def recompute_pieces(self) -> bool:
+        """Each piece recomputed whole from its own checkpoint (no operator log)."""
+        return self in _PIECES
+
+    @property
     def tail(self) -> bool:
         """Keeps its last TAIL_PIECES pieces' records on the device, swaps the others."""
         return self is ActPolicy.PARTIAL_HOST_TAIL

@@ -140,6 +140,11 @@ class Segment:
             and (self.log is None or not self.log.ops)
         )
 
+    @property
+    def derived(self) -> bool:
+        """An argument of this piece is the previous piece's output, made again when needed."""
+        return any(type(x) is DerivedRef for x in tree_leaves((self.args, self.kwargs)))
+
     def output_again(self, restore: Callable) -> torch.Tensor:
         """Its forward run again without grad, from its arguments (restore: an argument leaf ->
         the tensor it stands for): a derived argument of the next piece."""
