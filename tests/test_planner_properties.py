@@ -135,13 +135,13 @@ def test_a_13b_block_too_large_to_recompute_whole_recomputes_nested_not_partial(
     12x the checkpoint's bytes to the SSD: 1.108x the time per token of b32 (1.165x at 40
     layers). The blocks recompute nested from their one checkpoint instead (recompute_nested*):
     0.895x; since recompute_pieces*, each piece from its own checkpoint (the attention not run a
-    second time): 0.845x."""
+    second time), half the blocks partial: 0.772x."""
     hw, dtype = random_profile(0)
     pts = [plan_point(hw, "gpt3-13b@24", b, dtype) for b in (32, 64)]
     assert batch_violations(pts) == []
     got = pts[1].resolved.plan.activations
     assert any(p.startswith(("recompute_nested", "recompute_pieces")) for p in got)
-    assert not any(p.startswith("partial") for p in got)
+    assert sum(p.startswith("partial") for p in got) <= len(got) // 2
 
 
 def test_the_robust_pick_gives_up_at_most_2pc_of_the_nominal_estimate():

@@ -237,27 +237,40 @@ class ActPlanner:
             found += [
                 c for c in self._family(room, "recompute_nested") if any(p in NESTED for _, p in c.policies)
             ]
-            found.append(self._pieces(room))
+            found += self._pieces(room)
         return found
 
-    def _pieces(self, room: int) -> ActChoice:
+    def _pieces(self, room: int) -> list[ActChoice]:
         """Every recomputable unit recomputing piece by piece from its pieces' own checkpoints
         (recompute_pieces*), the checkpoints to the first tier (host on CUDA, beyond the host
         memory left to SSD), whole units kept and then checkpoints pinned along the ranking while
-        they fit: the one choice of nested's family that pieces made faster than nested on the
-        sweep's cliffs (profiles 1 and 9, 13B and Llama b128: the other choices with pieces in
-        place of nested, and pieces and nested mixed, never won there, and each choice costs a
-        replay; see the Note on the candidates)."""
+        they fit; and (where the profile knows partial's bytes, not on models of many units) half
+        of them partial instead, spread evenly, their kept outputs swapped the same way. The two
+        choices of nested's family that pieces made faster than nested on the sweep's cliffs
+        (profiles 1 and 9, 13B and Llama b128: the first; profile 15, Llama b128, host memory too
+        small for every block's partial outputs: the second); the others with pieces in place of
+        nested, and pieces and nested mixed, never won there, and each costs a replay (see the
+        Note on the candidates)."""
         to = "host" if self.device == "cuda" else "ssd"
         rec = [u for u in self._ranked() if u.can_recompute]
         # (a unit without pieces, the head, recomputes whole: what pieces would count it as)
         base = {**{u.name: "ssd" for u in self.free},
                 **{u.name: "recompute_pieces_ssd" if u.pieces else "recompute_ssd" for u in rec}}  # fmt: skip
-        kept = self._pin_what_fits(self._keep_what_fits(base, room), room, "recompute_pieces")
-        kept = self._pin_what_fits(kept, room)
-        return self._choice(
-            f"pieces recompute 100% with checkpoints to {to}, swap to {to}", self._swap_to(kept, to)
-        )
+        out = [(f"pieces recompute 100% with checkpoints to {to}, swap to {to}", base)]
+        partial = [u for u in rec if 0 < u.partial < u.saved]
+        if partial and self.mixes:
+            half = {u.name: "partial_ssd" for i, u in enumerate(partial) if int((i + 1) * 0.5) > int(i * 0.5)}
+            out.append((f"partial 50%, pieces recompute the rest with checkpoints to {to}", {**base, **half}))
+        found = []
+        for label, chosen in out:
+            kept = self._upgrade_what_fits(self._keep_what_fits(chosen, room), room, frozenset(("partial_ssd",)),
+                                           "partial")  # fmt: skip
+            kept = self._pin_what_fits(kept, room, "recompute_pieces")
+            kept = self._upgrade_what_fits(
+                kept, room, frozenset(("recompute_ssd",)), "recompute"
+            )  # (the head)
+            found.append(self._choice(label, self._swap_to(kept, to)))
+        return found
 
     def _candidates(self, room: int) -> tuple[ActChoice, ...]:
         found = self._families(room)
