@@ -17,12 +17,14 @@ models of many units: each choice costs a replay). Where even the whole recomput
 saved; issue 36's cliffs), the recomputing choices are made again with the nested recompute in
 its place (recompute_nested*: the block's pieces' boundaries and one piece at a time, for a
 second forward), before partial, which moves 12x the checkpoint's bytes, is the only way left;
-and one more, every recomputable unit recomputing piece by piece from its pieces' own checkpoints
-swapped (recompute_pieces*: the compute of a whole recompute at one piece's peak, two checkpoints
-a block moved; `_pieces`). Where the step is nearly all compute it beats nested (the sweep's
-cliffs, profiles 1 and 9 at b128); where the link or the SSD is what the step waits on, nested's
-one checkpoint does. One choice, not nested's family again: each costs a replay, and the others
-(pieces in the family's other choices, pieces and nested mixed) never won on those profiles.
+and two more (`_pieces`): every recomputable unit recomputing piece by piece from its pieces' own
+checkpoints swapped (recompute_pieces*: the compute of a whole recompute at one piece's peak, two
+checkpoints a block moved), and half of them partial instead, spread evenly. Where the step is
+nearly all compute they beat nested (the sweep's cliffs: profiles 1 and 9 at b128 the first,
+profile 15's the second); where the link or the SSD is what the step waits on, nested's one
+checkpoint does. Two choices, not nested's family again: each costs a replay (at most 2 per
+room, twice with the head twin), and the others (pieces in the family's other choices, pieces
+and nested mixed) never won on those profiles.
 Swaps go to host memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the
 CPU acting as the device, where host memory is the device's own; SSD is tried on CUDA too.
 """
