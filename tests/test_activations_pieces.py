@@ -189,3 +189,26 @@ def test_pieces_ssd_bytes_in_the_step_report_are_the_cost_models(tmp_path, polic
     assert got == want > 0
     x = 2 * 16 * 64 * 4  # (a checkpoint: micro-batch 2 x 16 tokens x width 64, fp32)
     assert got == (6 if policy == "recompute_pieces_ssd" else 3) * x
+
+
+def test_a_pieces_blocks_prefetch_brings_the_checkpoint_its_mlp_is_made_from(store, data):
+    """Backward's prefetch of a recompute_pieces_host block brings the second norm's checkpoint:
+    the MLP, the piece backward recomputes first, has no record of its own (its argument is made
+    again from that checkpoint), so a floor at the MLP's records fetched nothing ahead
+    (backward.py `_fetch_floor`)."""
+    from offloadpp.runtime.activations.records import RecState
+
+    model = tiny_gpt2(dropout=0.0)
+    cfg = ActivationSettings(policy="recompute_pieces_host", overrides={"head": "keep"}, min_swap_bytes=0)
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        with mgr.forward():
+            loss = model(input_ids=data, labels=data).loss
+        mgr.drain()
+        last = next(u for u in reversed(mgr.units) if u.name.startswith("transformer.h."))
+        own = [r for r in last.records if r.unit is last]  # (not the embedding's, shared by all)
+        assert len(own) == 2 and all(r.state is RecState.HOST for r in own)
+        mgr.start_backward()  # (the head keeps: the prefetch reaches the last block)
+        assert own[1].state is not RecState.HOST  # (asked for: on its way back, or back)
+        assert own[0].state is RecState.HOST  # (the first norm's: one piece ahead only)
+        loss.backward()
+        mgr.end_backward()
