@@ -16,7 +16,15 @@ models of many units: each choice costs a replay). Where even the whole recomput
 (every recomputable unit recomputing, its checkpoint swapped: a block's backward holds all it
 saved; issue 36's cliffs), the recomputing choices are made again with the nested recompute in
 its place (recompute_nested*: the block's pieces' boundaries and one piece at a time, for a
-second forward), before partial, which moves 12x the checkpoint's bytes, is the only way left.
+second forward), before partial, which moves 12x the checkpoint's bytes, is the only way left;
+and two more (`_pieces`): every recomputable unit recomputing piece by piece from its pieces' own
+checkpoints swapped (recompute_pieces*: the compute of a whole recompute at one piece's peak, two
+checkpoints a block moved), and half of them partial instead, spread evenly. Where the step is
+nearly all compute they beat nested (the sweep's cliffs: profiles 1 and 9 at b128 the first,
+profile 15's the second); where the link or the SSD is what the step waits on, nested's one
+checkpoint does. Two choices, not nested's family again: each costs a replay (at most 2 per
+room, twice with the head twin), and the others (pieces in the family's other choices, pieces
+and nested mixed) never won on those profiles.
 Swaps go to host memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the
 CPU acting as the device, where host memory is the device's own; SSD is tried on CUDA too.
 """
@@ -31,6 +39,7 @@ from .activations import (
     GRAD_IN_FORWARD,
     NESTED,
     NESTED_SWAPS,
+    PIECES_SWAPS,
     SWAPPING,
     TAIL,
     ActUnit,
@@ -195,8 +204,8 @@ class ActPlanner:
 
     def _pin_what_fits(self, chosen: dict[str, str], room: int, to: str = "recompute") -> dict[str, str]:
         """`chosen` with its swapped checkpoints kept on the device (as `to`: recompute, or
-        recompute_nested for the nested ones) while the need fits `room`."""
-        frm = NESTED_SWAPS if to == "recompute_nested" else frozenset(CHECKPOINT_SWAPS) - NESTED_SWAPS
+        recompute_nested / recompute_pieces for theirs) while the need fits `room`."""
+        frm = _SWAPS_OF.get(to, frozenset(CHECKPOINT_SWAPS) - NESTED_SWAPS - PIECES_SWAPS)
         return self._upgrade_what_fits(chosen, room, frm, to)
 
     def candidates(self, room: int) -> tuple[ActChoice, ...]:
@@ -226,10 +235,43 @@ class ActPlanner:
 
     def _families(self, room: int) -> list[ActChoice]:
         found = self._family(room)
-        if self._offers_nested(room):  # (the family again, nested in place of recompute)
+        if self._offers_nested(room):  # (the family again, nested in place of recompute; pieces)
             found += [
                 c for c in self._family(room, "recompute_nested") if any(p in NESTED for _, p in c.policies)
             ]
+            found += self._pieces(room)
+        return found
+
+    def _pieces(self, room: int) -> list[ActChoice]:
+        """Every recomputable unit recomputing piece by piece from its pieces' own checkpoints
+        (recompute_pieces*), the checkpoints to the first tier (host on CUDA, beyond the host
+        memory left to SSD), whole units kept and then checkpoints pinned along the ranking while
+        they fit; and (where the profile knows partial's bytes, not on models of many units) half
+        of them partial instead, spread evenly, their kept outputs swapped the same way. The two
+        choices of nested's family that pieces made faster than nested on the sweep's cliffs
+        (profiles 1 and 9, 13B and Llama b128: the first; profile 15, Llama b128, host memory too
+        small for every block's partial outputs: the second); the others with pieces in place of
+        nested, and pieces and nested mixed, never won there, and each costs a replay (see the
+        Note on the candidates)."""
+        to = "host" if self.device == "cuda" else "ssd"
+        rec = [u for u in self._ranked() if u.can_recompute]
+        # (a unit without pieces, the head, recomputes whole: what pieces would count it as)
+        base = {**{u.name: "ssd" for u in self.free},
+                **{u.name: "recompute_pieces_ssd" if u.pieces else "recompute_ssd" for u in rec}}  # fmt: skip
+        out = [(f"pieces recompute 100% with checkpoints to {to}, swap to {to}", base)]
+        partial = [u for u in rec if 0 < u.partial < u.saved]
+        if partial and self.mixes:
+            half = {u.name: "partial_ssd" for i, u in enumerate(partial) if int((i + 1) * 0.5) > int(i * 0.5)}
+            out.append((f"partial 50%, pieces recompute the rest with checkpoints to {to}", {**base, **half}))
+        found = []
+        for label, chosen in out:
+            kept = self._upgrade_what_fits(self._keep_what_fits(chosen, room), room, frozenset(("partial_ssd",)),
+                                           "partial")  # fmt: skip
+            kept = self._pin_what_fits(kept, room, "recompute_pieces")
+            kept = self._upgrade_what_fits(
+                kept, room, frozenset(("recompute_ssd",)), "recompute"
+            )  # (the head)
+            found.append(self._choice(label, self._swap_to(kept, to)))
         return found
 
     def _candidates(self, room: int) -> tuple[ActChoice, ...]:
@@ -285,7 +327,9 @@ class ActPlanner:
         ranked = self._ranked()
         found: list[ActChoice] = []
         rec: dict[str, str] = {}
-        name = "recompute" if again == "recompute" else "nested recompute"
+        name = {"recompute": "recompute", "recompute_nested": "nested recompute"}.get(
+            again, "pieces recompute"
+        )
         for u in ranked:
             if need_bytes(self.units, {**rec, **self.fixed}) <= room:
                 break
@@ -341,6 +385,9 @@ class ActPlanner:
                 found.append(self._choice(f"partial {frac:.0%}, {name} the rest with checkpoints to {swaps[0]}",
                                           self._swap_to(self._pin_what_fits(kept, room, again), swaps[0])))  # fmt: skip
         return found
+
+
+_SWAPS_OF = {"recompute_nested": NESTED_SWAPS, "recompute_pieces": PIECES_SWAPS}
 
 
 def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]:

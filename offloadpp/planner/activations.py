@@ -17,6 +17,11 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              unit's backward only its pieces' boundaries (the norms' arguments: for a block the
              residual stream twice) and one piece's saved bytes at a time, for a second forward of
              its pieces but the last (runtime/activations/nested.py, Note on nested).
+  recompute_pieces, recompute_pieces_host, recompute_pieces_ssd
+             each piece recomputed from its own checkpoint (kept, or swapped as recompute_host/ssd's):
+             counted as partial with no kept outputs (its pieces' checkpoints: a block's two, the
+             residual stream before each norm; one piece's saved bytes at a time in backward), for
+             the compute of a whole recompute (see the Note on pieces).
   partial, partial_host, partial_ssd
              selective recomputation: the outputs of the unit's matmuls and attention (`partial`
              bytes, from the model profile) stay with its inputs (partial) or are swapped with them
@@ -84,13 +89,24 @@ its backward comes first, so what it keeps is neither copied out nor fetched bac
 shorten forward where forward waits on the link: what the tail keeps is room the copies cannot
 use, so forward still waits until the bytes produced before the head less the room are out.
 
+Note: pieces. A recompute_pieces* unit (runtime/activations/manager.py, Note on pieces) runs
+each child of its root as its own recompute segment from its own checkpoint: it is partial
+without the operator log. So it is counted as the same unit seen as partial with no kept outputs
+(`ActUnit.as_pieces`: each piece's inputs, nothing kept; `as_run` maps the policy to partial's
+of the same tier), with one difference, its recompute's compute: the whole forward once
+(recompute_fraction), between nested's (2 - last_piece_share) and partial's none. A unit without
+pieces recomputes whole (recompute*'s accounting). Against nested it holds one more checkpoint a
+block (kept, or moved: two swapped checkpoints a block) and runs one forward less than nested's
+(1 - last_piece_share): the step that is nearly all compute at the micro-batch cliffs (issue 36,
+docs/performance.md "Each piece from its own checkpoint").
+
 The choices the planner scores are made in act_candidates.py (ActPlanner).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Protocol, Sequence
 
 
@@ -112,11 +128,13 @@ LOSS_CHUNK_ELEMS = 1 << 24
 
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
             "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd",
-            "grad_in_forward", "partial_host_tail")  # fmt: skip
+            "grad_in_forward", "partial_host_tail", "recompute_pieces", "recompute_pieces_host",
+            "recompute_pieces_ssd")  # fmt: skip
 GRAD_IN_FORWARD = "grad_in_forward"  # (a fused head's only: see the Note on the head's loss)
 # nothing of the unit stays on the device between its forward and its backward
 SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",
-                      "recompute_nested_host", "recompute_nested_ssd"))  # fmt: skip
+                      "recompute_nested_host", "recompute_nested_ssd", "recompute_pieces_host",
+                      "recompute_pieces_ssd"))  # fmt: skip
 CHECKPOINT_SWAPS = {
     "recompute_host": "host",
     "recompute_ssd": "ssd",
@@ -125,6 +143,8 @@ CHECKPOINT_SWAPS = {
     "partial_host_tail": "host",  # (but its last pieces' bytes: kept, see the Note on the tail)
     "recompute_nested_host": "host",
     "recompute_nested_ssd": "ssd",
+    "recompute_pieces_host": "host",
+    "recompute_pieces_ssd": "ssd",
 }
 RECOMPUTE = frozenset(("recompute", "recompute_host", "recompute_ssd"))
 PARTIAL = frozenset(("partial", "partial_host", "partial_ssd", "partial_host_tail"))
@@ -132,18 +152,26 @@ TAIL = "partial_host_tail"  # (see the Note on the tail)
 TAIL_PIECES = 2  # the pieces a partial_host_tail unit keeps: a block's second norm and its MLP
 NESTED = frozenset(("recompute_nested", "recompute_nested_host", "recompute_nested_ssd"))
 NESTED_SWAPS = frozenset(("recompute_nested_host", "recompute_nested_ssd"))
+PIECES = frozenset(("recompute_pieces", "recompute_pieces_host", "recompute_pieces_ssd"))
+PIECES_SWAPS = frozenset(("recompute_pieces_host", "recompute_pieces_ssd"))
+# a recompute_pieces policy as it is counted (see the Note on pieces): partial's of its tier, or
+# recompute's where the unit has no pieces
+_AS_PARTIAL = {"recompute_pieces": "partial", "recompute_pieces_host": "partial_host",
+               "recompute_pieces_ssd": "partial_ssd"}  # fmt: skip
+_AS_WHOLE = {"recompute_pieces": "recompute", "recompute_pieces_host": "recompute_host",
+             "recompute_pieces_ssd": "recompute_ssd"}  # fmt: skip
 
 
 def recomputes(policy: str) -> bool:
     """Runs the unit's forward again in backward (wholly, or its cheap operators: partial)."""
-    return policy in RECOMPUTE or policy in PARTIAL or policy in NESTED
+    return policy in RECOMPUTE or policy in PARTIAL or policy in NESTED or policy in PIECES
 
 
 def recompute_fraction(policy: str, unit: Optional[ActUnit] = None) -> float:
     """The share of the unit's forward FLOPs its recompute runs again: all of them; for nested
     the unit's and then each piece's but the last (its share: ActUnit.last_piece_share, 0 where
     not known); none for partial (only the cheap operators, which the FLOP count does not count
-    either)."""
+    either); recompute_pieces all of them, each piece once."""
     if policy in NESTED:
         return 2.0 - (unit.last_piece_share if unit is not None else 0.0)
     return 0.0 if policy in PARTIAL or not recomputes(policy) else 1.0
@@ -184,6 +212,15 @@ class ActUnit:
     # of flops, the share in its last piece, which a nested recompute runs once (0: not known)
     last_piece_share: float = 0.0
 
+    @functools.cached_property
+    def as_pieces(self) -> ActUnit:
+        """The unit as recompute_pieces counts it (see the Note on pieces): partial with no kept
+        outputs, each piece's checkpoint its only record."""
+        n = len(self.pieces)
+        return replace(self, partial=0, partial_extra=0, pieces=tuple((p[0], p[1], 0, 0) for p in self.pieces),
+                       piece_kept=((),) * n if self.piece_kept else (),
+                       piece_kept_at=((),) * n if self.piece_kept_at else ())  # fmt: skip
+
     @property
     def partial_inputs(self) -> int:
         """A partial unit's checkpoints: every piece's inputs."""
@@ -212,6 +249,9 @@ class ActUnit:
 
     def moved(self, policy: str) -> int:
         """Bytes that leave the device between its forward and its backward (swapping policies)."""
+        if policy in PIECES:
+            u, policy = as_run(self, policy)
+            return u.moved(policy)
         policy = _head(self, policy)
         if policy == TAIL:
             return self.partial_inputs + self.partial - self.tail
@@ -236,12 +276,33 @@ class ActUnit:
         return max(held + max(p[0] - p[1] for p in self.pieces), self.checkpoint)
 
 
+def as_run(u: ActUnit, policy: str) -> tuple[ActUnit, str]:
+    """(unit, policy) as the accounting counts them: a recompute_pieces unit as partial with no
+    kept outputs, or as recompute where it has no pieces (see the Note on pieces); else as given."""
+    if policy not in PIECES:
+        return u, policy
+    return (u.as_pieces, _AS_PARTIAL[policy]) if u.pieces else (u, _AS_WHOLE[policy])
+
+
+def _pieces_as_run(f):
+    """f(unit, policy, ...) with a recompute_pieces policy counted as it runs (as_run)."""
+
+    @functools.wraps(f)
+    def counted(u: ActUnit, policy: str, *args):
+        if policy in PIECES:
+            u, policy = as_run(u, policy)
+        return f(u, policy, *args)
+
+    return counted
+
+
 def _head(u: ActUnit, policy: str) -> str:
     """A fused head's partial policy as it runs: the logits are its matmul's output, which partial
     keeps (with the checkpoint's policy), so it holds and moves what keep / host / ssd would."""
     return CHECKPOINT_SWAPS.get(policy, "keep") if u.logits and policy in PARTIAL else policy
 
 
+@_pieces_as_run
 def held_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit holds from its forward to its backward."""
     policy = _head(u, policy)
@@ -254,6 +315,7 @@ def held_bytes(u: ActUnit, policy: str) -> int:
     return u.saved if policy == "keep" else u.checkpoint if policy in ("recompute", "recompute_nested") else 0
 
 
+@_pieces_as_run
 def backward_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit holds during its backward: all it saved (a recompute's inputs are
     counted until the recompute, then what it recomputed, as the runtime counts them: the
@@ -276,6 +338,7 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
     return (u.recomputed() if recomputes(policy) else u.saved) + u.grad + u.workspace
 
 
+@_pieces_as_run
 def piece_peaks(u: ActUnit, policy: str) -> list[int]:
     """A partial unit's device bytes at each piece's recompute, forward order (backward_bytes)."""
     out, before, prev = [], 0, 0
@@ -287,6 +350,7 @@ def piece_peaks(u: ActUnit, policy: str) -> list[int]:
     return out
 
 
+@_pieces_as_run
 def window_bytes(u: ActUnit, policy: str, one: int) -> int:
     """What a unit of a vertical window holds at once at a visit that holds `one` bytes for the
     micro-batches it runs (forward_bytes', backward_bytes' count of its scaled sizes): it runs
@@ -299,6 +363,7 @@ def window_bytes(u: ActUnit, policy: str, one: int) -> int:
     return held - held // g + (one - u.workspace) // g + u.workspace
 
 
+@_pieces_as_run
 def forward_bytes(u: ActUnit, policy: str) -> int:
     """Device bytes the unit's forward holds at once until its copies out are done: all it saves
     (keep, host, ssd), or what a recomputing unit holds or moves (its inputs; a partial unit's
@@ -317,6 +382,7 @@ def forward_bytes(u: ActUnit, policy: str) -> int:
     return u.checkpoint if recomputes(policy) else u.saved
 
 
+@_pieces_as_run
 def peak_bytes_at(u: ActUnit, policy: str) -> int:
     """The unit's own share of the need at its visits: its forward's or its backward's, the
     larger (a partial unit's checkpoints and kept outputs all together can pass what its
@@ -325,6 +391,7 @@ def peak_bytes_at(u: ActUnit, policy: str) -> int:
     return window_bytes(u, policy, max(forward_bytes(u, policy), backward_bytes(u, policy)))
 
 
+@_pieces_as_run
 def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     """Where the unit's activation bytes are between its forward and its backward: kept on the
     device, swapped to host, swapped to SSD (through host), recomputed; a recomputing unit's
@@ -410,7 +477,7 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
     return peak
 
 
-__all__ = ["ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL",
-           "POLICIES", "RECOMPUTE", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units",
+__all__ = ["ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL", "PIECES",
+           "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run",
            "backward_bytes", "checkpoint_tier", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

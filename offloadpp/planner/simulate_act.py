@@ -15,6 +15,12 @@ Pure (no torch). Per unit, the policy says what happens to what its forward save
              as recompute and its swapped-checkpoint forms, holding in backward the unit's pieces'
              boundaries and one piece's saved bytes (ActUnit.nested); the recompute runs the
              unit's forward twice (recompute_fraction).
+  recompute_pieces, recompute_pieces_host, recompute_pieces_ssd
+             replayed as partial with no kept outputs (planner/activations.py, Note on pieces: its
+             pieces' checkpoints moved piece by piece), its recompute the unit's whole forward
+             once; its pieces' shares of the compute by what each saves, the last's its known
+             share (ActUnit.last_piece_share); a fetch waits for the last piece and the pieces its
+             arguments are made again from (a block's MLP: the second norm's checkpoint).
   partial, partial_host, partial_ssd
              as recompute, the outputs of the matmuls and attention held (or moved) with the
              checkpoint; the recompute runs no matmul (only the per-visit time is added).
@@ -51,11 +57,13 @@ from .activations import (
     GRAD_IN_FORWARD,
     NESTED,
     PARTIAL,
+    PIECES,
     POLICIES,
     SWAPPING,
     TAIL,
     TAIL_PIECES,
     ActUnit,
+    as_run,
     backward_bytes,
     piece_peaks,
     recompute_fraction,
@@ -125,6 +133,17 @@ class ActReplay:
         self.act_bytes = dict(act_bytes)
         # per unit: its checkpoint (inputs) and partial bytes (planner/activations.py ActUnit)
         self.units = dict(units or {})
+        # recompute_pieces units replayed as they are counted (activations.as_run), their
+        # recompute's share of the forward kept (see the module docstring)
+        self.pieces: dict[str, float] = {}
+        for n, p in policies.items():
+            if p in PIECES:
+                u = self.units.get(n)
+                self.pieces[n] = recompute_fraction(p, u)
+                if u is not None:
+                    self.units[n], self.policies[n] = as_run(u, p)
+                else:
+                    self.policies[n] = p.replace("recompute_pieces", "recompute")
         self.inputs = {n: u.inputs for n, u in self.units.items()}
         self.prefetch = prefetch_units
         self.budget = budget
@@ -156,10 +175,10 @@ class ActReplay:
     def recompute_s(self, unit: str) -> float:
         if not recomputes(self.policy(unit)):
             return 0.0
-        return (
-            self.sim.costs.forward_s[unit] * recompute_fraction(self.policy(unit), self.units.get(unit))
-            + self.sim.costs.forward_visit_s
-        )
+        frac = self.pieces.get(unit)
+        if frac is None:
+            frac = recompute_fraction(self.policy(unit), self.units.get(unit))
+        return self.sim.costs.forward_s[unit] * frac + self.sim.costs.forward_visit_s
 
     def _add(self, n: int) -> None:
         self.device_bytes += n
@@ -180,6 +199,8 @@ class ActReplay:
             return tuple((share, sum(recs)) for share, recs in sub)
         pieces = self._window_chunks(unit) or self._piece_bytes(unit)
         if (pol in CHECKPOINT_SWAPS and pol in PARTIAL or self._window_chunks(unit)) and sum(pieces) > 0:
+            if unit in self.pieces and not self._window_chunks(unit):
+                return tuple(zip(self._piece_shares(unit), pieces))
             return tuple((p / sum(pieces), p) for p in pieces)
         if pol == GRAD_IN_FORWARD and unit in self.units:  # (h beside its gradients until its forward ends)
             return ((1.0, self._kept(unit) + self.units[unit].loss_input),)
@@ -211,8 +232,9 @@ class ActReplay:
         if total <= 0:
             return ()
         out: list[tuple[float, tuple[int, ...]]] = []
-        for p, kept, at, nbytes in zip(u.pieces, u.piece_kept, u.piece_kept_at, pieces):
-            share, recs, prev = nbytes / total, [p[1]] if p[1] else [], 0.0
+        shares = self._piece_shares(unit)
+        for p, kept, at, share in zip(u.pieces, u.piece_kept, u.piece_kept_at, shares):
+            recs, prev = [p[1]] if p[1] else [], 0.0
             for r, a in zip(kept, at):
                 recs.append(r)
                 out.append((share * (a - prev), tuple(recs)))
@@ -220,6 +242,22 @@ class ActReplay:
             if recs or prev < 1.0:
                 out.append((share * (1.0 - prev), tuple(recs)))
         return tuple(out)
+
+    @_per_unit
+    def _piece_shares(self, unit: str) -> tuple[float, ...]:
+        """A piecewise unit's pieces' shares of its compute, forward order: a partial unit's by the
+        bytes each moves (its input and its matmuls' outputs, which grow with its FLOPs); a
+        recompute_pieces unit's, which moves its checkpoints only, by the bytes each saves, its
+        last piece's its known share (ActUnit.last_piece_share) where the profile says."""
+        u = self.units[unit]
+        if unit not in self.pieces:
+            pieces = self._piece_bytes(unit)
+            return tuple(p / sum(pieces) for p in pieces)
+        saved = [p[0] for p in u.pieces]
+        last = u.last_piece_share
+        if not 0 < last < 1 or sum(saved[:-1]) <= 0:
+            return tuple(x / sum(saved) for x in saved)
+        return tuple((1 - last) * x / sum(saved[:-1]) for x in saved[:-1]) + (last,)
 
     def _kept(self, unit: str) -> int:
         """What a unit that neither recomputes nor swaps holds from its forward to its backward:
@@ -370,7 +408,7 @@ class ActReplay:
         pieces done held."""
         if self._window_chunks(unit) or self._sub_parts(unit):  # (a window's: the micro-batches together)
             pieces = self._piece_bytes(unit)
-            return tuple(p / sum(pieces) for p in reversed(pieces)) if sum(pieces) > 0 else (1.0,)
+            return tuple(reversed(self._piece_shares(unit))) if sum(pieces) > 0 else (1.0,)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
 
     def next_piece(self, unit: str, done: int) -> None:
@@ -465,6 +503,12 @@ class ActReplay:
             unit
         )  # (a window's: its last micro-batch's first)
         first = chunks[-1] if chunks else job.nbytes
+        u = self.units.get(unit)
+        if unit in self.pieces and chunks and u is not None and u.pieces:  # (and the pieces its last
+            k = len(chunks) - 1  # piece's arguments are made from)
+            while k > 0 and u.pieces[k % len(u.pieces)][1] == 0:  # (a window's: per micro-batch)
+                k -= 1
+            first = sum(chunks[k:])
         if not force and self.budget is not None and self.device_bytes + first > self.budget:
             return False
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)

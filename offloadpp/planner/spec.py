@@ -24,14 +24,15 @@ ComputeDtype = Literal["fp32", "bf16", "fp16"]
 ActivationPolicyName = Literal[
     "keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd",
     "recompute_nested", "recompute_nested_host", "recompute_nested_ssd", "grad_in_forward", "partial_host_tail",
-    "auto",
+    "recompute_pieces", "recompute_pieces_host", "recompute_pieces_ssd", "auto",
 ]  # fmt: skip
 # Bytes per element of the dtypes the runtime uses, by the names the settings use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPUTE_DTYPES = tuple(DTYPE_BYTES)
 ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial",
                        "partial_host", "partial_ssd", "recompute_nested", "recompute_nested_host",
-                       "recompute_nested_ssd", "grad_in_forward", "partial_host_tail", "auto")  # fmt: skip
+                       "recompute_nested_ssd", "grad_in_forward", "partial_host_tail", "recompute_pieces",
+                       "recompute_pieces_host", "recompute_pieces_ssd", "auto")  # fmt: skip
 # the fused head's own policy (runtime/activations/head.py, Note on gradients in forward): a
 # per-unit override of the head's unit, never the policy of every unit
 HEAD_ONLY_POLICIES = ("grad_in_forward",)
@@ -80,7 +81,10 @@ class ActivationSettings(_Frozen):
         or swapped with the checkpoint; only the cheap operators run again), "recompute_nested" /
         "recompute_nested_host" / "recompute_nested_ssd" (recompute from the one checkpoint kept or
         swapped as recompute*'s, holding the block's pieces' boundaries, then each piece again
-        when backward reaches it: one piece's saved tensors at a time), "partial_host_tail"
+        when backward reaches it: one piece's saved tensors at a time), "recompute_pieces" /
+        "recompute_pieces_host" / "recompute_pieces_ssd" (each piece, a block's norms, attention,
+        MLP, recomputed once from its own checkpoint kept or swapped: the compute of a whole
+        recompute at one piece's peak, two checkpoints a block), "partial_host_tail"
         (partial_host, the records of the unit's last two pieces kept on the device: a block's
         second norm and MLP, which backward needs first), or "auto": the planner chooses per unit (plan
         "auto": by the cost model, within the room the placement leaves; otherwise keep what fits

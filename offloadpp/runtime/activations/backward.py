@@ -76,7 +76,7 @@ class ManagerBackward:
             # pieces: the records of the piece to recompute next (and of the one before it, within
             # the budget), not the whole unit's (see the Note on pieces)
             self._fetch_unit(cur, force=True, floor=self._fetch_floor(cur))
-            if cur.policy.partial and len(todo) > 1:
+            if cur.policy.piecewise and len(todo) > 1:
                 self._fetch_unit(cur, force=False, floor=self._fetch_floor(cur, 2))
             if todo:
                 # its recompute is still to come and will hold all it saves: the units after it
@@ -92,14 +92,20 @@ class ManagerBackward:
 
     @staticmethod
     def _fetch_floor(u: UnitActivations, pieces: int = 1) -> int:
-        """The first of u's records its next `pieces` recomputes need: a partial unit's pieces are
+        """The first of u's records its next `pieces` recomputes need: a piecewise unit's pieces are
         fetched piece by piece (see the Note on pieces), any other unit's records all at once."""
         todo = [seg for seg in u.segments if seg.state is SegState.SAVED]
         if u.policy.tail:  # (its last pieces' records are on the device: the next swapped ones)
             pieces += max(0, len(todo) - max(0, len(u.segments) - TAIL_PIECES))
-        if not u.policy.partial or len(todo) <= pieces:
+        if not u.policy.piecewise or len(todo) <= pieces:
             return 0
-        return todo[len(todo) - pieces].first_record
+        k = len(todo) - pieces
+        # recompute_pieces: a piece whose argument is made again from the previous piece's
+        # checkpoint (a block's MLP, from the second norm's) has no record of its own to fetch
+        # ahead; its recompute reads that piece's (recompute.py, Note on derived checkpoints)
+        while u.policy.recompute_pieces and k > 0 and todo[k].derived:
+            k -= 1
+        return todo[k].first_record
 
     def _fetch_unit(self, u: UnitActivations, force: bool, floor: int = 0) -> bool:
         """Fetches u's records from the last not asked for down to index `floor`, in reverse

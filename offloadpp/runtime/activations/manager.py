@@ -17,9 +17,11 @@ start coming back within the budget. `saved_tensors_hooks(pack, unpack)` is acti
 whole forward: pack hands autograd a SavedRef (or a ParamView for a parameter, a RecomputeRef
 inside a recompute segment), unpack rebuilds the tensor from wherever its bytes are then.
 
-Note: pieces. A partial unit whose root module has children runs each child's call as its own
-segment (a piece: for a transformer block the two norms, the attention, the MLP), with its own
-checkpoint (the child's arguments) and kept outputs. In backward a piece is recomputed when
+Note: pieces. A partial or recompute_pieces unit whose root module has children runs each
+child's call as its own segment (a piece: for a transformer block the two norms, the attention,
+the MLP), with its own checkpoint (the child's arguments) and, partial only, kept outputs
+(recompute_pieces is this without the operator log: each piece runs whole again, from its own
+checkpoint, the compute of a whole recompute at one piece's peak). In backward a piece is recomputed when
 backward reaches it, only its records are fetched (and the previous piece's within the budget),
 and the records the pieces after it consumed are released at its recompute (their backward is
 done: autograd runs a block's pieces last to first). Backward of the block then holds one
@@ -131,9 +133,12 @@ class ActivationManager(ManagerBackward, ManagerReports):
             )
             for i, (n, r) in enumerate(units)
         ]
-        ssd = {ActPolicy.SSD, ActPolicy.RECOMPUTE_SSD, ActPolicy.RECOMPUTE_NESTED_SSD} | (
-            {ActPolicy.AUTO} if self.budget else set()
-        )
+        ssd = {
+            ActPolicy.SSD,
+            ActPolicy.RECOMPUTE_SSD,
+            ActPolicy.RECOMPUTE_NESTED_SSD,
+            ActPolicy.RECOMPUTE_PIECES_SSD,
+        } | ({ActPolicy.AUTO} if self.budget else set())
         needs_ssd = [u.name for u in self.units if u.requested in ssd]  # (auto under a budget: may)
         if needs_ssd and store is None:
             raise ValueError(f"units {needs_ssd} swap activations to SSD (or may), no TensorStore was given")
@@ -312,7 +317,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
         if (
             unit.policy.recomputes
             and not fused  # (the fused head's placeholder saves nothing; the loss saves for it)
-            and not (unit.policy.partial and any(True for _ in module.children()))
+            and not (unit.policy.piecewise and any(True for _ in module.children()))
         ):
             seg = self._open_segment(unit, module, args, kwargs)
         if self._flops is not None:
@@ -324,7 +329,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
         for rec in unit.open_piece(TAIL_PIECES) if unit.policy.tail else ():  # (policy.py)
             self.swapper.swap_out(rec)
         first = len(unit.records)
-        if unit.policy.partial and unit.segments:  # the previous piece's output, derived again
+        if unit.policy.piecewise and unit.segments:  # the previous piece's output, derived again
             prev = unit.segments[-1]
             args, kwargs = tree_map(
                 lambda x: DerivedRef(prev, x.requires_grad) if prev.derives(x) else x, (args, kwargs)
@@ -357,7 +362,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
         seg.close(output)
 
     def _piece_pre(self, unit: UnitActivations, module, args, kwargs):
-        """A child of a partial unit's root: one piece, its own segment (see the Note on pieces);
+        """A child of a partial or recompute_pieces unit's root: one piece, its own segment (see the Note on pieces);
         of a nested unit's: where its saved tensors begin (nested.py, Note on nested)."""
         if self._active and unit.policy.nested and self._stack and self._stack[-1][0] is unit:
             seg = self._stack[-1][1]
@@ -366,7 +371,12 @@ class ActivationManager(ManagerBackward, ManagerReports):
                     seg.last_piece_start = seg.count
                 seg.piece_depth += 1
             return None
-        if not self._active or not self._stack or self._stack[-1] != (unit, None) or not unit.policy.partial:
+        if (
+            not self._active
+            or not self._stack
+            or self._stack[-1] != (unit, None)
+            or not unit.policy.piecewise
+        ):
             return None
         self._stack.append((unit, self._open_segment(unit, module, args, kwargs)))
         return None
@@ -543,7 +553,7 @@ class ActivationManager(ManagerBackward, ManagerReports):
         self._enter_backward(unit)
         if seg.state is SegState.SAVED:
             if (
-                unit.policy.partial and len(unit.segments) > 1
+                unit.policy.piecewise and len(unit.segments) > 1
             ):  # a piece: the later pieces' records are done with
                 self._release_consumed()
             t0 = time.perf_counter()

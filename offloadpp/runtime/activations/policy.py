@@ -15,6 +15,14 @@
                transformer block's norms, attention, MLP), and then each piece's forward again
                when backward reaches it: the block's backward holds one piece's saved tensors at
                a time, for one more forward of the pieces (nested.py, Note on nested).
+    recompute_pieces, recompute_pieces_host, recompute_pieces_ssd
+               each piece (a child of the unit's root: a block's norms, attention, MLP) its own
+               recompute segment with its own checkpoint (its arguments; an argument that is the
+               previous piece's output is made again from that piece's: a block keeps or swaps
+               two checkpoints, the residual stream before each norm), kept or swapped as
+               recompute*'s; backward runs each piece's forward again from its own checkpoint
+               when it reaches it: the compute of a whole recompute, one piece's saved tensors
+               at a time (partial's pieces without its kept outputs: manager.py, Note on pieces).
     partial, partial_host, partial_ssd
                selective recomputation (Korthikanti et al. 2022): the outputs of the operators
                expensive to run again (matmuls, attention) and of random ones (dropout) are kept
@@ -60,6 +68,9 @@ class ActPolicy(str, Enum):
     RECOMPUTE_NESTED = "recompute_nested"
     RECOMPUTE_NESTED_HOST = "recompute_nested_host"
     RECOMPUTE_NESTED_SSD = "recompute_nested_ssd"
+    RECOMPUTE_PIECES = "recompute_pieces"
+    RECOMPUTE_PIECES_HOST = "recompute_pieces_host"
+    RECOMPUTE_PIECES_SSD = "recompute_pieces_ssd"
     PARTIAL = "partial"
     PARTIAL_HOST = "partial_host"
     PARTIAL_SSD = "partial_ssd"
@@ -86,6 +97,17 @@ class ActPolicy(str, Enum):
         )
 
     @property
+    def piecewise(self) -> bool:
+        """Runs each child of the unit's root as its own segment, recomputed from its own
+        checkpoint (partial*, recompute_pieces*: manager.py, Note on pieces)."""
+        return self in _PIECEWISE
+
+    @property
+    def recompute_pieces(self) -> bool:
+        """Each piece recomputed whole from its own checkpoint (no operator log)."""
+        return self in _PIECES
+
+    @property
     def tail(self) -> bool:
         """Keeps its last TAIL_PIECES pieces' records on the device, swaps the others."""
         return self is ActPolicy.PARTIAL_HOST_TAIL
@@ -105,15 +127,27 @@ class ActPolicy(str, Enum):
 _NESTED = frozenset(
     (ActPolicy.RECOMPUTE_NESTED, ActPolicy.RECOMPUTE_NESTED_HOST, ActPolicy.RECOMPUTE_NESTED_SSD)
 )
-_RECOMPUTING = _NESTED | frozenset(
-    (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
-    + (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
+_PIECES = frozenset(
+    (ActPolicy.RECOMPUTE_PIECES, ActPolicy.RECOMPUTE_PIECES_HOST, ActPolicy.RECOMPUTE_PIECES_SSD)
+)
+_PIECEWISE = _PIECES | frozenset(
+    (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
+)
+_RECOMPUTING = (
+    _NESTED
+    | _PIECES
+    | frozenset(
+        (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
+        + (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
+    )
 )
 _CHECKPOINT = {
     ActPolicy.RECOMPUTE_HOST: ActPolicy.HOST,
     ActPolicy.RECOMPUTE_SSD: ActPolicy.SSD,
     ActPolicy.RECOMPUTE_NESTED_HOST: ActPolicy.HOST,
     ActPolicy.RECOMPUTE_NESTED_SSD: ActPolicy.SSD,
+    ActPolicy.RECOMPUTE_PIECES_HOST: ActPolicy.HOST,
+    ActPolicy.RECOMPUTE_PIECES_SSD: ActPolicy.SSD,
     ActPolicy.PARTIAL_HOST: ActPolicy.HOST,
     ActPolicy.PARTIAL_HOST_TAIL: ActPolicy.HOST,
     ActPolicy.PARTIAL_SSD: ActPolicy.SSD,

@@ -20,7 +20,8 @@ before the forward runs again. The bytes are the same bytes, so the recompute is
 Note: derived checkpoints. A piece's tensor argument that is the output of the piece just before
 it, where that piece ran no kept and no random operator (a norm: its Segment logged nothing), is
 neither kept nor moved: the argument becomes a DerivedRef, and the recompute gets it by running
-that piece's forward again, without grad, from its own checkpoint (which its own recompute, later
+that piece's forward again, without grad, from its own checkpoint and RNG state (a recompute_pieces
+piece logs no operator: it is derived whatever it runs, as nested.py's FromPrev is) (which its own recompute, later
 in backward, still needs, so it is read without being unpacked), and only while it is unchanged
 (its version counter: a root that changes it in place before the next piece keeps it as a
 checkpoint). A transformer block's attention
@@ -128,16 +129,21 @@ class Segment:
         self.output_version = output._version if isinstance(output, torch.Tensor) else -1
 
     def derives(self, x: Any) -> bool:
-        """x is this closed piece's output, and the piece ran no kept nor random operator: the
-        next piece's argument x can be derived (see the Note on derived checkpoints)."""
+        """x is this closed piece's output, and the piece ran no kept nor random operator (a
+        recompute_pieces piece: logs none, runs whole from its RNG state): the next piece's
+        argument x can be derived (see the Note on derived checkpoints)."""
         return (
             self.state is SegState.SAVED
             and self.output is not None
             and self.output() is x
             and x._version == self.output_version  # (not changed in place since)
-            and self.log is not None
-            and not self.log.ops
+            and (self.log is None or not self.log.ops)
         )
+
+    @property
+    def derived(self) -> bool:
+        """An argument of this piece is the previous piece's output, made again when needed."""
+        return any(type(x) is DerivedRef for x in tree_leaves((self.args, self.kwargs)))
 
     def output_again(self, restore: Callable) -> torch.Tensor:
         """Its forward run again without grad, from its arguments (restore: an argument leaf ->
@@ -147,7 +153,12 @@ class Segment:
                 f"unit {self.unit!r}: a piece's argument was derived after the piece before it was recomputed"
             )
         args, kwargs = tree_map(restore, (self.args, self.kwargs))
-        with torch.no_grad(), contextlib.ExitStack() as stack:
+        # (from its RNG state: a recompute_pieces piece may draw from it, as it did in forward)
+        with (
+            rng_from(self.device, self.rng_cpu, self.rng_dev),
+            torch.no_grad(),
+            contextlib.ExitStack() as stack,
+        ):
             for c in self._autocasts():
                 stack.enter_context(c)
             return self.fn(*args, **kwargs)
