@@ -1,0 +1,213 @@
+"""The saved-tensor hooks' side of the ActivationManager (`ManagerSaves`, a mixin of manager.py's
+class): `pack` turns each tensor autograd saves into a record of the unit running (kept or
+swapped as its policy says: records.py, swap.py) or a recompute segment's reference; `unpack`
+brings it back in backward, running a recompute (recompute.py, nested.py) where the reference
+is one. A recomputing unit's arguments become checkpoints here (`_checkpoint`) and come back
+through `_restore`. The manager's Notes (manager.py) say when each applies."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .policy import ActPolicy
+from .recompute import CheckpointRef, DerivedRef, RecomputeRef, Segment
+from .records import (
+    ActivationError,
+    ParamIndex,
+    ParamView,
+    RecState,
+    SavedRef,
+    SavedStorage,
+    storage_key,
+    swappable,
+)
+from .states import SegState
+from .units import UnitActivations
+
+
+class ManagerSaves:
+    def _checkpoint(self, unit: UnitActivations, x):
+        """A recomputing unit's argument: a tensor activation becomes a swapped record's
+        CheckpointRef (weights, buffers and small tensors stay as they are)."""
+        if (
+            not isinstance(x, torch.Tensor)
+            or not swappable(x, self.device)
+            or unit.params.match(x) is not None
+        ):
+            return x
+        if self._all.match(x) is not None:
+            return x
+        return CheckpointRef(self._record(unit, x, unit.policy.checkpoint), x.requires_grad)
+
+    def _restore(self, ckpt: list, x):
+        """The argument a CheckpointRef stands for, or a partial unit's kept output a SavedRef
+        stands for, back on the device (waited for if in flight)."""
+        if type(x) is SavedRef:
+            t = self._unpack_saved(x, enter=False)
+            ckpt.append(t)
+            return t
+        if type(x) is DerivedRef:  # (not in ckpt: no record counts it, the recompute's bytes do)
+            t = x.seg.output_again(self._peek)
+            return t.requires_grad_(x.requires_grad) if x.requires_grad else t
+        if type(x) is not CheckpointRef:
+            return x
+        # (not entering the backward of the unit that saved the storage first: arguments such as
+        # Llama's rotary tables are shared by every block, and the first saver's backward is
+        # still to come; entering it would release what this unit just unpacked)
+        t = self._unpack_saved(x.ref, enter=False)
+        ckpt.append(t)
+        return t.detach().requires_grad_(x.requires_grad) if x.requires_grad else t
+
+    def _peek(self, x):
+        """An argument of a piece run again to derive the next piece's (see the Note on derived
+        checkpoints in recompute.py): a swapped checkpoint is brought back and read, not
+        unpacked (the piece's own recompute unpacks it later in backward)."""
+        if type(x) is DerivedRef:
+            return x.seg.output_again(self._peek)
+        if type(x) is not CheckpointRef:
+            return x
+        rec = x.ref.rec
+        if rec.state is RecState.RELEASED:
+            raise ActivationError(f"unit {rec.owner!r}: a checkpoint was read after backward released it")
+        if rec.state is not RecState.READY and rec.state is not RecState.DEVICE:
+            self.swapper.wait_ready(rec)
+        return x.ref.view()
+
+    # ---- pack / unpack -------------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        unit, seg = self._stack[-1] if self._stack else (self.outside, None)
+        policy = unit.policy
+        if type(seg) is Segment:  # everything, weights too: the recompute saves them again, in this order
+            return seg.pack(t)
+        if seg is not None:  # the fused head's saves (_head_scope)
+            policy = seg
+        if self._ext is not None:
+            h = self._ext[0](t)
+            if h is not t:
+                self.param_refs += 1
+                return h
+        m = (unit.params if unit is not self.outside else self._all).match(t)
+        if m is not None:
+            self.param_refs += 1
+            return m
+        if not swappable(t, self.device):
+            return t
+        return self._record(unit, t, policy)
+
+    def _record(self, unit: UnitActivations, t: torch.Tensor, policy: ActPolicy) -> SavedRef:
+        """t saved into a record of `unit` (a new one, or the one holding its storage already):
+        swapped as `policy` says where it swaps and the storage is large enough, else kept."""
+        sw = self.swapper
+        sw.pump()
+        st, weak = storage_key(t)
+        rec = self._index.get(weak)
+        if rec is None or rec.version != t._version or rec.state is RecState.RELEASED:
+            policy = policy if policy.swaps and st.nbytes() >= self.config.min_swap_bytes else ActPolicy.KEEP
+            rec = SavedStorage(unit, policy, st, weak, t._version)
+            sw.make_room(rec.nbytes, self.budget)
+            sw.hold(rec)
+            if policy.swaps and unit.policy.tail and unit.held_back:
+                unit.held_back[-1].append(rec)  # (swapped once TAIL_PIECES more pieces opened)
+            elif policy.swaps:
+                sw.swap_out(rec)
+            self._index[weak] = rec
+            unit.saved_bytes += rec.nbytes
+            self.saved_bytes += rec.nbytes
+            unit.records.append(rec)
+        else:
+            self.dedup_hits += 1
+            if all(r is not rec for r in unit.records):  # a storage saved by several units is in each list
+                unit.records.append(rec)
+        unit.fetch_cursor = len(unit.records)
+        rec.refs += 1
+        return SavedRef(rec, t)
+
+    def unpack(self, h):
+        tp = type(h)
+        if tp is SavedRef:
+            return self._unpack_saved(h)
+        if tp is RecomputeRef:
+            return self._unpack_recomputed(h)
+        if tp is ParamView:
+            return h.unpack()
+        if self._ext is not None and tp is self._ext[2]:
+            return self._ext[1](h)
+        return h
+
+    def _unpack_saved(self, h: SavedRef, enter: bool = True) -> torch.Tensor:
+        rec = h.rec
+        if rec.state is RecState.RELEASED:
+            raise ActivationError(
+                f"unit {rec.owner!r}: a saved activation was unpacked after backward released it "
+                "(a second backward through the same graph, retain_graph=True, is not supported)"
+            )
+        if enter:
+            self._enter_backward(rec.unit)
+        if rec.state is not RecState.READY and rec.state is not RecState.DEVICE:
+            if not rec.want_in and rec.state in (
+                RecState.HOST,
+                RecState.WRITING,
+                RecState.ON_SSD,
+                RecState.MOVING_OUT,
+            ):
+                self.fetch_misses += 1
+            self.swapper.wait_ready(rec)
+        t = h.view()
+        rec.unpacked += 1
+        if rec.consumed:
+            self._consumed.append(rec)
+        self.swapper.pump()
+        self._prefetch()
+        return t
+
+    def _unpack_recomputed(self, h: RecomputeRef) -> torch.Tensor:
+        seg = h.seg
+        unit = seg.owner
+        self._enter_backward(unit)
+        if seg.state is SegState.SAVED:
+            if (
+                unit.policy.piecewise and len(unit.segments) > 1
+            ):  # a piece: the later pieces' records are done with
+                self._release_consumed()
+            t0 = time.perf_counter()
+            with record_function("offloadpp::act_recompute"):
+                unit.params.rebuild(unit.roots)  # the runtime may have rebound the weights
+                ckpt: list[torch.Tensor] = []  # a swapped checkpoint, back: its record counts it
+                seg.recompute(lambda ts, exclude=(): self._measure(ts, unit.params, exclude=ckpt + list(exclude)),
+                              restore=functools.partial(self._restore, ckpt))  # fmt: skip
+            self.recompute_s += time.perf_counter() - t0
+            self.swapper.add_device(seg.recomputed_bytes - seg.input_bytes)
+            self._prefetch()  # (held back until the recompute was counted)
+        elif seg.state is SegState.DONE:
+            raise ActivationError(
+                f"unit {seg.unit!r}: a recomputed activation was unpacked after backward released it"
+            )
+        piece = seg.piece_at(h.index) if seg.pieces else None
+        if piece is not None:  # nested: this piece's saved tensors (counted since the recompute)
+            t0 = time.perf_counter()
+            with record_function("offloadpp::act_recompute_piece"):
+                unit.params.rebuild(unit.roots)
+                seg.recompute_piece(piece)
+            self.recompute_s += time.perf_counter() - t0
+        t = seg.take(h)
+        if seg.finished:
+            self._drop_segment(seg)
+        return t
+
+    def _measure(self, tensors, params: ParamIndex, exclude: Sequence[torch.Tensor] = ()) -> int:
+        """Bytes of the distinct storages among `tensors` that are activations on the device
+        (those of `exclude` left out: counted elsewhere)."""
+        seen = {storage_key(t)[1] for t in exclude}
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and swappable(t, self.device) and params.match(t) is None:
+                _, weak = storage_key(t)
+                if weak not in seen:
+                    seen.add(weak)
+                    total += t.untyped_storage().nbytes()
+        return total
