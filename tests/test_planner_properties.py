@@ -223,12 +223,14 @@ def test_the_best_activation_choice_is_tried_on_the_other_fills():
     assert hand_violation(hw, p) is None
 
 
-@pytest.mark.parametrize("model", ["llama-7b@16", "gpt3-13b@16"])
+@pytest.mark.parametrize("model", ["llama-7b", "gpt3-13b@16"])
 def test_no_cliff_where_nested_runs_the_attention_again(model):
-    """Profile 9 (19.1 GiB device, SSD write 3.0 GB/s, compute-bound at b128), at 16 layers: b128's
-    blocks recomputed nested from their one checkpoint, whose second attention forward made the
-    step 1.131x (Llama) and 1.053x (13B) the time per token of b64. Each piece from its own
-    checkpoint (recompute_pieces*: one forward, two checkpoints a block): 1.038x and 0.994x."""
+    """Profile 9 (19.1 GiB device, SSD write 3.0 GB/s, compute-bound at b128): b128's blocks
+    recomputed nested from their one checkpoint, whose second attention forward made the step
+    1.115x (Llama 7B, whole) and 1.053x (13B at 16 layers) the time per token of b64. Each piece
+    from its own checkpoint (recompute_pieces*: one forward, two checkpoints a block): 1.030x
+    (97.17 against 47.17 s) and 0.994x. (The Llama is whole: at 16 layers, with the MLP saving
+    gate and up only, b64 gains more than b128 and the ratio is 1.061x.)"""
     hw, dtype = random_profile(9)
     pts = [plan_point(hw, model, b, dtype) for b in (64, 128)]
     assert batch_violations(pts) == []
