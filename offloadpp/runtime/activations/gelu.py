@@ -29,12 +29,13 @@ saves only its input already. The analytic profile reads the config's `activatio
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from .class_swap import ClassSwaps
 
 # the backward re-runs the formula in pieces of at most this many elements: its intermediates
 # then take 4 x 128 MiB (16-bit), not 4 x the input (5 GiB each at GPT-3 13B, micro-batch 128)
@@ -97,58 +98,25 @@ def _known() -> dict:
     return out
 
 
-_SUBCLASSES: dict[type, type] = {}
+def _swapped_forward(formula):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and input.requires_grad):
+            return formula(self, input)
+        return _TanhGelu.apply(input, self, formula)
+
+    return forward
 
 
-def _subclass(cls: type) -> type:
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        formula = cls.forward
-
-        def forward(self, input: torch.Tensor) -> torch.Tensor:
-            if not (torch.is_grad_enabled() and input.requires_grad):
-                return formula(self, input)
-            return _TanhGelu.apply(input, self, formula)
-
-        sub = type(cls.__name__, (cls,), {"forward": forward, "_offloadpp_original": cls,
-                                          "__module__": __name__, "__doc__": cls.__doc__})  # fmt: skip
-        _SUBCLASSES[cls] = sub
-        globals()[cls.__name__] = sub  # found by name: a model holding one still pickles
-    return sub
-
-
-# module -> how many substitute_gelu calls hold it (two managers over one model: the first
-# removed must not restore what the second still runs)
-_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SWAPS = ClassSwaps(globals(), _swapped_forward)
 
 
 def substitute_gelu(roots: Iterable[nn.Module]) -> list[nn.Module]:
     """Swaps the class of every tanh-form GELU module under `roots` (see the module note);
     returns the modules held (for restore_gelu)."""
     known = _known()
-    held = []
-    for root in roots:
-        for m in root.modules():
-            if m in _USERS:
-                _USERS[m] += 1
-                held.append(m)
-                continue
-            applies = known.get(type(m))
-            if applies is not None and applies(m):
-                m.__class__ = _subclass(type(m))
-                _USERS[m] = 1
-                held.append(m)
-    return held
+    return _SWAPS.hold(roots, lambda m: (f := known.get(type(m))) is not None and f(m))
 
 
 def restore_gelu(modules: Iterable[nn.Module]) -> None:
     """Gives back what substitute_gelu returned; the last holder restores the original class."""
-    for m in modules:
-        n = _USERS.get(m, 0) - 1
-        if n > 0:
-            _USERS[m] = n
-            continue
-        _USERS.pop(m, None)
-        orig = getattr(type(m), "_offloadpp_original", None)
-        if orig is not None:
-            m.__class__ = orig
+    _SWAPS.restore(modules)

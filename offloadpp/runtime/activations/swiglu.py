@@ -38,13 +38,14 @@ counts the same (planner/model_profile.py: x and two tensors at the inner width 
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable, Optional
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
+
+from .class_swap import ClassSwaps
 
 # backward runs act_fn(gate) * up again under autograd on pieces of whole rows of at most about
 # this many elements: its intermediates then take a few x 128 MiB (16-bit), not a few x the inner
@@ -125,37 +126,26 @@ def _forward_of(act):
     return act.forward if isinstance(act, nn.Module) else act
 
 
-_SUBCLASSES: dict[type, type] = {}
+def _swapped_forward(original):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj
+        dev = x.device.type
+        if not (torch.is_grad_enabled() and _plain(down, self.act_fn)) or (
+            torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+        ):
+            return original(self, x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        w, b = down.weight, down.bias
+        if not (
+            gate.requires_grad or up.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+        ):
+            return down(self.act_fn(gate) * up)
+        return _GatedDown.apply(gate, up, w, b, _forward_of(self.act_fn))
+
+    return forward
 
 
-def _subclass(cls: type) -> type:
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        original = cls.forward
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            down = self.down_proj
-            dev = x.device.type
-            if not (torch.is_grad_enabled() and _plain(down, self.act_fn)) or (
-                torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
-            ):
-                return original(self, x)
-            gate, up = self.gate_proj(x), self.up_proj(x)
-            w, b = down.weight, down.bias
-            if not (
-                gate.requires_grad
-                or up.requires_grad
-                or w.requires_grad
-                or (b is not None and b.requires_grad)
-            ):
-                return down(self.act_fn(gate) * up)
-            return _GatedDown.apply(gate, up, w, b, _forward_of(self.act_fn))
-
-        sub = type(cls.__name__, (cls,), {"forward": forward, "_offloadpp_original": cls,
-                                          "__module__": __name__, "__doc__": cls.__doc__})  # fmt: skip
-        _SUBCLASSES[cls] = sub
-        globals()[cls.__name__] = sub  # found by name: a model holding one still pickles
-    return sub
+_SWAPS = ClassSwaps(globals(), _swapped_forward)
 
 
 _REFERENCE: list = []  # LlamaMLP.forward's code object, once looked up (None: no transformers)
@@ -184,35 +174,12 @@ def _is_gated_mlp(m: nn.Module) -> bool:
     return all(getattr(code, a) == getattr(ref, a) for a in same)
 
 
-# module -> how many substitute_swiglu calls hold it (two managers over one model: the first
-# removed must not restore what the second still runs)
-_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def substitute_swiglu(roots: Iterable[nn.Module]) -> list[nn.Module]:
     """Swaps the class of every LlamaMLP-shaped module under `roots` (see the module note);
     returns the modules held (for restore_swiglu)."""
-    held = []
-    for root in roots:
-        for m in root.modules():
-            if m in _USERS:
-                _USERS[m] += 1
-                held.append(m)
-            elif _is_gated_mlp(m):
-                m.__class__ = _subclass(type(m))
-                _USERS[m] = 1
-                held.append(m)
-    return held
+    return _SWAPS.hold(roots, _is_gated_mlp)
 
 
 def restore_swiglu(modules: Iterable[nn.Module]) -> None:
     """Gives back what substitute_swiglu returned; the last holder restores the original class."""
-    for m in modules:
-        n = _USERS.get(m, 0) - 1
-        if n > 0:
-            _USERS[m] = n
-            continue
-        _USERS.pop(m, None)
-        orig = getattr(type(m), "_offloadpp_original", None)
-        if orig is not None:
-            m.__class__ = orig
+    _SWAPS.restore(modules)
