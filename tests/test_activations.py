@@ -46,6 +46,16 @@ def run_step(model, x, mgr=None, seed: int = 5) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def tiny_llama():
+    """A 2-layer Llama with attention dropout (a recompute must replay its RNG)."""
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, attention_dropout=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def rel_diff(got: dict, want: dict) -> float:
     assert got.keys() == want.keys()
     return max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)

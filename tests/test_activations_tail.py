@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from test_activations import VOCAB, data, rel_diff, run_step, store, tiny_gpt2
+from test_activations import data, rel_diff, run_step, store, tiny_gpt2, tiny_llama
 
 from offloadpp.planner import ActivationSettings
 from offloadpp.planner.activations import TAIL_PIECES
@@ -20,15 +20,6 @@ from offloadpp.runtime.activations.records import RecState
 transformers = pytest.importorskip("transformers")
 
 __all__ = ["data", "store"]  # (the fixtures, shared with test_activations.py)
-
-
-def tiny_llama():
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, attention_dropout=0.1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def _blocks(mgr) -> list:

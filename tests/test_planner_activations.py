@@ -150,17 +150,22 @@ def test_replay_of_partial_moves_the_kept_outputs_and_recomputes_no_matmul():
     assert abs(est["partial_ssd"].compute_s - est["keep"].compute_s) < 1e-9
 
 
+def every_block_as(policies) -> tuple:
+    """GPT-2's analytic profile at micro-batch 4, its CPU plan, and that plan replayed with every
+    block under each of `policies`: (profile, the blocks' names, {policy: StepEstimate})."""
+    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
+    r = resolve(Settings(plan="auto"), m.unit_specs(),
+                Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
+                hardware=cpu_hw(), model=m)  # fmt: skip
+    blocks = [u.name for u in m.units if u.name.startswith("transformer.h.")]
+    return m, blocks, {p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks}) for p in policies}
+
+
 def test_replay_moves_the_checkpoints_and_runs_the_recompute():
     """CPU device: recompute_ssd writes and reads each block's checkpoint (its inputs) once per
     step on top of what recompute does, and its device peak holds no checkpoint between forward
     and backward; the recompute's FLOPs are in the compute of both."""
-    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
-    s = Settings(plan="auto")
-    r = resolve(s, m.unit_specs(), Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
-                hardware=cpu_hw(), model=m)  # fmt: skip
-    blocks = [u.name for u in m.units if u.name.startswith("transformer.h.")]
-    est = {p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks})
-           for p in ("keep", "recompute", "recompute_ssd")}  # fmt: skip
+    m, blocks, est = every_block_as(("keep", "recompute", "recompute_ssd"))
     ckpt = sum(a.inputs for a in act_units(m) if a.name in blocks)
     assert est["recompute_ssd"].ssd_write_bytes - est["recompute"].ssd_write_bytes == ckpt
     assert est["recompute_ssd"].ssd_read_bytes - est["recompute"].ssd_read_bytes == ckpt
@@ -177,13 +182,7 @@ def test_replay_of_nested_recompute_moves_the_checkpoints_and_runs_the_pieces_ag
     the block's four pieces' arguments and the largest piece's saved bytes, not all the block
     saves: a lower device peak than recompute_ssd's (ActUnit.nested; runtime: nested.py,
     Note on nested)."""
-    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
-    r = resolve(Settings(plan="auto"), m.unit_specs(),
-                Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
-                hardware=cpu_hw(), model=m)  # fmt: skip
-    blocks = [u.name for u in m.units if u.name.startswith("transformer.h.")]
-    est = {p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks})
-           for p in ("keep", "recompute_ssd", "recompute_nested_ssd")}  # fmt: skip
+    m, blocks, est = every_block_as(("keep", "recompute_ssd", "recompute_nested_ssd"))
     for kind in ("ssd_write_bytes", "ssd_read_bytes"):
         assert getattr(est["recompute_nested_ssd"], kind) == getattr(est["recompute_ssd"], kind)
     fwd = sum(u.forward_flops for u in m.units if u.name in blocks) / 100e9

@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import sys
 
+from test_planner import GPT2
+
 from offloadpp.planner import Budgets, Settings, streaming_plan
 from offloadpp.planner.cost import _replay, replay
 from offloadpp.planner.hardware import HardwareProfile
@@ -14,15 +16,6 @@ from offloadpp.planner.model_profile import analytic_profile
 from offloadpp.planner.peaks import peak_bytes
 from offloadpp.planner.request import Request
 from offloadpp.planner.search import remembering, search
-
-GPT2 = {
-    "model_type": "gpt2",
-    "n_layer": 4,
-    "n_embd": 256,
-    "n_head": 4,
-    "vocab_size": 4096,
-    "n_positions": 128,
-}
 
 
 def hw() -> HardwareProfile:

@@ -5,9 +5,8 @@ a whole recompute; offered where nested is (act_candidates.py, Note on the candi
 from __future__ import annotations
 
 import pytest
-from test_planner import GPT2, cpu_hw
+from test_planner_activations import every_block_as
 
-from offloadpp.planner import Machine, Settings, resolve
 from offloadpp.planner.act_candidates import ActPlanner
 from offloadpp.planner.activations import (
     ActUnit,
@@ -28,13 +27,7 @@ def test_replay_of_pieces_moves_two_checkpoints_and_runs_the_forward_once():
     residual stream before each norm), adds one forward of each block to the compute (nested adds
     two less the MLP's share), and its backward holds one piece's saved bytes beside the
     previous piece's checkpoint: below the whole recompute's peak."""
-    m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
-    r = resolve(Settings(plan="auto"), m.unit_specs(),
-                Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
-                hardware=cpu_hw(), model=m)  # fmt: skip
-    blocks = [u.name for u in m.units if u.name.startswith("transformer.h.")]
-    est = {p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks})
-           for p in ("keep", "recompute_ssd", "recompute_nested_ssd", "recompute_pieces_ssd")}  # fmt: skip
+    m, blocks, est = every_block_as(("keep", "recompute_ssd", "recompute_nested_ssd", "recompute_pieces_ssd"))
     b = next(a for a in act_units(m) if a.name == blocks[0])
     ckpt = len(blocks) * b.inputs
     for kind in ("ssd_write_bytes", "ssd_read_bytes"):
