@@ -261,7 +261,7 @@ class ActPlanner:
         out = [(f"pieces recompute 100% with checkpoints to {to}, swap to {to}", base)]
         partial = [u for u in rec if 0 < u.partial < u.saved]
         if partial and self.mixes:
-            half = {u.name: "partial_ssd" for i, u in enumerate(partial) if int((i + 1) * 0.5) > int(i * 0.5)}
+            half = {u.name: "partial_ssd" for u in _spread(partial, 0.5)}
             out.append((f"partial 50%, pieces recompute the rest with checkpoints to {to}", {**base, **half}))
         found = []
         for label, chosen in out:
@@ -327,9 +327,7 @@ class ActPlanner:
         ranked = self._ranked()
         found: list[ActChoice] = []
         rec: dict[str, str] = {}
-        name = {"recompute": "recompute", "recompute_nested": "nested recompute"}.get(
-            again, "pieces recompute"
-        )
+        name = "recompute" if again == "recompute" else "nested recompute"
         for u in ranked:
             if need_bytes(self.units, {**rec, **self.fixed}) <= room:
                 break
@@ -377,7 +375,7 @@ class ActPlanner:
             # (every other unit at a half) so that neither the link nor the compute queues up
             rest = [u for u in recomputable if u not in partial]
             for frac in MIXES if self.mixes else ():
-                head = [u for i, u in enumerate(partial) if int((i + 1) * frac) > int(i * frac)]
+                head = _spread(partial, frac)
                 base = {**{u.name: "ssd" for u in self.free}, **{u.name: f"{again}_ssd" for u in partial + rest},
                         **{u.name: "partial_ssd" for u in head}}  # fmt: skip
                 kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
@@ -388,6 +386,11 @@ class ActPlanner:
 
 
 _SWAPS_OF = {"recompute_nested": NESTED_SWAPS, "recompute_pieces": PIECES_SWAPS}
+
+
+def _spread(units: list, frac: float) -> list:
+    """`frac` of `units`, spread evenly over them (every other one at a half)."""
+    return [u for i, u in enumerate(units) if int((i + 1) * frac) > int(i * frac)]
 
 
 def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]:
