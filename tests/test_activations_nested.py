@@ -127,3 +127,30 @@ def test_nested_makes_the_attentions_and_the_mlps_arguments_again(store, data, m
             assert rel_diff(got, want) <= 1e-6, derive
             peaks[derive] = mgr.stats().peak_device_bytes
     assert peaks[False] - peaks[True] >= data.numel() * 64 * 4, peaks
+
+
+@pytest.mark.parametrize("policy", ["recompute_host", "recompute_nested_host"])
+def test_a_blocks_pieces_release_their_bytes_as_their_backward_ends(store, data, policy):
+    """A whole or nested recompute releases each piece's saved bytes once backward has taken
+    them all (recompute.py, Note on release), not at the block's end: at a block's first norm's
+    backward the bytes the manager counts are below those at its MLP's first linear's (the block
+    recomputed, the MLP not done) by at least what that linear saves (its input: tokens x
+    width), so the next blocks' checkpoints can come back while the block's earlier pieces run;
+    same gradients."""
+    ref = tiny_gpt2()
+    _, want = run_step(ref, data)
+    model = copy.deepcopy(ref)
+    cfg = ActivationSettings(policy=policy, min_swap_bytes=0, prefetch_units=0)
+    seen: dict[str, list[int]] = {"mlp": [], "ln_1": []}
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        for block in model.transformer.h:
+            for name, m in (("mlp", block.mlp.c_fc), ("ln_1", block.ln_1)):
+                m.register_full_backward_pre_hook(
+                    lambda m, g, name=name: seen[name].append(mgr.swapper.device_bytes)
+                )
+        _, got = run_step(model, data, mgr)
+    assert rel_diff(got, want) <= 1e-6
+    width = data.numel() * model.config.n_embd * 4
+    assert len(seen["mlp"]) == len(seen["ln_1"]) == len(model.transformer.h)
+    for mlp, ln_1 in zip(seen["mlp"], seen["ln_1"]):
+        assert ln_1 <= mlp - width, seen

@@ -235,3 +235,32 @@ def test_no_cliff_where_nested_runs_the_attention_again(model):
     pts = [plan_point(hw, model, b, dtype) for b in (64, 128)]
     assert batch_violations(pts) == []
     assert any(p.startswith("recompute_pieces") for p in pts[1].resolved.plan.activations)
+
+
+def test_no_cliff_where_a_whole_recompute_fills_the_room():
+    """Profile 1 (21.7 GiB device, link 10 GB/s), Llama 7B's shape at 16 layers, b128: a block's
+    whole recompute (15.4 GiB) fills the activation room, and a recompute held all of it until
+    the block's backward ended, so the next block's checkpoint came back only then, in series
+    with the compute (or, leaving the weights no room to prefetch, the weights did): 1.124x the
+    time per token of b64 (whole model 1.155x). A recompute now releases each piece's bytes as
+    its backward ends (runtime/activations/recompute.py, Note on release; the replay as the
+    runtime): 0.974x, every block recomputing whole."""
+    hw, dtype = random_profile(1)
+    pts = [plan_point(hw, "llama-7b@16", b, dtype) for b in (64, 128)]
+    assert batch_violations(pts) == []
+    assert "recompute_host" in pts[1].resolved.plan.activations
+
+
+def test_no_cliff_where_pieces_wait_on_the_link_and_nested_on_the_compute():
+    """Profile 1, GPT-3 13B, b128: every block recomputed piece by piece (recompute_pieces*), its
+    forward waiting on the link for two checkpoints a block: 1.064x the time per token of b64
+    (39.49 against 18.55 s); nested alone, releasing its pieces' bytes as their backward ends,
+    1.054x. Half the blocks nested, half pieces, spread evenly (act_candidates._pieces): 1.025x
+    (38.03 s)."""
+    hw, dtype = random_profile(1)
+    pts = [plan_point(hw, "gpt3-13b", b, dtype) for b in (64, 128)]
+    assert batch_violations(pts) == []
+    got = pts[1].resolved.plan.activations
+    assert any(p.startswith("recompute_nested") for p in got) and any(
+        p.startswith("recompute_pieces") for p in got
+    )

@@ -19,12 +19,16 @@ its place (recompute_nested*: the block's pieces' boundaries and one piece at a 
 second forward), before partial, which moves 12x the checkpoint's bytes, is the only way left;
 and two more (`_pieces`): every recomputable unit recomputing piece by piece from its pieces' own
 checkpoints swapped (recompute_pieces*: the compute of a whole recompute at one piece's peak, two
-checkpoints a block moved), and half of them partial instead, spread evenly. Where the step is
-nearly all compute they beat nested (the sweep's cliffs: profiles 1 and 9 at b128 the first,
-profile 15's the second); where the link or the SSD is what the step waits on, nested's one
-checkpoint does. Two choices, not nested's family again: each costs a replay (at most 2 per
-room, twice with the head twin), and the others (pieces in the family's other choices, pieces
-and nested mixed) never won on those profiles.
+checkpoints a block moved), and half of them partial instead, spread evenly, or half of them
+nested instead, spread evenly. Where the step is nearly all compute they beat nested (the
+sweep's cliffs: profiles 1 and 9 at b128 the first, profile 15's the second); where the link or
+the SSD is what the step waits on, nested's one checkpoint does; where forward waits on the link
+for pieces' two checkpoints a block and nested's second forward would make backward longer, the
+mix hides both (profile 1, 13B b128: 38.03 s, pieces alone 39.49 s, nested alone 39.12 s; a
+nested block releases its pieces' bytes as their backward ends, so the next block's checkpoint
+comes back during it: runtime/activations/recompute.py, Note on release). Three choices, not
+nested's family again: each costs a replay (at most 3 per room, twice with the head twin), and
+the others (pieces in the family's other choices) never won on those profiles.
 Swaps go to host memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the
 CPU acting as the device, where host memory is the device's own; SSD is tried on CUDA too.
 """
@@ -246,13 +250,14 @@ class ActPlanner:
         """Every recomputable unit recomputing piece by piece from its pieces' own checkpoints
         (recompute_pieces*), the checkpoints to the first tier (host on CUDA, beyond the host
         memory left to SSD), whole units kept and then checkpoints pinned along the ranking while
-        they fit; and (where the profile knows partial's bytes, not on models of many units) half
-        of them partial instead, spread evenly, their kept outputs swapped the same way. The two
-        choices of nested's family that pieces made faster than nested on the sweep's cliffs
-        (profiles 1 and 9, 13B and Llama b128: the first; profile 15, Llama b128, host memory too
-        small for every block's partial outputs: the second); the others with pieces in place of
-        nested, and pieces and nested mixed, never won there, and each costs a replay (see the
-        Note on the candidates)."""
+        they fit; and (not on models of many units) half of them partial instead (where the
+        profile knows partial's bytes), or nested instead (where that holds less than the whole
+        recompute), spread evenly, moved the same way. The choices of nested's family that pieces
+        made faster than nested on the sweep's cliffs (profile 9, 13B and Llama b128: the first;
+        profile 15, Llama b128, host memory too small for every block's partial outputs: the
+        second; profile 1, 13B b128, forward waiting on the link for pieces' checkpoints: the
+        third); the others with pieces in place of nested never won there, and each costs a
+        replay (see the Note on the candidates)."""
         to = "host" if self.device == "cuda" else "ssd"
         rec = [u for u in self._ranked() if u.can_recompute]
         # (a unit without pieces, the head, recomputes whole: what pieces would count it as)
@@ -263,11 +268,21 @@ class ActPlanner:
         if partial and self.mixes:
             half = {u.name: "partial_ssd" for u in _spread(partial, 0.5)}
             out.append((f"partial 50%, pieces recompute the rest with checkpoints to {to}", {**base, **half}))
+        nested = [u for u in rec if u.pieces and u.nested() < u.recomputed()]
+        if nested and self.mixes:
+            half = {u.name: "recompute_nested_ssd" for u in _spread(nested, 0.5)}
+            out.append(
+                (
+                    f"nested recompute 50%, pieces recompute the rest with checkpoints to {to}",
+                    {**base, **half},
+                )
+            )
         found = []
         for label, chosen in out:
             kept = self._upgrade_what_fits(self._keep_what_fits(chosen, room), room, frozenset(("partial_ssd",)),
                                            "partial")  # fmt: skip
             kept = self._pin_what_fits(kept, room, "recompute_pieces")
+            kept = self._pin_what_fits(kept, room, "recompute_nested")
             kept = self._upgrade_what_fits(
                 kept, room, frozenset(("recompute_ssd",)), "recompute"
             )  # (the head)

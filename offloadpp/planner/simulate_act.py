@@ -59,6 +59,7 @@ from .activations import (
     PARTIAL,
     PIECES,
     POLICIES,
+    RECOMPUTE,
     SWAPPING,
     TAIL,
     TAIL_PIECES,
@@ -409,7 +410,58 @@ class ActReplay:
         if self._window_chunks(unit) or self._sub_parts(unit):  # (a window's: the micro-batches together)
             pieces = self._piece_bytes(unit)
             return tuple(reversed(self._piece_shares(unit))) if sum(pieces) > 0 else (1.0,)
+        if self._releasing(unit):
+            return self._release_parts(unit)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
+
+    @_per_unit
+    def _releasing(self, unit: str) -> bool:
+        """A whole or nested recompute of a unit with pieces releases each piece's saved bytes as
+        that piece's backward ends (runtime/activations/recompute.py, Note on release), so the
+        next units' activations come back while its earlier pieces' backward runs."""
+        u = self.units.get(unit)
+        pol = self.policy(unit)
+        return (u is not None and (pol in RECOMPUTE or pol in NESTED) and len(u.pieces) > 1
+                and u.micro_batches == 1 and not u.logits and sum(p[0] for p in u.pieces) > 0)  # fmt: skip
+
+    def _release_parts(self, unit: str) -> tuple[float, ...]:
+        """A releasing unit's backward as shares of its work, its pieces last to first: each
+        piece's share of the backward by what it saves (the last piece's its known share,
+        ActUnit.last_piece_share), the recompute's whole forward in the first; a nested unit's
+        second forward of each piece but the last in that piece's (nested.py, phase B)."""
+        u = self.units[unit]
+        saved = [p[0] for p in u.pieces]
+        last = u.last_piece_share
+        if not 0 < last < 1 or sum(saved[:-1]) <= 0:
+            shares = [x / sum(saved) for x in saved]
+        else:
+            shares = [(1 - last) * x / sum(saved[:-1]) for x in saved[:-1]] + [last]
+        costs = self.sim.costs
+        bwd = costs.backward_s[unit] + costs.backward_visit_s
+        again = self.recompute_s(unit)
+        work = bwd + again
+        if work <= 0:
+            return (1.0,)
+        once = min(again, costs.forward_s[unit] + costs.forward_visit_s)  # (phase A: the whole forward)
+        parts = [x * bwd for x in shares]
+        if sum(shares[:-1]) > 0:  # (phase B: the pieces but the last, again)
+            parts[:-1] = [x + (again - once) * s / sum(shares[:-1]) for x, s in zip(parts[:-1], shares[:-1])]
+        else:
+            once = again
+        parts[-1] += once
+        return tuple(x / work for x in reversed(parts))
+
+    def _left_after(self, unit: str, done: int) -> int:
+        """What a releasing unit holds once its last `done` pieces' backward is done: a whole
+        recompute all it recomputed but those pieces' saved bytes; a nested one its boundaries
+        and the largest saved bytes of the pieces left (ActUnit.nested)."""
+        u = self.units[unit]
+        left = u.pieces[: len(u.pieces) - done]
+        if self.policy(unit) in NESTED:
+            if not left:
+                return 0
+            return sum(p[1] for p in u.pieces) + max(p[0] - p[1] for p in left)
+        return max(0, self._recomputed(unit) - sum(p[0] for p in u.pieces[len(left) :]))
 
     def next_piece(self, unit: str, done: int) -> None:
         """`done` pieces of a partial unit's backward are done (the last ones in forward order):
@@ -417,8 +469,11 @@ class ActReplay:
         room freed lets the next units' activations come back, as the runtime releases a
         piece's records at the next piece's recompute."""
         u = self.units[unit]
-        left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
-        now = max(left) if left else 0
+        if self._releasing(unit):
+            now = min(self.counted[unit], self._left_after(unit, done))
+        else:
+            left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
+            now = max(left) if left else 0
         self.device_bytes -= self.counted[unit] - now
         self.counted[unit] = now
         self._prefetch_after(unit)

@@ -335,6 +335,9 @@ class ActivationManager(ManagerBackward, ManagerSaves, ManagerReports):
         seg.owner = unit
         if unit.policy.nested:  # (nested.py, Note on nested)
             seg.piece_modules = tuple(c for c in module.children() if any(True for _ in c.parameters()))
+        elif unit.policy.recomputes and not unit.policy.partial and not unit.policy.piecewise:
+            # (a whole recompute releases its pieces' bytes one by one: recompute.py, Note on release)
+            seg.release_modules = tuple(c for c in module.children() if any(True for _ in c.parameters()))
         seg.first_record = first
         self.swapper.add_device(inputs)
         unit.segments.append(seg)

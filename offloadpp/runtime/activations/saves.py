@@ -195,8 +195,13 @@ class ManagerSaves:
                 seg.recompute_piece(piece)
             self.recompute_s += time.perf_counter() - t0
         t = seg.take(h)
+        freed, seg.freed = seg.freed, 0
+        if freed:  # a piece's saved tensors were all taken: its bytes go (recompute.py, Note on release)
+            self.swapper.add_device(-freed)
         if seg.finished:
             self._drop_segment(seg)
+        elif freed:  # (the next units may come back in the room it left)
+            self._prefetch()
         return t
 
     def _measure(self, tensors, params: ParamIndex, exclude: Sequence[torch.Tensor] = ()) -> int:
