@@ -164,6 +164,7 @@ class ActReplay:
         self.rest_up: dict[str, int] = {}  # of those, in host memory: copied up from its backward on
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
         self._subs: dict[str, tuple] = {}  # unit -> its forward's parts where its records are saved
+        self.held_back = False  # the last prefetch stopped for the budget (backward_parts)
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -394,24 +395,34 @@ class ActReplay:
             self.sim.h2d.submit(self.sim.t, self.rest_up.pop(unit), write=False)
 
     def _prefetch_after(self, unit: str) -> None:
+        self.held_back = False
         for name in self.backward_order[
             self.backward_index[unit] + 1 : self.backward_index[unit] + self.prefetch + 1
         ]:
             # a unit still to recompute will hold all it saved at its backward, counted only
             # then: nothing beyond it is fetched now (its checkpoint is), as the runtime does
-            if not self._fetch(name, force=False) or recomputes(self.policy(name)):
+            if not self._fetch(name, force=False):
+                self.held_back = True  # (the budget stopped it: see backward_parts)
+                break
+            if recomputes(self.policy(name)):
                 break
 
-    @_per_unit
     def backward_parts(self, unit: str) -> tuple[float, ...]:
+        """backward_parts_of, but a releasing unit's pieces only where the budget held a
+        prefetch back at its backward's start (_prefetch_after): elsewhere what they release
+        brings nothing back sooner, and each part costs the replay a visit's work."""
+        if self.held_back and self._releasing(unit):
+            return self._release_parts(unit)
+        return self.backward_parts_of(unit)
+
+    @_per_unit
+    def backward_parts_of(self, unit: str) -> tuple[float, ...]:
         """The unit's backward as shares of its compute: one, or a partial unit's pieces last to
         first (their shares as in forward_parts), between which `next_piece` releases what the
         pieces done held."""
         if self._window_chunks(unit) or self._sub_parts(unit):  # (a window's: the micro-batches together)
             pieces = self._piece_bytes(unit)
             return tuple(reversed(self._piece_shares(unit))) if sum(pieces) > 0 else (1.0,)
-        if self._releasing(unit):
-            return self._release_parts(unit)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
 
     @_per_unit
@@ -424,6 +435,7 @@ class ActReplay:
         return (u is not None and (pol in RECOMPUTE or pol in NESTED) and len(u.pieces) > 1
                 and u.micro_batches == 1 and not u.logits and sum(p[0] for p in u.pieces) > 0)  # fmt: skip
 
+    @_per_unit
     def _release_parts(self, unit: str) -> tuple[float, ...]:
         """A releasing unit's backward as shares of its work, its pieces last to first: each
         piece's share of the backward by what it saves (the last piece's its known share,
