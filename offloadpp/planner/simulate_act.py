@@ -35,7 +35,10 @@ Backward fetches the activations of the unit it reaches and of the next `prefetc
 (in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
 cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
 (host policy, or an SSD write not yet finished): ready at once. On SSD: a read, queued behind
-whatever the SSD is doing.
+whatever the SSD is doing. On CUDA the next units' SSD bytes (those a fetch would try, up to the
+first that recomputes) are staged when backward reaches a unit: their read into host memory
+starts then, whatever the device room, and their copy up waits for the room (see the Note on
+staging in runtime/activations/swap.py).
 
 Device bytes are counted as the runtime counts them (planner/activations.py): a kept unit's from
 its forward to the end of its backward, a recomputing unit's inputs from its forward and what it
@@ -163,6 +166,7 @@ class ActReplay:
         self.rest_up: dict[str, int] = {}  # of those, in host memory: copied up from its backward on
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
         self._subs: dict[str, tuple] = {}  # unit -> its forward's parts where its records are saved
+        self.staged: dict[str, When] = {}  # unit -> its staged SSD read (into host memory)
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -343,6 +347,7 @@ class ActReplay:
     def before_backward(self, unit: str) -> Iterator:
         """At the unit's backward visit: fetch it and the next units' (within the budget), then
         wait for its own."""
+        self._stage_after(unit)
         self._fetch(unit, force=True)
         rest = self.rest.pop(unit, 0)  # (its other pieces' bytes come back during its backward)
         self._rest_up(unit, after_read=False)
@@ -391,6 +396,24 @@ class ActReplay:
         r = self.ready.get(unit)
         if unit in self.rest_up and r is not None and r[1] == after_read:
             self.sim.h2d.submit(self.sim.t, self.rest_up.pop(unit), write=False)
+
+    def _stage_after(self, unit: str) -> None:
+        """CUDA: the SSD reads of the units a prefetch would try next start now, into host memory
+        (the runtime's Swapper.stage, at the same visit): they take no device room, so a device
+        room that holds one unit's pieces at a time no longer puts each read between two units'
+        backward (issue 36, profile 15 Llama b128)."""
+        sim = self.sim
+        if not sim.cuda:
+            return
+        for name in self.backward_order[
+            self.backward_index[unit] + 1 : self.backward_index[unit] + self.prefetch + 1
+        ]:
+            job = self.out.get(name)
+            if (job is not None and job.to_ssd and not job.back and name not in self.staged
+                    and job.write_done is not None and done_by((job.write_done,), sim.t)):  # fmt: skip
+                self.staged[name] = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{name}")
+            if recomputes(self.policy(name)):
+                break
 
     def _prefetch_after(self, unit: str) -> None:
         for name in self.backward_order[
@@ -513,8 +536,10 @@ class ActReplay:
             return False
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)
         h2d = sim.cuda
-        if on_ssd:
-            done: When = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
+        if unit in self.staged:  # (read into host memory already, or reading: copied up after)
+            done: When = self.staged.pop(unit)
+        elif on_ssd:
+            done = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
         elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
             done, h2d = sim.h2d.submit(sim.t, first, write=False), False
         else:
