@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 __all__ = ["store"]  # (the fixture, shared with test_activations.py)
 
 
-def _run(ref, x, store, budget: int, policy: str, monkeypatch):
+def _run(ref, x, store, budget: int, policy: str, monkeypatch, stage: bool = True):
     """One step of `ref`'s copy under `policy` with the forward's copies drained before backward
     (so every swapped record is on SSD when backward starts); (gradients, stats, the state of each
     SSD record when backward fetched it)."""
@@ -45,7 +45,11 @@ def _run(ref, x, store, budget: int, policy: str, monkeypatch):
         with mgr.forward():
             loss = model(input_ids=x, labels=x).loss
         mgr.drain()
-        mgr.backward(loss)
+        mgr.start_backward(stage=stage)
+        try:
+            loss.backward()
+        finally:
+            mgr.end_backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         return grads, mgr.stats(), at_fetch
 
@@ -71,3 +75,13 @@ def test_on_the_cpu_device_nothing_is_staged(store, monkeypatch):
     assert at_fetch and all(s is RecState.ON_SSD for s in at_fetch), at_fetch
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert stats.peak_device_bytes <= budget
+
+
+def test_on_the_standin_a_vertical_windows_backward_stages_nothing(store, monkeypatch):
+    """The engine's backward over a vertical window's G losses (start_backward(stage=False)):
+    a unit's records are then all G micro-batches', and the replay stages none of them either."""
+    set_device(monkeypatch, "standin")
+    x, ref, want, block, budget = one_block_under_budget()
+    got, stats, at_fetch = _run(ref, x, store, budget, "partial_ssd", monkeypatch, stage=False)
+    assert at_fetch and all(s is RecState.ON_SSD for s in at_fetch), at_fetch
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

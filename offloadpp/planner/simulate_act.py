@@ -35,10 +35,9 @@ Backward fetches the activations of the unit it reaches and of the next `prefetc
 (in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
 cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
 (host policy, or an SSD write not yet finished): ready at once. On SSD: a read, queued behind
-whatever the SSD is doing. On CUDA the next units' SSD bytes (those a fetch would try, up to the
-first that recomputes) are staged when backward reaches a unit: their read into host memory
-starts then, whatever the device room, and their copy up waits for the room (see the Note on
-staging in runtime/activations/swap.py).
+whatever the SSD is doing. On CUDA the SSD bytes of the units a prefetch tries next are read
+into host memory as backward reaches a unit, whatever the device room; their copy up waits for
+the room (runtime/activations/swap.py, Note on staging; issue 36, profile 15 Llama b128).
 
 Device bytes are counted as the runtime counts them (planner/activations.py): a kept unit's from
 its forward to the end of its backward, a recomputing unit's inputs from its forward and what it
@@ -398,19 +397,14 @@ class ActReplay:
             self.sim.h2d.submit(self.sim.t, self.rest_up.pop(unit), write=False)
 
     def _stage_after(self, unit: str) -> None:
-        """CUDA: the SSD reads of the units a prefetch would try next start now, into host memory
-        (the runtime's Swapper.stage, at the same visit): they take no device room, so a device
-        room that holds one unit's pieces at a time no longer puts each read between two units'
-        backward (issue 36, profile 15 Llama b128)."""
-        sim = self.sim
-        if not sim.cuda:
-            return
-        for name in self.backward_order[
-            self.backward_index[unit] + 1 : self.backward_index[unit] + self.prefetch + 1
-        ]:
+        """CUDA: the reads of the SSD units a prefetch tries next start now, into host memory, as
+        the runtime's Swapper.stage (not a vertical window's: ActivationManager.start_backward)."""
+        sim, at = self.sim, self.backward_index[unit]
+        for name in self.backward_order[at + 1 : at + self.prefetch + 1] if sim.cuda else ():
             job = self.out.get(name)
             if (job is not None and job.to_ssd and not job.back and name not in self.staged
-                    and job.write_done is not None and done_by((job.write_done,), sim.t)):  # fmt: skip
+                    and not self._window_chunks(name) and job.write_done is not None
+                    and done_by((job.write_done,), sim.t)):  # fmt: skip
                 self.staged[name] = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{name}")
             if recomputes(self.policy(name)):
                 break
