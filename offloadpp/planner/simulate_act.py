@@ -529,9 +529,11 @@ class ActReplay:
         if not force and self.budget is not None and self.device_bytes + first > self.budget:
             return False
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)
-        h2d = sim.cuda
-        if unit in self.staged:  # (read into host memory already, or reading: copied up after)
-            done: When = self.staged.pop(unit)
+        h2d, done = sim.cuda, sim.t
+        staged = self.staged.pop(unit, None)  # (read into host memory: copied up now, as from host)
+        if staged is not None:
+            read = done_by((staged,), sim.t)
+            done, h2d = (sim.h2d.submit(sim.t, first, write=False), False) if read else (staged, True)
         elif on_ssd:
             done = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
         elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
