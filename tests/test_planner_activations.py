@@ -508,3 +508,21 @@ def test_the_replay_copies_a_swapped_pieces_records_one_by_one_from_their_saves(
         replace(blocks[0], piece_kept=((1,),) * len(blocks[0].pieces))
     with pytest.raises(ModelProfileError, match="piece_kept_at must"):
         replace(blocks[0], piece_kept_at=tuple((1.0, 0.5)[: len(k)] for k in blocks[0].piece_kept))
+
+
+def test_the_host_split_leaves_room_for_the_ssd_reads_backward_stages():
+    """Backward reads the next units' SSD bytes into host memory ahead of the device room
+    (runtime/activations/swap.py, Note on staging), beside the host bytes of the units before
+    them. u0 ranks first (fewest FLOPs per byte) and u2 before u1 (the later among equals): with
+    host memory for two units, u0 and u2 went to host and u1 to SSD, so at u2's backward u0's,
+    u2's and u1's staged bytes were in host memory at once (3000 of 2000 bytes). Now u2 goes to
+    SSD too: u0 and one staged unit at a time. (ActPlanner._swap_to: the split every candidate
+    swapping to host takes.)"""
+    us = [ActUnit("u0", 1000, 100, 1000, True)] + [ActUnit(f"u{i}", 1000, 100, 10_000, True) for i in (1, 2)]
+    swapped = {u.name: "ssd" for u in us}
+    got = ActPlanner(us, {}, device="cuda", host_bytes=2000)._swap_to(swapped, "host")
+    assert got == {"u0": "host", "u1": "ssd", "u2": "ssd"}
+    # with room for all three, all go to host (nothing is staged)
+    assert ActPlanner(us, {}, device="cuda", host_bytes=3000)._swap_to(swapped, "host") == {
+        "u0": "host", "u1": "host", "u2": "host"
+    }  # fmt: skip

@@ -81,11 +81,13 @@ class ActPlanner:
     fixed: policies the settings fix (per-unit overrides; every unit when the settings' policy is
     not "auto"); the others are the planner's to choose. host_bytes: host memory swapped
     activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu".
-    mixes: offer partial and recompute mixed (search.py: not on models of many units)."""
+    mixes: offer partial and recompute mixed (search.py: not on models of many units).
+    stage_units: the settings' activations.prefetch_units (what backward stages ahead)."""
 
     def __init__(self, units: Sequence[ActUnit], fixed: Mapping[str, str], *, device: str,
-                 host_bytes: Optional[int] = None, mixes: bool = True):  # fmt: skip
+                 host_bytes: Optional[int] = None, mixes: bool = True, stage_units: int = 2):  # fmt: skip
         self.units = tuple(units)
+        self.stage_units = stage_units  # the units backward reads from SSD ahead (_staging_peak)
         self.mixes = mixes  # partial and recompute mixed (each costs a replay: off on 175B)
         self.fixed = {n: ("keep" if recomputes(p) and not self._unit(n).can_recompute else p)
                       for n, p in fixed.items() if p != "auto"}  # fmt: skip
@@ -148,18 +150,45 @@ class ActPlanner:
 
         if to != "host":
             return {n: (sent(p, to) if p in SWAPPING else p) for n, p in chosen.items()}
-        left = self.host_bytes
-        out = dict(chosen)
-        for u in self._ranked():
-            p = out.get(u.name)
-            if p in SWAPPING:
-                n = u.moved(p)
-                if left is None or n <= left:
-                    out[u.name] = sent(p, "host")
-                    left = None if left is None else left - n
-                else:
-                    out[u.name] = sent(p, "ssd")
+        room = self.host_bytes
+        for _ in range(4):  # (each pass leaves the staging's overshoot to SSD: rarely a second)
+            left = room
+            out = dict(chosen)
+            for u in self._ranked():
+                p = out.get(u.name)
+                if p in SWAPPING:
+                    n = u.moved(p)
+                    if left is None or n <= left:
+                        out[u.name] = sent(p, "host")
+                        left = None if left is None else left - n
+                    else:
+                        out[u.name] = sent(p, "ssd")
+            over = 0 if room is None else self._staging_peak(out) - self.host_bytes
+            if over <= 0:
+                break
+            room -= over
         return out
+
+    def _staging_peak(self, pol: Mapping[str, str]) -> int:
+        """The most host memory the swapped activations take in backward: as backward reaches a
+        unit, the units after it in forward order have released theirs, and the next units' SSD
+        bytes are read into host memory ahead (runtime/activations/swap.py, Note on staging:
+        up to `stage_units`, to the first that recomputes) beside the host bytes of the units
+        before it and its own."""
+        units = self.units
+        tier = [CHECKPOINT_SWAPS.get(pol.get(u.name, "keep"), pol.get(u.name, "keep")) for u in units]
+        moved = [u.moved(pol[u.name]) if t in ("host", "ssd") else 0 for u, t in zip(units, tier)]
+        host = [m if t == "host" else 0 for m, t in zip(moved, tier)]
+        peak, held = 0, sum(host)
+        for i in range(len(units) - 1, -1, -1):
+            staged = 0
+            for j in range(i - 1, max(-1, i - 1 - self.stage_units), -1):
+                staged += moved[j] if tier[j] == "ssd" else 0
+                if recomputes(pol.get(units[j].name, "keep")):
+                    break
+            peak = max(peak, held + staged)
+            held -= host[i]
+        return peak
 
     def _upgrade_what_fits(
         self, chosen: dict[str, str], room: int, frm: frozenset, to: str
@@ -294,7 +323,8 @@ class ActPlanner:
         heads = [u.name for u in self.free if u.can_recompute and u.logits >= HEAD_TWIN_SHARE * room]
         if heads:  # (see the Note on the head's loss)
             twin = ActPlanner(self.units, {**self.fixed, **{n: "recompute" for n in heads}}, device=self.device,
-                              host_bytes=self.host_bytes, mixes=self.mixes)  # fmt: skip
+                              host_bytes=self.host_bytes, mixes=self.mixes,
+                              stage_units=self.stage_units)  # fmt: skip
             for c in twin._families(room):
                 c = self._grads_in_forward(c, heads, room)
                 found += [c] + self._tails(c, heads, room)

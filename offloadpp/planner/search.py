@@ -118,7 +118,8 @@ def _score(
 def act_planner(model: ModelProfile, req: Request, device: str) -> ActPlanner:
     names = [u.name for u in model.units]
     return ActPlanner(act_units(model), fixed_policies(req.settings.activations, names), device=device,
-                      host_bytes=req.act_host_bytes, mixes=len(names) <= MANY_UNITS)  # fmt: skip
+                      host_bytes=req.act_host_bytes, mixes=len(names) <= MANY_UNITS,
+                      stage_units=req.act_prefetch_units)  # fmt: skip
 
 
 def _depths(req: Request, n_units: int) -> list[tuple[int, int]]:

@@ -35,7 +35,9 @@ Backward fetches the activations of the unit it reaches and of the next `prefetc
 (in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
 cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
 (host policy, or an SSD write not yet finished): ready at once. On SSD: a read, queued behind
-whatever the SSD is doing.
+whatever the SSD is doing. On CUDA the SSD bytes of the units a prefetch tries next are read
+into host memory as backward reaches a unit, whatever the device room; their copy up waits for
+the room (runtime/activations/swap.py, Note on staging; issue 36, profile 15 Llama b128).
 
 Device bytes are counted as the runtime counts them (planner/activations.py): a kept unit's from
 its forward to the end of its backward, a recomputing unit's inputs from its forward and what it
@@ -165,6 +167,7 @@ class ActReplay:
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
         self._subs: dict[str, tuple] = {}  # unit -> its forward's parts where its records are saved
         self.held_back = False  # the last prefetch stopped for the budget (backward_parts)
+        self.staged: dict[str, When] = {}  # unit -> its staged SSD read (into host memory)
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -345,6 +348,7 @@ class ActReplay:
     def before_backward(self, unit: str) -> Iterator:
         """At the unit's backward visit: fetch it and the next units' (within the budget), then
         wait for its own."""
+        self._stage_after(unit)
         self._fetch(unit, force=True)
         rest = self.rest.pop(unit, 0)  # (its other pieces' bytes come back during its backward)
         self._rest_up(unit, after_read=False)
@@ -393,6 +397,19 @@ class ActReplay:
         r = self.ready.get(unit)
         if unit in self.rest_up and r is not None and r[1] == after_read:
             self.sim.h2d.submit(self.sim.t, self.rest_up.pop(unit), write=False)
+
+    def _stage_after(self, unit: str) -> None:
+        """CUDA: the reads of the SSD units a prefetch tries next start now, into host memory, as
+        the runtime's Swapper.stage (not a vertical window's: ActivationManager.start_backward)."""
+        sim, at = self.sim, self.backward_index[unit]
+        for name in self.backward_order[at + 1 : at + self.prefetch + 1] if sim.cuda else ():
+            job = self.out.get(name)
+            if (job is not None and job.to_ssd and not job.back and name not in self.staged
+                    and not self._window_chunks(name) and job.write_done is not None
+                    and done_by((job.write_done,), sim.t)):  # fmt: skip
+                self.staged[name] = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{name}")
+            if recomputes(self.policy(name)):
+                break
 
     def _prefetch_after(self, unit: str) -> None:
         self.held_back = False
@@ -579,9 +596,13 @@ class ActReplay:
         if not force and self.budget is not None and self.device_bytes + first > self.budget:
             return False
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)
-        h2d = sim.cuda
-        if on_ssd:
-            done: When = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
+        h2d, done = sim.cuda, sim.t
+        staged = self.staged.pop(unit, None)  # (read into host memory: copied up now, as from host)
+        if staged is not None:
+            read = done_by((staged,), sim.t)
+            done, h2d = (sim.h2d.submit(sim.t, first, write=False), False) if read else (staged, True)
+        elif on_ssd:
+            done = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
         elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
             done, h2d = sim.h2d.submit(sim.t, first, write=False), False
         else:

@@ -371,7 +371,7 @@ class OffloadEngine(BetweenSteps):
         self._micro = "backward"
         try:
             self.executor.start_backward()
-            self.activations.start_backward()
+            self.activations.start_backward(stage=len(losses) == 1)  # (not a vertical window's)
             self.optimizer.begin_backward()
             with record_function("offloadpp::backward"):
                 torch.autograd.backward([loss * scale if scale != 1.0 else loss for loss in losses])

@@ -156,6 +156,7 @@ class ActivationManager(ManagerBackward, ManagerSaves, ManagerReports):
         self._consumed: list[SavedStorage] = []
         self._bw_unit: Optional[UnitActivations] = None
         self._in_backward = False
+        self._stage = True  # this backward reads SSD records ahead of the device room (start_backward)
         self._active = False  # inside forward(): the unit hooks act only then
         self._flops: Optional[FlopCounter] = None
         self._probing = any(u.requested is ActPolicy.AUTO for u in self.units)

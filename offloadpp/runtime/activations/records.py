@@ -40,6 +40,7 @@ class RecState(enum.Enum):
     WRITING = "writing"  # host buffer -> SSD in flight; the host buffer is still valid
     ON_SSD = "on_ssd"  # on SSD only
     READING = "reading"  # SSD -> host buffer in flight (on the CPU device, that buffer is device memory)
+    STAGING = "staging"  # SSD -> host buffer in flight ahead of the device room (swap.py, Note on staging)
     MOVING_IN = "moving_in"  # host -> device copy in flight (CUDA)
     READY = "ready"  # on the device again, for backward
     RELEASED = "released"

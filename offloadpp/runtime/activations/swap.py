@@ -19,6 +19,16 @@ budget check that started the read counted them; without it a GPU's swap-ins of 
 finished at once went past the budget, which the stand-in accelerator showed), and on the host
 while it holds a host buffer that is not serving as device memory. `peak_device_bytes` is what
 the activation budget bounds.
+
+Note: staging. A read bound for the device counts there from its start, so where the device
+room holds one unit's records at a time (a large micro-batch's partial units) each unit's SSD
+read would run between two units' backward, and backward would wait for all of it. `stage`
+starts the read into a host buffer without device room (STAGING, counted on the host only); the
+bytes then wait in host memory (HOST) until a fetch within the budget copies them up, or a fetch
+while still staging makes the read bound for the device (READING). Only where the device has
+memory of its own: on the CPU device host memory is the device's, and the budget is all there is.
+The backward side stages the units a prefetch tries next as backward reaches a unit
+(backward.py), and the replay does the same (planner/simulate_act.py, _stage_after).
 """
 
 from __future__ import annotations
@@ -41,7 +51,9 @@ from ..memory import BufferPool
 from .records import ActivationError, RecState, SavedStorage
 
 _DEVICE_STATES = (RecState.DEVICE, RecState.MOVING_OUT, RecState.MOVING_IN, RecState.READY)
-_HOST_STATES = (RecState.MOVING_OUT, RecState.HOST, RecState.WRITING, RecState.READING, RecState.MOVING_IN)
+_HOST_STATES = (
+    RecState.MOVING_OUT, RecState.HOST, RecState.WRITING, RecState.READING, RecState.STAGING, RecState.MOVING_IN,
+)  # fmt: skip
 UNLIMITED = 1 << 62
 _instances = itertools.count()
 
@@ -274,12 +286,25 @@ class Swapper:
         if s is RecState.HOST or s is RecState.WRITING:
             rec.want_in = False
             self._into_device(rec)
+        elif s is RecState.STAGING:  # (now bound for the device: it counts there from now)
+            self._set(rec, RecState.READING)
         elif s is RecState.ON_SSD:
             rec.host = self.pool.get(_align(rec.nbytes), torch.uint8)
             rec.get = self.store.get(rec.key, out=rec.host)
             self.ssd_read_bytes += rec.nbytes
             self._set(rec, RecState.READING)
             self.incoming.append(rec)
+
+    def stage(self, rec: SavedStorage) -> None:
+        """Starts reading an ON_SSD record into host memory ahead of the device room (see the
+        Note on staging); nothing for any other record, or where host memory is the device's."""
+        if rec.state is not RecState.ON_SSD or not self.mover.copies:
+            return
+        rec.host = self.pool.get(_align(rec.nbytes), torch.uint8)
+        rec.get = self.store.get(rec.key, out=rec.host)
+        self.ssd_read_bytes += rec.nbytes
+        self._set(rec, RecState.STAGING)
+        self.incoming.append(rec)
 
     def _into_device(self, rec: SavedStorage) -> None:
         rec.storage, rec.base, ev = self.mover.into_device(rec.host, rec.nbytes)
@@ -293,14 +318,12 @@ class Swapper:
                 self.incoming.append(rec)
 
     def _advance_in(self, rec: SavedStorage, block: bool) -> None:
+        if rec.state is RecState.STAGING and (block or rec.get.done()):
+            self._read_done(rec)
+            self._set(rec, RecState.HOST)  # (waits there for a fetch within the budget)
+            return
         if rec.state is RecState.READING and (block or rec.get.done()):
-            try:
-                rec.get.wait()
-            except OSError as e:
-                raise ActivationError(
-                    f"unit {rec.owner!r}: reading {rec.nbytes} bytes of activations from SSD failed: {e}"
-                ) from e
-            rec.get = None
+            self._read_done(rec)
             self._into_device(rec)
         if rec.state is RecState.MOVING_IN and (block or rec.event.done()):
             self.mover.use(rec.event)  # the compute stream waits for the copy, the host does not
@@ -308,6 +331,15 @@ class Swapper:
             self.pool.put(rec.host, after=[w for w in (rec.event, rec.put) if w is not None])
             rec.host, rec.event = None, None
             self._set(rec, RecState.READY)
+
+    def _read_done(self, rec: SavedStorage) -> None:
+        try:
+            rec.get.wait()
+        except OSError as e:
+            raise ActivationError(
+                f"unit {rec.owner!r}: reading {rec.nbytes} bytes of activations from SSD failed: {e}"
+            ) from e
+        rec.get = None
 
     def wait_ready(self, rec: SavedStorage) -> None:
         """Backward needs the record now."""
@@ -317,7 +349,7 @@ class Swapper:
         with record_function("offloadpp::act_swap_in_wait"):
             if rec.state is RecState.MOVING_OUT:
                 self._finish_out(rec, block=True)
-            if rec.state in (RecState.HOST, RecState.WRITING, RecState.ON_SSD):
+            if rec.state in (RecState.HOST, RecState.WRITING, RecState.ON_SSD, RecState.STAGING):
                 self.fetch(rec)
             self._advance_in(rec, block=True)
         self.swap_in_wait_s += time.perf_counter() - t0
@@ -342,7 +374,9 @@ class Swapper:
             for rec in list(self.incoming):
                 self._advance_in(rec, block=False)
             self.incoming = [
-                r for r in self.incoming if r.state is RecState.READING or r.state is RecState.MOVING_IN
+                r
+                for r in self.incoming
+                if r.state in (RecState.READING, RecState.STAGING, RecState.MOVING_IN)
             ]
 
     # ---- release ---------------------------------------------------------------------------

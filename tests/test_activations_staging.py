@@ -1,0 +1,87 @@
+"""Staging (runtime/activations/swap.py, Note on staging): where the device has memory of its own,
+the next units' SSD records start their read into host memory as backward reaches a unit,
+whatever the device room; their copy up still waits for the room. On the stand-in (the GPU's
+copy path), partial_ssd blocks under a budget of 90% of what one block saves: reads start ahead
+of the room, each record is read once, the accounted peak stays within the budget, and the
+gradients are those of the run without swapping, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import set_device
+from test_activations import one_block_under_budget, store
+
+from offloadpp.planner import ActivationSettings
+from offloadpp.runtime.activations.manager import ActivationManager
+from offloadpp.runtime.activations.records import RecState
+from offloadpp.runtime.activations.swap import Swapper
+
+pytest.importorskip("transformers")
+
+__all__ = ["store"]  # (the fixture, shared with test_activations.py)
+
+
+def _run(ref, x, store, budget: int, policy: str, monkeypatch, stage: bool = True):
+    """One step of `ref`'s copy under `policy` with the forward's copies drained before backward
+    (so every swapped record is on SSD when backward starts); (gradients, stats, the state of each
+    SSD record when backward fetched it)."""
+    at_fetch = []
+    fetch = Swapper.fetch
+
+    def watched(self, rec):
+        if rec.key is not None:
+            at_fetch.append(rec.state)
+        fetch(self, rec)
+
+    monkeypatch.setattr(Swapper, "fetch", watched)
+    model = copy.deepcopy(ref)
+    cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0)
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        with mgr.forward():
+            loss = model(input_ids=x, labels=x).loss
+        mgr.drain()
+        mgr.start_backward(stage=stage)
+        try:
+            loss.backward()
+        finally:
+            mgr.end_backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return grads, mgr.stats(), at_fetch
+
+
+def test_on_the_standin_ssd_reads_start_ahead_of_the_device_room(store, monkeypatch):
+    set_device(monkeypatch, "standin")
+    x, ref, want, block, budget = one_block_under_budget()
+    got, stats, at_fetch = _run(ref, x, store, budget, "partial_ssd", monkeypatch)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # most records were read (or were being read) into host memory before backward fetched them
+    ahead = sum(s in (RecState.STAGING, RecState.HOST) for s in at_fetch)
+    assert ahead >= len(at_fetch) // 2 > 0, at_fetch
+    assert stats.ssd_read_bytes == stats.ssd_write_bytes > 0  # (each record read once)
+    assert stats.peak_device_bytes <= budget
+
+
+def test_on_the_cpu_device_nothing_is_staged(store, monkeypatch):
+    """On the CPU acting as the device host memory is the device's: a read ahead of the budget
+    would pass the only bound there is."""
+    set_device(monkeypatch, "cpu")
+    x, ref, want, block, budget = one_block_under_budget()
+    got, stats, at_fetch = _run(ref, x, store, budget, "partial_ssd", monkeypatch)
+    assert at_fetch and all(s is RecState.ON_SSD for s in at_fetch), at_fetch
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert stats.peak_device_bytes <= budget
+
+
+def test_on_the_standin_a_vertical_windows_backward_stages_nothing(store, monkeypatch):
+    """The engine's backward over a vertical window's G losses (start_backward(stage=False)):
+    a unit's records are then all G micro-batches', and the replay stages none of them either."""
+    set_device(monkeypatch, "standin")
+    x, ref, want, block, budget = one_block_under_budget()
+    got, stats, at_fetch = _run(ref, x, store, budget, "partial_ssd", monkeypatch, stage=False)
+    assert at_fetch and all(s is RecState.ON_SSD for s in at_fetch), at_fetch
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
