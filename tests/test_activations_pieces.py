@@ -79,7 +79,12 @@ def test_pieces_move_two_checkpoints_a_block(store, data):
         model = tiny_gpt2(dropout=0.0)
         cfg = ActivationSettings(policy=policy, overrides={"head": "keep"}, min_swap_bytes=0)
         with ActivationManager.for_model(model, cfg, store=store) as mgr:
-            run_step(model, data, mgr)
+            with mgr.forward():
+                loss = model(input_ids=data, labels=data).loss
+            # (else a swap-out not yet started when backward's prefetch asks for its record is
+            # cancelled, swap.py fetch: the bytes never left)
+            mgr.drain()
+            mgr.backward(loss)
             moved[policy] = mgr.stats().d2h_bytes
     x = data.numel() * 64 * 4  # (one width-sized fp32 tensor: a checkpoint)
     blocks = 4

@@ -194,6 +194,22 @@ def test_a_partial_units_later_pieces_do_not_hold_the_link_ahead_of_the_weights(
     assert batch_violations(pts) == []
 
 
+def test_a_partial_pieces_kept_outputs_read_by_its_recompute_only_make_room_for_the_next_block():
+    """Profile 29 (9.7 GiB device, 7.79 GiB budget, link 23 GB/s), the 7B Llama shape, b32 -> b64:
+    every block partial_host. At b64 the next block's MLP records (3.19 GiB) came back beside a
+    block's pieces only where its largest piece left room: the attention's 4.51 GiB (its
+    records, and q/k's projections and o_proj's output, which its recompute reads and its
+    backward does not) left none in any room the device gives (at most 7.04 GiB, every weight
+    streamed): 1.069x the time per token of b32 (38.99 s against 18.24). Those outputs are now
+    released once the piece's recompute ran (runtime/activations/saves.py `_release_replayed`),
+    so the attention's backward holds 3.01 GiB and the next block comes back during it, beside
+    a streamed placement (room 6.66 GiB): 1.006x. (Cut to 4-8 layers no cliff shows.)"""
+    hw, dtype = random_profile(29)
+    pts = [plan_point(hw, "llama-7b", b, dtype) for b in (32, 64)]
+    assert set(pts[1].resolved.plan.activations) >= {"partial_host"}
+    assert batch_violations(pts) == []
+
+
 def test_a_partial_unit_read_from_ssd_waits_for_its_first_piece_only():
     """Profile 8 (12.5 GiB device, link 8.8 GB/s, SSD write 4.7 GB/s), 13B's shape at 8 layers
     with 60 GiB of host memory (the full sweep's 250 GiB at 40 layers: the host takes the partial
@@ -221,6 +237,31 @@ def test_the_best_activation_choice_is_tried_on_the_other_fills():
     hw, dtype = random_profile(1)
     p = plan_point(hw, "gpt3-13b@16", 128, dtype)
     assert hand_violation(hw, p) is None
+
+
+def test_the_best_activation_choice_is_tried_at_its_fills_other_weights_prefetch_depth():
+    """docs/paper's data-sheet profile, GPT-3 13B b48: streaming every unit, k = 2 with every
+    block partial_host is the best plan (27.17 s), and k = 1 with the same choice 28.21 s. Once
+    a partial piece's kept outputs read only by its recompute made room for the next block
+    (simulate_act.py `_hold`), placements leaving the activations less room replayed faster,
+    and k = 2's placement, replayed first with its choice of least bound (swapping whole
+    units, 55.5 s), fell out of step 2's few: 28.21 s, 1.038x. The best's choice (with or
+    without its head twin) is now replayed on its own fill at the other weights' prefetch depth
+    of least bound too (search.py, Note on step 3)."""
+    from offloadpp.bench.planner_properties import CONFIG, SEQ_LEN, model_config
+    from offloadpp.bench.planner_scale import _settings
+    from offloadpp.planner import HardwareProfile, analytic_profile, resolve
+    from offloadpp.planner.resolve import machine_for
+
+    hw = HardwareProfile.from_json("docs/paper/rtx4090-datasheet.hardware.json")
+    prof = analytic_profile(model_config("gpt3-13b"), micro_batch=48, seq_len=SEQ_LEN, compute_dtype="fp16")
+    r = resolve(_settings(CONFIG, "fp16", 48), prof.unit_specs(), machine_for(hw), hardware=hw, model=prof)
+    k1 = min(c.estimate.step_s for c in r.candidates if c.plan.prefetch_depth == 1)
+    assert r.plan.prefetch_depth == 2 and r.estimate.step_s < k1, (
+        r.plan.prefetch_depth,
+        r.estimate.step_s,
+        k1,
+    )
 
 
 @pytest.mark.parametrize("model", ["llama-7b", "gpt3-13b@16"])

@@ -35,6 +35,7 @@ CPU acting as the device, where host memory is the device's own; SSD is tried on
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
@@ -447,4 +448,9 @@ def fixed_policies(settings_activations, names: Sequence[str]) -> dict[str, str]
     return out
 
 
-__all__ = ["HEAD_TWIN_SHARE", "MIXES", "ActChoice", "ActPlanner", "fixed_policies"]
+def untwinned(label: str) -> str:
+    """A choice's label without its head twin's suffix (HEAD_TWIN_SHARE; `_grads_in_forward`)."""
+    return re.sub(r", head (gradients in forward|recomputed)$", "", label)
+
+
+__all__ = ["HEAD_TWIN_SHARE", "MIXES", "ActChoice", "ActPlanner", "fixed_policies", "untwinned"]

@@ -89,6 +89,16 @@ its backward comes first, so what it keeps is neither copied out nor fetched bac
 shorten forward where forward waits on the link: what the tail keeps is room the copies cannot
 use, so forward still waits until the bytes produced before the head less the room are out.
 
+Note: the release. A swapped partial piece's kept outputs that autograd does not save
+(`partial_extra`: o_proj's and down's outputs, a Llama's q and k before the rotation) are read by
+its recompute only, and the runtime releases them once it ran (runtime/activations/saves.py
+`_release_replayed`), where they were fetched back (RELEASES_REPLAYED: not those a partial unit
+keeps on the device). The need still counts them (piece_peaks: at the recompute they are all
+there); the replay lets the next unit's records come back beside the piece's backward without
+them (simulate_act.py `_hold`), as the runtime's reserve does (backward.py, Note on the
+reserve). Llama 7B b64 on random profile 29: the attention's backward holds 3.01 GiB, not 4.51,
+and the next block's MLP records (3.19 GiB) come back during it in a 6.66 GiB room.
+
 Note: pieces. A recompute_pieces* unit (runtime/activations/manager.py, Note on pieces) runs
 each child of its root as its own recompute segment from its own checkpoint: it is partial
 without the operator log. So it is counted as the same unit seen as partial with no kept outputs
@@ -149,6 +159,9 @@ CHECKPOINT_SWAPS = {
 RECOMPUTE = frozenset(("recompute", "recompute_host", "recompute_ssd"))
 PARTIAL = frozenset(("partial", "partial_host", "partial_ssd", "partial_host_tail"))
 TAIL = "partial_host_tail"  # (see the Note on the tail)
+# a piece's kept outputs autograd does not save (`partial_extra`) are released once its recompute
+# ran, where they were fetched back (see the Note on the release)
+RELEASES_REPLAYED = frozenset(("partial_host", "partial_ssd"))
 TAIL_PIECES = 2  # the pieces a partial_host_tail unit keeps: a block's second norm and its MLP
 NESTED = frozenset(("recompute_nested", "recompute_nested_host", "recompute_nested_ssd"))
 NESTED_SWAPS = frozenset(("recompute_nested_host", "recompute_nested_ssd"))
@@ -478,6 +491,6 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
 
 
 __all__ = ["ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL", "PIECES",
-           "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run",
+           "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run",
            "backward_bytes", "checkpoint_tier", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

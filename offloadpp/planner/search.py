@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
-from .act_candidates import ActChoice, ActPlanner, fixed_policies
+from .act_candidates import ActChoice, ActPlanner, fixed_policies, untwinned
 from .activations import act_units, peak_bytes_at
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .decide import speculates
@@ -81,7 +81,8 @@ ACT_TOP_PLACEMENTS = 3  # the activation choices beyond the first are scored on 
 # in-memory placement replayed only with partial_host, 144.8 s, the SSD-streaming ones' nested
 # recompute 43.97 s; an in-memory one with nested: 40.72 s). So the best candidate's choice is
 # replayed on the placements of ACT_TOP_PLACEMENTS other fills (placement rules), each at the
-# best's depths where it has them: the bound barely tells such placements apart.
+# best's depths where it has them: the bound barely tells such placements apart. And on its own
+# fill at another k, where the first choice replayed may have been far worse (data-sheet 13B b48).
 
 
 @dataclass(frozen=True)
@@ -294,8 +295,16 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
                 rank = ((plan.prefetch_depth, plan.optim_prefetch_depth) != depths, lb)
                 if c.label == want and (fill not in per_fill or rank < per_fill[fill][0]):
                     per_fill[fill] = (rank, lb, i, c)
-        others = sorted(per_fill.values(), key=lambda t: t[1])
-        for _, lb, i, c in others[:ACT_TOP_PLACEMENTS]:
+        others = sorted(per_fill.values(), key=lambda t: t[1])[:ACT_TOP_PLACEMENTS]
+        # and on its own fill at the other weights' prefetch depth of least bound, with or without
+        # its head twin (offered by the logits' share of the room: Note on step 3)
+        done = {(id(c.plan), choice_of[id(c)]) for c in cands}
+        own = [(lb, i, c) for i, (_, label, plan, bounds) in enumerate(groups) for lb, _, c in bounds
+               if _fill_of(label) == _fill_of(lead.label) and untwinned(c.label) == untwinned(want)
+               and (id(plan), c.label) not in done and plan.prefetch_depth != depths[0]
+               and plan.optim_prefetch_depth == depths[1]]  # fmt: skip
+        others += [(None, lb, i, c) for lb, i, c in sorted(own, key=lambda t: t[0])[:1]]
+        for _, lb, i, c in others:
             if lb > min(best_s * (1 + ROBUST_WINDOW), reach):
                 break
             cands.append(candidate(groups[i][1], groups[i][2], c))

@@ -62,6 +62,7 @@ from .activations import (
     PIECES,
     POLICIES,
     RECOMPUTE,
+    RELEASES_REPLAYED,
     SWAPPING,
     TAIL,
     TAIL_PIECES,
@@ -369,6 +370,8 @@ class ActReplay:
                     self.inflight.popleft()
             self._add(grow)
         self.counted[unit] = self._recomputed(unit) if recomputes(self.policy(unit)) else self._kept(unit)
+        if unit in self.units and self.units[unit].pieces and self.policy(unit) in PARTIAL:
+            self._hold(unit, 0)  # (its first piece recomputed: see next_piece)
         self._prefetch_after(unit)
         r = self.ready.get(unit)
         if r is None and unit in self.out:  # fetched while its copy was running: ready when it ends
@@ -497,15 +500,25 @@ class ActReplay:
         it now holds the most any piece left holds (backward_bytes piece by piece), and the
         room freed lets the next units' activations come back, as the runtime releases a
         piece's records at the next piece's recompute."""
+        self._hold(unit, done)
+        self._prefetch_after(unit)
+
+    def _hold(self, unit: str, done: int) -> None:
+        """A partial unit with `done` pieces' backward done and the next one's recompute run holds
+        the most any piece left holds (piece_peaks), the one now running without its kept outputs
+        autograd did not save where they were fetched back (released once its recompute ran:
+        runtime/activations/saves.py `_release_replayed`; planner/activations.py, Note on the
+        release)."""
         u = self.units[unit]
         if self._releasing(unit):
             now = min(self.counted[unit], self._left_after(unit, done))
         else:
             left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
+            if left and self.policy(unit) in RELEASES_REPLAYED:
+                left[-1] -= u.pieces[len(left) - 1][3]
             now = max(left) if left else 0
         self.device_bytes -= self.counted[unit] - now
         self.counted[unit] = now
-        self._prefetch_after(unit)
 
     def after_backward(self, unit: str) -> None:
         """The unit's backward is done: its activations (and a recompute's inputs) are released."""

@@ -2,6 +2,16 @@
 entering each unit's backward, fetching the activations of the next units ahead of need within
 the budget, in the order backward uses them, and releasing what backward consumed.
 
+Note: the reserve. A piecewise unit (partial*, recompute_pieces*: manager.py, Note on pieces)
+holds one piece's records and recomputed tensors at a time, so the next units' records can come
+back while its later pieces are still to recompute: within the budget less what those pieces
+will hold at their recomputes beyond what it holds now (`_pieces_reserve`), as the replay lets
+them (planner/simulate_act.py: a partial unit counts the most its pieces left hold, the next
+unit's first piece is fetched beside that). Fetched only once its last piece had recomputed,
+they came back during that piece's backward alone: the replay's overlap was not the runtime's
+(Llama 7B b32 on random profile 29: 18.24 s replayed, 19.60 s with the fetches held back; docs/
+performance.md "The next block's records beside a block's pieces").
+
 Note: release. A SavedStorage is released once every SavedRef to it was unpacked, at the next
 unit boundary of backward (not at once: a custom Function may read ctx.saved_tensors twice within
 one node), and whatever is left at end_backward. A second backward over the same graph
@@ -92,6 +102,7 @@ class ManagerBackward:
         units in backward order while they fit the budget, each in its reverse pack order."""
         cur = self._bw_unit
         start = cur.position if cur is not None else len(self._order)
+        reserve = 0
         if cur is not None:
             todo = [seg for seg in cur.segments if seg.state is SegState.SAVED]
             # pieces: the records of the piece to recompute next (and of the one before it, within
@@ -99,13 +110,18 @@ class ManagerBackward:
             self._fetch_unit(cur, force=True, floor=self._fetch_floor(cur))
             if cur.policy.piecewise and len(todo) > 1:
                 self._fetch_unit(cur, force=False, floor=self._fetch_floor(cur, 2))
-            if todo:
+            if todo and not cur.policy.piecewise:
                 # its recompute is still to come and will hold all it saves: the units after it
                 # are fetched once that is counted (_unpack_recomputed), within what is left
                 return
+            if todo:  # (pieces: beside the pieces still to recompute, see the Note on the reserve)
+                reserve = self._pieces_reserve(cur)
         for j in range(1, self.config.prefetch_units + 1):
             if start - j < 0 or not self._fetch_unit(
-                self._order[start - j], force=False, floor=self._fetch_floor(self._order[start - j])
+                self._order[start - j],
+                force=False,
+                floor=self._fetch_floor(self._order[start - j]),
+                reserve=reserve,
             ):
                 break
             if any(seg.state is SegState.SAVED for seg in self._order[start - j].segments):
@@ -128,9 +144,36 @@ class ManagerBackward:
             k -= 1
         return todo[k].first_record
 
-    def _fetch_unit(self, u: UnitActivations, force: bool, floor: int = 0) -> bool:
+    @staticmethod
+    def _pieces_reserve(u: UnitActivations) -> int:
+        """What a piecewise unit's pieces still to recompute will hold at their recomputes beyond
+        what it holds now (see the Note on the reserve): at piece k's, what the pieces before it
+        hold then (their records on the device, kept ones all along, and their arguments), its
+        own records and the previous piece's (fetched one piece ahead), and what its forward
+        saved besides (Segment.forward_bytes); the pieces after it released theirs by then."""
+        bounds = [seg.first_record for seg in u.segments] + [len(u.records)]
+        own = [[r for r in u.records[a:b] if r.unit is u] for a, b in zip(bounds, bounds[1:])]
+        now = sum(r.held_device for recs in own for r in recs)
+        for seg in u.segments:  # (as _drop_segment counts them)
+            if seg.state is SegState.SAVED:
+                now += seg.input_bytes
+            elif seg.state is SegState.RECOMPUTED:
+                now += seg.recomputed_bytes
+        top = before = 0  # (before: what the pieces before k hold at its recompute, but k - 1's records)
+        for k, seg in enumerate(u.segments):
+            fetched = sum(
+                r.nbytes for j in (k - 1, k) if j >= 0 for r in own[j] if r.state is not RecState.RELEASED
+            )
+            if seg.state is SegState.SAVED:
+                top = max(top, before + fetched + seg.forward_bytes)  # (its arguments among them)
+            if k:
+                before += sum(r.held_device for r in own[k - 1])
+            before += seg.input_bytes if seg.state is SegState.SAVED else 0
+        return max(0, top - now)
+
+    def _fetch_unit(self, u: UnitActivations, force: bool, floor: int = 0, reserve: int = 0) -> bool:
         """Fetches u's records from the last not asked for down to index `floor`, in reverse
-        pack order; False when the budget stopped it (never with force)."""
+        pack order; False when the budget (less `reserve`) stopped it (never with force)."""
         sw = self.swapper
         while u.fetch_cursor > floor:
             rec = u.records[u.fetch_cursor - 1]
@@ -139,7 +182,7 @@ class ManagerBackward:
                 s is RecState.MOVING_OUT and not rec.want_in
             ):
                 extra = 0 if s is RecState.MOVING_OUT else rec.nbytes
-                if not force and self.budget is not None and sw.device_bytes + extra > self.budget:
+                if not force and self.budget is not None and sw.device_bytes + extra + reserve > self.budget:
                     return False
                 sw.fetch(rec)
             u.fetch_cursor -= 1

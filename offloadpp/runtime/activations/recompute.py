@@ -118,6 +118,10 @@ class Segment:
         self.tensors: Optional[list[Optional[torch.Tensor]]] = None
         self.taken = 0
         self.recomputed_bytes = 0  # accounted from the recompute until DONE
+        # a piece's (manager.py, Note on pieces): the bytes its forward saved that are neither
+        # records nor weights, what its recompute will hold again (backward.py, Note on the reserve)
+        self.forward_bytes = 0
+        self.seen: Optional[set] = set()  # (forward: the storages counted in forward_bytes)
         self.log: Optional[OpLog] = None  # partial: the forward's operators (see the Note on partial)
         self.first_record = 0  # the unit's records from this index on were made in or after this segment
         # nested: the modules whose calls are pieces, then each call's Piece (see the Note on nested)
@@ -143,6 +147,7 @@ class Segment:
 
     def close(self, output: Any = None) -> None:
         self.state = SegState.SAVED
+        self.seen = None
         self.output = weakref.ref(output) if isinstance(output, torch.Tensor) else None
         self.output_version = output._version if isinstance(output, torch.Tensor) else -1
 

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 from torch.autograd.profiler import record_function
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .policy import ActPolicy
 from .recompute import CheckpointRef, DerivedRef, RecomputeRef, Segment
@@ -83,6 +84,8 @@ class ManagerSaves:
         unit, seg = self._stack[-1] if self._stack else (self.outside, None)
         policy = unit.policy
         if type(seg) is Segment:  # everything, weights too: the recompute saves them again, in this order
+            if unit.policy.piecewise:
+                seg.forward_bytes += self._piece_saved_bytes(unit, seg, t)
             return seg.pack(t)
         if seg is not None:  # the fused head's saves (_head_scope)
             policy = seg
@@ -98,6 +101,22 @@ class ManagerSaves:
         if not swappable(t, self.device):
             return t
         return self._record(unit, t, policy)
+
+    def _piece_saved_bytes(self, unit: UnitActivations, seg: Segment, t: torch.Tensor) -> int:
+        """The bytes t adds to what a piece's recompute will hold (Segment.forward_bytes): a device
+        activation's storage, once, unless it is a record (the piece's checkpoint, a kept output:
+        counted as records, and left out of the recompute's measure as they are, `_measure`'s
+        exclude) or a weight."""
+        if seg.seen is None or not swappable(t, self.device) or unit.params.match(t) is not None:
+            return 0
+        st, weak = storage_key(t)
+        rec = self._index.get(weak)
+        if (
+            rec is not None and rec.version == t._version and rec.state is not RecState.RELEASED
+        ) or weak in seg.seen:
+            return 0
+        seg.seen.add(weak)
+        return st.nbytes()
 
     def _record(self, unit: UnitActivations, t: torch.Tensor, policy: ActPolicy) -> SavedRef:
         """t saved into a record of `unit` (a new one, or the one holding its storage already):
@@ -182,6 +201,8 @@ class ManagerSaves:
                               restore=functools.partial(self._restore, ckpt))  # fmt: skip
             self.recompute_s += time.perf_counter() - t0
             self.swapper.add_device(seg.recomputed_bytes - seg.input_bytes)
+            if unit.policy.partial and unit.policy.checkpoint is not None and not unit.policy.tail:
+                self._release_replayed(unit, seg)
             self._prefetch()  # (held back until the recompute was counted)
         elif seg.state is SegState.DONE:
             raise ActivationError(
@@ -203,6 +224,26 @@ class ManagerSaves:
         elif freed:  # (the next units may come back in the room it left)
             self._prefetch()
         return t
+
+    def _release_replayed(self, unit: UnitActivations, seg: Segment) -> None:
+        """A swapped partial piece's kept outputs that its recompute read and its backward does not
+        (autograd saved them nowhere: o_proj's and down's outputs, a Llama's q and k before the
+        rotation) are released once the recompute ran, not at the next piece's (manager.py, Note
+        on pieces): the piece's backward holds what it saved, not the planner's `partial_extra`
+        as well (planner/activations.py piece_peaks, Note on the release). Only records fetched
+        back (their storage is the record's own) whose every reference was read and whose
+        storage no recomputed tensor holds."""
+        i = next(k for k, s in enumerate(unit.segments) if s is seg)
+        end = unit.segments[i + 1].first_record if i + 1 < len(unit.segments) else len(unit.records)
+        held = {storage_key(t)[1] for t in seg.tensors or () if t is not None}
+        for rec in unit.records[seg.first_record : end]:
+            if (
+                rec.unit is unit
+                and rec.state is RecState.READY
+                and rec.consumed
+                and StorageWeakRef(rec.storage) not in held
+            ):
+                self.swapper.release(rec)
 
     def _measure(self, tensors, params: ParamIndex, exclude: Sequence[torch.Tensor] = ()) -> int:
         """Bytes of the distinct storages among `tensors` that are activations on the device

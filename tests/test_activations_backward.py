@@ -1,0 +1,102 @@
+"""Backward's fetches (runtime/activations/backward.py): the next units' records come back beside a
+piecewise unit's pieces still to recompute, within the budget less what those pieces will hold
+(Note on the reserve), as the replay lets them (planner/simulate_act.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_activations import data, run_step, store, tiny_gpt2, tiny_llama
+
+from offloadpp.planner import ActivationSettings
+from offloadpp.runtime.activations import recompute, swap
+from offloadpp.runtime.activations.manager import ActivationManager
+
+pytest.importorskip("transformers")
+
+__all__ = ["data", "store"]  # (the fixtures, shared with test_activations.py)
+
+
+def _order(monkeypatch) -> list[tuple[str, str]]:
+    """The backward's record fetches and recomputes, in the order they run: ("fetch", the record)
+    and ("recompute", the unit)."""
+    events: list[tuple[str, object]] = []
+    fetch, again = swap.Swapper.fetch, recompute.Segment.recompute
+
+    def fetching(self, rec):
+        events.append(("fetch", rec))
+        return fetch(self, rec)
+
+    def recomputing(self, *args, **kwargs):
+        events.append(("recompute", self.unit))
+        return again(self, *args, **kwargs)
+
+    monkeypatch.setattr(swap.Swapper, "fetch", fetching)
+    monkeypatch.setattr(recompute.Segment, "recompute", recomputing)
+    return events
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("policy", ["partial_host", "recompute_pieces_host"])
+def test_the_next_blocks_records_come_back_beside_a_blocks_pieces(store, data, monkeypatch, kind, policy):
+    """With room for them, a block's backward asks for the block before it (backward's next)
+    while its own pieces are still to recompute, not once its last piece recomputed: the fetch
+    overlaps the block's backward as the replay counts it (random profile 29, Llama 7B b32),
+    with the gradients of the run without swapping."""
+    ref = tiny_gpt2(dropout=0.0) if kind == "gpt2" else tiny_llama()
+    _, want = run_step(copy.deepcopy(ref), data)
+    model = copy.deepcopy(ref)
+    cfg = ActivationSettings(policy=policy, overrides={"head": "keep"}, min_swap_bytes=0)
+    events = _order(monkeypatch)
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        torch.manual_seed(5)  # (run_step's: the same dropout masks)
+        with mgr.forward():
+            loss = model(input_ids=data, labels=data).loss
+        mgr.drain()
+        events.clear()
+        before, last = mgr.units[-3:-1]  # (the last two blocks: the head follows them)
+        # (the block's own records: Llama's rotary tables, saved first by the first block, come
+        # back with every block's attention)
+        own = [r for r in before.records if r.unit is before and all(r is not x for x in last.records)]
+        mgr.backward(loss)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], rtol=0, atol=1e-6) for k in want)
+    last_recompute = max(i for i, e in enumerate(events) if e == ("recompute", last.name))
+    first_fetch = min(i for i, e in enumerate(events) if e[0] == "fetch" and any(e[1] is r for r in own))
+    assert first_fetch < last_recompute, events
+
+
+def test_a_swapped_partial_piece_releases_what_only_its_recompute_read(store, data, monkeypatch):
+    """A partial_host block's attention and MLP keep their output projections' outputs (c_proj's:
+    one width-sized tensor each) for the recompute, which reads them, and autograd saves them
+    nowhere: released once the piece's recompute ran, while its backward is still to run
+    (saves.py `_release_replayed`), not at the next piece's recompute. The planner's
+    `partial_extra` of a GPT-2 piece (the replay's hold after the recompute: simulate_act.py
+    `_hold`) is those bytes; the gradients stay the run's without swapping."""
+    from offloadpp.runtime.activations.records import RecState
+    from offloadpp.runtime.activations.states import SegState
+
+    ref = tiny_gpt2(dropout=0.0)
+    _, want = run_step(copy.deepcopy(ref), data)
+    model = copy.deepcopy(ref)
+    cfg = ActivationSettings(policy="partial_host", overrides={"head": "keep"}, min_swap_bytes=0)
+    early: list[int] = []  # the bytes of records released while their own piece's backward is to run
+    release = swap.Swapper.release
+
+    def releasing(self, rec):
+        u = rec.unit
+        if rec.state is not RecState.RELEASED and u.segments:
+            bounds = [s.first_record for s in u.segments] + [len(u.records)]
+            k = next(i for i in range(len(u.segments)) if bounds[i] <= u.records.index(rec) < bounds[i + 1])
+            if u.segments[k].state is SegState.RECOMPUTED:
+                early.append(rec.nbytes)
+        return release(self, rec)
+
+    monkeypatch.setattr(swap.Swapper, "release", releasing)
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        _, got = run_step(model, data, mgr)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    x = data.numel() * 64 * 4  # (c_proj's output: micro-batch x tokens x width 64, fp32)
+    assert early == [x, x] * 4, early  # (4 blocks, each piece with a kept output's)
