@@ -94,6 +94,9 @@ class _Tally:
         self.write_bytes = 0
         self.busy_s = 0.0
         self.by_key_dir: dict[tuple[str, bool], int] = {}
+        # whether by_key_dir counts what moves now (the replay counts the bytes per key of its
+        # last step only, the one it reports: a tuple and a dict update per request saved)
+        self.keyed = True
 
     @property
     def by_key(self) -> dict[str, int]:
@@ -108,7 +111,7 @@ class _Tally:
             self.write_bytes += nbytes
         else:
             self.read_bytes += nbytes
-        if key:
+        if key and self.keyed:
             k = (key, write)
             self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
 
@@ -153,7 +156,7 @@ class Ssd(_Tally):
             self.write_bytes += nbytes
         else:
             self.read_bytes += nbytes
-        if key:
+        if key and self.keyed:
             k = (key, write)
             self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
         req = Done(None, nbytes, write, after)
@@ -259,25 +262,30 @@ class Pool:
         (the common case) it is taken at once and nothing is yielded (an empty tuple: the replay
         makes no generator for it), else the rest is a generator that waits (_get_waiting)."""
         pending = self.pending
-        t = sim.t
-        while pending:
-            for x in pending[0][1]:  # (done_by, inline)
-                if x is None:
-                    continue
-                if x.__class__ is Done:
-                    x = x.t
+        free = self.free
+        if pending:
+            t = sim.t
+            while pending:
+                for x in pending[0][1]:  # (done_by, inline)
                     if x is None:
+                        continue
+                    if x.__class__ is Done:
+                        x = x.t
+                        if x is None:
+                            break
+                    if x > t:
                         break
-                if x > t:
-                    break
-            else:
-                self._add_free(pending.popleft()[0])
-                continue
-            break
-        if self.free.get(n):
-            self.free[n] -= 1
+                else:
+                    m = pending.popleft()[0]  # (_add_free, inline)
+                    free[m] = free.get(m, 0) + 1
+                    continue
+                break
+        c = free.get(n)
+        if c:
+            free[n] = c - 1
             return NOTHING
-        self._trim(n)
+        if free:
+            self._trim(n)
         while self.allocated + n > self.budget and pending:
             if not done_by(pending[0][1], sim.t):
                 return self._get_waiting(sim, n)
@@ -314,19 +322,27 @@ class Pool:
         self.free[n] = self.free.get(n, 0) + 1
 
     def _trim(self, need: int) -> None:
-        for k in list(self.free):
-            while self.free[k] and self.allocated + need > self.budget:
-                self.free[k] -= 1
-                self.allocated -= k
-            if not self.free[k]:
-                del self.free[k]
+        # (free buffers of each size, oldest size first, until `need` fits; sizes left with
+        # none are dropped: the order of the rest is the order they are trimmed in next time)
+        free, budget = self.free, self.budget
+        alloc = self.allocated
+        for k, c in list(free.items()):
+            if c and alloc + need > budget:
+                while c and alloc + need > budget:
+                    c -= 1
+                    alloc -= k
+                free[k] = c
+            if not c:
+                del free[k]
+        self.allocated = alloc
 
 
 def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdown: float,
         helper_slowdown: float, io_slowdown: float = 1.0) -> None:  # fmt: skip
     """Runs `main` and the `helpers` together until `main` is done."""
     ssd = sim.ssd
-    procs: list[list] = [[g, None, 0.0] for g in (main, *helpers)]  # [generator, request, remaining cpu work]
+    # [resume (the generator's __next__), request, remaining cpu work]
+    procs: list[list] = [[g.__next__, None, 0.0] for g in (main, *helpers)]
     for p in procs:
         _resume(p)
     first, side = procs[0], procs[1:]  # (the main thread, the helpers)
@@ -376,7 +392,7 @@ def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slo
             elif kind != "until" or req[1] > t:
                 continue
             try:
-                req = next(p[0])
+                req = p[0]()
             except StopIteration:
                 p[1] = _DONE
                 p[2] = 0.0
@@ -490,7 +506,7 @@ def _serve_idle(ssd: Ssd, sim: Replay, procs: list, until: float) -> None:
 
 def _resume(p: list) -> None:
     try:
-        req = next(p[0])
+        req = p[0]()
     except StopIteration:
         p[1] = _DONE
         return

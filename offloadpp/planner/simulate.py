@@ -109,6 +109,10 @@ class Sim:
         self.closed = False
         self.held: list[Unit] = []
         self.fetch_order = _fetch_order(self.sched)
+        # per visit, the units it fetches (fetch_order's) and those it waits for (its needs)
+        by_name = self.by_name
+        self.fetch_units = [[by_name[n] for n in names] for names in self.fetch_order]
+        self.need_units = [[by_name[n] for n in v.needs] for v in self.sched.visits]
         # the visit from which the step's last writes start (enter: after the first fetches)
         self.flush_from = min(self.sched.prefetch_depth, self.sched.num_forward - 1)
         self.next_keep_until = [(self.by_name[n], t) for n, t in self.sched.next_keep_until.items()]
@@ -125,12 +129,16 @@ class Sim:
     # ---- the main thread ----------------------------------------------------------------
     def main(self, steps: int) -> Iterator:
         for step in range(steps):
-            # (the bytes per key only for the last step, the one reported: cost.replay)
+            # (the bytes per key only for the last step, the one reported: cost.replay; the SSD
+            # counts them from its start)
             last = step == steps - 1
+            if last:
+                self.ssd.by_key_dir = {}
+            self.ssd.keyed = last
             m = {"start": self.t, "ssd_r0": self.ssd.read_bytes, "ssd_w0": self.ssd.write_bytes,
                  "h2d0": self.h2d.read_bytes, "d2h0": self.d2h.read_bytes, "adam0": self.adam_busy_s,
                  "net0": self.net.read_bytes if self.net is not None else 0,
-                 "pool_wait0": self.pool_wait_s, "by_dir0": dict(self.ssd.by_key_dir) if last else {}}  # fmt: skip
+                 "pool_wait0": self.pool_wait_s}  # fmt: skip
             for micro in range(self.micro_batches):
                 first, boundary = micro == 0, micro == self.micro_batches - 1
                 yield from self.begin_micro(first, boundary)
@@ -186,7 +194,7 @@ class Sim:
                      net=(self.net.read_bytes if self.net is not None else 0) - m["net0"],
                      adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"])  # fmt: skip
             if last:
-                by_dir = {k: v - m["by_dir0"].get(k, 0) for k, v in self.ssd.by_key_dir.items()}
+                by_dir = dict(self.ssd.by_key_dir)
                 by_key: dict[str, int] = {}
                 for (k, _), v in by_dir.items():  # (both directions: desim._Tally.by_key)
                     by_key[k] = by_key.get(k, 0) + v
@@ -280,22 +288,21 @@ class Sim:
 
     def enter(self, i: int) -> Iterator:
         self.reap()
+        held = self.held
         want = self.sched.alive[i]
-        for u in self.held:
+        for u in held:
             if u.name not in want:  # (something to drop: the units held, in order)
-                for u in list(self.held):
+                for u in list(held):
                     if u.name not in want:
                         yield from self.drop(u)
                 break
         if self.lazy:  # (else no update is ever pending: simulate_pending.defer is not called)
             yield from pending.apply_pending(self, self.fetch_order[i])
-        by_name, held = self.by_name, self.held
-        for name in self.fetch_order[i]:
-            u = by_name[name]
+        for u in self.fetch_units[i]:
             if u not in held:  # (units compare by identity)
                 yield from u.weights.acquire(self)
                 held.append(u)
-        for u in self.held:
+        for u in held:
             u.weights.pump(self)
         if self.queued_writes and (self.in_backward or i >= self.flush_from):
             n = len(self.queued_writes)
@@ -303,13 +310,14 @@ class Sim:
             if self.costs.io_issue_s:
                 yield ("cpu", n * self.costs.io_issue_s)
         # the kept updated weights: held now, or past their first hold
-        for u, t in self.next_keep_until if not self.in_backward else ():
-            if i >= t or u in self.held:
-                u.compute.release(self, NEXT)
-        for name in self.sched.visits[i].needs:
+        if not self.in_backward:
+            for u, t in self.next_keep_until:
+                if i >= t or u in held:
+                    u.compute.release(self, NEXT)
+        for u in self.need_units[i]:
             if self.lazy:
-                yield from pending.wait_pending(self, self.by_name[name])
-            yield from self.by_name[name].weights.wait(self)
+                yield from pending.wait_pending(self, u)
+            yield from u.weights.wait(self)
         self.cursor = i
 
     def drop(self, u: Unit) -> Iterable:
@@ -530,7 +538,7 @@ class Sim:
                 if now and self.costs.io_issue_s:
                     yield ("cpu", len(now) * self.costs.io_issue_s)
                 submit, t = self.ssd.submit, self.t
-                job.write_done = [(s, submit(t, s.nbytes, write=True, key=s.key)) for s in now]
+                job.write_done = [(s, submit(t, s.nbytes, True, s.key)) for s in now]
             job.done_t = self.t
 
 
