@@ -241,7 +241,13 @@ class Fifo(_Tally):
         start = self.free_t if self.free_t > t else t
         self.free_t = start + dur
         self.busy_s += dur
-        self._count(nbytes, write, key)
+        if write:  # (_count, inline: the link's copies are most of a replay's requests)
+            self.write_bytes += nbytes
+        else:
+            self.read_bytes += nbytes
+        if key and self.keyed:
+            k = (key, write)
+            self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
         return self.free_t
 
 

@@ -381,7 +381,7 @@ class Sim:
         if self.cuda:
             grad_bytes = u.numel * DTYPE_BYTES[self.plan.compute_dtype]
             yield from self.host_pool.get(self, grad_bytes)
-            job.grads_ready = self.d2h.submit(self.t, grad_bytes, write=False)
+            job.grads_ready = self.d2h.submit(self.t, grad_bytes, False)
             self.host_pool.put(grad_bytes, job.grads_ready)  # back once the job used it: close enough
         job.before.append(job.grads_ready)
         job.absorb_s = 2 * u.numel * 4 / self.costs.memcpy_bps
@@ -471,7 +471,7 @@ class Sim:
             self.lazy_inflight.discard(u.name)
             u.compute.updating = False
             if refresh:
-                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
+                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, False)
             # the compute copy first: with fp32 it is the master's slot, and the release that names
             # the refresh's copy must find the buffer still held (runtime/optimizer_completion.py _complete)
             u.compute.release(self, OPTIM, after=w.copy_done if refresh else 0.0)
@@ -480,7 +480,7 @@ class Sim:
         elif job.update:
             after = 0.0
             if refresh:
-                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
+                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, False)
                 after = w.copy_done
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.holds.add(NEXT)
@@ -498,7 +498,7 @@ class Sim:
         queued, self.queued_writes = self.queued_writes, []
         queued.sort(key=lambda s: flush_rank(s.key))
         for s in queued:
-            s.wrote(self.ssd.submit(self.t, s.nbytes, write=True, key=s.key))
+            s.wrote(self.ssd.submit(self.t, s.nbytes, True, s.key))
             s.release(self, WRITE)
 
     def run_deferred(self) -> Iterator:
@@ -526,13 +526,13 @@ class Sim:
             if job.absorb_s:
                 yield ("cpu", job.absorb_s)
             if job.comm_bytes:  # the ranks' reduction of the unit's gradients (dp/sharded_optimizer.py)
-                yield ("until", self.net.submit(self.t, job.comm_bytes, write=False))
+                yield ("until", self.net.submit(self.t, job.comm_bytes, False))
             if job.adam_s:
                 t0 = self.t
                 yield ("cpu", job.adam_s)
                 self.adam_busy_s += self.t - t0
             if job.regather_bytes:
-                yield ("until", self.net.submit(self.t, job.regather_bytes, write=False))
+                yield ("until", self.net.submit(self.t, job.regather_bytes, False))
             if not job.defer_writes:
                 now = [s for s in job.writes if not _late(job, s)] if job.defer_moments else job.writes
                 if now and self.costs.io_issue_s:

@@ -72,11 +72,13 @@ from .activations import (
 from .desim import NOTHING, Replay, When, done_by, when
 
 
-def _per_unit(f):
+def _per_unit(f, shared: bool = True):
     """A method of one unit's sizes or shares, remembered for the replay: they read only the
     replay's policies and profiles, which do not change while it runs, and a replay asks for
-    them at every visit of every step."""
+    them at every visit of every step. `shared`: remembered across replays too (the Note on
+    shared sizes); recompute_s reads the replay's costs and is not."""
     memo_name = f"_memo_{f.__name__}"
+    name = f.__name__
 
     def remembered(self, unit: str):
         memo = self.__dict__.get(memo_name)
@@ -84,10 +86,32 @@ def _per_unit(f):
             memo = self.__dict__[memo_name] = {}
         got = memo.get(unit, _MISSING)
         if got is _MISSING:
-            got = memo[unit] = f(self, unit)
+            if shared and self._src is not None:
+                src = self._src.get(unit)
+                key = (name, unit, self._given.get(unit, "keep"), id(src), self._src_bytes.get(unit))
+                e = _SHARED.get(key)
+                if e is not None and e[0] is src:
+                    got = e[1]
+                else:
+                    got = f(self, unit)
+                    if len(_SHARED) >= _SHARED_MAX:
+                        _SHARED.clear()
+                    _SHARED[key] = (src, got)  # (the unit's profile held: its id is not reused)
+                memo[unit] = got
+            else:
+                got = memo[unit] = f(self, unit)
         return got
 
     return functools.wraps(f)(remembered)
+
+
+# Note: shared sizes. The replays of a search (dozens a point) share the model's activation units
+# (cost._model_acts: one mapping per model profile) and differ in their policies, so a unit's
+# sizes and shares (forward_parts, _recomputed, ...: functions of the unit's profile, its saved
+# bytes and its policy as given) are found once per (unit, policy) and kept here, keyed by the
+# unit's profile's identity (held in the entry) and its saved bytes; values are tuples and ints.
+_SHARED: dict[tuple, tuple] = {}
+_SHARED_MAX = 50_000
 
 
 _MISSING = object()
@@ -129,6 +153,8 @@ class ActReplay:
         if bad:
             raise ValueError(f"activation policies must be one of {POLICIES}, got {bad}")
         self.sim = sim
+        self._given = policies  # (as given: the shared sizes' key, _per_unit)
+        self._src, self._src_bytes = units, act_bytes
         self.policies = dict(policies)
         self.act_bytes = dict(act_bytes)
         # per unit: its checkpoint (inputs) and partial bytes (planner/activations.py ActUnit)
@@ -162,7 +188,6 @@ class ActReplay:
         self.rest: dict[str, int] = {}  # a partial unit's bytes fetched with its backward, not before
         self.rest_up: dict[str, int] = {}  # of those, in host memory: copied up from its backward on
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
-        self._subs: dict[str, tuple] = {}  # unit -> its forward's parts where its records are saved
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -171,7 +196,7 @@ class ActReplay:
     def active(self) -> bool:
         return any(p != "keep" for p in self.policies.values())
 
-    @_per_unit
+    @functools.partial(_per_unit, shared=False)
     def recompute_s(self, unit: str) -> float:
         if not recomputes(self.policy(unit)):
             return 0.0
@@ -206,6 +231,7 @@ class ActReplay:
             return ((1.0, self._kept(unit) + self.units[unit].loss_input),)
         return ((1.0, self._held_in(unit) if recomputes(pol) else self._kept(unit)),)
 
+    @_per_unit
     def _sub_parts(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
         """A swapped partial unit's forward split where its records are saved (ActUnit.piece_kept
         and piece_kept_at), as (share of its compute, the records saved at its end): each part's
@@ -214,10 +240,7 @@ class ActReplay:
         with its first part's (the runtime saves it as the piece starts, earlier). () where the
         profile does not say when they are saved, for a tail unit (forward_parts' pieces) and a
         vertical window's unit."""
-        got = self._subs.get(unit)
-        if got is None:
-            got = self._subs[unit] = self._split(unit)
-        return got
+        return self._split(unit)
 
     def _split(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
         u = self.units.get(unit)
@@ -325,19 +348,30 @@ class ActReplay:
         pol = self.policy(unit)
         if pol == GRAD_IN_FORWARD and unit in self.units:  # (h is freed: its gradients stay)
             self.device_bytes -= self.units[unit].loss_input
-        to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
-        n = self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
-        if to in ("host", "ssd") and n > 0:
-            window, sub = self._window_chunks(unit), self._sub_parts(unit)
-            job = _Out(unit, n, to == "ssd", pieces=window or tuple(sum(r) for _, r in sub) or self._swapped_pieces(unit),
-                       lag=TAIL_PIECES - 1 if pol == TAIL else 0,
-                       parts=() if window else tuple(r for _, r in sub) or self._swapped_parts(unit))  # fmt: skip
+        out = self._out_shape(unit)
+        if out is not None:
+            n, to_ssd, pieces, lag, parts = out
+            job = _Out(unit, n, to_ssd, pieces=pieces, lag=lag, parts=parts)
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
             self.ready.pop(unit, None)
+
+    @_per_unit
+    def _out_shape(self, unit: str) -> Optional[tuple]:
+        """What a unit's copy out moves (after_forward's job): (bytes, to SSD?, its pieces, the
+        lag, its pieces' records); None where nothing leaves the device."""
+        pol = self.policy(unit)
+        to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
+        n = self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
+        if to not in ("host", "ssd") or n <= 0:
+            return None
+        window, sub = self._window_chunks(unit), self._sub_parts(unit)
+        return (n, to == "ssd", window or tuple(sum(r) for _, r in sub) or self._swapped_pieces(unit),
+                TAIL_PIECES - 1 if pol == TAIL else 0,
+                () if window else tuple(r for _, r in sub) or self._swapped_parts(unit))  # fmt: skip
 
     # ---- backward ------------------------------------------------------------------------
     def before_backward(self, unit: str) -> Iterator:
@@ -514,9 +548,9 @@ class ActReplay:
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)
         h2d = sim.cuda
         if on_ssd:
-            done: When = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
+            done: When = sim.ssd.submit(sim.t, job.nbytes, False, f"act.{unit}")
         elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
-            done, h2d = sim.h2d.submit(sim.t, first, write=False), False
+            done, h2d = sim.h2d.submit(sim.t, first, False), False
         else:
             done = sim.t
         if sim.cuda and job.nbytes > first:  # (the other pieces: _rest_up)
@@ -560,7 +594,7 @@ class ActReplay:
                     if k + job.lag >= job.produced:  # this piece's forward (or the lag's) has not run yet
                         yield ("cond", lambda job=job, k=k: job.produced > k + job.lag)
                     for rec in job.parts[k] if job.parts else (part,):  # (its records one by one)
-                        done = sim.d2h.submit(sim.t, rec, write=False)
+                        done = sim.d2h.submit(sim.t, rec, False)
                         if done > sim.t:
                             yield ("until", done)
                         self.device_bytes -= rec  # this record's copy is out: its device bytes are free
@@ -572,7 +606,7 @@ class ActReplay:
                 self.device_bytes -= job.nbytes  # the copy is out: the device bytes are free
             self.swapped_bytes += job.nbytes
             if job.to_ssd:
-                job.write_done = sim.ssd.submit(sim.t, job.nbytes, write=True, key=f"act.{job.unit}")
+                job.write_done = sim.ssd.submit(sim.t, job.nbytes, True, f"act.{job.unit}")
             job.copy_done = sim.t
 
 

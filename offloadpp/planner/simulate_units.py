@@ -161,7 +161,7 @@ class CudaWeights:
         self.copy_done = 0.0
 
     def _copy(self, sim: Replay) -> None:
-        self.copy_done = sim.h2d.submit(sim.t, self.source.nbytes, write=False)
+        self.copy_done = sim.h2d.submit(sim.t, self.source.nbytes, False)
         self.copied = True
 
     def acquire(self, sim: Replay) -> Iterable:
