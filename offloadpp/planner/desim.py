@@ -332,6 +332,11 @@ class Pool:
         # none are dropped: the order of the rest is the order they are trimmed in next time)
         free, budget = self.free, self.budget
         alloc = self.allocated
+        if alloc + need <= budget:  # (nothing to free: only the sizes left with none dropped)
+            if 0 in free.values():
+                for k in [k for k, c in free.items() if not c]:
+                    del free[k]
+            return
         for k, c in list(free.items()):
             if c and alloc + need > budget:
                 while c and alloc + need > budget:

@@ -139,18 +139,29 @@ class Sim:
                  "h2d0": self.h2d.read_bytes, "d2h0": self.d2h.read_bytes, "adam0": self.adam_busy_s,
                  "net0": self.net.read_bytes if self.net is not None else 0,
                  "pool_wait0": self.pool_wait_s}  # fmt: skip
+            # (locals, and the one-micro-batch visit's compute yielded here: the loops below run
+            # every visit's parts; what `yield from` would run is skipped where it is NOTHING)
+            act, costs, window1 = self.act, self.costs, self.window == 1
+            forward_s, forward_visit_s = costs.forward_s, costs.forward_visit_s
+            backward_s, backward_visit_s = costs.backward_s, costs.backward_visit_s
             for micro in range(self.micro_batches):
                 first, boundary = micro == 0, micro == self.micro_batches - 1
                 yield from self.begin_micro(first, boundary)
                 self.cursor = -1
                 nf = self.sched.num_forward
                 for v in self.sched.visits[:nf]:
+                    unit = v.unit
                     yield from self.enter(v.index)
-                    work = self.costs.forward_s[v.unit] + self.costs.forward_visit_s
-                    for k, (share, saved) in enumerate(self.act.forward_parts(v.unit)):
-                        yield from self.act.before_forward(v.unit, saved)
-                        yield from self.compute(work * share)
-                        self.act.after_forward(v.unit, k)
+                    work = forward_s[unit] + forward_visit_s
+                    for k, (share, saved) in enumerate(act.forward_parts(unit)):
+                        got = act.before_forward(unit, saved)
+                        if got:
+                            yield from got
+                        if window1:
+                            yield ("cpu", work * share)  # (compute's)
+                        else:
+                            yield from self.compute(work * share)
+                        act.after_forward(unit, k)
                 m.setdefault("forward_end", []).append(self.t)
                 for u in self.units:
                     u.grads_pending = True
@@ -158,19 +169,19 @@ class Sim:
                 if self.deferred and self.boundary:
                     yield from self.begin_backward()
                 for v in self.sched.visits[nf:]:
+                    unit = v.unit
                     yield from self.enter(v.index)
-                    yield from self.act.before_backward(v.unit)
-                    work = (
-                        self.costs.backward_s[v.unit]
-                        + self.costs.backward_visit_s
-                        + self.act.recompute_s(v.unit)
-                    )
-                    for k, share in enumerate(self.act.backward_parts(v.unit)):
+                    yield from act.before_backward(unit)
+                    work = backward_s[unit] + backward_visit_s + act.recompute_s(unit)
+                    for k, share in enumerate(act.backward_parts(unit)):
                         if k:
-                            self.act.next_piece(v.unit, k)
-                        yield from self.compute(work * share)
-                    self.act.after_backward(v.unit)
-                    yield from self.on_grads(self.by_name[v.unit])
+                            act.next_piece(unit, k)
+                        if window1:
+                            yield ("cpu", work * share)  # (compute's)
+                        else:
+                            yield from self.compute(work * share)
+                    act.after_backward(unit)
+                    yield from self.on_grads(self.by_name[unit])
                 self.in_backward = False
                 for u in list(self.held):
                     yield from self.drop(u)

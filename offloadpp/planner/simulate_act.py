@@ -175,6 +175,7 @@ class ActReplay:
         self.budget = budget
         self.backward_order = [v.unit for v in sim.sched.visits if v.backward]
         self.backward_index = {u: i for i, u in enumerate(self.backward_order)}
+        self._after: dict[str, list] = {}  # unit -> the units whose activations it prefetches
         self.queue: deque[_Out] = deque()
         self.inflight: deque[_Out] = deque()  # swap-outs whose copy is not done, oldest first
         self.out: dict[str, _Out] = {}
@@ -427,9 +428,11 @@ class ActReplay:
             self.sim.h2d.submit(self.sim.t, self.rest_up.pop(unit), write=False)
 
     def _prefetch_after(self, unit: str) -> None:
-        for name in self.backward_order[
-            self.backward_index[unit] + 1 : self.backward_index[unit] + self.prefetch + 1
-        ]:
+        after = self._after.get(unit)
+        if after is None:
+            i = self.backward_index[unit]
+            after = self._after[unit] = self.backward_order[i + 1 : i + self.prefetch + 1]
+        for name in after:
             # a unit still to recompute will hold all it saved at its backward, counted only
             # then: nothing beyond it is fetched now (its checkpoint is), as the runtime does
             if not self._fetch(name, force=False) or recomputes(self.policy(name)):
@@ -450,12 +453,21 @@ class ActReplay:
         it now holds the most any piece left holds (backward_bytes piece by piece), and the
         room freed lets the next units' activations come back, as the runtime releases a
         piece's records at the next piece's recompute."""
-        u = self.units[unit]
-        left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
-        now = max(left) if left else 0
+        nows = self._left_peaks(unit)
+        now = nows.get(done)
+        if now is None:
+            u = self.units[unit]
+            left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
+            now = nows[done] = max(left) if left else 0
         self.device_bytes -= self.counted[unit] - now
         self.counted[unit] = now
         self._prefetch_after(unit)
+
+    @_per_unit
+    def _left_peaks(self, unit: str) -> dict[int, int]:
+        """next_piece's bytes held once `done` pieces are done, by `done`: filled as asked (a
+        function of the unit and its policy alone, as the other sizes here)."""
+        return {}
 
     def after_backward(self, unit: str) -> None:
         """The unit's backward is done: its activations (and a recompute's inputs) are released."""
