@@ -1,6 +1,7 @@
 """The discrete-event kernel of the cost model's replay (simulate.py): the SSD as the I/O engine
 serves it (reads before queued writes), FIFO servers for the link, the runtime's buffer pool with
-times instead of buffers, and the loop that runs the replay's threads (generators) on shared cores.
+times instead of buffers; desim_loop.run runs the replay's threads (generators) on shared cores
+with them (the requests, events and CPU sharing below are its).
 
 Pure (no torch).
 
@@ -31,7 +32,7 @@ cores). On a GPU all these factors are 1.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Iterable, Iterator, Optional, Protocol, Union
 
 
 class Replay(Protocol):
@@ -348,181 +349,4 @@ class Pool:
         self.allocated = alloc
 
 
-def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdown: float,
-        helper_slowdown: float, io_slowdown: float = 1.0) -> None:  # fmt: skip
-    """Runs `main` and the `helpers` together until `main` is done."""
-    ssd = sim.ssd
-    # [resume (the generator's __next__), request, remaining cpu work]
-    procs: list[list] = [[g.__next__, None, 0.0] for g in (main, *helpers)]
-    for p in procs:
-        _resume(p)
-    first, side = procs[0], procs[1:]  # (the main thread, the helpers)
-    guard = 0
-    ssd_paces = io_slowdown != 1.0
-    # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
-    # events; branches and locals here, not helper calls, keep planning within its 2 s: a thread
-    # is resumed inline, and the threads computing are counted by the pass that resumes)
-    while first[1] is not _DONE:
-        guard += 1
-        if guard > 10_000_000:
-            raise RuntimeError("cost model replay did not finish (internal error)")
-        t = sim.t
-        if ssd.cur is not None and ssd.cur_end <= t:
-            ssd.advance(t)
-        progressed = others = False
-        busy_helpers = 0  # (of the threads not resumed: counted for the rates below)
-        for p in procs:  # requests that are already satisfied resume at once
-            req = p[1]
-            kind = req[0]
-            if kind == "cpu":
-                if p[2] > 1e-12:
-                    if p is not first:
-                        busy_helpers += 1
-                    continue
-            elif kind == "idle":
-                if not req[1].queue and not req[2].closed:
-                    continue
-            elif kind == "cond":
-                if not req[1]():
-                    continue
-            elif kind == "wait":
-                ready = True
-                for x in req[1]:  # (done_by, inline)
-                    if x is None:
-                        continue
-                    if x.__class__ is Done:
-                        x = x.t
-                        if x is None:
-                            ready = False
-                            break
-                    if x > t:
-                        ready = False
-                        break
-                if not ready:
-                    continue
-            elif kind != "until" or req[1] > t:
-                continue
-            try:
-                req = p[0]()
-            except StopIteration:
-                p[1] = _DONE
-                p[2] = 0.0
-            else:
-                p[1] = req
-                p[2] = req[1] if req[0] == "cpu" else 0.0
-            progressed = True
-            if p is not first:
-                others = True
-        if progressed:
-            # (another pass, unless only the main thread resumed, the helpers checked after it,
-            # and its new request waits for the clock: work, or a time to come. Then that pass
-            # would resume nothing, as no SSD request ends by now either)
-            if others or (ssd.cur is not None and ssd.cur_end <= t):
-                continue
-            req = first[1]
-            if req[0] == "cpu":
-                if first[2] <= 1e-12:
-                    continue
-            elif req[0] != "until" or req[1] <= t:
-                continue
-        computing = first[1][0] == "cpu"
-        main_rate = (1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (
-            io_slowdown if ssd.cur is not None else 1.0
-        )
-        helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
-        nxt = INF
-        first_done = None
-        served = False  # a thread waits for an SSD request not served yet
-        r = main_rate
-        for p in procs:
-            req = p[1]
-            kind = req[0]
-            if kind == "cpu":
-                end = t + p[2] / r
-                if end < nxt:
-                    nxt, first_done = end, p
-            elif kind == "until":
-                if req[1] < nxt:
-                    nxt, first_done = req[1], None
-            elif kind == "wait":
-                last = 0.0  # (the latest of the items' `when`, inline)
-                for x in req[1]:
-                    if x is None:
-                        continue
-                    if x.__class__ is Done:
-                        x = x.t
-                        if x is None:
-                            last = INF
-                            break
-                    if x > last:
-                        last = x
-                if last < nxt:
-                    nxt, first_done = last, None
-                elif last == INF:
-                    served = True
-            r = helper_rate
-        if ssd.cur is not None and ssd.cur_end <= nxt and (served or ssd_paces or nxt == INF):
-            # (the end of an SSD request is an event of its own only where a thread may wait for
-            # it, or where the SSD's work slows compute: see the Note on events)
-            if served and not computing and not busy_helpers:
-                _serve_idle(ssd, sim, procs, nxt)
-                continue
-            nxt, first_done = ssd.cur_end, None
-        if nxt == INF:
-            waits = ", ".join(p[1][0] for p in procs)
-            raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
-        dt = nxt - t
-        if computing:
-            left = first[2] - dt * main_rate
-            first[2] = left if left > 0.0 else 0.0
-        if busy_helpers:  # (every helper whose request is work: counted by the pass)
-            for p in side:
-                if p[1][0] == "cpu":
-                    left = p[2] - dt * helper_rate
-                    p[2] = left if left > 0.0 else 0.0
-        if first_done is not None:
-            first_done[2] = 0.0  # exactly done, whatever the rounding of t + work / rate
-        if computing:
-            sim.compute_busy_s += dt
-        sim.t = nxt
-
-
-_DONE = ("done",)
-
-
-def _serve_idle(ssd: Ssd, sim: Replay, procs: list, until: float) -> None:
-    """run's clock through the SSD's completions while no thread works and one waits for an SSD
-    request not served yet, up to the first completion that serves every request some thread
-    waits for, or the next event of another kind (`until`: the earliest "until" time).
-
-    Note: why this is the loop's own passes, fewer. In each of those passes the clock moved to
-    the SSD's next completion and the next pass served it and resumed nothing: no thread works
-    (no work to advance, no busy time to count), a "cond" or an idle thread reads only what the
-    threads set (none runs), an "until" time is not reached, and a thread waiting for SSD
-    requests goes on only once all are served. The first pass that may resume a thread is
-    left to the loop, at the same clock, with the SSD in the same state."""
-    waits = [p[1][1] for p in procs if p[1][0] == "wait"]
-    while True:
-        sim.t = t = ssd.cur_end
-        ssd.advance(t)
-        for items in waits:
-            for x in items:
-                if x.__class__ is Done and x.t is None:
-                    break
-            else:  # (every request this thread waits for is served: the loop's pass decides)
-                return
-        if ssd.cur is None or ssd.cur_end > until:
-            return
-
-
-def _resume(p: list) -> None:
-    try:
-        req = p[0]()
-    except StopIteration:
-        p[1] = _DONE
-        return
-    p[1] = req
-    p[2] = req[1] if req[0] == "cpu" else 0.0
-
-
-__all__ = ["NOTHING", "Done", "Fifo", "Pool", "Ssd", "When", "done_by", "run", "when"]
+__all__ = ["INF", "NOTHING", "Done", "Fifo", "Pool", "Ssd", "When", "done_by", "when"]
