@@ -182,27 +182,31 @@ class Ssd(_Tally):
 
     def advance(self, t: float) -> None:
         """Serves everything that ends by `t`."""
-        while self.cur is not None and self.cur_end <= t:
-            req, end = self.cur, self.cur_end
-            self.busy_s += end - self.cur_start
-            served = end - self.cur_start - self.cur_lat
-            req.left -= (served if served > 0.0 else 0.0) * (self.write_bps if req.write else self.read_bps)
+        cur = self.cur
+        while cur is not None and self.cur_end <= t:
+            end, start = self.cur_end, self.cur_start
+            self.busy_s += end - start
+            served = end - start - self.cur_lat
+            cur.left -= (served if served > 0.0 else 0.0) * (self.write_bps if cur.write else self.read_bps)
             self.cur = None
-            if req.left > 0.5:  # a write that let reads pass: it goes on first among the writes
-                self.writes.appendleft(req)
+            if cur.left > 0.5:  # a write that let reads pass: it goes on first among the writes
+                self.writes.appendleft(cur)
             else:
-                req.t = end
-                if self.held:
-                    go = [r for r in self.held if when(r.after) <= end]
-                    self.held = [r for r in self.held if when(r.after) > end]
-                    for r in go:
-                        self._queue(r, end, idle=False)
+                cur.t = end
+                held = self.held
+                if held:  # (reads held for a write: each `after` is that write's Done)
+                    go = [r for r in held if r.after.t is not None and r.after.t <= end]
+                    if go:
+                        self.held = [r for r in held if r.after.t is None or r.after.t > end]
+                        for r in go:
+                            self._queue(r, end, idle=False)
             if self.cur is None:  # (_start, inline)
                 q = self.reads or self.writes
                 if q:
                     nxt = q.popleft()
                     self.cur, self.cur_start, self.cur_lat = nxt, end, 0.0
                     self.cur_end = end + nxt.left / (self.write_bps if nxt.write else self.read_bps)
+            cur = self.cur
 
     def _queue(self, req: Done, t: float, idle: bool) -> None:
         (self.writes if req.write else self.reads).append(req)

@@ -40,7 +40,7 @@ from .ranks import RankLink
 from .schedule import Schedule, cached_schedule, flush_rank
 from .simulate_act import ActReplay, ActWork
 from .simulate_dp import dp_grads, dp_unit
-from .simulate_units import LOADING, NEXT, OPTIM, WRITE, CudaWeights, Job, Slot, Unit, _late
+from .simulate_units import LOADING, NEXT, OPTIM, WRITE, CudaWeights, Job, PairWeights, Slot, Unit, _late
 
 
 @dataclass(frozen=True)
@@ -476,7 +476,9 @@ class Sim:
             if job.defer_writes or _late(job, s):
                 s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
                 self.queued_writes.append(s)
-        w = getattr(u.weights, "trainable", u.weights)  # (PairWeights: the frozen segment takes no update)
+        w = u.weights
+        if w.__class__ is PairWeights:  # (the frozen segment takes no update)
+            w = w.trainable
         refresh = self.cuda and isinstance(w, CudaWeights) and w.resident  # (a resident device copy)
         if job.lazy:
             self.lazy_inflight.discard(u.name)

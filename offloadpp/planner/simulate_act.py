@@ -77,13 +77,12 @@ def _per_unit(f, shared: bool = True):
     replay's policies and profiles, which do not change while it runs, and a replay asks for
     them at every visit of every step. `shared`: remembered across replays too (the Note on
     shared sizes); recompute_s reads the replay's costs and is not."""
-    memo_name = f"_memo_{f.__name__}"
     name = f.__name__
 
     def remembered(self, unit: str):
-        memo = self.__dict__.get(memo_name)
+        memo = self._memos.get(name)  # (a dict of the replay's: no __dict__ lookup per call)
         if memo is None:
-            memo = self.__dict__[memo_name] = {}
+            memo = self._memos[name] = {}
         got = memo.get(unit, _MISSING)
         if got is _MISSING:
             if shared and self._src is not None:
@@ -153,6 +152,7 @@ class ActReplay:
         if bad:
             raise ValueError(f"activation policies must be one of {POLICIES}, got {bad}")
         self.sim = sim
+        self._memos: dict[str, dict] = {}  # _per_unit's: method -> unit -> its value
         self._given = policies  # (as given: the shared sizes' key, _per_unit)
         self._src, self._src_bytes = units, act_bytes
         self.policies = dict(policies)
