@@ -442,7 +442,7 @@ class Sim:
             yield from u.compute.acquire(self, OPTIM, overwrite=True)
             self.add_before(job, u.compute)
             slots.append(u.compute)
-        job.writes.extend(s for s in slots if s.stored)
+        job.writes.extend([s for s in slots if s.stored])
         u.phase = "updating"
 
     def add_before(self, job: Job, *slots: Slot) -> None:
@@ -568,16 +568,19 @@ def _fetch_order(sched: Schedule) -> list[tuple[str, ...]]:
     e = _FETCH_ORDERS.get(id(sched))
     if e is not None and e[0] is sched:
         return e[1]
-    out = []
-    for i in range(len(sched.visits)):
+    # (the order of need at visit i: by the first visit from i on that needs the unit, then its
+    # place in that visit's needs; found from the last visit back, one pass)
+    visits = sched.visits
+    out: list = [()] * len(visits)
+    first_need: dict[str, tuple[int, int]] = {}  # unit -> (its next visit needing it, its place there)
+    for i in range(len(visits) - 1, -1, -1):
+        for pos, n in reversed(list(enumerate(visits[i].needs))):
+            first_need[n] = (i, pos)
         alive = sched.alive[i]
-        names: list[str] = []
-        for v in sched.visits[i:]:
-            if len(names) == len(alive):
-                break
-            names.extend(n for n in v.needs if n not in names and n in alive)
+        needed = sorted((first_need[n], n) for n in alive if n in first_need)
+        names = [n for _, n in needed]
         names.extend(sorted(alive - set(names)))
-        out.append(tuple(names))
+        out[i] = tuple(names)
     if len(_FETCH_ORDERS) >= _FETCH_ORDERS_MAX:
         _FETCH_ORDERS.pop(next(iter(_FETCH_ORDERS)))
     _FETCH_ORDERS[id(sched)] = (sched, out)
