@@ -420,6 +420,45 @@ def test_the_activation_replay_remembers_each_units_parts_for_its_own_policies()
     assert (other.recompute_s("a"), other.recompute_s("b")) == (1.5, 0.5)
 
 
+def test_the_activation_replays_share_a_units_sizes_only_for_the_same_profile_bytes_and_policy():
+    """simulate_act's shared sizes (its Note): a search's replays find a unit's parts once per
+    (unit profile, saved bytes, policy as given); another profile of the same name, other saved
+    bytes or another policy (a recompute_pieces one, run as partial) get their own."""
+    from types import SimpleNamespace
+
+    from offloadpp.planner.activations import ActUnit
+    from offloadpp.planner.simulate_act import ActReplay
+
+    sim = SimpleNamespace(sched=SimpleNamespace(visits=()), costs=SimpleNamespace(forward_s={"a": 1.0},
+                          forward_visit_s=0.5), cuda=True)  # fmt: skip
+    pieces = ((100, 10, 30, 0), (200, 20, 60, 0))
+    units = {"a": ActUnit("a", 300, 10, 1, True, partial=90, pieces=pieces)}
+    saved = {"a": 300}
+    first = ActReplay(sim, {"a": "partial_host"}, saved, 2, None, units)
+    again = ActReplay(sim, {"a": "partial_host"}, saved, 2, None, units)
+    assert again.forward_parts("a") is first.forward_parts("a")  # found once
+    bigger = {
+        "a": ActUnit(
+            "a",
+            600,
+            20,
+            1,
+            True,
+            partial=180,
+            pieces=tuple((2 * a, 2 * b, 2 * c, d) for a, b, c, d in pieces),
+        )
+    }
+    assert ActReplay(sim, {"a": "partial_host"}, saved, 2, None, bigger).forward_parts("a") == (
+        (40 / 120, 80),
+        (80 / 120, 160),
+    )
+    assert ActReplay(sim, {"a": "host"}, {"a": 300}, 2, None, units)._out_shape("a")[0] == 300
+    assert ActReplay(sim, {"a": "host"}, {"a": 500}, 2, None, units)._out_shape("a")[0] == 500
+    assert ActReplay(sim, {"a": "keep"}, saved, 2, None, units)._out_shape("a") is None
+    pieces_run = ActReplay(sim, {"a": "recompute_pieces_host"}, saved, 2, None, units).forward_parts("a")
+    assert pieces_run != first.forward_parts("a")
+
+
 def test_each_model_profile_gets_its_own_activation_sizes_in_the_replay():
     """cost._model_acts finds a profile's saved bytes and activation units once for every replay
     of a search: another profile of the same units (another sequence length) gets its own."""

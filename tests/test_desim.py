@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from offloadpp.planner.desim import Done, Ssd, done_by, run, when
+from offloadpp.planner.desim import Done, Ssd, done_by, when
+from offloadpp.planner.desim_loop import run
 
 MB = 1_000_000
 
@@ -118,7 +119,7 @@ class _Clock:
 
 def test_run_wakes_each_thread_at_its_event_while_the_ssd_serves_alone():
     """While no thread works and one waits for an SSD request not served yet, run() moves its
-    clock through the SSD's completions (desim._serve_idle): a thread waiting for SSD requests
+    clock through the SSD's completions (desim_loop._serve_idle): a thread waiting for SSD requests
     goes on at the completion of the last, one waiting for a time at that time, and a read
     submitted then still passes the queued write."""
     ssd = Ssd(read_bps=100 * MB, write_bps=100 * MB, inflight_bytes=0)

@@ -33,7 +33,8 @@ from typing import Mapping, Optional
 
 from .activations import NESTED, act_units, forward_moved, recompute_fraction, recomputes
 from .decide import lazy_applies, lazy_runtime
-from .desim import Fifo, Ssd, run
+from .desim import Fifo, Ssd
+from .desim_loop import run
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
 from .plan import DTYPE_BYTES, Plan, PlanError, Tier, fmt_bytes

@@ -1,6 +1,7 @@
 """The discrete-event kernel of the cost model's replay (simulate.py): the SSD as the I/O engine
 serves it (reads before queued writes), FIFO servers for the link, the runtime's buffer pool with
-times instead of buffers, and the loop that runs the replay's threads (generators) on shared cores.
+times instead of buffers; desim_loop.run runs the replay's threads (generators) on shared cores
+with them (the requests, events and CPU sharing below are its).
 
 Pure (no torch).
 
@@ -31,7 +32,7 @@ cores). On a GPU all these factors are 1.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Iterable, Iterator, Optional, Protocol, Union
 
 
 class Replay(Protocol):
@@ -94,6 +95,9 @@ class _Tally:
         self.write_bytes = 0
         self.busy_s = 0.0
         self.by_key_dir: dict[tuple[str, bool], int] = {}
+        # whether by_key_dir counts what moves now (the replay counts the bytes per key of its
+        # last step only, the one it reports: a tuple and a dict update per request saved)
+        self.keyed = True
 
     @property
     def by_key(self) -> dict[str, int]:
@@ -108,7 +112,7 @@ class _Tally:
             self.write_bytes += nbytes
         else:
             self.read_bytes += nbytes
-        if key:
+        if key and self.keyed:
             k = (key, write)
             self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
 
@@ -153,7 +157,7 @@ class Ssd(_Tally):
             self.write_bytes += nbytes
         else:
             self.read_bytes += nbytes
-        if key:
+        if key and self.keyed:
             k = (key, write)
             self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
         req = Done(None, nbytes, write, after)
@@ -178,27 +182,31 @@ class Ssd(_Tally):
 
     def advance(self, t: float) -> None:
         """Serves everything that ends by `t`."""
-        while self.cur is not None and self.cur_end <= t:
-            req, end = self.cur, self.cur_end
-            self.busy_s += end - self.cur_start
-            served = end - self.cur_start - self.cur_lat
-            req.left -= (served if served > 0.0 else 0.0) * (self.write_bps if req.write else self.read_bps)
+        cur = self.cur
+        while cur is not None and self.cur_end <= t:
+            end, start = self.cur_end, self.cur_start
+            self.busy_s += end - start
+            served = end - start - self.cur_lat
+            cur.left -= (served if served > 0.0 else 0.0) * (self.write_bps if cur.write else self.read_bps)
             self.cur = None
-            if req.left > 0.5:  # a write that let reads pass: it goes on first among the writes
-                self.writes.appendleft(req)
+            if cur.left > 0.5:  # a write that let reads pass: it goes on first among the writes
+                self.writes.appendleft(cur)
             else:
-                req.t = end
-                if self.held:
-                    go = [r for r in self.held if when(r.after) <= end]
-                    self.held = [r for r in self.held if when(r.after) > end]
-                    for r in go:
-                        self._queue(r, end, idle=False)
+                cur.t = end
+                held = self.held
+                if held:  # (reads held for a write: each `after` is that write's Done)
+                    go = [r for r in held if r.after.t is not None and r.after.t <= end]
+                    if go:
+                        self.held = [r for r in held if r.after.t is None or r.after.t > end]
+                        for r in go:
+                            self._queue(r, end, idle=False)
             if self.cur is None:  # (_start, inline)
                 q = self.reads or self.writes
                 if q:
                     nxt = q.popleft()
                     self.cur, self.cur_start, self.cur_lat = nxt, end, 0.0
                     self.cur_end = end + nxt.left / (self.write_bps if nxt.write else self.read_bps)
+            cur = self.cur
 
     def _queue(self, req: Done, t: float, idle: bool) -> None:
         (self.writes if req.write else self.reads).append(req)
@@ -238,7 +246,13 @@ class Fifo(_Tally):
         start = self.free_t if self.free_t > t else t
         self.free_t = start + dur
         self.busy_s += dur
-        self._count(nbytes, write, key)
+        if write:  # (_count, inline: the link's copies are most of a replay's requests)
+            self.write_bytes += nbytes
+        else:
+            self.read_bytes += nbytes
+        if key and self.keyed:
+            k = (key, write)
+            self.by_key_dir[k] = self.by_key_dir.get(k, 0) + nbytes
         return self.free_t
 
 
@@ -259,25 +273,30 @@ class Pool:
         (the common case) it is taken at once and nothing is yielded (an empty tuple: the replay
         makes no generator for it), else the rest is a generator that waits (_get_waiting)."""
         pending = self.pending
-        t = sim.t
-        while pending:
-            for x in pending[0][1]:  # (done_by, inline)
-                if x is None:
-                    continue
-                if x.__class__ is Done:
-                    x = x.t
+        free = self.free
+        if pending:
+            t = sim.t
+            while pending:
+                for x in pending[0][1]:  # (done_by, inline)
                     if x is None:
+                        continue
+                    if x.__class__ is Done:
+                        x = x.t
+                        if x is None:
+                            break
+                    if x > t:
                         break
-                if x > t:
-                    break
-            else:
-                self._add_free(pending.popleft()[0])
-                continue
-            break
-        if self.free.get(n):
-            self.free[n] -= 1
+                else:
+                    m = pending.popleft()[0]  # (_add_free, inline)
+                    free[m] = free.get(m, 0) + 1
+                    continue
+                break
+        c = free.get(n)
+        if c:
+            free[n] = c - 1
             return NOTHING
-        self._trim(n)
+        if free:
+            self._trim(n)
         while self.allocated + n > self.budget and pending:
             if not done_by(pending[0][1], sim.t):
                 return self._get_waiting(sim, n)
@@ -314,188 +333,24 @@ class Pool:
         self.free[n] = self.free.get(n, 0) + 1
 
     def _trim(self, need: int) -> None:
-        for k in list(self.free):
-            while self.free[k] and self.allocated + need > self.budget:
-                self.free[k] -= 1
-                self.allocated -= k
-            if not self.free[k]:
-                del self.free[k]
-
-
-def run(sim: Replay, main: Iterator, helpers: Sequence[Iterator], *, compute_slowdown: float,
-        helper_slowdown: float, io_slowdown: float = 1.0) -> None:  # fmt: skip
-    """Runs `main` and the `helpers` together until `main` is done."""
-    ssd = sim.ssd
-    procs: list[list] = [[g, None, 0.0] for g in (main, *helpers)]  # [generator, request, remaining cpu work]
-    for p in procs:
-        _resume(p)
-    first, side = procs[0], procs[1:]  # (the main thread, the helpers)
-    guard = 0
-    ssd_paces = io_slowdown != 1.0
-    # (the replay's hottest loop: the planner replays dozens of candidates, each thousands of
-    # events; branches and locals here, not helper calls, keep planning within its 2 s: a thread
-    # is resumed inline, and the threads computing are counted by the pass that resumes)
-    while first[1] is not _DONE:
-        guard += 1
-        if guard > 10_000_000:
-            raise RuntimeError("cost model replay did not finish (internal error)")
-        t = sim.t
-        if ssd.cur is not None and ssd.cur_end <= t:
-            ssd.advance(t)
-        progressed = others = False
-        busy_helpers = 0  # (of the threads not resumed: counted for the rates below)
-        for p in procs:  # requests that are already satisfied resume at once
-            req = p[1]
-            kind = req[0]
-            if kind == "cpu":
-                if p[2] > 1e-12:
-                    if p is not first:
-                        busy_helpers += 1
-                    continue
-            elif kind == "idle":
-                if not req[1].queue and not req[2].closed:
-                    continue
-            elif kind == "cond":
-                if not req[1]():
-                    continue
-            elif kind == "wait":
-                ready = True
-                for x in req[1]:  # (done_by, inline)
-                    if x is None:
-                        continue
-                    if x.__class__ is Done:
-                        x = x.t
-                        if x is None:
-                            ready = False
-                            break
-                    if x > t:
-                        ready = False
-                        break
-                if not ready:
-                    continue
-            elif kind != "until" or req[1] > t:
-                continue
-            try:
-                req = next(p[0])
-            except StopIteration:
-                p[1] = _DONE
-                p[2] = 0.0
-            else:
-                p[1] = req
-                p[2] = req[1] if req[0] == "cpu" else 0.0
-            progressed = True
-            if p is not first:
-                others = True
-        if progressed:
-            # (another pass, unless only the main thread resumed, the helpers checked after it,
-            # and its new request waits for the clock: work, or a time to come. Then that pass
-            # would resume nothing, as no SSD request ends by now either)
-            if others or (ssd.cur is not None and ssd.cur_end <= t):
-                continue
-            req = first[1]
-            if req[0] == "cpu":
-                if first[2] <= 1e-12:
-                    continue
-            elif req[0] != "until" or req[1] <= t:
-                continue
-        computing = first[1][0] == "cpu"
-        main_rate = (1.0 / compute_slowdown if computing and busy_helpers else 1.0) / (
-            io_slowdown if ssd.cur is not None else 1.0
-        )
-        helper_rate = 1.0 / (helper_slowdown * busy_helpers) if computing and busy_helpers else 1.0
-        nxt = INF
-        first_done = None
-        served = False  # a thread waits for an SSD request not served yet
-        r = main_rate
-        for p in procs:
-            req = p[1]
-            kind = req[0]
-            if kind == "cpu":
-                end = t + p[2] / r
-                if end < nxt:
-                    nxt, first_done = end, p
-            elif kind == "until":
-                if req[1] < nxt:
-                    nxt, first_done = req[1], None
-            elif kind == "wait":
-                last = 0.0  # (the latest of the items' `when`, inline)
-                for x in req[1]:
-                    if x is None:
-                        continue
-                    if x.__class__ is Done:
-                        x = x.t
-                        if x is None:
-                            last = INF
-                            break
-                    if x > last:
-                        last = x
-                if last < nxt:
-                    nxt, first_done = last, None
-                elif last == INF:
-                    served = True
-            r = helper_rate
-        if ssd.cur is not None and ssd.cur_end <= nxt and (served or ssd_paces or nxt == INF):
-            # (the end of an SSD request is an event of its own only where a thread may wait for
-            # it, or where the SSD's work slows compute: see the Note on events)
-            if served and not computing and not busy_helpers:
-                _serve_idle(ssd, sim, procs, nxt)
-                continue
-            nxt, first_done = ssd.cur_end, None
-        if nxt == INF:
-            waits = ", ".join(p[1][0] for p in procs)
-            raise RuntimeError(f"cost model replay deadlocked (internal error): threads wait on {waits}")
-        dt = nxt - t
-        if computing:
-            left = first[2] - dt * main_rate
-            first[2] = left if left > 0.0 else 0.0
-        if busy_helpers:  # (every helper whose request is work: counted by the pass)
-            for p in side:
-                if p[1][0] == "cpu":
-                    left = p[2] - dt * helper_rate
-                    p[2] = left if left > 0.0 else 0.0
-        if first_done is not None:
-            first_done[2] = 0.0  # exactly done, whatever the rounding of t + work / rate
-        if computing:
-            sim.compute_busy_s += dt
-        sim.t = nxt
-
-
-_DONE = ("done",)
-
-
-def _serve_idle(ssd: Ssd, sim: Replay, procs: list, until: float) -> None:
-    """run's clock through the SSD's completions while no thread works and one waits for an SSD
-    request not served yet, up to the first completion that serves every request some thread
-    waits for, or the next event of another kind (`until`: the earliest "until" time).
-
-    Note: why this is the loop's own passes, fewer. In each of those passes the clock moved to
-    the SSD's next completion and the next pass served it and resumed nothing: no thread works
-    (no work to advance, no busy time to count), a "cond" or an idle thread reads only what the
-    threads set (none runs), an "until" time is not reached, and a thread waiting for SSD
-    requests goes on only once all are served. The first pass that may resume a thread is
-    left to the loop, at the same clock, with the SSD in the same state."""
-    waits = [p[1][1] for p in procs if p[1][0] == "wait"]
-    while True:
-        sim.t = t = ssd.cur_end
-        ssd.advance(t)
-        for items in waits:
-            for x in items:
-                if x.__class__ is Done and x.t is None:
-                    break
-            else:  # (every request this thread waits for is served: the loop's pass decides)
-                return
-        if ssd.cur is None or ssd.cur_end > until:
+        # (free buffers of each size, oldest size first, until `need` fits; sizes left with
+        # none are dropped: the order of the rest is the order they are trimmed in next time)
+        free, budget = self.free, self.budget
+        alloc = self.allocated
+        if alloc + need <= budget:  # (nothing to free: only the sizes left with none dropped)
+            if 0 in free.values():
+                for k in [k for k, c in free.items() if not c]:
+                    del free[k]
             return
+        for k, c in list(free.items()):
+            if c and alloc + need > budget:
+                while c and alloc + need > budget:
+                    c -= 1
+                    alloc -= k
+                free[k] = c
+            if not c:
+                del free[k]
+        self.allocated = alloc
 
 
-def _resume(p: list) -> None:
-    try:
-        req = next(p[0])
-    except StopIteration:
-        p[1] = _DONE
-        return
-    p[1] = req
-    p[2] = req[1] if req[0] == "cpu" else 0.0
-
-
-__all__ = ["NOTHING", "Done", "Fifo", "Pool", "Ssd", "When", "done_by", "run", "when"]
+__all__ = ["INF", "NOTHING", "Done", "Fifo", "Pool", "Ssd", "When", "done_by", "when"]

@@ -40,7 +40,7 @@ from .ranks import RankLink
 from .schedule import Schedule, cached_schedule, flush_rank
 from .simulate_act import ActReplay, ActWork
 from .simulate_dp import dp_grads, dp_unit
-from .simulate_units import LOADING, NEXT, OPTIM, WRITE, CudaWeights, Job, Slot, Unit, _late
+from .simulate_units import LOADING, NEXT, OPTIM, WRITE, CudaWeights, Job, PairWeights, Slot, Unit, _late
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,10 @@ class Sim:
         self.closed = False
         self.held: list[Unit] = []
         self.fetch_order = _fetch_order(self.sched)
+        # per visit, the units it fetches (fetch_order's) and those it waits for (its needs)
+        by_name = self.by_name
+        self.fetch_units = [[by_name[n] for n in names] for names in self.fetch_order]
+        self.need_units = [[by_name[n] for n in v.needs] for v in self.sched.visits]
         # the visit from which the step's last writes start (enter: after the first fetches)
         self.flush_from = min(self.sched.prefetch_depth, self.sched.num_forward - 1)
         self.next_keep_until = [(self.by_name[n], t) for n, t in self.sched.next_keep_until.items()]
@@ -125,24 +129,39 @@ class Sim:
     # ---- the main thread ----------------------------------------------------------------
     def main(self, steps: int) -> Iterator:
         for step in range(steps):
-            # (the bytes per key only for the last step, the one reported: cost.replay)
+            # (the bytes per key only for the last step, the one reported: cost.replay; the SSD
+            # counts them from its start)
             last = step == steps - 1
+            if last:
+                self.ssd.by_key_dir = {}
+            self.ssd.keyed = last
             m = {"start": self.t, "ssd_r0": self.ssd.read_bytes, "ssd_w0": self.ssd.write_bytes,
                  "h2d0": self.h2d.read_bytes, "d2h0": self.d2h.read_bytes, "adam0": self.adam_busy_s,
                  "net0": self.net.read_bytes if self.net is not None else 0,
-                 "pool_wait0": self.pool_wait_s, "by_dir0": dict(self.ssd.by_key_dir) if last else {}}  # fmt: skip
+                 "pool_wait0": self.pool_wait_s}  # fmt: skip
+            # (locals, and the one-micro-batch visit's compute yielded here: the loops below run
+            # every visit's parts; what `yield from` would run is skipped where it is NOTHING)
+            act, costs, window1 = self.act, self.costs, self.window == 1
+            forward_s, forward_visit_s = costs.forward_s, costs.forward_visit_s
+            backward_s, backward_visit_s = costs.backward_s, costs.backward_visit_s
             for micro in range(self.micro_batches):
                 first, boundary = micro == 0, micro == self.micro_batches - 1
                 yield from self.begin_micro(first, boundary)
                 self.cursor = -1
                 nf = self.sched.num_forward
                 for v in self.sched.visits[:nf]:
+                    unit = v.unit
                     yield from self.enter(v.index)
-                    work = self.costs.forward_s[v.unit] + self.costs.forward_visit_s
-                    for k, (share, saved) in enumerate(self.act.forward_parts(v.unit)):
-                        yield from self.act.before_forward(v.unit, saved)
-                        yield from self.compute(work * share)
-                        self.act.after_forward(v.unit, k)
+                    work = forward_s[unit] + forward_visit_s
+                    for k, (share, saved) in enumerate(act.forward_parts(unit)):
+                        got = act.before_forward(unit, saved)
+                        if got:
+                            yield from got
+                        if window1:
+                            yield ("cpu", work * share)  # (compute's)
+                        else:
+                            yield from self.compute(work * share)
+                        act.after_forward(unit, k)
                 m.setdefault("forward_end", []).append(self.t)
                 for u in self.units:
                     u.grads_pending = True
@@ -150,19 +169,19 @@ class Sim:
                 if self.deferred and self.boundary:
                     yield from self.begin_backward()
                 for v in self.sched.visits[nf:]:
+                    unit = v.unit
                     yield from self.enter(v.index)
-                    yield from self.act.before_backward(v.unit)
-                    work = (
-                        self.costs.backward_s[v.unit]
-                        + self.costs.backward_visit_s
-                        + self.act.recompute_s(v.unit)
-                    )
-                    for k, share in enumerate(self.act.backward_parts(v.unit)):
+                    yield from act.before_backward(unit)
+                    work = backward_s[unit] + backward_visit_s + act.recompute_s(unit)
+                    for k, share in enumerate(act.backward_parts(unit)):
                         if k:
-                            self.act.next_piece(v.unit, k)
-                        yield from self.compute(work * share)
-                    self.act.after_backward(v.unit)
-                    yield from self.on_grads(self.by_name[v.unit])
+                            act.next_piece(unit, k)
+                        if window1:
+                            yield ("cpu", work * share)  # (compute's)
+                        else:
+                            yield from self.compute(work * share)
+                    act.after_backward(unit)
+                    yield from self.on_grads(self.by_name[unit])
                 self.in_backward = False
                 for u in list(self.held):
                     yield from self.drop(u)
@@ -186,7 +205,7 @@ class Sim:
                      net=(self.net.read_bytes if self.net is not None else 0) - m["net0"],
                      adam=self.adam_busy_s - m["adam0"], pool_wait=self.pool_wait_s - m["pool_wait0"])  # fmt: skip
             if last:
-                by_dir = {k: v - m["by_dir0"].get(k, 0) for k, v in self.ssd.by_key_dir.items()}
+                by_dir = dict(self.ssd.by_key_dir)
                 by_key: dict[str, int] = {}
                 for (k, _), v in by_dir.items():  # (both directions: desim._Tally.by_key)
                     by_key[k] = by_key.get(k, 0) + v
@@ -280,22 +299,21 @@ class Sim:
 
     def enter(self, i: int) -> Iterator:
         self.reap()
+        held = self.held
         want = self.sched.alive[i]
-        for u in self.held:
+        for u in held:
             if u.name not in want:  # (something to drop: the units held, in order)
-                for u in list(self.held):
+                for u in list(held):
                     if u.name not in want:
                         yield from self.drop(u)
                 break
         if self.lazy:  # (else no update is ever pending: simulate_pending.defer is not called)
             yield from pending.apply_pending(self, self.fetch_order[i])
-        by_name, held = self.by_name, self.held
-        for name in self.fetch_order[i]:
-            u = by_name[name]
+        for u in self.fetch_units[i]:
             if u not in held:  # (units compare by identity)
                 yield from u.weights.acquire(self)
                 held.append(u)
-        for u in self.held:
+        for u in held:
             u.weights.pump(self)
         if self.queued_writes and (self.in_backward or i >= self.flush_from):
             n = len(self.queued_writes)
@@ -303,13 +321,14 @@ class Sim:
             if self.costs.io_issue_s:
                 yield ("cpu", n * self.costs.io_issue_s)
         # the kept updated weights: held now, or past their first hold
-        for u, t in self.next_keep_until if not self.in_backward else ():
-            if i >= t or u in self.held:
-                u.compute.release(self, NEXT)
-        for name in self.sched.visits[i].needs:
+        if not self.in_backward:
+            for u, t in self.next_keep_until:
+                if i >= t or u in held:
+                    u.compute.release(self, NEXT)
+        for u in self.need_units[i]:
             if self.lazy:
-                yield from pending.wait_pending(self, self.by_name[name])
-            yield from self.by_name[name].weights.wait(self)
+                yield from pending.wait_pending(self, u)
+            yield from u.weights.wait(self)
         self.cursor = i
 
     def drop(self, u: Unit) -> Iterable:
@@ -373,7 +392,7 @@ class Sim:
         if self.cuda:
             grad_bytes = u.numel * DTYPE_BYTES[self.plan.compute_dtype]
             yield from self.host_pool.get(self, grad_bytes)
-            job.grads_ready = self.d2h.submit(self.t, grad_bytes, write=False)
+            job.grads_ready = self.d2h.submit(self.t, grad_bytes, False)
             self.host_pool.put(grad_bytes, job.grads_ready)  # back once the job used it: close enough
         job.before.append(job.grads_ready)
         job.absorb_s = 2 * u.numel * 4 / self.costs.memcpy_bps
@@ -423,7 +442,7 @@ class Sim:
             yield from u.compute.acquire(self, OPTIM, overwrite=True)
             self.add_before(job, u.compute)
             slots.append(u.compute)
-        job.writes.extend(s for s in slots if s.stored)
+        job.writes.extend([s for s in slots if s.stored])
         u.phase = "updating"
 
     def add_before(self, job: Job, *slots: Slot) -> None:
@@ -457,13 +476,15 @@ class Sim:
             if job.defer_writes or _late(job, s):
                 s.holds.add(WRITE)  # acquire(WRITE) on a slot that holds its buffer
                 self.queued_writes.append(s)
-        w = getattr(u.weights, "trainable", u.weights)  # (PairWeights: the frozen segment takes no update)
+        w = u.weights
+        if w.__class__ is PairWeights:  # (the frozen segment takes no update)
+            w = w.trainable
         refresh = self.cuda and isinstance(w, CudaWeights) and w.resident  # (a resident device copy)
         if job.lazy:
             self.lazy_inflight.discard(u.name)
             u.compute.updating = False
             if refresh:
-                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
+                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, False)
             # the compute copy first: with fp32 it is the master's slot, and the release that names
             # the refresh's copy must find the buffer still held (runtime/optimizer_completion.py _complete)
             u.compute.release(self, OPTIM, after=w.copy_done if refresh else 0.0)
@@ -472,7 +493,7 @@ class Sim:
         elif job.update:
             after = 0.0
             if refresh:
-                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, write=False)
+                w.copy_done = self.h2d.submit(self.t, u.compute_bytes, False)
                 after = w.copy_done
             if u.name in (self.spec_next_keep if job.speculative else self.next_keep):
                 u.compute.holds.add(NEXT)
@@ -490,7 +511,7 @@ class Sim:
         queued, self.queued_writes = self.queued_writes, []
         queued.sort(key=lambda s: flush_rank(s.key))
         for s in queued:
-            s.wrote(self.ssd.submit(self.t, s.nbytes, write=True, key=s.key))
+            s.wrote(self.ssd.submit(self.t, s.nbytes, True, s.key))
             s.release(self, WRITE)
 
     def run_deferred(self) -> Iterator:
@@ -518,19 +539,19 @@ class Sim:
             if job.absorb_s:
                 yield ("cpu", job.absorb_s)
             if job.comm_bytes:  # the ranks' reduction of the unit's gradients (dp/sharded_optimizer.py)
-                yield ("until", self.net.submit(self.t, job.comm_bytes, write=False))
+                yield ("until", self.net.submit(self.t, job.comm_bytes, False))
             if job.adam_s:
                 t0 = self.t
                 yield ("cpu", job.adam_s)
                 self.adam_busy_s += self.t - t0
             if job.regather_bytes:
-                yield ("until", self.net.submit(self.t, job.regather_bytes, write=False))
+                yield ("until", self.net.submit(self.t, job.regather_bytes, False))
             if not job.defer_writes:
                 now = [s for s in job.writes if not _late(job, s)] if job.defer_moments else job.writes
                 if now and self.costs.io_issue_s:
                     yield ("cpu", len(now) * self.costs.io_issue_s)
                 submit, t = self.ssd.submit, self.t
-                job.write_done = [(s, submit(t, s.nbytes, write=True, key=s.key)) for s in now]
+                job.write_done = [(s, submit(t, s.nbytes, True, s.key)) for s in now]
             job.done_t = self.t
 
 
@@ -547,16 +568,19 @@ def _fetch_order(sched: Schedule) -> list[tuple[str, ...]]:
     e = _FETCH_ORDERS.get(id(sched))
     if e is not None and e[0] is sched:
         return e[1]
-    out = []
-    for i in range(len(sched.visits)):
+    # (the order of need at visit i: by the first visit from i on that needs the unit, then its
+    # place in that visit's needs; found from the last visit back, one pass)
+    visits = sched.visits
+    out: list = [()] * len(visits)
+    first_need: dict[str, tuple[int, int]] = {}  # unit -> (its next visit needing it, its place there)
+    for i in range(len(visits) - 1, -1, -1):
+        for pos, n in reversed(list(enumerate(visits[i].needs))):
+            first_need[n] = (i, pos)
         alive = sched.alive[i]
-        names: list[str] = []
-        for v in sched.visits[i:]:
-            if len(names) == len(alive):
-                break
-            names.extend(n for n in v.needs if n not in names and n in alive)
+        needed = sorted((first_need[n], n) for n in alive if n in first_need)
+        names = [n for _, n in needed]
         names.extend(sorted(alive - set(names)))
-        out.append(tuple(names))
+        out[i] = tuple(names)
     if len(_FETCH_ORDERS) >= _FETCH_ORDERS_MAX:
         _FETCH_ORDERS.pop(next(iter(_FETCH_ORDERS)))
     _FETCH_ORDERS[id(sched)] = (sched, out)

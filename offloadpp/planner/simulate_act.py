@@ -76,22 +76,45 @@ from .activations import (
 from .desim import NOTHING, Replay, When, done_by, when
 
 
-def _per_unit(f):
+def _per_unit(f, shared: bool = True):
     """A method of one unit's sizes or shares, remembered for the replay: they read only the
     replay's policies and profiles, which do not change while it runs, and a replay asks for
-    them at every visit of every step."""
-    memo_name = f"_memo_{f.__name__}"
+    them at every visit of every step. `shared`: remembered across replays too (the Note on
+    shared sizes); recompute_s reads the replay's costs and is not."""
+    name = f.__name__
 
     def remembered(self, unit: str):
-        memo = self.__dict__.get(memo_name)
+        memo = self._memos.get(name)  # (a dict of the replay's: no __dict__ lookup per call)
         if memo is None:
-            memo = self.__dict__[memo_name] = {}
+            memo = self._memos[name] = {}
         got = memo.get(unit, _MISSING)
         if got is _MISSING:
-            got = memo[unit] = f(self, unit)
+            if shared and self._src is not None:
+                src = self._src.get(unit)
+                key = (name, unit, self._given.get(unit, "keep"), id(src), self._src_bytes.get(unit))
+                e = _SHARED.get(key)
+                if e is not None and e[0] is src:
+                    got = e[1]
+                else:
+                    got = f(self, unit)
+                    if len(_SHARED) >= _SHARED_MAX:
+                        _SHARED.clear()
+                    _SHARED[key] = (src, got)  # (the unit's profile held: its id is not reused)
+                memo[unit] = got
+            else:
+                got = memo[unit] = f(self, unit)
         return got
 
     return functools.wraps(f)(remembered)
+
+
+# Note: shared sizes. The replays of a search (dozens a point) share the model's activation units
+# (cost._model_acts: one mapping per model profile) and differ in their policies, so a unit's
+# sizes and shares (forward_parts, _recomputed, ...: functions of the unit's profile, its saved
+# bytes and its policy as given) are found once per (unit, policy) and kept here, keyed by the
+# unit's profile's identity (held in the entry) and its saved bytes; values are tuples and ints.
+_SHARED: dict[tuple, tuple] = {}
+_SHARED_MAX = 50_000
 
 
 _MISSING = object()
@@ -133,6 +156,9 @@ class ActReplay:
         if bad:
             raise ValueError(f"activation policies must be one of {POLICIES}, got {bad}")
         self.sim = sim
+        self._memos: dict[str, dict] = {}  # _per_unit's: method -> unit -> its value
+        self._given = policies  # (as given: the shared sizes' key, _per_unit)
+        self._src, self._src_bytes = units, act_bytes
         self.policies = dict(policies)
         self.act_bytes = dict(act_bytes)
         # per unit: its checkpoint (inputs) and partial bytes (planner/activations.py ActUnit)
@@ -153,6 +179,7 @@ class ActReplay:
         self.budget = budget
         self.backward_order = [v.unit for v in sim.sched.visits if v.backward]
         self.backward_index = {u: i for i, u in enumerate(self.backward_order)}
+        self._after: dict[str, list] = {}  # unit -> the units whose activations it prefetches
         self.queue: deque[_Out] = deque()
         self.inflight: deque[_Out] = deque()  # swap-outs whose copy is not done, oldest first
         self.out: dict[str, _Out] = {}
@@ -166,7 +193,6 @@ class ActReplay:
         self.rest: dict[str, int] = {}  # a partial unit's bytes fetched with its backward, not before
         self.rest_up: dict[str, int] = {}  # of those, in host memory: copied up from its backward on
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
-        self._subs: dict[str, tuple] = {}  # unit -> its forward's parts where its records are saved
         self.held_back = False  # the last prefetch stopped for the budget (backward_parts)
         self.staged: dict[str, When] = {}  # unit -> its staged SSD read (into host memory)
 
@@ -177,7 +203,7 @@ class ActReplay:
     def active(self) -> bool:
         return any(p != "keep" for p in self.policies.values())
 
-    @_per_unit
+    @functools.partial(_per_unit, shared=False)
     def recompute_s(self, unit: str) -> float:
         if not recomputes(self.policy(unit)):
             return 0.0
@@ -212,6 +238,7 @@ class ActReplay:
             return ((1.0, self._kept(unit) + self.units[unit].loss_input),)
         return ((1.0, self._held_in(unit) if recomputes(pol) else self._kept(unit)),)
 
+    @_per_unit
     def _sub_parts(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
         """A swapped partial unit's forward split where its records are saved (ActUnit.piece_kept
         and piece_kept_at), as (share of its compute, the records saved at its end): each part's
@@ -220,10 +247,7 @@ class ActReplay:
         with its first part's (the runtime saves it as the piece starts, earlier). () where the
         profile does not say when they are saved, for a tail unit (forward_parts' pieces) and a
         vertical window's unit."""
-        got = self._subs.get(unit)
-        if got is None:
-            got = self._subs[unit] = self._split(unit)
-        return got
+        return self._split(unit)
 
     def _split(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
         u = self.units.get(unit)
@@ -331,19 +355,30 @@ class ActReplay:
         pol = self.policy(unit)
         if pol == GRAD_IN_FORWARD and unit in self.units:  # (h is freed: its gradients stay)
             self.device_bytes -= self.units[unit].loss_input
-        to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
-        n = self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
         while self.inflight and (self.inflight[0].copy_done is not None or self.inflight[0].cancelled):
             self.inflight.popleft()
-        if to in ("host", "ssd") and n > 0:
-            window, sub = self._window_chunks(unit), self._sub_parts(unit)
-            job = _Out(unit, n, to == "ssd", pieces=window or tuple(sum(r) for _, r in sub) or self._swapped_pieces(unit),
-                       lag=TAIL_PIECES - 1 if pol == TAIL else 0,
-                       parts=() if window else tuple(r for _, r in sub) or self._swapped_parts(unit))  # fmt: skip
+        out = self._out_shape(unit)
+        if out is not None:
+            n, to_ssd, pieces, lag, parts = out
+            job = _Out(unit, n, to_ssd, pieces=pieces, lag=lag, parts=parts)
             self.out[unit] = job
             self.queue.append(job)
             self.inflight.append(job)
             self.ready.pop(unit, None)
+
+    @_per_unit
+    def _out_shape(self, unit: str) -> Optional[tuple]:
+        """What a unit's copy out moves (after_forward's job): (bytes, to SSD?, its pieces, the
+        lag, its pieces' records); None where nothing leaves the device."""
+        pol = self.policy(unit)
+        to = CHECKPOINT_SWAPS.get(pol, pol)  # a swapped checkpoint moves as swapped bytes do
+        n = self._held_in(unit) if pol in CHECKPOINT_SWAPS else self.act_bytes.get(unit, 0)
+        if to not in ("host", "ssd") or n <= 0:
+            return None
+        window, sub = self._window_chunks(unit), self._sub_parts(unit)
+        return (n, to == "ssd", window or tuple(sum(r) for _, r in sub) or self._swapped_pieces(unit),
+                TAIL_PIECES - 1 if pol == TAIL else 0,
+                () if window else tuple(r for _, r in sub) or self._swapped_parts(unit))  # fmt: skip
 
     # ---- backward ------------------------------------------------------------------------
     def before_backward(self, unit: str) -> Iterator:
@@ -416,9 +451,11 @@ class ActReplay:
 
     def _prefetch_after(self, unit: str) -> None:
         self.held_back = False
-        for name in self.backward_order[
-            self.backward_index[unit] + 1 : self.backward_index[unit] + self.prefetch + 1
-        ]:
+        after = self._after.get(unit)
+        if after is None:
+            i = self.backward_index[unit]
+            after = self._after[unit] = self.backward_order[i + 1 : i + self.prefetch + 1]
+        for name in after:
             # a unit still to recompute will hold all it saved at its backward, counted only
             # then: nothing beyond it is fetched now (its checkpoint is), as the runtime does
             if not self._fetch(name, force=False):
@@ -455,7 +492,7 @@ class ActReplay:
         return (u is not None and (pol in RECOMPUTE or pol in NESTED) and len(u.pieces) > 1
                 and u.micro_batches == 1 and not u.logits and sum(p[0] for p in u.pieces) > 0)  # fmt: skip
 
-    @_per_unit
+    @functools.partial(_per_unit, shared=False)  # (reads the replay's costs, as recompute_s)
     def _release_parts(self, unit: str) -> tuple[float, ...]:
         """A releasing unit's backward as shares of its work, its pieces last to first: each
         piece's share of the backward by what it saves (the last piece's its known share,
@@ -509,16 +546,25 @@ class ActReplay:
         autograd did not save where they were fetched back (released once its recompute ran:
         runtime/activations/saves.py `_release_replayed`; planner/activations.py, Note on the
         release)."""
-        u = self.units[unit]
         if self._releasing(unit):
             now = min(self.counted[unit], self._left_after(unit, done))
         else:
-            left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
-            if left and self.policy(unit) in RELEASES_REPLAYED:
-                left[-1] -= u.pieces[len(left) - 1][3]
-            now = max(left) if left else 0
+            nows = self._left_peaks(unit)
+            now = nows.get(done)
+            if now is None:
+                u = self.units[unit]
+                left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
+                if left and self.policy(unit) in RELEASES_REPLAYED:
+                    left[-1] -= u.pieces[len(left) - 1][3]
+                now = nows[done] = max(left) if left else 0
         self.device_bytes -= self.counted[unit] - now
         self.counted[unit] = now
+
+    @_per_unit
+    def _left_peaks(self, unit: str) -> dict[int, int]:
+        """next_piece's bytes held once `done` pieces are done, by `done`: filled as asked (a
+        function of the unit and its policy alone, as the other sizes here)."""
+        return {}
 
     def after_backward(self, unit: str) -> None:
         """The unit's backward is done: its activations (and a recompute's inputs) are released."""
@@ -613,11 +659,11 @@ class ActReplay:
         staged = self.staged.pop(unit, None)  # (read into host memory: copied up now, as from host)
         if staged is not None:
             read = done_by((staged,), sim.t)
-            done, h2d = (sim.h2d.submit(sim.t, first, write=False), False) if read else (staged, True)
+            done, h2d = (sim.h2d.submit(sim.t, first, False), False) if read else (staged, True)
         elif on_ssd:
-            done = sim.ssd.submit(sim.t, job.nbytes, write=False, key=f"act.{unit}")
+            done = sim.ssd.submit(sim.t, job.nbytes, False, f"act.{unit}")
         elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
-            done, h2d = sim.h2d.submit(sim.t, first, write=False), False
+            done, h2d = sim.h2d.submit(sim.t, first, False), False
         else:
             done = sim.t
         if sim.cuda and job.nbytes > first:  # (the other pieces: _rest_up)
@@ -661,7 +707,7 @@ class ActReplay:
                     if k + job.lag >= job.produced:  # this piece's forward (or the lag's) has not run yet
                         yield ("cond", lambda job=job, k=k: job.produced > k + job.lag)
                     for rec in job.parts[k] if job.parts else (part,):  # (its records one by one)
-                        done = sim.d2h.submit(sim.t, rec, write=False)
+                        done = sim.d2h.submit(sim.t, rec, False)
                         if done > sim.t:
                             yield ("until", done)
                         self.device_bytes -= rec  # this record's copy is out: its device bytes are free
@@ -673,7 +719,7 @@ class ActReplay:
                 self.device_bytes -= job.nbytes  # the copy is out: the device bytes are free
             self.swapped_bytes += job.nbytes
             if job.to_ssd:
-                job.write_done = sim.ssd.submit(sim.t, job.nbytes, write=True, key=f"act.{job.unit}")
+                job.write_done = sim.ssd.submit(sim.t, job.nbytes, True, f"act.{job.unit}")
             job.copy_done = sim.t
 
 

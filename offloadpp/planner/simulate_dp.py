@@ -45,7 +45,7 @@ class GatherWeights:
             s = self.source
             if s.state != LOADING or done_by((s.read_done,), sim.t):
                 s.state = READY if s.state == LOADING else s.state
-                self.copy_done = sim.net.submit(sim.t, self.gather_bytes, write=False)
+                self.copy_done = sim.net.submit(sim.t, self.gather_bytes, False)
                 self.started = True
                 s.release(sim, COMPUTE, after=self.copy_done)
 
@@ -114,7 +114,7 @@ def dp_grads(sim, job, u, idx: int, rate: float) -> Iterator:
     if sim.cuda:
         grad_bytes = u.numel * DTYPE_BYTES[sim.plan.compute_dtype]
         yield from sim.host_pool.get(sim, grad_bytes)
-        job.grads_ready = sim.d2h.submit(sim.t, grad_bytes, write=False)
+        job.grads_ready = sim.d2h.submit(sim.t, grad_bytes, False)
         sim.host_pool.put(grad_bytes, job.grads_ready)
     job.before.append(job.grads_ready)
     job.absorb_s = 2 * u.numel * 4 / sim.costs.memcpy_bps

@@ -44,7 +44,14 @@ class Slot:
         got = self.pool.get(sim, self.nbytes)
         if got is not NOTHING:
             return self._load(sim, overwrite, got)
-        return self._loaded(sim, overwrite)
+        # (_loaded, inline: most acquires take a free buffer at once)
+        if overwrite or not self.on_disk:
+            self.state = READY
+            return NOTHING
+        if sim.costs.io_issue_s:
+            return self._issue(sim)
+        self._read(sim)
+        return NOTHING
 
     def _load(self, sim: Replay, overwrite: bool, got: Iterable) -> Iterator:
         yield from got
@@ -62,11 +69,13 @@ class Slot:
 
     def _issue(self, sim: Replay) -> Iterator:
         yield ("cpu", sim.costs.io_issue_s)
-        self._read(sim)
+        # (_read, inline)
+        self.read_done = sim.ssd.submit(sim.t, self.nbytes, False, self.key, self.write_done)
+        self.state = LOADING
 
     def _read(self, sim: Replay) -> None:
         # issued once our own write of this key is done (slots._ReadAfterWrite), not blocking
-        self.read_done = sim.ssd.submit(sim.t, self.nbytes, write=False, key=self.key, after=self.write_done)
+        self.read_done = sim.ssd.submit(sim.t, self.nbytes, False, self.key, self.write_done)
         self.state = LOADING
 
     def wait(self, sim: Replay) -> Iterable:
@@ -152,7 +161,7 @@ class CudaWeights:
         self.copy_done = 0.0
 
     def _copy(self, sim: Replay) -> None:
-        self.copy_done = sim.h2d.submit(sim.t, self.source.nbytes, write=False)
+        self.copy_done = sim.h2d.submit(sim.t, self.source.nbytes, False)
         self.copied = True
 
     def acquire(self, sim: Replay) -> Iterable:
