@@ -66,8 +66,10 @@ def test_tail_keeps_the_last_pieces_and_moves_the_rest(store, data, on_device, k
                         kept += rec.nbytes if on_device else 0
                     # backward's first fetch of the unit asks for its last piece with swapped
                     # records (a kept piece has nothing to fetch: backward would wait at the next)
+                    # and the checkpoint that piece's argument is made from (the norm's before it)
                     swapped = -TAIL_PIECES - 1 if policy == "partial_host_tail" else -1
-                    assert mgr._fetch_floor(u) == u.segments[swapped].first_record
+                    assert u.segments[swapped].derived
+                    assert mgr._fetch_floor(u) == u.segments[swapped - 1].first_record
                 mgr.backward(loss)
                 got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
                 assert rel_diff(got, want) <= 1e-6, policy

@@ -526,3 +526,31 @@ def test_the_host_split_leaves_room_for_the_ssd_reads_backward_stages():
     assert ActPlanner(us, {}, device="cuda", host_bytes=3000)._swap_to(swapped, "host") == {
         "u0": "host", "u1": "host", "u2": "host"
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["partial_host", "partial_host_tail", "recompute_pieces_host"])
+def test_a_swapped_blocks_first_fetch_brings_the_checkpoint_its_first_recompute_is_made_from(policy):
+    """Backward's first fetch of a swapped piecewise block brings the records of the last piece it
+    swapped and, where that piece's argument is made again from the piece before it (a block's
+    MLP from the second norm's checkpoint; a tail's attention from the first norm's), that piece's
+    checkpoint too: the runtime fetches both at once (backward.py `_fetch_floor`) and the recompute
+    cannot start without it. The replay's partial block waited for its MLP's records alone."""
+    from types import SimpleNamespace
+
+    from offloadpp.planner.simulate_act import ActReplay, _Out
+
+    h2d = SimpleNamespace(submit=lambda t, n, write: t + n / 100.0)
+    costs = SimpleNamespace(
+        forward_s={"b": 1.0}, backward_s={"b": 2.0}, forward_visit_s=0.0, backward_visit_s=0.0
+    )
+    sim = SimpleNamespace(sched=SimpleNamespace(visits=()), t=0.0, cuda=True, h2d=h2d, costs=costs)
+    pieces = ((100, 100, 0, 0), (400, 0, 300, 100), (100, 100, 0, 0), (500, 0, 300, 100))
+    unit = ActUnit("b", 1100, 100, 1, True, partial=600, partial_extra=200, pieces=pieces)
+    r = ActReplay(sim, {"b": policy}, {"b": 1100}, 2, None, {"b": unit})
+    moved = r._held_in("b")
+    r.out["b"] = _Out("b", moved, False, started=True, copy_done=0.0)
+    assert r._fetch("b", force=True)
+    # (the norm's checkpoint and the piece after it; recompute_pieces: the checkpoint alone)
+    first = {"partial_host": 100 + 300, "partial_host_tail": 100 + 300, "recompute_pieces_host": 100}[policy]
+    assert r.ready["b"][1:] == (False, first)  # (copied up now: no read from SSD first)
+    assert r.rest["b"] == moved - first

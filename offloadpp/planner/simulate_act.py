@@ -647,8 +647,11 @@ class ActReplay:
         )  # (a window's: its last micro-batch's first)
         first = chunks[-1] if chunks else job.nbytes
         u = self.units.get(unit)
-        if unit in self.pieces and chunks and u is not None and u.pieces:  # (and the pieces its last
-            k = len(chunks) - 1  # piece's arguments are made from)
+        # (and the pieces its last piece's arguments are made from: a partial block's MLP waits
+        # for the second norm's checkpoint as a recompute_pieces block's does, runtime backward.py
+        # `_fetch_floor`)
+        if chunks and u is not None and u.pieces:
+            k = len(chunks) - 1
             while k > 0 and u.pieces[k % len(u.pieces)][1] == 0:  # (a window's: per micro-batch)
                 k -= 1
             first = sum(chunks[k:])

@@ -137,10 +137,12 @@ class ManagerBackward:
         if not u.policy.piecewise or len(todo) <= pieces:
             return 0
         k = len(todo) - pieces
-        # recompute_pieces: a piece whose argument is made again from the previous piece's
-        # checkpoint (a block's MLP, from the second norm's) has no record of its own to fetch
-        # ahead; its recompute reads that piece's (recompute.py, Note on derived checkpoints)
-        while u.policy.recompute_pieces and k > 0 and todo[k].derived:
+        # a piece whose argument is made again from the previous piece's checkpoint (a block's
+        # MLP, from the second norm's; a tail's attention, from the first norm's) cannot start
+        # its recompute before that checkpoint is back (recompute.py, Note on derived
+        # checkpoints): fetched with the piece's own records (a recompute_pieces piece has none),
+        # not left to the budget's room, as the replay counts it (simulate_act.py `_fetch`)
+        while k > 0 and todo[k].derived:
             k -= 1
         return todo[k].first_record
 
