@@ -195,6 +195,7 @@ class ActReplay:
         self.counted: dict[str, int] = {}  # a unit in its backward: the device bytes it holds now
         self.held_back = False  # the last prefetch stopped for the budget (backward_parts)
         self.staged: dict[str, When] = {}  # unit -> its staged SSD read (into host memory)
+        self.first_left: dict[str, int] = {}  # a partial unit's first fetch, the part not yet room for
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -365,6 +366,7 @@ class ActReplay:
             self.queue.append(job)
             self.inflight.append(job)
             self.ready.pop(unit, None)
+            self.first_left.pop(unit, None)
 
     @_per_unit
     def _out_shape(self, unit: str) -> Optional[tuple]:
@@ -628,6 +630,8 @@ class ActReplay:
         """Starts bringing `unit`'s activations back; False when the budget has no room for
         them (a prefetch waits for a later visit)."""
         job = self.out.get(unit)
+        if unit in self.first_left:
+            return self._fetch_left(unit, force)
         if job is None or unit in self.ready or job.back:
             return True
         sim = self.sim
@@ -646,37 +650,67 @@ class ActReplay:
             unit
         )  # (a window's: its last micro-batch's first)
         first = chunks[-1] if chunks else job.nbytes
+        k = len(chunks) - 1
         u = self.units.get(unit)
         # (and the pieces its last piece's arguments are made from: a partial block's MLP waits
         # for the second norm's checkpoint as a recompute_pieces block's does, runtime backward.py
         # `_fetch_floor`)
         if chunks and u is not None and u.pieces:
-            k = len(chunks) - 1
             while k > 0 and u.pieces[k % len(u.pieces)][1] == 0:  # (a window's: per micro-batch)
                 k -= 1
             first = sum(chunks[k:])
+        now = first
         if not force and self.budget is not None and self.device_bytes + first > self.budget:
-            return False
+            # the runtime fetches record by record, last first, while they fit the budget
+            # (backward.py `_fetch_unit`): its last pieces' records that fit now come back now,
+            # the checkpoints before them (the MLP's second norm's) once there is room (counted
+            # here piece by piece, see _fetch_left); stopped by the budget all the same, nothing
+            # after it is fetched (and a releasing unit's backward runs in parts: backward_parts)
+            j = len(chunks)
+            while j > max(k, 0) and self.device_bytes + sum(chunks[j - 1 :]) <= self.budget:
+                j -= 1
+            now = sum(chunks[j:])
+            if now <= 0:
+                return False
+            self.first_left[unit] = first - now
         on_ssd = job.to_ssd and job.write_done is not None and done_by((job.write_done,), sim.t)
         h2d, done = sim.cuda, sim.t
         staged = self.staged.pop(unit, None)  # (read into host memory: copied up now, as from host)
         if staged is not None:
             read = done_by((staged,), sim.t)
-            done, h2d = (sim.h2d.submit(sim.t, first, False), False) if read else (staged, True)
+            done, h2d = (sim.h2d.submit(sim.t, now, False), False) if read else (staged, True)
         elif on_ssd:
             done = sim.ssd.submit(sim.t, job.nbytes, False, f"act.{unit}")
         elif sim.cuda:  # in host memory: the copy up starts now, as the runtime's fetch starts it
-            done, h2d = sim.h2d.submit(sim.t, first, False), False
+            done, h2d = sim.h2d.submit(sim.t, now, False), False
         else:
             done = sim.t
         if sim.cuda and job.nbytes > first:  # (the other pieces: _rest_up)
             self.rest_up[unit] = job.nbytes - first
         job.back = True
-        self._add(first)
+        self._add(now)
         self.rest[unit] = job.nbytes - first
         if self._tail(unit) and isinstance(done, float):  # (see _tail_credit)
             done = max(sim.t, done - self._tail_credit(unit))
-        self.ready[unit] = (done, h2d, first)
+        self.ready[unit] = (done, h2d, now)
+        return unit not in self.first_left
+
+    def _fetch_left(self, unit: str, force: bool) -> bool:
+        """The rest of a partial unit's first fetch, where the budget had room for its last
+        pieces' records only (_fetch): once it fits (or its backward starts). Its backward
+        waits for both; a copy up at its backward (h2d: read from SSD) moves both."""
+        left = self.first_left[unit]
+        if not force and self.budget is not None and self.device_bytes + left > self.budget:
+            return False
+        del self.first_left[unit]
+        sim = self.sim
+        done, h2d, n = self.ready[unit]
+        if not h2d and sim.cuda:  # (the link is in order: this copy ends after the first part's)
+            done = sim.h2d.submit(sim.t, left, False)
+            if self._tail(unit):
+                done = max(sim.t, done - self._tail_credit(unit))
+        self._add(left)
+        self.ready[unit] = (done, h2d, n + left)
         return True
 
     def _tail_credit(self, unit: str) -> float:
