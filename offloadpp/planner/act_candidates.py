@@ -153,7 +153,7 @@ class ActPlanner:
             return {n: (sent(p, to) if p in SWAPPING else p) for n, p in chosen.items()}
         room = self.host_bytes
         for _ in range(4):  # (each pass leaves the staging's overshoot to SSD: rarely a second)
-            left = room
+            left, spilled = room, False
             out = dict(chosen)
             for u in self._ranked():
                 p = out.get(u.name)
@@ -164,7 +164,8 @@ class ActPlanner:
                         left = None if left is None else left - n
                     else:
                         out[u.name] = sent(p, "ssd")
-            over = 0 if room is None else self._staging_peak(out) - self.host_bytes
+                        spilled = True
+            over = self._staging_peak(out) - self.host_bytes if spilled and room is not None else 0
             if over <= 0:
                 break
             room -= over

@@ -35,9 +35,8 @@ Backward fetches the activations of the unit it reaches and of the next `prefetc
 (in backward order) as far as the budget allows. A fetch finds a swap-out job still queued: it is
 cancelled (the bytes never left). Still copying: ready when the copy ends. Still in host memory
 (host policy, or an SSD write not yet finished): ready at once. On SSD: a read, queued behind
-whatever the SSD is doing. On CUDA the SSD bytes of the units a prefetch tries next are read
-into host memory as backward reaches a unit, whatever the device room; their copy up waits for
-the room (runtime/activations/swap.py, Note on staging; issue 36, profile 15 Llama b128).
+whatever the SSD is doing. On CUDA the next units' SSD bytes are read into host memory as backward
+reaches a unit, whatever the device room (runtime/activations/swap.py, Note on staging).
 
 Device bytes are counted as the runtime counts them (planner/activations.py): a kept unit's from
 its forward to the end of its backward, a recomputing unit's inputs from its forward and what it
@@ -196,6 +195,7 @@ class ActReplay:
         self.held_back = False  # the last prefetch stopped for the budget (backward_parts)
         self.staged: dict[str, When] = {}  # unit -> its staged SSD read (into host memory)
         self.first_left: dict[str, int] = {}  # a partial unit's first fetch, the part not yet room for
+        self.to_ssd = any(CHECKPOINT_SWAPS.get(p, p) == "ssd" for p in self.policies.values())
 
     def policy(self, unit: str) -> str:
         return self.policies.get(unit, "keep")
@@ -439,10 +439,10 @@ class ActReplay:
             self.sim.h2d.submit(self.sim.t, self.rest_up.pop(unit), write=False)
 
     def _stage_after(self, unit: str) -> None:
-        """CUDA: the reads of the SSD units a prefetch tries next start now, into host memory, as
-        the runtime's Swapper.stage (not a vertical window's: ActivationManager.start_backward)."""
+        """CUDA: the SSD units a prefetch tries next are read into host memory now (Swapper.stage;
+        not a vertical window's, as ActivationManager.start_backward)."""
         sim, at = self.sim, self.backward_index[unit]
-        for name in self.backward_order[at + 1 : at + self.prefetch + 1] if sim.cuda else ():
+        for name in self.backward_order[at + 1 : at + self.prefetch + 1] if sim.cuda and self.to_ssd else ():
             job = self.out.get(name)
             if (job is not None and job.to_ssd and not job.back and name not in self.staged
                     and not self._window_chunks(name) and job.write_done is not None
