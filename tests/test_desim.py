@@ -146,3 +146,17 @@ def test_run_wakes_each_thread_at_its_event_while_the_ssd_serves_alone():
     assert seen["until"] == 0.15 and seen["reads"] == pytest.approx(0.3)
     # the write ran 0.3-0.35, let the read pass (0.35-0.45), then the rest of its 0.3 s
     assert seen["read at"] == pytest.approx(0.45) and seen["write"] == pytest.approx(0.7)
+
+
+def test_run_takes_at_most_two_helper_threads():
+    """desim_loop.run holds each thread in locals (its Note): a third helper is refused by name,
+    not dropped."""
+    sim = _Clock(Ssd(read_bps=100 * MB, write_bps=100 * MB))
+
+    def thread():
+        yield ("until", 0.1)
+
+    with pytest.raises(ValueError, match="at most two helper threads, got 3"):
+        run(sim, thread(), [thread(), thread(), thread()], compute_slowdown=1.0, helper_slowdown=1.0)
+    run(sim, thread(), [thread(), thread()], compute_slowdown=1.0, helper_slowdown=1.0)
+    assert sim.t == 0.1
