@@ -40,8 +40,9 @@ reaches a unit, whatever the device room (runtime/activations/swap.py, Note on s
 
 Device bytes are counted as the runtime counts them (planner/activations.py): a kept unit's from
 its forward to the end of its backward, a recomputing unit's inputs from its forward and what it
-recomputes during its backward, a swapped unit's until its copy out is done and again from its
-fetch. With a budget (the plan's Budgets.activation_bytes), a unit's forward waits for the
+recomputes during its backward (a whole or nested recompute less each piece's bytes as that
+piece's backward ends: simulate_release.py), a swapped unit's until its copy out is done and
+again from its fetch. With a budget (the plan's Budgets.activation_bytes), a unit's forward waits for the
 oldest copies out until its bytes fit, as the runtime's pack hook waits (per unit here, per
 saved tensor there).
 """
@@ -60,7 +61,6 @@ from .activations import (
     PARTIAL,
     PIECES,
     POLICIES,
-    RECOMPUTE,
     RELEASES_REPLAYED,
     SWAPPING,
     TAIL,
@@ -73,6 +73,7 @@ from .activations import (
     recomputes,
 )
 from .desim import NOTHING, Replay, When, done_by, when
+from .simulate_release import Releasing
 
 
 def _per_unit(f, shared: bool = True):
@@ -148,7 +149,7 @@ class ActWork:
     prefetch_units: int = 2
 
 
-class ActReplay:
+class ActReplay(Releasing):
     def __init__(self, sim: Replay, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int,
                  budget: Optional[int] = None, units: Optional[Mapping[str, ActUnit]] = None):  # fmt: skip
         bad = {u: p for u, p in policies.items() if p not in POLICIES}
@@ -483,56 +484,6 @@ class ActReplay:
             pieces = self._piece_bytes(unit)
             return tuple(reversed(self._piece_shares(unit))) if sum(pieces) > 0 else (1.0,)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
-
-    @_per_unit
-    def _releasing(self, unit: str) -> bool:
-        """A whole or nested recompute of a unit with pieces releases each piece's saved bytes as
-        that piece's backward ends (runtime/activations/recompute.py, Note on release), so the
-        next units' activations come back while its earlier pieces' backward runs."""
-        u = self.units.get(unit)
-        pol = self.policy(unit)
-        return (u is not None and (pol in RECOMPUTE or pol in NESTED) and len(u.pieces) > 1
-                and u.micro_batches == 1 and not u.logits and sum(p[0] for p in u.pieces) > 0)  # fmt: skip
-
-    @functools.partial(_per_unit, shared=False)  # (reads the replay's costs, as recompute_s)
-    def _release_parts(self, unit: str) -> tuple[float, ...]:
-        """A releasing unit's backward as shares of its work, its pieces last to first: each
-        piece's share of the backward by what it saves (the last piece's its known share,
-        ActUnit.last_piece_share), the recompute's whole forward in the first; a nested unit's
-        second forward of each piece but the last in that piece's (nested.py, phase B)."""
-        u = self.units[unit]
-        saved = [p[0] for p in u.pieces]
-        last = u.last_piece_share
-        if not 0 < last < 1 or sum(saved[:-1]) <= 0:
-            shares = [x / sum(saved) for x in saved]
-        else:
-            shares = [(1 - last) * x / sum(saved[:-1]) for x in saved[:-1]] + [last]
-        costs = self.sim.costs
-        bwd = costs.backward_s[unit] + costs.backward_visit_s
-        again = self.recompute_s(unit)
-        work = bwd + again
-        if work <= 0:
-            return (1.0,)
-        once = min(again, costs.forward_s[unit] + costs.forward_visit_s)  # (phase A: the whole forward)
-        parts = [x * bwd for x in shares]
-        if sum(shares[:-1]) > 0:  # (phase B: the pieces but the last, again)
-            parts[:-1] = [x + (again - once) * s / sum(shares[:-1]) for x, s in zip(parts[:-1], shares[:-1])]
-        else:
-            once = again
-        parts[-1] += once
-        return tuple(x / work for x in reversed(parts))
-
-    def _left_after(self, unit: str, done: int) -> int:
-        """What a releasing unit holds once its last `done` pieces' backward is done: a whole
-        recompute all it recomputed but those pieces' saved bytes; a nested one its boundaries
-        and the largest saved bytes of the pieces left (ActUnit.nested)."""
-        u = self.units[unit]
-        left = u.pieces[: len(u.pieces) - done]
-        if self.policy(unit) in NESTED:
-            if not left:
-                return 0
-            return sum(p[1] for p in u.pieces) + max(p[0] - p[1] for p in left)
-        return max(0, self._recomputed(unit) - sum(p[0] for p in u.pieces[len(left) :]))
 
     def next_piece(self, unit: str, done: int) -> None:
         """`done` pieces of a partial unit's backward are done (the last ones in forward order):
