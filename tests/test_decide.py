@@ -109,11 +109,18 @@ def test_auto_from_what_the_first_step_measured():
     assert got == ("keep", "ssd", "keep", "keep", "keep")
     got = decide.measured_activations(prof, auto, 31 * mb, device="cuda", host_bytes=None)
     assert got == ("keep", "host", "keep", "keep", "keep")
-    # host memory holds one block, the other goes to SSD; the fixed recompute stays
+    # host memory holds both swapped blocks; the fixed recompute stays
+    got = decide.measured_activations(
+        prof, ["recompute"] + auto[1:], 21 * mb, device="cuda", host_bytes=20 * mb
+    )
+    assert got == ("recompute", "host", "host", "keep", "keep")
+    # it holds one block but not one more read ahead beside it (backward stages the next SSD
+    # block into host memory as it reaches a block: runtime/activations/swap.py, Note on staging;
+    # act_candidates._staging_peak), so both go to SSD
     got = decide.measured_activations(
         prof, ["recompute"] + auto[1:], 21 * mb, device="cuda", host_bytes=15 * mb
     )
-    assert got == ("recompute", "ssd", "host", "keep", "keep")
+    assert got == ("recompute", "ssd", "ssd", "keep", "keep")
     # not even a swapped unit fits: all swapped but the last (backward starts with it: keeping it
     # adds nothing to the least need); the runtime's accounting then waits or raises
     got = decide.measured_activations(prof, auto, 1 * mb, device="cpu", host_bytes=None)
