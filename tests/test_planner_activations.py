@@ -528,13 +528,10 @@ def test_the_host_split_leaves_room_for_the_ssd_reads_backward_stages():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("policy", ["partial_host", "partial_host_tail", "recompute_pieces_host"])
-def test_a_swapped_blocks_first_fetch_brings_the_checkpoint_its_first_recompute_is_made_from(policy):
-    """Backward's first fetch of a swapped piecewise block brings the records of the last piece it
-    swapped and, where that piece's argument is made again from the piece before it (a block's
-    MLP from the second norm's checkpoint; a tail's attention from the first norm's), that piece's
-    checkpoint too: the runtime fetches both at once (backward.py `_fetch_floor`) and the recompute
-    cannot start without it. The replay's partial block waited for its MLP's records alone."""
+def _one_swapped_block(policy: str, budget):
+    """(sim, replay, bytes moved) for one swapped piecewise block "b" (norm, attention, norm,
+    MLP: (saved, kept, partial, extra) a piece) whose copy out is done, on a stand-in CUDA replay
+    whose link moves 100 bytes a second."""
     from types import SimpleNamespace
 
     from offloadpp.planner.simulate_act import ActReplay, _Out
@@ -546,9 +543,20 @@ def test_a_swapped_blocks_first_fetch_brings_the_checkpoint_its_first_recompute_
     sim = SimpleNamespace(sched=SimpleNamespace(visits=()), t=0.0, cuda=True, h2d=h2d, costs=costs)
     pieces = ((100, 100, 0, 0), (400, 0, 300, 100), (100, 100, 0, 0), (500, 0, 300, 100))
     unit = ActUnit("b", 1100, 100, 1, True, partial=600, partial_extra=200, pieces=pieces)
-    r = ActReplay(sim, {"b": policy}, {"b": 1100}, 2, None, {"b": unit})
+    r = ActReplay(sim, {"b": policy}, {"b": 1100}, 2, budget, {"b": unit})
     moved = r._held_in("b")
     r.out["b"] = _Out("b", moved, False, started=True, copy_done=0.0)
+    return sim, r, moved
+
+
+@pytest.mark.parametrize("policy", ["partial_host", "partial_host_tail", "recompute_pieces_host"])
+def test_a_swapped_blocks_first_fetch_brings_the_checkpoint_its_first_recompute_is_made_from(policy):
+    """Backward's first fetch of a swapped piecewise block brings the records of the last piece it
+    swapped and, where that piece's argument is made again from the piece before it (a block's
+    MLP from the second norm's checkpoint; a tail's attention from the first norm's), that piece's
+    checkpoint too: the runtime fetches both at once (backward.py `_fetch_floor`) and the recompute
+    cannot start without it. The replay's partial block waited for its MLP's records alone."""
+    _, r, moved = _one_swapped_block(policy, budget=None)
     assert r._fetch("b", force=True)
     # (the norm's checkpoint and the piece after it; recompute_pieces: the checkpoint alone)
     first = {"partial_host": 100 + 300, "partial_host_tail": 100 + 300, "recompute_pieces_host": 100}[policy]
@@ -563,20 +571,7 @@ def test_a_swapped_blocks_last_pieces_come_back_before_the_checkpoint_the_room_c
     records come back now and the checkpoint once there is room. The replay fetched nothing until
     all of it fitted: with the checkpoint in the first fetch (s8sheet's faithful floor), random
     profile 29's Llama b64 at k = 2 replayed 39.29 s where 35.76 s with the MLP back early."""
-    from types import SimpleNamespace
-
-    from offloadpp.planner.simulate_act import ActReplay, _Out
-
-    h2d = SimpleNamespace(submit=lambda t, n, write: t + n / 100.0)
-    costs = SimpleNamespace(
-        forward_s={"b": 1.0}, backward_s={"b": 2.0}, forward_visit_s=0.0, backward_visit_s=0.0
-    )
-    sim = SimpleNamespace(sched=SimpleNamespace(visits=()), t=0.0, cuda=True, h2d=h2d, costs=costs)
-    pieces = ((100, 100, 0, 0), (400, 0, 300, 100), (100, 100, 0, 0), (500, 0, 300, 100))
-    unit = ActUnit("b", 1100, 100, 1, True, partial=600, partial_extra=200, pieces=pieces)
-    r = ActReplay(sim, {"b": "partial_host"}, {"b": 1100}, 2, 1000, {"b": unit})
-    moved = r._held_in("b")
-    r.out["b"] = _Out("b", moved, False, started=True, copy_done=0.0)
+    sim, r, moved = _one_swapped_block("partial_host", budget=1000)
     r.device_bytes = 650  # (the block before it: room for the MLP's 300, not the norm's 100 too)
     assert not r._fetch("b", force=False)  # (stopped by the budget: nothing after it is fetched)
     assert r.ready["b"] == (3.0, False, 300) and r.device_bytes == 950
