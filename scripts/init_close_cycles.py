@@ -26,17 +26,30 @@ import threading
 import time
 
 
-def _snapshot(swap: str) -> dict:
+def _snapshot(swap: str, threads_at_most: int | None = None) -> dict:
+    """What the process holds now. Worker threads exit asynchronously once shut down: wait
+    until the count stops changing, and, given `threads_at_most` (the first cycle's count),
+    up to 5 s more for it to come down to that: under load a thread still on its way out can
+    hold steady past one 50 ms look, and a leak stays past the 5 s anyway."""
     import psutil
 
     gc.collect()
-    for _ in range(40):  # worker threads exit asynchronously once shut down: let them settle
+    for _ in range(40):
         n = threading.active_count()
         time.sleep(0.05)
         if threading.active_count() == n:
             break
+    deadline = time.monotonic() + 5.0
+    while (
+        threads_at_most is not None
+        and threading.active_count() > threads_at_most
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+        gc.collect()
     return {
         "threads": threading.active_count(),
+        "thread_names": sorted(t.name for t in threading.enumerate()),
         "fds": len(os.listdir("/proc/self/fd")),
         "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         "shm": sorted(n for n in os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else [],
@@ -106,7 +119,7 @@ def main(argv=None) -> int:
     base = None
     for i in range(args.cycles):
         kept_open = cycle(args.dir, args.steps)
-        now = _snapshot(swap)
+        now = _snapshot(swap, None if base is None else base["threads"])
         print(json.dumps({"cycle": i, "fds_open_after_close": kept_open, **{k: v for k, v in now.items() if k != "shm"},
                           "shm_new": sorted(set(now["shm"]) - set(shm_before))}), flush=True)  # fmt: skip
         left = [n for n in now["swap"] if n.endswith(".oswp")]
@@ -124,7 +137,12 @@ def main(argv=None) -> int:
             )
         for key in ("threads", "fds"):
             if now[key] > base[key]:
-                failures.append(f"cycle {i}: {key} {now[key]}, {base[key]} after the first cycle")
+                names = (
+                    f" ({now['thread_names']}, after the first cycle {base['thread_names']})"
+                    if key == "threads"
+                    else ""
+                )
+                failures.append(f"cycle {i}: {key} {now[key]}, {base[key]} after the first cycle{names}")
         if now["swap"] != base["swap"]:
             failures.append(
                 f"cycle {i}: the swap folder holds {now['swap']}, after the first cycle {base['swap']}"
