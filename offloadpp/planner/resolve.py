@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from .activations import act_units, recomputes
+from .act_fill import with_activation_policies, with_activation_sizes
 from .budgets import (  # noqa: F401 (re-exported: what "auto" budgets are, named where resolve is)
     DEFERRED_PARTIAL_PREFETCH,
     DEVICE_SHARE_CPU,
@@ -70,13 +70,13 @@ from .decide import (
     speculates,
 )
 from .default import default_plan, plan_shape, streaming_plan
+from .given_plan import check_fits, check_plan, load_saved_plan
 from .hardware import HardwareProfile
 from .io_settings import with_io
 from .machine import Machine
 from .model_profile import ModelProfile
 from .peaks import peak_bytes
 from .plan import InfeasibleError, Plan, PlanError, UnitSpec, fmt_bytes, shard_units
-from .planfile import load_plan
 from .profiles import (  # noqa: F401 (re-exported: assemble.py and the CLI read them here)
     CONTEXT_KEYS,
     _check_profiles,
@@ -86,7 +86,6 @@ from .profiles import (  # noqa: F401 (re-exported: assemble.py and the CLI read
 )
 from .ranks import RankLink
 from .request import Request
-from .schedule import build_schedule
 from .search import _raise_infeasible, act_planner, remembering, search
 from .spec import PLAN_AUTO, Budgets, Settings
 from .ssd_room import ssd_need_bytes
@@ -500,91 +499,6 @@ def _default(settings: Settings, units, machine: Machine, budgets: Budgets, mode
         units, device=machine.device, settings=settings, budgets=budgets, micro_batches=window
     )
     return replace(plan, activations=tuple(p for _, p in choice.policies))
-
-
-# ---- plans from elsewhere ---------------------------------------------------------------------
-def check_plan(plan: Plan, units: Sequence[UnitSpec], device: str, settings: Settings) -> None:
-    """A plan made elsewhere (a file, a caller) must be for these units and these settings."""
-    if list(plan.units) != list(units):
-        raise PlanError(
-            "the plan was made for other units: plan has "
-            f"{[(u.name, u.numel) for u in plan.units]}, the model {[(u.name, u.numel) for u in units]}"
-        )
-    want = dict(
-        device=device,
-        compute_dtype=settings.compute_dtype,
-        accumulate_grads=settings.accumulate_grads or plan.accumulate_grads,
-        deferred_update=settings.deferred_update or plan.deferred_update,
-    )
-    if plan.vertical:  # (a vertical window holds micro_batches micro-batches' activations at once)
-        want["micro_batches"] = settings.gradient_accumulation_steps
-    if plan.speculative:  # (the runtime reads Plan.clipping: whether a speculative step may be redone)
-        want["clipping"] = clipping(settings)
-    for k, v in want.items():
-        if getattr(plan, k) != v:
-            raise PlanError(f"plan.{k} is {getattr(plan, k)!r} but the settings need {v!r}")
-
-
-def check_fits(plan: Plan) -> None:
-    """The schedule's peaks fit the plan's budgets (a plan from a file, or edited by hand)."""
-    b = plan.budgets
-    if b is None:
-        raise PlanError("the plan has no budgets: make it with offloadpp plan or planner.resolve")
-    s = build_schedule(plan)
-    for tier, peak, budget in (
-        ("device", s.peak_device_bytes, b.buffer_bytes),
-        ("host", s.peak_host_bytes, b.host_bytes),
-    ):
-        if peak > budget:
-            raise PlanError(
-                f"the plan needs {fmt_bytes(peak)} ({peak} bytes) of {tier} buffers at its peak but its {tier} budget "
-                f"is {fmt_bytes(budget)} ({budget} bytes)"
-            )
-
-
-def load_saved_plan(settings: Settings) -> Optional[tuple[Plan, Optional[StepEstimate]]]:
-    """The plan file `settings.plan` names, read (None when the plan is made here)."""
-    return load_plan(settings.plan_path) if settings.plan_path is not None else None
-
-
-def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
-    """The plan with each unit's saved and checkpoint bytes from the model profile (printout);
-    a partial unit's kept bytes count its pieces' checkpoints beyond its own inputs (the second
-    norm's: what it moves is inputs + kept)."""
-    sizes = {a.name: (a.saved, a.checkpoint, a.partial + a.partial_inputs - a.inputs if a.partial else 0, a.partial_extra,
-                      a.tail if a.partial else 0)
-             for a in act_units(model)}  # fmt: skip
-    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0, 0, 0, 0)) for u in plan.units))
-
-
-def with_activation_policies(plan: Plan, settings: Settings) -> Plan:
-    """The plan with each unit's activation policy: the plan's own if it names them, else the
-    settings' policy and per-unit overrides ("auto": "keep" where no budget limits them). A unit
-    whose backward reads none of its weights (embedding lookups) cannot run its forward again:
-    "recompute" (and its swapped-checkpoint forms) becomes "keep" there."""
-    act = settings.activations
-    names = [u.name for u in plan.units]
-    unknown = sorted(set(act.overrides) - set(names))
-    if unknown:
-        raise PlanError(
-            f"activations.overrides names units the model does not have: {unknown}; units are {names}"
-        )
-    chosen = tuple(plan.activations) or tuple(act.overrides.get(n, act.policy) for n in names)
-    unlimited = plan.budgets is None or plan.budgets.activation_bytes is None
-    out, notes = [], []
-    for u, p in zip(plan.units, chosen):
-        if p == "auto" and unlimited:  # nothing to fit: keep
-            p = "keep"
-        if recomputes(p) and not u.backward_needs_weights:
-            notes.append(
-                f"unit {u.name!r}: its backward reads no weights, so it cannot recompute: activations kept"
-            )
-            p = "keep"
-        out.append(p)
-    if "auto" in out:
-        notes.append('activations "auto": decided by planner/decide.py measured_activations from the sizes the first '
-                     "step measures (no model profile at plan time: a hardware profile brings one)")  # fmt: skip
-    return replace(plan, activations=tuple(out), notes=plan.notes + tuple(notes))
 
 
 __all__ = [
