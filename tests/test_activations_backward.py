@@ -100,3 +100,32 @@ def test_a_swapped_partial_piece_releases_what_only_its_recompute_read(store, da
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     x = data.numel() * 64 * 4  # (c_proj's output: micro-batch x tokens x width 64, fp32)
     assert early == [x, x] * 4, early  # (4 blocks, each piece with a kept output's)
+
+
+def test_a_fetch_beside_the_pieces_takes_the_last_records_first_while_each_fits():
+    """backward.py `_fetch_unit` beside a block's pieces (not forced): a unit's records last first,
+    each while it fits the budget less the reserve, stopping at the first that does not; the
+    rest on a later call, once room came. The replay counts a partial block's first fetch so
+    (planner/simulate_fetch.py: at b128 two of a Llama block's three MLP records beside the
+    block before's attention piece, where counted piece by piece none came back)."""
+    from types import SimpleNamespace
+
+    from offloadpp.runtime.activations.backward import ManagerBackward
+    from offloadpp.runtime.activations.records import RecState
+
+    fetched: list[int] = []
+
+    def fetch(rec):
+        fetched.append(rec.nbytes)
+        sw.device_bytes += rec.nbytes
+
+    sw = SimpleNamespace(device_bytes=600, fetch=fetch)
+    mgr = SimpleNamespace(swapper=sw, budget=1000)
+    # (pack order: the second norm's checkpoint, then the MLP's two records)
+    recs = [SimpleNamespace(state=RecState.HOST, nbytes=n, want_in=False) for n in (100, 200, 100)]
+    u = SimpleNamespace(records=recs, fetch_cursor=3)
+    assert not ManagerBackward._fetch_unit(mgr, u, force=False, reserve=50)
+    assert fetched == [100, 200] and u.fetch_cursor == 1  # (the checkpoint: 1050 of 1000)
+    sw.device_bytes -= 200  # (the block before released a piece)
+    assert ManagerBackward._fetch_unit(mgr, u, force=False, reserve=50)
+    assert fetched == [100, 200, 100] and u.fetch_cursor == 0

@@ -528,10 +528,11 @@ def test_the_host_split_leaves_room_for_the_ssd_reads_backward_stages():
     }  # fmt: skip
 
 
-def _one_swapped_block(policy: str, budget):
+def _one_swapped_block(policy: str, budget, piece_kept=(), to_ssd: bool = False):
     """(sim, replay, bytes moved) for one swapped piecewise block "b" (norm, attention, norm,
-    MLP: (saved, kept, partial, extra) a piece) whose copy out is done, on a stand-in CUDA replay
-    whose link moves 100 bytes a second."""
+    MLP: (saved, kept, partial, extra) a piece; piece_kept: its pieces' records, () not known)
+    whose copy out is done (to_ssd: and its SSD write), on a stand-in CUDA replay whose link
+    moves 100 bytes a second."""
     from types import SimpleNamespace
 
     from offloadpp.planner.simulate_act import ActReplay, _Out
@@ -542,10 +543,12 @@ def _one_swapped_block(policy: str, budget):
     )
     sim = SimpleNamespace(sched=SimpleNamespace(visits=()), t=0.0, cuda=True, h2d=h2d, costs=costs)
     pieces = ((100, 100, 0, 0), (400, 0, 300, 100), (100, 100, 0, 0), (500, 0, 300, 100))
-    unit = ActUnit("b", 1100, 100, 1, True, partial=600, partial_extra=200, pieces=pieces)
+    unit = ActUnit(
+        "b", 1100, 100, 1, True, partial=600, partial_extra=200, pieces=pieces, piece_kept=piece_kept
+    )
     r = ActReplay(sim, {"b": policy}, {"b": 1100}, 2, budget, {"b": unit})
     moved = r._held_in("b")
-    r.out["b"] = _Out("b", moved, False, started=True, copy_done=0.0)
+    r.out["b"] = _Out("b", moved, to_ssd, started=True, copy_done=0.0, write_done=0.0 if to_ssd else None)
     return sim, r, moved
 
 
@@ -584,3 +587,45 @@ def test_a_swapped_blocks_last_pieces_come_back_before_the_checkpoint_the_room_c
     r.out["b"].back = False
     r.device_bytes = 950  # (room for neither: nothing comes back before its backward's forced fetch)
     assert not r._fetch("b", force=False) and "b" not in r.ready
+
+
+def test_a_first_fetch_comes_back_record_by_record_as_room_comes():
+    """The runtime's `_fetch_unit` takes a unit's records last first, each while it fits the
+    budget (backward.py); the replay counted a partial block's first fetch piece by piece, so
+    where the block before's attention piece left room for some of the MLP's records but not
+    all, none came back until that block's last piece (a norm), and each block's backward
+    waited on the link: random profile 4's Llama b128, 0.44 s a block, 1.056x the time per token
+    of b64. Now record by record where the profile knows them (ActUnit.piece_kept), pieces where
+    it does not (the test above)."""
+    sim, r, moved = _one_swapped_block("partial_host", budget=1000, piece_kept=((), (300,), (), (200, 100)))
+    r.device_bytes = 850  # (room for the MLP's last record, 100, not its 300)
+    assert not r._fetch("b", force=False)  # (stopped by the budget: nothing after it is fetched)
+    assert r.ready["b"] == (1.0, False, 100) and r.device_bytes == 950
+    sim.t, r.device_bytes = 2.0, 750  # (the block before released a piece: room for the next record)
+    assert not r._fetch("b", force=False)
+    assert r.ready["b"] == (4.0, False, 300) and r.device_bytes == 950
+    sim.t, r.device_bytes = 5.0, 650  # (and for the second norm's checkpoint)
+    assert r._fetch("b", force=False)
+    assert r.ready["b"] == (6.0, False, 400) and r.device_bytes == 750
+    assert r.rest["b"] == moved - 400
+
+
+def test_a_read_fetched_ahead_is_copied_up_when_it_ends_not_at_its_units_backward():
+    """A swapped block fetched while its SSD read (staged into host memory) is still running: the
+    runtime's pump starts its copy up once the read is done (swap.py `_advance_in`: READING, then
+    `_into_device`); the replay copied it up only at the unit's backward, so a first fetch made
+    during the block before's pieces crossed the link only then (random profile 4's Llama b128,
+    its partial_ssd blocks: 0.86 s a block where their partial_host ones waited 0.03 s)."""
+    from offloadpp.planner.desim import Done
+
+    sim, r, _ = _one_swapped_block("partial_host", budget=None, to_ssd=True)
+    read = Done()
+    r.staged["b"] = read
+    assert r._fetch("b", force=False)
+    assert r.ready["b"] == (read, True, 400)  # (bound for the device once its read is in)
+    sim.t = 1.0
+    r._copy_up_read()  # (the read still running: nothing to copy yet)
+    assert r.ready["b"] == (read, True, 400)
+    read.t, sim.t = 2.0, 3.0
+    r._copy_up_read()  # (the read ended at 2.0: copied up from then, its 400 bytes by 6.0)
+    assert r.ready["b"] == (6.0, False, 400) and not r.reading

@@ -73,6 +73,7 @@ from .activations import (
     recomputes,
 )
 from .desim import NOTHING, Replay, When, done_by, when
+from .simulate_fetch import Fetching, last_first
 from .simulate_release import Releasing
 
 
@@ -149,7 +150,7 @@ class ActWork:
     prefetch_units: int = 2
 
 
-class ActReplay(Releasing):
+class ActReplay(Fetching, Releasing):
     def __init__(self, sim: Replay, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int,
                  budget: Optional[int] = None, units: Optional[Mapping[str, ActUnit]] = None):  # fmt: skip
         bad = {u: p for u, p in policies.items() if p not in POLICIES}
@@ -196,6 +197,7 @@ class ActReplay(Releasing):
         self.held_back = False  # the last prefetch stopped for the budget (backward_parts)
         self.staged: dict[str, When] = {}  # unit -> its staged SSD read (into host memory)
         self.first_left: dict[str, int] = {}  # a partial unit's first fetch, the part not yet room for
+        self.reading: set[str] = set()  # units fetched whose SSD read is not copied up yet
         self.to_ssd = any(CHECKPOINT_SWAPS.get(p, p) == "ssd" for p in self.policies.values())
 
     def policy(self, unit: str) -> str:
@@ -367,6 +369,7 @@ class ActReplay(Releasing):
             self.queue.append(job)
             self.inflight.append(job)
             self.ready.pop(unit, None)
+            self.reading.discard(unit)
             self.first_left.pop(unit, None)
 
     @_per_unit
@@ -388,6 +391,8 @@ class ActReplay(Releasing):
         """At the unit's backward visit: fetch it and the next units' (within the budget), then
         wait for its own."""
         self._stage_after(unit)
+        if self.reading:
+            self._copy_up_read()
         self._fetch(unit, force=True)
         rest = self.rest.pop(unit, 0)  # (its other pieces' bytes come back during its backward)
         self._rest_up(unit, after_read=False)
@@ -428,6 +433,7 @@ class ActReplay(Releasing):
                     yield ("until", t)
         self.out.pop(unit, None)
         self.ready.pop(unit, None)
+        self.reading.discard(unit)
 
     def _rest_up(self, unit: str, after_read: bool) -> None:
         """A partial unit's pieces but the one its backward starts with are copied up from its
@@ -491,6 +497,8 @@ class ActReplay(Releasing):
         room freed lets the next units' activations come back, as the runtime releases a
         piece's records at the next piece's recompute."""
         self._hold(unit, done)
+        if self.reading:
+            self._copy_up_read()
         self._prefetch_after(unit)
 
     def _hold(self, unit: str, done: int) -> None:
@@ -595,32 +603,16 @@ class ActReplay(Releasing):
             return True
         if job.copy_done is None:  # copying now: continued when the copy ends (before_backward)
             return True
-        # a partial unit's pieces are fetched piece by piece: its backward starts once its last
-        # piece's bytes are back (the others come back during it), a prefetch needs room for those
-        chunks = self._window_chunks(unit) or self._swapped_pieces(
-            unit
-        )  # (a window's: its last micro-batch's first)
-        first = chunks[-1] if chunks else job.nbytes
-        k = len(chunks) - 1
-        u = self.units.get(unit)
-        # (and the pieces its last piece's arguments are made from: a partial block's MLP waits
-        # for the second norm's checkpoint as a recompute_pieces block's does, runtime backward.py
-        # `_fetch_floor`)
-        if chunks and u is not None and u.pieces:
-            while k > 0 and u.pieces[k % len(u.pieces)][1] == 0:  # (a window's: per micro-batch)
-                k -= 1
-            first = sum(chunks[k:])
+        recs = self._first_records(unit)
+        first = sum(recs) if recs else job.nbytes
         now = first
         if not force and self.budget is not None and self.device_bytes + first > self.budget:
             # the runtime fetches record by record, last first, while they fit the budget
-            # (backward.py `_fetch_unit`): its last pieces' records that fit now come back now,
-            # the checkpoints before them (the MLP's second norm's) once there is room (counted
-            # here piece by piece, see _fetch_left); stopped by the budget all the same, nothing
-            # after it is fetched (and a releasing unit's backward runs in parts: backward_parts)
-            j = len(chunks)
-            while j > max(k, 0) and self.device_bytes + sum(chunks[j - 1 :]) <= self.budget:
-                j -= 1
-            now = sum(chunks[j:])
+            # (backward.py `_fetch_unit`): its last records that fit now come back now, the rest
+            # (the MLP's other records, the second norm's checkpoint) as room comes (_fetch_left);
+            # stopped by the budget all the same, nothing after it is fetched (and a releasing
+            # unit's backward runs in parts: backward_parts)
+            now = last_first(recs, 0, self.budget - self.device_bytes)
             if now <= 0:
                 return False
             self.first_left[unit] = first - now
@@ -644,25 +636,9 @@ class ActReplay(Releasing):
         if self._tail(unit) and isinstance(done, float):  # (see _tail_credit)
             done = max(sim.t, done - self._tail_credit(unit))
         self.ready[unit] = (done, h2d, now)
+        if h2d:
+            self.reading.add(unit)
         return unit not in self.first_left
-
-    def _fetch_left(self, unit: str, force: bool) -> bool:
-        """The rest of a partial unit's first fetch, where the budget had room for its last
-        pieces' records only (_fetch): once it fits (or its backward starts). Its backward
-        waits for both; a copy up at its backward (h2d: read from SSD) moves both."""
-        left = self.first_left[unit]
-        if not force and self.budget is not None and self.device_bytes + left > self.budget:
-            return False
-        del self.first_left[unit]
-        sim = self.sim
-        done, h2d, n = self.ready[unit]
-        if not h2d and sim.cuda:  # (the link is in order: this copy ends after the first part's)
-            done = sim.h2d.submit(sim.t, left, False)
-            if self._tail(unit):
-                done = max(sim.t, done - self._tail_credit(unit))
-        self._add(left)
-        self.ready[unit] = (done, h2d, n + left)
-        return True
 
     def _tail_credit(self, unit: str) -> float:
         """A partial_host_tail unit's backward starts with its kept pieces, and needs its swapped
