@@ -12,7 +12,8 @@ what fits and then pinning on the device the checkpoints that still fit; and par
 recompute in those (where the profile knows the partial bytes): every recomputable unit partial
 with its kept outputs swapped, keeping whole units what fits; and a quarter, half or three
 quarters of them partial, spread evenly, the rest recomputed with swapped checkpoints (not on
-models of many units: each choice costs a replay). Where even the whole recompute does not fit
+models of many units: each choice costs a replay; the search moves the best one's split a unit
+at a time towards the balance of link and compute: act_refine.py). Where even the whole recompute does not fit
 (every recomputable unit recomputing, its checkpoint swapped: a block's backward holds all it
 saved; issue 36's cliffs), the recomputing choices are made again with the nested recompute in
 its place (recompute_nested*: the block's pieces' boundaries and one piece at a time, for a

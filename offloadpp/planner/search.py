@@ -24,7 +24,8 @@ Note: the candidates.
   4. Every pair gets a lower bound from totals alone (cost.lower_bound); pairs are replayed
      (cost.replay) from the least bound up, until the next bound is beyond ROBUST_WINDOW of the
      best estimate: no pair left out could have been chosen.
-     The best's activation choice is also replayed on a few other fills (Note on step 3).
+     The best's activation choice is also replayed on a few other fills (Note on step 3), and
+     where it mixes partial and recompute, with its split moved a unit at a time (act_refine.py).
   5. The least estimated step time wins, robustly: the candidates within NOMINAL_GIVE (1%) of the
      best are scored again with the SSD at 70% of its measured speed and the least mean of the
      two estimates wins (the disk's speed moves from run to run; a plan whose I/O is on the
