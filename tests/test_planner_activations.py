@@ -119,6 +119,33 @@ def test_partial_and_recompute_mixed_are_offered_spread_evenly():
     assert not any("recompute the rest" in c.label for c in plain)
 
 
+def test_the_best_mix_is_moved_a_unit_at_a_time_while_it_gets_faster():
+    """act_refine.balance: from the best quarter-step mix, one more partial unit at a time while each
+    is faster (a stand-in replay whose step is least at a given count of partial units), else one
+    fewer at a time, never beyond a quarter of the units either way; a choice that is no mix is
+    left alone."""
+    from offloadpp.planner.act_refine import balance
+
+    us = [ActUnit(f"u{i}", 1000, 100, 10_000, True, 400, 50) for i in range(8)]
+    planner, room = ActPlanner(us, {}, device="cuda"), 1050  # (one unit kept: the last)
+    cands = {c.label: c for c in planner.candidates(room)}
+    half = cands["partial 50%, recompute the rest with checkpoints to host"]
+    assert half.mix is not None and (half.mix.partial, half.mix.of) == (4, 8)
+
+    def partial(c) -> int:
+        return sum(p.startswith("partial") for _, p in c.policies)
+
+    def stand_in(target: int):
+        return lambda c: 1.0 + (partial(c) - target) ** 2
+
+    tried = balance(planner, half, room, stand_in(5)(half), stand_in(5))
+    assert [partial(c) for c in tried] == [5, 6]  # up while faster: one past the balance
+    assert all(c.need_bytes <= room and c.mix.partial == partial(c) for c in tried)
+    assert [partial(c) for c in balance(planner, half, room, 1.0 + 16, stand_in(8))] == [5, 6]  # (a quarter)
+    assert [partial(c) for c in balance(planner, half, room, 1.0 + 9, stand_in(1))] == [5, 3, 2]  # up slower: down
+    assert balance(planner, cands["swap to host, keep what fits"], room, 1.0, stand_in(6)) == []
+
+
 def test_partial_is_offered_where_the_profile_knows_its_bytes():
     us = [ActUnit(f"u{i}", 1000, 100, 10_000, True, 400, 50) for i in range(10)]
     room = 2600  # keeping all (10000) or pinning every checkpoint and kept output (5550) does not fit

@@ -357,3 +357,13 @@ def test_no_cliff_where_a_first_fetch_fits_beside_the_attention_piece_only_in_pa
     pts = [plan_point(hw, "llama-7b", b, dtype) for b in (64, 128)]
     assert "partial_ssd" in pts[1].resolved.plan.activations
     assert batch_violations(pts) == []
+
+
+def test_the_best_mix_of_partial_and_recompute_is_moved_to_the_balance():
+    """Profile 17 (bf16), the 7B Llama shape, b32 -> b64: compute-bound; the room leaves 20 blocks
+    recomputing or partial, and the mixes' quarter steps put 10 of them partial (10.374 s, 1.052x the
+    time per token of b32) where the link and the compute balance at 12 (10.249 s). The best mix's
+    split is now moved a unit at a time while it gets faster (act_refine.py): a few replays."""
+    hw, dtype = random_profile(17)
+    pts = [plan_point(hw, "llama-7b", b, dtype) for b in (32, 64)]
+    assert batch_violations(pts) == []

@@ -12,7 +12,8 @@ what fits and then pinning on the device the checkpoints that still fit; and par
 recompute in those (where the profile knows the partial bytes): every recomputable unit partial
 with its kept outputs swapped, keeping whole units what fits; and a quarter, half or three
 quarters of them partial, spread evenly, the rest recomputed with swapped checkpoints (not on
-models of many units: each choice costs a replay). Where even the whole recompute does not fit
+models of many units: each choice costs a replay; the search moves the best one's split a unit
+at a time towards the balance of link and compute: act_refine.py). Where even the whole recompute does not fit
 (every recomputable unit recomputing, its checkpoint swapped: a block's backward holds all it
 saved; issue 36's cliffs), the recomputing choices are made again with the nested recompute in
 its place (recompute_nested*: the block's pieces' boundaries and one piece at a time, for a
@@ -67,10 +68,23 @@ HEAD_TWIN_SHARE = 0.25
 
 
 @dataclass(frozen=True)
+class Mix:
+    """A choice that mixes partial and recompute (`ActPlanner._mix`): `partial` of the `of`
+    units that can be partial are, spread evenly, the rest recompute as `again`; `heads` are the
+    head twin's (HEAD_TWIN_SHARE), () elsewhere. What act_refine.py moves the split of."""
+
+    again: str
+    partial: int
+    of: int
+    heads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ActChoice:
     label: str
     policies: tuple[tuple[str, str], ...]  # (unit, policy) for every unit, forward order
     need_bytes: int
+    mix: Optional[Mix] = None  # where the choice is a mix of partial and recompute
 
     def as_dict(self) -> dict[str, str]:
         return dict(self.policies)
@@ -324,10 +338,7 @@ class ActPlanner:
         found = self._families(room)
         heads = [u.name for u in self.free if u.can_recompute and u.logits >= HEAD_TWIN_SHARE * room]
         if heads:  # (see the Note on the head's loss)
-            twin = ActPlanner(self.units, {**self.fixed, **{n: "recompute" for n in heads}}, device=self.device,
-                              host_bytes=self.host_bytes, mixes=self.mixes,
-                              stage_units=self.stage_units)  # fmt: skip
-            for c in twin._families(room):
+            for c in self._twin(heads)._families(room):
                 c = self._grads_in_forward(c, heads, room)
                 found += [c] + self._tails(c, heads, room)
         seen, out = set(), []
@@ -336,6 +347,27 @@ class ActPlanner:
                 seen.add(c.policies)
                 out.append(c)
         return tuple(out)
+
+    def _twin(self, heads: Sequence[str]) -> ActPlanner:
+        """This planner with `heads` recomputing (the head twin: see the Note on the head's loss)."""
+        return ActPlanner(self.units, {**self.fixed, **{n: "recompute" for n in heads}}, device=self.device,
+                          host_bytes=self.host_bytes, mixes=self.mixes, stage_units=self.stage_units)  # fmt: skip
+
+    def remix(self, c: ActChoice, partial: int, room: int) -> Optional[ActChoice]:
+        """The mix `c` with `partial` of its units partial (spread evenly), made as `c` was (the
+        head twin's too); None where `c` is no mix, or the new one does not fit `room`."""
+        m = c.mix
+        if m is None or not 0 <= partial <= m.of:
+            return None
+        planner = self._twin(m.heads) if m.heads else self
+        units = planner._partial_units()
+        if len(units) != m.of:
+            return None
+        head = [u for i, u in enumerate(units) if (i + 1) * partial // m.of > i * partial // m.of]
+        got = planner._mix(room, m.again, head, f"{partial} of {m.of}")
+        if m.heads:
+            got = self._grads_in_forward(got, list(m.heads), room)
+        return got if got.need_bytes <= room else None
 
     def _grads_in_forward(self, c: ActChoice, heads: list[str], room: int) -> ActChoice:
         """A choice of the head twin with its heads making their gradients in forward in place of
@@ -346,7 +378,9 @@ class ActPlanner:
         grads = self._choice(
             f"{c.label}, head gradients in forward", {**c.as_dict(), **{n: GRAD_IN_FORWARD for n in heads}}
         )
-        return grads if grads.need_bytes <= room else replace(c, label=f"{c.label}, head recomputed")
+        mix = replace(c.mix, heads=tuple(heads)) if c.mix is not None else None
+        got = grads if grads.need_bytes <= room else replace(c, label=f"{c.label}, head recomputed")
+        return replace(got, mix=mix)
 
     def _tails(self, c: ActChoice, heads: list[str], room: int) -> list[ActChoice]:
         """The choice with the unit just before the head keeping its last pieces on the device
@@ -420,16 +454,31 @@ class ActPlanner:
             # a mix: partial moves its kept outputs (14 x width a token for a GPT-2 block) over
             # the link, recompute only its checkpoint but runs its forward again; spread evenly
             # (every other unit at a half) so that neither the link nor the compute queues up
-            rest = [u for u in recomputable if u not in partial]
+            # (the quarter steps only: act_refine.py moves the best's split a unit at a time)
             for frac in MIXES if self.mixes else ():
-                head = _spread(partial, frac)
-                base = {**{u.name: "ssd" for u in self.free}, **{u.name: f"{again}_ssd" for u in partial + rest},
-                        **{u.name: "partial_ssd" for u in head}}  # fmt: skip
-                kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
-                                               frozenset(("partial_ssd",)), "partial")  # fmt: skip
-                found.append(self._choice(f"partial {frac:.0%}, {name} the rest with checkpoints to {swaps[0]}",
-                                          self._swap_to(self._pin_what_fits(kept, room, again), swaps[0])))  # fmt: skip
+                found.append(self._mix(room, again, _spread(partial, frac), f"{frac:.0%}"))
         return found
+
+    def _partial_units(self) -> list[ActUnit]:
+        """The units that can be partial (the profile knows their kept bytes, and keeping them is
+        less than all they save), along the ranking."""
+        return [u for u in self._ranked() if u.can_recompute and 0 < u.partial < u.saved]
+
+    def _mix(self, room: int, again: str, head: Sequence[ActUnit], share: str) -> ActChoice:
+        """Every recomputable unit recomputing as `again` with its checkpoint swapped, those of
+        `head` partial instead with their kept outputs swapped (`share`: how many, for the label);
+        whole units kept, then partial units and checkpoints pinned, along the ranking while they
+        fit; swaps to the first tier (host on CUDA, beyond the host memory left to SSD)."""
+        to = "host" if self.device == "cuda" else "ssd"
+        name = "recompute" if again == "recompute" else "nested recompute"
+        rec = [u for u in self._ranked() if u.can_recompute]
+        base = {**{u.name: "ssd" for u in self.free}, **{u.name: f"{again}_ssd" for u in rec},
+                **{u.name: "partial_ssd" for u in head}}  # fmt: skip
+        kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
+                                       frozenset(("partial_ssd",)), "partial")  # fmt: skip
+        got = self._choice(f"partial {share}, {name} the rest with checkpoints to {to}",
+                           self._swap_to(self._pin_what_fits(kept, room, again), to))  # fmt: skip
+        return replace(got, mix=Mix(again, len(head), len(self._partial_units())))
 
 
 _SWAPS_OF = {"recompute_nested": NESTED_SWAPS, "recompute_pieces": PIECES_SWAPS}
@@ -454,4 +503,4 @@ def untwinned(label: str) -> str:
     return re.sub(r", head (gradients in forward|recomputed)$", "", label)
 
 
-__all__ = ["HEAD_TWIN_SHARE", "MIXES", "ActChoice", "ActPlanner", "fixed_policies", "untwinned"]
+__all__ = ["HEAD_TWIN_SHARE", "MIXES", "ActChoice", "Mix", "ActPlanner", "fixed_policies", "untwinned"]

@@ -24,7 +24,8 @@ Note: the candidates.
   4. Every pair gets a lower bound from totals alone (cost.lower_bound); pairs are replayed
      (cost.replay) from the least bound up, until the next bound is beyond ROBUST_WINDOW of the
      best estimate: no pair left out could have been chosen.
-     The best's activation choice is also replayed on a few other fills (Note on step 3).
+     The best's activation choice is also replayed on a few other fills (Note on step 3), and
+     where it mixes partial and recompute, with its split moved a unit at a time (act_refine.py).
   5. The least estimated step time wins, robustly: the candidates within NOMINAL_GIVE (1%) of the
      best are scored again with the SSD at 70% of its measured speed and the least mean of the
      two estimates wins (the disk's speed moves from run to run; a plan whose I/O is on the
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 from .act_candidates import ActChoice, ActPlanner, fixed_policies, untwinned
+from .act_refine import balance
 from .activations import act_units, peak_bytes_at
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .decide import speculates
@@ -209,12 +211,12 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
             got = e.replays[key] = _score(plan, slow if on_slow else hardware, model, req, policies)[0]
         return got
 
-    choice_of: dict[int, str] = {}  # id(candidate) -> its activation choice's label
+    choice_of: dict[int, ActChoice] = {}  # id(candidate) -> its activation choice
 
     def candidate(label: str, plan: Plan, c: ActChoice) -> Candidate:
         est = score(plan, c.as_dict())
         got = Candidate(label + (f"; activations: {c.label}" if counted else ""), plan, est, c.policies)
-        choice_of[id(got)] = c.label
+        choice_of[id(got)] = c
         return got
 
     # 1. the placements, each with its activation choice of least bound, from the least bound up
@@ -283,8 +285,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # 3. the best's activation choice on the placements it was not replayed with (Note on step 3)
     if not beaten and not many and cands:
         lead = min(cands, key=lambda c: c.estimate.step_s)
-        want, depths = choice_of[id(lead)], (lead.plan.prefetch_depth, lead.plan.optim_prefetch_depth)
-        tried = {_fill_of(c.label) for c in cands if choice_of[id(c)] == want}
+        want, depths = choice_of[id(lead)].label, (lead.plan.prefetch_depth, lead.plan.optim_prefetch_depth)
+        tried = {_fill_of(c.label) for c in cands if choice_of[id(c)].label == want}
         # per fill not tried with it: the placement at the best's depths, else its least bound
         per_fill: dict[str, tuple] = {}
         for i, (_, label, plan, bounds) in enumerate(groups):
@@ -298,7 +300,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         others = sorted(per_fill.values(), key=lambda t: t[1])[:ACT_TOP_PLACEMENTS]
         # and on its own fill at the other weights' prefetch depth of least bound, with or without
         # its head twin (offered by the logits' share of the room: Note on step 3)
-        done = {(id(c.plan), choice_of[id(c)]) for c in cands}
+        done = {(id(c.plan), choice_of[id(c)].label) for c in cands}
         own = [(lb, i, c) for i, (_, label, plan, bounds) in enumerate(groups) for lb, _, c in bounds
                if _fill_of(label) == _fill_of(lead.label) and untwinned(c.label) == untwinned(want)
                and (id(plan), c.label) not in done and plan.prefetch_depth != depths[0]
@@ -310,7 +312,20 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
             cands.append(candidate(groups[i][1], groups[i][2], c))
             best_s = min(best_s, cands[-1].estimate.step_s)
             replayed += 1
-    total = sum(len(g[3]) for g in groups)
+    # 4. the best's mix of partial and recompute, its split moved a unit at a time (act_refine.py)
+    remixed = 0
+    if not beaten and cands:
+        lead = min(cands, key=lambda c: c.estimate.step_s)
+        head = lead.label.split("; activations:")[0]
+
+        def tried(c: ActChoice) -> float:
+            cands.append(candidate(head, lead.plan, c))
+            return cands[-1].estimate.step_s
+
+        remixed = len(balance(acts, choice_of[id(lead)], lead.plan.budgets.activation_bytes, lead.estimate.step_s,
+                              tried))  # fmt: skip
+    replayed += remixed
+    total = sum(len(g[3]) for g in groups) + remixed  # (the mixes made here were not enumerated)
     cands.sort(key=lambda c: c.estimate.step_s)
     if req.prefer is not None:
         best = next((c for c in cands if (c.label, c.activations) == req.prefer), None)
