@@ -55,6 +55,7 @@ from .peaks import peak_bytes
 from .plan import InfeasibleError, Plan, PlanError, Tier, all_on_ssd, fmt_bytes, shard_units
 from .request import Request
 from .schedule import build_schedule
+from .settle import Settled
 from .spec import Budgets
 from .ssd_room import ssd_need_bytes
 
@@ -227,6 +228,10 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # no candidate whose estimate is beyond the reach can win the robust pick; found lazily (the
     # Note on the reach below): `reach_of` is the best it is set by while its slow replay waits
     reach, reach_of, reach_lo = float("inf"), None, float("inf")
+    # candidates whose bound says they cannot be picked are not replayed (settle.py's Note)
+    settled = Settled(on=req.window == 1, give=NOMINAL_GIVE)
+    many = len(units) > MANY_UNITS
+    n_tops, extra_tops = (1, 0) if many else (ACT_TOP_PLACEMENTS, 2)
 
     def beyond_reach(x: float) -> bool:
         """x > reach, the best's slow replay made only where its lower bound cannot say."""
@@ -242,13 +247,15 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
 
     for lb, label, plan, bounds in groups:
         if (
-            len(cands) >= max_replays
+            len(cands) + len(settled.left) >= max_replays
             or _beaten(req, best_s, lb)
             or lb > best_s * (1 + ROBUST_WINDOW)
             or beyond_reach(lb)
         ):
             break
         c = bounds[0][2]
+        if settled.settles(lb, label, plan, c, best_s, tops=(cands, n_tops, extra_tops)):
+            continue
         cands.append(candidate(label, plan, c))
         if cands[-1].estimate.step_s < best_s:
             best = cands[-1]
@@ -271,12 +278,13 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # 2. the other activation choices of the best few placements
     cands.sort(key=lambda c: c.estimate.step_s)
     by_plan = {id(g[2]): g for g in groups}
-    many = len(units) > MANY_UNITS
     beaten = _beaten(req, best_s)
-    for top in [] if beaten else _tops(cands, 1 if many else ACT_TOP_PLACEMENTS, extra=0 if many else 2):
+    for top in [] if beaten else _tops(cands, n_tops, extra=extra_tops):
         _, label, plan, bounds = by_plan[id(top.plan)]
         for lb, _, c in bounds[1:]:
             if not (lb > best_s * (1 + ROBUST_WINDOW) or beyond_reach(lb)):
+                if settled.settles(lb, label, plan, c, best_s):
+                    continue
                 cands.append(candidate(label, plan, c))
                 best_s = min(best_s, cands[-1].estimate.step_s)
                 replayed += 1
@@ -285,6 +293,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         lead = min(cands, key=lambda c: c.estimate.step_s)
         want, depths = choice_of[id(lead)], (lead.plan.prefetch_depth, lead.plan.optim_prefetch_depth)
         tried = {_fill_of(c.label) for c in cands if choice_of[id(c)] == want}
+        tried |= {_fill_of(label) for label, _, c in settled.left if c.label == want}
         # per fill not tried with it: the placement at the best's depths, else its least bound
         per_fill: dict[str, tuple] = {}
         for i, (_, label, plan, bounds) in enumerate(groups):
@@ -298,7 +307,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         others = sorted(per_fill.values(), key=lambda t: t[1])[:ACT_TOP_PLACEMENTS]
         # and on its own fill at the other weights' prefetch depth of least bound, with or without
         # its head twin (offered by the logits' share of the room: Note on step 3)
-        done = {(id(c.plan), choice_of[id(c)]) for c in cands}
+        done = {(id(c.plan), choice_of[id(c)]) for c in cands} | settled.pairs()
         own = [(lb, i, c) for i, (_, label, plan, bounds) in enumerate(groups) for lb, _, c in bounds
                if _fill_of(label) == _fill_of(lead.label) and untwinned(c.label) == untwinned(want)
                and (id(plan), c.label) not in done and plan.prefetch_depth != depths[0]
@@ -307,6 +316,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         for _, lb, i, c in others:
             if lb > min(best_s * (1 + ROBUST_WINDOW), reach):
                 break
+            if settled.settles(lb, groups[i][1], groups[i][2], c, best_s):
+                continue
             cands.append(candidate(groups[i][1], groups[i][2], c))
             best_s = min(best_s, cands[-1].estimate.step_s)
             replayed += 1
