@@ -493,32 +493,65 @@ def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfil
     score: dict[int, float] = {}
     top = float("inf")
     seen: dict[tuple, float] = {}
-    for c in near:
-        e = c.estimate
-        # candidates moving the same bytes in the same time (to TIE_FRAC) fare alike on a slow SSD
-        same = (round(e.step_s / best_s, 2), _rel(e.ssd_read_bytes, ref.ssd_read_bytes),
-                _rel(e.ssd_write_bytes, ref.ssd_write_bytes), _rel(e.h2d_bytes, ref.h2d_bytes))  # fmt: skip
-        if same in seen:
-            score[id(c)] = seen[same]
-            continue
-        acts = dict(c.activations)
-        # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
-        floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads,
-                            micro_batches=req.micro_batches, activations=acts, link=req.link)  # fmt: skip
-        # (a slower SSD never makes a step shorter)
-        if (c.estimate.step_s + max(floor, c.estimate.step_s)) / 2 > top * (1 + TIE_FRAC):
-            continue
+
+    def mean(c: Candidate) -> float:
         if id(c) in slow_s:
             pessimistic = slow_s[id(c)]
         elif on_slow is not None:
-            pessimistic = on_slow(c.plan, acts).step_s
+            pessimistic = on_slow(c.plan, dict(c.activations)).step_s
         else:
-            pessimistic = _score(c.plan, slow, model, req, acts)[0].step_s
-        score[id(c)] = seen[same] = (c.estimate.step_s + pessimistic) / 2
+            pessimistic = _score(c.plan, slow, model, req, dict(c.activations))[0].step_s
+        return (c.estimate.step_s + pessimistic) / 2
+
+    # Note: a candidate dominated is not replayed. One moving more SSD bytes than a candidate
+    # scored whose mean is at most its own least mean is never picked: if it is close to the
+    # least mean, so is that one, which moves fewer bytes. So are the later candidates that would
+    # take its mean (`seen`) where they are dominated by the same; where one is not, the first
+    # is replayed then, as it would have been, and each takes its mean.
+    scored: list[tuple[int, float]] = []  # (SSD bytes, mean) of the candidates scored
+    waiting: dict[tuple, tuple] = {}  # `same` -> (its first candidate, its least mean, the others)
+    for c in near:
+        e = c.estimate
+        moved = e.ssd_read_bytes + e.ssd_write_bytes
+        # candidates moving the same bytes in the same time (to TIE_FRAC) fare alike on a slow SSD
+        same = (round(e.step_s / best_s, 2), _rel(e.ssd_read_bytes, ref.ssd_read_bytes),
+                _rel(e.ssd_write_bytes, ref.ssd_write_bytes), _rel(e.h2d_bytes, ref.h2d_bytes))  # fmt: skip
+        if same in waiting:
+            first, least, others = waiting[same]
+            if _dominated(scored, moved, least):
+                others.append(c)
+                continue
+            del waiting[same]
+            seen[same] = mean(first)
+            for x in (first, *others):
+                score[id(x)] = seen[same]
+            scored.append((first.estimate.ssd_read_bytes + first.estimate.ssd_write_bytes, seen[same]))
+            top = min(top, seen[same])
+        if same in seen:
+            score[id(c)] = seen[same]
+            continue
+        # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
+        floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
+                            activations=dict(c.activations), link=req.link)  # fmt: skip
+        # (a slower SSD never makes a step shorter)
+        least = (e.step_s + max(floor, e.step_s)) / 2
+        if least > top * (1 + TIE_FRAC):
+            continue
+        if id(c) not in slow_s and _dominated(scored, moved, least):
+            waiting[same] = (c, least, [])
+            continue
+        score[id(c)] = seen[same] = mean(c)
+        scored.append((moved, score[id(c)]))
         top = min(top, score[id(c)])
     near = [c for c in near if id(c) in score]
     close = [c for c in near if score[id(c)] <= top * (1 + TIE_FRAC)]
     return min(close, key=lambda c: (c.estimate.ssd_read_bytes + c.estimate.ssd_write_bytes, score[id(c)]))
+
+
+def _dominated(scored: list[tuple[int, float]], moved: int, least: float) -> bool:
+    """A candidate moving `moved` SSD bytes, whose mean is at least `least`, is never the robust
+    pick: a candidate scored moves fewer bytes with a mean no more than that (_robust_pick)."""
+    return any(b < moved and m <= least for b, m in scored)
 
 
 def _rel(x: float, ref: float) -> float:
