@@ -228,8 +228,9 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # no candidate whose estimate is beyond the reach can win the robust pick; found lazily (the
     # Note on the reach below): `reach_of` is the best it is set by while its slow replay waits
     reach, reach_of, reach_lo = float("inf"), None, float("inf")
-    # candidates whose bound says they cannot be picked are not replayed (settle.py's Note)
-    settled = Settled(on=req.window == 1, give=NOMINAL_GIVE)
+    # candidates whose bound says they cannot be picked are not replayed (settle.py's Note; not
+    # where one is asked for by name, Request.prefer, which must be replayed)
+    settled = Settled(on=req.window == 1 and req.prefer is None, give=NOMINAL_GIVE)
     many = len(units) > MANY_UNITS
     n_tops, extra_tops = (1, 0) if many else (ACT_TOP_PLACEMENTS, 2)
 
