@@ -473,3 +473,39 @@ def test_each_model_profile_gets_its_own_activation_sizes_in_the_replay():
     cost._ACTS.clear()
     assert [estimate(plan, h, m, activations=swapped) for m in (long, short)][::-1] == got
     assert got[0].ssd_write_bytes < got[1].ssd_write_bytes  # (the longer sequence saves more)
+
+
+def test_the_shared_activation_sizes_are_kept_per_model_and_forgotten_when_planning_from_nothing():
+    """simulate_act's shared sizes (its Note) live with the model's mapping of activation units:
+    a model's replays share them whatever other models' replays ran in between (the last
+    _SHARED_MAX models' are kept, not one store emptied when full, once in the middle of a point),
+    and peaks.clear_cache (a benchmark's point planned from nothing) forgets them."""
+    from types import SimpleNamespace
+
+    from offloadpp.planner import simulate_act
+    from offloadpp.planner.activations import ActUnit
+    from offloadpp.planner.peaks import clear_cache
+    from offloadpp.planner.simulate_act import ActReplay
+
+    sim = SimpleNamespace(sched=SimpleNamespace(visits=()), costs=SimpleNamespace(forward_s={"a": 1.0},
+                          forward_visit_s=0.5), cuda=True)  # fmt: skip
+    pieces = ((100, 10, 30, 0), (200, 20, 60, 0))
+    saved = {"a": 300}
+
+    def model():
+        return {"a": ActUnit("a", 300, 10, 1, True, partial=90, pieces=pieces)}
+
+    def parts(units):
+        return ActReplay(sim, {"a": "partial_host"}, saved, 2, None, units).forward_parts("a")
+
+    clear_cache()
+    first = model()
+    found = parts(first)
+    others = [model() for _ in range(simulate_act._SHARED_MAX - 1)]
+    assert all(parts(u) is not found for u in others)  # (each model its own)
+    assert parts(first) is found
+    parts(model())  # one more model: the oldest's go
+    assert parts(first) is not found
+    found = parts(first)
+    clear_cache()
+    assert not simulate_act._SHARED and parts(first) is not found

@@ -418,3 +418,21 @@ def test_a_schedule_remembered_by_the_plan_is_built_again_for_a_derived_property
     patched = cached_schedule(plan)
     assert patched is not first and patched == build_schedule(plan)
     assert patched.peak_host_bytes != first.peak_host_bytes
+
+
+def test_the_kept_units_are_released_in_forward_order_whatever_the_sets_order():
+    """schedule._first_alive: the replay and the runtime release the kept units in the order of
+    next_keep_until (simulate.py, executor.py); built from a frozenset, whose order follows the
+    hash seed, it is put in forward order, so a replay does not depend on the seed."""
+    from offloadpp.planner.schedule import _first_alive
+
+    plan = streaming_plan(UNITS, device="cpu", compute_dtype="fp32", prefetch_depth=2, optim_prefetch_depth=8,
+                          deferred_update=True)  # fmt: skip
+    s = build_schedule(plan)
+    names = sorted(s.next_keep)
+    assert len(names) > 2
+    fwd = s.forward_index
+    for order in (names, names[::-1], frozenset(names)):
+        got = _first_alive(s, order)
+        assert list(got) == sorted(names, key=fwd.get)
+    assert list(s.next_keep_until) == sorted(s.next_keep_until, key=fwd.get)

@@ -73,8 +73,11 @@ def _holds_for(plan: Plan) -> tuple[tuple, tuple]:
 
 
 def clear_cache() -> None:
-    """Forgets the holds, unit terms and schedules found so far (benchmarks time planning from
-    nothing)."""
+    """Forgets the holds, unit terms, schedules and activation sizes found so far (benchmarks time
+    planning from nothing)."""
+    from .simulate_act import clear_shared  # (the replay's: imports this module's users)
+
+    clear_shared()
     _HOLDS.clear()
     _TERMS.clear()
     _LAST.clear()

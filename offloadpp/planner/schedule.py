@@ -143,7 +143,14 @@ def structure(plan: Plan) -> Schedule:
 
 
 def _first_alive(sched: Schedule, names) -> dict[str, int]:
-    return {n: next(i for i, a in enumerate(sched.alive) if n in a) for n in names}
+    """Per unit named, the first visit that holds it; in forward order, the order the replay and
+    the runtime release the kept units in (executor.py walks this mapping): `names` is often a
+    frozenset, whose order follows the interpreter's hash seed, and so did the replay's releases."""
+    fwd = sched.forward_index
+    return {
+        n: next(i for i, a in enumerate(sched.alive) if n in a)
+        for n in sorted(names, key=lambda n: (fwd.get(n, len(fwd)), n))
+    }
 
 
 def _keep_across(plan: Plan, sched: Schedule) -> Schedule:

@@ -57,6 +57,7 @@ from .peaks import peak_bytes
 from .plan import InfeasibleError, Plan, PlanError, Tier, all_on_ssd, fmt_bytes, shard_units
 from .request import Request
 from .schedule import build_schedule
+from .settle import Settled
 from .spec import Budgets
 from .ssd_room import ssd_need_bytes
 
@@ -229,6 +230,11 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # no candidate whose estimate is beyond the reach can win the robust pick; found lazily (the
     # Note on the reach below): `reach_of` is the best it is set by while its slow replay waits
     reach, reach_of, reach_lo = float("inf"), None, float("inf")
+    # candidates whose bound says they cannot be picked are not replayed (settle.py's Note; not
+    # where one is asked for by name, Request.prefer, which must be replayed)
+    settled = Settled(on=req.window == 1 and req.prefer is None, give=NOMINAL_GIVE)
+    many = len(units) > MANY_UNITS
+    n_tops, extra_tops = (1, 0) if many else (ACT_TOP_PLACEMENTS, 2)
 
     def beyond_reach(x: float) -> bool:
         """x > reach, the best's slow replay made only where its lower bound cannot say."""
@@ -244,13 +250,15 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
 
     for lb, label, plan, bounds in groups:
         if (
-            len(cands) >= max_replays
+            len(cands) + len(settled.left) >= max_replays
             or _beaten(req, best_s, lb)
             or lb > best_s * (1 + ROBUST_WINDOW)
             or beyond_reach(lb)
         ):
             break
         c = bounds[0][2]
+        if settled.settles(lb, label, plan, c, best_s, tops=(cands, n_tops, extra_tops)):
+            continue
         cands.append(candidate(label, plan, c))
         if cands[-1].estimate.step_s < best_s:
             best = cands[-1]
@@ -273,12 +281,13 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # 2. the other activation choices of the best few placements
     cands.sort(key=lambda c: c.estimate.step_s)
     by_plan = {id(g[2]): g for g in groups}
-    many = len(units) > MANY_UNITS
     beaten = _beaten(req, best_s)
-    for top in [] if beaten else _tops(cands, 1 if many else ACT_TOP_PLACEMENTS, extra=0 if many else 2):
+    for top in [] if beaten else _tops(cands, n_tops, extra=extra_tops):
         _, label, plan, bounds = by_plan[id(top.plan)]
         for lb, _, c in bounds[1:]:
             if not (lb > best_s * (1 + ROBUST_WINDOW) or beyond_reach(lb)):
+                if settled.settles(lb, label, plan, c, best_s):
+                    continue
                 cands.append(candidate(label, plan, c))
                 best_s = min(best_s, cands[-1].estimate.step_s)
                 replayed += 1
@@ -287,6 +296,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         lead = min(cands, key=lambda c: c.estimate.step_s)
         want, depths = choice_of[id(lead)].label, (lead.plan.prefetch_depth, lead.plan.optim_prefetch_depth)
         tried = {_fill_of(c.label) for c in cands if choice_of[id(c)].label == want}
+        tried |= {_fill_of(label) for label, _, c in settled.left if c.label == want}
         # per fill not tried with it: the placement at the best's depths, else its least bound
         per_fill: dict[str, tuple] = {}
         for i, (_, label, plan, bounds) in enumerate(groups):
@@ -300,7 +310,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         others = sorted(per_fill.values(), key=lambda t: t[1])[:ACT_TOP_PLACEMENTS]
         # and on its own fill at the other weights' prefetch depth of least bound, with or without
         # its head twin (offered by the logits' share of the room: Note on step 3)
-        done = {(id(c.plan), choice_of[id(c)].label) for c in cands}
+        done = {(id(c.plan), choice_of[id(c)].label) for c in cands} | settled.pairs()
         own = [(lb, i, c) for i, (_, label, plan, bounds) in enumerate(groups) for lb, _, c in bounds
                if _fill_of(label) == _fill_of(lead.label) and untwinned(c.label) == untwinned(want)
                and (id(plan), c.label) not in done and plan.prefetch_depth != depths[0]
@@ -309,6 +319,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         for _, lb, i, c in others:
             if lb > min(best_s * (1 + ROBUST_WINDOW), reach):
                 break
+            if settled.settles(lb, groups[i][1], groups[i][2], c, best_s):
+                continue
             cands.append(candidate(groups[i][1], groups[i][2], c))
             best_s = min(best_s, cands[-1].estimate.step_s)
             replayed += 1
@@ -497,32 +509,65 @@ def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfil
     score: dict[int, float] = {}
     top = float("inf")
     seen: dict[tuple, float] = {}
-    for c in near:
-        e = c.estimate
-        # candidates moving the same bytes in the same time (to TIE_FRAC) fare alike on a slow SSD
-        same = (round(e.step_s / best_s, 2), _rel(e.ssd_read_bytes, ref.ssd_read_bytes),
-                _rel(e.ssd_write_bytes, ref.ssd_write_bytes), _rel(e.h2d_bytes, ref.h2d_bytes))  # fmt: skip
-        if same in seen:
-            score[id(c)] = seen[same]
-            continue
-        acts = dict(c.activations)
-        # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
-        floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads,
-                            micro_batches=req.micro_batches, activations=acts, link=req.link)  # fmt: skip
-        # (a slower SSD never makes a step shorter)
-        if (c.estimate.step_s + max(floor, c.estimate.step_s)) / 2 > top * (1 + TIE_FRAC):
-            continue
+
+    def mean(c: Candidate) -> float:
         if id(c) in slow_s:
             pessimistic = slow_s[id(c)]
         elif on_slow is not None:
-            pessimistic = on_slow(c.plan, acts).step_s
+            pessimistic = on_slow(c.plan, dict(c.activations)).step_s
         else:
-            pessimistic = _score(c.plan, slow, model, req, acts)[0].step_s
-        score[id(c)] = seen[same] = (c.estimate.step_s + pessimistic) / 2
+            pessimistic = _score(c.plan, slow, model, req, dict(c.activations))[0].step_s
+        return (c.estimate.step_s + pessimistic) / 2
+
+    # Note: a candidate dominated is not replayed. One moving more SSD bytes than a candidate
+    # scored whose mean is at most its own least mean is never picked: if it is close to the
+    # least mean, so is that one, which moves fewer bytes. So are the later candidates that would
+    # take its mean (`seen`) where they are dominated by the same; where one is not, the first
+    # is replayed then, as it would have been, and each takes its mean.
+    scored: list[tuple[int, float]] = []  # (SSD bytes, mean) of the candidates scored
+    waiting: dict[tuple, tuple] = {}  # `same` -> (its first candidate, its least mean, the others)
+    for c in near:
+        e = c.estimate
+        moved = e.ssd_read_bytes + e.ssd_write_bytes
+        # candidates moving the same bytes in the same time (to TIE_FRAC) fare alike on a slow SSD
+        same = (round(e.step_s / best_s, 2), _rel(e.ssd_read_bytes, ref.ssd_read_bytes),
+                _rel(e.ssd_write_bytes, ref.ssd_write_bytes), _rel(e.h2d_bytes, ref.h2d_bytes))  # fmt: skip
+        if same in waiting:
+            first, least, others = waiting[same]
+            if _dominated(scored, moved, least):
+                others.append(c)
+                continue
+            del waiting[same]
+            seen[same] = mean(first)
+            for x in (first, *others):
+                score[id(x)] = seen[same]
+            scored.append((first.estimate.ssd_read_bytes + first.estimate.ssd_write_bytes, seen[same]))
+            top = min(top, seen[same])
+        if same in seen:
+            score[id(c)] = seen[same]
+            continue
+        # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
+        floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
+                            activations=dict(c.activations), link=req.link)  # fmt: skip
+        # (a slower SSD never makes a step shorter)
+        least = (e.step_s + max(floor, e.step_s)) / 2
+        if least > top * (1 + TIE_FRAC):
+            continue
+        if id(c) not in slow_s and _dominated(scored, moved, least):
+            waiting[same] = (c, least, [])
+            continue
+        score[id(c)] = seen[same] = mean(c)
+        scored.append((moved, score[id(c)]))
         top = min(top, score[id(c)])
     near = [c for c in near if id(c) in score]
     close = [c for c in near if score[id(c)] <= top * (1 + TIE_FRAC)]
     return min(close, key=lambda c: (c.estimate.ssd_read_bytes + c.estimate.ssd_write_bytes, score[id(c)]))
+
+
+def _dominated(scored: list[tuple[int, float]], moved: int, least: float) -> bool:
+    """A candidate moving `moved` SSD bytes, whose mean is at least `least`, is never the robust
+    pick: a candidate scored moves fewer bytes with a mean no more than that (_robust_pick)."""
+    return any(b < moved and m <= least for b, m in scored)
 
 
 def _rel(x: float, ref: float) -> float:

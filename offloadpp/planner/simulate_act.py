@@ -90,17 +90,11 @@ def _per_unit(f, shared: bool = True):
             memo = self._memos[name] = {}
         got = memo.get(unit, _MISSING)
         if got is _MISSING:
-            if shared and self._src is not None:
-                src = self._src.get(unit)
-                key = (name, unit, self._given.get(unit, "keep"), id(src), self._src_bytes.get(unit))
-                e = _SHARED.get(key)
-                if e is not None and e[0] is src:
-                    got = e[1]
-                else:
-                    got = f(self, unit)
-                    if len(_SHARED) >= _SHARED_MAX:
-                        _SHARED.clear()
-                    _SHARED[key] = (src, got)  # (the unit's profile held: its id is not reused)
+            if shared and self._shared is not None:
+                key = (name, unit, self._given.get(unit, "keep"), self._src_bytes.get(unit))
+                got = self._shared.get(key, _MISSING)
+                if got is _MISSING:
+                    got = self._shared[key] = f(self, unit)
                 memo[unit] = got
             else:
                 got = memo[unit] = f(self, unit)
@@ -112,10 +106,33 @@ def _per_unit(f, shared: bool = True):
 # Note: shared sizes. The replays of a search (dozens a point) share the model's activation units
 # (cost._model_acts: one mapping per model profile) and differ in their policies, so a unit's
 # sizes and shares (forward_parts, _recomputed, ...: functions of the unit's profile, its saved
-# bytes and its policy as given) are found once per (unit, policy) and kept here, keyed by the
-# unit's profile's identity (held in the entry) and its saved bytes; values are tuples and ints.
-_SHARED: dict[tuple, tuple] = {}
-_SHARED_MAX = 50_000
+# bytes and its policy as given) are found once per (unit, policy) and kept with that mapping:
+# per mapping of units (held in the entry, so its id is not reused), the last _SHARED_MAX
+# mappings'. Kept per model, not in one store emptied when full, a point's cost does not depend
+# on what was planned before it (the store once filled up every ~25 points of a sweep and was
+# emptied in the middle of one); values are tuples and ints.
+_SHARED: dict[int, tuple] = {}
+_SHARED_MAX = 4
+
+
+def shared_sizes(units: Optional[Mapping[str, ActUnit]]) -> Optional[dict]:
+    """The shared sizes of the replays given `units` (the Note above; a mapping not changed while
+    replays use it, as cost._model_acts'); None: none shared (no units)."""
+    if not units:
+        return None
+    e = _SHARED.get(id(units))
+    if e is not None and e[0] is units:
+        return e[1]
+    if len(_SHARED) >= _SHARED_MAX:
+        _SHARED.pop(next(iter(_SHARED)))
+    memo: dict = {}
+    _SHARED[id(units)] = (units, memo)
+    return memo
+
+
+def clear_shared() -> None:
+    """Forgets every model's shared sizes (benchmarks time planning from nothing)."""
+    _SHARED.clear()
 
 
 _MISSING = object()
@@ -159,7 +176,7 @@ class ActReplay(Fetching, Releasing):
         self.sim = sim
         self._memos: dict[str, dict] = {}  # _per_unit's: method -> unit -> its value
         self._given = policies  # (as given: the shared sizes' key, _per_unit)
-        self._src, self._src_bytes = units, act_bytes
+        self._shared, self._src_bytes = shared_sizes(units), act_bytes
         self.policies = dict(policies)
         self.act_bytes = dict(act_bytes)
         # per unit: its checkpoint (inputs) and partial bytes (planner/activations.py ActUnit)
