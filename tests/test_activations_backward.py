@@ -116,16 +116,21 @@ def test_a_swapped_partial_piece_releases_what_only_its_recompute_read(store, da
 def test_a_swapped_piece_releases_a_storage_once_backward_is_done_with_it(
     store, data, monkeypatch, kind, policy
 ):
-    """A swapped partial piece releases each storage its saved tensors are on once the backward
-    nodes that read them are done (recompute.py, Note on release within a piece), not at the next
+    """On the stand-in (the GPU's copy path: records fetched into storages of their own), a
+    swapped partial piece releases each storage its saved tensors are on once the backward nodes
+    that read them are done (recompute.py, Note on release within a piece), not at the next
     piece: each block's MLP releases its kept inputs to the activation (c_fc's output; gate's and
     up's) while its own backward still runs and the pieces before it are still to recompute, and
-    recomputed bytes leave the account before their piece ends. The replay's piece_freed
-    (planner/simulate_act.py `_marks`); random profile 8's Llama 7B b128 at 1.137x the time per
-    token of b64 without it. The gradients stay the run's without swapping, the account ends at
-    zero, and the peak is no higher than holding each piece to its end."""
+    recomputed bytes leave the account before their piece ends, each storage gone by then. The
+    replay's piece_freed (planner/simulate_act.py `_marks`); random profile 8's Llama 7B b128 at
+    1.137x the time per token of b64 without it. The gradients stay the run's without swapping,
+    the account ends at zero, and the peak is no higher than holding each piece to its end."""
+    from conftest import set_device
+
     from offloadpp.runtime.activations.records import RecState
     from offloadpp.runtime.activations.states import SegState
+
+    set_device(monkeypatch, "standin")
 
     ref = tiny_gpt2(dropout=0.0) if kind == "gpt2" else tiny_llama()
     _, want = run_step(copy.deepcopy(ref), data)
@@ -145,9 +150,12 @@ def test_a_swapped_piece_releases_a_storage_once_backward_is_done_with_it(
         return release(self, rec)
 
     def sweeping(self):
+        ours = {k for k, n in self._bytes.items() if n}  # (its recomputed storages not yet released)
         was, done = self.recomputed_bytes, sweep(self)
         if self.recomputed_bytes < was and not self.finished:
             freed.append(was - self.recomputed_bytes)
+        # what left the account is gone: no node is still reading it
+        assert all(k.expired() for k in ours - set(self._bytes)), "released while still read"
         return done
 
     peaks = {}

@@ -101,7 +101,8 @@ and the next block's MLP records (3.19 GiB) come back during it in a 6.66 GiB ro
 
 Note: the release within a piece. A swapped piecewise unit's piece (partial_host, partial_ssd and
 recompute_pieces_host/ssd, not a tail) releases each of its saved tensors' storages once the
-backward nodes that read them are done (runtime/activations/saves.py `_release_done`), not at the
+backward nodes that read them are done (runtime/activations/saves.py `_release_done`; a record
+where it has device memory of its own: the replay splits pieces there on CUDA only), not at the
 next piece: a Llama attention's rotated q/k, v, output and statistics once the attention's
 backward ran, the MLP's gate and up once down's did (UnitProfile.piece_freed). Random profile 8,
 Llama 7B b128 (9.21 GiB room): the attention held 6.02 GiB to its end, so the next block's MLP

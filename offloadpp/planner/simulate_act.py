@@ -473,6 +473,10 @@ class ActReplay(Releasing):
         brings nothing back sooner, and each part costs the replay a visit's work."""
         if self.held_back and self._releasing(unit):
             return self._release_parts(unit)
+        if self.sim.cuda:  # (pieces that release bytes before they end: split there, see _marks)
+            shares = self._marks(unit)[0]
+            if shares:
+                return shares
         return self.backward_parts_of(unit)
 
     @_per_unit
@@ -480,9 +484,6 @@ class ActReplay(Releasing):
         """The unit's backward as shares of its compute: one, or a partial unit's pieces last to
         first (their shares as in forward_parts), between which `next_piece` releases what the
         pieces done held."""
-        shares, _ = self._marks(unit)
-        if shares:  # (pieces that release bytes before they end: split there)
-            return shares
         if self._window_chunks(unit) or self._sub_parts(unit):  # (a window's: the micro-batches together)
             pieces = self._piece_bytes(unit)
             return tuple(reversed(self._piece_shares(unit))) if sum(pieces) > 0 else (1.0,)
@@ -508,22 +509,23 @@ class ActReplay(Releasing):
             now = min(self.counted[unit], self._left_after(unit, part))
         else:
             nows = self._left_peaks(unit)
-            now = nows.get(part)
+            marks = self._marks(unit)[1] if self.sim.cuda else ()
+            now = nows.get((part, bool(marks)))
             if now is None:
                 u = self.units[unit]
-                marks = self._marks(unit)[1]
                 done, freed = marks[part] if marks else (part, 0)
                 left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
                 if left and self.policy(unit) in RELEASES_REPLAYED:
                     left[-1] -= u.pieces[len(left) - 1][3] + freed
-                now = nows[part] = max(left) if left else 0
+                now = nows[(part, bool(marks))] = max(left) if left else 0
         self.device_bytes -= self.counted[unit] - now
         self.counted[unit] = now
 
     @_per_unit
     def _left_peaks(self, unit: str) -> dict[int, int]:
-        """next_piece's bytes held at each part of the unit's backward, by part: filled as asked
-        (a function of the unit and its policy alone, as the other sizes here)."""
+        """next_piece's bytes held at each part of the unit's backward, by (part, split at its
+        releases: _marks): filled as asked (a function of the unit and its policy alone, as the
+        other sizes here)."""
         return {}
 
     @_per_unit
@@ -533,7 +535,8 @@ class ActReplay(Releasing):
         backward's parts, pieces last to first and each split where it releases, as (their shares
         of its compute, per part (the pieces done before it, the bytes its piece released by its
         start)); ((), ()) for any other unit (and a vertical window's, a tail's: their parts are
-        their pieces)."""
+        their pieces). On CUDA only (backward_parts): on the CPU device a fetched record is a host
+        buffer, which the runtime releases only at the next unit."""
         u = self.units.get(unit)
         if (
             u is None

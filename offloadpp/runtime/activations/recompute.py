@@ -42,11 +42,12 @@ SavedRefs' records are released at the next unit (backward.py, Note on release) 
 
 Note: release within a piece. A swapped piece of a piecewise unit (partial_host, partial_ssd,
 recompute_pieces_host/ssd; not a tail's) releases each storage its saved tensors are on once
-backward is done with it: every tensor on it taken, and each of those dropped, as autograd drops
-a node's unpacked tensors once the node ran (`sweep`, at each unpack that follows: the account
-never leaves a tensor a node is still reading). Its recomputed bytes leave the account; a
-record's storage (a kept output fetched back) is released by the manager (saves.py
-`_release_done`). Held until the piece's end instead, a Llama attention's rotated q/k, v, output
+backward is done with it: every tensor on it taken, and none left on it but the runtime's own,
+as autograd drops a node's unpacked tensors once the node ran (`sweep`, at each unpack that
+follows; a tensor handed to a node is held there until it ran, so the account never leaves a
+storage a node is still reading, and a record's host buffer goes back to its pool only then).
+Its recomputed bytes leave the account; a record's storage (a kept output fetched back) is
+released by the manager (saves.py `_release_done`). Held until the piece's end instead, a Llama attention's rotated q/k, v, output
 and statistics, which its backward is done with a third of the way in, kept the next block's
 records from coming back during it (random profile 8, Llama 7B b128: 1.137x the time per token
 of b64; planner/activations.py, Note on the release within a piece).
@@ -146,12 +147,11 @@ class Segment:
         self.boundary_bytes = 0  # nested: its boundaries' bytes, held until the segment is done
         # a swapped piece's (see the Note on release within a piece): its saved tensors' storages
         # released once the nodes that read them are done; per storage the indices not taken
-        # yet, its recomputed bytes (0: a record's, the manager releases it), the tensors taken
+        # yet and its recomputed bytes (0: a record's, the manager releases it)
         self.release_storages = False
         self._keys: list = []
         self._pending: dict = {}
         self._bytes: dict = {}
-        self._handed: list = []  # (a weak reference to a tensor taken, its storage's key)
         self.freed = 0  # bytes released by `take` since the manager last took them off its account
         self.last_piece_start = -1  # the saved-tensor index the last piece's call started at, in forward
         self.piece_depth = 0  # (forward: inside a piece's call)
@@ -382,9 +382,7 @@ class Segment:
         self.tensors[index] = None
         self.taken += 1
         if self._keys:
-            key = self._keys[index]
-            self._pending[key] -= 1
-            self._handed.append((weakref.ref(t), key))
+            self._pending[self._keys[index]] -= 1
         for p in self.pieces:
             if p.start <= index < p.end:
                 p.taken += 1
@@ -413,23 +411,19 @@ class Segment:
 
     def sweep(self) -> list:
         """The storages backward is done with since the last sweep (see the Note on release within
-        a piece): every tensor on them taken, and none of those still alive (autograd drops a
-        node's unpacked tensors once it ran). Their recomputed bytes leave the account (`freed`);
-        the records' storages among them are returned, for the manager to release."""
-        if not self._handed:
-            return []
-        live = set()
-        handed = []
-        for ref, key in self._handed:
-            if ref() is not None:
-                live.add(key)
-                handed.append((ref, key))
-        self._handed = handed
-        done = [k for k, n in self._pending.items() if n == 0 and k not in live]
+        a piece): every tensor on them taken, and no tensor on them left but the runtime's own (a
+        node holds what it unpacked until it ran): a recomputed storage gone, a record's held by
+        its SavedStorage alone (its `storage`: one reference). Their recomputed bytes leave the
+        account (`freed`); the records' storages among them are returned, for the manager to
+        release."""
         records = []
-        for key in done:
-            del self._pending[key]
-            nbytes = self._bytes.pop(key)
+        for key, n in list(self._pending.items()) if self._pending else ():
+            if n:
+                continue
+            nbytes = self._bytes[key]
+            if (not key.expired()) if nbytes else torch._C._storage_Use_Count(key.cdata) > 1:
+                continue  # (still read)
+            del self._pending[key], self._bytes[key]
             if nbytes:
                 self._release(self.recomputed_bytes - nbytes)
             else:
@@ -448,7 +442,7 @@ class Segment:
 
     def drop(self) -> None:
         self.tensors = None
-        self._keys, self._pending, self._bytes, self._handed = [], {}, {}, []
+        self._keys, self._pending, self._bytes = [], {}, {}
         self.releases = []
         self.args = self.kwargs = None
         self.log = None
