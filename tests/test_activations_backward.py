@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from test_activations import data, run_step, store, tiny_gpt2, tiny_llama
+from test_activations import data, one_block_under_budget, run_step, store, tiny_gpt2, tiny_llama
 
 from offloadpp.planner import ActivationSettings
 from offloadpp.runtime.activations import recompute, saves, swap
@@ -124,7 +124,8 @@ def test_a_swapped_piece_releases_a_storage_once_backward_is_done_with_it(
     recomputed bytes leave the account before their piece ends, each storage gone by then. The
     replay's piece_freed (planner/simulate_act.py `_marks`); random profile 8's Llama 7B b128 at
     1.137x the time per token of b64 without it. The gradients stay the run's without swapping,
-    the account ends at zero, and the peak is no higher than holding each piece to its end."""
+    the account ends at zero, and under a budget of 90% of what a block saves the peak stays
+    within it."""
     from conftest import set_device
 
     from offloadpp.runtime.activations.records import RecState
@@ -158,24 +159,25 @@ def test_a_swapped_piece_releases_a_storage_once_backward_is_done_with_it(
         assert all(k.expired() for k in ours - set(self._bytes)), "released while still read"
         return done
 
-    peaks = {}
-    for on in (False, True):
-        model = copy.deepcopy(ref)
-        cfg = ActivationSettings(policy=policy, overrides={"head": "keep"}, min_swap_bytes=0)
-        with monkeypatch.context() as m:
-            if on:
-                m.setattr(swap.Swapper, "release", releasing)
-                m.setattr(recompute.Segment, "sweep", sweeping)
-            else:  # (each piece held to its end, as before)
-                m.setattr(recompute.Segment, "sweep", lambda self: [])
-            with ActivationManager.for_model(model, cfg, store=store) as mgr:
-                _, got = run_step(model, data, mgr)
-                assert mgr.swapper.device_bytes == 0
-                peaks[on] = mgr.stats().peak_device_bytes
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    monkeypatch.setattr(swap.Swapper, "release", releasing)
+    monkeypatch.setattr(recompute.Segment, "sweep", sweeping)
+    model = copy.deepcopy(ref)
+    cfg = ActivationSettings(policy=policy, overrides={"head": "keep"}, min_swap_bytes=0)
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        _, got = run_step(model, data, mgr)
+        assert mgr.swapper.device_bytes == 0
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     blocks = ref.config.num_hidden_layers
     x, inner = data.numel() * 64 * 4, data.numel() * (256 if kind == "gpt2" else 128) * 4  # (fp32)
     # (the projection's output at the recompute, `_release_replayed`; c_fc's, or gate's and up's)
     want_early = [x, inner] if kind == "gpt2" else [x, inner, inner]
     assert len(early) == blocks and all(sorted(v) == want_early for v in early.values()), early
-    assert freed and peaks[True] <= peaks[False], (freed, peaks)
+    assert freed
+    # under a budget of 90% of what a block saves: within it, the same gradients
+    x, ref, want, _, budget = one_block_under_budget()
+    model = copy.deepcopy(ref)
+    cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0)
+    with ActivationManager.for_model(model, cfg, store=store) as mgr:
+        _, got = run_step(model, x, mgr)
+        assert mgr.stats().peak_device_bytes <= budget and mgr.swapper.device_bytes == 0
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
