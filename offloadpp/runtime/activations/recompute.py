@@ -47,10 +47,12 @@ as autograd drops a node's unpacked tensors once the node ran (`sweep`, at each 
 follows; a tensor handed to a node is held there until it ran, so the account never leaves a
 storage a node is still reading, and a record's host buffer goes back to its pool only then).
 Its recomputed bytes leave the account; a record's storage (a kept output fetched back) is
-released by the manager (saves.py `_release_done`). Held until the piece's end instead, a Llama attention's rotated q/k, v, output
-and statistics, which its backward is done with a third of the way in, kept the next block's
-records from coming back during it (random profile 8, Llama 7B b128: 1.137x the time per token
-of b64; planner/activations.py, Note on the release within a piece).
+released by the manager (saves.py `_release_done`): where it has device memory of its own (on
+the CPU device the record's storage is its pooled host buffer, never held by the record alone).
+Held until the piece's end instead, a Llama attention's rotated q/k, v, output and statistics,
+which its backward is done with a third of the way in, kept the next block's records from
+coming back during it (random profile 8, Llama 7B b128: 1.137x the time per token of b64;
+planner/activations.py, Note on the release within a piece).
 
 Note: KV caches. Hugging Face models hand each block a cache object (even in training) that the
 block appends its keys and values to: running the block again would append them twice and
