@@ -99,6 +99,18 @@ them (simulate_act.py `_hold`), as the runtime's reserve does (backward.py, Note
 reserve). Llama 7B b64 on random profile 29: the attention's backward holds 3.01 GiB, not 4.51,
 and the next block's MLP records (3.19 GiB) come back during it in a 6.66 GiB room.
 
+Note: the release within a piece. A swapped piecewise unit's piece (partial_host, partial_ssd and
+recompute_pieces_host/ssd, not a tail) releases each of its saved tensors' storages once the
+backward nodes that read them are done (runtime/activations/saves.py `_release_done`; a record
+where it has device memory of its own: the replay splits pieces there on CUDA only), not at the
+next piece: a Llama attention's rotated q/k, v, output and statistics once the attention's
+backward ran, the MLP's gate and up once down's did (UnitProfile.piece_freed). Random profile 8,
+Llama 7B b128 (9.21 GiB room): the attention held 6.02 GiB to its end, so the next block's MLP
+records (7.38 GiB) came back only after it, in series with the compute (1.137x the time per
+token of b64); holding 2 GiB from a third of its backward on, they come back during it (1.030x).
+The need still counts each piece's peak (at its recompute), the replay the bytes it holds from
+each release on (simulate_act.py `_marks`).
+
 Note: pieces. A recompute_pieces* unit (runtime/activations/manager.py, Note on pieces) runs
 each child of its root as its own recompute segment from its own checkpoint: it is partial
 without the operator log. So it is counted as the same unit seen as partial with no kept outputs
@@ -211,6 +223,9 @@ class ActUnit:
     # per piece, the storages of its kept outputs in save order (UnitProfile.piece_kept; () not known)
     piece_kept: tuple[tuple[int, ...], ...] = ()
     piece_kept_at: tuple[tuple[float, ...], ...] = ()  # (when each is saved: UnitProfile.piece_kept_at)
+    # per piece, what its backward is done with before it ends (UnitProfile.piece_freed; see the
+    # Note on the release within a piece)
+    piece_freed: tuple[tuple[tuple[float, int], ...], ...] = ()
     # a causal LM's head (see the Note on the head's loss): of `saved`, the logits a recompute
     # computes again chunk by chunk, and the loss's input, kept beside the checkpoint; the
     # logits' gradient its backward holds whole (the model's own loss, not fused); 0 elsewhere
@@ -473,7 +488,7 @@ def act_units(model: Profiled) -> tuple[ActUnit, ...]:
                 if u.fused_loss else {"grad": u.logits_bytes})  # fmt: skip
         out.append(ActUnit(u.name, u.activation_bytes, prev, u.forward_flops, u.backward_needs_weights,
                            u.partial_bytes, u.partial_extra_bytes, u.pieces, piece_kept=u.piece_kept, **loss,
-                           piece_kept_at=u.piece_kept_at, micro_batches=g,
+                           piece_kept_at=u.piece_kept_at, piece_freed=u.piece_freed, micro_batches=g,
                            last_piece_share=u.last_piece_share))  # fmt: skip
         prev = u.output_bytes
     return tuple(out)

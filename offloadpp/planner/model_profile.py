@@ -55,6 +55,12 @@ class UnitProfile:
     # and for each of those storages the share of its piece's forward FLOPs run when it is saved
     # (the end of the matmul or attention that makes it); () where not known
     piece_kept_at: tuple[tuple[float, ...], ...] = ()
+    # per piece, the bytes of its saved tensors that its backward is done with before it ends, as
+    # (share of the piece's backward FLOPs run when the node that last reads them is done, bytes),
+    # in backward order: a swapped piece's backward releases them then (runtime/activations/
+    # saves.py `_release_done`; planner/activations.py, Note on the release within a piece); ()
+    # where not known: held until the piece's backward ends
+    piece_freed: tuple[tuple[tuple[float, int], ...], ...] = ()
     # of forward_flops, the share in the root's last child (a block's MLP), which a nested recompute
     # runs once (runtime/activations/nested.py, Note on nested); 0: not known (it runs twice)
     last_piece_share: float = 0.0
@@ -107,6 +113,18 @@ class UnitProfile:
             raise ModelProfileError(
                 f"unit {self.name!r}: piece_kept_at must give, for each of piece_kept's storages, a "
                 f"non-decreasing share of its piece's FLOPs in [0, 1], got {[list(a) for a in at]}"
+            )
+
+        freed = self.piece_freed
+        if freed and (
+            len(freed) != len(self.pieces)
+            or any(not 0 <= a <= b <= 1 for f in freed for (a, _), (b, _) in zip(((0.0, 0),) + tuple(f), f))
+            or any(not isinstance(n, int) or n < 0 for f in freed for _, n in f)
+            or any(sum(n for _, n in f) > p[0] for f, p in zip(freed, self.pieces))
+        ):
+            raise ModelProfileError(
+                f"unit {self.name!r}: piece_freed must give, for each piece, (share of its backward, bytes) "
+                f"pairs of non-decreasing shares in [0, 1] and at most the piece's saved bytes, got {freed!r}"
             )
 
     def spec(self) -> UnitSpec:
@@ -224,7 +242,9 @@ class ModelProfile:
             UnitProfile(**{**u, "borrows": tuple(u.get("borrows", ())),
                            "pieces": tuple(tuple(int(x) for x in p) for p in u.get("pieces", ())),
                            "piece_kept": tuple(tuple(int(x) for x in p) for p in u.get("piece_kept", ())),
-                           "piece_kept_at": tuple(tuple(float(x) for x in p) for p in u.get("piece_kept_at", ()))})
+                           "piece_kept_at": tuple(tuple(float(x) for x in p) for p in u.get("piece_kept_at", ())),
+                           "piece_freed": tuple(tuple((float(a), int(n)) for a, n in p)
+                                                for p in u.get("piece_freed", ()))})
             for u in d["units"]
         )  # fmt: skip
         kw["gemms"] = tuple(tuple(int(x) for x in g) for g in d.get("gemms", ()))
@@ -391,11 +411,19 @@ def analytic_profile(
         )  # (q/k/v's, the attention's, o_proj's; gate, up, down)
         fl = (q, k, k, attn_flops * eb / (2 * d), 0, q)  # (the FLOPs that make each, over 2 x width / eb)
         kept_at = ((), tuple(sum(fl[: i + 1]) / sum(fl) for i in range(len(fl))), (), (1 / 3, 2 / 3, 1.0))
+        # what each piece's backward is done with before it ends (see UnitProfile.piece_freed): a
+        # norm's output once its first node (the weight's product) ran; the attention's rotated
+        # q/k, v, output and statistics once o_proj's and the attention's backward ran (its input,
+        # read by q/k/v's projections, to the end); the MLP's gate and up once down's backward ran
+        # (swiglu.py: one node), its input to the end. Each op's backward is twice its forward.
+        o_at = (2 * t * heads * hd * d + attn_flops) / (2 * t * (lin - 3 * d * ff) + attn_flops)
+        freed = (((0.0, x),), ((o_at, 2 * q + 2 * k + lse),), ((0.0, x),), ((1 / 3, GATED_MLP_SAVED * f),))
         units += [
             UnitProfile(f"model.layers.{i}", block_numel, 2 * t * lin + attn_flops, 2 * (2 * t * lin + attn_flops),
                         act_elems * eb, t * d * eb, partial_bytes=sum(p[2] for p in pieces),
                         partial_extra_bytes=sum(p[3] for p in pieces), pieces=pieces, piece_kept=kept,
-                        piece_kept_at=kept_at, last_piece_share=6 * t * d * ff / (2 * t * lin + attn_flops))
+                        piece_kept_at=kept_at, piece_freed=freed,
+                        last_piece_share=6 * t * d * ff / (2 * t * lin + attn_flops))
             for i in range(n_layer)
         ]  # fmt: skip
         units.append(UnitProfile("head", d + (0 if tied else vocab * d), 2 * t * d * vocab, 4 * t * d * vocab,

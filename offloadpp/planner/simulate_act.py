@@ -496,6 +496,10 @@ class ActReplay(Fetching, Releasing):
         brings nothing back sooner, and each part costs the replay a visit's work."""
         if self.held_back and self._releasing(unit):
             return self._release_parts(unit)
+        if self.sim.cuda:  # (pieces that release bytes before they end: split there, see _marks)
+            shares = self._marks(unit)[0]
+            if shares:
+                return shares
         return self.backward_parts_of(unit)
 
     @_per_unit
@@ -508,41 +512,79 @@ class ActReplay(Fetching, Releasing):
             return tuple(reversed(self._piece_shares(unit))) if sum(pieces) > 0 else (1.0,)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
 
-    def next_piece(self, unit: str, done: int) -> None:
-        """`done` pieces of a partial unit's backward are done (the last ones in forward order):
-        it now holds the most any piece left holds (backward_bytes piece by piece), and the
-        room freed lets the next units' activations come back, as the runtime releases a
-        piece's records at the next piece's recompute."""
-        self._hold(unit, done)
+    def next_piece(self, unit: str, part: int) -> None:
+        """Part `part` of a partial unit's backward (backward_parts) starts: its pieces before it
+        are done (the last ones in forward order), or its piece released what its backward is
+        done with (_marks): it now holds the most any piece left holds (backward_bytes piece by
+        piece), and the room freed lets the next units' activations come back, as the runtime
+        releases a piece's records at the next piece's recompute, and a swapped piece's storages
+        once the nodes that read them are done."""
+        self._hold(unit, part)
         if self.reading:
             self._copy_up_read()
         self._prefetch_after(unit)
 
-    def _hold(self, unit: str, done: int) -> None:
-        """A partial unit with `done` pieces' backward done and the next one's recompute run holds
-        the most any piece left holds (piece_peaks), the one now running without its kept outputs
-        autograd did not save where they were fetched back (released once its recompute ran:
-        runtime/activations/saves.py `_release_replayed`; planner/activations.py, Note on the
-        release)."""
-        if self._releasing(unit):
-            now = min(self.counted[unit], self._left_after(unit, done))
+    def _hold(self, unit: str, part: int) -> None:
+        """A partial unit at part `part` of its backward, its pieces before it done and the
+        current one's recompute run, holds the most any piece left holds (piece_peaks), the one
+        now running without its kept outputs autograd did not save where they were fetched back
+        (released once its recompute ran: runtime/activations/saves.py `_release_replayed`;
+        planner/activations.py, Note on the release) and without what it released since (_marks)."""
+        if self._releasing(unit):  # (its parts are its pieces)
+            now = min(self.counted[unit], self._left_after(unit, part))
         else:
             nows = self._left_peaks(unit)
-            now = nows.get(done)
+            marks = self._marks(unit)[1] if self.sim.cuda else ()
+            now = nows.get((part, bool(marks)))
             if now is None:
                 u = self.units[unit]
+                done, freed = marks[part] if marks else (part, 0)
                 left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
                 if left and self.policy(unit) in RELEASES_REPLAYED:
-                    left[-1] -= u.pieces[len(left) - 1][3]
-                now = nows[done] = max(left) if left else 0
+                    left[-1] -= u.pieces[len(left) - 1][3] + freed
+                now = nows[(part, bool(marks))] = max(left) if left else 0
         self.device_bytes -= self.counted[unit] - now
         self.counted[unit] = now
 
     @_per_unit
     def _left_peaks(self, unit: str) -> dict[int, int]:
-        """next_piece's bytes held once `done` pieces are done, by `done`: filled as asked (a
-        function of the unit and its policy alone, as the other sizes here)."""
+        """next_piece's bytes held at each part of the unit's backward, by (part, split at its
+        releases: _marks): filled as asked (a function of the unit and its policy alone, as the
+        other sizes here)."""
         return {}
+
+    @_per_unit
+    def _marks(self, unit: str) -> tuple[tuple[float, ...], tuple[tuple[int, int], ...]]:
+        """A swapped piecewise unit whose pieces release bytes before their backward ends
+        (ActUnit.piece_freed; planner/activations.py, Note on the release within a piece): its
+        backward's parts, pieces last to first and each split where it releases, as (their shares
+        of its compute, per part (the pieces done before it, the bytes its piece released by its
+        start)); ((), ()) for any other unit (and a vertical window's, a tail's: their parts are
+        their pieces). On CUDA only (backward_parts): on the CPU device a fetched record is a host
+        buffer, which the runtime releases only at the next unit."""
+        u = self.units.get(unit)
+        if (
+            u is None
+            or not u.piece_freed
+            or self.policy(unit) not in RELEASES_REPLAYED
+            or not self._sub_parts(unit)
+        ):
+            return (), ()
+        shares: list[float] = []
+        marks: list[tuple[int, int]] = []
+        for i, share in enumerate(reversed(self._piece_shares(unit))):
+            freed, at0 = 0, 0.0
+            for at, nbytes in u.piece_freed[len(u.pieces) - 1 - i]:
+                if at >= 1.0:
+                    break  # (at its end: the next piece's start releases it)
+                if at > at0:
+                    shares.append(share * (at - at0))
+                    marks.append((i, freed))
+                    at0 = at
+                freed += nbytes
+            shares.append(share * (1.0 - at0))
+            marks.append((i, freed))
+        return tuple(shares), tuple(marks)
 
     def after_backward(self, unit: str) -> None:
         """The unit's backward is done: its activations (and a recompute's inputs) are released."""

@@ -56,6 +56,7 @@ def window_profile(model: ModelProfile, micro_batches: int) -> ModelProfile:
         kw = {k: getattr(u, k) * g for k in _PER_TOKEN}
         kw["pieces"] = tuple(tuple(x * g for x in piece) for piece in u.pieces)
         kw["piece_kept"] = tuple(tuple(x * g for x in kept) for kept in u.piece_kept)
+        kw["piece_freed"] = tuple(tuple((a, n * g) for a, n in f) for f in u.piece_freed)
         kw["forward_s"] = u.forward_s * g if u.forward_s is not None else None
         kw["backward_s"] = u.backward_s * g if u.backward_s is not None else None
         return replace(u, **kw)

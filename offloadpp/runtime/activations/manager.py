@@ -339,6 +339,11 @@ class ActivationManager(ManagerBackward, ManagerSaves, ManagerReports):
         elif unit.policy.recomputes and not unit.policy.partial and not unit.policy.piecewise:
             # (a whole recompute releases its pieces' bytes one by one: recompute.py, Note on release)
             seg.release_modules = tuple(c for c in module.children() if any(True for _ in c.parameters()))
+        # (a swapped piece: its storages released as backward is done with them, recompute.py,
+        # Note on release within a piece; not a tail's, whose last pieces stay on the device)
+        seg.release_storages = (
+            unit.policy.piecewise and unit.policy.checkpoint is not None and not unit.policy.tail
+        )
         seg.first_record = first
         self.swapper.add_device(inputs)
         unit.segments.append(seg)

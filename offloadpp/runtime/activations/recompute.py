@@ -40,6 +40,20 @@ b128: 4.4 s of an 18.1 s backward). A tensor is taken as autograd runs the node 
 the bytes leave the account as that node starts: one node's tensors early, as the unpacked
 SavedRefs' records are released at the next unit (backward.py, Note on release) one unit late.
 
+Note: release within a piece. A swapped piece of a piecewise unit (partial_host, partial_ssd,
+recompute_pieces_host/ssd; not a tail's) releases each storage its saved tensors are on once
+backward is done with it: every tensor on it taken, and none left on it but the runtime's own,
+as autograd drops a node's unpacked tensors once the node ran (`sweep`, at each unpack that
+follows; a tensor handed to a node is held there until it ran, so the account never leaves a
+storage a node is still reading, and a record's host buffer goes back to its pool only then).
+Its recomputed bytes leave the account; a record's storage (a kept output fetched back) is
+released by the manager (saves.py `_release_done`): where it has device memory of its own (on
+the CPU device the record's storage is its pooled host buffer, never held by the record alone).
+Held until the piece's end instead, a Llama attention's rotated q/k, v, output and statistics,
+which its backward is done with a third of the way in, kept the next block's records from
+coming back during it (random profile 8, Llama 7B b128: 1.137x the time per token of b64;
+planner/activations.py, Note on the release within a piece).
+
 Note: KV caches. Hugging Face models hand each block a cache object (even in training) that the
 block appends its keys and values to: running the block again would append them twice and
 change the cache the caller gets back. The recompute therefore passes None for a cache argument
@@ -56,6 +70,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .nested import FromPrev, Piece, piece_hooks
@@ -132,6 +147,13 @@ class Segment:
         self.release_modules: tuple[torch.nn.Module, ...] = ()
         self.releases: list[list[int]] = []
         self.boundary_bytes = 0  # nested: its boundaries' bytes, held until the segment is done
+        # a swapped piece's (see the Note on release within a piece): its saved tensors' storages
+        # released once the nodes that read them are done; per storage the indices not taken
+        # yet and its recomputed bytes (0: a record's, the manager releases it)
+        self.release_storages = False
+        self._keys: list = []
+        self._pending: dict = {}
+        self._bytes: dict = {}
         self.freed = 0  # bytes released by `take` since the manager last took them off its account
         self.last_piece_start = -1  # the saved-tensor index the last piece's call started at, in forward
         self.piece_depth = 0  # (forward: inside a piece's call)
@@ -244,6 +266,8 @@ class Segment:
                 self.releases.append(
                     [start, end, measure(inside_, exclude=[t for t in outside if t is not None]), 0]
                 )
+        if self.release_storages and not self.pieces:
+            self._track(collected, measure)
         for p in kept:
             p.args = p.kwargs = None
         self.args = self.kwargs = None  # the inputs are no longer needed
@@ -359,6 +383,8 @@ class Segment:
             )
         self.tensors[index] = None
         self.taken += 1
+        if self._keys:
+            self._pending[self._keys[index]] -= 1
         for p in self.pieces:
             if p.start <= index < p.end:
                 p.taken += 1
@@ -373,6 +399,39 @@ class Segment:
                     self._release(self.recomputed_bytes - r[2])
         return t
 
+    def _track(self, collected: list, measure: Callable[..., int]) -> None:
+        """Per storage of the recomputed saved tensors: the indices that read it, and its bytes
+        where the segment counts them (recomputed; a record's the manager's)."""
+        self._keys = [StorageWeakRef(t.untyped_storage()) if t is not None else None for t in collected]
+        for t, key in zip(collected, self._keys):
+            if key is None:
+                continue
+            if key not in self._pending:
+                self._pending[key] = 0
+                self._bytes[key] = measure([t])
+            self._pending[key] += 1
+
+    def sweep(self) -> list:
+        """The storages backward is done with since the last sweep (see the Note on release within
+        a piece): every tensor on them taken, and no tensor on them left but the runtime's own (a
+        node holds what it unpacked until it ran): a recomputed storage gone, a record's held by
+        its SavedStorage alone (its `storage`: one reference). Their recomputed bytes leave the
+        account (`freed`); the records' storages among them are returned, for the manager to
+        release."""
+        records = []
+        for key, n in list(self._pending.items()) if self._pending else ():
+            if n:
+                continue
+            nbytes = self._bytes[key]
+            if (not key.expired()) if nbytes else torch._C._storage_Use_Count(key.cdata) > 1:
+                continue  # (still read)
+            del self._pending[key], self._bytes[key]
+            if nbytes:
+                self._release(self.recomputed_bytes - nbytes)
+            else:
+                records.append(key)
+        return records
+
     def _release(self, now: int) -> None:
         """The segment holds `now` bytes from here on, where that is less (see the Note on release)."""
         if now < self.recomputed_bytes:
@@ -385,6 +444,7 @@ class Segment:
 
     def drop(self) -> None:
         self.tensors = None
+        self._keys, self._pending, self._bytes = [], {}, {}
         self.releases = []
         self.args = self.kwargs = None
         self.log = None

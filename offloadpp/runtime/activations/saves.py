@@ -181,6 +181,7 @@ class ManagerSaves:
         if rec.consumed:
             self._consumed.append(rec)
         self.swapper.pump()
+        self._release_done(self._bw_unit)
         self._prefetch()
         return t
 
@@ -216,6 +217,8 @@ class ManagerSaves:
                 seg.recompute_piece(piece)
             self.recompute_s += time.perf_counter() - t0
         t = seg.take(h)
+        if self._release_done(unit):
+            self._prefetch()
         freed, seg.freed = seg.freed, 0
         if freed:  # a piece's saved tensors were all taken: its bytes go (recompute.py, Note on release)
             self.swapper.add_device(-freed)
@@ -224,6 +227,32 @@ class ManagerSaves:
         elif freed:  # (the next units may come back in the room it left)
             self._prefetch()
         return t
+
+    def _release_done(self, unit) -> bool:
+        """A swapped piece's storages backward is done with leave the account (recompute.py, Note
+        on release within a piece): its recomputed bytes, and the records fetched back on them;
+        True where bytes left."""
+        if unit is None:
+            return False
+        left = 0
+        for i, seg in enumerate(unit.segments):
+            if not seg.release_storages or seg.state is not SegState.RECOMPUTED:
+                continue
+            done = set(seg.sweep())
+            if seg.freed:
+                left += seg.freed
+                self.swapper.add_device(-seg.freed)
+                seg.freed = 0
+            if not done:
+                continue
+            # (the piece's own records: made in its forward, read by no piece backward runs later)
+            end = unit.segments[i + 1].first_record if i + 1 < len(unit.segments) else len(unit.records)
+            for rec in unit.records[seg.first_record : end]:
+                if (rec.unit is unit and rec.state is RecState.READY and rec.consumed
+                        and StorageWeakRef(rec.storage) in done):  # fmt: skip
+                    self.swapper.release(rec)
+                    left += rec.nbytes
+        return left > 0
 
     def _release_replayed(self, unit: UnitActivations, seg: Segment) -> None:
         """A swapped partial piece's kept outputs that its recompute read and its backward does not
