@@ -421,7 +421,7 @@ def test_the_activation_replay_remembers_each_units_parts_for_its_own_policies()
 
 
 def test_the_activation_replays_share_a_units_sizes_only_for_the_same_profile_bytes_and_policy():
-    """simulate_act's shared sizes (its Note): a search's replays find a unit's parts once per
+    """simulate_memo's shared sizes (its Note): a search's replays find a unit's parts once per
     (unit profile, saved bytes, policy as given); another profile of the same name, other saved
     bytes or another policy (a recompute_pieces one, run as partial) get their own."""
     from types import SimpleNamespace
@@ -476,13 +476,13 @@ def test_each_model_profile_gets_its_own_activation_sizes_in_the_replay():
 
 
 def test_the_shared_activation_sizes_are_kept_per_model_and_forgotten_when_planning_from_nothing():
-    """simulate_act's shared sizes (its Note) live with the model's mapping of activation units:
+    """simulate_memo's shared sizes (its Note) live with the model's mapping of activation units:
     a model's replays share them whatever other models' replays ran in between (the last
     _SHARED_MAX models' are kept, not one store emptied when full, once in the middle of a point),
     and peaks.clear_cache (a benchmark's point planned from nothing) forgets them."""
     from types import SimpleNamespace
 
-    from offloadpp.planner import simulate_act
+    from offloadpp.planner import simulate_memo
     from offloadpp.planner.activations import ActUnit
     from offloadpp.planner.peaks import clear_cache
     from offloadpp.planner.simulate_act import ActReplay
@@ -501,11 +501,11 @@ def test_the_shared_activation_sizes_are_kept_per_model_and_forgotten_when_plann
     clear_cache()
     first = model()
     found = parts(first)
-    others = [model() for _ in range(simulate_act._SHARED_MAX - 1)]
+    others = [model() for _ in range(simulate_memo._SHARED_MAX - 1)]
     assert all(parts(u) is not found for u in others)  # (each model its own)
     assert parts(first) is found
     parts(model())  # one more model: the oldest's go
     assert parts(first) is not found
     found = parts(first)
     clear_cache()
-    assert not simulate_act._SHARED and parts(first) is not found
+    assert not simulate_memo._SHARED and parts(first) is not found

@@ -554,7 +554,7 @@ def test_the_reach_is_found_by_a_slow_replay_only_where_its_lower_bound_cannot_d
 
     def plan(eager: bool):
         slow_replays, picking = [], []
-        score, bound, pick = search_mod._score, search_mod.lower_bound, search_mod._robust_pick
+        score, bound, pick = search_mod._score, search_mod.lower_bound, search_mod.robust_pick
 
         def counted(p, h, *a):
             slow_replays.append(h.ssd_read_gbps < hw.ssd_read_gbps and not picking)
@@ -574,7 +574,7 @@ def test_the_reach_is_found_by_a_slow_replay_only_where_its_lower_bound_cannot_d
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(search_mod, "_score", counted)
             mp.setattr(search_mod, "lower_bound", no_bound)
-            mp.setattr(search_mod, "_robust_pick", robust_pick)
+            mp.setattr(search_mod, "robust_pick", robust_pick)
             p = plan_point(hw, "gpt3-13b@6", 8, dtype)
         return p, sum(slow_replays)
 
@@ -641,14 +641,17 @@ def test_settling_a_candidate_of_step_1_needs_its_bound_to_keep_it_out_of_the_to
 
 
 def test_the_robust_pick_does_not_replay_a_candidate_another_dominates():
-    """search._robust_pick: a candidate moving more SSD bytes than one already scored on the slow
-    SSD whose mean is no more than its own least mean is never picked, so it is not replayed
-    there (its Note): the same plan comes out as when every candidate is scored, with fewer
-    replays (issue 36's sweep, profile 2, GPT-3 13B cut to 4 layers, b16: 38 against 39)."""
+    """robust_pick.py: a candidate moving more SSD bytes than one already scored (so no slower on
+    the measured SSD) whose estimate on the slow SSD is no more than its own least there is never
+    picked, so it is not replayed there (its Note): the same plan comes out as when every
+    candidate is scored, with fewer replays (issue 36's sweep, profile 2, GPT-3 13B cut to 4
+    layers, b16)."""
     import offloadpp.planner.search  # noqa: F401  (the module, not the function planner exports)
     from offloadpp.bench.planner_properties import plan_point, random_profile
 
     search_mod = sys.modules["offloadpp.planner.search"]
+    from offloadpp.planner import robust_pick
+
     hw, dtype = random_profile(2)
 
     def plan(dominance: bool):
@@ -662,7 +665,7 @@ def test_the_robust_pick_does_not_replay_a_candidate_another_dominates():
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(search_mod, "_score", counted)
             if not dominance:
-                mp.setattr(search_mod, "_dominated", lambda scored, moved, least: False)
+                mp.setattr(robust_pick, "_dominated", lambda scored, moved, least: False)
             p = plan_point(hw, "gpt3-13b@4", 16, dtype)
         return p, len(replays)
 

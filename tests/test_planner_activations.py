@@ -142,7 +142,11 @@ def test_the_best_mix_is_moved_a_unit_at_a_time_while_it_gets_faster():
     assert [partial(c) for c in tried] == [5, 6]  # up while faster: one past the balance
     assert all(c.need_bytes <= room and c.mix.partial == partial(c) for c in tried)
     assert [partial(c) for c in balance(planner, half, room, 1.0 + 16, stand_in(8))] == [5, 6]  # (a quarter)
-    assert [partial(c) for c in balance(planner, half, room, 1.0 + 9, stand_in(1))] == [5, 3, 2]  # up slower: down
+    assert [partial(c) for c in balance(planner, half, room, 1.0 + 9, stand_in(1))] == [
+        5,
+        3,
+        2,
+    ]  # up slower: down
     assert balance(planner, cands["swap to host, keep what fits"], room, 1.0, stand_in(6)) == []
 
 

@@ -205,7 +205,7 @@ def test_the_robust_pick_never_takes_a_plan_slower_on_both_ssds():
 
     search_mod = sys.modules["offloadpp.planner.search"]
     hw = HardwareProfile.from_json("docs/paper/rtx4090-datasheet.hardware.json")
-    picks, pick = [], search_mod._robust_pick
+    picks, pick = [], search_mod.robust_pick
 
     def robust_pick(cands, *a, **k):
         picks.append((cands, a, k, pick(cands, *a, **k)))
@@ -213,7 +213,7 @@ def test_the_robust_pick_never_takes_a_plan_slower_on_both_ssds():
 
     steps = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(search_mod, "_robust_pick", robust_pick)
+        mp.setattr(search_mod, "robust_pick", robust_pick)
         for b in (64, 128):
             prof = analytic_profile(
                 model_config("gpt3-13b"), micro_batch=b, seq_len=SEQ_LEN, compute_dtype="fp16"

@@ -220,7 +220,7 @@ def loop_candidates(candidates: Sequence, picked, horizontal_s: Optional[float])
     (search.Candidate), least estimate first.
 
     Note: why the pick is not the window's only plan. The search picks the window's plan for the
-    window alone (robustly: search._robust_pick), and "auto" runs it vertically only where a loop
+    window alone (robustly: robust_pick.py), and "auto" runs it vertically only where a loop
     with it loses nothing (accumulation). A plan only slightly slower for the window can keep the
     loop (the paper's 13B b8 x 4 window: the best, 22.229 s, prefetches one unit and slows a loop
     to 59.2 s against 55.3; the plan at 22.639 s prefetches two and does not); so the choice

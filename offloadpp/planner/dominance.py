@@ -1,4 +1,4 @@
-"""Which candidates no other one beats on every measure (the robust pick's, search._robust_pick)."""
+"""Which candidates no other one beats on every measure (the robust pick's, robust_pick.py)."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def _holds_for(plan: Plan) -> tuple[tuple, tuple]:
 def clear_cache() -> None:
     """Forgets the holds, unit terms, schedules and activation sizes found so far (benchmarks time
     planning from nothing)."""
-    from .simulate_act import clear_shared  # (the replay's: imports this module's users)
+    from .simulate_memo import clear_shared  # (the replay's memos)
 
     clear_shared()
     _HOLDS.clear()

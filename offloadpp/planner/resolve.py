@@ -72,6 +72,7 @@ from .decide import (
 from .default import default_plan, plan_shape, streaming_plan
 from .given_plan import check_fits, check_plan, load_saved_plan
 from .hardware import HardwareProfile
+from .infeasible import raise_infeasible
 from .io_settings import with_io
 from .machine import Machine
 from .model_profile import ModelProfile
@@ -86,7 +87,7 @@ from .profiles import (  # noqa: F401 (re-exported: assemble.py and the CLI read
 )
 from .ranks import RankLink
 from .request import Request
-from .search import _raise_infeasible, act_planner, remembering, search
+from .search import act_planner, remembering, search
 from .spec import PLAN_AUTO, Budgets, Settings
 from .ssd_room import ssd_need_bytes
 from .vertical import (
@@ -493,7 +494,7 @@ def _default(settings: Settings, units, machine: Machine, budgets: Budgets, mode
     if choice is None:
         smallest = streaming_plan(units, device=machine.device, prefetch_depth=0, optim_prefetch_depth=0,
                                   **shape)  # fmt: skip
-        _raise_infeasible(smallest, req, acts, model)
+        raise_infeasible(smallest, req, acts, model)
     budgets = Budgets(budgets.device_bytes, budgets.host_bytes, activation_bytes=room)
     plan = default_plan(
         units, device=machine.device, settings=settings, budgets=budgets, micro_batches=window

@@ -30,7 +30,7 @@ Note: the candidates.
      best are scored again with the SSD at 70% of its measured speed and the least mean of the
      two estimates wins (the disk's speed moves from run to run; a plan whose I/O is on the
      critical path pays for it); means within TIE_FRAC go to the plan moving fewer SSD bytes,
-     but for one another such plan beats on both SSDs (_robust_pick, undominated).
+     but for one another such plan beats on both SSDs (robust_pick.py).
 If nothing fits, an InfeasibleError says how many bytes each budget lacks for the smallest working
 set (k = 0, q = 0), and which unit makes it that large; where the activations are what does not
 fit, the largest micro-batch whose activations would.
@@ -46,18 +46,27 @@ from typing import Iterator, Optional
 
 from .act_candidates import ActChoice, ActPlanner, fixed_policies, untwinned
 from .act_refine import balance
-from .activations import act_units, peak_bytes_at
+from .activations import act_units
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .decide import speculates
 from .default import plan_shape, streaming_plan
-from .dominance import undominated
 from .fills import _placements
 from .hardware import HardwareProfile, IOPoint
-from .keep import explain, keep
+from .infeasible import raise_infeasible
+from .keep import explain
 from .model_profile import ModelProfile
 from .peaks import peak_bytes
-from .plan import InfeasibleError, Plan, PlanError, Tier, all_on_ssd, fmt_bytes, shard_units
+from .plan import Plan, PlanError, Tier, all_on_ssd, fmt_bytes, shard_units
 from .request import Request
+from .robust_pick import (  # noqa: F401 (re-exported: the pick's numbers, named where the search is)
+    MANY_NEAR,
+    NOMINAL_GIVE,
+    ROBUST_MAX,
+    SLOW_SSD,
+    TIE_FRAC,
+    robust_pick,
+    slow_hardware,
+)
 from .schedule import build_schedule
 from .settle import Settled
 from .spec import Budgets
@@ -65,20 +74,12 @@ from .ssd_room import ssd_need_bytes
 
 MAX_PREFETCH = 3
 MAX_OPTIM = 3
-TIE_FRAC = 0.01
-# the robust pick chooses only among candidates this close to the best nominal estimate: what it
-# may give up on the measured machine for a slow SSD's sake (see _robust_pick's Note); at most
-# the 1% that more of a resource may cost (issue 36's property)
-NOMINAL_GIVE = 0.01
 ROBUST_WINDOW = 0.25  # the search replays candidates this far above the best estimate
-ROBUST_MAX = 24
 # beyond MANY_UNITS units (cost.py: a replay walks every visit of each step) at most
 # (8 and 3, from 10 and 6: 175B b8-b32 plan the same steps, 237.3 / 257.1 / 345.1 s, in 20% less
 # time, 2026-12-03)
 MANY_REPLAYS = 8  # placements are replayed, and the robust pick looks at MANY_NEAR candidates
-MANY_NEAR = 3
 RESCORE_GAIN = 0.05  # a new best is replayed on the slow SSD when it beats the last one by this
-SLOW_SSD = 0.7
 ACT_TOP_PLACEMENTS = 3  # the activation choices beyond the first are scored on this many placements
 # Note on step 3: a placement is replayed first with its activation choice of least bound, and
 # the bound leaves out the activations' link traffic, so where partial's outputs load the link
@@ -204,8 +205,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     e = _enumerated(hardware, model, req)
     units, acts, groups, counted = e.units, e.acts, e.groups, req.counted
     if not groups:
-        _raise_infeasible(e.smallest, req, acts, model)
-    slow = _slow(hardware)
+        raise_infeasible(e.smallest, req, acts, model)
+    slow = slow_hardware(hardware)
 
     def score(plan: Plan, policies: dict, on_slow: bool = False) -> StepEstimate:
         key = (id(plan), on_slow, tuple(sorted(policies.items())))
@@ -348,7 +349,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     elif beaten:
         best = cands[0]
     else:
-        best = _robust_pick(cands, hardware, model, req, slow_s, lambda p, a: score(p, a, on_slow=True))
+        best = robust_pick(cands, hardware, model, req, slow_s, lambda p, a: score(p, a, on_slow=True))
     notes = (f"auto plan: estimated {best.estimate.step_s:.3f} s/step, bound by {best.estimate.bound} "
              f"({'the one asked for' if req.prefer is not None else 'best'} of {replayed} candidates replayed, "
              f"{total - replayed} left out by their lower bound"
@@ -470,195 +471,10 @@ def io_choice(hardware: HardwareProfile) -> Optional[IOPoint]:
     return best if best.seconds_per_byte() <= IO_GAIN * default.seconds_per_byte() else None
 
 
-def _slow(hw: HardwareProfile) -> HardwareProfile:
-    """The hardware with the SSD at SLOW_SSD of its measured speed (see _robust_pick)."""
-    return replace(
-        hw,
-        ssd_read_gbps=hw.ssd_read_gbps * SLOW_SSD,
-        ssd_write_gbps=hw.ssd_write_gbps * SLOW_SSD,
-        ssd_mixed_gbps=hw.ssd_mixed_gbps * SLOW_SSD,
-        ssd_mixed_busy_gbps=hw.ssd_mixed_busy_gbps * SLOW_SSD,
-        ssds=tuple(
-            replace(d, read_gbps=d.read_gbps * SLOW_SSD, write_gbps=d.write_gbps * SLOW_SSD) for d in hw.ssds
-        ),
-    )
-
-
-def _robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfile, req: Request,
-                 slow_s: Optional[dict] = None, on_slow=None) -> Candidate:  # fmt: skip
-    """The candidate to run. Note: the SSD's bandwidth moves from run to run (up to 2x on the
-    development machine, DESIGN.md), and a plan whose I/O sits on the critical path pays for
-    every slow moment. So the candidates within NOMINAL_GIVE of the best estimate are scored
-    again with the SSD at SLOW_SSD of its measured rate, and the one with the least mean of the
-    two estimates wins; means within TIE_FRAC go to the plan moving fewer SSD bytes, but for one
-    another of them beats on both SSDs (dominance.py's Note). The window
-    is narrow because the estimate on the measured machine is what the user is promised (and
-    what issue 36's properties read): unbounded, the tie-break took a plan 7.4% slower for 17%
-    fewer SSD bytes (random profile 7, Llama 7B b64: 110.06 s against 102.46, its mean 0.9%
-    above the best's); at 2%, twice the link made a step 1.3% slower (random profile 2, Llama 7B
-    b128: a plan at 42.44 s against the best's 41.82 s), where more of a resource may cost at
-    most 1% (MORE_SLACK). Within 1% that cannot happen while the best estimate does not grow.
-    (The 2% had kept docs/paper's 13B b8 x 4 window vertical, 1.85% above its best: a window's
-    choice now asks its other candidates, decide.loop_candidates.) on_slow: (plan, policies) ->
-    its estimate on the slow SSD (the search's, which remembers them)."""
-    best_s = cands[0].estimate.step_s
-    ref = cands[0].estimate
-    many = len(cands[0].plan.units) > MANY_UNITS
-    near = [c for c in cands if c.estimate.step_s <= best_s * (1 + NOMINAL_GIVE)][
-        : MANY_NEAR if many else ROBUST_MAX
-    ]
-    slow = _slow(hw)
-    slow_s = slow_s or {}
-    score: dict[int, float] = {}
-    on_slow_s: dict[int, float] = {}  # id(candidate) -> its estimate on the slow SSD
-    top = float("inf")
-    seen: dict[tuple, tuple[float, float]] = {}
-
-    def scored_on_slow(c: Candidate) -> tuple[float, float]:
-        """(mean, estimate on the slow SSD)."""
-        if id(c) in slow_s:
-            pessimistic = slow_s[id(c)]
-        elif on_slow is not None:
-            pessimistic = on_slow(c.plan, dict(c.activations)).step_s
-        else:
-            pessimistic = _score(c.plan, slow, model, req, dict(c.activations))[0].step_s
-        return (c.estimate.step_s + pessimistic) / 2, pessimistic
-
-    def take(c: Candidate, got: tuple[float, float]) -> None:
-        score[id(c)], on_slow_s[id(c)] = got
-
-    # Note: a candidate dominated is not replayed. `near` is in order of the measured estimate,
-    # so a candidate scored before another is at least as fast there. One moving more SSD bytes
-    # than a candidate scored whose slow estimate is at most its own least slow estimate (its
-    # lower bound there) is never picked: that one is at least as fast on both SSDs, so either it
-    # beats it on both (dominance.py: left out) or it is close whenever it is and moves fewer bytes,
-    # and a third beating that one on both beats it too. So are the later candidates that would
-    # take its scores (`seen`) where they are dominated by the same; where one is not, the first
-    # is replayed then, as it would have been, and each takes its scores.
-    scored: list[tuple[int, float]] = []  # (SSD bytes, slow estimate) of the candidates scored
-    waiting: dict[tuple, tuple] = {}  # `same` -> (its first candidate, its least slow estimate, the others)
-    for c in near:
-        e = c.estimate
-        moved = e.ssd_read_bytes + e.ssd_write_bytes
-        # candidates moving the same bytes in the same time (to TIE_FRAC) fare alike on a slow SSD
-        same = (round(e.step_s / best_s, 2), _rel(e.ssd_read_bytes, ref.ssd_read_bytes),
-                _rel(e.ssd_write_bytes, ref.ssd_write_bytes), _rel(e.h2d_bytes, ref.h2d_bytes))  # fmt: skip
-        if same in waiting:
-            first, least, others = waiting[same]
-            if _dominated(scored, moved, least):
-                others.append(c)
-                continue
-            del waiting[same]
-            seen[same] = scored_on_slow(first)
-            for x in (first, *others):
-                take(x, seen[same])
-            scored.append((first.estimate.ssd_read_bytes + first.estimate.ssd_write_bytes, seen[same][1]))
-            top = min(top, seen[same][0])
-        if same in seen:
-            take(c, seen[same])
-            continue
-        # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
-        floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
-                            activations=dict(c.activations), link=req.link)  # fmt: skip
-        least_slow = max(floor, e.step_s)  # (a slower SSD never makes a step shorter)
-        if (e.step_s + least_slow) / 2 > top * (1 + TIE_FRAC):
-            continue
-        if id(c) not in slow_s and _dominated(scored, moved, least_slow):
-            waiting[same] = (c, least_slow, [])
-            continue
-        seen[same] = scored_on_slow(c)
-        take(c, seen[same])
-        scored.append((moved, seen[same][1]))
-        top = min(top, score[id(c)])
-    near = [c for c in near if id(c) in score]
-    close = [c for c in near if score[id(c)] <= top * (1 + TIE_FRAC)]
-    # (fewer SSD bytes stand for holding up on a slower SSD: not for one another beats on both)
-    close = undominated(close, lambda c: (c.estimate.step_s, on_slow_s[id(c)]))
-    return min(close, key=lambda c: (c.estimate.ssd_read_bytes + c.estimate.ssd_write_bytes, score[id(c)]))
-
-
-def _dominated(scored: list[tuple[int, float]], moved: int, least_slow: float) -> bool:
-    """A candidate moving `moved` SSD bytes, whose estimate on the slow SSD is at least
-    `least_slow`, and scored after those in `scored` (so no faster on the measured SSD), is never
-    the robust pick: a candidate scored moves fewer bytes and is no slower on the slow SSD
-    (_robust_pick, Note on dominated candidates)."""
-    return any(b < moved and t <= least_slow for b, t in scored)
-
-
-def _rel(x: float, ref: float) -> float:
-    return round(x / ref, 2) if ref else x
-
-
 def plan(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Plan:
     """The placement and prefetch depths with the least estimated step time within `req`'s budgets.
     Raises PlanError naming the missing bytes and the tier when nothing fits."""
     return search(hardware, model, req).plan
-
-
-def _raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, model: ModelProfile) -> None:
-    if smallest is None:
-        raise PlanError("no prefetch depths to try")
-    dev0, host0 = peak_bytes(smallest)
-    cdt = smallest.compute_dtype
-    biggest = max(smallest.units, key=lambda u: u.master_bytes)
-    b = req.budgets
-    parts = []
-    least = acts.least if req.counted else None
-    act_need = least.need_bytes if least is not None else 0
-    largest_batch = None
-    if dev0 + act_need > b.device_bytes or act_need > req.act_cap:
-        miss = max(dev0 + act_need - b.device_bytes, act_need - req.act_cap)
-        msg = (f"the device budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(b.device_bytes)}, "
-               f"streaming with prefetch depth {smallest.prefetch_depth} needs {fmt_bytes(dev0)} of buffers")  # fmt: skip
-        if least is not None:
-            # the unit that holds the most at once under that choice (a head's logits and their
-            # gradient can pass a block's saved bytes: planner/activations.py, Note on the head's loss)
-            pol = least.as_dict()
-            top = max(acts.units, key=lambda u: peak_bytes_at(u, pol[u.name]))
-            msg += (f" and the saved activations at least {fmt_bytes(act_need)} at micro-batch {model.micro_batch} "
-                    f"(every unit swapped that can be, partial where a piece at a time holds less; the largest, "
-                    f"{top.name!r}, holds {fmt_bytes(peak_bytes_at(top, pol[top.name]))} at once)")  # fmt: skip
-            if req.budgets.activation_bytes is not None and act_need > req.act_cap:
-                msg += f", above the activation budget of {fmt_bytes(req.act_cap)}"
-            # activations grow with the micro-batch (tokens), the buffers do not
-            room = min(req.act_cap, b.device_bytes - dev0)
-            if dev0 < b.device_bytes and act_need > 0:
-                largest_batch = int(room * model.micro_batch // act_need)
-                msg += (f". The largest micro-batch that fits is {largest_batch}" if largest_batch >= 1 else
-                        ". No micro-batch fits")  # fmt: skip
-            per_sample = -(-act_need // model.micro_batch)
-            msg += (f"; at micro-batch {model.micro_batch} the device budget must be at least "
-                    f"{fmt_bytes(dev0 + act_need)} ({dev0 + act_need} bytes), at micro-batch 1 "
-                    f"{fmt_bytes(dev0 + per_sample)}")  # fmt: skip
-        parts.append(msg)
-    if host0 > b.host_bytes:
-        miss = host0 - b.host_bytes
-        parts.append(
-            f"the host budget is short by {fmt_bytes(miss)} ({miss} bytes): it is {fmt_bytes(b.host_bytes)}, "
-            f"the optimizer's working set with read-ahead {smallest.optim_prefetch_depth} needs "
-            f"{fmt_bytes(host0)}"
-        )
-    if not parts and req.ssd_free_bytes is not None:
-        need = _all_kept_ssd_bytes(smallest, req)
-        miss = need - req.ssd_free_bytes
-        parts.append(
-            f"the SSD space is short by {fmt_bytes(miss)} ({miss} bytes): {fmt_bytes(req.ssd_free_bytes)} free, "
-            f"the state that does not fit in memory needs {fmt_bytes(need)} (with its margin, and a second "
-            "generation where updates run during backward)"
-        )
-    raise InfeasibleError(
-        "no plan fits the budgets: " + "; ".join(parts) + f". The largest unit is {biggest.name!r} "
-        f"({biggest.numel:,} parameters: {fmt_bytes(biggest.weights_bytes(cdt))} of {cdt} weights, "
-        f"{fmt_bytes(biggest.master_bytes + biggest.moments_bytes)} of master weights and moments).",
-        largest_micro_batch=largest_batch if largest_batch is not None and parts[1:] == [] else None,
-        device_bytes_needed=dev0 + act_need,
-    )
-
-
-def _all_kept_ssd_bytes(plan: Plan, req: Request) -> int:
-    """The free SSD space (ssd_room.ssd_need_bytes) the plan that keeps the most in memory (keep.py's
-    rule) at these depths needs."""
-    return ssd_need_bytes(keep(plan, req.budgets.device_bytes, req.budgets.host_bytes))
 
 
 def describe_buffers(plan: Plan) -> list[str]:

@@ -2,7 +2,7 @@
 
 Note: settling. The search replays a candidate (cost.replay, ~15 ms for 13B) to learn its
 estimate, but most of what it replays cannot be chosen: the robust pick looks only at the
-candidates within NOMINAL_GIVE of the best estimate (search._robust_pick), and a candidate's
+candidates within NOMINAL_GIVE of the best estimate (robust_pick.py), and a candidate's
 estimate is never below its lower bound (cost.lower_bound). So a candidate whose bound is beyond
 NOMINAL_GIVE of the best so far (the final best is no slower) is settled: left unreplayed,
 where its estimate would be read only by the pick. Step 1's estimates are also read by step 2

@@ -61,81 +61,20 @@ from .activations import (
     PARTIAL,
     PIECES,
     POLICIES,
-    RELEASES_REPLAYED,
     SWAPPING,
     TAIL,
     TAIL_PIECES,
     ActUnit,
     as_run,
     backward_bytes,
-    piece_peaks,
     recompute_fraction,
     recomputes,
 )
 from .desim import NOTHING, Replay, When, done_by, when
 from .simulate_fetch import Fetching, last_first
+from .simulate_memo import per_unit, shared_sizes
+from .simulate_pieces import PieceByPiece
 from .simulate_release import Releasing
-
-
-def _per_unit(f, shared: bool = True):
-    """A method of one unit's sizes or shares, remembered for the replay: they read only the
-    replay's policies and profiles, which do not change while it runs, and a replay asks for
-    them at every visit of every step. `shared`: remembered across replays too (the Note on
-    shared sizes); recompute_s reads the replay's costs and is not."""
-    name = f.__name__
-
-    def remembered(self, unit: str):
-        memo = self._memos.get(name)  # (a dict of the replay's: no __dict__ lookup per call)
-        if memo is None:
-            memo = self._memos[name] = {}
-        got = memo.get(unit, _MISSING)
-        if got is _MISSING:
-            if shared and self._shared is not None:
-                key = (name, unit, self._given.get(unit, "keep"), self._src_bytes.get(unit))
-                got = self._shared.get(key, _MISSING)
-                if got is _MISSING:
-                    got = self._shared[key] = f(self, unit)
-                memo[unit] = got
-            else:
-                got = memo[unit] = f(self, unit)
-        return got
-
-    return functools.wraps(f)(remembered)
-
-
-# Note: shared sizes. The replays of a search (dozens a point) share the model's activation units
-# (cost._model_acts: one mapping per model profile) and differ in their policies, so a unit's
-# sizes and shares (forward_parts, _recomputed, ...: functions of the unit's profile, its saved
-# bytes and its policy as given) are found once per (unit, policy) and kept with that mapping:
-# per mapping of units (held in the entry, so its id is not reused), the last _SHARED_MAX
-# mappings'. Kept per model, not in one store emptied when full, a point's cost does not depend
-# on what was planned before it (the store once filled up every ~25 points of a sweep and was
-# emptied in the middle of one); values are tuples and ints.
-_SHARED: dict[int, tuple] = {}
-_SHARED_MAX = 4
-
-
-def shared_sizes(units: Optional[Mapping[str, ActUnit]]) -> Optional[dict]:
-    """The shared sizes of the replays given `units` (the Note above; a mapping not changed while
-    replays use it, as cost._model_acts'); None: none shared (no units)."""
-    if not units:
-        return None
-    e = _SHARED.get(id(units))
-    if e is not None and e[0] is units:
-        return e[1]
-    if len(_SHARED) >= _SHARED_MAX:
-        _SHARED.pop(next(iter(_SHARED)))
-    memo: dict = {}
-    _SHARED[id(units)] = (units, memo)
-    return memo
-
-
-def clear_shared() -> None:
-    """Forgets every model's shared sizes (benchmarks time planning from nothing)."""
-    _SHARED.clear()
-
-
-_MISSING = object()
 
 
 @dataclass(eq=False)
@@ -167,15 +106,15 @@ class ActWork:
     prefetch_units: int = 2
 
 
-class ActReplay(Fetching, Releasing):
+class ActReplay(PieceByPiece, Fetching, Releasing):
     def __init__(self, sim: Replay, policies: Mapping[str, str], act_bytes: Mapping[str, int], prefetch_units: int,
                  budget: Optional[int] = None, units: Optional[Mapping[str, ActUnit]] = None):  # fmt: skip
         bad = {u: p for u, p in policies.items() if p not in POLICIES}
         if bad:
             raise ValueError(f"activation policies must be one of {POLICIES}, got {bad}")
         self.sim = sim
-        self._memos: dict[str, dict] = {}  # _per_unit's: method -> unit -> its value
-        self._given = policies  # (as given: the shared sizes' key, _per_unit)
+        self._memos: dict[str, dict] = {}  # per_unit's: method -> unit -> its value
+        self._given = policies  # (as given: the shared sizes' key, simulate_memo.per_unit)
         self._shared, self._src_bytes = shared_sizes(units), act_bytes
         self.policies = dict(policies)
         self.act_bytes = dict(act_bytes)
@@ -224,7 +163,7 @@ class ActReplay(Fetching, Releasing):
     def active(self) -> bool:
         return any(p != "keep" for p in self.policies.values())
 
-    @functools.partial(_per_unit, shared=False)
+    @functools.partial(per_unit, shared=False)
     def recompute_s(self, unit: str) -> float:
         if not recomputes(self.policy(unit)):
             return 0.0
@@ -239,7 +178,7 @@ class ActReplay(Fetching, Releasing):
             self.peak_bytes = self.device_bytes
 
     # ---- forward -------------------------------------------------------------------------
-    @_per_unit
+    @per_unit
     def forward_parts(self, unit: str) -> tuple[tuple[float, int], ...]:
         """The unit's forward as (share of its compute, bytes it saves) parts: one, or a swapped
         partial unit's pieces, each entering the budget as it runs (the runtime's pack hook waits
@@ -259,7 +198,7 @@ class ActReplay(Fetching, Releasing):
             return ((1.0, self._kept(unit) + self.units[unit].loss_input),)
         return ((1.0, self._held_in(unit) if recomputes(pol) else self._kept(unit)),)
 
-    @_per_unit
+    @per_unit
     def _sub_parts(self, unit: str) -> tuple[tuple[float, tuple[int, ...]], ...]:
         """A swapped partial unit's forward split where its records are saved (ActUnit.piece_kept
         and piece_kept_at), as (share of its compute, the records saved at its end): each part's
@@ -294,7 +233,7 @@ class ActReplay(Fetching, Releasing):
                 out.append((share * (1.0 - prev), tuple(recs)))
         return tuple(out)
 
-    @_per_unit
+    @per_unit
     def _piece_shares(self, unit: str) -> tuple[float, ...]:
         """A piecewise unit's pieces' shares of its compute, forward order: a partial unit's by the
         bytes each moves (its input and its matmuls' outputs, which grow with its FLOPs); a
@@ -318,7 +257,7 @@ class ActReplay(Fetching, Releasing):
             return u.grads_held
         return self.act_bytes.get(unit, 0)
 
-    @_per_unit
+    @per_unit
     def _window_chunks(self, unit: str) -> tuple[int, ...]:
         """A vertical window's swapped unit (planner/vertical.py): its forward runs the window's
         micro-batches one at a time, each saving and copying out its share (its pieces' shares,
@@ -389,7 +328,7 @@ class ActReplay(Fetching, Releasing):
             self.reading.discard(unit)
             self.first_left.pop(unit, None)
 
-    @_per_unit
+    @per_unit
     def _out_shape(self, unit: str) -> Optional[tuple]:
         """What a unit's copy out moves (after_forward's job): (bytes, to SSD?, its pieces, the
         lag, its pieces' records); None where nothing leaves the device."""
@@ -490,107 +429,11 @@ class ActReplay(Fetching, Releasing):
             if recomputes(self.policy(name)):
                 break
 
-    def backward_parts(self, unit: str) -> tuple[float, ...]:
-        """backward_parts_of, but a releasing unit's pieces only where the budget held a
-        prefetch back at its backward's start (_prefetch_after): elsewhere what they release
-        brings nothing back sooner, and each part costs the replay a visit's work."""
-        if self.held_back and self._releasing(unit):
-            return self._release_parts(unit)
-        if self.sim.cuda:  # (pieces that release bytes before they end: split there, see _marks)
-            shares = self._marks(unit)[0]
-            if shares:
-                return shares
-        return self.backward_parts_of(unit)
-
-    @_per_unit
-    def backward_parts_of(self, unit: str) -> tuple[float, ...]:
-        """The unit's backward as shares of its compute: one, or a partial unit's pieces last to
-        first (their shares as in forward_parts), between which `next_piece` releases what the
-        pieces done held."""
-        if self._window_chunks(unit) or self._sub_parts(unit):  # (a window's: the micro-batches together)
-            pieces = self._piece_bytes(unit)
-            return tuple(reversed(self._piece_shares(unit))) if sum(pieces) > 0 else (1.0,)
-        return tuple(share for share, _ in reversed(self.forward_parts(unit)))
-
-    def next_piece(self, unit: str, part: int) -> None:
-        """Part `part` of a partial unit's backward (backward_parts) starts: its pieces before it
-        are done (the last ones in forward order), or its piece released what its backward is
-        done with (_marks): it now holds the most any piece left holds (backward_bytes piece by
-        piece), and the room freed lets the next units' activations come back, as the runtime
-        releases a piece's records at the next piece's recompute, and a swapped piece's storages
-        once the nodes that read them are done."""
-        self._hold(unit, part)
-        if self.reading:
-            self._copy_up_read()
-        self._prefetch_after(unit)
-
-    def _hold(self, unit: str, part: int) -> None:
-        """A partial unit at part `part` of its backward, its pieces before it done and the
-        current one's recompute run, holds the most any piece left holds (piece_peaks), the one
-        now running without its kept outputs autograd did not save where they were fetched back
-        (released once its recompute ran: runtime/activations/saves.py `_release_replayed`;
-        planner/activations.py, Note on the release) and without what it released since (_marks)."""
-        if self._releasing(unit):  # (its parts are its pieces)
-            now = min(self.counted[unit], self._left_after(unit, part))
-        else:
-            nows = self._left_peaks(unit)
-            marks = self._marks(unit)[1] if self.sim.cuda else ()
-            now = nows.get((part, bool(marks)))
-            if now is None:
-                u = self.units[unit]
-                done, freed = marks[part] if marks else (part, 0)
-                left = piece_peaks(u, self.policy(unit))[: len(u.pieces) - done]
-                if left and self.policy(unit) in RELEASES_REPLAYED:
-                    left[-1] -= u.pieces[len(left) - 1][3] + freed
-                now = nows[(part, bool(marks))] = max(left) if left else 0
-        self.device_bytes -= self.counted[unit] - now
-        self.counted[unit] = now
-
-    @_per_unit
-    def _left_peaks(self, unit: str) -> dict[int, int]:
-        """next_piece's bytes held at each part of the unit's backward, by (part, split at its
-        releases: _marks): filled as asked (a function of the unit and its policy alone, as the
-        other sizes here)."""
-        return {}
-
-    @_per_unit
-    def _marks(self, unit: str) -> tuple[tuple[float, ...], tuple[tuple[int, int], ...]]:
-        """A swapped piecewise unit whose pieces release bytes before their backward ends
-        (ActUnit.piece_freed; planner/activations.py, Note on the release within a piece): its
-        backward's parts, pieces last to first and each split where it releases, as (their shares
-        of its compute, per part (the pieces done before it, the bytes its piece released by its
-        start)); ((), ()) for any other unit (and a vertical window's, a tail's: their parts are
-        their pieces). On CUDA only (backward_parts): on the CPU device a fetched record is a host
-        buffer, which the runtime releases only at the next unit."""
-        u = self.units.get(unit)
-        if (
-            u is None
-            or not u.piece_freed
-            or self.policy(unit) not in RELEASES_REPLAYED
-            or not self._sub_parts(unit)
-        ):
-            return (), ()
-        shares: list[float] = []
-        marks: list[tuple[int, int]] = []
-        for i, share in enumerate(reversed(self._piece_shares(unit))):
-            freed, at0 = 0, 0.0
-            for at, nbytes in u.piece_freed[len(u.pieces) - 1 - i]:
-                if at >= 1.0:
-                    break  # (at its end: the next piece's start releases it)
-                if at > at0:
-                    shares.append(share * (at - at0))
-                    marks.append((i, freed))
-                    at0 = at
-                freed += nbytes
-            shares.append(share * (1.0 - at0))
-            marks.append((i, freed))
-        return tuple(shares), tuple(marks)
-
     def after_backward(self, unit: str) -> None:
         """The unit's backward is done: its activations (and a recompute's inputs) are released."""
         self.device_bytes -= self.counted.pop(unit)
 
-    @_per_unit
+    @per_unit
     def _recomputed(self, unit: str) -> int:
         """What a recompute holds once it ran: all the unit saved, its inputs included (as the
         runtime counts it: planner/activations.py backward_bytes)."""
@@ -603,7 +446,7 @@ class ActReplay(Fetching, Releasing):
             return u.recomputed()
         return max(self.act_bytes.get(unit, 0), self.inputs.get(unit, 0))
 
-    @_per_unit
+    @per_unit
     def _piece_bytes(self, unit: str) -> tuple[int, ...]:
         """What each piece of a partial unit moves (its inputs and kept outputs), forward order;
         () for any other unit."""
@@ -635,7 +478,7 @@ class ActReplay(Fetching, Releasing):
         u = self.units.get(unit)
         return u.tail if u is not None and self.policy(unit) == TAIL else 0
 
-    @_per_unit
+    @per_unit
     def _held_in(self, unit: str) -> int:
         """What a recomputing unit holds (or moves) between its forward and its backward: its
         inputs, and a partial unit's kept outputs (its pieces' inputs)."""
