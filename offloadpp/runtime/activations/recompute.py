@@ -78,6 +78,10 @@ from .partial import OpLog, Replayer
 from .records import ActivationError
 from .states import SegState, rng_from
 
+# how many references a storage has (torch's own; private, so a torch without it releases no
+# record early: a record then waits for the next unit, as before the Note on release within a piece)
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
 
 class RecomputeRef:
     __slots__ = ("seg", "index", "size", "dtype")
@@ -423,7 +427,11 @@ class Segment:
             if n:
                 continue
             nbytes = self._bytes[key]
-            if (not key.expired()) if nbytes else torch._C._storage_Use_Count(key.cdata) > 1:
+            if (
+                (not key.expired())
+                if nbytes
+                else (_storage_use_count is None or _storage_use_count(key.cdata) > 1)
+            ):
                 continue  # (still read)
             del self._pending[key], self._bytes[key]
             if nbytes:
