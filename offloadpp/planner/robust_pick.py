@@ -9,17 +9,15 @@ going to the plan moving fewer SSD bytes, but for one another of them beats on b
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
+from .candidate import Candidate
 from .cost import MANY_UNITS, StepEstimate, lower_bound
 from .dominance import undominated
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
 from .plan import Plan
 from .request import Request
-
-if TYPE_CHECKING:
-    from .search import Candidate
 
 TIE_FRAC = 0.01
 # the robust pick chooses only among candidates this close to the best nominal estimate: what it

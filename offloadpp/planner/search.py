@@ -47,6 +47,7 @@ from typing import Iterator, Optional
 from .act_candidates import ActChoice, ActPlanner, fixed_policies, untwinned
 from .act_refine import balance
 from .activations import act_units
+from .candidate import Candidate
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .decide import speculates
 from .default import plan_shape, streaming_plan
@@ -89,14 +90,6 @@ ACT_TOP_PLACEMENTS = 3  # the activation choices beyond the first are scored on 
 # replayed on the placements of ACT_TOP_PLACEMENTS other fills (placement rules), each at the
 # best's depths where it has them: the bound barely tells such placements apart. And on its own
 # fill at another k, where the first choice replayed may have been far worse (data-sheet 13B b48).
-
-
-@dataclass(frozen=True)
-class Candidate:
-    label: str
-    plan: Plan
-    estimate: StepEstimate
-    activations: tuple[tuple[str, str], ...] = ()  # (unit, policy) for every unit, when chosen here
 
 
 @dataclass(frozen=True)
