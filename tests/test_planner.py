@@ -583,19 +583,17 @@ def test_the_reach_is_found_by_a_slow_replay_only_where_its_lower_bound_cannot_d
     assert n_lazy < n_eager
 
 
-def test_a_candidate_whose_bound_says_it_cannot_be_picked_is_settled_unreplayed():
-    """search: a candidate whose lower bound is beyond the robust pick's give (NOMINAL_GIVE) of
-    the best so far is not replayed (settle.py's Note): the same plan and estimate come out as
-    when every candidate is replayed, with fewer replays (issue 36's sweep, profile 16, GPT-3 13B
-    cut to 6 layers, b8: 47 against 64)."""
+def _same_plan_with_fewer_replays(profile: int, model: str, batch: int, without) -> None:
+    """The sweep point planned as it is and with `without(mp)` turning a pruning off: the same
+    plan and estimate (the notes aside: they count the candidates replayed), fewer replays
+    (calls of search._score) with the pruning on."""
     import offloadpp.planner.search  # noqa: F401  (the module, not the function planner exports)
     from offloadpp.bench.planner_properties import plan_point, random_profile
-    from offloadpp.planner import settle
 
     search_mod = sys.modules["offloadpp.planner.search"]
-    hw, dtype = random_profile(16)
+    hw, dtype = random_profile(profile)
 
-    def plan(settling: bool):
+    def plan(pruning: bool):
         replays = []
         score = search_mod._score
 
@@ -605,15 +603,29 @@ def test_a_candidate_whose_bound_says_it_cannot_be_picked_is_settled_unreplayed(
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(search_mod, "_score", counted)
-            if not settling:
-                mp.setattr(settle.Settled, "cannot_win", lambda self, lb, best_s: False)
-            p = plan_point(hw, "gpt3-13b@6", 8, dtype)
+            if not pruning:
+                without(mp)
+            p = plan_point(hw, model, batch, dtype)
         return p, len(replays)
 
     (on, n_on), (off, n_off) = plan(True), plan(False)
-    # (the notes count the candidates replayed)
     assert repr(replace(on.resolved.plan, notes=())) == repr(replace(off.resolved.plan, notes=()))
     assert on.step_s == off.step_s and n_on < n_off
+
+
+def test_a_candidate_whose_bound_says_it_cannot_be_picked_is_settled_unreplayed():
+    """search: a candidate whose lower bound is beyond the robust pick's give (NOMINAL_GIVE) of
+    the best so far is not replayed (settle.py's Note): the same plan and estimate come out as
+    when every candidate is replayed, with fewer replays (issue 36's sweep, profile 16, GPT-3 13B
+    cut to 6 layers, b8: 47 against 64)."""
+    from offloadpp.planner import settle
+
+    _same_plan_with_fewer_replays(
+        16,
+        "gpt3-13b@6",
+        8,
+        lambda mp: mp.setattr(settle.Settled, "cannot_win", lambda self, lb, best_s: False),
+    )
 
 
 def test_settling_a_candidate_of_step_1_needs_its_bound_to_keep_it_out_of_the_tops():
@@ -646,29 +658,11 @@ def test_the_robust_pick_does_not_replay_a_candidate_another_dominates():
     picked, so it is not replayed there (its Note): the same plan comes out as when every
     candidate is scored, with fewer replays (issue 36's sweep, profile 2, GPT-3 13B cut to 4
     layers, b16)."""
-    import offloadpp.planner.search  # noqa: F401  (the module, not the function planner exports)
-    from offloadpp.bench.planner_properties import plan_point, random_profile
-
-    search_mod = sys.modules["offloadpp.planner.search"]
     from offloadpp.planner import robust_pick
 
-    hw, dtype = random_profile(2)
-
-    def plan(dominance: bool):
-        replays = []
-        score = search_mod._score
-
-        def counted(*a, **k):
-            replays.append(1)
-            return score(*a, **k)
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(search_mod, "_score", counted)
-            if not dominance:
-                mp.setattr(robust_pick, "_dominated", lambda scored, moved, least: False)
-            p = plan_point(hw, "gpt3-13b@4", 16, dtype)
-        return p, len(replays)
-
-    (on, n_on), (off, n_off) = plan(True), plan(False)
-    assert repr(replace(on.resolved.plan, notes=())) == repr(replace(off.resolved.plan, notes=()))
-    assert on.step_s == off.step_s and n_on < n_off
+    _same_plan_with_fewer_replays(
+        2,
+        "gpt3-13b@4",
+        16,
+        lambda mp: mp.setattr(robust_pick, "_dominated", lambda scored, moved, least: False),
+    )
