@@ -69,7 +69,7 @@ from .robust_pick import (  # noqa: F401 (re-exported: the pick's numbers, named
     slow_hardware,
 )
 from .schedule import build_schedule
-from .settle import Settled
+from .settle import Settled, activation_room
 from .spec import Budgets
 from .ssd_room import ssd_need_bytes
 
@@ -435,7 +435,7 @@ def _tops(cands: list[Candidate], n: int, extra: int) -> list[Candidate]:
     out = list(cands[:n])
     rooms = {c.plan.budgets.activation_bytes for c in out if c.plan.budgets is not None}
     for c in cands[n:]:
-        room = c.plan.budgets.activation_bytes if c.plan.budgets is not None else None
+        room = activation_room(c.plan)
         if room not in rooms and len(out) < n + extra:
             rooms.add(room)
             out.append(c)

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def _room(plan):
-    """_tops' key of a candidate's activation room (search._tops)."""
+def activation_room(plan):
+    """A candidate's activation room, as search._tops tells rooms apart (None: no budgets)."""
     return plan.budgets.activation_bytes if plan.budgets is not None else None
 
 
@@ -67,8 +67,8 @@ def outside_tops(lb: float, plan, cands: list, n: int, extra: int) -> bool:
     if extra == 0:
         return True
     return plan.budgets is not None and any(
-        c.plan.budgets is not None and _room(c.plan) == _room(plan) for c in below
+        c.plan.budgets is not None and activation_room(c.plan) == activation_room(plan) for c in below
     )
 
 
-__all__ = ["Settled", "outside_tops"]
+__all__ = ["Settled", "activation_room", "outside_tops"]
