@@ -20,12 +20,16 @@ Pure (no torch). What it reads of the ActReplay: `sim`, `budget`, `device_bytes`
 
 from __future__ import annotations
 
+import functools
+
 from .desim import done_by, when
+from .simulate_memo import per_unit
 
 
 class Fetching:
     """ActReplay's first fetch, record by record (the module docstring)."""
 
+    @functools.partial(per_unit, shared=False)
     def _first_records(self, unit: str) -> tuple[int, ...]:
         """What backward's first fetch of a piecewise unit brings, in the order the runtime's
         `_fetch_unit` takes it (last first): its last piece's records and those of the pieces its
@@ -35,13 +39,6 @@ class Fetching:
         records (ActReplay._swapped_parts), piece by piece otherwise (a vertical window's
         micro-batches, its last micro-batch's first). () for a unit fetched whole. (Remembered
         per replay: a function of the unit and its policy.)"""
-        memo = self._memos.setdefault("_first_records", {})
-        got = memo.get(unit)
-        if got is None:
-            got = memo[unit] = self._first_records_of(unit)
-        return got
-
-    def _first_records_of(self, unit: str) -> tuple[int, ...]:
         chunks = self._window_chunks(unit) or self._swapped_pieces(unit)
         if not chunks:
             return ()
