@@ -48,6 +48,7 @@ from .act_candidates import ActChoice, ActPlanner, fixed_policies, untwinned
 from .act_refine import balance
 from .activations import act_units
 from .candidate import Candidate
+from .certain_io import tight_bound
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .decide import speculates
 from .default import plan_shape, streaming_plan
@@ -228,7 +229,9 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     reach, reach_of, reach_lo = float("inf"), None, float("inf")
     # candidates whose bound says they cannot be picked are not replayed (settle.py's Note; not
     # where one is asked for by name, Request.prefer, which must be replayed)
-    settled = Settled(on=req.window == 1 and req.prefer is None, give=NOMINAL_GIVE)
+    settled = Settled(on=req.window == 1 and req.prefer is None, give=NOMINAL_GIVE,
+                      tighten=lambda p, lb: tight_bound(lb, p, hardware, model, adam_threads=req.adam_threads,
+                                                        micro_batches=req.micro_batches, link=req.link))  # fmt: skip
     many = len(units) > MANY_UNITS
     n_tops, extra_tops = (1, 0) if many else (ACT_TOP_PLACEMENTS, 2)
 
@@ -272,6 +275,8 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
             reach_of = best
             floor = lower_bound(best.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
                                 activations=dict(best.activations), link=req.link)  # fmt: skip
+            floor = tight_bound(floor, best.plan, slow, model, adam_threads=req.adam_threads,
+                                micro_batches=req.micro_batches, link=req.link)  # fmt: skip
             reach_lo = (1 + TIE_FRAC) * (best_s + floor) / 2
     replayed = len(cands)
     # 2. the other activation choices of the best few placements

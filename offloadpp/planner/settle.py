@@ -20,6 +20,7 @@ none where the bounds are far below the replays, profile 8's: there waits set th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 
 def activation_room(plan):
@@ -34,6 +35,9 @@ class Settled:
     on: bool  # False: every candidate is replayed (a vertical window's search)
     give: float  # the robust pick's NOMINAL_GIVE
     left: list = field(default_factory=list)
+    # (plan, its bound) -> a bound no less, still below every replay of the plan with those
+    # activations (certain_io.tight_bound): asked only where the first cannot settle
+    tighten: Optional[Callable] = None
 
     def cannot_win(self, lb: float, best_s: float) -> bool:
         """A candidate of bound `lb` cannot be within `give` of the search's best (no more than
@@ -44,7 +48,11 @@ class Settled:
         """Whether the candidate is settled (then remembered); `tops`: (replayed candidates, n,
         extra) where _tops(candidates, n, extra) will read its estimate (step 1)."""
         if not self.cannot_win(lb, best_s):
-            return False
+            if self.tighten is None or not self.on:
+                return False
+            lb = self.tighten(plan, lb)
+            if not self.cannot_win(lb, best_s):
+                return False
         if tops is not None and not outside_tops(lb, plan, *tops):
             return False
         self.left.append((label, plan, choice))

@@ -1,0 +1,102 @@
+"""SSD bytes a replay of a plan certainly moves beyond those cost.lower_bound counts: a tighter
+bound the search settles candidates with (settle.py), from the plan and its schedule alone.
+
+Note: what is certain, and why. cost.lower_bound counts, of the weights, one read per step (for
+the next forward) and, of the gradients, nothing. Where a step's weights and gradients cross the
+SSD more often, the bound sits below every replay of the placement whatever its activations
+(issue 36's sweep, random profile 18, 13B fp16 b32: bound 67.2 s, the replays' SSD time 72.4 s,
+the best 71.4 s: each of the placement's activation choices was replayed to learn it loses).
+Counted here, where the replay's rules make them certain (simulate.py, simulate_units.py), on
+CUDA, one rank, one micro-batch, no update applied at the next visit (its pending copy changes
+what a fetch finds):
+- weights whose home is SSD, read again in backward: a unit not in the next forward's kept set
+  (next_keep, spec_next_keep: their buffers hold NEXT) that the schedule drops after its forward
+  use and holds again at or before its own backward visit. There its source slot is EMPTY: the
+  step's COMPUTE hold went at the drop; its own update (OPTIM) comes after its backward visit;
+  the last step's updates completed at that step's end (finish) and their queued writes (WRITE)
+  were flushed by forward visit min(k, forward visits - 1). An EMPTY slot of an array on disk is
+  read (Slot.acquire), whatever the timing.
+- gradients of a deferred update whose home is SSD, of units that do not speculate: written
+  after their backward (Sim.on_grads: not among the first q + 1 of the update order, whose
+  gradients stay held, nor the last of the absorb order, whose writes wait for the next forward)
+  and read back for the update after backward (run_deferred: every job completed by finish
+  first, so the slot is EMPTY and on disk).
+Each is at most what a replay moves, so lower_bound with the SSD term raised by these bytes is
+still a bound (tests/test_certain_io.py replays random points against it).
+"""
+
+from __future__ import annotations
+
+from .cost import _plan_terms, _speculates
+from .decide import lazy_applies
+from .hardware import HardwareProfile
+from .model_profile import ModelProfile
+from .plan import DTYPE_BYTES, Plan, Tier
+from .schedule import cached_schedule
+
+# (the search asks this of each placement's activation choices in turn: found once per plan;
+# keyed by identity, the plan held in the entry so its id is not reused while it is there)
+_EXTRA: dict[tuple, tuple] = {}
+_EXTRA_MAX = 64
+
+
+def certain_extra_bytes(plan: Plan, micro_batches: int = 1) -> tuple[int, int]:
+    """(read, written) SSD bytes every replay of `plan` moves per step beyond lower_bound's
+    (the module Note); (0, 0) outside the case it covers."""
+    key = (id(plan), micro_batches)
+    e = _EXTRA.get(key)
+    if e is not None and e[0] is plan:
+        return e[1]
+    got = _find_extra(plan, micro_batches)
+    if len(_EXTRA) >= _EXTRA_MAX:
+        _EXTRA.pop(next(iter(_EXTRA)))
+    _EXTRA[key] = (plan, got)
+    return got
+
+
+def _find_extra(plan: Plan, micro_batches: int) -> tuple[int, int]:
+    if plan.device != "cuda" or plan.ranks != 1 or micro_batches != 1 or plan.micro_batches != 1:
+        return 0, 0
+    if lazy_applies(plan):
+        return 0, 0
+    sched = cached_schedule(plan)
+    nf, alive = sched.num_forward, sched.alive
+    kept = sched.next_keep | sched.spec_next_keep
+    cdt = DTYPE_BYTES[plan.compute_dtype]
+    gdt = DTYPE_BYTES[plan.grad_dtype]
+    q = sched.optim_prefetch_depth
+    window = set(sched.update_order[: q + 1])  # gradients held for the first updates
+    last = sched.absorb_order[-1] if sched.absorb_order else None
+    read = written = 0
+    for u, p in plan:
+        homes = plan.homes(u, p)
+        n = min(u.padded_numel, u.shard_numel)
+        if plan.separate_weights and homes.get("weights") is Tier.SSD and u.name not in kept:
+            b = sched.backward_index[u.name]
+            if any(u.name in alive[i] and u.name not in alive[i - 1] for i in range(nf, b + 1)):
+                read += n * cdt
+        if (
+            plan.deferred_update
+            and homes.get("grads") is Tier.SSD
+            and not _speculates(plan, u, p)
+            and u.name not in window
+            and u.name != last
+        ):
+            read += n * gdt
+            written += n * gdt
+    return read, written
+
+
+def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelProfile, *,
+                adam_threads: int = 1, micro_batches: int = 1, link=None) -> float:  # fmt: skip
+    """`lb` (cost.lower_bound of `plan` with some activations) raised to the SSD time of the bytes
+    it counts plus certain_extra_bytes: no replay of the plan is faster."""
+    r, w = certain_extra_bytes(plan, micro_batches)
+    if not (r or w):
+        return lb
+    t = _plan_terms(plan, hardware, model, adam_threads, micro_batches, link)
+    rb, wb = hardware.ssd_rates()
+    return max(lb, t.ssd + r / (rb * 1e9) + w / (wb * 1e9))
+
+
+__all__ = ["certain_extra_bytes", "tight_bound"]
