@@ -3,6 +3,7 @@ and the tighter bound the search settles candidates with."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import replace
 
@@ -14,9 +15,10 @@ from offloadpp.planner.certain_io import certain_extra_bytes, tight_bound
 from offloadpp.planner.plan import Tier
 
 
+@functools.cache  # (each point is planned once for the tests that read it)
 def _replays(profile: int, model: str, batch: int, tightening: bool = True):
-    """Plans the sweep point; per replay of its search: (plan, hardware, lower_bound, estimate),
-    and the point."""
+    """Plans the sweep point; per replay of its search: (plan, lower_bound, the tight bound,
+    estimate, activations), and the point."""
     import offloadpp.planner.search  # noqa: F401  (the module, not the function planner exports)
 
     search_mod = sys.modules["offloadpp.planner.search"]
@@ -29,8 +31,8 @@ def _replays(profile: int, model: str, batch: int, tightening: bool = True):
         lb = cost.lower_bound(plan, hw_, model_, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
                               activations=acts or {}, link=req.link)  # fmt: skip
         tb = tight_bound(lb, plan, hw_, model_, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
-                         link=req.link)  # fmt: skip
-        seen.append((plan, lb, tb, est))
+                         link=req.link, activations=acts or {})  # fmt: skip
+        seen.append((plan, lb, tb, est, acts or {}))
         return est, by_key
 
     with pytest.MonkeyPatch.context() as mp:
@@ -51,13 +53,13 @@ def test_the_tight_bound_is_below_every_replay(profile, model, batch):
     the bound is raised for most replays, else the test proves nothing."""
     seen, _ = _replays(profile, model, batch)
     assert seen
-    for _, lb, tb, est in seen:
+    for _, lb, tb, est, _ in seen:
         assert tb >= lb
         assert tb <= est.step_s * (1 + 1e-12), (lb, tb, est.step_s)
         if tb > lb:
             assert tb <= est.ssd_s * (1 + 1e-12)
     if profile == 18:
-        raised = sum(tb > lb for _, lb, tb, _ in seen)
+        raised = sum(tb > lb for _, lb, tb, _, _ in seen)
         assert raised > len(seen) / 2
 
 
@@ -66,7 +68,7 @@ def test_certain_bytes_count_backward_rereads_and_a_deferred_updates_gradients()
     the certain bytes are at most what the replay reads and writes beyond lower_bound's weights
     read, and at least the gradients of the units that do not speculate, written and read back."""
     seen, _ = _replays(18, "gpt3-13b", 32)
-    plan, _, _, est = seen[0]
+    plan, _, _, est, _ = seen[0]
     assert plan.deferred_update and plan.device == "cuda"
     r, w = certain_extra_bytes(plan)
     kinds = {k: (rd, wr) for k, rd, wr in est.ssd_by_kind}
@@ -84,9 +86,31 @@ def test_certain_bytes_count_backward_rereads_and_a_deferred_updates_gradients()
 
 def test_the_tight_bound_settles_more_with_the_same_plan():
     """search: with the certain bytes, profile 18's 13B b32 replays fewer candidates (issue 36's
-    planning time: 141 -> 113 replays) and picks the same plan with the same estimate."""
+    planning time: 141 -> 105 replays) and picks the same plan with the same estimate."""
     on, p_on = _replays(18, "gpt3-13b", 32)
     off, p_off = _replays(18, "gpt3-13b", 32, tightening=False)
     assert repr(replace(p_on.resolved.plan, notes=())) == repr(replace(p_off.resolved.plan, notes=()))
     assert p_on.step_s == p_off.step_s
     assert len(on) < len(off)
+
+
+def test_the_room_forces_activation_writes_to_ssd():
+    """certain_act_writes: where activations go to SSD beyond the device's room (random profile
+    21, 13B bf16 b64: partial pieces to SSD), each replay writes at least the certain bytes of
+    activations, some many, and the search settles the candidates those writes put beyond the
+    pick's give: 103 replays -> 34, the same plan and estimate."""
+    from offloadpp.planner.certain_io import certain_act_writes
+
+    on, p_on = _replays(21, "gpt3-13b", 64)
+    off, p_off = _replays(21, "gpt3-13b", 64, tightening=False)
+    forced = 0
+    for plan, _, _, est, acts in off:
+        kinds = {k: (rd, wr) for k, rd, wr in est.ssd_by_kind}
+        w = certain_act_writes(plan, p_off.profile, acts)
+        assert w <= kinds["activations"][1]
+        forced += w > kinds["activations"][1] / 2
+    assert forced > len(off) / 4
+    assert repr(replace(p_on.resolved.plan, notes=())) == repr(replace(p_off.resolved.plan, notes=()))
+    assert p_on.step_s == p_off.step_s
+    assert len(on) < len(off) / 2
+    assert certain_act_writes(replace(p_on.resolved.plan, device="cpu"), p_on.profile, {"x": "ssd"}) == 0

@@ -21,18 +21,34 @@ what a fetch finds):
   gradients stay held, nor the last of the absorb order, whose writes wait for the next forward)
   and read back for the update after backward (run_deferred: every job completed by finish
   first, so the slot is EMPTY and on disk).
+- activations written to SSD (certain_act_writes): lower_bound leaves activation traffic out, as
+  a swap-out not started when backward wants its unit is cancelled. But a swap-out started is
+  finished (the worker copies its records, then writes the whole to SSD, before the unit's
+  backward fetches it), and the room forces starts: the forward adds its last part only once it
+  fits the activation room beside what is held, or once the copies before it are done (the
+  queue is empty, or its head is that unit's own, waiting for its next piece). So at that point
+  the worker (one queue, forward order, empty at forward's start) has copied out at least all
+  the forward saved less the room (and a grad_in_forward head's released input), or every copy
+  of the units before the last: the jobs to SSD within the first of those are written.
+  (Random profile 21, 13B bf16 b64: candidates sending partial pieces to SSD replay at 50-167 s,
+  the best 47.4 s, their bound 41-43 s: 103 replays, 34 with these writes.)
 Each is at most what a replay moves, so lower_bound with the SSD term raised by these bytes is
 still a bound (tests/test_certain_io.py replays random points against it).
 """
 
 from __future__ import annotations
 
-from .cost import _plan_terms, _speculates
+from types import SimpleNamespace
+from typing import Mapping, Optional
+
+from .activations import GRAD_IN_FORWARD
+from .cost import _model_acts, _plan_terms, _speculates
 from .decide import lazy_applies
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
 from .plan import DTYPE_BYTES, Plan, Tier
 from .schedule import cached_schedule
+from .simulate_act import ActReplay
 
 # (the search asks this of each placement's activation choices in turn: found once per plan;
 # keyed by identity, the plan held in the entry so its id is not reused while it is there)
@@ -87,16 +103,57 @@ def _find_extra(plan: Plan, micro_batches: int) -> tuple[int, int]:
     return read, written
 
 
+def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str, str],
+                       micro_batches: int = 1) -> int:  # fmt: skip
+    """SSD bytes of activations every replay of `plan` with `activations` writes per step: the
+    swap-outs to SSD the device's activation room forces to start within forward (the module
+    Note, activations)."""
+    budget = plan.budgets.activation_bytes if plan.budgets is not None else None
+    if (budget is None or plan.device != "cuda" or plan.ranks != 1 or micro_batches != 1
+            or plan.micro_batches != 1 or not any(p != "keep" for p in activations.values())):  # fmt: skip
+        return 0
+    sched = cached_schedule(plan)
+    saved, units = _model_acts(model)
+    act = ActReplay(SimpleNamespace(sched=sched), activations, saved, 1, budget, units)
+    order = [v.unit for v in sched.visits[: sched.num_forward]]
+    added = released = 0
+    jobs: list[tuple[int, bool]] = []  # (bytes, to SSD?) of the copies out, in the worker's order
+    for n in order:
+        added += sum(b for _, b in act.forward_parts(n))
+        if act.policy(n) == GRAD_IN_FORWARD and n in act.units:
+            released += act.units[n].loss_input
+        out = act._out_shape(n)
+        if out is not None:
+            jobs.append((out[0], out[1]))
+    if len(order) < 2:
+        return 0
+    last_out = act._out_shape(order[-1]) is not None
+    before_last = jobs[:-1] if last_out else jobs
+    # the last forward part is added only once the room holds it or the copies before it are done
+    copied = added - budget - released  # (the device holds nothing below 0 at forward's start)
+    prefix, done = 0, 0
+    for nbytes, to_ssd in jobs:
+        if prefix + nbytes > copied:
+            break
+        prefix += nbytes
+        done += nbytes if to_ssd else 0
+    return min(done, sum(b for b, ssd in before_last if ssd))
+
+
 def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelProfile, *,
-                adam_threads: int = 1, micro_batches: int = 1, link=None) -> float:  # fmt: skip
-    """`lb` (cost.lower_bound of `plan` with some activations) raised to the SSD time of the bytes
-    it counts plus certain_extra_bytes: no replay of the plan is faster."""
+                adam_threads: int = 1, micro_batches: int = 1, link=None,
+                activations: Optional[Mapping[str, str]] = None) -> float:  # fmt: skip
+    """`lb` (cost.lower_bound of `plan` with `activations`) raised to the SSD time of the bytes it
+    counts plus certain_extra_bytes and certain_act_writes: no replay of the plan is faster."""
     r, w = certain_extra_bytes(plan, micro_batches)
+    if activations is not None:
+        w += certain_act_writes(plan, model, activations, micro_batches)
     if not (r or w):
         return lb
     t = _plan_terms(plan, hardware, model, adam_threads, micro_batches, link)
     rb, wb = hardware.ssd_rates()
-    return max(lb, t.ssd + r / (rb * 1e9) + w / (wb * 1e9))
+    # (the replay sums the same bytes in another order: a rounding below its SSD time, not above)
+    return max(lb, (t.ssd + r / (rb * 1e9) + w / (wb * 1e9)) * (1 - 1e-12))
 
 
-__all__ = ["certain_extra_bytes", "tight_bound"]
+__all__ = ["certain_act_writes", "certain_extra_bytes", "tight_bound"]

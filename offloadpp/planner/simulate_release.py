@@ -9,17 +9,21 @@ Pure (no torch). What it reads of the ActReplay: `units`, `policy`, `sim` (its c
 from __future__ import annotations
 
 from .activations import NESTED, RECOMPUTE
+from .simulate_memo import per_unit
 
 
 class Releasing:
-    """ActReplay's release within a recomputed unit (the module docstring). Its methods run only
-    at the visits where the budget held a prefetch back (ActReplay.backward_parts) and between
-    that unit's pieces: not remembered."""
+    """ActReplay's release within a recomputed unit (the module docstring). Its methods but
+    _releasing run only at the visits where the budget held a prefetch back
+    (ActReplay.backward_parts) and between that unit's pieces: not remembered."""
 
+    @per_unit
     def _releasing(self, unit: str) -> bool:
         """A whole or nested recompute of a unit with pieces releases each piece's saved bytes as
         that piece's backward ends (runtime/activations/recompute.py, Note on release), so the
-        next units' activations come back while its earlier pieces' backward runs."""
+        next units' activations come back while its earlier pieces' backward runs. Remembered:
+        every part of every piecewise unit's backward asks it (_hold), and it reads only the
+        unit's profile and policy."""
         u = self.units.get(unit)
         pol = self.policy(unit)
         return (u is not None and (pol in RECOMPUTE or pol in NESTED) and len(u.pieces) > 1
