@@ -39,7 +39,7 @@ still a bound (tests/test_certain_io.py replays random points against it).
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from .activations import GRAD_IN_FORWARD
 from .cost import _model_acts, _plan_terms, _speculates
@@ -110,25 +110,21 @@ def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str
     Note, activations)."""
     budget = plan.budgets.activation_bytes if plan.budgets is not None else None
     if (budget is None or plan.device != "cuda" or plan.ranks != 1 or micro_batches != 1
-            or plan.micro_batches != 1 or not any(p != "keep" for p in activations.values())):  # fmt: skip
+            or plan.micro_batches != 1 or len(plan.units) < 2
+            or not any(p != "keep" for p in activations.values())):  # fmt: skip
         return 0
-    sched = cached_schedule(plan)
     saved, units = _model_acts(model)
-    act = ActReplay(SimpleNamespace(sched=sched), activations, saved, 1, budget, units)
-    order = [v.unit for v in sched.visits[: sched.num_forward]]
+    terms = _unit_terms(saved, units)
     added = released = 0
     jobs: list[tuple[int, bool]] = []  # (bytes, to SSD?) of the copies out, in the worker's order
-    for n in order:
-        added += sum(b for _, b in act.forward_parts(n))
-        if act.policy(n) == GRAD_IN_FORWARD and n in act.units:
-            released += act.units[n].loss_input
-        out = act._out_shape(n)
+    for u in plan.units:  # (forward order)
+        a, r, out = terms(u.name, activations.get(u.name, "keep"))
+        added += a
+        released += r
         if out is not None:
-            jobs.append((out[0], out[1]))
-    if len(order) < 2:
-        return 0
-    last_out = act._out_shape(order[-1]) is not None
-    before_last = jobs[:-1] if last_out else jobs
+            jobs.append(out)
+    last = terms(plan.units[-1].name, activations.get(plan.units[-1].name, "keep"))[2]
+    before_last = jobs[:-1] if last is not None else jobs
     # the last forward part is added only once the room holds it or the copies before it are done
     copied = added - budget - released  # (the device holds nothing below 0 at forward's start)
     prefix, done = 0, 0
@@ -140,20 +136,79 @@ def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str
     return min(done, sum(b for b, ssd in before_last if ssd))
 
 
+# per model's activation units (cost._model_acts, held in the entry so its id is not reused):
+# (unit, policy) -> what its forward adds to the room, releases, and copies out (a unit's are
+# functions of its profile and its own policy, as the replay's per-unit sizes)
+_TERMS_BY_UNITS: dict[int, tuple] = {}
+_TERMS_BY_UNITS_MAX = 4
+
+
+def _unit_terms(saved: Mapping[str, int], units: Mapping) -> Callable:
+    e = _TERMS_BY_UNITS.get(id(units))
+    if e is None or e[0] is not units:
+        if len(_TERMS_BY_UNITS) >= _TERMS_BY_UNITS_MAX:
+            _TERMS_BY_UNITS.pop(next(iter(_TERMS_BY_UNITS)))
+        e = _TERMS_BY_UNITS[id(units)] = (units, {})
+    memo = e[1]
+
+    def terms(name: str, policy: str) -> tuple:
+        got = memo.get((name, policy))
+        if got is None:
+            # the replay's own sizes (simulate_act.ActReplay), for this unit under this policy
+            act = ActReplay(_NO_SIM, {name: policy}, saved, 1, None, units)
+            added = sum(b for _, b in act.forward_parts(name))
+            gif = act.policy(name) == GRAD_IN_FORWARD and name in act.units
+            out = act._out_shape(name)
+            got = memo[(name, policy)] = (added, act.units[name].loss_input if gif else 0,
+                                          (out[0], out[1]) if out is not None else None)  # fmt: skip
+        return got
+
+    return terms
+
+
+_NO_SIM = SimpleNamespace(sched=SimpleNamespace(visits=()))  # (ActReplay reads its backward order)
+
+
 def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelProfile, *,
                 adam_threads: int = 1, micro_batches: int = 1, link=None,
-                activations: Optional[Mapping[str, str]] = None) -> float:  # fmt: skip
+                activations: Optional[Mapping[str, str]] = None, need: Optional[float] = None) -> float:  # fmt: skip
     """`lb` (cost.lower_bound of `plan` with `activations`) raised to the SSD time of the bytes it
-    counts plus certain_extra_bytes and certain_act_writes: no replay of the plan is faster."""
-    r, w = certain_extra_bytes(plan, micro_batches)
-    if activations is not None:
-        w += certain_act_writes(plan, model, activations, micro_batches)
-    if not (r or w):
-        return lb
+    counts plus certain_extra_bytes and certain_act_writes: no replay of the plan is faster.
+    `need`: the caller asks only whether the bound exceeds it; where even every streamed
+    weights and gradient counted could not, certain_extra_bytes (which builds the plan's
+    schedule, for candidates most of which are never replayed) is left out."""
+    w_act = certain_act_writes(plan, model, activations, micro_batches) if activations is not None else 0
     t = _plan_terms(plan, hardware, model, adam_threads, micro_batches, link)
     rb, wb = hardware.ssd_rates()
+    if need is not None:
+        r_hi, w_hi = _extra_at_most(plan)
+        if t.ssd + (w_act + w_hi) / (wb * 1e9) + r_hi / (rb * 1e9) <= need:
+            r = w = 0
+        else:
+            r, w = certain_extra_bytes(plan, micro_batches)
+    else:
+        r, w = certain_extra_bytes(plan, micro_batches)
+    w += w_act
+    if not (r or w):
+        return lb
     # (the replay sums the same bytes in another order: a rounding below its SSD time, not above)
     return max(lb, (t.ssd + r / (rb * 1e9) + w / (wb * 1e9)) * (1 - 1e-12))
+
+
+def _extra_at_most(plan: Plan) -> tuple[int, int]:
+    """certain_extra_bytes' most, without the schedule: every streamed weights read again, every
+    gradient on SSD written and read back."""
+    cdt, gdt = DTYPE_BYTES[plan.compute_dtype], DTYPE_BYTES[plan.grad_dtype]
+    read = written = 0
+    for u, p in plan:
+        homes = plan.homes(u, p)
+        n = u.padded_numel
+        if plan.separate_weights and homes.get("weights") is Tier.SSD:
+            read += n * cdt
+        if plan.deferred_update and homes.get("grads") is Tier.SSD:
+            read += n * gdt
+            written += n * gdt
+    return read, written
 
 
 __all__ = ["certain_act_writes", "certain_extra_bytes", "tight_bound"]

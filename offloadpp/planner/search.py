@@ -230,9 +230,9 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # candidates whose bound says they cannot be picked are not replayed (settle.py's Note; not
     # where one is asked for by name, Request.prefer, which must be replayed)
     settled = Settled(on=req.window == 1 and req.prefer is None, give=NOMINAL_GIVE,
-                      tighten=lambda p, lb, c: tight_bound(lb, p, hardware, model, adam_threads=req.adam_threads,
-                                                           micro_batches=req.micro_batches, link=req.link,
-                                                           activations=c.as_dict()))  # fmt: skip
+                      tighten=lambda p, lb, c, need: tight_bound(lb, p, hardware, model, adam_threads=req.adam_threads,
+                                                                 micro_batches=req.micro_batches, link=req.link,
+                                                                 activations=c.as_dict(), need=need))  # fmt: skip
     many = len(units) > MANY_UNITS
     n_tops, extra_tops = (1, 0) if many else (ACT_TOP_PLACEMENTS, 2)
 

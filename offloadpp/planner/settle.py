@@ -35,8 +35,9 @@ class Settled:
     on: bool  # False: every candidate is replayed (a vertical window's search)
     give: float  # the robust pick's NOMINAL_GIVE
     left: list = field(default_factory=list)
-    # (plan, its bound, its ActChoice) -> a bound no less, still below every replay of the plan
-    # with those activations (certain_io.tight_bound): asked only where the first cannot settle
+    # (plan, its bound, its ActChoice, the bound that settles) -> a bound no less, still below
+    # every replay of the plan with those activations (certain_io.tight_bound): asked only where
+    # the first cannot settle
     tighten: Optional[Callable] = None
 
     def cannot_win(self, lb: float, best_s: float) -> bool:
@@ -50,7 +51,7 @@ class Settled:
         if not self.cannot_win(lb, best_s):
             if self.tighten is None or not self.on:
                 return False
-            lb = self.tighten(plan, lb, choice)
+            lb = self.tighten(plan, lb, choice, best_s * (1 + self.give))
             if not self.cannot_win(lb, best_s):
                 return False
         if tops is not None and not outside_tops(lb, plan, *tops):
