@@ -116,7 +116,7 @@ def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str
     saved, units = _model_acts(model)
     terms = _unit_terms(saved, units)
     added = released = 0
-    jobs: list[tuple[int, bool]] = []  # (bytes, to SSD?) of the copies out, in the worker's order
+    jobs: list[tuple[int, int]] = []  # (bytes freed, written to SSD) of the copies out, worker's order
     for u in plan.units:  # (forward order)
         a, r, out = terms(u.name, activations.get(u.name, "keep"))
         added += a
@@ -128,12 +128,12 @@ def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str
     # the last forward part is added only once the room holds it or the copies before it are done
     copied = added - budget - released  # (the device holds nothing below 0 at forward's start)
     prefix, done = 0, 0
-    for nbytes, to_ssd in jobs:
-        if prefix + nbytes > copied:
+    for freed, written in jobs:
+        if prefix + freed > copied:
             break
-        prefix += nbytes
-        done += nbytes if to_ssd else 0
-    return min(done, sum(b for b, ssd in before_last if ssd))
+        prefix += freed
+        done += written
+    return min(done, sum(w for _, w in before_last))
 
 
 # per model's activation units (cost._model_acts, held in the entry so its id is not reused):
@@ -159,8 +159,12 @@ def _unit_terms(saved: Mapping[str, int], units: Mapping) -> Callable:
             added = sum(b for _, b in act.forward_parts(name))
             gif = act.policy(name) == GRAD_IN_FORWARD and name in act.units
             out = act._out_shape(name)
-            got = memo[(name, policy)] = (added, act.units[name].loss_input if gif else 0,
-                                          (out[0], out[1]) if out is not None else None)  # fmt: skip
+            job = None
+            if out is not None:  # (the bytes its records free as copied, simulate_act's worker; written: all)
+                n, to_ssd, pieces, _, parts = out
+                freed = sum(sum(r) for r in parts) if parts else sum(pieces) if pieces else n
+                job = (freed, n if to_ssd else 0)
+            got = memo[(name, policy)] = (added, act.units[name].loss_input if gif else 0, job)  # fmt: skip
         return got
 
     return terms
