@@ -86,7 +86,7 @@ def test_certain_bytes_count_backward_rereads_and_a_deferred_updates_gradients()
 
 def test_the_tight_bound_settles_more_with_the_same_plan():
     """search: with the certain bytes, profile 18's 13B b32 replays fewer candidates (issue 36's
-    planning time: 141 -> 105 replays) and picks the same plan with the same estimate."""
+    planning time: 141 -> 93 replays) and picks the same plan with the same estimate."""
     on, p_on = _replays(18, "gpt3-13b", 32)
     off, p_off = _replays(18, "gpt3-13b", 32, tightening=False)
     assert repr(replace(p_on.resolved.plan, notes=())) == repr(replace(p_off.resolved.plan, notes=()))
