@@ -1,5 +1,6 @@
 """SSD bytes a replay of a plan certainly moves beyond those cost.lower_bound counts: a tighter
-bound the search settles candidates with (settle.py), from the plan and its schedule alone.
+bound the search settles candidates with (settle.py), from the plan, its schedule and its
+activations' sizes alone (no replay).
 
 Note: what is certain, and why. cost.lower_bound counts, of the weights, one read per step (for
 the next forward) and, of the gradients, nothing. Where a step's weights and gradients cross the
@@ -215,4 +216,10 @@ def _extra_at_most(plan: Plan) -> tuple[int, int]:
     return read, written
 
 
-__all__ = ["certain_act_writes", "certain_extra_bytes", "tight_bound"]
+def clear_certain() -> None:
+    """Forgets the certain bytes found so far (peaks.clear_cache: planning from nothing)."""
+    _EXTRA.clear()
+    _TERMS_BY_UNITS.clear()
+
+
+__all__ = ["certain_act_writes", "certain_extra_bytes", "clear_certain", "tight_bound"]

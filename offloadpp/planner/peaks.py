@@ -75,9 +75,11 @@ def _holds_for(plan: Plan) -> tuple[tuple, tuple]:
 def clear_cache() -> None:
     """Forgets the holds, unit terms, schedules and activation sizes found so far (benchmarks time
     planning from nothing)."""
+    from .certain_io import clear_certain  # (the settling's certain bytes)
     from .simulate_memo import clear_shared  # (the replay's memos)
 
     clear_shared()
+    clear_certain()
     _HOLDS.clear()
     _TERMS.clear()
     _LAST.clear()
