@@ -85,3 +85,54 @@ def test_on_the_standin_a_vertical_windows_backward_stages_nothing(store, monkey
     got, stats, at_fetch = _run(ref, x, store, budget, "partial_ssd", monkeypatch, stage=False)
     assert at_fetch and all(s is RecState.ON_SSD for s in at_fetch), at_fetch
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_on_the_standin_an_ssd_read_is_copied_up_once_it_ends_not_when_backward_needs_it(store, staged):
+    """The runtime half of the replay's copy up at a read's end (planner/simulate_fetch.py
+    `_copy_up_read`): a record fetched straight from SSD (READING: a room large enough that the
+    prefetch takes it before any stage, the path twice the device memory takes) starts its copy
+    up at the first pump after its read ends (swap.py `_advance_in`), not when backward unpacks
+    it; a staged one (STAGING, then HOST) at its fetch. The replay copied a read fetched straight
+    from SSD up only at its unit's backward, so random profile 4's Llama b128 with twice the
+    device memory replayed 1.022x the normal room's step, whose reads were staged
+    (test_planner_properties, test_twice_the_device_memory_reads_ahead_as_the_normal_room_stages)."""
+    from types import SimpleNamespace
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from offloadpp.runtime.accel import StandinAccelerator
+    from offloadpp.runtime.activations.policy import ActPolicy
+    from offloadpp.runtime.activations.records import SavedStorage
+
+    accel = StandinAccelerator(seed=3, delay_ms=30.0)  # (OFFLOADPP_STANDIN_SKIP applies)
+    sw = Swapper(accel, store, key_prefix="t", host_budget_bytes=None)
+    try:
+        x = torch.arange(4096.0)  # what compute saved
+        rec = SavedStorage(SimpleNamespace(name="u"), ActPolicy.SSD, x.untyped_storage(),
+                           StorageWeakRef(x.untyped_storage()), 0)  # fmt: skip
+        sw.hold(rec)
+        sw.swap_out(rec)
+        sw.make_room(1 << 40, 0)  # (waits for the swap-out)
+        sw._finish_write(rec, block=True)
+        assert rec.state is RecState.ON_SSD
+        if staged:
+            sw.stage(rec)
+            rec.get.wait()
+            sw.pump()
+            assert rec.state is RecState.HOST  # (read into host memory, waiting for a fetch)
+            sw.fetch(rec)
+        else:
+            sw.fetch(rec)
+            assert rec.state is RecState.READING
+            rec.get.wait()  # (the read ends; backward has not reached the unit)
+            sw.pump()
+        assert rec.state in (RecState.MOVING_IN, RecState.READY)  # (the copy up is under way)
+        sw.wait_ready(rec)
+        got = torch.empty(4096)
+        got.untyped_storage().copy_(rec.storage[rec.base : rec.base + rec.nbytes])
+        assert torch.equal(got, x)
+        sw.release(rec)
+    finally:
+        sw.close()
+        accel.close()
