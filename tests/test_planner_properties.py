@@ -140,7 +140,8 @@ def test_a_13b_block_too_large_to_recompute_whole_recomputes_nested_not_partial(
     12x the checkpoint's bytes to the SSD: 1.108x the time per token of b32 (1.165x at 40
     layers). The blocks recompute nested from their one checkpoint instead (recompute_nested*):
     0.895x; since recompute_pieces*, each piece from its own checkpoint (the attention not run a
-    second time), half the blocks partial: 0.772x."""
+    second time), half the blocks partial: 0.772x (0.726x since partial keeps no output backward
+    never reads: runtime/activations/partial.py)."""
     hw, dtype = random_profile(0)
     pts = [plan_point(hw, "gpt3-13b@24", b, dtype) for b in (32, 64)]
     assert batch_violations(pts) == []
@@ -336,7 +337,8 @@ def test_no_cliff_where_nested_runs_the_attention_again(model):
     recomputed nested from their one checkpoint, whose second attention forward made the step
     1.115x (Llama 7B) and 1.087x (13B) the time per token of b64. Each piece from its own
     checkpoint (recompute_pieces*: one forward, two checkpoints a block): 1.030x (97.17 against
-    47.17 s) and 1.013x (191.62 against 94.58 s). (Both whole: at 16 layers b64 gains more than
+    47.17 s) and 1.013x (191.62 against 94.58 s; 1.035x, 185.59 against 89.65 s, once partial kept
+    no output backward never reads: b64 mixes it in, b128's room cannot). (Both whole: at 16 layers b64 gains more than
     b128 from what came later, the Llama's smaller MLP and, for 13B, SSD reads staged ahead of
     the device room with a recompute releasing piece by piece: 1.061x and 1.056x.)"""
     hw, dtype = random_profile(9)
