@@ -186,6 +186,8 @@ class Recorder(TorchDispatchMode):
                 self._wanted(src)
 
     def _carried(self, t: torch.Tensor) -> set[_Kept]:
+        if t.layout is not torch.strided:  # (no storage of its own to follow: see _carry)
+            return set()
         weak = storage_key(t)[1]
         got = self.carries.get(weak)
         if got is None:
@@ -196,6 +198,9 @@ class Recorder(TorchDispatchMode):
         return got[1]
 
     def _carry(self, t: torch.Tensor, ks: set[_Kept]) -> None:
+        if t.layout is not torch.strided:  # (a sparse or nested output: kept rather than followed)
+            self._wanted(ks)
+            return
         weak = storage_key(t)[1]
         if weak in self.carries and not self.carries[weak][0].expired():
             self.carries[weak][1].update(ks)
