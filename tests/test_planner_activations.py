@@ -678,3 +678,29 @@ def test_a_read_fetched_ahead_is_copied_up_when_it_ends_not_at_its_units_backwar
     read.t, sim.t = 2.0, 3.0
     r._copy_up_read()  # (the read ended at 2.0: copied up from then, its 400 bytes by 6.0)
     assert r.ready["b"] == (6.0, False, 400) and not r.reading
+
+
+def test_the_least_need_counts_a_block_recomputed_piece_by_piece():
+    """A Llama block's attention piece, partial, holds the q and k it kept before the rotation
+    beside what its recompute saves; recomputed piece by piece it keeps no output: the least
+    need is the pieces' (a room between the two has choices: it had none, and the search tried
+    no prefetch depth leaving it). A GPT-2 block keeps no output autograd does not save: there
+    the two hold the same, and the least stays partial's."""
+    from offloadpp.bench.planner_properties import model_config
+
+    llama = act_units(
+        analytic_profile(model_config("llama-7b@2"), micro_batch=16, seq_len=1024, compute_dtype="fp16")
+    )
+    acts = ActPlanner(llama, {}, device="cuda")
+    blocks = [u for u in llama if u.pieces]
+    assert blocks and all(acts.least.as_dict()[u.name] == "recompute_pieces_ssd" for u in blocks)
+    pieces = acts.least.need_bytes
+    partial = need_bytes(llama, {**acts.least.as_dict(), **{u.name: "partial_ssd" for u in blocks}})
+    assert pieces < partial
+    got = acts.candidates(pieces)
+    assert got and all(c.need_bytes <= pieces for c in got)
+    gpt = act_units(
+        analytic_profile(model_config("gpt3-13b@2"), micro_batch=2, seq_len=256, compute_dtype="fp16")
+    )
+    least = ActPlanner(gpt, {}, device="cuda").least.as_dict()
+    assert all(least[u.name] == "partial_ssd" for u in gpt if u.pieces)

@@ -372,6 +372,8 @@ def _enumerate(hardware: HardwareProfile, model: ModelProfile, req: Request) -> 
         # must plan within 2 s)
         whole = acts.swap_all.need_bytes
         extra = {whole} if whole <= req.act_cap and len(units) <= MANY_UNITS else set()
+        # (and partial's least, where recomputing piece by piece needs less: ActPlanner.least_partial)
+        extra |= {n for n in (acts.least_partial.need_bytes,) if least < n <= req.act_cap}
         reserves = sorted({min(req.act_cap, acts.keep_all.need_bytes), least} | extra, reverse=True)
     else:
         reserves = [0]
