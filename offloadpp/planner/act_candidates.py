@@ -147,10 +147,11 @@ class ActPlanner:
 
     @property
     def least_partial(self) -> ActChoice:
-        """The least need without recomputing piece by piece: the room the search also sets aside
-        for the activations (search.py), where partial fits and pieces would leave more room to
-        the weights (random profile 29, Llama 7B b32: a placement leaving 2.00 GiB to partial
-        blocks, 18.146 s; with pieces' least only, 18.240 s)."""
+        """The least need without recomputing piece by piece: the room the search sets aside for
+        the activations (search.py; pieces' only at the depths where this one does not fit).
+        Setting aside pieces' smaller room where partial's fits changed the fills replayed and
+        the pick: random profile 29, Llama 7B b32, 18.146 -> 18.240 s; profile 0 b64, 33.989 ->
+        34.466 s."""
         return self._least(pieces=False)
 
     def _least(self, pieces: bool) -> ActChoice:
