@@ -140,7 +140,8 @@ def test_a_13b_block_too_large_to_recompute_whole_recomputes_nested_not_partial(
     12x the checkpoint's bytes to the SSD: 1.108x the time per token of b32 (1.165x at 40
     layers). The blocks recompute nested from their one checkpoint instead (recompute_nested*):
     0.895x; since recompute_pieces*, each piece from its own checkpoint (the attention not run a
-    second time), half the blocks partial: 0.772x."""
+    second time), half the blocks partial: 0.772x (0.726x since partial keeps no output backward
+    never reads: runtime/activations/partial.py)."""
     hw, dtype = random_profile(0)
     pts = [plan_point(hw, "gpt3-13b@24", b, dtype) for b in (32, 64)]
     assert batch_violations(pts) == []
@@ -336,7 +337,8 @@ def test_no_cliff_where_nested_runs_the_attention_again(model):
     recomputed nested from their one checkpoint, whose second attention forward made the step
     1.115x (Llama 7B) and 1.087x (13B) the time per token of b64. Each piece from its own
     checkpoint (recompute_pieces*: one forward, two checkpoints a block): 1.030x (97.17 against
-    47.17 s) and 1.013x (191.62 against 94.58 s). (Both whole: at 16 layers b64 gains more than
+    47.17 s) and 1.013x (191.62 against 94.58 s; 1.035x, 185.59 against 89.65 s, once partial kept
+    no output backward never reads: b64 mixes it in, b128's room cannot). (Both whole: at 16 layers b64 gains more than
     b128 from what came later, the Llama's smaller MLP and, for 13B, SSD reads staged ahead of
     the device room with a recompute releasing piece by piece: 1.061x and 1.056x.)"""
     hw, dtype = random_profile(9)
@@ -482,3 +484,62 @@ def test_the_best_mix_of_partial_and_recompute_is_moved_to_the_balance():
     hw, dtype = random_profile(17)
     pts = [plan_point(hw, "llama-7b", b, dtype) for b in (32, 64)]
     assert batch_violations(pts) == []
+
+
+def test_the_data_sheet_b128_is_no_slower_per_token_than_b64():
+    """docs/paper's data-sheet profile, GPT-3 13B: b128's step per token is no slower than b64's
+    (issue 36's data-sheet bar). Both forwards were bound by the device-to-host link, and the
+    fixed activation room absorbs one micro-batch's link deficit whatever its size, so b64 drained
+    one room more per 128 samples (72.550 s against 2 x 36.254 s: 0.9994x). A partial block kept
+    and moved its two projections' outputs, which backward never reads (runtime/activations/
+    partial.py, Note on outputs backward never reads): without them it moves 10 x width a token,
+    not 12, both forwards run at their compute floor, and b128 gains its halved fixed costs."""
+    from offloadpp.bench.planner_properties import CONFIG, SEQ_LEN, model_config
+    from offloadpp.bench.planner_scale import _settings
+    from offloadpp.planner import HardwareProfile, analytic_profile, resolve
+    from offloadpp.planner.activations import act_units
+    from offloadpp.planner.resolve import machine_for
+
+    hw = HardwareProfile.from_json("docs/paper/rtx4090-datasheet.hardware.json")
+    steps = {}
+    for b in (64, 128):
+        prof = analytic_profile(
+            model_config("gpt3-13b"), micro_batch=b, seq_len=SEQ_LEN, compute_dtype="fp16"
+        )
+        blk, x = act_units(prof)[1], b * SEQ_LEN * 5120 * 2  # (a width-sized tensor)
+        assert (
+            blk.moved("partial_host") == 10 * x + 2 * b * SEQ_LEN * 40 * 2
+        )  # (and the attention's statistics)
+        r = resolve(_settings(CONFIG, "fp16", b), prof.unit_specs(), machine_for(hw), hardware=hw, model=prof)
+        steps[b] = r.estimate.step_s
+    assert steps[128] / 128 <= steps[64] / 64, steps
+
+
+def test_a_room_only_pieces_fit_is_tried_at_every_prefetch_depth():
+    """Random profile 0, Llama 7B fp16 b128: a partial block's attention piece holds 8.02 GiB (the
+    q and k kept before the rotation), recomputed piece by piece 7.38 GiB. The search tried only
+    the prefetch depths whose room the least need fits, and the least counted partial, not
+    pieces: only k = 0 (8.07 GiB), every unit's weights fetched at its visit (77.54 s, 1.141x the
+    time per token of b64). Pieces fit k = 1's room too: weights fetched a visit ahead (75.08 s,
+    1.104x: the pieces' second forward is what is left, partial's bytes would go to an SSD
+    writing at 5.6 GB/s beside a 10 GiB host budget)."""
+    hw, dtype = random_profile(0)
+    pt = plan_point(hw, "llama-7b", 128, dtype)
+    plan = pt.resolved.plan
+    assert plan.prefetch_depth >= 1
+    assert any(p.startswith("recompute_pieces") for p in plan.activations)
+    slower = [c.estimate.step_s for c in pt.resolved.candidates if c.plan.prefetch_depth == 0]
+    assert slower and pt.step_s < min(slower)
+
+
+def test_partials_least_room_is_still_set_aside_beside_pieces():
+    """Random profile 29, Llama 7B fp16 b32: the fills made leaving the activations only the least
+    they need keep more weights on the device. Partial's least (2.00 GiB) let every block be
+    partial_host beside two weights buffers in flight (k = 2: 18.146 s); with the least counting
+    pieces (less), that room was no longer set aside, and the pick fell to k = 1 (18.240 s)."""
+    hw, dtype = random_profile(29)
+    plan = plan_point(hw, "llama-7b", 32, dtype).resolved.plan
+    assert plan.prefetch_depth == 2
+    assert all(
+        p == "partial_host" for u, p in zip(plan.units, plan.activations) if u.name.startswith("model.layers")
+    )

@@ -136,12 +136,30 @@ class ActPlanner:
     @property
     def least(self) -> ActChoice:
         """The choice with the least need: every free unit swapped (what must stay stays), or
-        partial with its kept outputs swapped where that holds less in backward (a partial unit
-        is recomputed piece by piece)."""
+        partial with its kept outputs swapped, or recomputing piece by piece from its pieces'
+        checkpoints swapped, where that holds less (both hold one piece's at a time in backward;
+        pieces hold no kept output, so less than partial where a piece keeps outputs autograd does
+        not save: a Llama attention's q and k before the rotation). The search tries no prefetch
+        depth whose room the least does not fit: random profile 0, Llama 7B b128, whose least
+        was partial's (8.02 GiB against pieces' 7.38), was planned at k = 0 only, its weights
+        fetched at each visit (77.54 s); pieces fit k = 1 and 2 too."""
+        return self._least(pieces=True)
 
+    @property
+    def least_partial(self) -> ActChoice:
+        """The least need without recomputing piece by piece: the room the search sets aside for
+        the activations (search.py; pieces' only at the depths where this one does not fit).
+        Setting aside pieces' smaller room where partial's fits changed the fills replayed and
+        the pick: random profile 29, Llama 7B b32, 18.146 -> 18.240 s; profile 0 b64, 33.989 ->
+        34.466 s."""
+        return self._least(pieces=False)
+
+    def _least(self, pieces: bool) -> ActChoice:
         def least_of(u: ActUnit) -> str:
             if u.can_recompute and 0 < u.partial < u.saved:
-                return min(("ssd", "partial_ssd"), key=lambda p: peak_bytes_at(u, p))
+                # (in this order: the first of equals, as before pieces were counted here)
+                tried = ("ssd", "partial_ssd") + (("recompute_pieces_ssd",) if pieces and u.pieces else ())
+                return min(tried, key=lambda p: peak_bytes_at(u, p))
             if u.can_recompute and u.logits:
                 return min(("ssd", "recompute_ssd"), key=lambda p: peak_bytes_at(u, p))
             return "ssd"

@@ -90,8 +90,9 @@ shorten forward where forward waits on the link: what the tail keeps is room the
 use, so forward still waits until the bytes produced before the head less the room are out.
 
 Note: the release. A swapped partial piece's kept outputs that autograd does not save
-(`partial_extra`: o_proj's and down's outputs, a Llama's q and k before the rotation) are read by
-its recompute only, and the runtime releases them once it ran (runtime/activations/saves.py
+(`partial_extra`: a Llama's q and k before the rotation; not o_proj's and down's outputs, which
+reach no saved tensor and are not kept at all: runtime/activations/partial.py, Note on outputs
+backward never reads) are read by its recompute only, and the runtime releases them once it ran (runtime/activations/saves.py
 `_release_replayed`), where they were fetched back (RELEASES_REPLAYED: not those a partial unit
 keeps on the device). The need still counts them (piece_peaks: at the recompute they are all
 there); the replay lets the next unit's records come back beside the piece's backward without

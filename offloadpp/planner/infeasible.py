@@ -38,7 +38,7 @@ def raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, m
             pol = least.as_dict()
             top = max(acts.units, key=lambda u: peak_bytes_at(u, pol[u.name]))
             msg += (f" and the saved activations at least {fmt_bytes(act_need)} at micro-batch {model.micro_batch} "
-                    f"(every unit swapped that can be, partial where a piece at a time holds less; the largest, "
+                    f"(every unit swapped that can be, partial or recomputed piece by piece where a piece at a time holds less; the largest, "
                     f"{top.name!r}, holds {fmt_bytes(peak_bytes_at(top, pol[top.name]))} at once)")  # fmt: skip
             if req.budgets.activation_bytes is not None and act_need > req.act_cap:
                 msg += f", above the activation budget of {fmt_bytes(req.act_cap)}"

@@ -340,24 +340,27 @@ def analytic_profile(
         heads = int(_get(config, "n_head", "num_attention_heads"))
         act_elems = t * ((8 + cache) * d + wide * inner) + 2 * b * s * heads
         units = [UnitProfile("embed", vocab * d + npos * d, 0, 0, 8 * t, t * d * eb, (), False)]
-        # partial keeps the matmuls' and the attention's outputs: c_attn's (q/k/v), the attention
-        # output and its log-sum-exp, c_fc's (saved anyway) and the two projections' (not saved)
+        # partial keeps the matmuls' and the attention's outputs that backward reads: c_attn's
+        # (q/k/v), the attention output and its log-sum-exp, c_fc's (saved anyway); not the two
+        # projections' (c_proj's), which reach no saved tensor: the recompute is handed zeros in
+        # their place (runtime/activations/partial.py, Note on outputs backward never reads),
+        # which hold no bytes, and they are never moved
         # pieces: ln_1 (its input), attn (its input, q/k/v, the attention output and statistics:
-        # recomputed without the cache, so no copies of k and v; keeps q/k/v, the output and
-        # c_proj's), ln_2, mlp (its input, c_fc's output and what the activation function saves
-        # at the inner width; keeps c_fc's and c_proj's outputs). The attention's and the MLP's
-        # inputs are the norms' outputs: no checkpoint of their own, the norm runs again from
-        # its own (runtime/activations/recompute.py, Note on derived checkpoints)
+        # recomputed without the cache, so no copies of k and v; keeps q/k/v and the output),
+        # ln_2, mlp (its input, c_fc's output and what the activation function saves at the inner
+        # width; keeps c_fc's output). The attention's and the MLP's inputs are the norms'
+        # outputs: no checkpoint of their own, the norm runs again from its own
+        # (runtime/activations/recompute.py, Note on derived checkpoints)
         lse, x = 2 * b * s * heads * eb, t * d * eb
         norm = (x, x, 0, 0)
-        pieces = (norm, (5 * x + lse, 0, 5 * x + lse, x), norm,
-                  (x + wide * t * inner * eb, 0, x + t * inner * eb, x))  # fmt: skip
+        pieces = (norm, (5 * x + lse, 0, 4 * x + lse, 0), norm,
+                  (x + wide * t * inner * eb, 0, t * inner * eb, 0))  # fmt: skip
         # (the kept storages in save order: c_attn's q/k/v, the attention's output and statistics,
-        # c_proj's; c_fc's, the MLP's c_proj's)
-        kept = ((), (3 * x, x, lse, x), (), (t * inner * eb, x))
+        # each a record once the attention's node saves it; c_fc's)
+        kept = ((), (3 * x, x, lse), (), (t * inner * eb,))
         qkv, core, proj = 6 * t * d * d, 4 * b * s * s * d, 2 * t * d * d  # (the attention's FLOPs)
-        a = (qkv / (qkv + core + proj), (qkv + core) / (qkv + core + proj))
-        kept_at = ((), (a[0], a[1], a[1], 1.0), (), (0.5, 1.0))  # (c_fc and c_proj: as many FLOPs)
+        a1 = (qkv + core) / (qkv + core + proj)
+        kept_at = ((), (a1, a1, a1), (), (0.5,))  # (c_fc and c_proj: as many FLOPs)
         units += [
             UnitProfile(f"transformer.h.{i}", block_numel, 2 * t * lin + 4 * b * s * s * d,
                         2 * (2 * t * lin + 4 * b * s * s * d), act_elems * eb, t * d * eb,
@@ -391,26 +394,29 @@ def analytic_profile(
         # where plain autograd saves them too (4; peft's LoRA on down_proj: profile the model)
         act_elems = t * (6 * d + 2 * heads * hd + 2 * kv * hd + GATED_MLP_SAVED * ff) + 2 * b * s * heads
         units = [UnitProfile("embed", vocab * d, 0, 0, 8 * t, t * d * eb, (), False)]
-        # partial keeps q/k/v, the attention output and statistics, gate and up (saved anyway), and
-        # o_proj's and down's outputs (not saved)
+        # partial keeps q/k/v, the attention output and statistics, gate and up (saved anyway); not
+        # o_proj's and down's outputs, which reach no saved tensor (zeros in their place, as for
+        # GPT-2: runtime/activations/partial.py, Note on outputs backward never reads)
         # pieces: the two norms (2 x width each), self_attn (its input, rotated q/k, v, the output
-        # and statistics; keeps q/k/v's projections, the output and o_proj's: q/k's projections
-        # and o_proj's are not saved otherwise), mlp (its input, gate and up: their activation
-        # and product are made again in backward; keeps gate, up and down's outputs); the
+        # and statistics; keeps q/k/v's projections and the output: q/k's projections are not
+        # saved otherwise, the rotated q/k made from them are), mlp (its input, gate and up: their
+        # activation and product are made again in backward; keeps gate and up); the
         # attention's and the MLP's inputs are the norms' outputs, derived again (as for GPT-2)
         x, q, k, f = t * d * eb, t * heads * hd * eb, t * kv * hd * eb, t * ff * eb
         lse = 2 * b * s * heads * eb
         norm = (2 * x, x, 0, 0)
-        pieces = (norm, (x + 2 * q + 2 * k + lse, 0, 2 * q + 2 * k + lse + x, q + k + x), norm,
-                  (x + GATED_MLP_SAVED * f, 0, 2 * f + x, x))  # fmt: skip
+        pieces = (norm, (x + 2 * q + 2 * k + lse, 0, 2 * q + 2 * k + lse, q + k), norm,
+                  (x + GATED_MLP_SAVED * f, 0, 2 * f, 0))  # fmt: skip
         kept = (
             (),
-            (q, k, k, q, lse, x),
+            (q, k, k, q, lse),
             (),
-            (f, f, x),
-        )  # (q/k/v's, the attention's, o_proj's; gate, up, down)
+            (f, f),
+        )  # (q/k/v's and the attention's, each a record once the attention's node saves what is made
+        # from it; gate, up)
         fl = (q, k, k, attn_flops * eb / (2 * d), 0, q)  # (the FLOPs that make each, over 2 x width / eb)
-        kept_at = ((), tuple(sum(fl[: i + 1]) / sum(fl) for i in range(len(fl))), (), (1 / 3, 2 / 3, 1.0))
+        at = sum(fl[:4]) / sum(fl)
+        kept_at = ((), (at,) * 5, (), (2 / 3, 2 / 3))  # (gate once swiglu.py saves it beside up)
         # what each piece's backward is done with before it ends (see UnitProfile.piece_freed): a
         # norm's output once its first node (the weight's product) ran; the attention's rotated
         # q/k, v, output and statistics once o_proj's and the attention's backward ran (its input,

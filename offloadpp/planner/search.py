@@ -379,9 +379,13 @@ def _enumerate(hardware: HardwareProfile, model: ModelProfile, req: Request) -> 
         # must plan within 2 s)
         whole = acts.swap_all.need_bytes
         extra = {whole} if whole <= req.act_cap and len(units) <= MANY_UNITS else set()
-        reserves = sorted({min(req.act_cap, acts.keep_all.need_bytes), least} | extra, reverse=True)
+        # the least room set aside is partial's, pieces' only at the depths partial's does not fit
+        # (ActPlanner.least_partial: the same placements where it fits)
+        part = acts.least_partial.need_bytes
+        part = part if part <= req.act_cap else least
+        reserves = sorted({min(req.act_cap, acts.keep_all.need_bytes), part} | extra, reverse=True)
     else:
-        reserves = [0]
+        reserves, part = [0], 0
     fixed = acts._choice("settings", {})  # not counted: the settings' policies, others kept
     groups: list[tuple[float, str, Plan, list]] = []  # (least bound, label, plan, [(bound, i, choice)])
     alike: set = set()
@@ -395,7 +399,7 @@ def _enumerate(hardware: HardwareProfile, model: ModelProfile, req: Request) -> 
         if host0 > b.host_bytes or dev0 + least > b.device_bytes or least > req.act_cap:
             continue
         tried: dict = {}
-        for r in reserves:
+        for r in reserves + ([least] if least < part and dev0 + part > b.device_bytes else []):
             for placements, how in _placements(base, req, r).items():
                 tried.setdefault(placements, how)
         for placements, how in tried.items():

@@ -84,6 +84,8 @@ class ManagerSaves:
         unit, seg = self._stack[-1] if self._stack else (self.outside, None)
         policy = unit.policy
         if type(seg) is Segment:  # everything, weights too: the recompute saves them again, in this order
+            if seg.log is not None and self._recorders:  # (partial.py, Note on outputs backward never reads)
+                self._recorders[-1].saved(t)
             if unit.policy.piecewise:
                 seg.forward_bytes += self._piece_saved_bytes(unit, seg, t)
             return seg.pack(t)
