@@ -30,8 +30,7 @@ def _replays(profile: int, model: str, batch: int, tightening: bool = True):
         est, by_key = score(plan, hw_, model_, req, acts)
         lb = cost.lower_bound(plan, hw_, model_, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
                               activations=acts or {}, link=req.link)  # fmt: skip
-        tb = tight_bound(lb, plan, hw_, model_, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
-                         link=req.link, activations=acts or {})  # fmt: skip
+        tb = tight_bound(lb, plan, hw_, model_, req, activations=acts or {})  # fmt: skip
         seen.append((plan, lb, tb, est, acts or {}))
         return est, by_key
 

@@ -48,6 +48,7 @@ from .decide import lazy_applies
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
 from .plan import DTYPE_BYTES, Plan, Tier
+from .request import Request
 from .schedule import cached_schedule
 from .simulate_act import ActReplay
 
@@ -174,16 +175,17 @@ def _unit_terms(saved: Mapping[str, int], units: Mapping) -> Callable:
 _NO_SIM = SimpleNamespace(sched=SimpleNamespace(visits=()))  # (ActReplay reads its backward order)
 
 
-def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelProfile, *,
-                adam_threads: int = 1, micro_batches: int = 1, link=None,
+def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelProfile, req: Request, *,
                 activations: Optional[Mapping[str, str]] = None, need: Optional[float] = None) -> float:  # fmt: skip
-    """`lb` (cost.lower_bound of `plan` with `activations`) raised to the SSD time of the bytes it
-    counts plus certain_extra_bytes and certain_act_writes: no replay of the plan is faster.
+    """`lb` (cost.lower_bound of `plan` with `activations`, for `req`'s Adam threads, micro-batches
+    and link) raised to the SSD time of the bytes it counts plus certain_extra_bytes and
+    certain_act_writes: no replay of the plan is faster.
     `need`: the caller asks only whether the bound exceeds it; where even every streamed
     weights and gradient counted could not, certain_extra_bytes (which builds the plan's
     schedule, for candidates most of which are never replayed) is left out."""
+    micro_batches = req.micro_batches
     w_act = certain_act_writes(plan, model, activations, micro_batches) if activations is not None else 0
-    t = _plan_terms(plan, hardware, model, adam_threads, micro_batches, link)
+    t = _plan_terms(plan, hardware, model, req.adam_threads, micro_batches, req.link)
     rb, wb = hardware.ssd_rates()
     if need is not None:
         r_hi, w_hi = _extra_at_most(plan)

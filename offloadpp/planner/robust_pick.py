@@ -118,9 +118,7 @@ def robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfile
         # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
         floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
                             activations=dict(c.activations), link=req.link)  # fmt: skip
-        floor = tight_bound(floor, c.plan, slow, model, adam_threads=req.adam_threads,
-                            micro_batches=req.micro_batches, link=req.link,
-                            activations=dict(c.activations))  # fmt: skip
+        floor = tight_bound(floor, c.plan, slow, model, req, activations=dict(c.activations))  # fmt: skip
         least_slow = max(floor, e.step_s)  # (a slower SSD never makes a step shorter)
         if (e.step_s + least_slow) / 2 > top * (1 + TIE_FRAC):
             continue

@@ -230,8 +230,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
     # candidates whose bound says they cannot be picked are not replayed (settle.py's Note; not
     # where one is asked for by name, Request.prefer, which must be replayed)
     settled = Settled(on=req.window == 1 and req.prefer is None, give=NOMINAL_GIVE,
-                      tighten=lambda p, lb, c, need: tight_bound(lb, p, hardware, model, adam_threads=req.adam_threads,
-                                                                 micro_batches=req.micro_batches, link=req.link,
+                      tighten=lambda p, lb, c, need: tight_bound(lb, p, hardware, model, req,
                                                                  activations=c.as_dict(), need=need))  # fmt: skip
     many = len(units) > MANY_UNITS
     n_tops, extra_tops = (1, 0) if many else (ACT_TOP_PLACEMENTS, 2)
@@ -276,9 +275,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
             reach_of = best
             floor = lower_bound(best.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
                                 activations=dict(best.activations), link=req.link)  # fmt: skip
-            floor = tight_bound(floor, best.plan, slow, model, adam_threads=req.adam_threads,
-                                micro_batches=req.micro_batches, link=req.link,
-                                activations=dict(best.activations))  # fmt: skip
+            floor = tight_bound(floor, best.plan, slow, model, req, activations=dict(best.activations))  # fmt: skip
             reach_lo = (1 + TIE_FRAC) * (best_s + floor) / 2
     replayed = len(cands)
     # 2. the other activation choices of the best few placements
