@@ -7,6 +7,7 @@ storages are not written to SSD again.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -71,6 +72,34 @@ def store(tmp_path):
 @pytest.fixture(scope="module")
 def data():
     return torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+
+
+@contextlib.contextmanager
+def standin_swapped_out(store, policy):
+    """On the stand-in with long delays (OFFLOADPP_STANDIN_SKIP applies), a Swapper holding one
+    record of 4096 floats, swapped out under `policy` and waited for: (accelerator, swapper,
+    record, what compute saved); both closed after."""
+    from types import SimpleNamespace
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from offloadpp.runtime.accel import StandinAccelerator
+    from offloadpp.runtime.activations.records import SavedStorage
+    from offloadpp.runtime.activations.swap import Swapper
+
+    accel = StandinAccelerator(seed=3, delay_ms=30.0)
+    sw = Swapper(accel, store, key_prefix="t", host_budget_bytes=None)
+    try:
+        x = torch.arange(4096.0)  # what compute saved
+        rec = SavedStorage(SimpleNamespace(name="u"), policy, x.untyped_storage(),
+                           StorageWeakRef(x.untyped_storage()), 0)  # fmt: skip
+        sw.hold(rec)
+        sw.swap_out(rec)
+        sw.make_room(1 << 40, 0)  # (waits for the swap-out)
+        yield accel, sw, rec, x
+    finally:
+        sw.close()
+        accel.close()
 
 
 MIX = {
@@ -653,32 +682,15 @@ def test_on_the_standin_a_swap_in_released_in_flight_keeps_its_memory_for_the_co
     stops early): its device buffer goes with the record, but the copy into it is still queued
     on the h2d stream: the buffer must outlive that copy (swap.py's record_use, site act.in_keep).
     On the stand-in, with long delays, memory freed under a queued copy raises."""
-    from types import SimpleNamespace
-
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    from offloadpp.runtime.accel import StandinAccelerator
     from offloadpp.runtime.activations.policy import ActPolicy
-    from offloadpp.runtime.activations.records import RecState, SavedStorage
-    from offloadpp.runtime.activations.swap import Swapper
+    from offloadpp.runtime.activations.records import RecState
 
-    accel = StandinAccelerator(seed=3, delay_ms=30.0)  # (OFFLOADPP_STANDIN_SKIP applies)
-    sw = Swapper(accel, None, key_prefix="t", host_budget_bytes=None)
-    try:
-        x = torch.arange(4096.0)  # what compute saved
-        rec = SavedStorage(SimpleNamespace(name="u"), ActPolicy.HOST, x.untyped_storage(),
-                           StorageWeakRef(x.untyped_storage()), 0)  # fmt: skip
-        sw.hold(rec)
-        sw.swap_out(rec)
-        sw.make_room(1 << 40, 0)  # (waits for the swap-out)
+    with standin_swapped_out(None, ActPolicy.HOST) as (accel, sw, rec, _):
         assert rec.state is RecState.HOST
         sw.fetch(rec)
         assert rec.state is RecState.MOVING_IN and not rec.event.done()
         sw.release(rec)
         accel.synchronize_device()  # raises if the copy found its destination freed
-    finally:
-        sw.close()
-        accel.close()
 
 
 def test_on_the_standin_a_swap_out_cancelled_in_flight_gives_its_host_buffer_back_after_the_copy():

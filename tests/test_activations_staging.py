@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from conftest import set_device
-from test_activations import one_block_under_budget, store
+from test_activations import one_block_under_budget, standin_swapped_out, store
 
 from offloadpp.planner import ActivationSettings
 from offloadpp.runtime.activations.manager import ActivationManager
@@ -97,23 +97,9 @@ def test_on_the_standin_an_ssd_read_is_copied_up_once_it_ends_not_when_backward_
     from SSD up only at its unit's backward, so random profile 4's Llama b128 with twice the
     device memory replayed 1.022x the normal room's step, whose reads were staged
     (test_planner_properties, test_twice_the_device_memory_reads_ahead_as_the_normal_room_stages)."""
-    from types import SimpleNamespace
-
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    from offloadpp.runtime.accel import StandinAccelerator
     from offloadpp.runtime.activations.policy import ActPolicy
-    from offloadpp.runtime.activations.records import SavedStorage
 
-    accel = StandinAccelerator(seed=3, delay_ms=30.0)  # (OFFLOADPP_STANDIN_SKIP applies)
-    sw = Swapper(accel, store, key_prefix="t", host_budget_bytes=None)
-    try:
-        x = torch.arange(4096.0)  # what compute saved
-        rec = SavedStorage(SimpleNamespace(name="u"), ActPolicy.SSD, x.untyped_storage(),
-                           StorageWeakRef(x.untyped_storage()), 0)  # fmt: skip
-        sw.hold(rec)
-        sw.swap_out(rec)
-        sw.make_room(1 << 40, 0)  # (waits for the swap-out)
+    with standin_swapped_out(store, ActPolicy.SSD) as (_, sw, rec, x):
         sw._finish_write(rec, block=True)
         assert rec.state is RecState.ON_SSD
         if staged:
@@ -133,6 +119,3 @@ def test_on_the_standin_an_ssd_read_is_copied_up_once_it_ends_not_when_backward_
         got.untyped_storage().copy_(rec.storage[rec.base : rec.base + rec.nbytes])
         assert torch.equal(got, x)
         sw.release(rec)
-    finally:
-        sw.close()
-        accel.close()
