@@ -51,6 +51,7 @@ from .plan import DTYPE_BYTES, Plan, Tier
 from .request import Request
 from .schedule import cached_schedule
 from .simulate_act import ActReplay
+from .simulate_memo import shared_sizes
 
 # (the search asks this of each placement's activation choices in turn: found once per plan;
 # keyed by identity, the plan held in the entry so its id is not reused while it is there)
@@ -138,23 +139,17 @@ def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str
     return min(done, sum(w for _, w in before_last))
 
 
-# per model's activation units (cost._model_acts, held in the entry so its id is not reused):
-# (unit, policy) -> what its forward adds to the room, releases, and copies out (a unit's are
-# functions of its profile and its own policy, as the replay's per-unit sizes)
-_TERMS_BY_UNITS: dict[int, tuple] = {}
-_TERMS_BY_UNITS_MAX = 4
-
-
 def _unit_terms(saved: Mapping[str, int], units: Mapping) -> Callable:
-    e = _TERMS_BY_UNITS.get(id(units))
-    if e is None or e[0] is not units:
-        if len(_TERMS_BY_UNITS) >= _TERMS_BY_UNITS_MAX:
-            _TERMS_BY_UNITS.pop(next(iter(_TERMS_BY_UNITS)))
-        e = _TERMS_BY_UNITS[id(units)] = (units, {})
-    memo = e[1]
+    """(unit, policy) -> what its forward adds to the room, releases, and copies out: a unit's
+    are functions of its profile and its own policy, kept with the replay's shared sizes of the
+    model's activation units (simulate_memo.shared_sizes, cost._model_acts' mapping)."""
+    memo = shared_sizes(units)
+    if memo is None:
+        memo = {}
 
     def terms(name: str, policy: str) -> tuple:
-        got = memo.get((name, policy))
+        key = ("certain_io.terms", name, policy)
+        got = memo.get(key)
         if got is None:
             # the replay's own sizes (simulate_act.ActReplay), for this unit under this policy
             act = ActReplay(_NO_SIM, {name: policy}, saved, 1, None, units)
@@ -166,7 +161,7 @@ def _unit_terms(saved: Mapping[str, int], units: Mapping) -> Callable:
                 n, to_ssd, pieces, _, parts = out
                 freed = sum(sum(r) for r in parts) if parts else sum(pieces) if pieces else n
                 job = (freed, n if to_ssd else 0)
-            got = memo[(name, policy)] = (added, act.units[name].loss_input if gif else 0, job)  # fmt: skip
+            got = memo[key] = (added, act.units[name].loss_input if gif else 0, job)  # fmt: skip
         return got
 
     return terms
@@ -220,8 +215,7 @@ def _extra_at_most(plan: Plan) -> tuple[int, int]:
 
 def clear_certain() -> None:
     """Forgets the certain bytes found so far (peaks.clear_cache: planning from nothing)."""
-    _EXTRA.clear()
-    _TERMS_BY_UNITS.clear()
+    _EXTRA.clear()  # (the unit terms go with the replay's shared sizes: peaks.clear_cache)
 
 
 __all__ = ["certain_act_writes", "certain_extra_bytes", "clear_certain", "tight_bound"]
