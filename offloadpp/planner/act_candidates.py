@@ -43,6 +43,7 @@ from typing import Mapping, Optional, Sequence
 from .activations import (
     CHECKPOINT_SWAPS,
     GRAD_IN_FORWARD,
+    LAST_SWAPS,
     NESTED,
     NESTED_SWAPS,
     PIECES_SWAPS,
@@ -272,7 +273,7 @@ class ActPlanner:
     def _pin_what_fits(self, chosen: dict[str, str], room: int, to: str = "recompute") -> dict[str, str]:
         """`chosen` with its swapped checkpoints kept on the device (as `to`: recompute, or
         recompute_nested / recompute_pieces for theirs) while the need fits `room`."""
-        frm = _SWAPS_OF.get(to, frozenset(CHECKPOINT_SWAPS) - NESTED_SWAPS - PIECES_SWAPS)
+        frm = _SWAPS_OF.get(to, frozenset(CHECKPOINT_SWAPS) - NESTED_SWAPS - PIECES_SWAPS - LAST_SWAPS)
         return self._upgrade_what_fits(chosen, room, frm, to)
 
     def candidates(self, room: int) -> tuple[ActChoice, ...]:
@@ -331,6 +332,12 @@ class ActPlanner:
         if partial and self.mixes:
             half = {u.name: "partial_ssd" for u in _spread(partial, 0.5)}
             out.append((f"partial 50%, pieces recompute the rest with checkpoints to {to}", {**base, **half}))
+            # (the same with partial_last where a unit's partial piece holds more than its last
+            # piece does partial: a Llama block's attention, see activations.py Note on the last piece)
+            if any(peak_bytes_at(u, "partial_last_ssd") < peak_bytes_at(u, "partial_ssd") for u in partial):
+                half = {u.name: "partial_last_ssd" for u in _spread(partial, 0.5)}
+                out.append((f"partial last piece 50%, pieces recompute the rest with checkpoints to {to}",
+                            {**base, **half}))  # fmt: skip
         nested = [u for u in rec if u.pieces and u.nested() < u.recomputed()]
         if nested and self.mixes:
             half = {u.name: "recompute_nested_ssd" for u in _spread(nested, 0.5)}
@@ -344,6 +351,7 @@ class ActPlanner:
         for label, chosen in out:
             kept = self._upgrade_what_fits(self._keep_what_fits(chosen, room), room, frozenset(("partial_ssd",)),
                                            "partial")  # fmt: skip
+            kept = self._upgrade_what_fits(kept, room, frozenset(("partial_last_ssd",)), "partial_last")
             kept = self._pin_what_fits(kept, room, "recompute_pieces")
             kept = self._pin_what_fits(kept, room, "recompute_nested")
             kept = self._upgrade_what_fits(

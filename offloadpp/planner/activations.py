@@ -22,6 +22,11 @@ Pure (no torch). The runtime's accounting (runtime/activations/) is what this co
              counted as partial with no kept outputs (its pieces' checkpoints: a block's two, the
              residual stream before each norm; one piece's saved bytes at a time in backward), for
              the compute of a whole recompute (see the Note on pieces).
+  partial_last, partial_last_host, partial_last_ssd
+             recompute_pieces*, but the last piece partial*'s (a block's MLP: its kept outputs,
+             gate and up, kept or swapped with the checkpoints): counted as partial with kept
+             outputs in its last piece only (`ActUnit.as_last`), for the compute of its other
+             pieces (recompute_fraction: 1 - last_piece_share). See the Note on the last piece.
   partial, partial_host, partial_ssd
              selective recomputation: the outputs of the unit's matmuls and attention (`partial`
              bytes, from the model profile) stay with its inputs (partial) or are swapped with them
@@ -123,6 +128,16 @@ block (kept, or moved: two swapped checkpoints a block) and runs one forward les
 (1 - last_piece_share): the step that is nearly all compute at the micro-batch cliffs (issue 36,
 docs/performance.md "Each piece from its own checkpoint").
 
+Note: the last piece. A partial Llama block's attention piece keeps the q and k before the
+rotation (its projections' outputs) and its recompute makes the rotated ones from them: at that
+recompute it holds both, with its input, v, the output and the first norm's checkpoint (Llama 7B
+b128: 8.02 GiB, where its pieces recomputed hold 7.38 at the MLP's). Random profile 0, Llama 7B
+fp16 b128 (7.70 GiB room at k = 1): no block could be partial, every block recomputed piece by
+piece (75.08 s, compute floor 73.59 s, 1.104x the time per token of b64). partial_last keeps the
+MLP's gate and up (64% of the block's FLOPs, 5.38 of partial's 9.39 GiB kept there) and runs the
+attention again from the norm's checkpoint: the attention's peak is pieces' (6.02 GiB), the MLP's
+partial's (7.38), and half the blocks so (the others pieces) plan at 69.26 s (1.019x).
+
 The choices the planner scores are made in act_candidates.py (ActPlanner).
 """
 
@@ -152,12 +167,12 @@ LOSS_CHUNK_ELEMS = 1 << 24
 POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
             "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd",
             "grad_in_forward", "partial_host_tail", "recompute_pieces", "recompute_pieces_host",
-            "recompute_pieces_ssd")  # fmt: skip
+            "recompute_pieces_ssd", "partial_last", "partial_last_host", "partial_last_ssd")  # fmt: skip
 GRAD_IN_FORWARD = "grad_in_forward"  # (a fused head's only: see the Note on the head's loss)
 # nothing of the unit stays on the device between its forward and its backward
 SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",
                       "recompute_nested_host", "recompute_nested_ssd", "recompute_pieces_host",
-                      "recompute_pieces_ssd"))  # fmt: skip
+                      "recompute_pieces_ssd", "partial_last_host", "partial_last_ssd"))  # fmt: skip
 CHECKPOINT_SWAPS = {
     "recompute_host": "host",
     "recompute_ssd": "ssd",
@@ -168,6 +183,8 @@ CHECKPOINT_SWAPS = {
     "recompute_nested_ssd": "ssd",
     "recompute_pieces_host": "host",
     "recompute_pieces_ssd": "ssd",
+    "partial_last_host": "host",
+    "partial_last_ssd": "ssd",
 }
 RECOMPUTE = frozenset(("recompute", "recompute_host", "recompute_ssd"))
 PARTIAL = frozenset(("partial", "partial_host", "partial_ssd", "partial_host_tail"))
@@ -180,26 +197,35 @@ NESTED = frozenset(("recompute_nested", "recompute_nested_host", "recompute_nest
 NESTED_SWAPS = frozenset(("recompute_nested_host", "recompute_nested_ssd"))
 PIECES = frozenset(("recompute_pieces", "recompute_pieces_host", "recompute_pieces_ssd"))
 PIECES_SWAPS = frozenset(("recompute_pieces_host", "recompute_pieces_ssd"))
+# (see the Note on the last piece)
+LAST = frozenset(("partial_last", "partial_last_host", "partial_last_ssd"))
+LAST_SWAPS = frozenset(("partial_last_host", "partial_last_ssd"))
 # a recompute_pieces policy as it is counted (see the Note on pieces): partial's of its tier, or
 # recompute's where the unit has no pieces
 _AS_PARTIAL = {"recompute_pieces": "partial", "recompute_pieces_host": "partial_host",
-               "recompute_pieces_ssd": "partial_ssd"}  # fmt: skip
+               "recompute_pieces_ssd": "partial_ssd", "partial_last": "partial", "partial_last_host": "partial_host",
+               "partial_last_ssd": "partial_ssd"}  # fmt: skip
 _AS_WHOLE = {"recompute_pieces": "recompute", "recompute_pieces_host": "recompute_host",
-             "recompute_pieces_ssd": "recompute_ssd"}  # fmt: skip
+             "recompute_pieces_ssd": "recompute_ssd", "partial_last": "recompute",
+             "partial_last_host": "recompute_host", "partial_last_ssd": "recompute_ssd"}  # fmt: skip
+AS_RUN = PIECES | LAST  # (the policies counted as another: as_run)
 
 
 def recomputes(policy: str) -> bool:
     """Runs the unit's forward again in backward (wholly, or its cheap operators: partial)."""
-    return policy in RECOMPUTE or policy in PARTIAL or policy in NESTED or policy in PIECES
+    return policy in RECOMPUTE or policy in PARTIAL or policy in NESTED or policy in PIECES or policy in LAST
 
 
 def recompute_fraction(policy: str, unit: Optional[ActUnit] = None) -> float:
     """The share of the unit's forward FLOPs its recompute runs again: all of them; for nested
     the unit's and then each piece's but the last (its share: ActUnit.last_piece_share, 0 where
     not known); none for partial (only the cheap operators, which the FLOP count does not count
-    either); recompute_pieces all of them, each piece once."""
+    either); recompute_pieces all of them, each piece once; partial_last all but its last
+    piece's (all where that is not known, or the unit has no pieces: it recomputes whole)."""
     if policy in NESTED:
         return 2.0 - (unit.last_piece_share if unit is not None else 0.0)
+    if policy in LAST:
+        return 1.0 - (unit.last_piece_share if unit is not None and unit.pieces else 0.0)
     return 0.0 if policy in PARTIAL or not recomputes(policy) else 1.0
 
 
@@ -250,6 +276,19 @@ class ActUnit:
                        piece_kept=((),) * n if self.piece_kept else (),
                        piece_kept_at=((),) * n if self.piece_kept_at else ())  # fmt: skip
 
+    @functools.cached_property
+    def as_last(self) -> ActUnit:
+        """The unit as partial_last counts it (see the Note on the last piece): partial with kept
+        outputs in its last piece only."""
+        n = len(self.pieces)
+        if not n:
+            return self
+        last = self.pieces[-1]
+        return replace(self, partial=last[2], partial_extra=last[3],
+                       pieces=tuple((p[0], p[1], 0, 0) for p in self.pieces[:-1]) + (last,),
+                       piece_kept=((),) * (n - 1) + self.piece_kept[-1:] if self.piece_kept else (),
+                       piece_kept_at=((),) * (n - 1) + self.piece_kept_at[-1:] if self.piece_kept_at else ())  # fmt: skip
+
     @property
     def partial_inputs(self) -> int:
         """A partial unit's checkpoints: every piece's inputs."""
@@ -278,7 +317,7 @@ class ActUnit:
 
     def moved(self, policy: str) -> int:
         """Bytes that leave the device between its forward and its backward (swapping policies)."""
-        if policy in PIECES:
+        if policy in AS_RUN:
             u, policy = as_run(self, policy)
             return u.moved(policy)
         policy = _head(self, policy)
@@ -307,18 +346,21 @@ class ActUnit:
 
 def as_run(u: ActUnit, policy: str) -> tuple[ActUnit, str]:
     """(unit, policy) as the accounting counts them: a recompute_pieces unit as partial with no
-    kept outputs, or as recompute where it has no pieces (see the Note on pieces); else as given."""
-    if policy not in PIECES:
+    kept outputs (a partial_last unit: kept outputs in its last piece only), or as recompute where
+    it has no pieces (see the Notes on pieces and on the last piece); else as given."""
+    if policy not in AS_RUN:
         return u, policy
-    return (u.as_pieces, _AS_PARTIAL[policy]) if u.pieces else (u, _AS_WHOLE[policy])
+    if not u.pieces:
+        return u, _AS_WHOLE[policy]
+    return (u.as_pieces if policy in PIECES else u.as_last), _AS_PARTIAL[policy]
 
 
 def _pieces_as_run(f):
-    """f(unit, policy, ...) with a recompute_pieces policy counted as it runs (as_run)."""
+    """f(unit, policy, ...) with a recompute_pieces or partial_last policy counted as it runs (as_run)."""
 
     @functools.wraps(f)
     def counted(u: ActUnit, policy: str, *args):
-        if policy in PIECES:
+        if policy in AS_RUN:
             u, policy = as_run(u, policy)
         return f(u, policy, *args)
 
@@ -506,7 +548,7 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
     return peak
 
 
-__all__ = ["ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL", "PIECES",
+__all__ = ["AS_RUN", "ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LAST", "LAST_SWAPS", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL", "PIECES",
            "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run",
            "backward_bytes", "checkpoint_tier", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

@@ -31,7 +31,7 @@ import gc
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
-from .activations import NESTED, act_units, forward_moved, recompute_fraction, recomputes
+from .activations import LAST, NESTED, act_units, forward_moved, recompute_fraction, recomputes
 from .decide import lazy_applies, lazy_runtime
 from .desim import Fifo, Ssd
 from .desim_loop import run
@@ -376,7 +376,8 @@ def lower_bound(
     t = _plan_terms(plan, hardware, model, adam_threads, micro_batches, link)
     fwd = t.fwd
     policies = activations if activations is not None else activation_policies(plan)
-    nested = _model_acts(model)[1] if any(p in NESTED for p in policies.values()) else {}
+    # (nested's and partial_last's shares of a recompute are the unit's)
+    nested = _model_acts(model)[1] if any(p in NESTED or p in LAST for p in policies.values()) else {}
     recompute = sum(fwd[u] * recompute_fraction(p, nested.get(u)) + hardware.runtime_forward_visit_s
                     for u, p in policies.items() if recomputes(p))  # fmt: skip
     compute = micro_batches * (t.visit_compute + recompute)

@@ -55,11 +55,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Optional
 
 from .activations import (
+    AS_RUN,
     CHECKPOINT_SWAPS,
     GRAD_IN_FORWARD,
     NESTED,
     PARTIAL,
-    PIECES,
     POLICIES,
     SWAPPING,
     TAIL,
@@ -124,13 +124,13 @@ class ActReplay(PieceByPiece, Fetching, Releasing):
         # recompute's share of the forward kept (see the module docstring)
         self.pieces: dict[str, float] = {}
         for n, p in policies.items():
-            if p in PIECES:
+            if p in AS_RUN:  # (partial_last's too: see planner/activations.py, Note on the last piece)
                 u = self.units.get(n)
                 self.pieces[n] = recompute_fraction(p, u)
                 if u is not None:
                     self.units[n], self.policies[n] = as_run(u, p)
                 else:
-                    self.policies[n] = p.replace("recompute_pieces", "recompute")
+                    self.policies[n] = as_run(ActUnit(n, 0, 0, 0, True), p)[1]
         self.inputs = {n: u.inputs for n, u in self.units.items()}
         self.prefetch = prefetch_units
         self.budget = budget

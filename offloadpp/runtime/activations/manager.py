@@ -313,6 +313,8 @@ class ActivationManager(ManagerBackward, ManagerSaves, ManagerReports):
             and not (unit.policy.piecewise and any(True for _ in module.children()))
         ):
             seg = self._open_segment(unit, module, args, kwargs)
+        elif unit.policy.partial_last:  # (the segment this call's last child will open: policy.py)
+            unit.last_piece = len(unit.segments) + sum(1 for _ in module.children()) - 1
         if self._flops is not None:
             unit.flops -= self._flops.total
         self._stack.append((unit, seg))
@@ -322,6 +324,7 @@ class ActivationManager(ManagerBackward, ManagerSaves, ManagerReports):
         for rec in unit.open_piece(TAIL_PIECES) if unit.policy.tail else ():  # (policy.py)
             self.swapper.swap_out(rec)
         first = len(unit.records)
+        logs = unit.policy.partial or (unit.policy.partial_last and len(unit.segments) == unit.last_piece)
         if unit.policy.piecewise and unit.segments:  # the previous piece's output, derived again
             prev = unit.segments[-1]
             args, kwargs = tree_map(
@@ -347,7 +350,7 @@ class ActivationManager(ManagerBackward, ManagerSaves, ManagerReports):
         seg.first_record = first
         self.swapper.add_device(inputs)
         unit.segments.append(seg)
-        if unit.policy.partial:  # the expensive operators' outputs become the unit's records
+        if logs:  # the expensive operators' outputs become the unit's records
             seg.log = OpLog()
             keep = functools.partial(self._record, unit, policy=unit.policy.checkpoint or ActPolicy.KEEP)
             recorder = Recorder(unit.name, seg.log, keep)

@@ -30,6 +30,14 @@
                runs the unit's forward again from the checkpoint, handing those outputs back
                instead of running their operators, so only the cheap ones (norms, activation
                functions, reshapes) are recomputed (partial.py, Note on partial).
+    partial_last, partial_last_host, partial_last_ssd
+               recompute_pieces*, but the last piece (a transformer block's MLP) is partial*'s:
+               its operator log keeps its matmuls' outputs (kept, or swapped with the
+               checkpoints), the other pieces run whole again from their own checkpoints. Between
+               the two in bytes and FLOPs: a Llama block keeps gate and up (the MLP's FLOPs, 64%
+               of the block's) and recomputes its attention, whose partial piece would hold the q
+               and k before the rotation beside the rotated ones at its recompute (the piece's
+               peak at Llama 7B b128: 8.02 GiB, against 6.02 recomputed whole).
     partial_host_tail
                as partial_host, but the records of the unit's last TAIL_PIECES pieces (for a
                transformer block: the second norm's checkpoint and the MLP's kept outputs, which
@@ -76,6 +84,9 @@ class ActPolicy(str, Enum):
     PARTIAL_SSD = "partial_ssd"
     GRAD_IN_FORWARD = "grad_in_forward"
     PARTIAL_HOST_TAIL = "partial_host_tail"
+    PARTIAL_LAST = "partial_last"
+    PARTIAL_LAST_HOST = "partial_last_host"
+    PARTIAL_LAST_SSD = "partial_last_ssd"
     AUTO = "auto"
 
     @property
@@ -108,6 +119,11 @@ class ActPolicy(str, Enum):
         return self in _PIECES
 
     @property
+    def partial_last(self) -> bool:
+        """Its last piece keeps its expensive operators' outputs, the others recompute whole."""
+        return self in _LAST
+
+    @property
     def tail(self) -> bool:
         """Keeps its last TAIL_PIECES pieces' records on the device, swaps the others."""
         return self is ActPolicy.PARTIAL_HOST_TAIL
@@ -130,12 +146,18 @@ _NESTED = frozenset(
 _PIECES = frozenset(
     (ActPolicy.RECOMPUTE_PIECES, ActPolicy.RECOMPUTE_PIECES_HOST, ActPolicy.RECOMPUTE_PIECES_SSD)
 )
-_PIECEWISE = _PIECES | frozenset(
-    (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
+_LAST = frozenset((ActPolicy.PARTIAL_LAST, ActPolicy.PARTIAL_LAST_HOST, ActPolicy.PARTIAL_LAST_SSD))
+_PIECEWISE = (
+    _PIECES
+    | _LAST
+    | frozenset(
+        (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
+    )
 )
 _RECOMPUTING = (
     _NESTED
     | _PIECES
+    | _LAST
     | frozenset(
         (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
         + (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
@@ -151,6 +173,8 @@ _CHECKPOINT = {
     ActPolicy.PARTIAL_HOST: ActPolicy.HOST,
     ActPolicy.PARTIAL_HOST_TAIL: ActPolicy.HOST,
     ActPolicy.PARTIAL_SSD: ActPolicy.SSD,
+    ActPolicy.PARTIAL_LAST_HOST: ActPolicy.HOST,
+    ActPolicy.PARTIAL_LAST_SSD: ActPolicy.SSD,
 }
 
 

@@ -196,6 +196,7 @@ class ManagerSaves:
                 unit.policy.piecewise and len(unit.segments) > 1
             ):  # a piece: the later pieces' records are done with
                 self._release_consumed()
+            logged = seg.log is not None  # (a partial piece's: the recompute drops its log)
             t0 = time.perf_counter()
             with record_function("offloadpp::act_recompute"):
                 unit.params.rebuild(unit.roots)  # the runtime may have rebound the weights
@@ -204,7 +205,7 @@ class ManagerSaves:
                               restore=functools.partial(self._restore, ckpt))  # fmt: skip
             self.recompute_s += time.perf_counter() - t0
             self.swapper.add_device(seg.recomputed_bytes - seg.input_bytes)
-            if unit.policy.partial and unit.policy.checkpoint is not None and not unit.policy.tail:
+            if logged and unit.policy.checkpoint is not None and not unit.policy.tail:
                 self._release_replayed(unit, seg)
             self._prefetch()  # (held back until the recompute was counted)
         elif seg.state is SegState.DONE:

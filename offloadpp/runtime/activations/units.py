@@ -33,6 +33,7 @@ class UnitActivations:
         self.segments: list[Segment] = []
         self.fetch_cursor = 0  # records[:fetch_cursor] are not asked for yet (fetched from the end)
         self.held_back: list[list[SavedStorage]] = []  # partial_host_tail: its last pieces' records
+        self.last_piece = -1  # partial_last: the index in segments of its root call's last piece
         self.saved_bytes = 0  # bytes of the storages it saved first, this step
         self.flops = 0
         self.params = ParamIndex()
@@ -56,4 +57,5 @@ class UnitActivations:
         self.segments = []
         self.fetch_cursor = 0
         self.held_back = []
+        self.last_piece = -1
         self.saved_bytes = 0
