@@ -4,14 +4,14 @@ what the unit holds at each part (runtime/activations/recompute.py, Notes on rel
 room freed lets the next units' activations come back as the runtime's does.
 
 Pure (no torch). What it reads of the ActReplay: `sim`, `units`, `counted`, `device_bytes`,
-`held_back`, `reading`, `policy`, its sizes (`forward_parts`, `_sub_parts`, `_piece_shares`,
+`held_back`, `reading`, `policy`, `_given`, its sizes (`forward_parts`, `_sub_parts`, `_piece_shares`,
 `_piece_bytes`, `_window_chunks`), Releasing's `_releasing`, `_release_parts`, `_left_after`,
 Fetching's `_copy_up_read`, and `_prefetch_after`.
 """
 
 from __future__ import annotations
 
-from .activations import RELEASES_REPLAYED, piece_peaks
+from .activations import LAST, RELEASES_REPLAYED, piece_peaks
 from .simulate_memo import per_unit
 
 
@@ -37,8 +37,22 @@ class PieceByPiece:
         pieces done held."""
         if self._window_chunks(unit) or self._sub_parts(unit):  # (a window's: the micro-batches together)
             pieces = self._piece_bytes(unit)
-            return tuple(reversed(self._piece_shares(unit))) if sum(pieces) > 0 else (1.0,)
+            return tuple(reversed(self._work_shares(unit))) if sum(pieces) > 0 else (1.0,)
         return tuple(share for share, _ in reversed(self.forward_parts(unit)))
+
+    @per_unit
+    def _work_shares(self, unit: str) -> tuple[float, ...]:
+        """The pieces' shares of the unit's backward work (its backward and its recompute), forward
+        order: their shares of its forward (_piece_shares), but where a partial_last unit's recompute
+        runs in its pieces but the last (planner/activations.py, Note on the last piece), whose
+        backward alone is then counted against the others' backward and forward again. (From the
+        shares alone, backward twice a piece's forward as the profiles count it, so that they are
+        sizes the replays share: simulate_memo.per_unit.)"""
+        shares = self._piece_shares(unit)
+        if self._given.get(unit) not in LAST or len(shares) < 2 or not 0 < shares[-1] < 1:
+            return shares
+        work = [3 * s for s in shares[:-1]] + [2 * shares[-1]]
+        return tuple(w / sum(work) for w in work)
 
     def next_piece(self, unit: str, part: int) -> None:
         """Part `part` of a partial unit's backward (backward_parts) starts: its pieces before it
@@ -100,7 +114,7 @@ class PieceByPiece:
             return (), ()
         shares: list[float] = []
         marks: list[tuple[int, int]] = []
-        for i, share in enumerate(reversed(self._piece_shares(unit))):
+        for i, share in enumerate(reversed(self._work_shares(unit))):
             freed, at0 = 0, 0.0
             for at, nbytes in u.piece_freed[len(u.pieces) - 1 - i]:
                 if at >= 1.0:
