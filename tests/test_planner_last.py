@@ -17,6 +17,7 @@ from offloadpp.planner.activations import (
     split_bytes,
 )
 from offloadpp.planner.model_profile import analytic_profile
+from offloadpp.planner.spec import fmt_bytes
 
 
 def test_last_counts_the_pieces_attention_and_partials_mlp():
@@ -59,4 +60,10 @@ def test_no_cliff_where_no_llama_block_fits_partial():
     pts = [plan_point(hw, "llama-7b", b, dtype) for b in (64, 128)]
     a, b = pts
     assert b.per_token_s <= a.per_token_s * (1 + BATCH_SLACK), (a.step_s, b.step_s)
-    assert any(p.startswith("partial_last") for p in b.resolved.plan.activations)
+    plan = b.resolved.plan
+    assert any(p.startswith("partial_last") for p in plan.activations)
+    # the printout's split: a partial_last block moves its two checkpoints and the MLP's kept outputs
+    u = next(a for a in act_units(b.profile) if a.name == "model.layers.1")
+    moved = fmt_bytes(u.pieces[0][1] + u.pieces[2][1] + u.pieces[3][2])
+    rows = [ln.split() for ln in plan.describe().splitlines() if ln.split()[1:2] == ["partial_last_ssd"]]
+    assert rows and all(" ".join(r[8:10]) == moved for r in rows), (rows[:1], moved)

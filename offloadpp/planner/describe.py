@@ -6,7 +6,7 @@ Pure (no torch).
 
 from __future__ import annotations
 
-from .activations import TAIL, ActUnit, split_bytes
+from .activations import LAST, TAIL, ActUnit, checkpoint_tier, split_bytes
 from .spec import fmt_bytes
 
 
@@ -89,6 +89,9 @@ def _activation_split(plan) -> list[str]:
         sp = split_bytes(ActUnit(first, saved, ckpt, 0, True, partial, extra), a if a != "auto" else "keep")
         if a == TAIL:  # (the unit here has no pieces: its tail from the sizes)
             sp = {**sp, "kept": tail, "host": sp["host"] + sp["kept"] - tail}
+        elif a in LAST and tail:  # (its checkpoints and its last piece's kept outputs: the first
+            # checkpoint and the tail, the second norm's and the MLP's; the rest run again)
+            sp = {**sp, checkpoint_tier(a): ckpt + tail, "recomputed": saved - (tail - ckpt)}
         for k in totals:
             totals[k] += n * sp[k]
         out.append(f"  {name:<40} {a:>14} {fmt_bytes(saved):>10} {fmt_bytes(sp['kept']):>10} "
