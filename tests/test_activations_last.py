@@ -12,13 +12,18 @@ import copy
 import pytest
 import torch
 from test_activations import _CountMatmuls, data, run_step, store, tiny_gpt2, tiny_llama
+from test_planner_engine import hw_path
 
 from offloadpp.planner import ActivationSettings
 from offloadpp.runtime.activations.manager import ActivationManager
 
 transformers = pytest.importorskip("transformers")
 
-__all__ = ["data", "store"]  # (the fixtures, shared with test_activations.py)
+__all__ = [
+    "data",
+    "hw_path",
+    "store",
+]  # (the fixtures, shared with test_activations.py, test_planner_engine.py)
 
 LAST = ("partial_last", "partial_last_host", "partial_last_ssd")
 
@@ -103,3 +108,73 @@ def test_last_llama_attention_holds_less_than_partial(store):
         assert _equal(got, want), policy
         peaks[policy] = s.peak_device_bytes
     assert peaks["recompute_pieces_host"] <= peaks["partial_last_host"] < peaks["partial_host"], peaks
+
+
+def test_last_ssd_bytes_in_the_step_report_are_the_cost_models(tmp_path, hw_path):
+    """Under the engine with a model profile (analytic, the hardware profile's), the activation
+    bytes a step writes to SSD under partial_last_ssd (each block's two checkpoints and its MLP's
+    kept output) are the cost model's for the same plan, and more than recompute_pieces_ssd's by
+    the MLPs' kept outputs. (The head kept, as in test_activations_pieces.py's twin.)"""
+    from test_planner_engine import _config, tiny
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+
+    got = {}
+    for policy in ("recompute_pieces_ssd", "partial_last_ssd"):
+        path = tmp_path / policy
+        path.mkdir()
+        cfg = _config(path, hardware_profile=hw_path, micro_batch=2, seq_len=16, device_budget_bytes=None,
+                      host_budget_bytes=None, activations=ActivationSettings(policy=policy, min_swap_bytes=0, overrides={"head": "keep"}))  # fmt: skip
+        with assemble_engine(tiny(), cfg, hyper=AdamHyper(lr=1e-3)) as e:
+            g = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                x = torch.randint(0, 256, (2, 16), generator=g)
+                loss = e(input_ids=x, labels=x).loss
+                e.activations.swapper.make_room(0, 0)  # (every swap-out under way: the twin's Note)
+                e.backward(loss)
+                report = e.step()
+        written = {k: w for k, _, w in report.ssd_by_kind}["activations"]
+        assert written == {k: w for k, _, w in report.predicted_ssd_by_kind}["activations"] > 0, policy
+        got[policy] = written
+    x = 2 * 16 * 64 * 4  # (a checkpoint: micro-batch 2 x 16 tokens x width 64, fp32)
+    assert got["recompute_pieces_ssd"] == 6 * x
+    assert got["partial_last_ssd"] == 6 * x + 3 * 4 * x  # (each MLP's first linear's output, 4 x width)
+
+
+@pytest.mark.parametrize("kind,device", [("llama", "cpu"), ("gpt2", "standin")])
+def test_last_under_the_engine_with_accumulation_equals_keep(tmp_path, monkeypatch, kind, device):
+    """Under the engine, G = 2, dropout on: partial_last_ssd gives the losses and weights of keep
+    bit for bit over two steps (test_activations_pieces.py's twin for recompute_pieces_ssd)."""
+    from conftest import set_device
+    from test_activations import VOCAB
+
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+
+    set_device(monkeypatch, device)
+    ref = tiny_gpt2() if kind == "gpt2" else tiny_llama()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(4)]
+    out = {}
+    for policy in ("keep", "partial_last_ssd"):
+        path = tmp_path / policy
+        path.mkdir()
+        settings = Settings(gradient_accumulation_steps=2,
+                            activations=ActivationSettings(policy=policy, min_swap_bytes=0, overrides={"head": "keep"}))  # fmt: skip
+        cfg = RuntimeConfig(nvme_paths=[str(path)], settings=settings, device="cpu",
+                            ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
+        losses = []
+        with assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=1e-3)) as eng:
+            for i, x in enumerate(batches):
+                torch.manual_seed(100 + i)
+                loss = eng(input_ids=x, labels=x).loss
+                eng.backward(loss)
+                eng.step()
+                losses.append(loss.item())
+            weights = {k: v.clone() for k, v in eng.module.state_dict().items()}
+        out[policy] = (losses, weights)
+    assert out["keep"][0] == out["partial_last_ssd"][0]
+    assert _equal(out["partial_last_ssd"][1], out["keep"][1])
