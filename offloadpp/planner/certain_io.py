@@ -43,7 +43,7 @@ from types import SimpleNamespace
 from typing import Callable, Mapping, Optional
 
 from .activations import GRAD_IN_FORWARD
-from .cost import _model_acts, _plan_terms, _speculates
+from .cost import _model_acts, _plan_terms, _speculates, lower_bound
 from .decide import lazy_applies
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
@@ -197,6 +197,16 @@ def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelPr
     return max(lb, (t.ssd + r / (rb * 1e9) + w / (wb * 1e9)) * (1 - 1e-12))
 
 
+def tight_lower_bound(plan: Plan, hardware: HardwareProfile, model: ModelProfile, req: Request,
+                      activations: Mapping[str, str]) -> float:  # fmt: skip
+    """cost.lower_bound of `plan` with `activations` for `req`, raised by tight_bound: no replay
+    of it on `hardware` is faster (the search's reach and the robust pick's floor on the slow
+    SSD)."""
+    lb = lower_bound(plan, hardware, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
+                     activations=activations, link=req.link)  # fmt: skip
+    return tight_bound(lb, plan, hardware, model, req, activations=activations)
+
+
 def _extra_at_most(plan: Plan) -> tuple[int, int]:
     """certain_extra_bytes' most, without the schedule: every streamed weights read again, every
     gradient on SSD written and read back."""
@@ -218,4 +228,4 @@ def clear_certain() -> None:
     _EXTRA.clear()  # (the unit terms go with the replay's shared sizes: peaks.clear_cache)
 
 
-__all__ = ["certain_act_writes", "certain_extra_bytes", "clear_certain", "tight_bound"]
+__all__ = ["certain_act_writes", "certain_extra_bytes", "clear_certain", "tight_bound", "tight_lower_bound"]
