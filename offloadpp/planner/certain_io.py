@@ -41,11 +41,11 @@ what a fetch finds):
   device-to-host link, only each gradient leaving once; these bytes are other transfers on it
   within the same step. (Random profile 1, 13B fp16 b128: candidates with partial_host outputs
   replay at 1.5-3.1x the best, the link set by these copies, their bound 0.70-0.94x.)
-  Those copies also end within forward, so the step is at least their link time and then
-  backward's compute (phase_bound): the main thread (at full speed on CUDA) runs every forward
-  visit between the step's start and forward's end, and every backward visit (recompute
-  included, simulate_act.recompute_s) between forward's end and the step's end; the copies are
-  submitted after the start and done before the last forward part is added.
+  Both counts of activations rest on the device holding no activation bytes below 0 at
+  forward's start. The replay's count was below 0 there at random profile 27, Llama 7B b64 (a
+  candidate mixing partial_ssd, partial_host and kept units: -2.69 GB at every step's start, its
+  backward releasing more than its forward added): there fewer copies are forced than counted,
+  though every replay checked still moved these bytes (docs/performance.md, session 11).
 Each is at most what a replay moves, so lower_bound with the SSD term raised by these bytes, and
 its link term by the copies out, is still a bound (tests/test_certain_io.py replays random points
 against it).
@@ -56,8 +56,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable, Mapping, Optional
 
-from .activations import GRAD_IN_FORWARD, forward_moved, recompute_fraction, recomputes
-from .cost import _model_acts, _plan_terms, _speculates, compute_times, lower_bound
+from .activations import GRAD_IN_FORWARD
+from .cost import _model_acts, _plan_terms, _speculates, lower_bound
 from .decide import lazy_applies
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
@@ -208,9 +208,7 @@ def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelPr
     )
     t = _plan_terms(plan, hardware, model, req.adam_threads, micro_batches, req.link)
     if out_act:  # (only on CUDA, one rank, one micro-batch: lower_bound's link is the hardware's)
-        lb = max(
-            lb, _link_bound(plan, hardware, out_act), phase_bound(plan, hardware, model, activations, out_act)
-        )
+        lb = max(lb, _link_bound(plan, hardware, out_act))
     rb, wb = hardware.ssd_rates()
     if need is not None:
         r_hi, w_hi = _extra_at_most(plan)
@@ -233,28 +231,6 @@ def _link_bound(plan: Plan, hardware: HardwareProfile, out_act: int) -> float:
     grads = sum(u.numel for u in plan.units) * DTYPE_BYTES[plan.compute_dtype]
     # (the replay sums the same bytes in another order: a rounding below its link time, not above)
     return (grads + out_act) / (hardware.d2h_gbps * 1e9) * (1 - 1e-12)
-
-
-def phase_bound(plan: Plan, hardware: HardwareProfile, model: ModelProfile, activations: Mapping[str, str],
-                out_act: int) -> float:  # fmt: skip
-    """A step of `plan` (CUDA, one micro-batch) with `activations` takes at least forward's compute
-    or the link's time for `out_act` bytes of activations copied out within forward, whichever is
-    longer, and then backward's compute (the module Note, activations' copies out)."""
-    fwd, bwd = forward_moved(*compute_times(plan, hardware, model), activations)
-    units = _model_acts(model)[1]
-    sched = cached_schedule(plan)
-    nf = sched.num_forward
-    forward = sum(fwd[v.unit] + hardware.runtime_forward_visit_s for v in sched.visits[:nf])
-    backward = 0.0
-    for v in sched.visits[nf:]:  # (the replay's work per backward visit: Sim.main, ActReplay.recompute_s)
-        p = activations.get(v.unit, "keep")
-        backward += bwd[v.unit] + hardware.runtime_backward_visit_s
-        if recomputes(p):
-            backward += (
-                fwd[v.unit] * recompute_fraction(p, units.get(v.unit)) + hardware.runtime_forward_visit_s
-            )
-    # (the replay's clock sums the same work in parts: a rounding below its time, not above)
-    return (max(forward, out_act / (hardware.d2h_gbps * 1e9)) + backward) * (1 - 1e-12)
 
 
 def tight_lower_bound(plan: Plan, hardware: HardwareProfile, model: ModelProfile, req: Request,
@@ -293,7 +269,6 @@ __all__ = [
     "certain_act_writes",
     "certain_extra_bytes",
     "clear_certain",
-    "phase_bound",
     "tight_bound",
     "tight_lower_bound",
 ]
