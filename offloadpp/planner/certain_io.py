@@ -41,11 +41,13 @@ what a fetch finds):
   device-to-host link, only each gradient leaving once; these bytes are other transfers on it
   within the same step. (Random profile 1, 13B fp16 b128: candidates with partial_host outputs
   replay at 1.5-3.1x the best, the link set by these copies, their bound 0.70-0.94x.)
-  Both counts of activations rest on the device holding no activation bytes below 0 at
-  forward's start. The replay's count was below 0 there at random profile 27, Llama 7B b64 (a
-  candidate mixing partial_ssd, partial_host and kept units: -2.69 GB at every step's start, its
-  backward releasing more than its forward added): there fewer copies are forced than counted,
-  though every replay checked still moved these bytes (docs/performance.md, session 11).
+  Both counts of activations rest on the replay's device holding no activation bytes below 0 at
+  forward's start. At random profile 27, Llama 7B b64 (a candidate with partial_host units
+  before kept ones) it held -2.69 GB from the first step's backward on: that backward fetched
+  the last swapped unit while its copy out still ran, and ActReplay.before_backward took the
+  unit's other pieces (`rest`) before that fetch set them, so they were never counted back.
+  There fewer copies are forced than counted; every replay checked still moved these bytes
+  (docs/performance.md, session 11).
 Each is at most what a replay moves, so lower_bound with the SSD term raised by these bytes, and
 its link term by the copies out, is still a bound (tests/test_certain_io.py replays random points
 against it).
