@@ -554,20 +554,15 @@ def test_the_reach_is_found_by_a_slow_replay_only_where_its_lower_bound_cannot_d
 
     def plan(eager: bool):
         slow_replays, picking = [], []
-        score, bound, pick = search_mod._score, search_mod.lower_bound, search_mod.robust_pick
-        tight = search_mod.tight_bound
+        score, bound, pick = search_mod._score, search_mod.tight_lower_bound, search_mod.robust_pick
 
         def counted(p, h, *a):
             slow_replays.append(h.ssd_read_gbps < hw.ssd_read_gbps and not picking)
             return score(p, h, *a)
 
-        def no_bound(p, h, *a, **k):
+        def no_bound(p, h, *a, **k):  # (the reach's floor on the slow SSD, certain_io's bytes and all)
             useless = eager and h.ssd_read_gbps < hw.ssd_read_gbps and not picking
             return float("-inf") if useless else bound(p, h, *a, **k)
-
-        def no_tightening(lb, p, h, *a, **k):  # (certain_io's SSD bytes: useless there too)
-            useless = eager and h.ssd_read_gbps < hw.ssd_read_gbps and not picking
-            return lb if useless else tight(lb, p, h, *a, **k)
 
         def robust_pick(*a, **k):
             picking.append(True)
@@ -578,8 +573,7 @@ def test_the_reach_is_found_by_a_slow_replay_only_where_its_lower_bound_cannot_d
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(search_mod, "_score", counted)
-            mp.setattr(search_mod, "lower_bound", no_bound)
-            mp.setattr(search_mod, "tight_bound", no_tightening)
+            mp.setattr(search_mod, "tight_lower_bound", no_bound)
             mp.setattr(search_mod, "robust_pick", robust_pick)
             p = plan_point(hw, "gpt3-13b@6", 8, dtype)
         return p, sum(slow_replays)

@@ -33,8 +33,24 @@ what a fetch finds):
   of the units before the last: the jobs to SSD within the first of those are written.
   (Random profile 21, 13B bf16 b64: candidates sending partial pieces to SSD replay at 50-167 s,
   the best 47.4 s, their bound 41-43 s: 103 replays, 34 with these writes.)
-Each is at most what a replay moves, so lower_bound with the SSD term raised by these bytes is
-still a bound (tests/test_certain_io.py replays random points against it).
+- activations copied out over the device-to-host link (certain_act_moves): the same copies, to
+  host memory or on their way to SSD. A copy started copies every record of its unit over the
+  link (simulate_act's worker: each record is submitted to the link before its bytes are freed on
+  the device, so a copy that has freed its bytes has moved them), and the copies the room forces
+  within forward are done by its last part, as above. lower_bound's link term counts, of the
+  device-to-host link, only each gradient leaving once; these bytes are other transfers on it
+  within the same step. (Random profile 1, 13B fp16 b128: candidates with partial_host outputs
+  replay at 1.5-3.1x the best, the link set by these copies, their bound 0.70-0.94x.)
+  Both counts of activations rest on the replay's device holding no activation bytes below 0 at
+  forward's start. At random profile 27, Llama 7B b64 (a candidate with partial_host units
+  before kept ones) it held -2.69 GB from the first step's backward on: that backward fetched
+  the last swapped unit while its copy out still ran, and ActReplay.before_backward took the
+  unit's other pieces (`rest`) before that fetch set them, so they were never counted back.
+  There fewer copies are forced than counted; every replay checked still moved these bytes
+  (docs/performance.md, session 11).
+Each is at most what a replay moves, so lower_bound with the SSD term raised by these bytes, and
+its link term by the copies out, is still a bound (tests/test_certain_io.py replays random points
+against it).
 """
 
 from __future__ import annotations
@@ -43,7 +59,7 @@ from types import SimpleNamespace
 from typing import Callable, Mapping, Optional
 
 from .activations import GRAD_IN_FORWARD
-from .cost import _model_acts, _plan_terms, _speculates
+from .cost import _model_acts, _plan_terms, _speculates, lower_bound
 from .decide import lazy_applies
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
@@ -111,11 +127,19 @@ def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str
     """SSD bytes of activations every replay of `plan` with `activations` writes per step: the
     swap-outs to SSD the device's activation room forces to start within forward (the module
     Note, activations)."""
+    return certain_act_moves(plan, model, activations, micro_batches)[1]
+
+
+def certain_act_moves(plan: Plan, model: ModelProfile, activations: Mapping[str, str],
+                      micro_batches: int = 1) -> tuple[int, int]:  # fmt: skip
+    """(bytes copied out over the device-to-host link, bytes written to SSD) of activations, per
+    step, by every replay of `plan` with `activations`: the copies out the device's activation
+    room forces within forward (the module Note, activations and their copies out)."""
     budget = plan.budgets.activation_bytes if plan.budgets is not None else None
     if (budget is None or plan.device != "cuda" or plan.ranks != 1 or micro_batches != 1
             or plan.micro_batches != 1 or len(plan.units) < 2
             or not any(p != "keep" for p in activations.values())):  # fmt: skip
-        return 0
+        return 0, 0
     saved, units = _model_acts(model)
     terms = _unit_terms(saved, units)
     added = released = 0
@@ -136,7 +160,8 @@ def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str
             break
         prefix += freed
         done += written
-    return min(done, sum(w for _, w in before_last))
+    # (a job's freed bytes are the records it copies over the link: simulate_act's worker)
+    return min(prefix, sum(f for f, _ in before_last)), min(done, sum(w for _, w in before_last))
 
 
 def _unit_terms(saved: Mapping[str, int], units: Mapping) -> Callable:
@@ -174,13 +199,18 @@ def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelPr
                 activations: Optional[Mapping[str, str]] = None, need: Optional[float] = None) -> float:  # fmt: skip
     """`lb` (cost.lower_bound of `plan` with `activations`, for `req`'s Adam threads, micro-batches
     and link) raised to the SSD time of the bytes it counts plus certain_extra_bytes and
-    certain_act_writes: no replay of the plan is faster.
+    certain_act_writes, and to the device-to-host link's time of its gradients plus the
+    activations certain_act_moves copies out: no replay of the plan is faster.
     `need`: the caller asks only whether the bound exceeds it; where even every streamed
     weights and gradient counted could not, certain_extra_bytes (which builds the plan's
     schedule, for candidates most of which are never replayed) is left out."""
     micro_batches = req.micro_batches
-    w_act = certain_act_writes(plan, model, activations, micro_batches) if activations is not None else 0
+    out_act, w_act = (
+        certain_act_moves(plan, model, activations, micro_batches) if activations is not None else (0, 0)
+    )
     t = _plan_terms(plan, hardware, model, req.adam_threads, micro_batches, req.link)
+    if out_act:  # (only on CUDA, one rank, one micro-batch: lower_bound's link is the hardware's)
+        lb = max(lb, _link_bound(plan, hardware, out_act))
     rb, wb = hardware.ssd_rates()
     if need is not None:
         r_hi, w_hi = _extra_at_most(plan)
@@ -195,6 +225,24 @@ def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelPr
         return lb
     # (the replay sums the same bytes in another order: a rounding below its SSD time, not above)
     return max(lb, (t.ssd + r / (rb * 1e9) + w / (wb * 1e9)) * (1 - 1e-12))
+
+
+def _link_bound(plan: Plan, hardware: HardwareProfile, out_act: int) -> float:
+    """The device-to-host link's time for lower_bound's bytes on it (each gradient leaving once:
+    cost._find_plan_terms, one micro-batch) and `out_act` bytes of activations copied out."""
+    grads = sum(u.numel for u in plan.units) * DTYPE_BYTES[plan.compute_dtype]
+    # (the replay sums the same bytes in another order: a rounding below its link time, not above)
+    return (grads + out_act) / (hardware.d2h_gbps * 1e9) * (1 - 1e-12)
+
+
+def tight_lower_bound(plan: Plan, hardware: HardwareProfile, model: ModelProfile, req: Request,
+                      activations: Mapping[str, str]) -> float:  # fmt: skip
+    """cost.lower_bound of `plan` with `activations` for `req`, raised by tight_bound: no replay
+    of it on `hardware` is faster (the search's reach and the robust pick's floor on the slow
+    SSD)."""
+    lb = lower_bound(plan, hardware, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
+                     activations=activations, link=req.link)  # fmt: skip
+    return tight_bound(lb, plan, hardware, model, req, activations=activations)
 
 
 def _extra_at_most(plan: Plan) -> tuple[int, int]:
@@ -218,4 +266,11 @@ def clear_certain() -> None:
     _EXTRA.clear()  # (the unit terms go with the replay's shared sizes: peaks.clear_cache)
 
 
-__all__ = ["certain_act_writes", "certain_extra_bytes", "clear_certain", "tight_bound"]
+__all__ = [
+    "certain_act_moves",
+    "certain_act_writes",
+    "certain_extra_bytes",
+    "clear_certain",
+    "tight_bound",
+    "tight_lower_bound",
+]

@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from .candidate import Candidate
-from .certain_io import tight_bound
-from .cost import MANY_UNITS, StepEstimate, lower_bound
+from .certain_io import tight_lower_bound
+from .cost import MANY_UNITS, StepEstimate
 from .dominance import undominated
 from .hardware import HardwareProfile
 from .model_profile import ModelProfile
@@ -116,9 +116,7 @@ def robust_pick(cands: list[Candidate], hw: HardwareProfile, model: ModelProfile
             take(c, seen[same])
             continue
         # a candidate whose mean cannot come within TIE_FRAC of the best so far is not replayed
-        floor = lower_bound(c.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
-                            activations=dict(c.activations), link=req.link)  # fmt: skip
-        floor = tight_bound(floor, c.plan, slow, model, req, activations=dict(c.activations))  # fmt: skip
+        floor = tight_lower_bound(c.plan, slow, model, req, dict(c.activations))
         least_slow = max(floor, e.step_s)  # (a slower SSD never makes a step shorter)
         if (e.step_s + least_slow) / 2 > top * (1 + TIE_FRAC):
             continue

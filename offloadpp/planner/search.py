@@ -48,7 +48,7 @@ from .act_candidates import ActChoice, ActPlanner, fixed_policies, untwinned
 from .act_refine import balance
 from .activations import act_units
 from .candidate import Candidate
-from .certain_io import tight_bound
+from .certain_io import tight_bound, tight_lower_bound
 from .cost import MANY_UNITS, StepEstimate, lower_bound, replay
 from .decide import speculates
 from .default import plan_shape, streaming_plan
@@ -273,9 +273,7 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
             # beats it) does not already put the reach above that bound: the same comparisons
             # come out, and a best superseded or never compared costs no slow replay
             reach_of = best
-            floor = lower_bound(best.plan, slow, model, adam_threads=req.adam_threads, micro_batches=req.micro_batches,
-                                activations=dict(best.activations), link=req.link)  # fmt: skip
-            floor = tight_bound(floor, best.plan, slow, model, req, activations=dict(best.activations))  # fmt: skip
+            floor = tight_lower_bound(best.plan, slow, model, req, dict(best.activations))
             reach_lo = (1 + TIE_FRAC) * (best_s + floor) / 2
     replayed = len(cands)
     # 2. the other activation choices of the best few placements
