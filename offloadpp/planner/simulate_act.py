@@ -376,6 +376,10 @@ class ActReplay(PieceByPiece, Fetching, Releasing):
         if r is None and unit in self.out:  # fetched while its copy was running: ready when it ends
             yield ("cond", lambda: self.out[unit].copy_done is not None)
             self._fetch(unit, force=True)
+            # (the pieces it sets to come back during its backward were not among what was
+            # counted above: the fetch had not started then; counted now, or their release at
+            # after_backward takes them from bytes never added)
+            self._add(self.rest.pop(unit, 0))
             self._rest_up(unit, after_read=False)
             r = self.ready.get(unit)
         if r is not None:
