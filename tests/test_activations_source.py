@@ -50,9 +50,10 @@ def _backward_stats(ref, x, store, policy: str, budget: int, evict: bool, monkey
 def test_a_pieces_recompute_holds_no_checkpoint_beside_its_derived_argument(store, monkeypatch, on_device,
                                                                             kind, policy):  # fmt: skip
     """Short sequences (the MLP's recompute is a block's largest piece, as a 13B block's at b64):
-    with the sources held, even a budget that fetches nothing ahead (1 byte) leaves backward's
-    peak above `room`, half a width-sized tensor below it; with them sent back the peak stays
-    within `room` (the fetches ahead filling it). Each block's two norm checkpoints are copied up twice; gradients equal keep's."""
+    under a budget that fetches nothing ahead (1 byte) backward's peak is one width-sized tensor
+    (the norm's checkpoint) lower with the sources sent back; with them held it is above `room`,
+    half that tensor below it, where with them sent back the peak stays within `room` (the
+    fetches ahead filling it). Each block's two norm checkpoints are copied up twice; gradients equal keep's."""
     ref = tiny_gpt2(n_embd=128) if kind == "gpt2" else tiny_llama()
     x = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
     width, blocks = ref.config.hidden_size, ref.config.num_hidden_layers
@@ -60,6 +61,10 @@ def test_a_pieces_recompute_holds_no_checkpoint_beside_its_derived_argument(stor
     _, want = run_step(ref, x)
     got, held = _backward_stats(ref, x, store, policy, 1, False, monkeypatch)
     assert _equal(got, want)
+    # nothing fetched ahead (a 1-byte budget): the peak lower by the checkpoint sent back, exactly
+    got, least = _backward_stats(ref, x, store, policy, 1, True, monkeypatch)
+    assert _equal(got, want)
+    assert held.peak_device_bytes - least.peak_device_bytes == w
     room = held.peak_device_bytes - w // 2
     got, sent = _backward_stats(ref, x, store, policy, room, True, monkeypatch)
     assert _equal(got, want), policy
