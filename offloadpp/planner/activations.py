@@ -504,6 +504,7 @@ def _per_unit(f):
 
 peak_bytes_at = _per_unit(peak_bytes_at)
 backward_bytes = _per_unit(backward_bytes)
+evicted = _per_unit(evicted)  # (the replay asks it at each fetch)
 
 
 def act_units(model: Profiled) -> tuple[ActUnit, ...]:
