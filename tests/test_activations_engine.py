@@ -173,10 +173,7 @@ def test_swapped_checkpoints_train_like_torch_adamw(tmp_path, data, monkeypatch,
         # (a swapped partial block's two norm checkpoints come back twice: runtime/activations/
         # saves.py `_evict_source`; fp32 activations)
         width, blocks = ref.config.hidden_size, ref.config.num_hidden_layers
-        again = [
-            2 * blocks * x.numel() * width * 4 if policy in ("partial_host", "partial_ssd") else 0
-            for x in data
-        ]
+        again = [2 * blocks * x.numel() * width * 4 if policy in ("partial_host", "partial_ssd") else 0 for x in data]
         for s, more in zip(stats, again):
             assert (
                 (s.d2h_bytes > 0) == (policy != "partial")

@@ -735,9 +735,7 @@ def test_the_least_need_counts_a_block_recomputed_piece_by_piece():
     assert all(least[u.name] == "partial_ssd" for u in gpt if u.pieces)
 
 
-@pytest.mark.parametrize(
-    "policy", ["partial", "partial_host", "partial_ssd", "partial_host_tail", "recompute_pieces_host"]
-)
+@pytest.mark.parametrize("policy", ["partial", "partial_host", "partial_ssd", "partial_host_tail", "recompute_pieces_host"])
 def test_a_swapped_piece_holds_no_source_beside_its_derived_argument(policy):
     """A swapped piece whose argument is made again from the previous piece's checkpoint (the
     attention and the MLP, from the norms') sends that checkpoint back to host memory once the

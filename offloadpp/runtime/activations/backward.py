@@ -174,11 +174,7 @@ class ManagerBackward:
             # (a derived argument's source leaves the device once the argument is made: saves.py
             # `_evict_source`; one on the device since its forward, a tail's, stays)
             fetched = sum(
-                r.nbytes
-                for j in (k - 1, k)
-                if j >= 0
-                for r in own[j]
-                if r.state is not RecState.RELEASED
+                r.nbytes for j in (k - 1, k) if j >= 0 for r in own[j] if r.state is not RecState.RELEASED
                 and not (j < k and seg.derived and r.source and r.state is not RecState.DEVICE)
             )
             if seg.state is SegState.SAVED:

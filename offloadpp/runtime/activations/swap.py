@@ -161,9 +161,7 @@ class Swapper:
         host = (
             rec.nbytes
             if rec.host is not None
-            and (
-                state in _HOST_STATES or state is RecState.READY and self.mover.copies
-            )  # (a source's kept copy)
+            and (state in _HOST_STATES or state is RecState.READY and self.mover.copies)  # (a source's kept copy)
             and not (reading and not self.mover.copies)
             else 0
         )
