@@ -27,13 +27,12 @@ __all__ = ["store"]  # (the fixture, shared with test_activations.py)
 def _run(ref, x, store, budget: int, policy: str, monkeypatch, stage: bool = True):
     """One step of `ref`'s copy under `policy` with the forward's copies drained before backward
     (so every swapped record is on SSD when backward starts); (gradients, stats, the state of each
-    SSD record when backward first fetched it: a derived argument's source is fetched again from
-    its host copy, runtime/activations/saves.py `_evict_source`)."""
+    SSD record when backward fetched it)."""
     at_fetch = []
     fetch = Swapper.fetch
 
     def watched(self, rec):
-        if rec.key is not None and not rec.evicted:
+        if rec.key is not None:
             at_fetch.append(rec.state)
         fetch(self, rec)
 

@@ -21,12 +21,10 @@ from offloadpp.planner.activations import (
     ActUnit,
     act_units,
     backward_bytes,
-    evicted,
     forward_bytes,
     forward_moved,
     held_bytes,
     need_bytes,
-    piece_peaks,
     recompute_fraction,
     split_bytes,
 )
@@ -733,27 +731,3 @@ def test_the_least_need_counts_a_block_recomputed_piece_by_piece():
     )
     least = ActPlanner(gpt, {}, device="cuda").least.as_dict()
     assert all(least[u.name] == "partial_ssd" for u in gpt if u.pieces)
-
-
-@pytest.mark.parametrize("policy", ["partial", "partial_host", "partial_ssd", "partial_host_tail", "recompute_pieces_host"])
-def test_a_swapped_piece_holds_no_source_beside_its_derived_argument(policy):
-    """A swapped piece whose argument is made again from the previous piece's checkpoint (the
-    attention and the MLP, from the norms') sends that checkpoint back to host memory once the
-    argument is made (runtime/activations/saves.py `_evict_source`; planner/activations.py, Note
-    on the derived argument's source): its recompute holds what it makes, not the checkpoint
-    beside it, and the checkpoint crosses the link twice. Not where the pieces before stay on the
-    device (partial), nor a tail's second norm (kept: never copied up)."""
-    _, r, moved = _one_swapped_block(policy, budget=None)
-    unit = r.units["b"]
-    gone = {"partial": (0, 0, 0, 0), "partial_host_tail": (0, 100, 0, 0)}.get(policy, (0, 100, 0, 100))
-    assert evicted(unit, policy) == gone
-    # (before: partial_host [100, 600, 400, 700], the second norm's checkpoint beside the MLP's
-    # 500 saved and 100 extra; partial all pieces before on the device, as before)
-    peaks = {"partial": [100, 600, 500, 1100], "partial_host": [100, 500, 400, 600],
-             "partial_ssd": [100, 500, 400, 600], "partial_host_tail": [100, 500, 400, 700],
-             "recompute_pieces_host": [100, 400, 100, 500]}  # fmt: skip
-    assert piece_peaks(unit, policy) == peaks[policy]
-    if policy != "partial":
-        assert r._fetch("b", force=True)
-        first = 100 + (0 if policy == "recompute_pieces_host" else 300)
-        assert r.rest_up["b"] == moved - first + sum(gone)  # (the sources copied up once more)

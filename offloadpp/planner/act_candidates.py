@@ -36,7 +36,6 @@ CPU acting as the device, where host memory is the device's own; SSD is tried on
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
@@ -51,7 +50,6 @@ from .activations import (
     SWAPPING,
     TAIL,
     ActUnit,
-    evicted,
     held_bytes,
     need_bytes,
     peak_bytes_at,
@@ -154,23 +152,8 @@ class ActPlanner:
         the activations (search.py; pieces' only at the depths where this one does not fit).
         Setting aside pieces' smaller room where partial's fits changed the fills replayed and
         the pick: random profile 29, Llama 7B b32, 18.146 -> 18.240 s; profile 0 b64, 33.989 ->
-        34.466 s. Counted with each piece's derived argument's source held beside it (planner/
-        activations.py, Note on the derived argument's source): the room where its copy up need not
-        wait for the piece; sending it away lets a tighter room fit (a deeper prefetch), and setting
-        aside that room changed the fills the same way (profile 29 Llama b32 again 18.240 s)."""
-        c = self._least(pieces=False)
-        return replace(c, need_bytes=need_bytes(self._sources_held, dict(c.policies)))
-
-    @functools.cached_property
-    def _sources_held(self) -> tuple[ActUnit, ...]:
-        """The units with each piece holding its derived argument's source (activations.evicted)
-        beside what it saves: the pieces' peaks as before it was sent away."""
-        out = []
-        for u in self.units:
-            gone = evicted(u, "partial_ssd") if u.pieces else ()
-            out.append(replace(u, pieces=tuple((p[0] + g, *p[1:]) for p, g in zip(u.pieces, gone)))
-                       if any(gone) else u)  # fmt: skip
-        return tuple(out)
+        34.466 s."""
+        return self._least(pieces=False)
 
     def _least(self, pieces: bool) -> ActChoice:
         def least_of(u: ActUnit) -> str:

@@ -117,18 +117,6 @@ token of b64); holding 2 GiB from a third of its backward on, they come back dur
 The need still counts each piece's peak (at its recompute), the replay the bytes it holds from
 each release on (simulate_act.py `_marks`).
 
-Note: the derived argument's source. A swapped piece whose argument is the previous piece's output
-(a block's attention and MLP take the norms' outputs: runtime/activations/recompute.py, Note on
-derived checkpoints) has that argument made again from the previous piece's checkpoint, which
-had to come back first. The runtime then sends the checkpoint's device copy away again (its host
-buffer kept since the copy up: no copy out; runtime/activations/saves.py `_evict_source`) and
-fetches it again within the budget, for the previous piece's own recompute (the norm's backward
-reads its input). The piece's recompute holds no checkpoint beside what it makes (`evicted`,
-piece_peaks): a GPT-3 13B block's MLP at b64 holds 5.625 GiB, not 6.25 (random profile 29 bf16:
-no room for a second weight buffer beside 6.25 GiB, each unit's weights fetched at its visit,
-1.121x the time per token of b32; now 0.97x). The checkpoint is copied up twice (the replay's
-`_rest_up`: once more behind the unit's other pieces).
-
 Note: pieces. A recompute_pieces* unit (runtime/activations/manager.py, Note on pieces) runs
 each child of its root as its own recompute segment from its own checkpoint: it is partial
 without the operator log. So it is counted as the same unit seen as partial with no kept outputs
@@ -423,30 +411,14 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
 
 @_pieces_as_run
 def piece_peaks(u: ActUnit, policy: str) -> list[int]:
-    """A partial unit's device bytes at each piece's recompute, forward order (backward_bytes);
-    a swapped one's piece whose argument is derived holds the previous piece's records without
-    its checkpoint (see the Note on the derived argument's source)."""
+    """A partial unit's device bytes at each piece's recompute, forward order (backward_bytes)."""
     out, before, prev = [], 0, 0
-    for (saved, inputs, part, extra), gone in zip(u.pieces, evicted(u, policy)):
-        out.append((before if policy == "partial" else prev - gone) + saved + extra)
+    for saved, inputs, part, extra in u.pieces:
+        out.append((before if policy == "partial" else prev) + saved + extra)
         prev = inputs + part
         before += prev
     # (backward runs the pieces last to first: piece k's "before" are those earlier in forward)
     return out
-
-
-@_pieces_as_run
-def evicted(u: ActUnit, policy: str) -> tuple[int, ...]:
-    """Per piece, forward order: the previous piece's checkpoint bytes its recompute sends back
-    to host memory once its derived argument is made (see the Note on the derived argument's
-    source), fetched again for that piece's own recompute; 0 where none."""
-    if policy not in CHECKPOINT_SWAPS or policy not in PARTIAL or not u.pieces:
-        return (0,) * len(u.pieces)
-    swapped = len(u.pieces) - (TAIL_PIECES if policy == TAIL else 0)  # (a tail's last ones stay)
-    return tuple(
-        u.pieces[k - 1][1] if k and inputs == 0 and k - 1 < swapped else 0
-        for k, (_, inputs, _, _) in enumerate(u.pieces)
-    )
 
 
 @_pieces_as_run
@@ -546,7 +518,6 @@ def _per_unit(f):
 
 peak_bytes_at = _per_unit(peak_bytes_at)
 backward_bytes = _per_unit(backward_bytes)
-evicted = _per_unit(evicted)  # (the replay asks it at each fetch)
 
 
 def act_units(model: Profiled) -> tuple[ActUnit, ...]:
@@ -579,5 +550,5 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
 
 __all__ = ["AS_RUN", "ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LAST", "LAST_SWAPS", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL", "PIECES",
            "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run",
-           "backward_bytes", "checkpoint_tier", "evicted", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
+           "backward_bytes", "checkpoint_tier", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

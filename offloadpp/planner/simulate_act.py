@@ -67,7 +67,6 @@ from .activations import (
     ActUnit,
     as_run,
     backward_bytes,
-    evicted,
     recompute_fraction,
     recomputes,
 )
@@ -535,11 +534,8 @@ class ActReplay(PieceByPiece, Fetching, Releasing):
             done, h2d = sim.h2d.submit(sim.t, now, False), False
         else:
             done = sim.t
-        # (the other pieces, and the checkpoints fetched again after their next piece's argument
-        # was derived from them: _rest_up; planner/activations.py, Note on the derived argument's source)
-        again = sum(evicted(self.units[unit], self.policy(unit))) if unit in self.units else 0
-        if sim.cuda and job.nbytes - first + again > 0:
-            self.rest_up[unit] = job.nbytes - first + again
+        if sim.cuda and job.nbytes > first:  # (the other pieces: _rest_up)
+            self.rest_up[unit] = job.nbytes - first
         job.back = True
         self._add(now)
         self.rest[unit] = job.nbytes - first
