@@ -45,9 +45,12 @@ what a fetch finds):
   forward's start. At random profile 27, Llama 7B b64 (a candidate with partial_host units
   before kept ones) it held -2.69 GB from the first step's backward on: that backward fetched
   the last swapped unit while its copy out still ran, and ActReplay.before_backward took the
-  unit's other pieces (`rest`) before that fetch set them, so they were never counted back.
-  There fewer copies are forced than counted; every replay checked still moved these bytes
-  (docs/performance.md, session 11).
+  unit's other pieces (`rest`) before that fetch set them, so they were never counted back
+  (fixed since: before_backward counts them once the late fetch sets them; the test
+  `test_a_block_fetched_while_its_copy_out_runs_gives_back_what_it_holds`). There fewer copies
+  were forced than counted; every replay checked still moved these bytes (docs/performance.md,
+  session 11). The phase bound s11time tried (forward's copies, then backward's compute) failed
+  its check at that point only; it may hold now, unproven.
 Each is at most what a replay moves, so lower_bound with the SSD term raised by these bytes, and
 its link term by the copies out, is still a bound (tests/test_certain_io.py replays random points
 against it).
