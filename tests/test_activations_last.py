@@ -147,34 +147,11 @@ def test_last_under_the_engine_with_accumulation_equals_keep(tmp_path, monkeypat
     """Under the engine, G = 2, dropout on: partial_last_ssd gives the losses and weights of keep
     bit for bit over two steps (test_activations_pieces.py's twin for recompute_pieces_ssd)."""
     from conftest import set_device
-    from test_activations import VOCAB
-
-    from offloadpp.assemble import assemble_engine
-    from offloadpp.optim import AdamHyper
-    from offloadpp.planner import Settings
-    from offloadpp.runtime import RuntimeConfig
+    from test_activations_pieces import engine_window_run
 
     set_device(monkeypatch, device)
     ref = tiny_gpt2() if kind == "gpt2" else tiny_llama()
-    g = torch.Generator().manual_seed(3)
-    batches = [torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(4)]
-    out = {}
-    for policy in ("keep", "partial_last_ssd"):
-        path = tmp_path / policy
-        path.mkdir()
-        settings = Settings(gradient_accumulation_steps=2,
-                            activations=ActivationSettings(policy=policy, min_swap_bytes=0, overrides={"head": "keep"}))  # fmt: skip
-        cfg = RuntimeConfig(nvme_paths=[str(path)], settings=settings, device="cpu",
-                            ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
-        losses = []
-        with assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=1e-3)) as eng:
-            for i, x in enumerate(batches):
-                torch.manual_seed(100 + i)
-                loss = eng(input_ids=x, labels=x).loss
-                eng.backward(loss)
-                eng.step()
-                losses.append(loss.item())
-            weights = {k: v.clone() for k, v in eng.module.state_dict().items()}
-        out[policy] = (losses, weights)
-    assert out["keep"][0] == out["partial_last_ssd"][0]
-    assert _equal(out["partial_last_ssd"][1], out["keep"][1])
+    lk, wk, _ = engine_window_run(tmp_path, ref, "keep")
+    ll, wl, _ = engine_window_run(tmp_path, ref, "partial_last_ssd")
+    assert lk == ll
+    assert _equal(wl, wk)

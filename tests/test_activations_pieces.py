@@ -120,6 +120,37 @@ def test_pieces_hold_one_piece_at_a_time(store, on_device, dtype):
     assert peaks["recompute_pieces_host"] <= budget < block <= peaks["recompute_host"], (peaks, budget, block)
 
 
+def engine_window_run(tmp_path, ref, policy: str):
+    """(losses, weights, activation bytes copied out) of four micro-batches of `ref` under the
+    engine, G = 2, dropout on, activations under `policy` (the head kept), fixed seeds: the run
+    each policy's "equals keep under the engine" test compares with keep's (also
+    test_activations_last.py)."""
+    from offloadpp.assemble import assemble_engine
+    from offloadpp.optim import AdamHyper
+    from offloadpp.planner import Settings
+    from offloadpp.runtime import RuntimeConfig
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(4)]
+    path = tmp_path / policy
+    path.mkdir()
+    settings = Settings(gradient_accumulation_steps=2,
+                        activations=ActivationSettings(policy=policy, min_swap_bytes=0, overrides={"head": "keep"}))  # fmt: skip
+    cfg = RuntimeConfig(nvme_paths=[str(path)], settings=settings, device="cpu",
+                        ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
+    losses, moved = [], 0
+    with assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=1e-3)) as eng:
+        for i, x in enumerate(batches):
+            torch.manual_seed(100 + i)
+            loss = eng(input_ids=x, labels=x).loss
+            eng.backward(loss)
+            moved += eng.activations.stats().d2h_bytes
+            eng.step()
+            losses.append(loss.item())
+        weights = {k: v.clone() for k, v in eng.module.state_dict().items()}
+    return losses, weights, moved
+
+
 @pytest.mark.parametrize("kind,device", [("gpt2", "cpu"), ("llama", "cpu"), ("gpt2", "standin")])
 def test_pieces_under_the_engine_with_accumulation_equal_keep(tmp_path, monkeypatch, kind, device):
     """Under the engine, G = 2, dropout on: recompute_pieces_ssd gives the losses and weights of
@@ -127,35 +158,10 @@ def test_pieces_under_the_engine_with_accumulation_equal_keep(tmp_path, monkeypa
     checkpoints'."""
     from conftest import set_device
 
-    from offloadpp.assemble import assemble_engine
-    from offloadpp.optim import AdamHyper
-    from offloadpp.planner import Settings
-    from offloadpp.runtime import RuntimeConfig
-
     set_device(monkeypatch, device)
     ref = tiny_gpt2() if kind == "gpt2" else tiny_llama()
-    g = torch.Generator().manual_seed(3)
-    batches = [torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(4)]
-    out = {}
-    for policy in ("keep", "recompute_pieces_ssd"):
-        path = tmp_path / policy
-        path.mkdir()
-        settings = Settings(gradient_accumulation_steps=2,
-                            activations=ActivationSettings(policy=policy, min_swap_bytes=0, overrides={"head": "keep"}))  # fmt: skip
-        cfg = RuntimeConfig(nvme_paths=[str(path)], settings=settings, device="cpu",
-                            ssd_read_gbps=2.0, ssd_write_gbps=2.0)  # fmt: skip
-        losses, moved = [], 0
-        with assemble_engine(copy.deepcopy(ref), cfg, hyper=AdamHyper(lr=1e-3)) as eng:
-            for i, x in enumerate(batches):
-                torch.manual_seed(100 + i)
-                loss = eng(input_ids=x, labels=x).loss
-                eng.backward(loss)
-                moved += eng.activations.stats().d2h_bytes
-                eng.step()
-                losses.append(loss.item())
-            weights = {k: v.clone() for k, v in eng.module.state_dict().items()}
-        out[policy] = (losses, weights, moved)
-    (lk, wk, _), (lp, wp, moved) = out["keep"], out["recompute_pieces_ssd"]
+    lk, wk, _ = engine_window_run(tmp_path, ref, "keep")
+    lp, wp, moved = engine_window_run(tmp_path, ref, "recompute_pieces_ssd")
     assert lk == lp
     assert _equal(wp, wk)
     assert moved > 0
