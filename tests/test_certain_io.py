@@ -101,25 +101,25 @@ def test_the_tight_bound_settles_more_with_the_same_plan():
 
 
 def test_the_room_forces_activation_writes_to_ssd():
-    """certain_act_writes: where activations go to SSD beyond the device's room (random profile
+    """certain_act_moves' SSD writes: where activations go to SSD beyond the device's room (random profile
     21, 13B bf16 b64: partial pieces to SSD), each replay writes at least the certain bytes of
     activations, some many, and the search settles the candidates those writes put beyond the
     pick's give: 103 replays -> 34, the same plan and estimate."""
-    from offloadpp.planner.certain_io import certain_act_writes
+    from offloadpp.planner.certain_io import certain_act_moves
 
     on, p_on = _replays(21, "gpt3-13b", 64)
     off, p_off = _replays(21, "gpt3-13b", 64, tightening=False)
     forced = 0
     for plan, _, _, est, acts in off:
         kinds = {k: (rd, wr) for k, rd, wr in est.ssd_by_kind}
-        w = certain_act_writes(plan, p_off.profile, acts)
+        w = certain_act_moves(plan, p_off.profile, acts)[1]
         assert w <= kinds["activations"][1]
         forced += w > kinds["activations"][1] / 2
     assert forced > len(off) / 4
     assert repr(replace(p_on.resolved.plan, notes=())) == repr(replace(p_off.resolved.plan, notes=()))
     assert p_on.step_s == p_off.step_s
     assert len(on) < len(off) / 2
-    assert certain_act_writes(replace(p_on.resolved.plan, device="cpu"), p_on.profile, {"x": "ssd"}) == 0
+    assert certain_act_moves(replace(p_on.resolved.plan, device="cpu"), p_on.profile, {"x": "ssd"}) == (0, 0)
 
 
 def test_activations_copied_out_bound_the_link():

@@ -351,8 +351,14 @@ def as_run(u: ActUnit, policy: str) -> tuple[ActUnit, str]:
     if policy not in AS_RUN:
         return u, policy
     if not u.pieces:
-        return u, _AS_WHOLE[policy]
+        return u, as_whole(policy)
     return (u.as_pieces if policy in PIECES else u.as_last), _AS_PARTIAL[policy]
+
+
+def as_whole(policy: str) -> str:
+    """The policy a recompute_pieces or partial_last unit with no pieces runs as (as_run): the
+    whole recompute of its tier."""
+    return _AS_WHOLE[policy]
 
 
 def _pieces_as_run(f):
@@ -549,6 +555,6 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
 
 
 __all__ = ["AS_RUN", "ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LAST", "LAST_SWAPS", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL", "PIECES",
-           "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run",
+           "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run", "as_whole",
            "backward_bytes", "checkpoint_tier", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

@@ -22,7 +22,7 @@ what a fetch finds):
   gradients stay held, nor the last of the absorb order, whose writes wait for the next forward)
   and read back for the update after backward (run_deferred: every job completed by finish
   first, so the slot is EMPTY and on disk).
-- activations written to SSD (certain_act_writes): lower_bound leaves activation traffic out, as
+- activations written to SSD (certain_act_moves' second count): lower_bound leaves activation traffic out, as
   a swap-out not started when backward wants its unit is cancelled. But a swap-out started is
   finished (the worker copies its records, then writes the whole to SSD, before the unit's
   backward fetches it), and the room forces starts: the forward adds its last part only once it
@@ -125,14 +125,6 @@ def _find_extra(plan: Plan, micro_batches: int) -> tuple[int, int]:
     return read, written
 
 
-def certain_act_writes(plan: Plan, model: ModelProfile, activations: Mapping[str, str],
-                       micro_batches: int = 1) -> int:  # fmt: skip
-    """SSD bytes of activations every replay of `plan` with `activations` writes per step: the
-    swap-outs to SSD the device's activation room forces to start within forward (the module
-    Note, activations)."""
-    return certain_act_moves(plan, model, activations, micro_batches)[1]
-
-
 def certain_act_moves(plan: Plan, model: ModelProfile, activations: Mapping[str, str],
                       micro_batches: int = 1) -> tuple[int, int]:  # fmt: skip
     """(bytes copied out over the device-to-host link, bytes written to SSD) of activations, per
@@ -202,7 +194,7 @@ def tight_bound(lb: float, plan: Plan, hardware: HardwareProfile, model: ModelPr
                 activations: Optional[Mapping[str, str]] = None, need: Optional[float] = None) -> float:  # fmt: skip
     """`lb` (cost.lower_bound of `plan` with `activations`, for `req`'s Adam threads, micro-batches
     and link) raised to the SSD time of the bytes it counts plus certain_extra_bytes and
-    certain_act_writes, and to the device-to-host link's time of its gradients plus the
+    certain_act_moves' SSD writes, and to the device-to-host link's time of its gradients plus the
     activations certain_act_moves copies out: no replay of the plan is faster.
     `need`: the caller asks only whether the bound exceeds it; where even every streamed
     weights and gradient counted could not, certain_extra_bytes (which builds the plan's
@@ -271,7 +263,6 @@ def clear_certain() -> None:
 
 __all__ = [
     "certain_act_moves",
-    "certain_act_writes",
     "certain_extra_bytes",
     "clear_certain",
     "tight_bound",

@@ -66,6 +66,7 @@ from .activations import (
     TAIL_PIECES,
     ActUnit,
     as_run,
+    as_whole,
     backward_bytes,
     recompute_fraction,
     recomputes,
@@ -130,7 +131,7 @@ class ActReplay(PieceByPiece, Fetching, Releasing):
                 if u is not None:
                     self.units[n], self.policies[n] = as_run(u, p)
                 else:
-                    self.policies[n] = as_run(ActUnit(n, 0, 0, 0, True), p)[1]
+                    self.policies[n] = as_whole(p)
         self.inputs = {n: u.inputs for n, u in self.units.items()}
         self.prefetch = prefetch_units
         self.budget = budget
