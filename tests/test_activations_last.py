@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from test_activations import _CountMatmuls, data, run_step, store, tiny_gpt2, tiny_llama
+from test_activations_pieces import _equal, engine_window_run
 from test_planner_engine import hw_path
 
 from offloadpp.planner import ActivationSettings
@@ -34,10 +35,6 @@ def _gradients(ref, x, store, policy: str, **kw) -> tuple[dict, object]:
     with ActivationManager.for_model(model, cfg, store=store) as mgr:
         got = run_step(model, x, mgr)[1]
         return got, mgr.stats()
-
-
-def _equal(got: dict, want: dict) -> bool:
-    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -147,7 +144,6 @@ def test_last_under_the_engine_with_accumulation_equals_keep(tmp_path, monkeypat
     """Under the engine, G = 2, dropout on: partial_last_ssd gives the losses and weights of keep
     bit for bit over two steps (test_activations_pieces.py's twin for recompute_pieces_ssd)."""
     from conftest import set_device
-    from test_activations_pieces import engine_window_run
 
     set_device(monkeypatch, device)
     ref = tiny_gpt2() if kind == "gpt2" else tiny_llama()
