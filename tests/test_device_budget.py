@@ -145,6 +145,8 @@ FAST = (
     Case("gpt2", 3, 64, 128, 1, 16, "bf16", 1.0, "auto", True, "cpu", seed=4),
     Case("gpt2", 2, 64, 256, 2, 16, "bf16", 1.0, "recompute_nested_host", False, "standin", seed=5),
     Case("llama", 2, 64, 256, 2, 16, "fp16", 1.0, "partial_host_tail", True, "standin", seed=6),
+    Case("gpt2", 2, 64, 256, 2, 16, "bf16", 0.0, "partial_refetch_ssd", False, "cpu", seed=7),
+    Case("llama", 2, 64, 256, 2, 16, "bf16", 1.0, "partial_last_refetch_host", True, "standin", seed=8),
 )
 
 

@@ -16,15 +16,18 @@ from test_planner import GPT2, cpu_hw
 from offloadpp.planner import InfeasibleError, Machine, PlanError, Settings, resolve
 from offloadpp.planner.act_candidates import HEAD_TWIN_SHARE, ActPlanner
 from offloadpp.planner.activations import (
+    REFETCH,
     TAIL,
     TAIL_PIECES,
     ActUnit,
     act_units,
     backward_bytes,
+    evicted,
     forward_bytes,
     forward_moved,
     held_bytes,
     need_bytes,
+    piece_peaks,
     recompute_fraction,
     split_bytes,
 )
@@ -712,7 +715,9 @@ def test_the_least_need_counts_a_block_recomputed_piece_by_piece():
     beside what its recompute saves; recomputed piece by piece it keeps no output: the least
     need is the pieces' (a room between the two has choices: it had none, and the search tried
     no prefetch depth leaving it). A GPT-2 block keeps no output autograd does not save: there
-    the two hold the same, and the least stays partial's."""
+    the two hold the same, and the least stays partial's. With the sources sent back
+    (REFETCH's policies, act_candidates.py Note on refetch) both hold less: the least is the
+    pieces' so, and the rooms only it fits have the refetching twin's choices."""
     from offloadpp.bench.planner_properties import model_config
 
     llama = act_units(
@@ -720,14 +725,48 @@ def test_the_least_need_counts_a_block_recomputed_piece_by_piece():
     )
     acts = ActPlanner(llama, {}, device="cuda")
     blocks = [u for u in llama if u.pieces]
-    assert blocks and all(acts.least.as_dict()[u.name] == "recompute_pieces_ssd" for u in blocks)
-    pieces = acts.least.need_bytes
-    partial = need_bytes(llama, {**acts.least.as_dict(), **{u.name: "partial_ssd" for u in blocks}})
+    assert blocks and all(acts.least_held.as_dict()[u.name] == "recompute_pieces_ssd" for u in blocks)
+    pieces = acts.least_held.need_bytes
+    partial = need_bytes(llama, {**acts.least_held.as_dict(), **{u.name: "partial_ssd" for u in blocks}})
     assert pieces < partial
     got = acts.candidates(pieces)
     assert got and all(c.need_bytes <= pieces for c in got)
+    assert all(acts.least.as_dict()[u.name] == "recompute_pieces_refetch_ssd" for u in blocks)
+    lean = acts.least.need_bytes
+    assert lean < pieces
+    got = acts.candidates(lean)  # (only the refetching twin's choices fit)
+    assert got and all(c.need_bytes <= lean and set(c.as_dict().values()) & set(REFETCH) for c in got)
     gpt = act_units(
         analytic_profile(model_config("gpt3-13b@2"), micro_batch=2, seq_len=256, compute_dtype="fp16")
     )
-    least = ActPlanner(gpt, {}, device="cuda").least.as_dict()
+    least = ActPlanner(gpt, {}, device="cuda").least_held.as_dict()
     assert all(least[u.name] == "partial_ssd" for u in gpt if u.pieces)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["partial", "partial_host", "partial_ssd", "partial_host_tail", "recompute_pieces_host", "partial_refetch_host",
+     "partial_refetch_ssd"],
+)  # fmt: skip
+def test_a_refetching_piece_holds_no_source_beside_its_derived_argument(policy):
+    """Under partial_refetch_*, a swapped piece whose argument is made again from the previous
+    piece's checkpoint (the attention and the MLP, from the norms') sends that checkpoint back to
+    host memory once the argument is made (runtime/activations/saves.py `_evict_source`;
+    planner/activations.py, Note on the derived argument's source): its recompute holds what it
+    makes, not the checkpoint beside it, and the checkpoint crosses the link twice. The other
+    policies hold it (and copy it up once)."""
+    _, r, moved = _one_swapped_block(policy, budget=None)
+    unit = r.units["b"]
+    gone = (0, 100, 0, 100) if policy.startswith("partial_refetch") else (0, 0, 0, 0)
+    assert evicted(unit, policy) == gone
+    # (partial_host: the second norm's checkpoint beside the MLP's 500 saved and 100 extra;
+    # partial: all pieces before on the device)
+    peaks = {"partial": [100, 600, 500, 1100], "partial_host": [100, 600, 400, 700],
+             "partial_ssd": [100, 600, 400, 700], "partial_host_tail": [100, 600, 400, 700],
+             "recompute_pieces_host": [100, 500, 100, 600], "partial_refetch_host": [100, 500, 400, 600],
+             "partial_refetch_ssd": [100, 500, 400, 600]}  # fmt: skip
+    assert piece_peaks(unit, policy) == peaks[policy]
+    if policy != "partial":
+        assert r._fetch("b", force=True)
+        first = 100 + (0 if policy == "recompute_pieces_host" else 300)
+        assert r.rest_up.get("b", 0) == moved - first + sum(gone)  # (the sources copied up once more)

@@ -543,3 +543,22 @@ def test_partials_least_room_is_still_set_aside_beside_pieces():
     assert all(
         p == "partial_host" for u, p in zip(plan.units, plan.activations) if u.name.startswith("model.layers")
     )
+
+
+def test_a_13b_blocks_mlp_recompute_leaves_room_for_a_second_weights_buffer():
+    """Random profile 29 (9.7 GiB device), GPT-3 13B bf16, b32 -> b64: a partial_host block's MLP
+    recompute held 6.25 GiB (the second norm's checkpoint beside its output, c_fc's and the GELU's),
+    which k = 1's room (6.03 GiB beside two weights buffers) does not take: k = 0, each unit's
+    weights fetched at its visit, 80.33 s, 1.121x the time per token of b32. partial_refetch_host
+    sends the checkpoint back to host memory once the MLP's argument is made from it (runtime/
+    activations/saves.py `_evict_source`), fetched again for the norm's backward: the MLP holds
+    5.625 GiB, and the search offers it at the room partial_host's least does not fit
+    (act_candidates.py, Note on refetch): k = 1."""
+    hw, dtype = random_profile(29)
+    pts = [plan_point(hw, "gpt3-13b", b, dtype) for b in (32, 64)]
+    plan = pts[1].resolved.plan
+    assert plan.prefetch_depth >= 1
+    assert "partial_refetch_host" in plan.activations
+    assert "partial_refetch_host" not in pts[0].resolved.plan.activations  # (its room holds the sources)
+    assert batch_violations(pts) == []
+    assert pts[1].per_token_s <= 1.0 * pts[0].per_token_s

@@ -32,10 +32,22 @@ nested's family again: each costs a replay (at most 3 per room, twice with the h
 the others (pieces in the family's other choices) never won on those profiles.
 Swaps go to host memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the
 CPU acting as the device, where host memory is the device's own; SSD is tried on CUDA too.
+
+Note on refetch. At a room where even the least of those does not fit, the choices are made again
+by the refetching twin (`_refetching`): the same families with every swapped partial unit
+partial_refetch_* in place of partial_host / partial_ssd, whose pieces' recomputes hold no
+derived argument's source (planner/activations.py, Note on the derived argument's source), for
+one more copy up of each such source. Only there: where partial_host's least fits, the source
+held costs nothing and the second copy up does (random profile 31, Llama 7B b128, 18.7 -> 25.8 s
+when every swapped piecewise unit sent its sources back). So `least` is the twin's where that
+holds less (the search tries the deeper prefetch depths it fits: random profile 29, GPT-3 13B bf16
+b64, whose MLP recompute held 6.25 GiB beside a 6.03 GiB room at k = 1, had its weights fetched at
+each visit).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
@@ -47,6 +59,7 @@ from .activations import (
     NESTED,
     NESTED_SWAPS,
     PIECES_SWAPS,
+    REFETCH,
     SWAPPING,
     TAIL,
     ActUnit,
@@ -78,6 +91,7 @@ class Mix:
     partial: int
     of: int
     heads: tuple[str, ...] = ()
+    refetch: bool = False  # made by the refetching twin (see the Note on refetch)
 
 
 @dataclass(frozen=True)
@@ -98,11 +112,16 @@ class ActPlanner:
     not "auto"); the others are the planner's to choose. host_bytes: host memory swapped
     activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu".
     mixes: offer partial and recompute mixed (search.py: not on models of many units).
-    stage_units: the settings' activations.prefetch_units (what backward stages ahead)."""
+    stage_units: the settings' activations.prefetch_units (what backward stages ahead).
+    refetch: its swapped partial units send their derived arguments' sources back (the refetching
+    twin: see the Note on refetch)."""
 
     def __init__(self, units: Sequence[ActUnit], fixed: Mapping[str, str], *, device: str,
-                 host_bytes: Optional[int] = None, mixes: bool = True, stage_units: int = 2):  # fmt: skip
+                 host_bytes: Optional[int] = None, mixes: bool = True, stage_units: int = 2,
+                 refetch: bool = False):  # fmt: skip
         self.units = tuple(units)
+        self.refetch = refetch
+        self._swapped_partial = self._swapped("partial_ssd")
         self.stage_units = stage_units  # the units backward reads from SSD ahead (_staging_peak)
         self.mixes = mixes  # partial and recompute mixed (each costs a replay: off on 175B)
         self.fixed = {n: ("keep" if recomputes(p) and not self._unit(n).can_recompute else p)
@@ -117,6 +136,11 @@ class ActPlanner:
         self.device = device
         self.host_bytes = host_bytes
         self._cache: dict[int, tuple[ActChoice, ...]] = {}
+
+    def _swapped(self, policy: str) -> str:
+        """A swapped piecewise policy as this planner offers it: its REFETCH twin's in the
+        refetching twin (see the Note on refetch). (To SSD here: _swap_to sends it to host.)"""
+        return _REFETCHING[policy] if self.refetch else policy
 
     def _unit(self, name: str) -> ActUnit:
         return next(u for u in self.units if u.name == name)
@@ -143,8 +167,26 @@ class ActPlanner:
         not save: a Llama attention's q and k before the rotation). The search tries no prefetch
         depth whose room the least does not fit: random profile 0, Llama 7B b128, whose least
         was partial's (8.02 GiB against pieces' 7.38), was planned at k = 0 only, its weights
-        fetched at each visit (77.54 s); pieces fit k = 1 and 2 too."""
+        fetched at each visit (77.54 s); pieces fit k = 1 and 2 too. The refetching twin's
+        where it holds less (see the Note on refetch)."""
+        own = self.least_held
+        if self.refetch:
+            return own
+        lean = self._refetching.least_held
+        return lean if lean.need_bytes < own.need_bytes else own
+
+    @property
+    def least_held(self) -> ActChoice:
+        """The least need with each derived argument's source held beside its piece (no
+        partial_refetch_*, but in the refetching twin itself: see the Note on refetch)."""
         return self._least(pieces=True)
+
+    @functools.cached_property
+    def _refetching(self) -> ActPlanner:
+        """This planner with its swapped partial units sending their derived arguments' sources
+        back (partial_refetch_*: see the Note on refetch)."""
+        return ActPlanner(self.units, self.fixed, device=self.device, host_bytes=self.host_bytes,
+                          mixes=self.mixes, stage_units=self.stage_units, refetch=True)  # fmt: skip
 
     @property
     def least_partial(self) -> ActChoice:
@@ -159,7 +201,9 @@ class ActPlanner:
         def least_of(u: ActUnit) -> str:
             if u.can_recompute and 0 < u.partial < u.saved:
                 # (in this order: the first of equals, as before pieces were counted here)
-                tried = ("ssd", "partial_ssd") + (("recompute_pieces_ssd",) if pieces and u.pieces else ())
+                tried = ("ssd", self._swapped_partial) + (
+                    (self._swapped("recompute_pieces_ssd"),) if pieces and u.pieces else ()
+                )
                 return min(tried, key=lambda p: peak_bytes_at(u, p))
             if u.can_recompute and u.logits:
                 return min(("ssd", "recompute_ssd"), key=lambda p: peak_bytes_at(u, p))
@@ -284,10 +328,12 @@ class ActPlanner:
         keep = self.keep_all
         if keep.need_bytes <= room:
             out: tuple[ActChoice, ...] = (keep,)
-        elif self.least.need_bytes > room:
-            out = ()
-        else:
+        elif self.least_held.need_bytes <= room:
             out = self._candidates(room)
+        elif not self.refetch and self._refetching.least_held.need_bytes <= room:
+            out = self._refetching._candidates(room)  # (see the Note on refetch)
+        else:
+            out = ()
         self._cache[room] = out
         return out
 
@@ -326,16 +372,17 @@ class ActPlanner:
         rec = [u for u in self._ranked() if u.can_recompute]
         # (a unit without pieces, the head, recomputes whole: what pieces would count it as)
         base = {**{u.name: "ssd" for u in self.free},
-                **{u.name: "recompute_pieces_ssd" if u.pieces else "recompute_ssd" for u in rec}}  # fmt: skip
+                **{u.name: self._swapped("recompute_pieces_ssd") if u.pieces else "recompute_ssd" for u in rec}}  # fmt: skip
         out = [(f"pieces recompute 100% with checkpoints to {to}, swap to {to}", base)]
         partial = [u for u in rec if 0 < u.partial < u.saved]
         if partial and self.mixes:
-            half = {u.name: "partial_ssd" for u in _spread(partial, 0.5)}
+            half = {u.name: self._swapped_partial for u in _spread(partial, 0.5)}
             out.append((f"partial 50%, pieces recompute the rest with checkpoints to {to}", {**base, **half}))
             # (the same with partial_last where a unit's partial piece holds more than its last
             # piece does partial: a Llama block's attention, see activations.py Note on the last piece)
-            if any(peak_bytes_at(u, "partial_last_ssd") < peak_bytes_at(u, "partial_ssd") for u in partial):
-                half = {u.name: "partial_last_ssd" for u in _spread(partial, 0.5)}
+            last = self._swapped("partial_last_ssd")
+            if any(peak_bytes_at(u, last) < peak_bytes_at(u, self._swapped_partial) for u in partial):
+                half = {u.name: last for u in _spread(partial, 0.5)}
                 out.append((f"partial last piece 50%, pieces recompute the rest with checkpoints to {to}",
                             {**base, **half}))  # fmt: skip
         nested = [u for u in rec if u.pieces and u.nested() < u.recomputed()]
@@ -349,9 +396,11 @@ class ActPlanner:
             )
         found = []
         for label, chosen in out:
-            kept = self._upgrade_what_fits(self._keep_what_fits(chosen, room), room, frozenset(("partial_ssd",)),
-                                           "partial")  # fmt: skip
-            kept = self._upgrade_what_fits(kept, room, frozenset(("partial_last_ssd",)), "partial_last")
+            kept = self._upgrade_what_fits(self._keep_what_fits(chosen, room), room,
+                                           frozenset((self._swapped_partial,)), "partial")  # fmt: skip
+            kept = self._upgrade_what_fits(
+                kept, room, frozenset((self._swapped("partial_last_ssd"),)), "partial_last"
+            )
             kept = self._pin_what_fits(kept, room, "recompute_pieces")
             kept = self._pin_what_fits(kept, room, "recompute_nested")
             kept = self._upgrade_what_fits(
@@ -377,7 +426,8 @@ class ActPlanner:
     def _twin(self, heads: Sequence[str]) -> ActPlanner:
         """This planner with `heads` recomputing (the head twin: see the Note on the head's loss)."""
         return ActPlanner(self.units, {**self.fixed, **{n: "recompute" for n in heads}}, device=self.device,
-                          host_bytes=self.host_bytes, mixes=self.mixes, stage_units=self.stage_units)  # fmt: skip
+                          host_bytes=self.host_bytes, mixes=self.mixes, stage_units=self.stage_units,
+                          refetch=self.refetch)  # fmt: skip
 
     def remix(self, c: ActChoice, partial: int, room: int) -> Optional[ActChoice]:
         """The mix `c` with `partial` of its units partial (spread evenly), made as `c` was (the
@@ -385,7 +435,8 @@ class ActPlanner:
         m = c.mix
         if m is None or not 0 <= partial <= m.of:
             return None
-        planner = self._twin(m.heads) if m.heads else self
+        planner = self._refetching if m.refetch and not self.refetch else self
+        planner = planner._twin(m.heads) if m.heads else planner
         units = planner._partial_units()
         if len(units) != m.of:
             return None
@@ -472,9 +523,9 @@ class ActPlanner:
         if partial:
             for frac in (1.0,):  # (a half was never the fastest on the paper's sweep; each costs a replay)
                 head = partial[: round(frac * len(partial))]
-                base = {**{u.name: "ssd" for u in self.free}, **{u.name: "partial_ssd" for u in head}}
+                base = {**{u.name: "ssd" for u in self.free}, **{u.name: self._swapped_partial for u in head}}
                 kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
-                                               frozenset(("partial_ssd",)), "partial")  # fmt: skip
+                                               frozenset((self._swapped_partial,)), "partial")  # fmt: skip
                 found.append(self._choice(f"partial {frac:.0%}, swap to {swaps[0]}",
                                           self._swap_to(kept, swaps[0])))  # fmt: skip
             # a mix: partial moves its kept outputs (14 x width a token for a GPT-2 block) over
@@ -499,15 +550,16 @@ class ActPlanner:
         name = "recompute" if again == "recompute" else "nested recompute"
         rec = [u for u in self._ranked() if u.can_recompute]
         base = {**{u.name: "ssd" for u in self.free}, **{u.name: f"{again}_ssd" for u in rec},
-                **{u.name: "partial_ssd" for u in head}}  # fmt: skip
+                **{u.name: self._swapped_partial for u in head}}  # fmt: skip
         kept = self._upgrade_what_fits(self._keep_what_fits(base, room), room,
-                                       frozenset(("partial_ssd",)), "partial")  # fmt: skip
+                                       frozenset((self._swapped_partial,)), "partial")  # fmt: skip
         got = self._choice(f"partial {share}, {name} the rest with checkpoints to {to}",
                            self._swap_to(self._pin_what_fits(kept, room, again), to))  # fmt: skip
-        return replace(got, mix=Mix(again, len(head), len(self._partial_units())))
+        return replace(got, mix=Mix(again, len(head), len(self._partial_units()), refetch=self.refetch))
 
 
 _SWAPS_OF = {"recompute_nested": NESTED_SWAPS, "recompute_pieces": PIECES_SWAPS}
+_REFETCHING = {of: p for p, of in REFETCH.items()}  # (partial_ssd -> partial_refetch_ssd, ...)
 
 
 def _spread(units: list, frac: float) -> list:

@@ -117,6 +117,23 @@ token of b64); holding 2 GiB from a third of its backward on, they come back dur
 The need still counts each piece's peak (at its recompute), the replay the bytes it holds from
 each release on (simulate_act.py `_marks`).
 
+Note: the derived argument's source (REFETCH: partial_refetch_*, recompute_pieces_refetch_*,
+partial_last_refetch_*, each as partial_*, recompute_pieces_*, partial_last_*). A swapped piece
+whose argument is the previous piece's output (a block's attention and MLP take the norms'
+outputs: runtime/activations/recompute.py, Note on derived checkpoints) has that argument made
+again from the previous piece's checkpoint, which had to come back first. Under REFETCH's policies
+the runtime then sends the checkpoint's device copy away again (its host buffer kept since the
+copy up: no copy out; runtime/activations/saves.py `_evict_source`) and fetches it again within
+the budget, for the previous piece's own recompute (the norm's backward reads its input). The
+piece's recompute holds no checkpoint beside what it makes (`evicted`, piece_peaks): a GPT-3 13B
+block's MLP at b64 holds 5.625 GiB, not 6.25 (random profile 29 bf16: no room for a second
+weights buffer beside 6.25 GiB, each unit's weights fetched at its visit, 1.121x the time per
+token of b32). The checkpoint is copied up twice (the replay's `_rest_up`: once more behind the
+unit's other pieces). It is a policy of its own, chosen per unit, not what partial_host always
+does: where the room holds the source, the second copy up only costs (session 11 sent it back at
+every swapped piecewise unit: random profile 31, Llama 7B b128, 18.7 -> 25.8 s). The search
+offers it only at rooms partial_host's least does not fit (act_candidates.py, Note on refetch).
+
 Note: pieces. A recompute_pieces* unit (runtime/activations/manager.py, Note on pieces) runs
 each child of its root as its own recompute segment from its own checkpoint: it is partial
 without the operator log. So it is counted as the same unit seen as partial with no kept outputs
@@ -147,6 +164,29 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Protocol, Sequence
 
+from .act_policies import (  # noqa: F401 (re-exported: the names the accounting is read by)
+    _AS_PARTIAL,
+    _AS_WHOLE,
+    AS_RUN,
+    CHECKPOINT_SWAPS,
+    GRAD_IN_FORWARD,
+    LAST,
+    LAST_SWAPS,
+    NESTED,
+    NESTED_SWAPS,
+    PARTIAL,
+    PIECES,
+    PIECES_SWAPS,
+    POLICIES,
+    RECOMPUTE,
+    REFETCH,
+    RELEASES_REPLAYED,
+    SWAPPING,
+    TAIL,
+    TAIL_PIECES,
+    recomputes,
+)
+
 
 class Profiled(Protocol):
     """What act_units reads of a ModelProfile (model_profile.py, which imports plan.py, which
@@ -162,58 +202,6 @@ class Profiled(Protocol):
 # log-softmax and gradient: about 20 B an element, 320 MiB at most) are an operator's working
 # memory, which the need counts for no operator (a block's MLP makes 4 x width a token).
 LOSS_CHUNK_ELEMS = 1 << 24
-
-
-POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
-            "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd",
-            "grad_in_forward", "partial_host_tail", "recompute_pieces", "recompute_pieces_host",
-            "recompute_pieces_ssd", "partial_last", "partial_last_host", "partial_last_ssd")  # fmt: skip
-GRAD_IN_FORWARD = "grad_in_forward"  # (a fused head's only: see the Note on the head's loss)
-# nothing of the unit stays on the device between its forward and its backward
-SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",
-                      "recompute_nested_host", "recompute_nested_ssd", "recompute_pieces_host",
-                      "recompute_pieces_ssd", "partial_last_host", "partial_last_ssd"))  # fmt: skip
-CHECKPOINT_SWAPS = {
-    "recompute_host": "host",
-    "recompute_ssd": "ssd",
-    "partial_host": "host",
-    "partial_ssd": "ssd",
-    "partial_host_tail": "host",  # (but its last pieces' bytes: kept, see the Note on the tail)
-    "recompute_nested_host": "host",
-    "recompute_nested_ssd": "ssd",
-    "recompute_pieces_host": "host",
-    "recompute_pieces_ssd": "ssd",
-    "partial_last_host": "host",
-    "partial_last_ssd": "ssd",
-}
-RECOMPUTE = frozenset(("recompute", "recompute_host", "recompute_ssd"))
-PARTIAL = frozenset(("partial", "partial_host", "partial_ssd", "partial_host_tail"))
-TAIL = "partial_host_tail"  # (see the Note on the tail)
-# a piece's kept outputs autograd does not save (`partial_extra`) are released once its recompute
-# ran, where they were fetched back (see the Note on the release)
-RELEASES_REPLAYED = frozenset(("partial_host", "partial_ssd"))
-TAIL_PIECES = 2  # the pieces a partial_host_tail unit keeps: a block's second norm and its MLP
-NESTED = frozenset(("recompute_nested", "recompute_nested_host", "recompute_nested_ssd"))
-NESTED_SWAPS = frozenset(("recompute_nested_host", "recompute_nested_ssd"))
-PIECES = frozenset(("recompute_pieces", "recompute_pieces_host", "recompute_pieces_ssd"))
-PIECES_SWAPS = frozenset(("recompute_pieces_host", "recompute_pieces_ssd"))
-# (see the Note on the last piece)
-LAST = frozenset(("partial_last", "partial_last_host", "partial_last_ssd"))
-LAST_SWAPS = frozenset(("partial_last_host", "partial_last_ssd"))
-# a recompute_pieces policy as it is counted (see the Note on pieces): partial's of its tier, or
-# recompute's where the unit has no pieces
-_AS_PARTIAL = {"recompute_pieces": "partial", "recompute_pieces_host": "partial_host",
-               "recompute_pieces_ssd": "partial_ssd", "partial_last": "partial", "partial_last_host": "partial_host",
-               "partial_last_ssd": "partial_ssd"}  # fmt: skip
-_AS_WHOLE = {"recompute_pieces": "recompute", "recompute_pieces_host": "recompute_host",
-             "recompute_pieces_ssd": "recompute_ssd", "partial_last": "recompute",
-             "partial_last_host": "recompute_host", "partial_last_ssd": "recompute_ssd"}  # fmt: skip
-AS_RUN = PIECES | LAST  # (the policies counted as another: as_run)
-
-
-def recomputes(policy: str) -> bool:
-    """Runs the unit's forward again in backward (wholly, or its cheap operators: partial)."""
-    return policy in RECOMPUTE or policy in PARTIAL or policy in NESTED or policy in PIECES or policy in LAST
 
 
 def recompute_fraction(policy: str, unit: Optional[ActUnit] = None) -> float:
@@ -417,14 +405,28 @@ def backward_bytes(u: ActUnit, policy: str) -> int:
 
 @_pieces_as_run
 def piece_peaks(u: ActUnit, policy: str) -> list[int]:
-    """A partial unit's device bytes at each piece's recompute, forward order (backward_bytes)."""
+    """A partial unit's device bytes at each piece's recompute, forward order (backward_bytes);
+    a swapped one's piece whose argument is derived holds the previous piece's records without
+    its checkpoint (see the Note on the derived argument's source)."""
     out, before, prev = [], 0, 0
-    for saved, inputs, part, extra in u.pieces:
-        out.append((before if policy == "partial" else prev) + saved + extra)
+    for (saved, inputs, part, extra), gone in zip(u.pieces, evicted(u, policy)):
+        out.append((before if policy == "partial" else prev - gone) + saved + extra)
         prev = inputs + part
         before += prev
     # (backward runs the pieces last to first: piece k's "before" are those earlier in forward)
     return out
+
+
+@_pieces_as_run
+def evicted(u: ActUnit, policy: str) -> tuple[int, ...]:
+    """Per piece, forward order: the previous piece's checkpoint bytes its recompute sends back
+    to host memory once its derived argument is made (see the Note on the derived argument's
+    source), fetched again for that piece's own recompute; 0 where none."""
+    if policy not in REFETCH or not u.pieces:
+        return (0,) * len(u.pieces)
+    return tuple(
+        u.pieces[k - 1][1] if k and inputs == 0 else 0 for k, (_, inputs, _, _) in enumerate(u.pieces)
+    )
 
 
 @_pieces_as_run
@@ -524,6 +526,7 @@ def _per_unit(f):
 
 peak_bytes_at = _per_unit(peak_bytes_at)
 backward_bytes = _per_unit(backward_bytes)
+evicted = _per_unit(evicted)  # (the replay asks it at each fetch)
 
 
 def act_units(model: Profiled) -> tuple[ActUnit, ...]:
@@ -555,6 +558,6 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
 
 
 __all__ = ["AS_RUN", "ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LAST", "LAST_SWAPS", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL", "PIECES",
-           "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run", "as_whole",
-           "backward_bytes", "checkpoint_tier", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
+           "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "REFETCH", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run", "as_whole",
+           "backward_bytes", "checkpoint_tier", "evicted", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
            "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip

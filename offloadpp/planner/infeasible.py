@@ -25,7 +25,9 @@ def raise_infeasible(smallest: Optional[Plan], req: Request, acts: ActPlanner, m
     biggest = max(smallest.units, key=lambda u: u.master_bytes)
     b = req.budgets
     parts = []
-    least = acts.least if req.counted else None
+    # (with each derived argument's source held: the refetching twin's choices make no point run
+    # that does not without them, search.least_need)
+    least = acts.least_held if req.counted else None
     act_need = least.need_bytes if least is not None else 0
     largest_batch = None
     if dev0 + act_need > b.device_bytes or act_need > req.act_cap:

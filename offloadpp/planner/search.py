@@ -42,7 +42,7 @@ import gc
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from .act_candidates import ActChoice, ActPlanner, fixed_policies, untwinned
 from .act_refine import balance
@@ -366,7 +366,15 @@ def _enumerate(hardware: HardwareProfile, model: ModelProfile, req: Request) -> 
     common = dict(device=hardware.device, budgets=b, micro_batches=req.window, **plan_shape(req.settings))
     acts = act_planner(model, req, hardware.device)
     counted = req.counted
-    least = acts.least.need_bytes if counted else 0
+    smallest: Optional[Plan] = None
+    bases = []  # (k, q, the streaming plan, its device and host peaks)
+    for k, q in _depths(req, len(units)):
+        base = streaming_plan(units, prefetch_depth=k, optim_prefetch_depth=q, **common)
+        if smallest is None or (k, q) < (smallest.prefetch_depth, smallest.optim_prefetch_depth):
+            smallest = base
+        bases.append((k, q, base, *peak_bytes(base)))
+    least = least_need(acts, req, [(dev0, host0) for *_, dev0, host0 in bases]) if counted else 0
+    held = acts.least_held.need_bytes if counted else 0
     if counted:
         # (and what swapping whole units needs, where partial pieces need less: the placements
         # that leave room for recomputing whole units are tried too)
@@ -385,16 +393,14 @@ def _enumerate(hardware: HardwareProfile, model: ModelProfile, req: Request) -> 
     groups: list[tuple[float, str, Plan, list]] = []  # (least bound, label, plan, [(bound, i, choice)])
     alike: set = set()
     grain = max(1, sum(u.master_bytes + u.moments_bytes for u in units) // 1000)  # 0.1% of the state
-    smallest: Optional[Plan] = None
-    for k, q in _depths(req, len(units)):
-        base = streaming_plan(units, prefetch_depth=k, optim_prefetch_depth=q, **common)
-        if smallest is None or (k, q) < (smallest.prefetch_depth, smallest.optim_prefetch_depth):
-            smallest = base
-        dev0, host0 = peak_bytes(base)
+    for k, q, base, dev0, host0 in bases:
         if host0 > b.host_bytes or dev0 + least > b.device_bytes or least > req.act_cap:
             continue
         tried: dict = {}
-        for r in reserves + ([least] if least < part and dev0 + part > b.device_bytes else []):
+        # (at a depth partial's least room does not fit: pieces', or where that does not either the
+        # refetching twin's; act_candidates.py, Note on refetch)
+        low = [r for r in (held, least) if r < part and dev0 + r <= b.device_bytes][:1]
+        for r in reserves + (low if dev0 + part > b.device_bytes else []):
             for placements, how in _placements(base, req, r).items():
                 tried.setdefault(placements, how)
         for placements, how in tried.items():
@@ -418,6 +424,19 @@ def _enumerate(hardware: HardwareProfile, model: ModelProfile, req: Request) -> 
             if bounds:
                 groups.append((min(bounds)[0], label, plan, sorted(bounds)))
     return _Enumerated(hardware, model, units, acts, groups, smallest)
+
+
+def least_need(acts: ActPlanner, req: Request, peaks: Sequence[tuple[int, int]]) -> int:
+    """The least device bytes the activations need (acts.least), the room a depth must leave for
+    the search to try it; with each derived argument's source held (acts.least_held) where that
+    fits no depth (`peaks`: each depth's streaming plan's device and host peaks): the refetching
+    twin's choices deepen the weights' prefetch of a point that runs without them, they do not
+    make one run that does not (act_candidates.py, Note on refetch)."""
+    b, least, held = req.budgets, acts.least.need_bytes, acts.least_held.need_bytes
+    fits = held <= req.act_cap and any(
+        dev + held <= b.device_bytes and host <= b.host_bytes for dev, host in peaks
+    )
+    return least if fits else held
 
 
 def _beaten(req: Request, best_s: float, lb: float = float("inf")) -> bool:

@@ -68,6 +68,7 @@ from .activations import (
     as_run,
     as_whole,
     backward_bytes,
+    evicted,
     recompute_fraction,
     recomputes,
 )
@@ -535,8 +536,11 @@ class ActReplay(PieceByPiece, Fetching, Releasing):
             done, h2d = sim.h2d.submit(sim.t, now, False), False
         else:
             done = sim.t
-        if sim.cuda and job.nbytes > first:  # (the other pieces: _rest_up)
-            self.rest_up[unit] = job.nbytes - first
+        # (the other pieces, and the checkpoints fetched again after their next piece's argument
+        # was derived from them: _rest_up; planner/activations.py, Note on the derived argument's source)
+        again = sum(evicted(self.units[unit], self.policy(unit))) if unit in self.units else 0
+        if sim.cuda and job.nbytes - first + again > 0:
+            self.rest_up[unit] = job.nbytes - first + again
         job.back = True
         self._add(now)
         self.rest[unit] = job.nbytes - first

@@ -25,7 +25,8 @@ ActivationPolicyName = Literal[
     "keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd",
     "recompute_nested", "recompute_nested_host", "recompute_nested_ssd", "grad_in_forward", "partial_host_tail",
     "recompute_pieces", "recompute_pieces_host", "recompute_pieces_ssd", "partial_last", "partial_last_host",
-    "partial_last_ssd", "auto",
+    "partial_last_ssd", "partial_refetch_host", "partial_refetch_ssd", "recompute_pieces_refetch_host",
+    "recompute_pieces_refetch_ssd", "partial_last_refetch_host", "partial_last_refetch_ssd", "auto",
 ]  # fmt: skip
 # Bytes per element of the dtypes the runtime uses, by the names the settings use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -34,7 +35,8 @@ ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "re
                        "partial_host", "partial_ssd", "recompute_nested", "recompute_nested_host",
                        "recompute_nested_ssd", "grad_in_forward", "partial_host_tail", "recompute_pieces",
                        "recompute_pieces_host", "recompute_pieces_ssd", "partial_last", "partial_last_host",
-                       "partial_last_ssd", "auto")  # fmt: skip
+                       "partial_last_ssd", "partial_refetch_host", "partial_refetch_ssd", "recompute_pieces_refetch_host",
+    "recompute_pieces_refetch_ssd", "partial_last_refetch_host", "partial_last_refetch_ssd", "auto")  # fmt: skip
 # the fused head's own policy (runtime/activations/head.py, Note on gradients in forward): a
 # per-unit override of the head's unit, never the policy of every unit
 HEAD_ONLY_POLICIES = ("grad_in_forward",)
@@ -88,7 +90,10 @@ class ActivationSettings(_Frozen):
         MLP, recomputed once from its own checkpoint kept or swapped: the compute of a whole
         recompute at one piece's peak, two checkpoints a block), "partial_last" /
         "partial_last_host" / "partial_last_ssd" (recompute_pieces*, the last piece, a block's MLP,
-        partial*'s: its matmuls' outputs kept or swapped with the checkpoints), "partial_host_tail"
+        partial*'s: its matmuls' outputs kept or swapped with the checkpoints), "partial_refetch_*" /
+        "recompute_pieces_refetch_*" / "partial_last_refetch_*" (host or ssd: those swapped, a
+        norm's checkpoint sent back once the next piece's argument is made from it and fetched
+        again for the norm: one checkpoint less at a piece's recompute, one more copy up), "partial_host_tail"
         (partial_host, the records of the unit's last two pieces kept on the device: a block's
         second norm and MLP, which backward needs first), or "auto": the planner chooses per unit (plan
         "auto": by the cost model, within the room the placement leaves; otherwise keep what fits

@@ -106,10 +106,18 @@ class ManagerBackward:
         if cur is not None:
             todo = [seg for seg in cur.segments if seg.state is SegState.SAVED]
             # pieces: the records of the piece to recompute next (and of the one before it, within
-            # the budget), not the whole unit's (see the Note on pieces)
-            self._fetch_unit(cur, force=True, floor=self._fetch_floor(cur))
+            # the budget), not the whole unit's (see the Note on pieces); a source evicted once the
+            # argument derived from it was made (saves.py `_evict_source`) comes back first, within
+            # the budget less what the pieces still to recompute will hold (the one recomputing
+            # now among them), or at its own piece's recompute
+            self._evicted = [r for r in self._evicted if r.state is RecState.HOST]
+            own = self._pieces_reserve(cur) if self._evicted else 0
+            if not self._evicted:
+                self._fetch_unit(cur, force=True, floor=self._fetch_floor(cur))
+            elif not self._fetch_unit(cur, force=False, floor=self._fetch_floor(cur), reserve=own):
+                return
             if cur.policy.piecewise and len(todo) > 1:
-                self._fetch_unit(cur, force=False, floor=self._fetch_floor(cur, 2))
+                self._fetch_unit(cur, force=False, floor=self._fetch_floor(cur, 2), reserve=own)
             if todo and not cur.policy.piecewise:
                 # its recompute is still to come and will hold all it saves: the units after it
                 # are fetched once that is counted (_unpack_recomputed), within what is left
@@ -163,8 +171,15 @@ class ManagerBackward:
                 now += seg.recomputed_bytes
         top = before = 0  # (before: what the pieces before k hold at its recompute, but k - 1's records)
         for k, seg in enumerate(u.segments):
+            # (a derived argument's source leaves the device once the argument is made: saves.py
+            # `_evict_source`; one on the device since its forward, a tail's, stays)
             fetched = sum(
-                r.nbytes for j in (k - 1, k) if j >= 0 for r in own[j] if r.state is not RecState.RELEASED
+                r.nbytes
+                for j in (k - 1, k)
+                if j >= 0
+                for r in own[j]
+                if r.state is not RecState.RELEASED
+                and not (j < k and seg.derived and r.source and r.state is not RecState.DEVICE)
             )
             if seg.state is SegState.SAVED:
                 top = max(top, before + fetched + seg.forward_bytes)  # (its arguments among them)
@@ -193,6 +208,7 @@ class ManagerBackward:
     def end_backward(self) -> None:
         """Releases everything of this step; the next forward starts clean."""
         self._consumed.clear()
+        self._evicted.clear()
         for u in self.units + [self.outside]:
             for rec in u.records:
                 self.swapper.release(rec)

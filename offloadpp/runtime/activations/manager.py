@@ -154,6 +154,7 @@ class ActivationManager(ManagerBackward, ManagerSaves, ManagerReports):
         self._stack: list[tuple[UnitActivations, Optional[Segment | ActPolicy]]] = []
         self._recorders: list[Recorder] = []  # partial units' dispatch modes, innermost last
         self._consumed: list[SavedStorage] = []
+        self._evicted: list[SavedStorage] = []  # sources evicted, to come back within the budget (saves.py)
         self._bw_unit: Optional[UnitActivations] = None
         self._in_backward = False
         self._stage = True  # this backward reads SSD records ahead of the device room (start_backward)
@@ -330,6 +331,8 @@ class ActivationManager(ManagerBackward, ManagerSaves, ManagerReports):
             args, kwargs = tree_map(
                 lambda x: DerivedRef(prev, x.requires_grad) if prev.derives(x) else x, (args, kwargs)
             )
+            if unit.policy.refetch and any(type(x) is DerivedRef for x in tree_leaves((args, kwargs))):
+                self._mark_sources(unit, prev)
         if unit.policy.checkpoint is not None:  # the inputs leave the device as swapped records
             args, kwargs = tree_map(functools.partial(self._checkpoint, unit), (args, kwargs))
             inputs = 0  # (the records account their bytes)

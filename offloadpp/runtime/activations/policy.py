@@ -38,6 +38,14 @@
                of the block's) and recomputes its attention, whose partial piece would hold the q
                and k before the rotation beside the rotated ones at its recompute (the piece's
                peak at Llama 7B b128: 8.02 GiB, against 6.02 recomputed whole).
+    partial_refetch_host, partial_refetch_ssd, recompute_pieces_refetch_host,
+    recompute_pieces_refetch_ssd, partial_last_refetch_host, partial_last_refetch_ssd
+               as partial_*, recompute_pieces_*, partial_last_* of their tier, but a piece's checkpoint that the next piece's
+               argument is made from (a block's norms' inputs) leaves the device again once that
+               argument is made, and comes back for its own piece: the next piece's recompute
+               holds one checkpoint less, for one more copy up each (saves.py `_evict_source`;
+               planner/activations.py, Note on the derived argument's source). Chosen by the
+               planner where the room needs it (a GPT-3 13B block's MLP at b64: 5.6 GiB, not 6.25).
     partial_host_tail
                as partial_host, but the records of the unit's last TAIL_PIECES pieces (for a
                transformer block: the second norm's checkpoint and the MLP's kept outputs, which
@@ -87,6 +95,12 @@ class ActPolicy(str, Enum):
     PARTIAL_LAST = "partial_last"
     PARTIAL_LAST_HOST = "partial_last_host"
     PARTIAL_LAST_SSD = "partial_last_ssd"
+    PARTIAL_REFETCH_HOST = "partial_refetch_host"
+    PARTIAL_REFETCH_SSD = "partial_refetch_ssd"
+    RECOMPUTE_PIECES_REFETCH_HOST = "recompute_pieces_refetch_host"
+    RECOMPUTE_PIECES_REFETCH_SSD = "recompute_pieces_refetch_ssd"
+    PARTIAL_LAST_REFETCH_HOST = "partial_last_refetch_host"
+    PARTIAL_LAST_REFETCH_SSD = "partial_last_refetch_ssd"
     AUTO = "auto"
 
     @property
@@ -100,12 +114,13 @@ class ActPolicy(str, Enum):
 
     @property
     def partial(self) -> bool:
-        return self in (
-            ActPolicy.PARTIAL,
-            ActPolicy.PARTIAL_HOST,
-            ActPolicy.PARTIAL_SSD,
-            ActPolicy.PARTIAL_HOST_TAIL,
-        )
+        return self in _PARTIAL
+
+    @property
+    def refetch(self) -> bool:
+        """A derived argument's source leaves the device once the argument is made, and is fetched
+        again for its own piece (saves.py `_evict_source`)."""
+        return self in _REFETCH
 
     @property
     def piecewise(self) -> bool:
@@ -145,23 +160,28 @@ _NESTED = frozenset(
 )
 _PIECES = frozenset(
     (ActPolicy.RECOMPUTE_PIECES, ActPolicy.RECOMPUTE_PIECES_HOST, ActPolicy.RECOMPUTE_PIECES_SSD)
+    + (ActPolicy.RECOMPUTE_PIECES_REFETCH_HOST, ActPolicy.RECOMPUTE_PIECES_REFETCH_SSD)
 )
-_LAST = frozenset((ActPolicy.PARTIAL_LAST, ActPolicy.PARTIAL_LAST_HOST, ActPolicy.PARTIAL_LAST_SSD))
-_PIECEWISE = (
-    _PIECES
-    | _LAST
-    | frozenset(
-        (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
-    )
+_LAST = frozenset(
+    (ActPolicy.PARTIAL_LAST, ActPolicy.PARTIAL_LAST_HOST, ActPolicy.PARTIAL_LAST_SSD)
+    + (ActPolicy.PARTIAL_LAST_REFETCH_HOST, ActPolicy.PARTIAL_LAST_REFETCH_SSD)
 )
+_REFETCH = frozenset(
+    (ActPolicy.PARTIAL_REFETCH_HOST, ActPolicy.PARTIAL_REFETCH_SSD)
+    + (ActPolicy.RECOMPUTE_PIECES_REFETCH_HOST, ActPolicy.RECOMPUTE_PIECES_REFETCH_SSD)
+    + (ActPolicy.PARTIAL_LAST_REFETCH_HOST, ActPolicy.PARTIAL_LAST_REFETCH_SSD)
+)
+_PARTIAL = frozenset(
+    (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
+    + (ActPolicy.PARTIAL_REFETCH_HOST, ActPolicy.PARTIAL_REFETCH_SSD)
+)
+_PIECEWISE = _PIECES | _LAST | _PARTIAL
 _RECOMPUTING = (
     _NESTED
     | _PIECES
     | _LAST
-    | frozenset(
-        (ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD)
-        + (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
-    )
+    | _PARTIAL
+    | frozenset((ActPolicy.RECOMPUTE, ActPolicy.RECOMPUTE_HOST, ActPolicy.RECOMPUTE_SSD))
 )
 _CHECKPOINT = {
     ActPolicy.RECOMPUTE_HOST: ActPolicy.HOST,
@@ -175,6 +195,12 @@ _CHECKPOINT = {
     ActPolicy.PARTIAL_SSD: ActPolicy.SSD,
     ActPolicy.PARTIAL_LAST_HOST: ActPolicy.HOST,
     ActPolicy.PARTIAL_LAST_SSD: ActPolicy.SSD,
+    ActPolicy.PARTIAL_REFETCH_HOST: ActPolicy.HOST,
+    ActPolicy.PARTIAL_REFETCH_SSD: ActPolicy.SSD,
+    ActPolicy.RECOMPUTE_PIECES_REFETCH_HOST: ActPolicy.HOST,
+    ActPolicy.RECOMPUTE_PIECES_REFETCH_SSD: ActPolicy.SSD,
+    ActPolicy.PARTIAL_LAST_REFETCH_HOST: ActPolicy.HOST,
+    ActPolicy.PARTIAL_LAST_REFETCH_SSD: ActPolicy.SSD,
 }
 
 

@@ -52,6 +52,7 @@ class SavedStorage:
     __slots__ = (
         "owner", "unit", "policy", "nbytes", "state", "weak", "version", "storage", "base", "host", "key",
         "job", "put", "get", "event", "want_in", "verify", "crc", "refs", "unpacked", "held_device", "held_host",
+        "source", "evicted",
     )  # fmt: skip
 
     def __init__(
@@ -79,6 +80,11 @@ class SavedStorage:
         self.unpacked = 0  # of which backward has unpacked
         self.held_device = 0  # bytes this record counts in the device / host accounts
         self.held_host = 0
+        # a swapped checkpoint the next piece's argument is derived from: its host copy is kept
+        # when it comes back, and it leaves the device again once the argument is made (evicted),
+        # until its own piece's recompute (saves.py `_evict_source`)
+        self.source = False
+        self.evicted = False
 
     def __repr__(self) -> str:
         return f"SavedStorage({self.owner!r}, {self.policy.value}, {self.nbytes} B, {self.state.value})"

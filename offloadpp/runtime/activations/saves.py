@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from torch.autograd.profiler import record_function
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
 from .policy import ActPolicy
 from .recompute import CheckpointRef, DerivedRef, RecomputeRef, Segment
@@ -54,6 +55,7 @@ class ManagerSaves:
             return t
         if type(x) is DerivedRef:  # (not in ckpt: no record counts it, the recompute's bytes do)
             t = x.seg.output_again(self._peek)
+            self._evict_source(x.seg, t)
             return t.requires_grad_(x.requires_grad) if x.requires_grad else t
         if type(x) is not CheckpointRef:
             return x
@@ -63,6 +65,34 @@ class ManagerSaves:
         t = self._unpack_saved(x.ref, enter=False)
         ckpt.append(t)
         return t.detach().requires_grad_(x.requires_grad) if x.requires_grad else t
+
+    def _mark_sources(self, unit: UnitActivations, prev: Segment) -> None:
+        """Forward: the next piece's argument is derived from `prev`'s output, so prev's swapped
+        checkpoints are its sources (SavedStorage.source): see `_evict_source`."""
+        for x in tree_leaves((prev.args, prev.kwargs)):
+            if type(x) is CheckpointRef and x.ref.rec.unit is unit and x.ref.rec.policy is not ActPolicy.KEEP:
+                x.ref.rec.source = True
+
+    def _evict_source(self, seg: Segment, made: torch.Tensor) -> None:
+        """Note: the derived argument's source. A swapped piece's argument made again from the
+        previous piece's checkpoint (recompute.py, Note on derived checkpoints) needs that
+        checkpoint back first; the previous piece's own recompute needs it again later (a norm's
+        backward reads its input), but nothing between does. So, once the argument is made, the
+        checkpoint leaves the device again without a copy (its host buffer was kept since the
+        copy up: Swapper.evict), and comes back within the budget (backward.py `_prefetch`), or
+        at that recompute: the piece's recompute holds what it makes and not the checkpoint
+        beside it (a GPT-3 13B block's MLP at b64: 5.625 GiB, not 6.25), for one more copy up
+        (planner/activations.py, Note on the derived argument's source)."""
+        for x in tree_leaves((seg.args, seg.kwargs)):
+            rec = x.ref.rec if type(x) is CheckpointRef else None
+            if (rec is None or not rec.source or rec.storage is None
+                    or made.untyped_storage().data_ptr() == rec.storage.data_ptr()):  # fmt: skip
+                continue  # (an argument the output is a view of stays)
+            if self.swapper.evict(rec):
+                u = rec.unit
+                at = next(i for i, r in enumerate(u.records) if r is rec)
+                u.fetch_cursor = max(u.fetch_cursor, at + 1)  # (asked for again: _fetch_unit)
+                self._evicted.append(rec)
 
     def _peek(self, x):
         """An argument of a piece run again to derive the next piece's (see the Note on derived

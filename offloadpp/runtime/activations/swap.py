@@ -160,7 +160,11 @@ class Swapper:
         dev = rec.nbytes if state in _DEVICE_STATES or reading else 0
         host = (
             rec.nbytes
-            if rec.host is not None and state in _HOST_STATES and not (reading and not self.mover.copies)
+            if rec.host is not None
+            and (
+                state in _HOST_STATES or state is RecState.READY and self.mover.copies
+            )  # (a source's kept copy)
+            and not (reading and not self.mover.copies)
             else 0
         )
         self.add_device(dev - rec.held_device)
@@ -272,7 +276,8 @@ class Swapper:
         """Starts bringing a record back to the device (backward, ahead of need)."""
         s = rec.state
         if s is RecState.MOVING_OUT:
-            if rec.job.cancel():  # never started: keep the device bytes, skip the copy
+            # (a derived argument's source is not kept on the device: its copy out is wanted, see evict)
+            if not rec.source and rec.job.cancel():  # never started: keep the device bytes, skip the copy
                 self.pool.put(rec.host, after=[rec.event] if rec.event is not None else [])
                 rec.host, rec.job, rec.event = None, None, None
                 if rec.key is not None:
@@ -327,9 +332,12 @@ class Swapper:
             self._into_device(rec)
         if rec.state is RecState.MOVING_IN and (block or rec.event.done()):
             self.mover.use(rec.event)  # the compute stream waits for the copy, the host does not
-            # The buffer is reusable once the copy (and an SSD write still reading it) is done.
-            self.pool.put(rec.host, after=[w for w in (rec.event, rec.put) if w is not None])
-            rec.host, rec.event = None, None
+            # The buffer is reusable once the copy (and an SSD write still reading it) is done; a
+            # derived argument's source keeps it until it was evicted once (see evict).
+            if not rec.source or rec.evicted:
+                self.pool.put(rec.host, after=[w for w in (rec.event, rec.put) if w is not None])
+                rec.host = None
+            rec.event = None
             self._set(rec, RecState.READY)
 
     def _read_done(self, rec: SavedStorage) -> None:
@@ -359,6 +367,17 @@ class Swapper:
             raise ActivationError(
                 f"unit {rec.owner!r}: a saved storage could not be brought back ({rec.state.value})"
             )
+
+    def evict(self, rec: SavedStorage) -> bool:
+        """A READY record that is a derived argument's source (rec.source: its host copy kept since
+        it came back) leaves the device again, once, without a copy: HOST, fetched again like any
+        host record (manager saves.py `_evict_source`). False where it cannot: on the device
+        since its forward (never moved: no host copy), or evicted once already."""
+        if rec.state is not RecState.READY or rec.host is None or rec.evicted:
+            return False
+        rec.storage, rec.base, rec.evicted = None, 0, True
+        self._set(rec, RecState.HOST)
+        return True
 
     # ---- progress --------------------------------------------------------------------------
     def pump(self) -> None:

@@ -1,0 +1,88 @@
+"""The activation policies' names, as the planner groups them (planner/activations.py counts
+what each holds and moves; runtime/activations/policy.py runs them). Pure (no torch): sets of
+names, split out of activations.py, which re-exports them.
+"""
+
+from __future__ import annotations
+
+POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
+            "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd",
+            "grad_in_forward", "partial_host_tail", "recompute_pieces", "recompute_pieces_host",
+            "recompute_pieces_ssd", "partial_last", "partial_last_host", "partial_last_ssd",
+            "partial_refetch_host", "partial_refetch_ssd", "recompute_pieces_refetch_host",
+            "recompute_pieces_refetch_ssd", "partial_last_refetch_host", "partial_last_refetch_ssd")  # fmt: skip
+GRAD_IN_FORWARD = "grad_in_forward"  # (a fused head's only: see the Note on the head's loss)
+# nothing of the unit stays on the device between its forward and its backward
+SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",
+                      "recompute_nested_host", "recompute_nested_ssd", "recompute_pieces_host",
+                      "recompute_pieces_ssd", "partial_last_host", "partial_last_ssd", "partial_refetch_host",
+                      "partial_refetch_ssd", "recompute_pieces_refetch_host", "recompute_pieces_refetch_ssd",
+                      "partial_last_refetch_host", "partial_last_refetch_ssd"))  # fmt: skip
+CHECKPOINT_SWAPS = {
+    "recompute_host": "host",
+    "recompute_ssd": "ssd",
+    "partial_host": "host",
+    "partial_ssd": "ssd",
+    "partial_host_tail": "host",  # (but its last pieces' bytes: kept, see the Note on the tail)
+    "recompute_nested_host": "host",
+    "recompute_nested_ssd": "ssd",
+    "recompute_pieces_host": "host",
+    "recompute_pieces_ssd": "ssd",
+    "partial_last_host": "host",
+    "partial_last_ssd": "ssd",
+    "partial_refetch_host": "host",
+    "partial_refetch_ssd": "ssd",
+    "recompute_pieces_refetch_host": "host",
+    "recompute_pieces_refetch_ssd": "ssd",
+    "partial_last_refetch_host": "host",
+    "partial_last_refetch_ssd": "ssd",
+}
+RECOMPUTE = frozenset(("recompute", "recompute_host", "recompute_ssd"))
+# the swapped piecewise policies with each derived argument's source sent back to host memory once
+# the argument is made (see the Note on the derived argument's source): the policy each is of that
+REFETCH = {
+    "partial_refetch_host": "partial_host",
+    "partial_refetch_ssd": "partial_ssd",
+    "recompute_pieces_refetch_host": "recompute_pieces_host",
+    "recompute_pieces_refetch_ssd": "recompute_pieces_ssd",
+    "partial_last_refetch_host": "partial_last_host",
+    "partial_last_refetch_ssd": "partial_last_ssd",
+}
+PARTIAL = frozenset(("partial", "partial_host", "partial_ssd", "partial_host_tail", "partial_refetch_host",
+                     "partial_refetch_ssd"))  # fmt: skip
+TAIL = "partial_host_tail"  # (see the Note on the tail)
+# a piece's kept outputs autograd does not save (`partial_extra`) are released once its recompute
+# ran, where they were fetched back (see the Note on the release)
+RELEASES_REPLAYED = frozenset(("partial_host", "partial_ssd", "partial_refetch_host", "partial_refetch_ssd"))
+TAIL_PIECES = 2  # the pieces a partial_host_tail unit keeps: a block's second norm and its MLP
+NESTED = frozenset(("recompute_nested", "recompute_nested_host", "recompute_nested_ssd"))
+NESTED_SWAPS = frozenset(("recompute_nested_host", "recompute_nested_ssd"))
+PIECES_SWAPS = frozenset(("recompute_pieces_host", "recompute_pieces_ssd", "recompute_pieces_refetch_host",
+                          "recompute_pieces_refetch_ssd"))  # fmt: skip
+PIECES = frozenset(("recompute_pieces",)) | PIECES_SWAPS
+# (see the Note on the last piece)
+LAST_SWAPS = frozenset(
+    ("partial_last_host", "partial_last_ssd", "partial_last_refetch_host", "partial_last_refetch_ssd")
+)
+LAST = frozenset(("partial_last",)) | LAST_SWAPS
+# a recompute_pieces policy as it is counted (see the Note on pieces): partial's of its tier, or
+# recompute's where the unit has no pieces
+_AS_PARTIAL = {"recompute_pieces": "partial", "recompute_pieces_host": "partial_host",
+               "recompute_pieces_ssd": "partial_ssd", "partial_last": "partial", "partial_last_host": "partial_host",
+               "partial_last_ssd": "partial_ssd", "recompute_pieces_refetch_host": "partial_refetch_host",
+               "recompute_pieces_refetch_ssd": "partial_refetch_ssd", "partial_last_refetch_host": "partial_refetch_host",
+               "partial_last_refetch_ssd": "partial_refetch_ssd"}  # fmt: skip
+_AS_WHOLE = {"recompute_pieces": "recompute", "recompute_pieces_host": "recompute_host",
+             "recompute_pieces_ssd": "recompute_ssd", "partial_last": "recompute",
+             "partial_last_host": "recompute_host", "partial_last_ssd": "recompute_ssd",
+             "recompute_pieces_refetch_host": "recompute_host", "recompute_pieces_refetch_ssd": "recompute_ssd",
+             "partial_last_refetch_host": "recompute_host", "partial_last_refetch_ssd": "recompute_ssd"}  # fmt: skip
+AS_RUN = PIECES | LAST  # (the policies counted as another: as_run)
+
+
+def recomputes(policy: str) -> bool:
+    """Runs the unit's forward again in backward (wholly, or its cheap operators: partial)."""
+    return policy in RECOMPUTE or policy in PARTIAL or policy in NESTED or policy in PIECES or policy in LAST
+
+
+__all__ = ["AS_RUN", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LAST", "LAST_SWAPS", "NESTED", "NESTED_SWAPS", "PARTIAL", "PIECES", "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "REFETCH", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "recomputes"]  # fmt: skip
