@@ -28,8 +28,12 @@ def tiny():
 
 @pytest.fixture
 def hw_path(tmp_path):
+    # (measured for the device the test's "cpu" engine runs on: the stand-in and CUDA under
+    # OFFLOADPP_DEVICE plan for "cuda", conftest.on_device)
+    from offloadpp.runtime.accel.select import plan_device
+
     hw = HardwareProfile(
-        device="cpu", device_name="t", cpu_cores=2, ssd_read_gbps=2.0, ssd_write_gbps=2.0, h2d_gbps=10.0,
+        device=plan_device("cpu"), device_name="t", cpu_cores=2, ssd_read_gbps=2.0, ssd_write_gbps=2.0, h2d_gbps=10.0,
         d2h_gbps=10.0, memcpy_gbps=10.0, device_flops_per_s={"fp32": 50e9}, adam_params_per_s={1: 1e9},
         host_memory_bytes=8 << 30, device_memory_bytes=8 << 30,
     )  # fmt: skip
