@@ -9,37 +9,23 @@ the keep policy's bit for bit (dropout on), on the CPU and the stand-in."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from test_activations import VOCAB, run_step, store, tiny_gpt2, tiny_llama
 from test_activations_pieces import _equal
-
-from offloadpp.planner import ActivationSettings
-from offloadpp.runtime.activations.manager import ActivationManager
+from test_activations_staging import _run
 
 pytest.importorskip("transformers")
 
 __all__ = ["store"]  # (the fixture, shared with test_activations.py)
 
 
-def _backward_stats(ref, x, store, policy: str, budget: int):
+def _backward_stats(ref, x, store, policy: str, budget: int, monkeypatch):
     """(gradients, stats of backward alone): one step of ref's copy, the blocks under `policy`
-    (the embedding and head kept), the forward's copies drained, the peak counted from
-    backward's start."""
-    model = copy.deepcopy(ref)
-    cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0,
-                             overrides={"embed": "keep", "head": "keep"})  # fmt: skip
-    with ActivationManager.for_model(model, cfg, store=store) as mgr:
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(5)
-        with mgr.forward():
-            loss = model(input_ids=x, labels=x).loss
-        mgr.drain()
-        mgr.reset_stats()
-        mgr.backward(loss)
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, mgr.stats()
+    (the embedding and head kept), the forward's copies drained."""
+    got, stats, _ = _run(ref, x, store, budget, policy, monkeypatch, overrides={"embed": "keep", "head": "keep"},
+                         backward_only=True)  # fmt: skip
+    return got, stats
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -47,7 +33,8 @@ def _backward_stats(ref, x, store, policy: str, budget: int):
     "of, tier",
     [("partial", "host"), ("partial", "ssd"), ("recompute_pieces", "host"), ("partial_last", "ssd")],
 )
-def test_a_refetching_piece_holds_no_checkpoint_beside_its_derived_argument(store, on_device, kind, tier, of):
+def test_a_refetching_piece_holds_no_checkpoint_beside_its_derived_argument(store, monkeypatch, on_device, kind, tier,
+                                                                              of):  # fmt: skip
     """Short sequences (the MLP's recompute is a block's largest piece, as a 13B block's at b64):
     under a budget that fetches nothing ahead (1 byte) backward's peak is one width-sized tensor
     (the norm's checkpoint) lower under partial_refetch_* than under partial_*; under a budget
@@ -58,14 +45,14 @@ def test_a_refetching_piece_holds_no_checkpoint_beside_its_derived_argument(stor
     width, blocks = ref.config.hidden_size, ref.config.num_hidden_layers
     w = x.numel() * width * 4  # one fp32 width-sized tensor: a norm's checkpoint
     _, want = run_step(ref, x)
-    got, held = _backward_stats(ref, x, store, f"{of}_{tier}", 1)
+    got, held = _backward_stats(ref, x, store, f"{of}_{tier}", 1, monkeypatch)
     assert _equal(got, want)
     # nothing fetched ahead (a 1-byte budget): the peak lower by the checkpoint sent back, exactly
-    got, least = _backward_stats(ref, x, store, f"{of}_refetch_{tier}", 1)
+    got, least = _backward_stats(ref, x, store, f"{of}_refetch_{tier}", 1, monkeypatch)
     assert _equal(got, want)
     assert held.peak_device_bytes - least.peak_device_bytes == w
     room = held.peak_device_bytes - w // 2
-    got, sent = _backward_stats(ref, x, store, f"{of}_refetch_{tier}", room)
+    got, sent = _backward_stats(ref, x, store, f"{of}_refetch_{tier}", room, monkeypatch)
     assert _equal(got, want)
     assert sent.peak_device_bytes <= room < held.peak_device_bytes, (sent.peak_device_bytes, room)
     assert sent.h2d_bytes - held.h2d_bytes == 2 * blocks * w  # (copied up again, never out again)

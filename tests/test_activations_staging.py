@@ -24,10 +24,12 @@ pytest.importorskip("transformers")
 __all__ = ["store"]  # (the fixture, shared with test_activations.py)
 
 
-def _run(ref, x, store, budget: int, policy: str, monkeypatch, stage: bool = True):
-    """One step of `ref`'s copy under `policy` with the forward's copies drained before backward
-    (so every swapped record is on SSD when backward starts); (gradients, stats, the state of each
-    SSD record when backward fetched it)."""
+def _run(ref, x, store, budget: int, policy: str, monkeypatch, stage: bool = True, overrides=None,
+         backward_only: bool = False):  # fmt: skip
+    """One step of `ref`'s copy under `policy` (`overrides`: per unit) with the forward's copies
+    drained before backward (so every swapped record is on SSD when backward starts); (gradients,
+    stats, of backward alone where `backward_only`, the state of each SSD record when backward
+    fetched it)."""
     at_fetch = []
     fetch = Swapper.fetch
 
@@ -38,13 +40,15 @@ def _run(ref, x, store, budget: int, policy: str, monkeypatch, stage: bool = Tru
 
     monkeypatch.setattr(Swapper, "fetch", watched)
     model = copy.deepcopy(ref)
-    cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0)
+    cfg = ActivationSettings(policy=policy, budget_bytes=budget, min_swap_bytes=0, overrides=overrides or {})
     with ActivationManager.for_model(model, cfg, store=store) as mgr:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)
         with mgr.forward():
             loss = model(input_ids=x, labels=x).loss
         mgr.drain()
+        if backward_only:
+            mgr.reset_stats()
         mgr.start_backward(stage=stage)
         try:
             loss.backward()
