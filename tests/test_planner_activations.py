@@ -184,15 +184,20 @@ def test_replay_of_partial_moves_the_kept_outputs_and_recomputes_no_matmul():
     assert abs(est["partial_ssd"].compute_s - est["keep"].compute_s) < 1e-9
 
 
+def resolved_cpu_plan(m):
+    """The CPU plan of model profile `m` (plan "auto", 8 GiB each side), its activation sizes in."""
+    return resolve(Settings(plan="auto"), m.unit_specs(),
+                   Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
+                   hardware=cpu_hw(), model=m).plan  # fmt: skip
+
+
 def every_block_as(policies) -> tuple:
     """GPT-2's analytic profile at micro-batch 4, its CPU plan, and that plan replayed with every
     block under each of `policies`: (profile, the blocks' names, {policy: StepEstimate})."""
     m = analytic_profile(GPT2, micro_batch=4, seq_len=64)
-    r = resolve(Settings(plan="auto"), m.unit_specs(),
-                Machine("cpu", host_available_bytes=8 << 30, device_free_bytes=8 << 30, cores=2),
-                hardware=cpu_hw(), model=m)  # fmt: skip
+    plan = resolved_cpu_plan(m)
     blocks = [u.name for u in m.units if u.name.startswith("transformer.h.")]
-    return m, blocks, {p: estimate(r.plan, cpu_hw(), m, activations={b: p for b in blocks}) for p in policies}
+    return m, blocks, {p: estimate(plan, cpu_hw(), m, activations={b: p for b in blocks}) for p in policies}
 
 
 def test_replay_moves_the_checkpoints_and_runs_the_recompute():

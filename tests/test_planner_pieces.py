@@ -5,7 +5,7 @@ a whole recompute; offered where nested is (act_candidates.py, Note on the candi
 from __future__ import annotations
 
 import pytest
-from test_planner_activations import every_block_as
+from test_planner_activations import every_block_as, resolved_cpu_plan
 
 from offloadpp.planner.act_candidates import ActPlanner
 from offloadpp.planner.activations import (
@@ -88,3 +88,40 @@ def test_a_vertical_windows_pieces_replay_per_micro_batch():
     one = next(a for a in act_units(w) if a.name == blocks[0]).inputs
     assert est["recompute_ssd"].ssd_write_bytes - est["keep"].ssd_write_bytes == len(blocks) * one
     assert est["recompute_pieces_ssd"].ssd_write_bytes - est["keep"].ssd_write_bytes == 2 * len(blocks) * one
+
+
+@pytest.mark.parametrize(
+    "policy", ["recompute_pieces_ssd", "recompute_pieces_refetch_ssd", "partial_last_ssd"]
+)
+def test_a_plan_counts_every_checkpoint_a_pieces_block_moves(policy):
+    """A plan knows its units by their sizes (act_fill.with_activation_sizes), with no pieces: the
+    SSD room (ssd_room.activation_ssd_bytes) and `offloadpp plan`'s split counted one checkpoint a
+    block under recompute_pieces_ssd, which moves two (the residual stream before each norm), as
+    the replay writes them; now the sizes carry the pieces' checkpoints (activations.sized_split).
+    partial_last_ssd moves those and the MLP's kept outputs."""
+    from dataclasses import replace
+
+    from offloadpp.planner.activations import sized_split
+    from offloadpp.planner.plan import fmt_bytes
+    from offloadpp.planner.ssd_room import SWAP_ALIGN_BYTES, SWAP_HEADER_BYTES, activation_ssd_bytes
+
+    m, blocks, est = every_block_as((policy,))
+    units = {a.name: a for a in act_units(m)}
+    moved = {b: units[b].moved(policy) for b in blocks}
+    assert est[policy].ssd_write_bytes >= sum(moved.values())  # (the replay writes them all)
+    plan = resolved_cpu_plan(m)
+    plan = replace(
+        plan,
+        activations=tuple(policy if u.name in blocks else a for u, a in zip(plan.units, plan.activations)),
+    )
+    sizes = dict(zip((u.name for u in plan.units), plan.activation_sizes))
+    for b in blocks:
+        assert sized_split(sizes[b], policy)["ssd"] == moved[b] == split_bytes(units[b], policy)["ssd"]
+    if policy.startswith("recompute_pieces"):
+        assert moved[blocks[0]] == 2 * units[blocks[0]].inputs
+    want = sum(n + SWAP_HEADER_BYTES + (-n % SWAP_ALIGN_BYTES) for n in moved.values())
+    assert activation_ssd_bytes(plan) == want
+    # (the printout's row: policy, then saved, kept, host, ssd, recomputed, two words each)
+    rows = [ln.split() for ln in plan.describe().splitlines() if policy in ln.split()]
+    cols = [r[r.index(policy) + 1 :] for r in rows]
+    assert cols and all(" ".join(c[6:8]) == fmt_bytes(moved[blocks[0]]) for c in cols), (cols, moved)

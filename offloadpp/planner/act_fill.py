@@ -16,11 +16,12 @@ def with_activation_sizes(plan: Plan, model: ModelProfile) -> Plan:
     """The plan with each unit's saved and checkpoint bytes from the model profile (printout);
     a partial unit's kept bytes count its pieces' checkpoints beyond its own inputs (the second
     norm's: what it moves is inputs + kept); its tail (its last pieces' checkpoints and kept
-    outputs) is what partial_last moves beside its first checkpoint."""
+    outputs) is what partial_last moves beside its first checkpoint; its pieces' checkpoints are
+    what recompute_pieces moves (activations.sized_split)."""
     sizes = {a.name: (a.saved, a.checkpoint, a.partial + a.partial_inputs - a.inputs if a.partial else 0, a.partial_extra,
-                      a.tail if a.partial else 0)
+                      a.tail if a.partial else 0, a.partial_inputs if a.pieces else 0)
              for a in act_units(model)}  # fmt: skip
-    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0, 0, 0, 0, 0)) for u in plan.units))
+    return replace(plan, activation_sizes=tuple(sizes.get(u.name, (0,) * 6) for u in plan.units))
 
 
 def with_activation_policies(plan: Plan, settings: Settings) -> Plan:

@@ -492,6 +492,25 @@ def split_bytes(u: ActUnit, policy: str) -> dict[str, int]:
     return out
 
 
+def sized_split(sizes: Sequence[int], policy: str) -> dict[str, int]:
+    """split_bytes of a unit a plan knows by its activation_sizes (act_fill.with_activation_sizes:
+    saved, checkpoint, kept by partial, of it not saved, tail, its pieces' checkpoints), with no
+    pieces: a partial_host_tail unit keeps its tail; a partial_last one moves its first
+    checkpoint and its tail (the second norm's checkpoint and the MLP's kept outputs), the rest
+    runs again; a recompute_pieces one moves every piece's checkpoint (a block's two), where
+    split_bytes of the piece-less unit would count one (`offloadpp plan` printed one, and the SSD
+    room counted one: ssd_room.py)."""
+    saved, ckpt, partial, extra, tail, ckpts = (tuple(sizes) + (0,) * 6)[:6]
+    sp = split_bytes(ActUnit("", saved, ckpt, 0, True, partial, extra), policy)
+    if policy == TAIL:  # (the unit here has no pieces: its tail from the sizes)
+        return {**sp, "kept": tail, "host": sp["host"] + sp["kept"] - tail}
+    if policy in LAST and tail:
+        return {**sp, checkpoint_tier(policy): ckpt + tail, "recomputed": saved - (tail - ckpt)}
+    if policy in PIECES and ckpts:
+        return {**sp, checkpoint_tier(policy): ckpts}
+    return sp
+
+
 def forward_moved(fwd: Mapping[str, float], bwd: Mapping[str, float], policies: Mapping[str, str]):
     """(forward_s, backward_s) per unit with a grad_in_forward head's backward time counted in
     its forward, where it runs (its backward only scales what forward made); the dicts given
@@ -560,4 +579,4 @@ def need_bytes(units: Sequence[ActUnit], policies: Mapping[str, str]) -> int:
 __all__ = ["AS_RUN", "ActUnit", "CHECKPOINT_SWAPS", "GRAD_IN_FORWARD", "LAST", "LAST_SWAPS", "LOSS_CHUNK_ELEMS", "NESTED", "PARTIAL", "PIECES",
            "PIECES_SWAPS", "POLICIES", "RECOMPUTE", "REFETCH", "RELEASES_REPLAYED", "SWAPPING", "TAIL", "TAIL_PIECES", "act_units", "as_run", "as_whole",
            "backward_bytes", "checkpoint_tier", "evicted", "forward_bytes", "forward_moved", "held_bytes", "need_bytes", "peak_bytes_at", "piece_peaks",
-           "recompute_fraction", "recomputes", "split_bytes"]  # fmt: skip
+           "recompute_fraction", "recomputes", "sized_split", "split_bytes"]  # fmt: skip

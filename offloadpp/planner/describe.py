@@ -6,7 +6,7 @@ Pure (no torch).
 
 from __future__ import annotations
 
-from .activations import LAST, TAIL, ActUnit, checkpoint_tier, split_bytes
+from .activations import sized_split
 from .spec import fmt_bytes
 
 
@@ -84,14 +84,10 @@ def _activation_split(plan) -> list[str]:
     out = [f"  {'activations per unit':<40} {'policy':>14} {'saved':>10} {'kept':>10} {'host':>10} "
            f"{'ssd':>10} {'recomputed':>10}"]  # fmt: skip
     totals = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
-    for first, last, n, a, (saved, ckpt, partial, extra, tail) in rows:
+    for first, last, n, a, sizes in rows:
         name = first if n == 1 else f"{first} .. {last} ({n})"
-        sp = split_bytes(ActUnit(first, saved, ckpt, 0, True, partial, extra), a if a != "auto" else "keep")
-        if a == TAIL:  # (the unit here has no pieces: its tail from the sizes)
-            sp = {**sp, "kept": tail, "host": sp["host"] + sp["kept"] - tail}
-        elif a in LAST and tail:  # (its checkpoints and its last piece's kept outputs: the first
-            # checkpoint and the tail, the second norm's and the MLP's; the rest run again)
-            sp = {**sp, checkpoint_tier(a): ckpt + tail, "recomputed": saved - (tail - ckpt)}
+        saved = sizes[0]
+        sp = sized_split(sizes, a if a != "auto" else "keep")
         for k in totals:
             totals[k] += n * sp[k]
         out.append(f"  {name:<40} {a:>14} {fmt_bytes(saved):>10} {fmt_bytes(sp['kept']):>10} "

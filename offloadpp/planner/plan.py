@@ -289,9 +289,10 @@ class Plan:
 
     def _check_activations(self) -> None:
         object.__setattr__(self, "activations", tuple(self.activations))  # a plan file gives a list
-        # (saved, checkpoint, kept by partial, of it not saved, a partial_host_tail's kept tail) per
-        # unit; fewer from an older plan file: no partial, no tail
-        sizes = tuple(tuple(int(x) for x in (tuple(sz) + (0, 0, 0))[:5]) for sz in self.activation_sizes)
+        # (saved, checkpoint, kept by partial, of it not saved, a partial_host_tail's kept tail, its
+        # pieces' checkpoints) per unit (activations.sized_split); fewer from an older plan file:
+        # no partial, no tail, no pieces
+        sizes = tuple(tuple(int(x) for x in (tuple(sz) + (0, 0, 0, 0))[:6]) for sz in self.activation_sizes)
         if sizes and len(sizes) != len(self.units):
             raise PlanError(
                 f"activation_sizes must give one entry per unit ({len(self.units)}), got {len(sizes)}"

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .activations import SWAPPING, ActUnit, split_bytes
+from .activations import SWAPPING, sized_split
 from .plan import Plan, Tier, fmt_bytes
 
 SWAP_HEADER_BYTES = 4096  # io/format.py HEADER_BYTES
@@ -128,10 +128,10 @@ def activation_ssd_bytes(plan: Plan) -> Optional[int]:
     if not plan.activation_sizes:
         return None
     total = 0
-    for a, (saved, ckpt, partial, extra, _) in zip(policies, plan.activation_sizes):
+    for a, sizes in zip(policies, plan.activation_sizes):
         if a not in SWAPPING or not a.endswith("ssd"):
             continue
-        n = split_bytes(ActUnit("", saved, ckpt, 0, True, partial, extra), a)["ssd"]
+        n = sized_split(sizes, a)["ssd"]
         if n:
             total += n + SWAP_HEADER_BYTES + (-n % SWAP_ALIGN_BYTES)
     return total * (plan.micro_batches if plan.vertical else 1)
