@@ -81,7 +81,8 @@ def _activation_split(plan) -> list[str]:
             rows[-1][2] += 1
         else:
             rows.append([u.name, u.name, 1, a, sz])
-    out = [f"  {'activations per unit':<40} {'policy':>14} {'saved':>10} {'kept':>10} {'host':>10} "
+    w = max(14, *(len(r[3]) for r in rows))  # (partial_last_refetch_host: 25 characters)
+    out = [f"  {'activations per unit':<40} {'policy':>{w}} {'saved':>10} {'kept':>10} {'host':>10} "
            f"{'ssd':>10} {'recomputed':>10}"]  # fmt: skip
     totals = {"kept": 0, "host": 0, "ssd": 0, "recomputed": 0}
     for first, last, n, a, sizes in rows:
@@ -90,8 +91,8 @@ def _activation_split(plan) -> list[str]:
         sp = sized_split(sizes, a if a != "auto" else "keep")
         for k in totals:
             totals[k] += n * sp[k]
-        out.append(f"  {name:<40} {a:>14} {fmt_bytes(saved):>10} {fmt_bytes(sp['kept']):>10} "
+        out.append(f"  {name:<40} {a:>{w}} {fmt_bytes(saved):>10} {fmt_bytes(sp['kept']):>10} "
                    f"{fmt_bytes(sp['host']):>10} {fmt_bytes(sp['ssd']):>10} {fmt_bytes(sp['recomputed']):>10}")  # fmt: skip
-    out.append(f"  {'total':<40} {'':>14} {'':>10} {fmt_bytes(totals['kept']):>10} "
+    out.append(f"  {'total':<40} {'':>{w}} {'':>10} {fmt_bytes(totals['kept']):>10} "
                f"{fmt_bytes(totals['host']):>10} {fmt_bytes(totals['ssd']):>10} {fmt_bytes(totals['recomputed']):>10}")  # fmt: skip
     return out
