@@ -33,16 +33,19 @@ the others (pieces in the family's other choices) never won on those profiles.
 Swaps go to host memory on CUDA (to SSD beyond the host memory left for them) and to SSD on the
 CPU acting as the device, where host memory is the device's own; SSD is tried on CUDA too.
 
-Note on refetch. At a room where even the least of those does not fit, the choices are made again
-by the refetching twin (`_refetching`): the same families with every swapped partial unit
-partial_refetch_* in place of partial_host / partial_ssd, whose pieces' recomputes hold no
-derived argument's source (planner/activations.py, Note on the derived argument's source), for
-one more copy up of each such source. Only there: where partial_host's least fits, the source
-held costs nothing and the second copy up does (random profile 31, Llama 7B b128, 18.7 -> 25.8 s
-when every swapped piecewise unit sent its sources back). So `least` is the twin's where that
-holds less (the search tries the deeper prefetch depths it fits: random profile 29, GPT-3 13B bf16
-b64, whose MLP recompute held 6.25 GiB beside a 6.03 GiB room at k = 1, had its weights fetched at
-each visit).
+Note on refetch. At a room where even the least of those does not fit (`least_held`), the
+choices are made again by the refetching twin (`_refetching`): the same families with every
+swapped piecewise unit under its REFETCH policy (partial_refetch_*, recompute_pieces_refetch_*,
+partial_last_refetch_* in place of partial_*, recompute_pieces_*, partial_last_*), whose pieces'
+recomputes hold no derived argument's source (planner/activations.py, Note on the derived
+argument's source), for one more copy up of each such source. Only there: where the held least
+fits, the source held costs nothing and the second copy up does (random profile 31, Llama 7B
+b128, 18.7 -> 25.8 s when every swapped piecewise unit sent its sources back). So `least` is the
+twin's where that holds less, and the search tries the deeper prefetch depths it fits (random
+profile 29, GPT-3 13B bf16 b64, whose MLP recompute held 6.25 GiB beside a 6.03 GiB room at
+k = 1, had its weights fetched at each visit), but only for points the held least fits at some
+depth (search.least_need: where only the twin fits, it ran 1.15x slower per token than half the
+micro-batch).
 """
 
 from __future__ import annotations
@@ -113,8 +116,8 @@ class ActPlanner:
     activations may take (None: no limit); beyond it they go to SSD. device: "cuda" or "cpu".
     mixes: offer partial and recompute mixed (search.py: not on models of many units).
     stage_units: the settings' activations.prefetch_units (what backward stages ahead).
-    refetch: its swapped partial units send their derived arguments' sources back (the refetching
-    twin: see the Note on refetch)."""
+    refetch: its swapped piecewise units send their derived arguments' sources back (the
+    refetching twin: see the Note on refetch)."""
 
     def __init__(self, units: Sequence[ActUnit], fixed: Mapping[str, str], *, device: str,
                  host_bytes: Optional[int] = None, mixes: bool = True, stage_units: int = 2,
@@ -183,8 +186,8 @@ class ActPlanner:
 
     @functools.cached_property
     def _refetching(self) -> ActPlanner:
-        """This planner with its swapped partial units sending their derived arguments' sources
-        back (partial_refetch_*: see the Note on refetch)."""
+        """This planner with its swapped piecewise units sending their derived arguments' sources
+        back (REFETCH's policies: see the Note on refetch)."""
         return ActPlanner(self.units, self.fixed, device=self.device, host_bytes=self.host_bytes,
                           mixes=self.mixes, stage_units=self.stage_units, refetch=True)  # fmt: skip
 
