@@ -31,13 +31,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-POLICIES = (
-    "keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host", "partial_ssd",
-    "recompute_nested", "recompute_nested_host", "recompute_nested_ssd", "partial_host_tail", "recompute_pieces",
-    "recompute_pieces_host", "recompute_pieces_ssd", "partial_last", "partial_last_host", "partial_last_ssd",
-    "partial_refetch_host", "partial_refetch_ssd", "recompute_pieces_refetch_host", "recompute_pieces_refetch_ssd",
-    "partial_last_refetch_host", "partial_last_refetch_ssd", "auto",
-)  # fmt: skip
+from offloadpp.planner.spec import ACTIVATION_POLICIES, HEAD_ONLY_POLICIES
+
+# every policy a unit of every kind may take (the fused head's own left out)
+POLICIES = tuple(p for p in ACTIVATION_POLICIES if p not in HEAD_ONLY_POLICIES)
 DTYPES = ("fp32", "bf16", "fp16")
 MAX_WAIT_S = 1.0
 RELEASE_WAIT_S = 3.0

@@ -5,12 +5,9 @@ names, split out of activations.py, which re-exports them.
 
 from __future__ import annotations
 
-POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial", "partial_host",
-            "partial_ssd", "recompute_nested", "recompute_nested_host", "recompute_nested_ssd",
-            "grad_in_forward", "partial_host_tail", "recompute_pieces", "recompute_pieces_host",
-            "recompute_pieces_ssd", "partial_last", "partial_last_host", "partial_last_ssd",
-            "partial_refetch_host", "partial_refetch_ssd", "recompute_pieces_refetch_host",
-            "recompute_pieces_refetch_ssd", "partial_last_refetch_host", "partial_last_refetch_ssd")  # fmt: skip
+from .spec import ACTIVATION_POLICIES
+
+POLICIES = tuple(p for p in ACTIVATION_POLICIES if p != "auto")  # (the settings' names, auto resolved)
 GRAD_IN_FORWARD = "grad_in_forward"  # (a fused head's only: see the Note on the head's loss)
 # nothing of the unit stays on the device between its forward and its backward
 SWAPPING = frozenset(("host", "ssd", "recompute_host", "recompute_ssd", "partial_host", "partial_ssd",

@@ -132,7 +132,8 @@ token of b32). The checkpoint is copied up twice (the replay's `_rest_up`: once 
 unit's other pieces). It is a policy of its own, chosen per unit, not what partial_host always
 does: where the room holds the source, the second copy up only costs (session 11 sent it back at
 every swapped piecewise unit: random profile 31, Llama 7B b128, 18.7 -> 25.8 s). The search
-offers it only at rooms partial_host's least does not fit (act_candidates.py, Note on refetch).
+offers it only at rooms the least need with the sources held does not fit, and only to points
+that fit some depth without it (act_candidates.py, Note on refetch; search.least_need).
 
 Note: pieces. A recompute_pieces* unit (runtime/activations/manager.py, Note on pieces) runs
 each child of its root as its own recompute segment from its own checkpoint: it is partial
@@ -500,7 +501,7 @@ def sized_split(sizes: Sequence[int], policy: str) -> dict[str, int]:
     runs again; a recompute_pieces one moves every piece's checkpoint (a block's two), where
     split_bytes of the piece-less unit would count one (`offloadpp plan` printed one, and the SSD
     room counted one: ssd_room.py)."""
-    saved, ckpt, partial, extra, tail, ckpts = (tuple(sizes) + (0,) * 6)[:6]
+    saved, ckpt, partial, extra, tail, ckpts = sizes  # (Plan pads an older plan file's)
     sp = split_bytes(ActUnit("", saved, ckpt, 0, True, partial, extra), policy)
     if policy == TAIL:  # (the unit here has no pieces: its tail from the sizes)
         return {**sp, "kept": tail, "host": sp["host"] + sp["kept"] - tail}

@@ -16,7 +16,7 @@ errors name the field and the bad value (convention 6).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping, Optional
+from typing import Literal, Mapping, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -31,12 +31,7 @@ ActivationPolicyName = Literal[
 # Bytes per element of the dtypes the runtime uses, by the names the settings use.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPUTE_DTYPES = tuple(DTYPE_BYTES)
-ACTIVATION_POLICIES = ("keep", "host", "ssd", "recompute", "recompute_host", "recompute_ssd", "partial",
-                       "partial_host", "partial_ssd", "recompute_nested", "recompute_nested_host",
-                       "recompute_nested_ssd", "grad_in_forward", "partial_host_tail", "recompute_pieces",
-                       "recompute_pieces_host", "recompute_pieces_ssd", "partial_last", "partial_last_host",
-                       "partial_last_ssd", "partial_refetch_host", "partial_refetch_ssd", "recompute_pieces_refetch_host",
-    "recompute_pieces_refetch_ssd", "partial_last_refetch_host", "partial_last_refetch_ssd", "auto")  # fmt: skip
+ACTIVATION_POLICIES: tuple[str, ...] = get_args(ActivationPolicyName)  # (one list: the Literal's)
 # the fused head's own policy (runtime/activations/head.py, Note on gradients in forward): a
 # per-unit override of the head's unit, never the policy of every unit
 HEAD_ONLY_POLICIES = ("grad_in_forward",)

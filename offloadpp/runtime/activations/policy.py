@@ -40,12 +40,13 @@
                peak at Llama 7B b128: 8.02 GiB, against 6.02 recomputed whole).
     partial_refetch_host, partial_refetch_ssd, recompute_pieces_refetch_host,
     recompute_pieces_refetch_ssd, partial_last_refetch_host, partial_last_refetch_ssd
-               as partial_*, recompute_pieces_*, partial_last_* of their tier, but a piece's checkpoint that the next piece's
-               argument is made from (a block's norms' inputs) leaves the device again once that
-               argument is made, and comes back for its own piece: the next piece's recompute
-               holds one checkpoint less, for one more copy up each (saves.py `_evict_source`;
-               planner/activations.py, Note on the derived argument's source). Chosen by the
-               planner where the room needs it (a GPT-3 13B block's MLP at b64: 5.6 GiB, not 6.25).
+               as partial_*, recompute_pieces_*, partial_last_* of their tier, but a piece's
+               checkpoint that the next piece's argument is made from (a block's norms' inputs)
+               leaves the device again once that argument is made, and comes back for its own
+               piece: the next piece's recompute holds one checkpoint less, for one more copy up
+               each (saves.py `_evict_source`; planner/activations.py, Note on the derived
+               argument's source). Chosen by the planner where the room needs it (a GPT-3 13B
+               block's MLP at b64: 5.6 GiB, not 6.25).
     partial_host_tail
                as partial_host, but the records of the unit's last TAIL_PIECES pieces (for a
                transformer block: the second norm's checkpoint and the MLP's kept outputs, which
