@@ -562,3 +562,14 @@ def test_a_13b_blocks_mlp_recompute_leaves_room_for_a_second_weights_buffer():
     assert "partial_refetch_host" not in pts[0].resolved.plan.activations  # (its room holds the sources)
     assert batch_violations(pts) == []
     assert pts[1].per_token_s <= 1.0 * pts[0].per_token_s
+
+
+def test_refetch_deepens_the_prefetch_of_a_point_that_fits_but_fits_no_point_alone():
+    """Random profile 29, Llama 7B bf16 b128: no prefetch depth leaves the room for the least need
+    with the sources held; the refetching twin's would fit k = 0, each unit's weights fetched at
+    its visit, 1.08-1.15x b64's time per token. search.least_need refuses it, as before the
+    refetch policies, and the message names the largest micro-batch that fits (from the held
+    least: infeasible.py)."""
+    hw, dtype = random_profile(29)
+    pt = plan_point(hw, "llama-7b", 128, dtype)
+    assert pt.step_s is None and "largest micro-batch that fits is" in pt.refused, pt.refused
