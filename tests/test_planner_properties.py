@@ -16,6 +16,7 @@ from offloadpp.bench.planner_properties import (
     more,
     more_violation,
     plan_point,
+    planning_summary,
     random_profile,
     sweep,
 )
@@ -104,6 +105,24 @@ def test_a_seeded_slice_of_the_sweep_holds_every_property():
         (s, "llama-7b@2", random_profile(s)[1], b) for s in (0, 1) for b in (16, 32, 64)
     ]
     assert all(t[5] > 0 for t in rep.times)
+    assert all(t[6] > 0 for t in rep.times if t[4] is not None)
+    line = planning_summary(rep.times)
+    slow = max(rep.times, key=lambda t: t[5])
+    assert (
+        f"at most {slow[5]:.2f} s of CPU (profile {slow[0]} llama-7b@2 b{slow[3]}; {slow[6]} replays)" in line
+    )
+    assert line.endswith(f"{sum(t[6] for t in rep.times)} replays in all")
+
+
+def test_a_points_replays_count_the_planners_work_whatever_the_machine():
+    """Each point reports the replays its planning made (cost.replays_made): every candidate the
+    search kept was replayed, the slow SSD's replays come on top, and planning the point again
+    makes the same number (CPU seconds are the machine's; the count is the planner's)."""
+    hw, dtype = random_profile(1)
+    a = plan_point(hw, "llama-7b@2", 32, dtype)
+    b = plan_point(hw, "llama-7b@2", 32, dtype)
+    assert a.step_s is not None and a.replays == b.replays
+    assert a.replays >= len(a.resolved.candidates) > 0
 
 
 def test_no_cliff_where_a_whole_block_recompute_stops_fitting():

@@ -21,7 +21,9 @@ does (docs/paper/ds_config.json's settings, sequence 1024), and the properties a
   each with the default rule's activations for the room it leaves and with the automatic plan's
   own activations where they fit, all estimated by the same replay;
 - time: planning a point takes under PLAN_S seconds of CPU time (process time: on a shared
-  machine the wall clock measures the neighbours).
+  machine the wall clock measures the neighbours). The CPU time of the same planning moves with
+  the machine (25% between two days), so each point also reports the replays it made
+  (cost.replays_made): the planner's work, which only a change to the planner moves.
 
 Every violation is printed with what reproduces it (the seed, the profile's index, model and
 micro-batch); tests/test_planner_properties.py runs a small slice in the default test run and
@@ -141,6 +143,7 @@ class Point:
     step_s: Optional[float] = None  # None: refused
     refused: str = ""
     plan_cpu_s: float = 0.0
+    replays: int = 0  # cost.replay calls planning it made (the slow SSD's included)
     resolved: object = field(default=None, repr=False)
     profile: object = field(default=None, repr=False)
 
@@ -153,6 +156,7 @@ def plan_point(hw, model: str, batch: int, dtype: str, config: str = CONFIG) -> 
     """The resolve stage's plan for one point, as `offloadpp plan --machine-from-hardware`."""
     from offloadpp.bench.planner_scale import _settings
     from offloadpp.planner import InfeasibleError, analytic_profile, resolve
+    from offloadpp.planner.cost import replays_made
     from offloadpp.planner.peaks import clear_cache
     from offloadpp.planner.resolve import machine_for
 
@@ -161,13 +165,15 @@ def plan_point(hw, model: str, batch: int, dtype: str, config: str = CONFIG) -> 
     )
     settings = _settings(config, dtype, batch)
     clear_cache()  # each point plans from nothing, as `offloadpp plan` does
-    t0 = time.process_time()
+    n0, t0 = replays_made(), time.process_time()
     try:
         r = resolve(settings, prof.unit_specs(), machine_for(hw), hardware=hw, model=prof)
     except InfeasibleError as e:
-        return Point(model, batch, dtype, refused=str(e), plan_cpu_s=time.process_time() - t0, profile=prof)
+        return Point(model, batch, dtype, refused=str(e), plan_cpu_s=time.process_time() - t0,
+                     replays=replays_made() - n0, profile=prof)  # fmt: skip
     took = time.process_time() - t0
-    return Point(model, batch, dtype, r.estimate.step_s, plan_cpu_s=took, resolved=r, profile=prof)
+    return Point(model, batch, dtype, r.estimate.step_s, plan_cpu_s=took, replays=replays_made() - n0, resolved=r,
+                 profile=prof)  # fmt: skip
 
 
 def batch_violations(points: list[Point]) -> list[str]:
@@ -280,7 +286,8 @@ class Report:
     planned: int = 0
     checks: dict = field(default_factory=lambda: {k: 0 for k in ("batch", "more", "hand", "time")})
     violations: list = field(default_factory=list)  # (property, seed, model, dtype, message)
-    # every point planned or refused: (seed, model, dtype, micro-batch, estimate s or None, CPU s),
+    # every point planned or refused: (seed, model, dtype, micro-batch, estimate s or None, CPU s,
+    # replays),
     # so a sweep's slowest points can be found and replanned alone (`--seed S --profiles 1`)
     times: list = field(default_factory=list)
 
@@ -297,7 +304,8 @@ def sweep(seed: int, profiles: int, models: list[str], batches: tuple[int, ...],
             pts = [plan_point(hw, model, b, dtype) for b in sorted(batches)]
             rep.points += len(pts)
             rep.times += [
-                (seed + i, model, dtype, p.micro_batch, p.step_s, round(p.plan_cpu_s, 4)) for p in pts
+                (seed + i, model, dtype, p.micro_batch, p.step_s, round(p.plan_cpu_s, 4), p.replays)
+                for p in pts
             ]
             rep.planned += sum(p.step_s is not None for p in pts)
 
@@ -374,6 +382,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"{rep.points} points ({args.profiles} profiles x {len(models)} models x {len(batches)} micro-batches), "
           f"{rep.planned} planned; checks: " + ", ".join(f"{k} {v}" for k, v in rep.checks.items()) +
           f"; {len(rep.violations)} violations; {took:.0f} s")  # fmt: skip
+    if rep.times:
+        print(planning_summary(rep.times))
     for prop, s, m, dt, msg in rep.violations:
         print(f"  {prop}: seed {s} {m} {dt}: {msg}")
     return 1 if rep.violations else 0
+
+
+def planning_summary(times: list) -> str:
+    """The sweep's planning: its slowest point in CPU time and the one with the most replays (the
+    margin to PLAN_S, and the work behind it: Report.times' rows)."""
+    slow = max(times, key=lambda t: t[5])
+    most = max(times, key=lambda t: t[6])
+    near = sum(t[5] > 0.85 * PLAN_S for t in times)
+    return (f"planning: at most {slow[5]:.2f} s of CPU (profile {slow[0]} {slow[1]} b{slow[3]}; {slow[6]} replays), "
+            f"{near} points over {0.85 * PLAN_S:g} s; at most {most[6]} replays (profile {most[0]} {most[1]} b{most[3]}, "
+            f"{most[5]:.2f} s); {sum(t[6] for t in times)} replays in all")  # fmt: skip

@@ -202,6 +202,16 @@ def estimate(plan: Plan, hardware: HardwareProfile, model: ModelProfile, **optio
     return replay(plan, hardware, model, **options)[0]
 
 
+# replays made by this process (replays_made): planning's work in a unit no machine's speed moves
+# (issue 36's planning time is CPU seconds, which moved 25% between days for the same code)
+_REPLAYS = 0
+
+
+def replays_made() -> int:
+    """How many replays (cost.replay) this process has made: a count of the planner's work."""
+    return _REPLAYS
+
+
 def replay(
     plan: Plan, hardware: HardwareProfile, model: ModelProfile, **options
 ) -> tuple[StepEstimate, dict]:
@@ -214,6 +224,8 @@ def replay(
     makes no garbage that needs the collector (its one cycle is broken as it returns, which a
     test checks), so pausing it frees nothing later than it would have been freed; nested and
     concurrent replays only resume it if it ran when they started."""
+    global _REPLAYS
+    _REPLAYS += 1
     was = gc.isenabled()
     gc.disable()
     try:
