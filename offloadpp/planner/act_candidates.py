@@ -55,6 +55,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
+from .act_policies import REFETCHING
 from .activations import (
     CHECKPOINT_SWAPS,
     GRAD_IN_FORWARD,
@@ -62,7 +63,6 @@ from .activations import (
     NESTED,
     NESTED_SWAPS,
     PIECES_SWAPS,
-    REFETCH,
     SWAPPING,
     TAIL,
     ActUnit,
@@ -143,7 +143,7 @@ class ActPlanner:
     def _swapped(self, policy: str) -> str:
         """A swapped piecewise policy as this planner offers it: its REFETCH twin's in the
         refetching twin (see the Note on refetch). (To SSD here: _swap_to sends it to host.)"""
-        return _REFETCHING[policy] if self.refetch else policy
+        return REFETCHING[policy] if self.refetch else policy
 
     def _unit(self, name: str) -> ActUnit:
         return next(u for u in self.units if u.name == name)
@@ -562,7 +562,6 @@ class ActPlanner:
 
 
 _SWAPS_OF = {"recompute_nested": NESTED_SWAPS, "recompute_pieces": PIECES_SWAPS}
-_REFETCHING = {of: p for p, of in REFETCH.items()}  # (partial_ssd -> partial_refetch_ssd, ...)
 
 
 def _spread(units: list, frac: float) -> list:

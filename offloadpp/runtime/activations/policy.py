@@ -159,22 +159,23 @@ class ActPolicy(str, Enum):
 _NESTED = frozenset(
     (ActPolicy.RECOMPUTE_NESTED, ActPolicy.RECOMPUTE_NESTED_HOST, ActPolicy.RECOMPUTE_NESTED_SSD)
 )
-_PIECES = frozenset(
-    (ActPolicy.RECOMPUTE_PIECES, ActPolicy.RECOMPUTE_PIECES_HOST, ActPolicy.RECOMPUTE_PIECES_SSD)
-    + (ActPolicy.RECOMPUTE_PIECES_REFETCH_HOST, ActPolicy.RECOMPUTE_PIECES_REFETCH_SSD)
+# each *_refetch_* policy runs as the policy its name has without "_refetch" but for the source
+# (ActPolicy.refetch), and is in each group below that one is in (_and_refetching)
+_REFETCH_OF = {p: ActPolicy(p.value.replace("_refetch", "")) for p in ActPolicy if "_refetch_" in p.value}
+_REFETCH = frozenset(_REFETCH_OF)
+
+
+def _and_refetching(*policies: ActPolicy) -> frozenset:
+    """`policies` and the refetching policies of those among them."""
+    return frozenset(policies) | {p for p, of in _REFETCH_OF.items() if of in policies}
+
+
+_PIECES = _and_refetching(
+    ActPolicy.RECOMPUTE_PIECES, ActPolicy.RECOMPUTE_PIECES_HOST, ActPolicy.RECOMPUTE_PIECES_SSD
 )
-_LAST = frozenset(
-    (ActPolicy.PARTIAL_LAST, ActPolicy.PARTIAL_LAST_HOST, ActPolicy.PARTIAL_LAST_SSD)
-    + (ActPolicy.PARTIAL_LAST_REFETCH_HOST, ActPolicy.PARTIAL_LAST_REFETCH_SSD)
-)
-_REFETCH = frozenset(
-    (ActPolicy.PARTIAL_REFETCH_HOST, ActPolicy.PARTIAL_REFETCH_SSD)
-    + (ActPolicy.RECOMPUTE_PIECES_REFETCH_HOST, ActPolicy.RECOMPUTE_PIECES_REFETCH_SSD)
-    + (ActPolicy.PARTIAL_LAST_REFETCH_HOST, ActPolicy.PARTIAL_LAST_REFETCH_SSD)
-)
-_PARTIAL = frozenset(
-    (ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL)
-    + (ActPolicy.PARTIAL_REFETCH_HOST, ActPolicy.PARTIAL_REFETCH_SSD)
+_LAST = _and_refetching(ActPolicy.PARTIAL_LAST, ActPolicy.PARTIAL_LAST_HOST, ActPolicy.PARTIAL_LAST_SSD)
+_PARTIAL = _and_refetching(
+    ActPolicy.PARTIAL, ActPolicy.PARTIAL_HOST, ActPolicy.PARTIAL_SSD, ActPolicy.PARTIAL_HOST_TAIL
 )
 _PIECEWISE = _PIECES | _LAST | _PARTIAL
 _RECOMPUTING = (
@@ -196,13 +197,8 @@ _CHECKPOINT = {
     ActPolicy.PARTIAL_SSD: ActPolicy.SSD,
     ActPolicy.PARTIAL_LAST_HOST: ActPolicy.HOST,
     ActPolicy.PARTIAL_LAST_SSD: ActPolicy.SSD,
-    ActPolicy.PARTIAL_REFETCH_HOST: ActPolicy.HOST,
-    ActPolicy.PARTIAL_REFETCH_SSD: ActPolicy.SSD,
-    ActPolicy.RECOMPUTE_PIECES_REFETCH_HOST: ActPolicy.HOST,
-    ActPolicy.RECOMPUTE_PIECES_REFETCH_SSD: ActPolicy.SSD,
-    ActPolicy.PARTIAL_LAST_REFETCH_HOST: ActPolicy.HOST,
-    ActPolicy.PARTIAL_LAST_REFETCH_SSD: ActPolicy.SSD,
 }
+_CHECKPOINT.update({p: _CHECKPOINT[of] for p, of in _REFETCH_OF.items()})
 
 
 @dataclass(frozen=True)
