@@ -172,10 +172,14 @@ def test_read_past_end(io_backend, tmp_path):
     # the end of file after the required bytes is fine (a padded read of an unpadded file)...
     assert eng.read(f, dst.ptr, 5 * 8192, 0, required=3 * 8192).wait() == 3 * 8192
     assert np.array_equal(a, b[: 3 * 8192])
-    # ...before them it is an error naming the offset where the data ran out
-    with pytest.raises(SwapIOError) as ei:
-        eng.read(f, dst.ptr, 5 * 8192, 0).wait()
-    assert ei.value.errno == errno.EIO and "end of file" in str(ei.value) and ei.value.offset == 3 * 8192
+    # ...before them it is an error naming the offset where the data ran out, whichever of the
+    # blocks past the end completes first (a threadpool's fourth block once finished before its
+    # third, in about 1 of 3000 reads, and the error named the fourth's offset: Engine::
+    # fail_request_locked keeps a request's first failed block in the file)
+    for _ in range(300):
+        with pytest.raises(SwapIOError) as ei:
+            eng.read(f, dst.ptr, 5 * 8192, 0).wait()
+        assert ei.value.errno == errno.EIO and "end of file" in str(ei.value) and ei.value.offset == 3 * 8192
 
 
 def test_injected_error_names_path_offset_errno(io_backend, tmp_path):

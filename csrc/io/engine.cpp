@@ -342,10 +342,8 @@ void Engine::complete_block_locked(Worker& w, const BlockCompletion& c, std::vec
   if (fault_countdown_ >= 0 && fault_countdown_-- == 0) {
     res = fault_err_ > 0 ? -static_cast<int64_t>(fault_err_) : std::min<int64_t>(res, fault_short_);
   }
-  if (r.failed) {  // an earlier block of this request failed: its result no longer matters
-    release_block_locked(w, si, fin);
-    return;
-  }
+  // (a block of a request already failed is still looked at: a failure before the one reported
+  // names the error instead, see fail_request_locked; its remainder is not resubmitted, fill_locked)
   const int64_t file_off = r.spec.offset + static_cast<int64_t>(s.rel);
   const std::string op = std::string(r.spec.write ? "pwrite" : "pread") + " of " + std::to_string(s.len) +
                          " bytes (" + w.backend->name() + ")";
@@ -392,7 +390,12 @@ void Engine::complete_block_locked(Worker& w, const BlockCompletion& c, std::vec
 void Engine::fail_request_locked(Request& r, int err, const std::string& op, int64_t offset) {
   r.failed = true;
   Handle& h = *r.chain->handle;
-  if (!h.failed_) {
+  // The first error of a handle is the one it reports; of one request's failed blocks, the first in
+  // the file (where the data ran out), whichever completes first: the blocks run concurrently
+  // (a threadpool's 32 KiB block could finish before the 24 KiB one, the read past the end of a
+  // 24 KiB file then naming offset 32 KiB: tests/test_io_engine.py test_read_past_end).
+  if (!h.failed_ || (r.names_error && offset < h.err_offset_)) {
+    r.names_error = true;
     h.failed_ = true;
     h.err_ = err;
     h.err_op_ = op;

@@ -69,6 +69,7 @@ struct Request {
   uint64_t handed = 0;       // bytes handed out as blocks
   uint32_t outstanding = 0;  // blocks handed out and not finished (in flight or awaiting retry)
   bool failed = false;
+  bool names_error = false;  // its failure is the one the handle reports (fail_request_locked)
   bool finished = false;
   bool sealed = false;
 };
