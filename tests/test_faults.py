@@ -272,3 +272,121 @@ def test_a_swap_folder_removed_under_the_run_is_named_at_every_later_step(tmp_pa
                 eng.step()
     finally:
         eng.close()
+
+
+# Where a Ctrl-C lands in the DeepSpeed engine's own code around the runtime's calls, in the
+# last micro-batch of the second window: (what raises, at its nth call from then on by the
+# window's length): before the forward (the last micro-batch's completion: with one micro-batch a
+# window, between steps), after the forward (the optimizer's hypers pushed before backward),
+# after the runtime's backward (the monitors fed), in step() before it holds Ctrl-C.
+_WRAPPER_SPOTS = {
+    "before-forward": (lambda eng: (eng, "_finish_micro"), lambda gas: 2 * gas - 1),
+    "hypers": (lambda eng: (eng.optimizer, "hypers"), lambda gas: gas),
+    "monitors": (lambda eng: (eng._events, "backward"), lambda gas: gas),
+    "step": (lambda eng: (eng, "_step"), lambda gas: 1),
+}
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("spot", list(_WRAPPER_SPOTS))
+def test_ctrl_c_in_the_deepspeed_engines_own_code_rolls_the_window_back(tmp_path, caplog, spot, gas):
+    """The DeepSpeed engine's work around the runtime's calls is part of the step: a Ctrl-C
+    there rolls the open window back as one inside the runtime does, and says so once (between
+    steps, that nothing had begun); training goes on bit for bit as if the window had never
+    started (its batches run again)."""
+    import logging
+
+    from test_deepspeed_integration import batches, ds_config, tiny_gpt2
+
+    import offloadpp
+
+    cfg = dict(gradient_accumulation_steps=gas, gradient_clipping=1.0)
+    data = batches(3 * gas)
+    ref, *_ = offloadpp.initialize(model=tiny_gpt2(), config=ds_config(tmp_path / "ref", **cfg))
+    eng, *_ = offloadpp.initialize(model=tiny_gpt2(), config=ds_config(tmp_path / "nvme", **cfg))
+
+    def micro(e, b, last):
+        e.backward(e(b, labels=b).loss)
+        if last:  # (earlier micro-batches complete at the next forward: Accelerate's way)
+            e.step()
+
+    try:
+        for i, b in enumerate(data):
+            micro(ref, b, i % gas == gas - 1)
+        for i, b in enumerate(data[:gas]):
+            micro(eng, b, i == gas - 1)
+        where, nth = _WRAPPER_SPOTS[spot]
+        owner, name = where(eng)
+        real, calls = getattr(owner, name), []
+
+        def interrupted(*a, **k):
+            calls.append(1)
+            if len(calls) < nth(gas):
+                return real(*a, **k)
+            setattr(owner, name, real)
+            raise KeyboardInterrupt
+
+        setattr(owner, name, interrupted)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="offloadpp"), pytest.raises(KeyboardInterrupt):
+            for i, b in enumerate(data[gas : 2 * gas]):
+                micro(eng, b, i == gas - 1)
+        assert getattr(owner, name) == real, "the interrupt was not reached"
+        said = [r.getMessage() for r in caplog.records if "interrupted (KeyboardInterrupt)" in r.getMessage()]
+        assert len(said) == 1 and "last completed step (1)" in said[0], said
+        assert ("between steps" in said[0]) == (spot == "before-forward" and gas == 1), said
+        assert eng.global_steps == 1
+        for i, b in enumerate(data[gas:]):  # the window again, from its first micro-batch
+            micro(eng, b, i % gas == gas - 1)
+        assert eng.global_steps == ref.global_steps == 3
+        assert fingerprint(eng.runtime, tmp_path / "a") == fingerprint(ref.runtime, tmp_path / "b")
+        assert eng.get_lr() == ref.get_lr()
+    finally:
+        eng.close()
+        ref.close()
+
+
+def test_ctrl_c_at_the_end_of_train_batch_is_held_until_the_engines_bookkeeping_is_done(tmp_path, caplog):
+    """A Ctrl-C while train_batch's step commits is held until the DeepSpeed engine has counted
+    the step and stepped its scheduler too (the runtime runs that bookkeeping inside the step's
+    end), then raised once, said once: the engine and the runtime agree on the step, and
+    training goes on bit for bit."""
+    import logging
+    import signal
+
+    from test_deepspeed_integration import batches, ds_config, tiny_gpt2
+
+    import offloadpp
+
+    cfg = dict(gradient_accumulation_steps=2, gradient_clipping=1.0)
+    data = [{"input_ids": b, "labels": b} for b in batches(8)]
+    ref, *_ = offloadpp.initialize(model=tiny_gpt2(), config=ds_config(tmp_path / "ref", **cfg))
+    eng, *_ = offloadpp.initialize(model=tiny_gpt2(), config=ds_config(tmp_path / "nvme", **cfg))
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # (as a terminal's script has it)
+    try:
+        for w in range(4):
+            ref.train_batch(iter(data[2 * w : 2 * w + 2]))
+        for w in range(2):
+            eng.train_batch(iter(data[2 * w : 2 * w + 2]))
+        commit = eng.runtime.transaction.commit
+
+        def ctrl_c_then_commit():
+            eng.runtime.transaction.commit = commit
+            os.kill(os.getpid(), signal.SIGINT)
+            commit()
+
+        eng.runtime.transaction.commit = ctrl_c_then_commit
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="offloadpp"), pytest.raises(KeyboardInterrupt):
+            eng.train_batch(iter(data[4:6]))
+        said = [r.getMessage() for r in caplog.records if "interrupted (KeyboardInterrupt)" in r.getMessage()]
+        assert len(said) == 1 and "end of step 3, which completed first" in said[0], said
+        assert eng.global_steps == eng.runtime.global_step == 3
+        eng.train_batch(iter(data[6:8]))
+        assert eng.global_steps == ref.global_steps == 4
+        assert fingerprint(eng.runtime, tmp_path / "a") == fingerprint(ref.runtime, tmp_path / "b")
+        assert eng.get_lr() == ref.get_lr()
+    finally:
+        signal.signal(signal.SIGINT, old)
+        eng.close()
+        ref.close()

@@ -237,6 +237,7 @@ def test_train_window_follows_the_plan_and_refuses_a_half_done_window(tmp_path, 
         eng.step()  # (not the window's boundary: 1 of G)
         with pytest.raises(RuntimeError, match="half done"):
             eng.train_window([{"input_ids": x, "labels": x}] * G)
+        assert eng.micro_in_window == 1  # the refusal left the half-done window as it was
         with pytest.raises(TypeError, match="no loss"):
             accumulate.loss_of(object(), None)
 

@@ -28,6 +28,7 @@ import torch
 
 from .config import StepReport
 from .rng import RngState, Tape, TapeRecorder, predicted_starts, shape_key
+from .transaction import holding_interrupts, interrupted_after_step
 from .unit import TORCH_DTYPES
 from .window import VerticalForward
 from .window_grads import GradSums
@@ -91,12 +92,15 @@ class WindowRunner:
 
     # ---- training ---------------------------------------------------------------------------
     def train(
-        self, batches, *, vertical: Optional[bool], loss_fn, forward=None, scale_wrt_gas=True
+        self, batches, *, vertical: Optional[bool], loss_fn, forward=None, scale_wrt_gas=True, done=None
     ) -> WindowResult:
         """forward(batch): a micro-batch's output (default: the model called on it, `call`);
         scale_wrt_gas: the losses divided by gradient_accumulation_steps (engine.backward's), or
         a function that says it when backward runs (a micro-batch step that calls backward itself
-        says it as it runs: integrations/deepspeed/trainer_window.py)."""
+        says it as it runs: integrations/deepspeed/trainer_window.py); done(result): the
+        caller's bookkeeping of the completed step, inside its end (_step). Whatever raises
+        before the step completed rolls the window back (OffloadEngine.roll_back: this code's
+        own between the engine's calls too); what it refuses up front changes nothing."""
         e = self.engine
         forward = forward if forward is not None else functools.partial(call, e.module)
         batches = list(batches)
@@ -110,29 +114,50 @@ class WindowRunner:
             )
         if not torch.is_grad_enabled():
             raise RuntimeError("train_window: gradients are disabled (torch.no_grad); use eval_window")
+        try:
+            return self._train(batches, vertical, loss_fn, forward, scale_wrt_gas, done)
+        except BaseException:
+            e.roll_back()
+            raise
+
+    def _train(self, batches: list, vertical, loss_fn, forward, scale_wrt_gas, done) -> WindowResult:
+        e = self.engine
         vertical = (e.plan.vertical if vertical is None else vertical) and len(batches) > 1
         keys = [shape_key(e.module.training, b) for b in batches]
         if vertical and all(k in self.tapes for k in keys):
-            result = self._vertical(batches, keys, loss_fn, forward, scale_wrt_gas)
+            result = self._vertical(batches, keys, loss_fn, forward, scale_wrt_gas, done)
             if result is not None:
                 return result
-        return self._horizontal(batches, keys, loss_fn, forward, scale_wrt_gas)
+        return self._horizontal(batches, keys, loss_fn, forward, scale_wrt_gas, done)
 
-    def _horizontal(self, batches: list, keys: list, loss_fn, forward, scale) -> WindowResult:
+    def _step(self, losses, vertical: bool, done) -> WindowResult:
+        """The window's step and the caller's bookkeeping of it (done), a Ctrl-C held until both
+        are complete (as OffloadEngine.step holds it until its own is), then raised."""
+        e = self.engine
+        with holding_interrupts() as interrupted:
+            result = WindowResult(tuple(x.detach() for x in losses), e.step(), vertical=vertical)
+            if done is not None:
+                done(result)
+        if interrupted:
+            raise interrupted_after_step(e.global_step)
+        return result
+
+    def _horizontal(self, batches: list, keys: list, loss_fn, forward, scale, done) -> WindowResult:
         """Forward, backward, step per micro-batch; the tape of each shape not seen yet recorded."""
         e = self.engine
-        losses, report = [], None
+        losses = []
         count = len(batches) != e.settings.gradient_accumulation_steps
         for m, batch in enumerate(batches):
             loss = loss_of(self._forward_taped(forward, batch, keys[m]), loss_fn)
             if count:  # a window of another length than gradient_accumulation_steps: ends at its last
                 e.set_boundary(m == len(batches) - 1)
             e.backward(loss, scale_wrt_gas=_flag(scale))
-            report = e.step()
             losses.append(loss.detach())
-        return WindowResult(tuple(losses), report, vertical=False)
+            if m < len(batches) - 1:
+                e.step()
+        return self._step(losses, False, done)
 
-    def _vertical(self, batches: list, keys: list, loss_fn, forward, scale) -> Optional[WindowResult]:
+    def _vertical(self, batches: list, keys: list, loss_fn, forward, scale, done) -> Optional[WindowResult]:
         """The window run vertically; None if the RNG did not follow the tapes (rerun it)."""
         e = self.engine
         e._boundary_override = True  # one backward, on the window's boundary
@@ -140,11 +165,13 @@ class WindowRunner:
         # gradient slots acquired from its forward on (the optimizer reads ahead), for this window
         e.optimizer.window_grads = TORCH_DTYPES[e.plan.window_grad_dtype]
         try:
-            return self._vertical_run(batches, keys, loss_fn, forward, scale)
+            return self._vertical_run(batches, keys, loss_fn, forward, scale, done)
         finally:
             e.optimizer.window_grads = None
 
-    def _vertical_run(self, batches: list, keys: list, loss_fn, forward, scale) -> Optional[WindowResult]:
+    def _vertical_run(
+        self, batches: list, keys: list, loss_fn, forward, scale, done
+    ) -> Optional[WindowResult]:
         e = self.engine
         outs, off, starts = self._forward_vertical(forward, batches, keys)
         if off is not None:
@@ -164,8 +191,7 @@ class WindowRunner:
         with summing:
             e._backward(losses, scale_wrt_gas=_flag(scale))
         e.accounting.vertical = True  # (its report is set beside the window's estimate)
-        report = e.step()
-        return WindowResult(tuple(x.detach() for x in losses), report, vertical=True)
+        return self._step(losses, True, done)
 
     # ---- evaluation -------------------------------------------------------------------------
     def evaluate(self, batches, *, vertical: Optional[bool]) -> list:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 import weakref
 from dataclasses import replace
@@ -60,7 +61,7 @@ from .reports import StepAccounting
 from .slots import Txn
 from .speculation import SpeculationPolicy, finish_updates
 from .state import Exporter, check_buffers, default_init_fn, initialize_units, replace_meta_params
-from .transaction import StepTransaction, holding_interrupts
+from .transaction import StepTransaction, holding_interrupts, interrupted_after_step, settle, settled
 from .unit import Unit, UnitPhase
 
 log = logging.getLogger("offloadpp.runtime")
@@ -386,17 +387,20 @@ class OffloadEngine(BetweenSteps):
         self.accounting.backward_s += time.perf_counter() - t0
 
     def train_window(self, batches, *, vertical: Optional[bool] = None, loss_fn=None, forward=None,
-                     scale_wrt_gas: bool = True) -> WindowResult:  # fmt: skip
+                     scale_wrt_gas: bool = True, done=None) -> WindowResult:  # fmt: skip
         """Forward, backward and the optimizer step of one accumulation window of micro-batches
         (each a dict of the model's keyword arguments, or a tuple of its positional ones), run
         vertically (each unit over all micro-batches while its weights are on the device:
         runtime/accumulate.py) where `vertical` says, None: as the plan chose (Plan.vertical,
         Settings.accumulation). forward(batch), if given, computes a micro-batch's output in
         place of the model called on it (it calls the model itself: the Trainer's training step,
-        integrations/deepspeed/trainer_window.py); scale_wrt_gas as backward's. Between windows.
-        Returns each micro-batch's loss and the step's report."""
+        integrations/deepspeed/trainer_window.py); scale_wrt_gas as backward's; done(result),
+        if given, is the caller's bookkeeping of the step (its counters, its scheduler), run inside
+        the step's end, where a Ctrl-C is held until both are complete. Between windows. Returns
+        each micro-batch's loss and the step's report; anything that raises before the step
+        completed rolls the window back."""
         return self._windows.train(batches, vertical=vertical, loss_fn=loss_fn, forward=forward,
-                                   scale_wrt_gas=scale_wrt_gas)  # fmt: skip
+                                   scale_wrt_gas=scale_wrt_gas, done=done)  # fmt: skip
 
     def eval_window(self, batches, *, vertical: Optional[bool] = None) -> list:
         """The model's outputs for each batch, forward only (no gradients), vertically as
@@ -407,15 +411,14 @@ class OffloadEngine(BetweenSteps):
         """Waits for the optimizer. On an accumulation boundary returns the StepReport."""
         self._check_open()
         t0 = time.perf_counter()
-        boundary = self._boundary()
-        self._boundary_override = None
-        self._micro = None
-        if not boundary:
+        if not self._boundary():
             try:
                 self.optimizer.finish()
             except BaseException:
                 self._abort_step()
                 raise
+            # (the micro-batch's state changes with no call between: a Ctrl-C finds it before or after)
+            self._boundary_override, self._micro = None, None
             self.micro_in_window += 1
             self.accounting.optimizer_s += time.perf_counter() - t0
             return None
@@ -424,41 +427,60 @@ class OffloadEngine(BetweenSteps):
         # Note: the end of a step is not interruptible where its updates write in place (deferred
         # updates): a Ctrl-C while they run would leave some units updated. It is held until the
         # step is complete and counted, then raised. (A speculating step is a transaction to its end.)
-        try:
-            with holding_interrupts() as interrupted, record_function("offloadpp::optimizer_wait"):
-                if self.plan.deferred_update:
-                    steps = {u.name: w for u, w in zip(self.units, self.transaction.window_steps)}
-                    outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
-                                             max_norm=self.settings.gradient_clipping, steps=steps,
-                                             dp=self.dp, lazy=self.optimizer.lazy)  # fmt: skip
-                self.optimizer.finish()
-                self.optimizer.release_grads()
-                self.store.check_writes()  # a write that failed reports its own cause, here
-                check_nvme_paths(self.config.nvme_paths, probe=False)  # still there (not removed)
-                self.transaction.commit()
-        except BaseException as e:
-            if self.txn.active:
-                self._abort_step()  # nothing committed yet: back to the last completed step
-            else:
-                self.transaction.fail(e)  # deferred updates half written: the engine cannot go on
-            raise
-        self.micro_in_window = 0
-        if outcome is None or not outcome.skipped:
-            self.global_step += 1
-        if outcome is not None and not outcome.skipped:
-            self.speculation.record(self.global_step, outcome.clipped)
-        exposed = time.perf_counter() - t0  # the updates are done (the heap's trim is not theirs)
-        if self._return_heap:
-            host_heap.trim()
-        self.accounting.optimizer_s += time.perf_counter() - t0
-        report = self.accounting.report(self.global_step, outcome, scale, exposed)
+        with holding_interrupts() as interrupted:
+            try:
+                with record_function("offloadpp::optimizer_wait"):
+                    if self.plan.deferred_update:
+                        steps = {u.name: w for u, w in zip(self.units, self.transaction.window_steps)}
+                        outcome = finish_updates(self.optimizer, scale=scale or 1.0, loss_scaler=self.loss_scaler,
+                                                 max_norm=self.settings.gradient_clipping, steps=steps,
+                                                 dp=self.dp, lazy=self.optimizer.lazy)  # fmt: skip
+                    self.optimizer.finish()
+                    self.optimizer.release_grads()
+                    self.store.check_writes()  # a write that failed reports its own cause, here
+                    check_nvme_paths(self.config.nvme_paths, probe=False)  # still there (not removed)
+                    self.transaction.commit()
+            except BaseException as e:
+                if self.txn.active:
+                    self._abort_step()  # nothing committed yet: back to the last completed step
+                else:
+                    self.transaction.fail(e)  # deferred updates half written: the engine cannot go on
+                raise
+            self._boundary_override, self._micro = None, None
+            self.micro_in_window = 0
+            if outcome is None or not outcome.skipped:
+                self.global_step += 1
+            if outcome is not None and not outcome.skipped:
+                self.speculation.record(self.global_step, outcome.clipped)
+            exposed = time.perf_counter() - t0  # the updates are done (the heap's trim is not theirs)
+            if self._return_heap:
+                host_heap.trim()
+            self.accounting.optimizer_s += time.perf_counter() - t0
+            report = self.accounting.report(self.global_step, outcome, scale, exposed)
         if self.config.log_every and report.step % self.config.log_every == 0:
             log.info("%s", report.summary())
         if interrupted:
-            log.warning("offloadpp: interrupted (KeyboardInterrupt) at the end of step %d, which completed first; "
-                        "checkpoints on disk are not touched", self.global_step)  # fmt: skip
-            raise KeyboardInterrupt
+            raise interrupted_after_step(self.global_step)
         return report
+
+    def roll_back(self) -> None:
+        """For a caller whose own code around forward, backward and step raised (the DeepSpeed
+        engine's, e.g. a Ctrl-C between its forward and the runtime's backward; a window's): the
+        open window back to the last completed step, as an error inside them does (_abort_step).
+        Called while handling the error; nothing again for an error the engine settled already
+        (transaction.settled). Between windows nothing had begun: nothing changes, and a Ctrl-C
+        is said to have found the engine at its last step."""
+        exc = sys.exc_info()[1]
+        if self._closed or self.transaction.failed is not None or settled(exc):
+            return
+        if self._micro is None and self.micro_in_window == 0:
+            if isinstance(exc, KeyboardInterrupt):
+                log.warning("offloadpp: interrupted (KeyboardInterrupt) between steps: the engine is at its last "
+                            "completed step (%d), as it was; checkpoints on disk are not touched",
+                            self.global_step)  # fmt: skip
+            settle(exc)
+            return
+        self._abort_step()
 
     def _abort_step(self) -> None:
         """The step interrupted: back to the last completed one (StepTransaction.abort), and this

@@ -67,7 +67,7 @@ class StepTransaction:
         accumulated in the window are dropped. State the plan keeps in memory (a HOST tier) is
         updated in place and cannot go back: if any was, the engine refuses to go on and names
         the unit (load the last checkpoint)."""
-        if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt) and not settled(sys.exc_info()[1]):
             log.warning("offloadpp: interrupted (KeyboardInterrupt) inside a step: the engine goes back to its last "
                         "completed step (%d); checkpoints on disk are not touched", global_step)  # fmt: skip
         errors = self.optimizer.finish_all()  # jobs in flight complete (they cannot be stopped half way)
@@ -107,6 +107,7 @@ class StepTransaction:
         self.activations.end_backward()
         self.txn.active = False
         self.aborted = True
+        settle(sys.exc_info()[1])  # (the exception being handled, if any: a caller's roll_back leaves it)
         self.accounting.reset()
         if torn:
             self.fail(RuntimeError(
@@ -119,6 +120,36 @@ class StepTransaction:
         if self.failed is None:
             self.failed = cause
             log.error("offloadpp: the engine cannot go on: %s", cause)
+
+
+# Note: settled. An exception that leaves the engine where it says (the step rolled back for it,
+# or a Ctrl-C raised after the step it was held in completed) is marked, so that a caller's code
+# around the runtime's calls (the DeepSpeed engine's, a window's) rolling back on any error
+# (OffloadEngine.roll_back) neither rolls back twice nor says it twice.
+_SETTLED = "_offloadpp_settled"
+
+
+def settle(exc: Optional[BaseException]) -> Optional[BaseException]:
+    if exc is not None:
+        try:
+            setattr(exc, _SETTLED, True)
+        except (
+            AttributeError,
+            TypeError,
+        ):  # an exception type that takes no attributes: said twice, at worst
+            pass
+    return exc
+
+
+def settled(exc: Optional[BaseException]) -> bool:
+    return bool(getattr(exc, _SETTLED, False))
+
+
+def interrupted_after_step(step: int) -> KeyboardInterrupt:
+    """The KeyboardInterrupt to raise for a Ctrl-C held until step `step` completed (said here)."""
+    log.warning("offloadpp: interrupted (KeyboardInterrupt) at the end of step %d, which completed first; "
+                "checkpoints on disk are not touched", step)  # fmt: skip
+    return settle(KeyboardInterrupt())
 
 
 @contextlib.contextmanager

@@ -4,9 +4,10 @@ It is a DeepSpeedEngine (a subclass, so `isinstance` checks in Accelerate, Train
 hold, and `accelerator.unwrap_model` finds the model) and an nn.Module holding the model as
 `module` (so `parameters()`, `state_dict()`, `train()`/`eval()` and attribute pass-through to the
 model behave as DeepSpeed's). DeepSpeed's own `__init__` never runs: every public method of
-DeepSpeedEngine is either written here, inherited because it only reads the parsed config
-(`surface.INHERITED`), or replaced by one that raises naming what to use instead
-(`surface.UNSUPPORTED`); tests/test_ds_engine_surface.py checks that split covers all of them.
+DeepSpeedEngine is either written here (PipelineEngine's whole-window API in pipeline_api.py),
+inherited because it only reads the parsed config (`surface.INHERITED`), or replaced by one
+that raises naming what to use instead (`surface.UNSUPPORTED`); tests/test_ds_engine_surface.py
+checks that split covers all of them.
 
 The update itself is the runtime's (fused CPU Adam during backward). Each param group's
 hyper-parameters are read from `optimizer.param_groups` before every backward, so any scheduler
@@ -30,15 +31,15 @@ from offloadpp.integrations.deepspeed.checkpoint import save_engine_checkpoint
 from offloadpp.integrations.deepspeed.ds_import import load_checkpoint
 from offloadpp.integrations.deepspeed.monitor import StepEvents
 from offloadpp.integrations.deepspeed.optimizer import OffloadppOptimizer
-from offloadpp.runtime.accumulate import loss_of
-from offloadpp.runtime.transaction import holding_interrupts
+from offloadpp.integrations.deepspeed.pipeline_api import PipelineWindows, cast_floats
+from offloadpp.runtime.transaction import holding_interrupts, interrupted_after_step
 
 logger = logging.getLogger("offloadpp")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class OffloadppEngine(DeepSpeedEngine):
+class OffloadppEngine(PipelineWindows, DeepSpeedEngine):
     def __init__(self, runtime, config: dict, ds_config, optimizer: OffloadppOptimizer, *, groups: dict,
                  lr_scheduler=None, training_dataloader=None, collate_fn=None):  # fmt: skip
         torch.nn.Module.__init__(self)
@@ -121,32 +122,41 @@ class OffloadppEngine(DeepSpeedEngine):
 
     @contextlib.contextmanager
     def _window_rolled_back_on_error(self):
-        """A runtime forward, backward or step that raises has rolled the open window back to
-        the last completed step (runtime/transaction.py, abort): this engine's half of the window
-        goes too, the pending micro-batch and the losses the monitors had from it, so that the
-        next window's train_loss is its own (as DeepSpeed's PipelineEngine starts each
-        train_batch's loss afresh)."""
+        """Whatever raises inside, the runtime's forward, backward or step or this engine's own
+        work around them (a Ctrl-C while it pushes the hypers or feeds the monitors), rolls the
+        open window back to the last completed step (runtime/transaction.py, abort: the runtime
+        has done it already for its own calls, else roll_back does it now), and this engine's
+        half of the window goes too: the pending micro-batch and the losses the monitors had
+        from it, so that the next window's train_loss is its own (as DeepSpeed's PipelineEngine
+        starts each train_batch's loss afresh)."""
         try:
             yield
         except BaseException:
+            self.runtime.roll_back()
             self._pending = None
             self._events.discard()
             raise
 
     def forward(self, *inputs, **kwargs):
-        if self._capture is None:
-            self._finish_micro()
-        if self._config.float16_config.enabled and self._config.float16_config.auto_cast:
-            inputs, kwargs = _cast_floats((inputs, kwargs), torch.float16)
         if self._capture is not None:  # a micro-batch of a window: the window's forward runs it
+            inputs, kwargs = self._autocast(inputs, kwargs)
             return self.runtime.module(*inputs, **kwargs)
+        self._check_stepped()
         with self._window_rolled_back_on_error():
+            self._finish_micro()
+            inputs, kwargs = self._autocast(inputs, kwargs)
             return self.runtime(*inputs, **kwargs)
+
+    def _autocast(self, inputs, kwargs):
+        if self._config.float16_config.enabled and self._config.float16_config.auto_cast:
+            return cast_floats((inputs, kwargs), torch.float16)
+        return inputs, kwargs
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of one micro-batch. Like DeepSpeed, the loss is divided by the gradient
         accumulation steps unless scale_wrt_gas is False (Trainer scales it itself); returns
-        the loss that was passed."""
+        the loss that was passed. Misuse is refused before anything changes; any other error
+        rolls the window back (_window_rolled_back_on_error)."""
         if retain_graph:
             raise NotImplementedError(
                 "retain_graph: offloadpp releases each unit's weights after its backward; run a new forward instead"
@@ -154,14 +164,15 @@ class OffloadppEngine(DeepSpeedEngine):
         if self._capture is not None:  # a micro-batch of a window: its loss, for the window's backward
             self._capture.took(loss, scale_wrt_gas)
             return loss
-        self._finish_micro()
-        self._push_hypers()
-        boundary = self.is_gradient_accumulation_boundary()
-        self.runtime.set_boundary(boundary)
+        self._check_stepped()
         with self._window_rolled_back_on_error():
+            self._finish_micro()
+            self._push_hypers()
+            boundary = self.is_gradient_accumulation_boundary()
+            self.runtime.set_boundary(boundary)
             self.runtime.backward(loss, scale_wrt_gas=scale_wrt_gas)
-        self._events.backward(loss, 1.0 / self.gradient_accumulation_steps() if scale_wrt_gas else 1.0)
-        self._pending = boundary
+            self._events.backward(loss, 1.0 / self.gradient_accumulation_steps() if scale_wrt_gas else 1.0)
+            self._pending = boundary
         return loss
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -181,12 +192,10 @@ class OffloadppEngine(DeepSpeedEngine):
         (Accelerate calls it only on boundaries: the other micro-batches complete by themselves).
         A Ctrl-C in the step's end is held until the counters and the scheduler have stepped too
         (runtime/transaction.py's holding_interrupts), then raised."""
-        with holding_interrupts() as interrupted:
+        with self._window_rolled_back_on_error(), holding_interrupts() as interrupted:
             self._step(lr_kwargs)
         if interrupted:
-            logger.warning("offloadpp: interrupted (KeyboardInterrupt) at the end of step %d, which completed first; "
-                           "checkpoints on disk are not touched", self.global_steps)  # fmt: skip
-            raise KeyboardInterrupt
+            raise interrupted_after_step(self.global_steps)
 
     def _step(self, lr_kwargs: Optional[dict]) -> None:
         if self._pending is None or self._capture is not None:
@@ -221,101 +230,27 @@ class OffloadppEngine(DeepSpeedEngine):
         if spp and math.isfinite(spp) and self.global_steps % spp == 0:
             logger.info("offloadpp step %d lr=%s %s", self.global_steps, self.get_lr(), report.summary())
 
-    # ---- a whole window (DeepSpeed's PipelineEngine API) ------------------------------------
-    def set_dataiterator(self, iterator) -> None:
-        """The iterator train_batch() pulls micro-batches from when it is given none."""
-        self.data_iterator = iterator
-
-    def _pull(self, data_iter, count: int) -> list:
-        """`count` micro-batches from data_iter (else the one set, else the training data given
-        to initialize), on the engine's device, floats cast as forward() casts them."""
-        it = data_iter if data_iter is not None else getattr(self, "data_iterator", None)
-        if it is None:
-            if self.training_dataloader is None:
-                raise ValueError(
-                    "train_batch/eval_batch: no data_iter given, none set with set_dataiterator, and no "
-                    "training_data passed to initialize"
-                )
-            it = self.data_iterator = iter(self.training_dataloader)
-        batches = [next(it) for _ in range(count)]
-        batches = _to_device(batches, self.device)
-        if self._config.float16_config.enabled and self._config.float16_config.auto_cast:
-            batches = _cast_floats(batches, torch.float16)
-        return batches
-
-    def train_batch(self, data_iter=None) -> torch.Tensor:
-        """DeepSpeed's PipelineEngine.train_batch: pulls gradient_accumulation_steps micro-batches
-        from data_iter (each a dict of the model's keyword arguments or a tuple of its positional
-        ones), runs the window and the optimizer step, returns the window's mean loss. The window
-        runs vertically (offloadpp/runtime/accumulate.py): each unit's weights are read once for
-        forward and once for backward, not once per micro-batch."""
-        if not torch.is_grad_enabled():
-            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
-        if self._pending is not None or self._micro_in_window:
-            raise RuntimeError(
-                "train_batch: a window of engine.forward/backward/step micro-batches is half done; finish it "
-                "(engine.step() after its last backward) first"
-            )
-        if data_iter is not None:
-            self.set_dataiterator(data_iter)
-        self.module.train()
-        batches = self._pull(None, self.gradient_accumulation_steps())
-        self._push_hypers()
-        with self._window_rolled_back_on_error():
-            result = self.runtime.train_window(batches)
-        self._window_done(result)
-        self.agg_train_loss = self.last_window.mean_loss
-        return self.agg_train_loss
-
-    def _window_done(self, result) -> None:
-        """A whole window ran (its WindowResult): the counters, the scheduler, the monitors."""
-        for loss in result.losses:  # the monitors' train_loss: the window's mean, as backward() feeds it
-            self._events.backward(loss, 1.0 / len(result.losses))
-        self.micro_steps += len(result.losses)
-        self._stepped(result.report, None)
-        self.last_window = result  # (its per-micro-batch losses, whether it ran vertically)
-        self.windows_vertical.append(result.vertical)
-
-    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
-                   num_micro_batches: Optional[int] = None):  # fmt: skip
-        """DeepSpeed's PipelineEngine.eval_batch: the model in eval mode, forward only, over
-        num_micro_batches (default gradient_accumulation_steps) micro-batches from data_iter, run
-        vertically; returns the mean loss ('avg'), or the list of losses (reduce_output None),
-        and with return_logits also the last micro-batch's output, as DeepSpeed does. (bcast_loss:
-        one pipeline stage here, nothing to broadcast.)"""
-        if reduce_output not in ("avg", None):
-            raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
-        self.module.eval()
-        batches = self._pull(data_iter, num_micro_batches or self.gradient_accumulation_steps())
-        outs = self.runtime.eval_window(batches)
-        result = None
-        if compute_loss:
-            losses = [loss_of(o, None).detach() for o in outs]
-            result = torch.stack([x.float() for x in losses]).mean() if reduce_output == "avg" else losses
-        if return_logits:
-            last = outs[-1]
-            return result, getattr(last, "logits", last)
-        return result
-
     def _complete_micro(self):
         with self._window_rolled_back_on_error():
             report = self.runtime.step()
-        self._pending = None
-        self.micro_steps += 1
+            self._pending = None
+            self.micro_steps += 1
         return report
 
-    def _finish_micro(self) -> None:
-        """Before a new forward or backward: a micro-batch whose backward ran without step() is
-        completed here if it did not end the window (Accelerate's way); a boundary must be."""
-        if self._pending is None:
-            return
+    def _check_stepped(self) -> None:
+        """A backward that ended the accumulation window must be followed by step()."""
         if self._pending:
             raise RuntimeError(
                 "engine.step() was not called after the backward that ended the accumulation window; call "
                 "engine.step() after every engine.backward(loss)"
             )
-        self._complete_micro()
+
+    def _finish_micro(self) -> None:
+        """Before a new forward or backward: a micro-batch whose backward ran without step() is
+        completed here if it did not end the window (Accelerate's way); a boundary must be."""
+        self._check_stepped()
+        if self._pending is not None:
+            self._complete_micro()
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -572,26 +507,6 @@ class OffloadppEngine(DeepSpeedEngine):
                 self.close()
         except Exception:  # interpreter shutdown: the runtime's own cleanup may be gone already
             pass
-
-
-def _to_device(obj, device: torch.device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _cast_floats(obj, dtype):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 surface.complete(OffloadppEngine)

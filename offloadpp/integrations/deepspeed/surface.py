@@ -123,14 +123,20 @@ def public_methods(cls) -> set:
     return {n for n in vars(DeepSpeedEngine) if not n.startswith("_") and n not in module_names}
 
 
+def own(cls) -> set:
+    """The names offloadpp writes on `cls`: its own and those of the parts it mixes in from
+    offloadpp's modules (integrations/deepspeed/pipeline_api.py), not DeepSpeedEngine's."""
+    return {n for k in cls.__mro__ if k.__module__.startswith("offloadpp.") for n in vars(k)}
+
+
 def complete(cls) -> None:
     """Gives `cls` a refusing method for every UNSUPPORTED name it does not define itself, and
     for any public DeepSpeedEngine method neither written nor inherited on purpose (a newer
     DeepSpeed's: the surface test names those)."""
-    own = set(vars(cls))
+    own_names = own(cls)
     for name, alternative in UNSUPPORTED.items():
-        if name not in own:
+        if name not in own_names:
             setattr(cls, name, _raiser(name, alternative))
-    for name in public_methods(cls) - own - set(INHERITED) - set(UNSUPPORTED):
+    for name in public_methods(cls) - own_names - set(INHERITED) - set(UNSUPPORTED):
         setattr(cls, name, _raiser(name, "not part of the surface offloadpp implements"))
-    cls._unclassified = frozenset(public_methods(cls) - own - set(INHERITED) - set(UNSUPPORTED))
+    cls._unclassified = frozenset(public_methods(cls) - own_names - set(INHERITED) - set(UNSUPPORTED))

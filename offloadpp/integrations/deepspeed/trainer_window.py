@@ -78,18 +78,17 @@ def run_window(engine, batches: list, micro_step: Callable[[Any], Any]):
         return cap.take()
 
     flag = engine._boundary_flag
-    engine._push_hypers()
     engine._capture = cap
     try:
         with engine._window_rolled_back_on_error():  # (a window that raised leaves the monitors nothing)
-            result = engine.runtime.train_window(
-                batches, forward=forward, scale_wrt_gas=lambda: cap.scale_wrt_gas is not False
-            )
+            engine._push_hypers()
+            return engine.runtime.train_window(
+                batches, forward=forward, scale_wrt_gas=lambda: cap.scale_wrt_gas is not False,
+                done=engine._window_done,
+            )  # fmt: skip
     finally:
         engine._capture = None
         engine._boundary_flag = flag
-    engine._window_done(result)
-    return result
 
 
 class _Window:
