@@ -125,6 +125,43 @@ def test_a_points_replays_count_the_planners_work_whatever_the_machine():
     assert a.replays >= len(a.resolved.candidates) > 0
 
 
+_REPLAY_LOG = """
+import hashlib, sys
+import offloadpp.planner.cost as cost
+search = sys.modules["offloadpp.planner.search"]
+from offloadpp.bench.planner_properties import plan_point, random_profile
+times, replay = [], cost.replay
+def logged(*a, **k):
+    got = replay(*a, **k)
+    times.append(got[0].step_s)
+    return got
+cost.replay = search.replay = logged
+hw, dtype = random_profile(14)
+p = plan_point(hw, "gpt3-13b", 64, dtype)
+print(p.step_s, p.replays, hashlib.sha256(repr(times).encode()).hexdigest())
+"""
+
+
+def test_the_search_replays_the_same_under_any_hash_seed():
+    """Every replay of a search gives the same time in any process: nothing in the replay follows
+    a set's order, which the interpreter's hash seed sets. (Profile 14 13B b64: the fetched units
+    whose SSD read had ended took the link in a set's order, so the same plan replayed at 77.8 or
+    78.7 s by the seed, and the search made 59, 75 or 77 replays to the same pick.)"""
+    import os
+    import subprocess
+    import sys
+
+    def run(seed: str) -> str:
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        r = subprocess.run(
+            [sys.executable, "-c", _REPLAY_LOG], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.strip().splitlines()[-1]
+
+    assert run("1") == run("2") == run("3")
+
+
 def test_no_cliff_where_a_whole_block_recompute_stops_fitting():
     """Profile 1 (21.7 GiB device, link 10 GB/s), 13B's shape at 8 layers. b64 recomputes every
     block from checkpoints on the host; at b128 a block's recompute passes the activation room.

@@ -154,7 +154,10 @@ class _Enumerated:
     acts: ActPlanner
     groups: list  # (least bound, label, plan, [(bound, i, choice)])
     smallest: Optional[Plan]
-    replays: dict = field(default_factory=dict)  # (id(plan), slow SSD?, policies) -> _score's
+    # (id(plan), slow SSD?, policies) -> (plan, _score's estimate): the plan held in the entry, so
+    # that no plan made later in the search (a depth's, a fill's) can take a dead one's id, and
+    # with it that plan's estimate
+    replays: dict = field(default_factory=dict)
 
 
 # Note: the search remembered. With accumulation resolve searches the horizontal schedule up to
@@ -206,15 +209,22 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         key = (id(plan), on_slow, tuple(sorted(policies.items())))
         got = e.replays.get(key)
         if got is None:
-            got = e.replays[key] = _score(plan, slow if on_slow else hardware, model, req, policies)[0]
-        return got
+            got = e.replays[key] = (
+                plan,
+                _score(plan, slow if on_slow else hardware, model, req, policies)[0],
+            )
+        return got[1]
 
-    choice_of: dict[int, ActChoice] = {}  # id(candidate) -> its activation choice
+    # id(candidate) -> its activation choice; every candidate made is held to the search's end, so
+    # that the maps keyed by a candidate's id (this one, slow_s) never answer for another
+    choice_of: dict[int, ActChoice] = {}
+    made: list[Candidate] = []
 
     def candidate(label: str, plan: Plan, c: ActChoice) -> Candidate:
         est = score(plan, c.as_dict())
         got = Candidate(label + (f"; activations: {c.label}" if counted else ""), plan, est, c.policies)
         choice_of[id(got)] = c
+        made.append(got)
         return got
 
     # 1. the placements, each with its activation choice of least bound, from the least bound up

@@ -86,7 +86,7 @@ class Fetching:
         next_piece)."""
         sim = self.sim
         for name in [n for n in self.reading if done_by((self.ready[n][0],), sim.t)]:
-            self.reading.discard(name)
+            del self.reading[name]
             got, _, n = self.ready[name]
             done = sim.h2d.submit(when(got), n, write=False)
             if self._tail(name):  # (see ActReplay._tail_credit)
