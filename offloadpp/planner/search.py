@@ -154,9 +154,8 @@ class _Enumerated:
     acts: ActPlanner
     groups: list  # (least bound, label, plan, [(bound, i, choice)])
     smallest: Optional[Plan]
-    # (id(plan), slow SSD?, policies) -> (plan, _score's estimate): the plan held in the entry, so
-    # that no plan made later in the search (a depth's, a fill's) can take a dead one's id, and
-    # with it that plan's estimate
+    # (id(plan), slow SSD?, policies) -> _score's; every plan a search scores is one of `groups`',
+    # held here as long as the entry, so no id is reused for another plan
     replays: dict = field(default_factory=dict)
 
 
@@ -209,22 +208,15 @@ def search(hardware: HardwareProfile, model: ModelProfile, req: Request) -> Sear
         key = (id(plan), on_slow, tuple(sorted(policies.items())))
         got = e.replays.get(key)
         if got is None:
-            got = e.replays[key] = (
-                plan,
-                _score(plan, slow if on_slow else hardware, model, req, policies)[0],
-            )
-        return got[1]
+            got = e.replays[key] = _score(plan, slow if on_slow else hardware, model, req, policies)[0]
+        return got
 
-    # id(candidate) -> its activation choice; every candidate made is held to the search's end, so
-    # that the maps keyed by a candidate's id (this one, slow_s) never answer for another
-    choice_of: dict[int, ActChoice] = {}
-    made: list[Candidate] = []
+    choice_of: dict[int, ActChoice] = {}  # id(candidate) -> its activation choice
 
     def candidate(label: str, plan: Plan, c: ActChoice) -> Candidate:
         est = score(plan, c.as_dict())
         got = Candidate(label + (f"; activations: {c.label}" if counted else ""), plan, est, c.policies)
         choice_of[id(got)] = c
-        made.append(got)
         return got
 
     # 1. the placements, each with its activation choice of least bound, from the least bound up
