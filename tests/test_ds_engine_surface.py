@@ -103,3 +103,27 @@ def test_moving_or_casting_the_engine_is_refused(engine):
         engine.to(torch.float16)
     with pytest.raises(NotImplementedError, match="retain_graph"):
         engine.backward(torch.zeros(()), retain_graph=True)
+
+
+def test_fp16_auto_cast_casts_floating_inputs_and_pulled_batches(tmp_path):
+    """fp16 with auto_cast: forward's arguments and the micro-batches train_batch/eval_batch pull
+    have their floating tensors cast to fp16, the rest (token ids, non-tensors) as they were; off
+    by default."""
+    cfg = ds_config(tmp_path / "nvme", fp16={"enabled": True, "auto_cast": True, "initial_scale_power": 8})
+    eng, *_ = offloadpp.initialize(model=tiny_gpt2(), config=cfg)
+    try:
+        ids, mask = torch.zeros(2, 16, dtype=torch.long), torch.ones(2, 16)
+        (args, kwargs) = eng._autocast(((ids, mask), {"attention_mask": mask, "n": 3}))
+        assert args[0] is ids and args[1].dtype == torch.float16
+        assert kwargs["attention_mask"].dtype == torch.float16 and kwargs["n"] == 3
+        pulled = eng._pull(iter([{"input_ids": ids, "attention_mask": mask}] * 2), 2)
+        assert [(b["input_ids"].dtype, b["attention_mask"].dtype) for b in pulled] == [
+            (torch.long, torch.float16)
+        ] * 2
+    finally:
+        eng.close()
+    plain, *_ = offloadpp.initialize(model=tiny_gpt2(), config=ds_config(tmp_path / "plain"))
+    try:
+        assert plain._pull(iter([{"attention_mask": mask}]), 1)[0]["attention_mask"].dtype == torch.float32
+    finally:
+        plain.close()

@@ -394,7 +394,8 @@ def planning_summary(times: list) -> str:
     margin to PLAN_S, and the work behind it: Report.times' rows)."""
     slow = max(times, key=lambda t: t[5])
     most = max(times, key=lambda t: t[6])
-    near = sum(t[5] > 0.85 * PLAN_S for t in times)
+    edge = 0.85 * PLAN_S
+    near = sum(t[5] > edge for t in times)
     return (f"planning: at most {slow[5]:.2f} s of CPU (profile {slow[0]} {slow[1]} b{slow[3]}; {slow[6]} replays), "
-            f"{near} points over {0.85 * PLAN_S:g} s; at most {most[6]} replays (profile {most[0]} {most[1]} b{most[3]}, "
+            f"{near} points over {edge:g} s; at most {most[6]} replays (profile {most[0]} {most[1]} b{most[3]}, "
             f"{most[5]:.2f} s); {sum(t[6] for t in times)} replays in all")  # fmt: skip

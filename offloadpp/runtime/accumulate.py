@@ -107,7 +107,7 @@ class WindowRunner:
         if not batches:
             raise ValueError("train_window: no micro-batches")
         e._check_open()
-        if e.micro_in_window or e._micro is not None:
+        if e.window_open:
             raise RuntimeError(
                 "train_window: an accumulation window of single micro-batches (forward/backward/step) is half "
                 "done; finish it with step() on its last micro-batch first"

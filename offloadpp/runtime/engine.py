@@ -463,6 +463,12 @@ class OffloadEngine(BetweenSteps):
             raise interrupted_after_step(self.global_step)
         return report
 
+    @property
+    def window_open(self) -> bool:
+        """A window is half done: a micro-batch's forward or backward ran, or earlier micro-batches
+        of the window completed, and its step has not."""
+        return self._micro is not None or self.micro_in_window > 0
+
     def roll_back(self) -> None:
         """For a caller whose own code around forward, backward and step raised (the DeepSpeed
         engine's, e.g. a Ctrl-C between its forward and the runtime's backward; a window's): the
@@ -473,7 +479,7 @@ class OffloadEngine(BetweenSteps):
         exc = sys.exc_info()[1]
         if self._closed or self.transaction.failed is not None or settled(exc):
             return
-        if self._micro is None and self.micro_in_window == 0:
+        if not self.window_open:
             if isinstance(exc, KeyboardInterrupt):
                 log.warning("offloadpp: interrupted (KeyboardInterrupt) between steps: the engine is at its last "
                             "completed step (%d), as it was; checkpoints on disk are not touched",

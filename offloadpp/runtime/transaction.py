@@ -133,10 +133,7 @@ def settle(exc: Optional[BaseException]) -> Optional[BaseException]:
     if exc is not None:
         try:
             setattr(exc, _SETTLED, True)
-        except (
-            AttributeError,
-            TypeError,
-        ):  # an exception type that takes no attributes: said twice, at worst
+        except (AttributeError, TypeError):  # takes no attributes: said twice at worst
             pass
     return exc
 

@@ -139,18 +139,19 @@ class OffloadppEngine(PipelineWindows, DeepSpeedEngine):
 
     def forward(self, *inputs, **kwargs):
         if self._capture is not None:  # a micro-batch of a window: the window's forward runs it
-            inputs, kwargs = self._autocast(inputs, kwargs)
+            inputs, kwargs = self._autocast((inputs, kwargs))
             return self.runtime.module(*inputs, **kwargs)
         self._check_stepped()
         with self._window_rolled_back_on_error():
             self._finish_micro()
-            inputs, kwargs = self._autocast(inputs, kwargs)
+            inputs, kwargs = self._autocast((inputs, kwargs))
             return self.runtime(*inputs, **kwargs)
 
-    def _autocast(self, inputs, kwargs):
+    def _autocast(self, obj):
+        """`obj`'s floating tensors in fp16 where the config's fp16 block says auto_cast."""
         if self._config.float16_config.enabled and self._config.float16_config.auto_cast:
-            return cast_floats((inputs, kwargs), torch.float16)
-        return inputs, kwargs
+            return cast_floats(obj, torch.float16)
+        return obj
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backward of one micro-batch. Like DeepSpeed, the loss is divided by the gradient

@@ -31,11 +31,7 @@ class PipelineWindows:
                     "training_data passed to initialize"
                 )
             it = self.data_iterator = iter(self.training_dataloader)
-        batches = [next(it) for _ in range(count)]
-        batches = _to_device(batches, self.device)
-        if self._config.float16_config.enabled and self._config.float16_config.auto_cast:
-            batches = cast_floats(batches, torch.float16)
-        return batches
+        return self._autocast(_to_device([next(it) for _ in range(count)], self.device))
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """DeepSpeed's PipelineEngine.train_batch: pulls gradient_accumulation_steps micro-batches
